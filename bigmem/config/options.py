@@ -1,0 +1,74 @@
+"""String options as enums, and one look-up that names the valid values on a miss.
+
+As MONAI's ``look_up_option``: a wrong value gets the list of valid ones and, when one is
+close, "did you mean ...?".
+"""
+
+from __future__ import annotations
+
+import difflib
+from enum import Enum
+from typing import TypeVar
+
+from bigmem.errors import UsageError
+
+
+class StrOption(str, Enum):
+    """An enum whose members are their own string values (JSON-serialisable as such)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Norm(StrOption):
+    INSTANCE = "instance"
+    GROUP = "group"
+    BATCH = "batch"
+    NONE = "none"
+
+
+class Activation(StrOption):
+    RELU = "relu"
+    LEAKY_RELU = "leaky_relu"
+
+
+class Downsampling(StrOption):
+    MAXPOOL = "maxpool"
+    STRIDED = "strided"
+
+
+class Upsampling(StrOption):
+    TRANSPOSED = "transposed"
+
+
+class Precision(StrOption):
+    FP32 = "fp32"
+    BF16 = "bf16"
+
+
+class OptimizerName(StrOption):
+    SGD = "sgd"
+    ADAM = "adam"
+
+
+E = TypeVar("E", bound=StrOption)
+
+
+def suggest(value: str, choices: list[str]) -> str:
+    """' Did you mean 'x'?' for the closest choice, or '' when none is close."""
+    close = difflib.get_close_matches(str(value), choices, n=1, cutoff=0.6)
+    return f" Did you mean {close[0]!r}?" if close else ""
+
+
+def look_up_option(value: str | E, option: type[E], *, flag: str) -> E:
+    """Return the member of ``option`` named by ``value`` or raise a UsageError naming the valid ones."""
+    if isinstance(value, option):
+        return value
+    try:
+        return option(str(value).strip().lower().replace("-", "_"))
+    except ValueError:
+        choices = [member.value for member in option]
+        raise UsageError(
+            f"Invalid {flag} {value!r}: expected one of {', '.join(choices)}."
+            + suggest(str(value), choices)
+        ) from None

@@ -1,0 +1,69 @@
+"""Model presets: TOML files in ``models/`` (packaged with the wheel as ``bigmem/models``).
+
+A preset has a ``[card]`` table (description, reference) and ``[model]``, ``[data]``,
+``[train]`` tables that overlay the dataclass defaults.
+"""
+
+from __future__ import annotations
+
+import sys
+from importlib import resources
+from pathlib import Path
+from typing import Any, Mapping
+
+from bigmem.config.options import suggest
+from bigmem.config.schema import ExperimentConfig, update
+from bigmem.errors import UsageError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+
+def _preset_dir() -> Path:
+    return Path(str(resources.files("bigmem") / "models"))
+
+
+def preset_names() -> list[str]:
+    """Names of the presets that ship with bigmem, sorted."""
+    return sorted(p.stem for p in _preset_dir().glob("*.toml"))
+
+
+def load_preset(name_or_path: str) -> dict[str, Any]:
+    """The parsed preset ``name`` (e.g. 'small'), or a TOML file given by path."""
+    path = Path(name_or_path)
+    if path.suffix != ".toml" or not path.exists():
+        path = _preset_dir() / f"{name_or_path}.toml"
+    if not path.is_file():
+        names = preset_names()
+        raise UsageError(
+            f"Unknown preset {name_or_path!r} (--model): expected one of {', '.join(names)} "
+            "or a path to a .toml file." + suggest(name_or_path, names)
+        )
+    try:
+        with open(path, "rb") as handle:
+            return tomllib.load(handle)
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise UsageError(f"Cannot read preset {path}: {exc}") from None
+
+
+def resolve_config(
+    preset: str,
+    overrides: Mapping[str, Mapping[str, Any]] | None = None,
+    *,
+    base: Mapping[str, Any] | None = None,
+) -> ExperimentConfig:
+    """Defaults -> preset -> ``base`` (a saved config.json, on resume) -> ``overrides`` (flags)."""
+    config = ExperimentConfig()
+    values = load_preset(preset)
+    card = values.pop("card", {})
+    update(config, values, source=f"preset {preset!r}")
+    config.model.name = Path(preset).stem if preset.endswith(".toml") else preset
+    del card  # descriptive only; listed by models/README.md
+    if base:
+        update(config, base, source="the saved config.json")
+    if overrides:
+        update(config, {k: v for k, v in overrides.items() if v}, source="flags")
+    config.validate()
+    return config

@@ -1,0 +1,1 @@
+"""HDF5 store format, synthetic phantoms and the input pipeline."""

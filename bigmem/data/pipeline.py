@@ -1,0 +1,161 @@
+"""Whole-volume input for the big-memory path.
+
+Cases are read whole from the store, cropped or padded to ``volume``^3, normalised (z-score per
+channel) and randomly flipped, then batched into a ``tf.data`` pipeline that prefetches ahead
+of the training step.
+
+The order is a pure function of (seed, sample index): step ``s`` always sees the same cases with
+the same flips, so a resumed run continues exactly where the checkpoint left it. Reads happen
+in the training process (``num_workers=0``) or in worker processes started with 'spawn', each
+opening its own HDF5 handle (h5py's global lock makes reader threads useless).
+"""
+
+from __future__ import annotations
+
+import collections
+import multiprocessing
+import os
+from concurrent.futures import Future, ProcessPoolExecutor
+from typing import Iterator
+
+import numpy as np
+
+from bigmem.data.store import HDF5VolumeStore
+
+NORM_EPSILON = 1e-6  # guards the z-score of a constant channel
+
+
+def case_for_sample(sample_index: int, num_cases: int, seed: int) -> int:
+    """The case index of the ``sample_index``-th sample: a fresh permutation every epoch."""
+    epoch, position = divmod(sample_index, num_cases)
+    return int(np.random.default_rng([seed, epoch]).permutation(num_cases)[position])
+
+
+def fit_to_volume(image: np.ndarray, label: np.ndarray, volume: int, rng: np.random.Generator):
+    """Crop (at a random offset) or zero-pad (centred) each spatial axis to ``volume``."""
+    for axis in range(3):
+        size = label.shape[axis]
+        if size > volume:
+            start = int(rng.integers(0, size - volume + 1))
+            image = np.take(image, np.arange(start, start + volume), axis=axis)
+            label = np.take(label, np.arange(start, start + volume), axis=axis)
+        elif size < volume:
+            before = (volume - size) // 2
+            pad = [(0, 0)] * image.ndim
+            pad[axis] = (before, volume - size - before)
+            image = np.pad(image, pad)
+            label = np.pad(label, pad[:3])
+    return image, label
+
+
+def normalize(image: np.ndarray) -> np.ndarray:
+    """Z-score each channel over the whole volume (in place on a float32 array)."""
+    mean = image.mean(axis=(0, 1, 2), keepdims=True, dtype=np.float64)
+    std = image.std(axis=(0, 1, 2), keepdims=True, dtype=np.float64)
+    image -= mean.astype(np.float32)
+    image /= (std + NORM_EPSILON).astype(np.float32)
+    return image
+
+
+def load_sample(store: HDF5VolumeStore, sample_index: int, *, volume: int, seed: int, flip: bool):
+    """One training sample: (image (V,V,V,C) float32, label (V,V,V) uint8)."""
+    case_id = store.case_ids[case_for_sample(sample_index, len(store), seed)]
+    image, label = store.read_case(case_id)
+    rng = np.random.default_rng([seed, sample_index, 1])
+    image = normalize(image)
+    image, label = fit_to_volume(image, label, volume, rng)
+    if flip:
+        axes = tuple(int(a) for a in np.flatnonzero(rng.random(3) < 0.5))
+        if axes:
+            image, label = np.flip(image, axes), np.flip(label, axes)
+    return np.ascontiguousarray(image, dtype=np.float32), np.ascontiguousarray(label, dtype=np.uint8)
+
+
+_WORKER_STORE: HDF5VolumeStore | None = None
+
+
+def _init_worker(store_path: str) -> None:
+    global _WORKER_STORE
+    _WORKER_STORE = HDF5VolumeStore(store_path)
+
+
+def _worker_load(sample_index: int, volume: int, seed: int, flip: bool):
+    return load_sample(_WORKER_STORE, sample_index, volume=volume, seed=seed, flip=flip)
+
+
+class WholeVolumeLoader:
+    """Batches of whole volumes from a store, in a deterministic order from a start step."""
+
+    def __init__(self, store_path: str | os.PathLike, *, volume: int, batch_size: int, seed: int = 0,
+                 flip: bool = True, num_workers: int = 0, prefetch: int = 2):
+        self.store = HDF5VolumeStore(store_path)
+        self.volume = int(volume)
+        self.batch_size = int(batch_size)
+        self.seed = int(seed)
+        self.flip = bool(flip)
+        self.num_workers = int(num_workers)
+        self.prefetch = int(prefetch)
+        self._pool: ProcessPoolExecutor | None = None
+
+    @property
+    def num_channels(self) -> int:
+        return self.store.num_channels
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return -(-len(self.store) // self.batch_size)
+
+    def _submit(self, sample_index: int) -> Future:
+        if self._pool is None:
+            self._pool = ProcessPoolExecutor(
+                self.num_workers, mp_context=multiprocessing.get_context("spawn"),
+                initializer=_init_worker, initargs=(str(self.store.path),))
+        return self._pool.submit(_worker_load, sample_index, self.volume, self.seed, self.flip)
+
+    def samples(self, start_sample: int = 0) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """An endless stream of samples from ``start_sample`` on."""
+        index = start_sample
+        if self.num_workers == 0:
+            while True:
+                yield load_sample(self.store, index, volume=self.volume, seed=self.seed, flip=self.flip)
+                index += 1
+        ahead = max(self.num_workers, (self.prefetch + 1) * self.batch_size)
+        pending: collections.deque[Future] = collections.deque()
+        while True:
+            while len(pending) < ahead:
+                pending.append(self._submit(index))
+                index += 1
+            yield pending.popleft().result()
+
+    def batches(self, start_step: int = 0) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """An endless stream of (images (B,V,V,V,C), labels (B,V,V,V)) from ``start_step`` on."""
+        stream = self.samples(start_step * self.batch_size)
+        while True:
+            pairs = [next(stream) for _ in range(self.batch_size)]
+            yield np.stack([p[0] for p in pairs]), np.stack([p[1] for p in pairs])
+
+    def dataset(self, start_step: int = 0):
+        """The batches as a prefetching ``tf.data.Dataset`` (imports TensorFlow)."""
+        import tensorflow as tf
+
+        shape = (self.batch_size, self.volume, self.volume, self.volume)
+        signature = (tf.TensorSpec(shape + (self.num_channels,), tf.float32), tf.TensorSpec(shape, tf.uint8))
+        dataset = tf.data.Dataset.from_generator(lambda: self.batches(start_step), output_signature=signature)
+        return dataset.prefetch(self.prefetch) if self.prefetch else dataset
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(cancel_futures=True)
+            self._pool = None
+        self.store.close()
+
+    def __enter__(self) -> "WholeVolumeLoader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        batch_bytes = self.batch_size * self.volume**3 * (4 * self.num_channels + 1)
+        return (f"WholeVolumeLoader(volume: {self.volume}^3; batch: {self.batch_size}; workers: {self.num_workers}; "
+                f"prefetch: {self.prefetch}; memory per batch: {batch_bytes / 2**20:.1f} MiB)")

@@ -1,0 +1,91 @@
+"""Synthetic phantoms: the embedded default dataset.
+
+Each case is a noisy volume with a smooth multiplicative bias field, a large "body" ellipsoid
+and ``num_classes - 1`` foreground classes drawn as lumpy ellipsoids, each class with its own
+mean intensity (varied per case) so that segmentation is learnable but not a threshold.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import numpy as np
+
+from bigmem.data.store import StoreWriter
+
+SYNTH_VERSION = 1  # bump when the phantoms change, so cached datasets are regenerated
+
+# Intensities are in arbitrary units, chosen so neighbouring classes overlap under the noise:
+# body 1.0, class k about 1.0 + 0.5 k, per-case jitter 0.05, noise sigma 0.25, bias field +-20%.
+BODY_INTENSITY = 1.0
+CLASS_STEP = 0.5
+CLASS_JITTER = 0.05
+NOISE_SIGMA = 0.25
+BIAS_AMPLITUDE = 0.2
+
+
+def _grid(shape: tuple[int, int, int]) -> list[np.ndarray]:
+    return np.meshgrid(*[np.linspace(-1.0, 1.0, s, dtype=np.float32) for s in shape], indexing="ij")
+
+
+def _lumpy_ellipsoid(rng: np.random.Generator, grid, center, radii) -> np.ndarray:
+    """A boolean mask of an ellipsoid whose radius is modulated by low-frequency ripples."""
+    z, y, x = (g - c for g, c in zip(grid, center))
+    r = np.sqrt((z / radii[0]) ** 2 + (y / radii[1]) ** 2 + (x / radii[2]) ** 2)
+    ripple = 1.0 + 0.15 * np.sin(3 * np.arctan2(y, x) + rng.uniform(0, 2 * np.pi)) \
+                 * np.cos(2 * np.arctan2(z, np.hypot(x, y)) + rng.uniform(0, 2 * np.pi))
+    return r < ripple
+
+
+def make_phantom(rng: np.random.Generator, shape: tuple[int, int, int], num_classes: int):
+    """One (image (D,H,W,1) float32, label (D,H,W) uint8) phantom."""
+    grid = _grid(shape)
+    label = np.zeros(shape, np.uint8)
+    image = np.zeros(shape, np.float32)
+    body = _lumpy_ellipsoid(rng, grid, rng.uniform(-0.05, 0.05, 3), rng.uniform(0.75, 0.9, 3))
+    image[body] = BODY_INTENSITY
+    for cls in range(1, num_classes):
+        for _ in range(rng.integers(1, 3)):
+            center = rng.uniform(-0.4, 0.4, 3)
+            mask = _lumpy_ellipsoid(rng, grid, center, rng.uniform(0.25, 0.45, 3)) & body
+            label[mask] = cls
+        image[label == cls] = BODY_INTENSITY + CLASS_STEP * cls + rng.normal(0, CLASS_JITTER)
+    bias = 1.0 + BIAS_AMPLITUDE * np.sin(np.pi * (grid[0] * rng.uniform(0.3, 0.8) + grid[1] * rng.uniform(0.3, 0.8)
+                                                  + grid[2] * rng.uniform(0.3, 0.8) + rng.uniform(0, 2)))
+    image = image * bias + rng.normal(0, NOISE_SIGMA, shape).astype(np.float32)
+    return image[..., np.newaxis].astype(np.float32), label
+
+
+def write_synthetic_store(path: str | os.PathLike, *, num_cases: int, volume: int, num_classes: int = 3,
+                          seed: int = 0, progress=None) -> Path:
+    """Write ``num_cases`` phantoms of ``volume``^3 to a store at ``path`` (atomically)."""
+    shape = (volume, volume, volume)
+    with StoreWriter(path, num_classes=num_classes, channel_names=["synthetic"],
+                     label_names=["background"] + [f"class{k}" for k in range(1, num_classes)]) as writer:
+        for index in range(num_cases):
+            rng = np.random.default_rng([seed, index])
+            image, label = make_phantom(rng, shape, num_classes)
+            writer.add_case(f"synth_{index:04d}", image, label,
+                            source_image=f"synthetic:v{SYNTH_VERSION}:seed={seed}:index={index}")
+            if progress is not None:
+                progress(index + 1, num_cases)
+        return writer.commit()
+
+
+def default_cache_dir() -> Path:
+    root = os.environ.get("BIGMEM_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "bigmem")
+    return Path(root)
+
+
+def cached_synthetic_store(*, num_cases: int, volume: int, num_classes: int, seed: int = 0, progress=None) -> Path:
+    """The synthetic store for these parameters, generated once and then reused from the cache."""
+    key = f"v{SYNTH_VERSION}-n{num_cases}-s{volume}-k{num_classes}-seed{seed}"
+    digest = hashlib.sha1(key.encode()).hexdigest()[:8]
+    path = default_cache_dir() / f"synth-{key}-{digest}.h5"
+    if not path.exists():
+        write_synthetic_store(path, num_cases=num_cases, volume=volume, num_classes=num_classes, seed=seed,
+                              progress=progress)
+    return path

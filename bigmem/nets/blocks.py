@@ -1,0 +1,261 @@
+"""The blocks a 3D U-Net is made of. Each reports the feature-map elements it produces.
+
+``feature_map_elements(spatial_shape)`` counts, per sample, the elements of every tensor the
+block creates in its forward pass for an input of ``spatial_shape`` (D, H, W). The memory
+estimator sums these block by block (as nnU-Net's planner and dynamic-network-architectures do);
+it never inspects layer types from outside.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import keras
+
+from bigmem.config.options import Activation, Downsampling, Norm
+
+Shape3D = Sequence[int]
+
+# Epsilons follow the reference implementations: PyTorch's InstanceNorm3d (MLPerf, nnU-Net)
+# uses 1e-5; Keras BatchNormalization keeps its own default (1e-3), as IntelAI/unet did.
+INSTANCE_NORM_EPSILON = 1e-5
+LEAKY_RELU_SLOPE = 0.01  # nnU-Net's LeakyReLU negative slope
+
+
+def _voxels(spatial_shape: Shape3D) -> int:
+    return int(math.prod(spatial_shape))
+
+
+def _halved(spatial_shape: Shape3D) -> tuple[int, ...]:
+    return tuple(s // 2 for s in spatial_shape)
+
+
+def make_norm(norm: Norm, groups: int, *, zero_init: bool, dtype, name: str):
+    """The normalisation layer for ``norm``, or None. ``zero_init`` starts its scale at 0."""
+    gamma = "zeros" if zero_init else "ones"
+    if norm is Norm.INSTANCE:
+        return keras.layers.GroupNormalization(
+            groups=-1, epsilon=INSTANCE_NORM_EPSILON, gamma_initializer=gamma, dtype=dtype, name=name
+        )
+    if norm is Norm.GROUP:
+        return keras.layers.GroupNormalization(
+            groups=groups, epsilon=INSTANCE_NORM_EPSILON, gamma_initializer=gamma, dtype=dtype, name=name
+        )
+    if norm is Norm.BATCH:
+        return keras.layers.BatchNormalization(gamma_initializer=gamma, dtype=dtype, name=name)
+    return None
+
+
+def make_activation(activation: Activation, *, dtype, name: str):
+    if activation is Activation.LEAKY_RELU:
+        return keras.layers.LeakyReLU(negative_slope=LEAKY_RELU_SLOPE, dtype=dtype, name=name)
+    return keras.layers.ReLU(dtype=dtype, name=name)
+
+
+class _Block(keras.layers.Layer):
+    """Common options of the convolutional blocks, kept as plain values for get_config."""
+
+    def __init__(
+        self,
+        filters: int,
+        *,
+        strides: int = 1,
+        norm: str = "instance",
+        groups: int = 8,
+        activation: str = "relu",
+        use_bias: bool = False,
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        self.filters = int(filters)
+        self.strides = int(strides)
+        self.norm = Norm(norm)
+        self.groups = int(groups)
+        self.activation = Activation(activation)
+        self.use_bias = bool(use_bias)
+
+    def _conv(self, kernel_size: int, strides: int, name: str):
+        return keras.layers.Conv3D(
+            self.filters, kernel_size, strides=strides, padding="same", use_bias=self.use_bias,
+            kernel_initializer="he_normal", dtype=self.dtype_policy, name=name,
+        )
+
+    def _out_shape(self, spatial_shape: Shape3D) -> tuple[int, ...]:
+        return tuple(s // self.strides for s in spatial_shape)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            filters=self.filters, strides=self.strides, norm=self.norm.value, groups=self.groups,
+            activation=self.activation.value, use_bias=self.use_bias,
+        )
+        return config
+
+
+@keras.saving.register_keras_serializable(package="bigmem")
+class ConvNormAct(_Block):
+    """3x3x3 convolution, then normalisation, then activation."""
+
+    def __init__(self, filters: int, *, zero_init_scale: bool = False, **kwargs):
+        super().__init__(filters, **kwargs)
+        self.zero_init_scale = bool(zero_init_scale)
+        self.conv = self._conv(3, self.strides, "conv")
+        self.norm_layer = make_norm(
+            self.norm, self.groups, zero_init=self.zero_init_scale, dtype=self.dtype_policy, name="norm"
+        )
+        self.act = make_activation(self.activation, dtype=self.dtype_policy, name="act")
+
+    def call(self, x, training=None):
+        x = self.conv(x)
+        if self.norm_layer is not None:
+            x = self.norm_layer(x, training=training)
+        return self.act(x)
+
+    def feature_map_elements(self, spatial_shape: Shape3D) -> int:
+        tensors = 2 + (self.norm_layer is not None)  # conv out, norm out, activation out
+        return tensors * self.filters * _voxels(self._out_shape(spatial_shape))
+
+    def get_config(self):
+        return {**super().get_config(), "zero_init_scale": self.zero_init_scale}
+
+
+@keras.saving.register_keras_serializable(package="bigmem")
+class ResidualBlock(_Block):
+    """conv-norm-act, conv-norm (scale zero-initialised, Goyal et al. 2017), + shortcut, act.
+
+    The shortcut is the identity when shapes match, else a 1x1x1 (strided) conv and norm.
+    """
+
+    def __init__(self, filters: int, *, in_filters: int, **kwargs):
+        super().__init__(filters, **kwargs)
+        self.in_filters = int(in_filters)
+        common = dict(norm=self.norm.value, groups=self.groups, activation=self.activation.value,
+                      use_bias=self.use_bias, dtype=self.dtype_policy)
+        self.first = ConvNormAct(self.filters, strides=self.strides, name="first", **common)
+        self.conv = self._conv(3, 1, "conv")
+        self.norm_layer = make_norm(self.norm, self.groups, zero_init=True, dtype=self.dtype_policy, name="norm")
+        self.needs_projection = self.strides != 1 or self.in_filters != self.filters
+        if self.needs_projection:
+            self.proj = self._conv(1, self.strides, "proj")
+            self.proj_norm = make_norm(self.norm, self.groups, zero_init=False, dtype=self.dtype_policy,
+                                       name="proj_norm")
+        self.add = keras.layers.Add(dtype=self.dtype_policy, name="add")
+        self.act = make_activation(self.activation, dtype=self.dtype_policy, name="act")
+
+    def call(self, x, training=None):
+        shortcut = x
+        if self.needs_projection:
+            shortcut = self.proj(x)
+            if self.proj_norm is not None:
+                shortcut = self.proj_norm(shortcut, training=training)
+        y = self.conv(self.first(x, training=training))
+        if self.norm_layer is not None:
+            y = self.norm_layer(y, training=training)
+        return self.act(self.add([y, shortcut]))
+
+    def feature_map_elements(self, spatial_shape: Shape3D) -> int:
+        out = self.filters * _voxels(self._out_shape(spatial_shape))
+        has_norm = self.norm_layer is not None
+        second = (1 + has_norm) * out  # conv, norm
+        projection = (1 + has_norm) * out if self.needs_projection else 0
+        return self.first.feature_map_elements(spatial_shape) + second + projection + 2 * out  # add, act
+
+    def get_config(self):
+        return {**super().get_config(), "in_filters": self.in_filters}
+
+
+def _make_blocks(owner: _Block, count: int, in_filters: int, first_strides: int, residual: bool):
+    common = dict(norm=owner.norm.value, groups=owner.groups, activation=owner.activation.value,
+                  use_bias=owner.use_bias, dtype=owner.dtype_policy)
+    blocks = []
+    for index in range(count):
+        strides = first_strides if index == 0 else 1
+        if residual:
+            blocks.append(ResidualBlock(owner.filters, in_filters=in_filters if index == 0 else owner.filters,
+                                        strides=strides, name=f"block{index}", **common))
+        else:
+            blocks.append(ConvNormAct(owner.filters, strides=strides, name=f"block{index}", **common))
+    return blocks
+
+
+@keras.saving.register_keras_serializable(package="bigmem")
+class EncoderStage(_Block):
+    """One encoder level: optional downsampling (max pool, or a strided first conv), then blocks."""
+
+    def __init__(self, filters: int, *, in_filters: int, num_blocks: int = 2, downsampling: str | None = None,
+                 residual: bool = False, **kwargs):
+        super().__init__(filters, **kwargs)
+        self.in_filters = int(in_filters)
+        self.num_blocks = int(num_blocks)
+        self.downsampling = Downsampling(downsampling) if downsampling else None
+        self.residual = bool(residual)
+        self.pool = None
+        if self.downsampling is Downsampling.MAXPOOL:
+            self.pool = keras.layers.MaxPooling3D(2, dtype=self.dtype_policy, name="pool")
+        first_strides = 2 if self.downsampling is Downsampling.STRIDED else 1
+        self.blocks = _make_blocks(self, self.num_blocks, self.in_filters, first_strides, self.residual)
+
+    def call(self, x, training=None):
+        if self.pool is not None:
+            x = self.pool(x)
+        for block in self.blocks:
+            x = block(x, training=training)
+        return x
+
+    def output_spatial_shape(self, spatial_shape: Shape3D) -> tuple[int, ...]:
+        return _halved(spatial_shape) if self.downsampling else tuple(spatial_shape)
+
+    def feature_map_elements(self, spatial_shape: Shape3D) -> int:
+        total = 0
+        if self.pool is not None:
+            spatial_shape = _halved(spatial_shape)
+            total += self.in_filters * _voxels(spatial_shape)
+        for block in self.blocks:
+            total += block.feature_map_elements(spatial_shape)
+            spatial_shape = block._out_shape(spatial_shape)
+        return total
+
+    def get_config(self):
+        return {**super().get_config(), "in_filters": self.in_filters, "num_blocks": self.num_blocks,
+                "downsampling": self.downsampling.value if self.downsampling else None,
+                "residual": self.residual}
+
+
+@keras.saving.register_keras_serializable(package="bigmem")
+class DecoderStage(_Block):
+    """One decoder level: 2x2x2 stride-2 transposed conv, concatenate the skip, then blocks."""
+
+    def __init__(self, filters: int, *, in_filters: int, num_blocks: int = 2, residual: bool = False, **kwargs):
+        super().__init__(filters, **kwargs)
+        self.in_filters = int(in_filters)
+        self.num_blocks = int(num_blocks)
+        self.residual = bool(residual)
+        # The transposed conv keeps its bias, as in MLPerf's and IntelAI's reference models.
+        self.up = keras.layers.Conv3DTranspose(self.filters, 2, strides=2, padding="same",
+                                               dtype=self.dtype_policy, name="up")
+        self.concat = keras.layers.Concatenate(axis=-1, dtype=self.dtype_policy, name="concat")
+        self.blocks = _make_blocks(self, self.num_blocks, 2 * self.filters, 1, self.residual)
+
+    def call(self, inputs, training=None):
+        x, skip = inputs
+        x = self.concat([self.up(x), skip])
+        for block in self.blocks:
+            x = block(x, training=training)
+        return x
+
+    def output_spatial_shape(self, spatial_shape: Shape3D) -> tuple[int, ...]:
+        return tuple(2 * s for s in spatial_shape)
+
+    def feature_map_elements(self, spatial_shape: Shape3D) -> int:
+        """``spatial_shape`` is the (smaller) shape of the input from the level below."""
+        out_shape = self.output_spatial_shape(spatial_shape)
+        voxels = _voxels(out_shape)
+        total = self.filters * voxels + 2 * self.filters * voxels  # transposed conv out, concat out
+        for block in self.blocks:
+            total += block.feature_map_elements(out_shape)
+        return total
+
+    def get_config(self):
+        return {**super().get_config(), "in_filters": self.in_filters, "num_blocks": self.num_blocks,
+                "residual": self.residual}

@@ -1,0 +1,48 @@
+"""Byte sizes: parsed once at the edge ("512GiB", "1.5TiB", "200MB"), printed in binary units."""
+
+from __future__ import annotations
+
+import re
+
+from bigmem.errors import UsageError
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2,
+    "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
+    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4, "pib": 1024**5,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+_BINARY = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"]
+
+
+def parse_bytes(text: str | int, *, flag: str = "size") -> int:
+    """Parse '512GiB', '1.5 TiB', '200MB' or a plain integer into integer bytes.
+
+    Decimal suffixes (KB, MB, GB, TB) are powers of 1000, binary ones (KiB, ...) powers of 1024,
+    as in IEC 80000-13.
+    """
+    if isinstance(text, int):
+        if text < 0:
+            raise UsageError(f"Invalid {flag} {text}: expected a non-negative size.")
+        return text
+    match = _SIZE_RE.match(str(text))
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise UsageError(
+            f"Invalid {flag} {text!r}: expected a size such as 512GiB, 1.5TiB, 200MB or 1048576."
+        )
+    return int(round(float(match.group(1)) * _UNITS[unit]))
+
+
+def format_bytes(num_bytes: int | float) -> str:
+    """Format a byte count in binary units: 1536 -> '1.50 KiB'."""
+    value = float(num_bytes)
+    sign = "-" if value < 0 else ""
+    value = abs(value)
+    for unit in _BINARY:
+        if value < 1024 or unit == _BINARY[-1]:
+            return f"{sign}{int(value)} B" if unit == "B" else f"{sign}{value:.2f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")  # pragma: no cover
