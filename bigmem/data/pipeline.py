@@ -96,6 +96,7 @@ class WholeVolumeLoader:
         self.num_workers = int(num_workers)
         self.prefetch = int(prefetch)
         self._pool: ProcessPoolExecutor | None = None
+        self.error: Exception | None = None  # a reader error, kept so tf.data cannot blur it
 
     @property
     def num_channels(self) -> int:
@@ -140,7 +141,15 @@ class WholeVolumeLoader:
 
         shape = (self.batch_size, self.volume, self.volume, self.volume)
         signature = (tf.TensorSpec(shape + (self.num_channels,), tf.float32), tf.TensorSpec(shape, tf.uint8))
-        dataset = tf.data.Dataset.from_generator(lambda: self.batches(start_step), output_signature=signature)
+
+        def generate():
+            try:
+                yield from self.batches(start_step)
+            except Exception as exc:
+                self.error = exc
+                raise
+
+        dataset = tf.data.Dataset.from_generator(generate, output_signature=signature)
         return dataset.prefetch(self.prefetch) if self.prefetch else dataset
 
     def close(self) -> None:

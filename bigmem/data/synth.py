@@ -15,12 +15,15 @@ import numpy as np
 
 from bigmem.data.store import StoreWriter
 
-SYNTH_VERSION = 1  # bump when the phantoms change, so cached datasets are regenerated
+SYNTH_VERSION = 2  # bump when the phantoms change, so cached datasets are regenerated
 
-# Intensities are in arbitrary units, chosen so neighbouring classes overlap under the noise:
-# body 1.0, class k about 1.0 + 0.5 k, per-case jitter 0.05, noise sigma 0.25, bias field +-20%.
+# Intensities are in arbitrary units. Odd classes are darker than the body and even classes
+# brighter (as a necrotic core and an enhancing rim are on MRI), each further out than the last:
+# class k sits at 1.0 -+ (0.5 + 0.3 * ((k - 1) // 2)), jittered per case by 0.05; the noise
+# (sigma 0.25) and the +-20% bias field make neighbouring classes overlap in intensity alone.
 BODY_INTENSITY = 1.0
-CLASS_STEP = 0.5
+CLASS_OFFSET = 0.5
+CLASS_OFFSET_STEP = 0.3
 CLASS_JITTER = 0.05
 NOISE_SIGMA = 0.25
 BIAS_AMPLITUDE = 0.2
@@ -51,7 +54,10 @@ def make_phantom(rng: np.random.Generator, shape: tuple[int, int, int], num_clas
             center = rng.uniform(-0.4, 0.4, 3)
             mask = _lumpy_ellipsoid(rng, grid, center, rng.uniform(0.25, 0.45, 3)) & body
             label[mask] = cls
-        image[label == cls] = BODY_INTENSITY + CLASS_STEP * cls + rng.normal(0, CLASS_JITTER)
+    for cls in range(1, num_classes):
+        sign = 1.0 if cls % 2 == 0 else -1.0
+        offset = CLASS_OFFSET + CLASS_OFFSET_STEP * ((cls - 1) // 2)
+        image[label == cls] = BODY_INTENSITY + sign * offset + rng.normal(0, CLASS_JITTER)
     bias = 1.0 + BIAS_AMPLITUDE * np.sin(np.pi * (grid[0] * rng.uniform(0.3, 0.8) + grid[1] * rng.uniform(0.3, 0.8)
                                                   + grid[2] * rng.uniform(0.3, 0.8) + rng.uniform(0, 2)))
     image = image * bias + rng.normal(0, NOISE_SIGMA, shape).astype(np.float32)

@@ -1,0 +1,67 @@
+"""``bigmem info``: CPU, ISA, memory, NUMA nodes, TensorFlow, oneDNN, GPUs."""
+
+from __future__ import annotations
+
+import json
+
+HELP = "show the machine as bigmem sees it"
+
+
+def register(subparsers, parents) -> None:
+    parser = subparsers.add_parser("info", help=HELP, description=HELP.capitalize() + ".", parents=parents)
+    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    parser.add_argument("--no-tensorflow", action="store_true",
+                        help="skip TensorFlow (faster; no TF version, oneDNN or GPU lines)")
+    parser.set_defaults(run=run)
+
+
+def run(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from bigmem.sysinfo import collect_sysinfo
+    from bigmem.tfenv import import_tensorflow
+    from bigmem.units import format_bytes
+
+    if not args.no_tensorflow:
+        import_tensorflow(verbose=getattr(args, "verbose", False))
+    info = collect_sysinfo(include_tensorflow=not args.no_tensorflow)
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    console = Console(soft_wrap=True)
+    cpu = info["cpu"]
+    machine = Table(title="machine", show_header=False)
+    machine.add_row("host", info["hostname"])
+    machine.add_row("CPU", f"{cpu['model']} ({cpu['logical_cpus']} logical CPUs, {cpu['physical_cores']} cores)")
+    machine.add_row("ISA", " ".join(f"{k}{'' if v else ' (no)'}" for k, v in cpu["isa"].items()))
+    machine.add_row("memory", f"{format_bytes(info['memory']['total_bytes'])} total, "
+                              f"{format_bytes(info['memory']['available_bytes'])} available")
+    if "tensorflow" in info:
+        tf_info = info["tensorflow"]
+        machine.add_row("TensorFlow", f"{tf_info['tensorflow']} (Keras {tf_info['keras']})")
+        onednn = "on" if tf_info["onednn_enabled"] else ("off" if tf_info["onednn_built"] else "not in this build")
+        machine.add_row("oneDNN", onednn + (f" (TF_ENABLE_ONEDNN_OPTS={tf_info['TF_ENABLE_ONEDNN_OPTS']})"
+                                            if tf_info["TF_ENABLE_ONEDNN_OPTS"] is not None else ""))
+        machine.add_row("GPUs", ", ".join(tf_info["gpus"]) or "none")
+    console.print(machine)
+    nodes = Table(title=f"NUMA nodes (from {info['numa']['source']})")
+    for column in ("node", "CPUs", "memory total", "memory free", "distances"):
+        nodes.add_column(column)
+    for node in info["numa"]["nodes"]:
+        nodes.add_row(str(node["node"]), _cpu_ranges(node["cpus"]), format_bytes(node["total_bytes"]),
+                      format_bytes(node["free_bytes"]), " ".join(map(str, node["distances"])))
+    console.print(nodes)
+    return 0
+
+
+def _cpu_ranges(cpus: list[int]) -> str:
+    """[0, 1, 2, 3, 8] -> '0-3,8'."""
+    parts, start = [], None
+    for i, cpu in enumerate(cpus):
+        if start is None:
+            start = cpu
+        if i + 1 == len(cpus) or cpus[i + 1] != cpu + 1:
+            parts.append(str(start) if start == cpu else f"{start}-{cpu}")
+            start = None
+    return ",".join(parts)

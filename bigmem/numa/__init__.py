@@ -1,0 +1,1 @@
+"""NUMA topology, memory policy and thread placement."""

@@ -1,0 +1,81 @@
+"""The machine as bigmem sees it: CPU, ISA, memory, NUMA nodes, TensorFlow and oneDNN."""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+import bigmem
+from bigmem.numa.topology import NUMATopology
+
+# ISA extensions that matter for training speed (names as /proc/cpuinfo spells them).
+TRAINING_ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx512_fp16",
+                      "amx_tile", "amx_bf16", "amx_int8")
+
+
+def cpu_description(proc_root: str | os.PathLike = "/proc") -> dict[str, Any]:
+    model, flags = platform.processor() or "unknown", set()
+    cpuinfo = Path(proc_root) / "cpuinfo"
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key == "model name" and model in ("unknown", "", platform.processor()):
+                model = value.strip()
+            elif key == "flags" and not flags:
+                flags = set(value.split())
+    return {
+        "model": model,
+        "logical_cpus": psutil.cpu_count(logical=True),
+        "physical_cores": psutil.cpu_count(logical=False),
+        "cpus_allowed": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "isa": {flag: flag in flags for flag in TRAINING_ISA_FLAGS},
+    }
+
+
+def tensorflow_description() -> dict[str, Any]:
+    """TF/Keras versions, oneDNN, and devices. Imports TensorFlow."""
+    import keras
+    import tensorflow as tf
+
+    try:  # whether this TF build contains oneDNN (x86 builds since TF 2.9 do)
+        from tensorflow.python.util import _pywrap_util_port
+
+        onednn_built = bool(_pywrap_util_port.IsMklEnabled())
+    except (ImportError, AttributeError):
+        onednn_built = None
+    # Stock TF turns oneDNN on by default on x86 Linux unless TF_ENABLE_ONEDNN_OPTS=0.
+    env = os.environ.get("TF_ENABLE_ONEDNN_OPTS")
+    onednn_enabled = bool(onednn_built) and env not in ("0", "false", "False")
+    return {
+        "tensorflow": tf.__version__,
+        "keras": keras.__version__,
+        "onednn_built": onednn_built,
+        "onednn_enabled": onednn_enabled,
+        "TF_ENABLE_ONEDNN_OPTS": env,
+        "gpus": [d.name for d in tf.config.list_physical_devices("GPU")],
+        "intra_op_threads": tf.config.threading.get_intra_op_parallelism_threads(),
+        "inter_op_threads": tf.config.threading.get_inter_op_parallelism_threads(),
+    }
+
+
+def collect_sysinfo(*, include_tensorflow: bool = True, sysfs_root: str = "/") -> dict[str, Any]:
+    memory = psutil.virtual_memory()
+    info: dict[str, Any] = {
+        "bigmem": bigmem.__version__,
+        "hostname": socket.gethostname(),
+        "platform": platform.platform(),
+        "python": sys.version.split()[0],
+        "cpu": cpu_description(),
+        "memory": {"total_bytes": memory.total, "available_bytes": memory.available},
+        "numa": NUMATopology.from_sysfs(sysfs_root).to_dict(),
+    }
+    if include_tensorflow:
+        info["tensorflow"] = tensorflow_description()
+    return info

@@ -1,0 +1,1 @@
+"""Training loop, losses, schedules and checkpoints (imports TensorFlow inside functions)."""

@@ -1,0 +1,225 @@
+"""The training loop: whole volumes, a custom ``tf.function`` step, atomic checkpoints, resume.
+
+``train(config, run_dir)`` is the public entry point under ``bigmem train``. It writes the run
+directory of DESIGN.md: config.json, sysinfo.json, metrics.jsonl, checkpoints/, model.keras.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+from rich.console import Console
+
+from bigmem.config.options import OptimizerName, Precision
+from bigmem.config.schema import ExperimentConfig
+from bigmem.data.pipeline import WholeVolumeLoader
+from bigmem.data.synth import cached_synthetic_store
+from bigmem.errors import TrainingError
+from bigmem.rundir import RunDir, atomic_write_json
+from bigmem.sysinfo import collect_sysinfo
+from bigmem.tfenv import import_tensorflow
+from bigmem.train.checkpoints import CheckpointManager
+from bigmem.train.progress import TrainProgress
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    start_step: int
+    final_step: int
+    total_steps: int
+    last_loss: float
+    last_dice: float
+    interrupted_by: int | None = None  # the signal that stopped the run early, if any
+
+
+class StopSignals:
+    """Turns SIGINT/SIGTERM into a flag the loop checks after each step (main thread only)."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._previous = {}
+
+    def _handle(self, signum, frame):
+        self.signum = signum
+
+    def __enter__(self) -> "StopSignals":
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def total_steps_for(config: ExperimentConfig, steps_per_epoch: int) -> int:
+    if config.train.steps is not None:
+        return config.train.steps
+    return (config.train.epochs or 1) * steps_per_epoch
+
+
+def make_optimizer(config: ExperimentConfig, schedule):
+    import keras
+
+    if config.train.optimizer is OptimizerName.SGD:
+        return keras.optimizers.SGD(learning_rate=schedule, momentum=config.train.momentum, nesterov=True)
+    return keras.optimizers.Adam(learning_rate=schedule)
+
+
+def make_train_step(model, optimizer):
+    """One compiled update. It returns the loss, which depends on the whole forward pass."""
+    import tensorflow as tf
+
+    from bigmem.train.losses import dice_ce_loss, foreground_dice
+
+    @tf.function(reduce_retracing=True)
+    def train_step(images, labels):
+        with tf.GradientTape() as tape:
+            logits = model(images, training=True)
+            loss = dice_ce_loss(labels, logits)
+        gradients = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply(gradients, model.trainable_variables)
+        return loss, foreground_dice(labels, logits)
+
+    return train_step
+
+
+def _prepare_run_dir(run: RunDir, manager: CheckpointManager, resume: bool) -> Path | None:
+    if resume:
+        latest = manager.latest()
+        if latest is None:
+            raise TrainingError(f"Cannot resume {str(run.path)!r}: it has no complete checkpoint "
+                                f"(looked in {run.checkpoints}). Start a new run without --resume.")
+        return latest
+    if run.holds_run():
+        raise TrainingError(f"Run directory {str(run.path)!r} already holds a run: pass --resume to continue it, "
+                            "or choose another --out.")
+    return None
+
+
+def train(config: ExperimentConfig, run_dir: str | os.PathLike, *, resume: bool = False,
+          console: Console | None = None, verbose: bool = False) -> TrainResult:
+    """Train ``config`` into ``run_dir`` (resuming from its newest checkpoint if ``resume``)."""
+    console = console or Console(soft_wrap=True)
+    run = RunDir(run_dir)
+    manager = CheckpointManager(run.checkpoints, keep=config.train.keep_checkpoints)
+    latest = _prepare_run_dir(run, manager, resume)
+
+    if config.data.store is None:
+        with console.status("Generating the synthetic dataset (cached for later runs) ..."):
+            store_path = cached_synthetic_store(num_cases=config.data.synth_cases, volume=config.data.synth_volume,
+                                                num_classes=config.data.synth_classes)
+        config.data.store = str(store_path)
+    loader = WholeVolumeLoader(config.data.store, volume=config.data.volume, batch_size=config.train.batch_size,
+                               seed=config.train.seed, flip=config.data.flip, num_workers=config.data.num_workers,
+                               prefetch=config.data.prefetch)
+    try:
+        # The data decides the network's input channels and classes (as nnU-Net's planner does).
+        config.model.in_channels = loader.num_channels
+        config.model.num_classes = loader.store.num_classes
+        config.validate()
+        total_steps = total_steps_for(config, loader.steps_per_epoch)
+        return _run(config, run, manager, latest, loader, total_steps, console, verbose)
+    finally:
+        loader.close()
+
+
+def _run(config, run, manager, latest, loader, total_steps, console, verbose) -> TrainResult:
+    tf = import_tensorflow(verbose=verbose)
+    import keras
+
+    from bigmem.nets.unet3d import UNet3D
+    from bigmem.train.schedules import WarmupPolynomialDecay
+
+    keras.utils.set_random_seed(config.train.seed)
+    policy = "mixed_bfloat16" if config.train.precision is Precision.BF16 else "float32"
+    model = UNet3D(config.model, dtype=policy, name="unet3d").build_for()
+    schedule = WarmupPolynomialDecay(config.train.lr, total_steps, config.train.warmup_steps,
+                                     config.train.lr_decay_power, config.train.end_lr)
+    optimizer = make_optimizer(config, schedule)
+    optimizer.build(model.trainable_variables)
+
+    start_step = 0
+    if latest is not None:
+        state = manager.restore(latest, model, optimizer)
+        start_step = int(state["step"])
+        run.truncate_metrics(start_step)
+        console.print(f"Resuming {run.path} from {latest.name} (step {start_step} of {total_steps}).")
+    run.path.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(run.config, {**config.to_dict(), "total_steps": total_steps})
+    atomic_write_json(run.sysinfo, collect_sysinfo())
+    console.print(f"bigmem train: {config.model.name} ({model.count_params():,} parameters), "
+                  f"{loader.batch_size} x {loader.volume}^3 whole volumes, {config.train.precision.value}, "
+                  f"{total_steps} steps -> {run.path}")
+
+    train_step = make_train_step(model, optimizer)
+    batches = iter(loader.dataset(start_step))
+    process = psutil.Process()
+    voxels_per_step = loader.batch_size * loader.volume**3
+    step, loss, dice = start_step, float("nan"), float("nan")
+    pending: list[dict] = []
+
+    def checkpoint(at_step: int) -> Path:
+        run.append_metrics(pending)
+        pending.clear()
+        return manager.save(at_step, model, optimizer, {"total_steps": total_steps, "loss": loss, "dice": dice})
+
+    with StopSignals() as stop, TrainProgress(console, total_steps, start_step) as progress:
+        while step < total_steps:
+            started = time.perf_counter()
+            try:
+                images, labels = next(batches)
+            except tf.errors.OpError as exc:  # a reader error surfaces through tf.data
+                raise loader.error or TrainingError(f"The input pipeline failed: {exc.message}") from None
+            fetched = time.perf_counter()
+            loss_t, dice_t = train_step(images, labels)
+            loss, dice = float(loss_t), float(dice_t)
+            elapsed = time.perf_counter() - started
+            if not math.isfinite(loss):
+                kept = manager.latest()
+                where = f"the newest good checkpoint is {kept}" if kept else "no checkpoint was written yet"
+                run.append_metrics(pending)
+                raise TrainingError(f"Loss is {loss} at step {step + 1}: training stopped; {where}. "
+                                    "Try a lower --lr or --precision fp32.")
+            step += 1
+            row = {"step": step, "loss": loss, "dice": dice, "lr": float(schedule(step - 1)),
+                   "voxels_per_s": voxels_per_step / elapsed, "rss_bytes": process.memory_info().rss,
+                   "input_wait_s": fetched - started, "step_s": elapsed}
+            if step % config.train.log_every == 0 or step == total_steps:
+                pending.append(row)
+                run.append_metrics(pending)
+                pending.clear()
+            progress.update(row)
+            if stop.signum is not None:
+                saved = checkpoint(step)
+                console.print(f"Stopped by signal {stop.signum} at step {step}; checkpoint {saved.name} written. "
+                              "Continue with --resume.")
+                return TrainResult(run.path, start_step, step, total_steps, loss, dice, interrupted_by=stop.signum)
+            if step % config.train.checkpoint_every == 0 or step == total_steps:
+                checkpoint(step)
+
+    _save_model(model, run.model)
+    console.print(f"Done: step {step}, loss {loss:.4f}, Dice {dice:.3f}. Model: {run.model}")
+    return TrainResult(run.path, start_step, step, total_steps, loss, dice)
+
+
+def _save_model(model, path: Path) -> None:
+    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}.keras")
+    try:
+        model.save(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+

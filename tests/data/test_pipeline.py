@@ -1,0 +1,93 @@
+"""Whole-volume loader: shapes, normalisation, crop/pad alignment, deterministic resume order."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from bigmem.data.pipeline import WholeVolumeLoader, case_for_sample, fit_to_volume
+from bigmem.errors import DataError
+
+
+def test_batches_are_normalised_whole_volumes(tiny_store):
+    with WholeVolumeLoader(tiny_store, volume=16, batch_size=2, flip=False) as loader:
+        images, labels = next(loader.batches())
+    assert images.shape == (2, 16, 16, 16, 1) and images.dtype == np.float32
+    assert labels.shape == (2, 16, 16, 16) and labels.dtype == np.uint8
+    for image in images:
+        assert abs(float(image.mean())) < 1e-4
+        assert abs(float(image.std()) - 1.0) < 1e-3
+
+
+@pytest.mark.parametrize("shape", [(33, 34, 35), (13, 16, 19), (32, 32, 32)])
+@pytest.mark.parametrize("volume", [16, 32, 40])
+def test_fit_to_volume_keeps_image_and_label_aligned(shape, volume):
+    rng = np.random.default_rng(0)
+    label = rng.integers(0, 5, shape).astype(np.uint8)
+    image = label[..., np.newaxis].astype(np.float32) + 1.0  # image encodes the label, 0 only where padded
+    fitted_image, fitted_label = fit_to_volume(image, label, volume, np.random.default_rng(1))
+    assert fitted_image.shape == (volume, volume, volume, 1) and fitted_label.shape == (volume,) * 3
+    real = fitted_image[..., 0] > 0
+    np.testing.assert_array_equal(fitted_image[..., 0][real] - 1.0, fitted_label[real])
+    assert np.all(fitted_label[~real] == 0)
+    assert int(real.sum()) == int(np.prod([min(s, volume) for s in shape]))
+
+
+def test_every_epoch_visits_every_case_once():
+    for epoch in range(3):
+        seen = sorted(case_for_sample(epoch * 7 + i, 7, seed=5) for i in range(7))
+        assert seen == list(range(7))
+    assert [case_for_sample(i, 7, 5) for i in range(7)] != [case_for_sample(i, 7, 6) for i in range(7)]
+
+
+def test_order_resumes_at_any_step(tiny_store):
+    with WholeVolumeLoader(tiny_store, volume=16, batch_size=3, seed=2) as loader:
+        stream = loader.batches(0)
+        from_start = [next(stream) for _ in range(4)]
+        resumed = next(loader.batches(3))
+    np.testing.assert_array_equal(resumed[0], from_start[3][0])
+    np.testing.assert_array_equal(resumed[1], from_start[3][1])
+    assert not np.array_equal(from_start[0][0], from_start[1][0])
+
+
+def test_worker_processes_deliver_the_same_batches(tiny_store):
+    with WholeVolumeLoader(tiny_store, volume=16, batch_size=2, seed=1) as serial:
+        expected = [b for b, _ in zip(serial.batches(1), range(3))]
+    with WholeVolumeLoader(tiny_store, volume=16, batch_size=2, seed=1, num_workers=2, prefetch=1) as parallel:
+        got = [b for b, _ in zip(parallel.batches(1), range(3))]
+    for (ei, el), (gi, gl) in zip(expected, got):
+        np.testing.assert_array_equal(ei, gi)
+        np.testing.assert_array_equal(el, gl)
+
+
+def test_tf_dataset_matches_the_numpy_batches(tiny_store):
+    with WholeVolumeLoader(tiny_store, volume=24, batch_size=2, seed=3) as loader:
+        dataset = loader.dataset(start_step=2)
+        images, labels = next(iter(dataset))
+        expected = next(loader.batches(2))
+    assert tuple(images.shape) == (2, 24, 24, 24, 1) and labels.dtype.name == "uint8"
+    np.testing.assert_array_equal(images.numpy(), expected[0])
+    np.testing.assert_array_equal(labels.numpy(), expected[1])
+
+
+def test_reader_errors_keep_their_message_through_tf_data(corrupt_store):
+    def poison(handle):
+        for case in handle["cases"]:
+            data = handle[f"cases/{case}/label"]
+            values = data[...]
+            values[0, 0, 0] = 9
+            data[...] = values
+
+    import tensorflow as tf
+
+    with WholeVolumeLoader(corrupt_store(poison), volume=16, batch_size=1) as loader:
+        with pytest.raises(tf.errors.OpError):
+            next(iter(loader.dataset()))
+        assert isinstance(loader.error, DataError)
+        assert "label value 9 >= number of classes 3" in str(loader.error)
+
+
+def test_repr_states_memory(tiny_store):
+    with WholeVolumeLoader(tiny_store, volume=32, batch_size=2) as loader:
+        assert repr(loader) == ("WholeVolumeLoader(volume: 32^3; batch: 2; workers: 0; prefetch: 2; "
+                                "memory per batch: 0.3 MiB)")

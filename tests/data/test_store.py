@@ -1,0 +1,178 @@
+"""The HDF5 store: layout of DESIGN.md, atomic writes, and a one-line error per defect."""
+
+from __future__ import annotations
+
+import h5py
+import numpy as np
+import pytest
+
+from bigmem.data.store import STORE_VERSION, HDF5VolumeStore, StoreWriter
+from bigmem.data.synth import cached_synthetic_store, make_phantom, write_synthetic_store
+from bigmem.errors import DataError
+
+
+def test_synthetic_store_layout(tiny_store):
+    with h5py.File(tiny_store) as handle:
+        assert handle.attrs["bigmem_store_version"] == STORE_VERSION
+        assert handle.attrs["num_classes"] == 3
+        assert list(handle.attrs["channel_names"]) == ["synthetic"]
+        assert list(handle.attrs["label_names"]) == ["background", "class1", "class2"]
+        case = handle["cases/synth_0002"]
+        assert case["image"].shape == (16, 16, 16, 1) and case["image"].dtype == np.float32
+        assert case["label"].shape == (16, 16, 16) and case["label"].dtype == np.uint8
+        assert case["image"].chunks is not None and case["label"].chunks is not None
+        np.testing.assert_array_equal(case.attrs["spacing"], [1.0, 1.0, 1.0])
+        np.testing.assert_array_equal(case.attrs["affine"], np.eye(4))
+        assert case.attrs["source_image"].startswith("synthetic:")
+        for key in ("source_affine", "source_label"):
+            assert key in case.attrs
+
+
+def test_store_reader(tiny_store):
+    store = HDF5VolumeStore(tiny_store)
+    assert store.case_ids == ["synth_0000", "synth_0001", "synth_0002", "synth_0003"]
+    assert (len(store), store.num_channels, store.num_classes) == (4, 1, 3)
+    image, label = store.read_case("synth_0001")
+    assert image.shape == (16, 16, 16, 1) and label.shape == (16, 16, 16)
+    assert repr(store).endswith("memory: 80.00 KiB)")  # 4 cases x 16^3 x (4 + 1) bytes
+    store.close()
+
+
+def test_phantoms_are_deterministic_and_have_every_class():
+    a_img, a_lab = make_phantom(np.random.default_rng([3, 0]), (32, 32, 32), 4)
+    b_img, b_lab = make_phantom(np.random.default_rng([3, 0]), (32, 32, 32), 4)
+    c_img, _ = make_phantom(np.random.default_rng([4, 0]), (32, 32, 32), 4)
+    np.testing.assert_array_equal(a_img, b_img)
+    np.testing.assert_array_equal(a_lab, b_lab)
+    assert not np.array_equal(a_img, c_img)
+    fractions = np.bincount(a_lab.ravel(), minlength=4) / a_lab.size
+    assert fractions[0] > 0.5 and all(f > 0.002 for f in fractions[1:]), fractions
+    # Odd classes are darker than the body, even classes brighter.
+    means = [a_img[..., 0][a_lab == k].mean() for k in range(4)]
+    body = a_img[..., 0][(a_lab == 0) & (np.abs(a_img[..., 0]) > 0.6)].mean()
+    assert means[1] < body < means[2]
+
+
+def test_cached_synthetic_store_is_reused(tmp_path, monkeypatch):
+    monkeypatch.setenv("BIGMEM_CACHE_DIR", str(tmp_path))
+    first = cached_synthetic_store(num_cases=2, volume=8, num_classes=3)
+    mtime = first.stat().st_mtime_ns
+    second = cached_synthetic_store(num_cases=2, volume=8, num_classes=3)
+    assert second == first and second.stat().st_mtime_ns == mtime
+    assert cached_synthetic_store(num_cases=3, volume=8, num_classes=3) != first
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporaries left
+
+
+def test_writer_leaves_nothing_on_error(tmp_path):
+    target = tmp_path / "s.h5"
+    with pytest.raises(DataError, match=r"^Case 'a' appears twice\.$"):
+        with StoreWriter(target, num_classes=2, channel_names=["ct"]) as writer:
+            writer.add_case("a", np.zeros((4, 4, 4), np.float32), np.zeros((4, 4, 4), np.uint8))
+            writer.add_case("a", np.zeros((4, 4, 4), np.float32), np.zeros((4, 4, 4), np.uint8))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_writer_without_commit_leaves_nothing(tmp_path):
+    with StoreWriter(tmp_path / "s.h5", num_classes=2, channel_names=["ct"]) as writer:
+        writer.add_case("a", np.zeros((4, 4, 4), np.float32), np.zeros((4, 4, 4), np.uint8))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_synth_interrupted_leaves_nothing(tmp_path):
+    def interrupt(done, total):
+        if done == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        write_synthetic_store(tmp_path / "s.h5", num_cases=4, volume=8, progress=interrupt)
+    assert list(tmp_path.iterdir()) == []
+
+
+def _drop_root_attrs(handle):
+    del handle.attrs["bigmem_store_version"]
+
+
+def _drop_cases(handle):
+    for case in list(handle["cases"]):
+        del handle["cases"][case]
+
+
+def _drop_label(handle):
+    del handle["cases/synth_0001/label"]
+
+
+def _bad_label_shape(handle):
+    del handle["cases/synth_0002/label"]
+    handle["cases/synth_0002"].create_dataset("label", data=np.zeros((16, 16, 15), np.uint8))
+
+
+def _bad_channels(handle):
+    del handle["cases/synth_0003/image"]
+    handle["cases/synth_0003"].create_dataset("image", data=np.zeros((16, 16, 16, 2), np.float32))
+
+
+def _future_version(handle):
+    handle.attrs["bigmem_store_version"] = STORE_VERSION + 1
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (_drop_root_attrs, r"^Cannot open store '.*bad.h5': not a bigmem store \(root attributes "
+                       r"'bigmem_store_version' and 'num_classes' are missing\)\.$"),
+    (_drop_cases, r"^Store '.*bad.h5' has no cases \(expected groups under /cases\)\.$"),
+    (_drop_label, r"^Case 'synth_0001': missing dataset 'label' \(.*bad.h5:/cases/synth_0001\)\.$"),
+    (_bad_label_shape, r"^Case 'synth_0002': label shape \(16, 16, 15\) != image shape \(16, 16, 16\) "
+                       r"\(.*bad.h5:/cases/synth_0002\)\.$"),
+    (_bad_channels, r"^Case 'synth_0003': image has 2 channels; the store's other cases have 1 \(.*bad.h5\)\.$"),
+    (_future_version, r"^Cannot open store '.*bad.h5': store version 2 is newer than this bigmem reads \(1\); "
+                      r"upgrade bigmem\.$"),
+])
+def test_layout_errors_on_open(corrupt_store, mutate, message):
+    with pytest.raises(DataError, match=message):
+        HDF5VolumeStore(corrupt_store(mutate))
+
+
+def _nan_image(handle):
+    data = handle["cases/synth_0000/image"]
+    values = data[...]
+    values[1, 2, 3, 0] = np.nan
+    values[4, 5, 6, 0] = np.inf
+    data[...] = values
+
+
+def _label_out_of_range(handle):
+    data = handle["cases/synth_0000/label"]
+    values = data[...]
+    values[0, 0, 0] = 7
+    data[...] = values
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (_nan_image, r"^Case 'synth_0000': image has 2 non-finite values \(NaN/Inf\) \(.*bad.h5\); fix the source "
+                 r"and convert again\.$"),
+    (_label_out_of_range, r"^Case 'synth_0000': label value 7 >= number of classes 3 \(.*bad.h5\); expected "
+                          r"values 0\.\.2\.$"),
+])
+def test_value_errors_on_read(corrupt_store, mutate, message):
+    store = HDF5VolumeStore(corrupt_store(mutate))
+    store.read_case("synth_0001")  # the other cases still read
+    with pytest.raises(DataError, match=message):
+        store.read_case("synth_0000")
+
+
+def test_missing_and_non_hdf5_files(tmp_path):
+    with pytest.raises(DataError, match=r"^Cannot open store '.*nope.h5': no such file\. Create one with "):
+        HDF5VolumeStore(tmp_path / "nope.h5")
+    junk = tmp_path / "junk.h5"
+    junk.write_bytes(b"not hdf5 at all")
+    with pytest.raises(DataError, match=r"^Cannot open store '.*junk.h5': not a readable HDF5 file"):
+        HDF5VolumeStore(junk)
+
+
+def test_truncated_store(tiny_store, tmp_path):
+    cut = tmp_path / "cut.h5"
+    data = tiny_store.read_bytes()
+    cut.write_bytes(data[: len(data) // 2])
+    with pytest.raises(DataError, match=r"^(Cannot open store|Case '.*': cannot read|Store '.*' has no cases)"):
+        store = HDF5VolumeStore(cut)
+        for case_id in store.case_ids:
+            store.read_case(case_id)

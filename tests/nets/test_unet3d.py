@@ -1,0 +1,160 @@
+"""UNet3D: published parameter counts, shapes, serialisation, per-block accounting."""
+
+from __future__ import annotations
+
+import math
+
+import keras
+import numpy as np
+import pytest
+
+from bigmem.config import resolve_config
+from bigmem.errors import UsageError
+from bigmem.nets.blocks import ConvNormAct, DecoderStage, EncoderStage, ResidualBlock
+from bigmem.nets.unet3d import UNet3D
+
+# Published sizes: IntelAI/unet 3D README (~5.65 M), MLPerf Training 3D U-Net (~31.2 M).
+PUBLISHED_PARAMS = {"intelai-brats": 5.65e6, "kits19": 31.2e6}
+
+
+def tiny_model(**model_overrides) -> UNet3D:
+    return UNet3D(resolve_config("tiny", {"model": model_overrides}).model)
+
+
+@pytest.mark.parametrize("preset", sorted(PUBLISHED_PARAMS))
+def test_reference_presets_match_published_parameter_counts(preset):
+    model = UNet3D(resolve_config(preset).model).build_for((32, 32, 32))
+    params = model.count_params()
+    assert abs(params - PUBLISHED_PARAMS[preset]) / PUBLISHED_PARAMS[preset] < 0.005, params
+    x = np.zeros((1, 32, 32, 32, 1), np.float32)
+    assert model(x).shape == (1, 32, 32, 32, model.model_config.num_classes)
+
+
+def test_exact_counts_are_stable():
+    # 5,650,818 = IntelAI's 5,650,801 with a 2-class softmax head instead of 1 sigmoid output.
+    assert UNet3D(resolve_config("intelai-brats").model).build_for().count_params() == 5_650_818
+    assert UNet3D(resolve_config("kits19").model).build_for().count_params() == 31_190_243
+
+
+VARIANTS = [
+    {},
+    {"norm": "batch", "activation": "leaky_relu"},
+    {"norm": "group", "groups": 2, "downsampling": "strided"},
+    {"norm": "none", "conv_bias": True},
+    {"residual": True, "blocks_per_level": 2},
+    {"residual": True, "downsampling": "strided", "norm": "batch"},
+]
+
+
+@pytest.mark.parametrize("overrides", VARIANTS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "tiny")
+@pytest.mark.parametrize("shape", [(16, 16, 16), (4, 12, 20)])
+def test_output_shape_and_dtype(overrides, shape):
+    model = tiny_model(**overrides)
+    x = np.random.default_rng(0).normal(size=(2, *shape, 1)).astype(np.float32)
+    y = model(x, training=False)
+    assert y.shape == (2, *shape, 3)
+    assert y.dtype == "float32"
+    assert np.all(np.isfinite(np.asarray(y)))
+
+
+@pytest.mark.parametrize("size", [33, 34, 35, 2])
+def test_odd_sizes_are_refused_with_a_suggestion(size):
+    model = tiny_model()
+    with pytest.raises(UsageError) as info:
+        model.check_spatial_shape((size, 16, 16))
+    lower = max(4, size // 4 * 4)
+    assert str(info.value) == (f"Invalid --volume {size}: expected a multiple of 4 (the network downsamples 2 "
+                               f"times). Try --volume {lower} or {lower + 4}.")
+
+
+@pytest.mark.parametrize("overrides", VARIANTS[:5], ids=str)
+def test_get_config_round_trip(overrides):
+    model = tiny_model(**overrides).build_for()
+    clone = UNet3D.from_config(model.get_config()).build_for()
+    clone.set_weights(model.get_weights())
+    x = np.random.default_rng(1).normal(size=(1, 8, 8, 8, 1)).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(model(x)), np.asarray(clone(x)))
+    assert clone.model_config == model.model_config
+
+
+@pytest.mark.parametrize("dtype", ["float32", "mixed_bfloat16"])
+def test_keras_file_round_trip(tmp_path, dtype):
+    model = UNet3D(resolve_config("tiny", {"model": {"residual": True, "norm": "batch"}}).model, dtype=dtype)
+    model.build_for()
+    x = np.random.default_rng(2).normal(size=(1, 8, 8, 8, 1)).astype(np.float32)
+    expected = np.asarray(model(x))
+    model.save(tmp_path / "m.keras")
+    loaded = keras.models.load_model(tmp_path / "m.keras")
+    assert isinstance(loaded, UNet3D)
+    assert loaded.dtype_policy.name == dtype
+    np.testing.assert_array_equal(np.asarray(loaded(x)), expected)
+
+
+def test_blocks_round_trip_their_config():
+    for block in (ConvNormAct(4, strides=2, norm="group", groups=2, activation="leaky_relu", use_bias=True),
+                  ResidualBlock(4, in_filters=2, strides=2),
+                  EncoderStage(4, in_filters=2, downsampling="maxpool", residual=True),
+                  DecoderStage(4, in_filters=8, num_blocks=1)):
+        again = type(block).from_config(block.get_config())
+        assert again.get_config() == block.get_config()
+
+
+def test_residual_blocks_start_with_zero_last_norm_scale():
+    model = tiny_model(residual=True).build_for()
+    block = model.encoder[0].blocks[0]
+    assert isinstance(block, ResidualBlock)
+    np.testing.assert_array_equal(np.asarray(block.norm_layer.gamma), 0.0)
+    np.testing.assert_array_equal(np.asarray(block.first.norm_layer.gamma), 1.0)
+
+
+def _size(t) -> int:
+    return int(math.prod(t.shape[1:]))
+
+
+def test_conv_norm_act_counts_its_tensors():
+    block = ConvNormAct(6, strides=2)
+    x = np.zeros((1, 8, 10, 12, 3), np.float32)
+    conv = block.conv(x)
+    norm = block.norm_layer(conv)
+    act = block.act(norm)
+    assert block.feature_map_elements((8, 10, 12)) == _size(conv) + _size(norm) + _size(act) == 3 * 6 * 4 * 5 * 6
+
+
+def test_residual_block_counts_its_tensors():
+    block = ResidualBlock(6, in_filters=3, strides=2)
+    x = np.zeros((1, 8, 8, 8, 3), np.float32)
+    first_out = block.first(x)
+    conv = block.conv(first_out)
+    norm = block.norm_layer(conv)
+    proj = block.proj(x)
+    proj_norm = block.proj_norm(proj)
+    add = block.add([norm, proj_norm])
+    act = block.act(add)
+    expected = block.first.feature_map_elements((8, 8, 8)) + sum(map(_size, (conv, norm, proj, proj_norm, add, act)))
+    assert block.feature_map_elements((8, 8, 8)) == expected
+
+
+def test_encoder_and_decoder_stages_count_their_tensors():
+    enc = EncoderStage(4, in_filters=2, downsampling="maxpool", num_blocks=2)
+    x = np.zeros((1, 8, 8, 8, 2), np.float32)
+    pooled = enc.pool(x)
+    first = enc.blocks[0](pooled)
+    assert enc.feature_map_elements((8, 8, 8)) == (_size(pooled) + enc.blocks[0].feature_map_elements((4, 4, 4))
+                                                   + enc.blocks[1].feature_map_elements((4, 4, 4)))
+    assert first.shape == (1, 4, 4, 4, 4)
+    dec = DecoderStage(4, in_filters=8, num_blocks=1)
+    low = np.zeros((1, 4, 4, 4, 8), np.float32)
+    skip = np.zeros((1, 8, 8, 8, 4), np.float32)
+    up = dec.up(low)
+    cat = dec.concat([up, skip])
+    assert dec.feature_map_elements((4, 4, 4)) == _size(up) + _size(cat) + dec.blocks[0].feature_map_elements((8,) * 3)
+
+
+def test_model_sums_its_blocks():
+    model = tiny_model().build_for()
+    per_block = model.block_feature_map_elements((16, 16, 16))
+    assert list(per_block) == ["enc0", "enc1", "enc2", "dec1", "dec0", "head"]
+    assert model.feature_map_elements((16, 16, 16)) == sum(per_block.values())
+    # Doubling every edge multiplies every block's count by 8.
+    doubled = model.block_feature_map_elements((32, 32, 32))
+    assert all(doubled[name] == 8 * count for name, count in per_block.items())

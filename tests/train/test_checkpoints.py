@@ -1,0 +1,74 @@
+"""Atomic checkpoints: round trip, newest complete wins, temporaries ignored, pruning."""
+
+from __future__ import annotations
+
+
+import keras
+import numpy as np
+import pytest
+
+from bigmem.config import resolve_config
+from bigmem.errors import DataError
+from bigmem.nets.unet3d import UNet3D
+from bigmem.train.checkpoints import CheckpointManager
+
+
+def _model_and_optimizer(seed: int, **model_overrides):
+    keras.utils.set_random_seed(seed)
+    model = UNet3D(resolve_config("tiny", {"model": model_overrides}).model).build_for()
+    optimizer = keras.optimizers.Adam(1e-3)
+    optimizer.build(model.trainable_variables)
+    return model, optimizer
+
+
+def test_round_trip_restores_weights_and_optimizer(tmp_path):
+    model, optimizer = _model_and_optimizer(0)
+    optimizer.iterations.assign(17)
+    for var in optimizer.variables[1:]:
+        var.assign(np.full(var.shape, 0.5, var.dtype))
+    manager = CheckpointManager(tmp_path, keep=2)
+    saved = manager.save(17, model, optimizer, {"loss": 1.25})
+    assert saved.name == "ckpt-00000017"
+    other, other_opt = _model_and_optimizer(1)
+    state = manager.restore(saved, other, other_opt)
+    assert state == {"loss": 1.25, "step": 17}
+    for a, b in zip(model.weights, other.weights):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert int(other_opt.iterations.numpy()) == 17
+    for a, b in zip(optimizer.variables, other_opt.variables):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_newest_complete_checkpoint_wins_and_temporaries_are_ignored(tmp_path):
+    model, optimizer = _model_and_optimizer(0)
+    manager = CheckpointManager(tmp_path, keep=3)
+    for step in (2, 4, 6, 8):
+        manager.save(step, model, optimizer, {})
+    assert [p.name for p in manager.all()] == ["ckpt-00000004", "ckpt-00000006", "ckpt-00000008"]
+    # A crash mid-write leaves a temporary directory, or a directory without its state file.
+    (tmp_path / ".tmp-ckpt-00000010-99999").mkdir()
+    (tmp_path / ".tmp-ckpt-00000010-99999" / "variables.h5").write_bytes(b"half")
+    (tmp_path / "ckpt-00000012").mkdir()
+    assert manager.latest().name == "ckpt-00000008"
+    manager.save(9, model, optimizer, {})
+    assert not (tmp_path / ".tmp-ckpt-00000010-99999").exists()
+
+
+def test_checkpoint_from_another_model_is_refused(tmp_path):
+    model, optimizer = _model_and_optimizer(0)
+    saved = CheckpointManager(tmp_path).save(1, model, optimizer, {})
+    bigger, bigger_opt = _model_and_optimizer(0, base_filters=8)
+    with pytest.raises(DataError, match=r"^Checkpoint '.*ckpt-00000001': variable .* has shape"):
+        CheckpointManager(tmp_path).restore(saved, bigger, bigger_opt)
+    residual, residual_opt = _model_and_optimizer(0, residual=True)
+    with pytest.raises(DataError, match=r"^Checkpoint '.*' holds \d+ model variables; this run has \d+\. "
+                                        r"Was it written by another model\?$"):
+        CheckpointManager(tmp_path).restore(saved, residual, residual_opt)
+
+
+def test_corrupt_checkpoint_is_a_clear_error(tmp_path):
+    model, optimizer = _model_and_optimizer(0)
+    saved = CheckpointManager(tmp_path).save(1, model, optimizer, {})
+    (saved / "state.json").write_text("{not json")
+    with pytest.raises(DataError, match=r"^Cannot read checkpoint '.*ckpt-00000001'"):
+        CheckpointManager(tmp_path).restore(saved, model, optimizer)
