@@ -11,10 +11,10 @@ import sys
 import traceback
 
 import bigmem
-from bigmem.cli import info, synth, train
+from bigmem.cli import info, plan, profile, synth, train
 from bigmem.errors import EXIT_ERROR, EXIT_USAGE, BigmemError
 
-COMMANDS = (info, synth, train)
+COMMANDS = (info, synth, train, profile, plan)
 
 DESCRIPTION = """\
 bigmem trains 3D U-Nets on whole volumetric scans (CT, MRI) in the RAM of one large CPU server.
@@ -24,6 +24,8 @@ examples:
   bigmem synth phantoms.h5 --cases 8 --volume 64  synthetic phantoms in the HDF5 store format
   bigmem train                                  train the 'small' preset on the embedded phantoms
   bigmem train --data store.h5 --model kits19 --volume 128 --precision bf16
+  bigmem profile --model kits19 --volume 512    predicted memory footprint, per component
+  bigmem plan --budget 1.5TiB --model kits19    the largest volume and batch that fit
 
 exit codes: 0 ok, 1 error (bad input, corrupt file, ...), 2 usage error, 3 does not fit in memory.
 """

@@ -7,7 +7,9 @@ import json
 import time
 from pathlib import Path
 
+from bigmem.cli.common import add_memory_flags, add_model_flags, model_overrides
 from bigmem.errors import DataError, UsageError
+from bigmem.units import parse_bytes
 
 HELP = "train a 3D U-Net on whole volumes"
 
@@ -24,26 +26,24 @@ to write a checkpoint and stop; continue with --resume.
 def register(subparsers, parents) -> None:
     parser = subparsers.add_parser("train", help=HELP, description=DESCRIPTION, parents=parents,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_flags(parser, volume_help="train on whole volumes cropped/padded to N^3; N must be a multiple of "
+                                        "2^depth (default: the preset's)")
+    add_memory_flags(parser)
+    memory = parser.add_argument_group("memory pre-flight")
+    memory.add_argument("--memory-budget", metavar="SIZE",
+                        help="refuse (exit 3) when the predicted peak exceeds SIZE, e.g. 1.5TiB (default: MemAvailable)")
+    memory.add_argument("--force", action="store_true", help="train even when the predicted peak exceeds the budget")
     data = parser.add_argument_group("data")
     data.add_argument("--data", metavar="STORE.h5", help="HDF5 store to train on (default: synthetic phantoms)")
-    data.add_argument("--volume", type=int, metavar="N",
-                      help="train on whole volumes cropped/padded to N^3; N must be a multiple of 2^depth "
-                           "(default: the preset's)")
     data.add_argument("--num-workers", type=int, metavar="N",
                       help="reader processes (0: read in the training process; default 0)")
     data.add_argument("--prefetch", type=int, metavar="N", help="batches prepared ahead of the step (default 2)")
-    model = parser.add_argument_group("model")
-    model.add_argument("--model", metavar="PRESET", default=None,
-                       help="preset name (tiny, small, intelai-brats, kits19) or a .toml file (default: small)")
     opt = parser.add_argument_group("optimisation")
-    opt.add_argument("--batch-size", type=int, metavar="B", help="volumes per step")
     length = opt.add_mutually_exclusive_group()
     length.add_argument("--steps", type=int, metavar="K", help="number of training steps")
     length.add_argument("--epochs", type=int, metavar="E", help="number of passes over the cases")
     opt.add_argument("--lr", type=float, metavar="X", help="peak learning rate (after linear warmup)")
     opt.add_argument("--warmup-steps", type=int, metavar="K", help="linear warmup length in steps")
-    opt.add_argument("--optimizer", choices=["sgd", "adam"], help="SGD with Nesterov momentum, or Adam")
-    opt.add_argument("--precision", choices=["fp32", "bf16"], help="fp32, or bf16 mixed precision (mixed_bfloat16)")
     opt.add_argument("--seed", type=int, metavar="S", help="seed for weights, case order and augmentation")
     run_group = parser.add_argument_group("run directory")
     run_group.add_argument("--out", metavar="RUN_DIR",
@@ -56,13 +56,11 @@ def register(subparsers, parents) -> None:
 
 def _overrides(args) -> dict:
     """Only the flags the user gave (argparse defaults are None), as config sections."""
-    sections = {
-        "data": {"store": args.data, "volume": args.volume, "num_workers": args.num_workers,
-                 "prefetch": args.prefetch},
-        "train": {"batch_size": args.batch_size, "steps": args.steps, "epochs": args.epochs, "lr": args.lr,
-                  "warmup_steps": args.warmup_steps, "optimizer": args.optimizer, "precision": args.precision,
-                  "seed": args.seed, "checkpoint_every": args.checkpoint_every},
-    }
+    budget = parse_bytes(args.memory_budget, flag="--memory-budget") if args.memory_budget else None
+    sections = model_overrides(args)
+    sections["data"].update(store=args.data, num_workers=args.num_workers, prefetch=args.prefetch)
+    sections["train"].update(steps=args.steps, epochs=args.epochs, lr=args.lr, warmup_steps=args.warmup_steps,
+                             seed=args.seed, checkpoint_every=args.checkpoint_every, memory_budget_bytes=budget)
     return {name: {k: v for k, v in values.items() if v is not None} for name, values in sections.items()}
 
 
@@ -100,7 +98,7 @@ def run(args) -> int:
     from bigmem.train.trainer import train
 
     config, out = resolve(args)
-    result = train(config, out, resume=args.resume, verbose=getattr(args, "verbose", False))
+    result = train(config, out, resume=args.resume, verbose=getattr(args, "verbose", False), force=args.force)
     if result.interrupted_by is not None:
         return 128 + result.interrupted_by
     return 0

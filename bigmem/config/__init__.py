@@ -6,6 +6,7 @@ from bigmem.config.options import (
     Norm,
     OptimizerName,
     Precision,
+    Recompute,
     Upsampling,
     look_up_option,
 )
@@ -14,6 +15,6 @@ from bigmem.config.schema import DataConfig, ExperimentConfig, ModelConfig, Trai
 
 __all__ = [
     "Activation", "DataConfig", "Downsampling", "ExperimentConfig", "ModelConfig", "Norm",
-    "OptimizerName", "Precision", "TrainConfig", "Upsampling", "load_preset", "look_up_option",
+    "OptimizerName", "Precision", "Recompute", "TrainConfig", "Upsampling", "load_preset", "look_up_option",
     "preset_names", "resolve_config",
 ]

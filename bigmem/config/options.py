@@ -46,6 +46,12 @@ class Precision(StrOption):
     BF16 = "bf16"
 
 
+class Recompute(StrOption):
+    NONE = "none"
+    STAGES = "stages"
+    AUTO = "auto"
+
+
 class OptimizerName(StrOption):
     SGD = "sgd"
     ADAM = "adam"

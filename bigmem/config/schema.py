@@ -16,6 +16,7 @@ from bigmem.config.options import (
     Norm,
     OptimizerName,
     Precision,
+    Recompute,
     StrOption,
     Upsampling,
     look_up_option,
@@ -101,6 +102,8 @@ class TrainConfig:
     lr_decay_power: float = 2.0  # polynomial decay power (Goyal et al. style recipes use 2)
     end_lr: float = 0.0
     precision: Precision = Precision.FP32
+    recompute: Recompute = Recompute.NONE  # stages: recompute every stage's activations in backward
+    memory_budget_bytes: int | None = None  # --memory-budget; None: MemAvailable at start
     seed: int = 0
     checkpoint_every: int = 50
     keep_checkpoints: int = 3

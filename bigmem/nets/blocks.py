@@ -14,6 +14,7 @@ from typing import Sequence
 import keras
 
 from bigmem.config.options import Activation, Downsampling, Norm
+from bigmem.nets.norm_act import NormActivation
 
 Shape3D = Sequence[int]
 
@@ -31,20 +32,25 @@ def _halved(spatial_shape: Shape3D) -> tuple[int, ...]:
     return tuple(s // 2 for s in spatial_shape)
 
 
-def make_norm(norm: Norm, groups: int, *, zero_init: bool, dtype, name: str):
-    """The normalisation layer for ``norm``, or None. ``zero_init`` starts its scale at 0."""
-    gamma = "zeros" if zero_init else "ones"
-    if norm is Norm.INSTANCE:
-        return keras.layers.GroupNormalization(
-            groups=-1, epsilon=INSTANCE_NORM_EPSILON, gamma_initializer=gamma, dtype=dtype, name=name
-        )
-    if norm is Norm.GROUP:
-        return keras.layers.GroupNormalization(
-            groups=groups, epsilon=INSTANCE_NORM_EPSILON, gamma_initializer=gamma, dtype=dtype, name=name
-        )
+def make_norm(norm: Norm, groups: int, *, zero_init: bool, dtype, name: str, activation: str = "linear"):
+    """The normalisation layer for ``norm`` (None for Norm.NONE); ``zero_init`` starts its scale at 0.
+
+    Instance and group norms are ``NormActivation`` layers that may carry the following
+    ``activation`` (fused, see norm_act.py); batch norm is Keras's layer, always linear.
+    """
+    if norm in (Norm.INSTANCE, Norm.GROUP):
+        return NormActivation(groups=-1 if norm is Norm.INSTANCE else groups, epsilon=INSTANCE_NORM_EPSILON,
+                              activation=activation, negative_slope=LEAKY_RELU_SLOPE, zero_init=zero_init,
+                              dtype=dtype, name=name)
     if norm is Norm.BATCH:
-        return keras.layers.BatchNormalization(gamma_initializer=gamma, dtype=dtype, name=name)
+        return keras.layers.BatchNormalization(gamma_initializer="zeros" if zero_init else "ones", dtype=dtype,
+                                               name=name)
     return None
+
+
+def fuses_activation(norm: Norm) -> bool:
+    """Whether ``norm``'s layer can apply the activation itself (keeping fewer tensors)."""
+    return norm in (Norm.INSTANCE, Norm.GROUP)
 
 
 def make_activation(activation: Activation, *, dtype, name: str):
@@ -95,25 +101,29 @@ class _Block(keras.layers.Layer):
 
 @keras.saving.register_keras_serializable(package="bigmem")
 class ConvNormAct(_Block):
-    """3x3x3 convolution, then normalisation, then activation."""
+    """3x3x3 convolution, then normalisation, then activation.
+
+    Instance/group norm and the activation are one fused layer (norm_act.py): the block keeps
+    two tensors for backward (conv output, activation output); with batch norm, three.
+    """
 
     def __init__(self, filters: int, *, zero_init_scale: bool = False, **kwargs):
         super().__init__(filters, **kwargs)
         self.zero_init_scale = bool(zero_init_scale)
         self.conv = self._conv(3, self.strides, "conv")
-        self.norm_layer = make_norm(
-            self.norm, self.groups, zero_init=self.zero_init_scale, dtype=self.dtype_policy, name="norm"
-        )
-        self.act = make_activation(self.activation, dtype=self.dtype_policy, name="act")
+        fused = fuses_activation(self.norm)
+        self.norm_layer = make_norm(self.norm, self.groups, zero_init=self.zero_init_scale, dtype=self.dtype_policy,
+                                    name="norm", activation=self.activation.value if fused else "linear")
+        self.act = None if fused else make_activation(self.activation, dtype=self.dtype_policy, name="act")
 
     def call(self, x, training=None):
         x = self.conv(x)
         if self.norm_layer is not None:
             x = self.norm_layer(x, training=training)
-        return self.act(x)
+        return x if self.act is None else self.act(x)
 
     def feature_map_elements(self, spatial_shape: Shape3D) -> int:
-        tensors = 2 + (self.norm_layer is not None)  # conv out, norm out, activation out
+        tensors = 1 + (self.norm_layer is not None) + (self.act is not None)  # conv, norm(+act), separate act
         return tensors * self.filters * _voxels(self._out_shape(spatial_shape))
 
     def get_config(self):

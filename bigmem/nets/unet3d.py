@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any, Mapping, Sequence
 
 import keras
+import tensorflow as tf
 
 from bigmem.config.schema import ExperimentConfig, ModelConfig, update
 from bigmem.errors import UsageError
@@ -49,6 +50,31 @@ class UNet3D(keras.Model):
         self.head = keras.layers.Conv3D(cfg.num_classes, 1, dtype=self.dtype_policy, name="head")
         # Logits leave the network in float32 so the loss is computed in full precision.
         self.to_float32 = keras.layers.Activation("linear", dtype="float32", name="logits")
+        # Names of the stages whose activations are recomputed in the backward pass instead of
+        # kept (gradient checkpointing); a training-time choice, so not part of get_config.
+        self.recompute: frozenset[str] = frozenset()
+
+    @property
+    def stage_names(self) -> list[str]:
+        return [stage.name for stage in (*self.encoder, *self.decoder)]
+
+    def set_recompute(self, stage_names) -> None:
+        unknown = set(stage_names) - set(self.stage_names)
+        if unknown:
+            raise ValueError(f"unknown stages {sorted(unknown)}; the stages are {self.stage_names}")
+        self.recompute = frozenset(stage_names)
+
+    def _run_stage(self, stage, inputs, training):
+        """Call ``stage``; when it is recomputed, keep only its inputs and output for backward."""
+        if not (training and stage.name in self.recompute):
+            return stage(inputs, training=training)
+
+        @tf.autograph.experimental.do_not_convert
+        def forward(*tensors):
+            return stage(list(tensors) if len(tensors) > 1 else tensors[0], training=True)
+
+        tensors = inputs if isinstance(inputs, list) else [inputs]
+        return tf.recompute_grad(forward)(*tensors)
 
     def build(self, input_shape):
         """Create every weight by tracing ``call`` symbolically (no tensor is computed)."""
@@ -59,11 +85,11 @@ class UNet3D(keras.Model):
     def call(self, x, training=None):
         skips = []
         for stage in self.encoder:
-            x = stage(x, training=training)
+            x = self._run_stage(stage, x, training)
             skips.append(x)
         skips.pop()  # the bottleneck output is not a skip
         for stage in self.decoder:
-            x = stage([x, skips.pop()], training=training)
+            x = self._run_stage(stage, [x, skips.pop()], training)
         return self.to_float32(self.head(x))
 
     # ---- shapes and accounting -------------------------------------------------------------

@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 from rich.console import Console
 
-from bigmem.config.options import OptimizerName, Precision
+from bigmem.config.options import OptimizerName, Precision, Recompute
 from bigmem.config.schema import ExperimentConfig
 from bigmem.data.pipeline import WholeVolumeLoader
 from bigmem.data.synth import cached_synthetic_store
@@ -109,8 +109,14 @@ def _prepare_run_dir(run: RunDir, manager: CheckpointManager, resume: bool) -> P
 
 
 def train(config: ExperimentConfig, run_dir: str | os.PathLike, *, resume: bool = False,
-          console: Console | None = None, verbose: bool = False) -> TrainResult:
-    """Train ``config`` into ``run_dir`` (resuming from its newest checkpoint if ``resume``)."""
+          console: Console | None = None, verbose: bool = False,
+          recompute_stages: list[str] | None = None, force: bool = False) -> TrainResult:
+    """Train ``config`` into ``run_dir`` (resuming from its newest checkpoint if ``resume``).
+
+    Before anything large is allocated, the footprint is estimated and checked against the
+    memory budget (``train.memory_budget_bytes``, default MemAvailable): a job that does not fit
+    raises InsufficientMemoryError (exit 3) unless ``force``.
+    """
     console = console or Console(soft_wrap=True)
     run = RunDir(run_dir)
     manager = CheckpointManager(run.checkpoints, keep=config.train.keep_checkpoints)
@@ -130,12 +136,57 @@ def train(config: ExperimentConfig, run_dir: str | os.PathLike, *, resume: bool 
         config.model.num_classes = loader.store.num_classes
         config.validate()
         total_steps = total_steps_for(config, loader.steps_per_epoch)
-        return _run(config, run, manager, latest, loader, total_steps, console, verbose)
+        import_tensorflow(verbose=verbose)
+        plan, recompute_stages = preflight(config, recompute_stages, force=force, console=console)
+        return _run(config, run, manager, latest, loader, total_steps, console, verbose, recompute_stages, plan)
     finally:
         loader.close()
 
 
-def _run(config, run, manager, latest, loader, total_steps, console, verbose) -> TrainResult:
+def preflight(config: ExperimentConfig, recompute_stages: list[str] | None, *, force: bool,
+              console: Console) -> tuple[dict, list[str]]:
+    """Estimate the footprint, choose the recomputed stages, and refuse a job that cannot fit."""
+    from bigmem.memory.estimate import estimate
+    from bigmem.memory.planner import Planner, available_memory_bytes, check_fits
+    from bigmem.memory.profile import counts_function, stages_for
+    from bigmem.units import format_bytes
+
+    volume = config.data.volume
+    shape = (volume,) * 3
+    counts_for = counts_function(config)
+    counts = counts_for(shape)
+    if config.train.memory_budget_bytes is not None:
+        budget, source = config.train.memory_budget_bytes, "--memory-budget"
+    else:
+        budget, source = available_memory_bytes(), "MemAvailable"
+    if recompute_stages is None:
+        if config.train.recompute is Recompute.AUTO:
+            chosen = Planner(config, counts_for, budget).fewest_recomputed_stages(
+                volume, config.train.batch_size, config.train.precision)
+            recompute_stages = chosen.recompute_stages
+        else:
+            recompute_stages = stages_for(config, counts)
+    predicted = estimate(config, counts, shape, recompute_stages=recompute_stages)
+    if not force:
+        check_fits(predicted, config, counts_for, budget, source, volume)
+    fits = predicted.predicted_peak_bytes <= budget
+    console.print(f"Memory: predicted peak {format_bytes(predicted.predicted_peak_bytes)} of a "
+                  f"{format_bytes(budget)} budget ({source})" + ("" if fits else " - over budget, forced")
+                  + (f"; recomputing {len(recompute_stages)} stages" if recompute_stages else ""))
+    plan = {"fits": fits, "budget_bytes": budget, "budget_source": source, "forced": force and not fits,
+            "predicted_peak_bytes": predicted.predicted_peak_bytes,
+            "chosen": {"volume": volume, "batch_size": config.train.batch_size,
+                       "precision": config.train.precision.value, "recompute": config.train.recompute.value,
+                       "recompute_stages": list(recompute_stages)},
+            "components": predicted.components, "calibration": predicted.calibration.to_dict(),
+            "candidates": [{"volume": volume, "batch_size": config.train.batch_size,
+                            "precision": config.train.precision.value, "recompute": config.train.recompute.value,
+                            "predicted_peak_bytes": predicted.predicted_peak_bytes, "fits": fits}]}
+    return plan, list(recompute_stages)
+
+
+def _run(config, run, manager, latest, loader, total_steps, console, verbose, recompute_stages=None,
+         plan=None) -> TrainResult:
     tf = import_tensorflow(verbose=verbose)
     import keras
 
@@ -145,6 +196,9 @@ def _run(config, run, manager, latest, loader, total_steps, console, verbose) ->
     keras.utils.set_random_seed(config.train.seed)
     policy = "mixed_bfloat16" if config.train.precision is Precision.BF16 else "float32"
     model = UNet3D(config.model, dtype=policy, name="unet3d").build_for()
+    if recompute_stages is None:
+        recompute_stages = model.stage_names if config.train.recompute is Recompute.STAGES else []
+    model.set_recompute(recompute_stages)
     schedule = WarmupPolynomialDecay(config.train.lr, total_steps, config.train.warmup_steps,
                                      config.train.lr_decay_power, config.train.end_lr)
     optimizer = make_optimizer(config, schedule)
@@ -159,6 +213,8 @@ def _run(config, run, manager, latest, loader, total_steps, console, verbose) ->
     run.path.mkdir(parents=True, exist_ok=True)
     atomic_write_json(run.config, {**config.to_dict(), "total_steps": total_steps})
     atomic_write_json(run.sysinfo, collect_sysinfo())
+    if plan is not None:
+        atomic_write_json(run.path / "plan.json", plan)
     console.print(f"bigmem train: {config.model.name} ({model.count_params():,} parameters), "
                   f"{loader.batch_size} x {loader.volume}^3 whole volumes, {config.train.precision.value}, "
                   f"{total_steps} steps -> {run.path}")

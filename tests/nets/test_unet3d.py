@@ -112,12 +112,17 @@ def _size(t) -> int:
 
 
 def test_conv_norm_act_counts_its_tensors():
-    block = ConvNormAct(6, strides=2)
+    fused = ConvNormAct(6, strides=2)  # instance norm + ReLU in one layer: conv out, norm-act out
     x = np.zeros((1, 8, 10, 12, 3), np.float32)
-    conv = block.conv(x)
-    norm = block.norm_layer(conv)
-    act = block.act(norm)
-    assert block.feature_map_elements((8, 10, 12)) == _size(conv) + _size(norm) + _size(act) == 3 * 6 * 4 * 5 * 6
+    conv = fused.conv(x)
+    out = fused.norm_layer(conv)
+    assert fused.act is None
+    assert fused.feature_map_elements((8, 10, 12)) == _size(conv) + _size(out) == 2 * 6 * 4 * 5 * 6
+    batch = ConvNormAct(6, strides=2, norm="batch")  # conv out, norm out, activation out
+    conv = batch.conv(x)
+    norm = batch.norm_layer(conv)
+    act = batch.act(norm)
+    assert batch.feature_map_elements((8, 10, 12)) == _size(conv) + _size(norm) + _size(act) == 3 * 6 * 4 * 5 * 6
 
 
 def test_residual_block_counts_its_tensors():

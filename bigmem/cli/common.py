@@ -1,0 +1,48 @@
+"""Flags shared by train, profile and plan: the same names map to the same config fields."""
+
+from __future__ import annotations
+
+from bigmem.errors import UsageError
+
+PRESET_HELP = "preset name (tiny, small, intelai-brats, kits19) or a .toml file (default: small)"
+
+
+def add_model_flags(parser, *, volume_help: str) -> None:
+    group = parser.add_argument_group("model and shape")
+    group.add_argument("--model", metavar="PRESET", default=None, help=PRESET_HELP)
+    group.add_argument("--volume", type=int, metavar="N", help=volume_help)
+    group.add_argument("--batch-size", type=int, metavar="B", help="volumes per step (default: the preset's)")
+    group.add_argument("--optimizer", choices=["sgd", "adam"],
+                       help="SGD with Nesterov momentum (1 slot per weight), or Adam (2 slots)")
+
+
+def add_memory_flags(parser, *, auto: bool = True) -> None:
+    group = parser.add_argument_group("memory")
+    group.add_argument("--precision", choices=["fp32", "bf16"],
+                       help="fp32, or bf16 mixed precision (Keras mixed_bfloat16; weights stay fp32)")
+    choices = ["none", "stages", "auto"] if auto else ["none", "stages"]
+    group.add_argument("--recompute", choices=choices,
+                       help="none: keep every activation for backward; stages: keep only each encoder/decoder "
+                            "stage's output and recompute the rest in backward (less memory, ~25%% more compute)"
+                       + ("; auto: the fewest recomputed stages that fit the memory budget" if auto else ""))
+
+
+def model_overrides(args) -> dict:
+    """The config sections set by the shared flags (only those the user gave)."""
+    sections = {
+        "data": {"volume": getattr(args, "volume", None)},
+        "train": {"batch_size": getattr(args, "batch_size", None), "optimizer": getattr(args, "optimizer", None),
+                  "precision": getattr(args, "precision", None), "recompute": getattr(args, "recompute", None)},
+    }
+    return {name: {k: v for k, v in values.items() if v is not None} for name, values in sections.items()}
+
+
+def parse_shape(text: str) -> tuple[int, int, int]:
+    """'240,240,144' -> (240, 240, 144)."""
+    try:
+        shape = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        shape = ()
+    if len(shape) != 3 or min(shape) < 1:
+        raise UsageError(f"Invalid --shape {text!r}: expected three positive integers D,H,W such as 240,240,144.")
+    return shape  # type: ignore[return-value]

@@ -1,0 +1,80 @@
+"""``bigmem plan``: the largest whole volume, then batch, that fits a memory budget."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from bigmem.cli.common import add_model_flags, model_overrides
+from bigmem.errors import InsufficientMemoryError
+
+HELP = "find the largest volume and batch that fit a memory budget"
+
+DESCRIPTION = """\
+Search the largest whole volume (a multiple of 2^depth), then the largest batch, whose predicted
+peak fits the budget, trying fp32 and bf16, with and without stage recomputation (preferring, on
+a tie, full precision and no recomputation). Writes plan.json with every candidate evaluated.
+Give --volume and/or --batch-size to fix them. Exit code 3 when nothing fits.
+"""
+
+
+def register(subparsers, parents) -> None:
+    parser = subparsers.add_parser("plan", help=HELP, description=DESCRIPTION, parents=parents,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--budget", metavar="SIZE", help="memory budget, e.g. 1.5TiB (default: MemAvailable)")
+    add_model_flags(parser, volume_help="fix the volume edge and search the batch size")
+    parser.add_argument("--out", metavar="PLAN.json", default="plan.json", help="where to write the plan "
+                                                                                  "(default: ./plan.json)")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.set_defaults(run=run)
+
+
+def run(args) -> int:
+    from bigmem.tfenv import import_tensorflow
+
+    import_tensorflow(verbose=getattr(args, "verbose", False))  # quietly, before anything imports Keras
+    from rich.console import Console
+    from rich.table import Table
+
+    from bigmem.config.presets import resolve_config
+    from bigmem.memory.planner import available_memory_bytes, make_plan
+    from bigmem.memory.profile import counts_function
+    from bigmem.rundir import atomic_write_json
+    from bigmem.units import format_bytes, parse_bytes
+
+    overrides = model_overrides(args)
+    fixed_batch = overrides["train"].get("batch_size")
+    config = resolve_config(args.model or "small", overrides)
+    if args.budget:
+        budget, source = parse_bytes(args.budget, flag="--budget"), "--budget"
+    else:
+        budget, source = available_memory_bytes(), "MemAvailable"
+    counts_for = counts_function(config)
+    plan = make_plan(config, counts_for, budget, budget_source=source, volume=args.volume, batch_size=fixed_batch)
+    atomic_write_json(Path(args.out), plan.to_dict())
+    if args.json:
+        print(json.dumps(plan.to_dict(), indent=2))
+    else:
+        console = Console(soft_wrap=True)
+        table = Table(title=f"{config.model.name} within {format_bytes(budget)} ({source})")
+        for column in ("precision", "recompute", "largest volume", "batch", "predicted peak", "voxels vs fp32"):
+            table.add_column(column, justify="right")
+        base = next((c for c in plan.best_per_mode if (c.precision, c.recompute) == ("fp32", "none")), None)
+        for c in plan.best_per_mode:
+            ratio = f"{(c.volume ** 3 * c.batch_size) / (base.volume ** 3 * base.batch_size):.2f}x" if base else "-"
+            mark = " *" if c is plan.chosen else ""
+            table.add_row(c.precision, c.recompute, f"{c.volume}^3{mark}", str(c.batch_size),
+                          format_bytes(c.predicted_peak_bytes), ratio)
+        console.print(table)
+        if plan.chosen:
+            console.print(f"chosen: --volume {plan.chosen.volume} --batch-size {plan.chosen.batch_size} "
+                          f"{plan.chosen.flags()}".rstrip() + f" (est. {format_bytes(plan.chosen.predicted_peak_bytes)});"
+                          f" {len(plan.candidates)} candidates in {args.out}")
+    if not plan.fits:
+        c = plan.closest
+        raise InsufficientMemoryError(
+            f"Nothing fits {format_bytes(budget)} ({source}): the closest candidate, {c.volume}^3 x batch "
+            f"{c.batch_size} {c.precision} recompute {c.recompute}, needs {format_bytes(c.predicted_peak_bytes)}.",
+            c.predicted_peak_bytes, budget)
+    return 0

@@ -1,0 +1,1 @@
+"""Memory footprint: estimate, measurement, calibration and planning."""

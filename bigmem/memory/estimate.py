@@ -1,0 +1,148 @@
+"""Predicted peak resident memory of a training step, per component, before anything is allocated.
+
+The model follows nnU-Net's planner: each block counts its own feature-map elements
+(``UNet3D.block_feature_map_elements``) and the estimate sums blocks. What the framework keeps
+beyond those tensors (gradient buffers in flight, allocator slack) depends on the machine and
+the TensorFlow version, so it is a *calibrated* multiplier and fixed overhead (calibration.py),
+never a guess.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from bigmem.config.options import OptimizerName, Precision, Recompute
+from bigmem.config.schema import ExperimentConfig
+from bigmem.memory.calibration import Calibration, lookup_calibration
+
+FLOAT32_BYTES = 4
+BFLOAT16_BYTES = 2
+LABEL_BYTES = 1  # labels travel as uint8
+# Keras optimizer slots per trainable weight: SGD momentum keeps 1 (velocity), Adam 2 (m, v).
+OPTIMIZER_SLOTS = {OptimizerName.SGD: 1, OptimizerName.ADAM: 2}
+# HDF5's default raw-data chunk cache is 1 MiB per open dataset (H5Pset_chunk_cache default
+# rdcc_nbytes); a reader holds two datasets (image, label) open at a time.
+HDF5_CHUNK_CACHE_BYTES = 1 << 20
+# In the backward pass of the largest block three tensors of its largest shape are live at once
+# in float32 (the incoming gradient, the recomputed normalised input, the outgoing gradient).
+WORKSPACE_TENSORS = 3
+# The input pipeline holds `prefetch` finished batches, the batch the step consumes and the one
+# being assembled.
+PIPELINE_EXTRA_BATCHES = 2
+
+
+@dataclass
+class Estimate:
+    """A footprint prediction: bytes per component and what it assumed."""
+
+    components: dict[str, int]
+    param_count: int
+    spatial_shape: tuple[int, int, int]
+    batch_size: int
+    precision: str
+    recompute_stages: list[str]
+    calibration: Calibration
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def predicted_peak_bytes(self) -> int:
+        return sum(self.components.values())
+
+    def to_dict(self) -> dict:
+        return {
+            "predicted_peak_bytes": self.predicted_peak_bytes,
+            "components": dict(self.components),
+            "param_count": self.param_count,
+            "spatial_shape": list(self.spatial_shape),
+            "batch_size": self.batch_size,
+            "precision": self.precision,
+            "recompute_stages": list(self.recompute_stages),
+            "calibration": self.calibration.to_dict(),
+        }
+
+
+@dataclass(frozen=True)
+class NetworkCounts:
+    """What the estimator needs from a built UNet3D, per sample and for one spatial shape."""
+
+    param_count: int
+    trainable_count: int
+    block_elements: dict[str, int]  # every tensor each block creates
+    block_outputs: dict[str, int]  # the block's output alone (what a recomputed stage keeps)
+    largest_tensor: int  # elements of the largest single feature map
+    head_elements: int
+
+    @classmethod
+    def from_model(cls, model, spatial_shape: Sequence[int]) -> "NetworkCounts":
+        model.build_for()
+        elements = model.block_feature_map_elements(spatial_shape)
+        voxels = math.prod(spatial_shape)
+        outputs, shape = {}, tuple(spatial_shape)
+        for stage in model.encoder:
+            shape = stage.output_spatial_shape(shape)
+            outputs[stage.name] = stage.filters * math.prod(shape)
+        for stage in model.decoder:
+            shape = stage.output_spatial_shape(shape)
+            outputs[stage.name] = stage.filters * math.prod(shape)
+        cfg = model.model_config
+        # The widest full-resolution tensor: a decoder concat (2 x level-0 filters) or the input.
+        largest = max(2 * cfg.filters[0], cfg.in_channels) * voxels
+        trainable = sum(math.prod(v.shape) for v in model.trainable_weights)
+        return cls(model.count_params(), int(trainable), {k: v for k, v in elements.items() if k != "head"},
+                   outputs, int(largest), int(elements["head"]))
+
+
+def activation_elements(counts: NetworkCounts, recompute: Sequence[str]) -> int:
+    """Feature-map elements kept for backward with the stages in ``recompute`` recomputed.
+
+    A recomputed stage keeps only its output during the forward pass; in backward, one stage at
+    a time is recomputed, so the largest recomputed stage's tensors are added once.
+    """
+    kept = sum(n for name, n in counts.block_elements.items() if name not in recompute)
+    kept += sum(counts.block_outputs[name] for name in recompute)
+    if recompute:
+        kept += max(counts.block_elements[name] for name in recompute)
+    return kept + counts.head_elements
+
+
+def recompute_order(counts: NetworkCounts) -> list[str]:
+    """Stages by how much recomputing them saves (their elements beyond their output), most first."""
+    return sorted(counts.block_elements, key=lambda n: counts.block_outputs[n] - counts.block_elements[n])
+
+
+def estimate(config: ExperimentConfig, counts: NetworkCounts, spatial_shape: Sequence[int], *,
+             recompute_stages: Sequence[str] | None = None, calibration: Calibration | None = None) -> Estimate:
+    """The predicted peak of training ``config`` on ``spatial_shape`` volumes (per component)."""
+    train, data = config.train, config.data
+    batch = train.batch_size
+    precision = train.precision
+    if recompute_stages is None:
+        recompute_stages = list(counts.block_elements) if train.recompute is Recompute.STAGES else []
+    recompute_key = "stages" if recompute_stages else "none"
+    calibration = calibration or lookup_calibration(precision.value, recompute_key)
+    voxels = math.prod(spatial_shape)
+    compute_bytes = BFLOAT16_BYTES if precision is Precision.BF16 else FLOAT32_BYTES
+    channels = config.model.in_channels
+
+    kept = activation_elements(counts, recompute_stages) * batch
+    # The head's logits leave the network in float32 whatever the compute precision.
+    float32_extra = counts.head_elements * batch * (FLOAT32_BYTES - compute_bytes) // 2
+    activation_bytes = kept * compute_bytes + float32_extra
+    components = {
+        "framework": calibration.framework_bytes,
+        "weights": counts.param_count * FLOAT32_BYTES,
+        "gradients": counts.trainable_count * FLOAT32_BYTES,
+        "optimizer_slots": OPTIMIZER_SLOTS[train.optimizer] * counts.trainable_count * FLOAT32_BYTES,
+        "activations": int(round(calibration.activation_scale * activation_bytes)),
+        "workspace": WORKSPACE_TENSORS * counts.largest_tensor * batch * FLOAT32_BYTES,
+        "input_pipeline": (data.prefetch + PIPELINE_EXTRA_BATCHES) * batch * voxels
+                          * (channels * FLOAT32_BYTES + LABEL_BYTES),
+        "hdf5_chunk_cache": 2 * HDF5_CHUNK_CACHE_BYTES * max(1, data.num_workers),
+    }
+    notes = []
+    if data.num_workers:
+        notes.append(f"{data.num_workers} reader processes hold their own memory (not in this process's peak)")
+    return Estimate(components, counts.param_count, tuple(spatial_shape), batch, precision.value,
+                    list(recompute_stages), calibration, notes)

@@ -1,0 +1,49 @@
+"""Measured peak memory: K real training steps of a configuration in a child process."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+
+from bigmem.config.schema import ExperimentConfig
+from bigmem.data.synth import cached_synthetic_store
+from bigmem.errors import BigmemError
+
+
+@dataclass
+class Measurement:
+    peak_bytes: int  # VmHWM of the child: the kernel's peak resident set
+    baseline_bytes: int  # RSS after importing TensorFlow and Keras, before training
+    node_bytes: dict[str, int]  # resident bytes per NUMA node after the steps (numa_maps)
+    step_s: float  # median step time (first, tracing step excluded)
+
+
+def measure(config: ExperimentConfig, *, steps: int = 3, recompute_stages: list[str] | None = None,
+            timeout_s: float = 3600.0) -> Measurement:
+    """Train ``config`` for ``steps`` steps on synthetic volumes of its shape in a fresh process.
+
+    The values of the voxels do not change the footprint, so the measurement uses phantoms of
+    ``config.data.volume`` (cached) rather than the user's store.
+    """
+    config = ExperimentConfig.from_dict(config.to_dict())
+    volume, batch = config.data.volume, config.train.batch_size
+    config.data.store = str(cached_synthetic_store(num_cases=max(2, batch), volume=volume,
+                                                   num_classes=config.model.num_classes))
+    config.train.steps, config.train.epochs = steps, None
+    config.train.checkpoint_every = steps
+    config.train.warmup_steps = min(config.train.warmup_steps, steps)
+    with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="bigmem-probe-") as request:
+        json.dump({"config": config.to_dict(), "recompute_stages": recompute_stages}, request)
+        request.flush()
+        result = subprocess.run([sys.executable, "-m", "bigmem.memory.probe", request.name],
+                                capture_output=True, text=True, timeout=timeout_s)
+    if result.returncode != 0:
+        tail = (result.stderr.strip().splitlines() or ["no output"])[-1]
+        raise BigmemError(f"Measuring {config.model.name} at {volume}^3, batch {batch} failed in the child process "
+                          f"(exit {result.returncode}): {tail}")
+    values = json.loads(result.stdout.strip().splitlines()[-1])
+    return Measurement(int(values["peak_bytes"]), int(values["baseline_bytes"]),
+                       {str(k): int(v) for k, v in values["node_bytes"].items()}, float(values["step_s"]))

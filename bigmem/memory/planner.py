@@ -1,0 +1,207 @@
+"""The planner: the largest whole volume (then batch) whose predicted peak fits a budget.
+
+It chooses between fp32 and bf16 and between keeping and recomputing stage activations, in
+that order of preference (cheaper in compute first), and records every candidate it evaluated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import psutil
+
+from bigmem.config.options import Precision, Recompute
+from bigmem.config.schema import ExperimentConfig
+from bigmem.errors import InsufficientMemoryError
+from bigmem.memory.estimate import Estimate, NetworkCounts, estimate, recompute_order
+from bigmem.units import format_bytes
+
+# Modes in order of preference: on a tie the earlier (less recomputation, full precision) wins.
+MODES: tuple[tuple[Precision, Recompute], ...] = (
+    (Precision.FP32, Recompute.NONE), (Precision.BF16, Recompute.NONE),
+    (Precision.FP32, Recompute.STAGES), (Precision.BF16, Recompute.STAGES),
+)
+MAX_BATCH = 4096
+MAX_VOLUME = 4096  # voxels per edge searched; 4096^3 is 64 Gi voxels
+
+
+def available_memory_bytes() -> int:
+    """MemAvailable: what the kernel says can be allocated without swapping."""
+    return int(psutil.virtual_memory().available)
+
+
+@dataclass
+class Candidate:
+    volume: int
+    batch_size: int
+    precision: str
+    recompute: str
+    predicted_peak_bytes: int
+    fits: bool
+    recompute_stages: list[str] = field(default_factory=list)
+
+    def flags(self) -> str:
+        parts = []
+        if self.recompute != "none":
+            parts.append(f"--recompute {self.recompute}")
+        if self.precision != "fp32":
+            parts.append(f"--precision {self.precision}")
+        return " ".join(parts)
+
+
+@dataclass
+class Plan:
+    fits: bool
+    budget_bytes: int
+    budget_source: str
+    chosen: Candidate | None
+    closest: Candidate
+    candidates: list[Candidate]
+    best_per_mode: list[Candidate]
+
+    @property
+    def predicted_peak_bytes(self) -> int:
+        return (self.chosen or self.closest).predicted_peak_bytes
+
+    def to_dict(self) -> dict:
+        chosen = self.chosen or self.closest
+        return {
+            "fits": self.fits,
+            "budget_bytes": self.budget_bytes,
+            "budget_source": self.budget_source,
+            "predicted_peak_bytes": self.predicted_peak_bytes,
+            "chosen": {"volume": chosen.volume, "batch_size": chosen.batch_size, "precision": chosen.precision,
+                       "recompute": chosen.recompute, "recompute_stages": chosen.recompute_stages} if self.fits
+            else None,
+            "closest": dataclasses.asdict(self.closest),
+            "best_per_mode": [dataclasses.asdict(c) for c in self.best_per_mode],
+            "candidates": [dataclasses.asdict(c) for c in self.candidates],
+        }
+
+
+class Planner:
+    """Evaluates candidates for one model configuration against a budget."""
+
+    def __init__(self, config: ExperimentConfig, counts_for: Callable[[tuple[int, int, int]], NetworkCounts],
+                 budget_bytes: int):
+        self.config = config
+        self.counts_for = counts_for
+        self.budget_bytes = int(budget_bytes)
+        self.divisor = config.model.divisor
+        self.candidates: list[Candidate] = []
+
+    def evaluate(self, volume: int, batch: int, precision: Precision, recompute: Recompute,
+                 stages: Sequence[str] | None = None) -> Candidate:
+        config = dataclasses.replace(self.config, train=dataclasses.replace(
+            self.config.train, batch_size=batch, precision=precision, recompute=recompute))
+        counts = self.counts_for((volume,) * 3)
+        if stages is None:
+            stages = list(counts.block_elements) if recompute is Recompute.STAGES else []
+        result = estimate(config, counts, (volume,) * 3, recompute_stages=stages)
+        candidate = Candidate(volume, batch, precision.value, recompute.value, result.predicted_peak_bytes,
+                              result.predicted_peak_bytes <= self.budget_bytes, list(stages))
+        self.candidates.append(candidate)
+        return candidate
+
+    def _largest(self, fits: Callable[[int], Candidate], upper: int) -> Candidate | None:
+        """Binary search the largest k in [1, upper] whose candidate fits (fits is monotone)."""
+        best, lo, hi = None, 1, upper
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            candidate = fits(mid)
+            if candidate.fits:
+                best, lo = candidate, mid + 1
+            else:
+                hi = mid - 1
+        return best
+
+    def largest_volume(self, precision: Precision, recompute: Recompute) -> Candidate | None:
+        return self._largest(lambda k: self.evaluate(k * self.divisor, 1, precision, recompute),
+                             MAX_VOLUME // self.divisor)
+
+    def largest_batch(self, volume: int, precision: Precision, recompute: Recompute) -> Candidate | None:
+        return self._largest(lambda b: self.evaluate(volume, b, precision, recompute), MAX_BATCH)
+
+    def fewest_recomputed_stages(self, volume: int, batch: int, precision: Precision) -> Candidate:
+        """For --recompute auto: recompute the stages that save most, one more at a time, until it fits."""
+        order = recompute_order(self.counts_for((volume,) * 3))
+        candidate = None
+        for count in range(len(order) + 1):
+            candidate = self.evaluate(volume, batch, precision, Recompute.AUTO, order[:count])
+            if candidate.fits:
+                return candidate
+        return candidate
+
+
+def make_plan(config: ExperimentConfig, counts_for, budget_bytes: int, *, budget_source: str,
+              volume: int | None = None, batch_size: int | None = None) -> Plan:
+    """The largest volume (unless fixed) and then batch (unless fixed) that fit, over all modes."""
+    planner = Planner(config, counts_for, budget_bytes)
+    best_per_mode: list[Candidate] = []
+    for precision, recompute in MODES:
+        if volume is None:
+            best = planner.largest_volume(precision, recompute)
+            if best is not None and batch_size is None:
+                best = planner.largest_batch(best.volume, precision, recompute) or best
+            elif best is not None:
+                best = planner.evaluate(best.volume, batch_size, precision, recompute)
+                if not best.fits:
+                    best = planner._largest(
+                        lambda k: planner.evaluate(k * planner.divisor, batch_size, precision, recompute),
+                        MAX_VOLUME // planner.divisor)
+        elif batch_size is None:
+            best = planner.largest_batch(volume, precision, recompute)
+        else:
+            best = planner.evaluate(volume, batch_size, precision, recompute)
+            best = best if best.fits else None
+        if best is not None:
+            best_per_mode.append(best)
+    chosen = None
+    for candidate in best_per_mode:  # largest volume, then batch; ties keep the earlier mode
+        if chosen is None or (candidate.volume, candidate.batch_size) > (chosen.volume, chosen.batch_size):
+            chosen = candidate
+    closest = chosen or min(planner.candidates, key=lambda c: c.predicted_peak_bytes)
+    if chosen is None and (volume is not None or batch_size is not None):
+        closest = min((c for c in planner.candidates), key=lambda c: c.predicted_peak_bytes)
+    return Plan(chosen is not None, budget_bytes, budget_source, chosen, closest, planner.candidates, best_per_mode)
+
+
+def cheapest_fix(config: ExperimentConfig, counts_for, budget_bytes: int, volume: int, batch: int) -> str:
+    """A sentence naming the cheapest change that makes ``volume``/``batch`` fit, or what does."""
+    planner = Planner(config, counts_for, budget_bytes)
+    for precision, recompute in MODES:
+        candidate = planner.evaluate(volume, batch, precision, recompute)
+        if candidate.fits:
+            return f"use {candidate.flags()} (est. {format_bytes(candidate.predicted_peak_bytes)})"
+    precision, recompute = MODES[-1]
+    if batch > 1:
+        smaller = planner._largest(lambda b: planner.evaluate(volume, b, precision, recompute), batch - 1)
+        if smaller is not None:
+            return (f"use --batch-size {smaller.batch_size} {smaller.flags()} "
+                    f"(est. {format_bytes(smaller.predicted_peak_bytes)})")
+    largest = planner.largest_volume(precision, recompute)
+    if largest is not None:
+        return (f"the largest volume that fits is --volume {largest.volume} --batch-size 1 {largest.flags()} "
+                f"(est. {format_bytes(largest.predicted_peak_bytes)})")
+    return "nothing fits, not even the smallest volume; raise --memory-budget or free memory"
+
+
+def check_fits(estimated: Estimate, config: ExperimentConfig, counts_for, budget_bytes: int, budget_source: str,
+               volume: int) -> None:
+    """Raise InsufficientMemoryError (exit 3) unless the estimate fits the budget."""
+    required = estimated.predicted_peak_bytes
+    if required <= budget_bytes:
+        return
+    fix = cheapest_fix(config, counts_for, budget_bytes, volume, config.train.batch_size)
+    mode = config.train.precision.value + (f", recompute {config.train.recompute.value}"
+                                           if config.train.recompute is not Recompute.NONE else "")
+    raise InsufficientMemoryError(
+        f"Predicted peak {format_bytes(required)} for {config.model.name} at {volume}^3 x batch "
+        f"{config.train.batch_size} ({mode}) exceeds the memory budget {format_bytes(budget_bytes)} "
+        f"({budget_source}): {fix}; or pass --force to try anyway.", required, budget_bytes)
+
+
+__all__ = ["Candidate", "Plan", "Planner", "available_memory_bytes", "check_fits",
+           "cheapest_fix", "make_plan"]

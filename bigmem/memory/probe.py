@@ -1,0 +1,54 @@
+"""Child process that trains a configuration for a few steps and reports its peak memory.
+
+Run as ``python -m bigmem.memory.probe REQUEST.json``; prints one JSON line. A fresh process per
+configuration, so one measurement's peak never leaks into the next (DESIGN.md).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import statistics
+import sys
+import tempfile
+
+from rich.console import Console
+
+from bigmem.config.schema import ExperimentConfig
+from bigmem.memory.procfs import node_resident_bytes, peak_rss_bytes, rss_bytes
+from bigmem.rundir import read_jsonl
+from bigmem.tfenv import import_tensorflow
+
+
+def probe(request: dict) -> dict:
+    config = ExperimentConfig.from_dict(request["config"], source="probe request")
+    import_tensorflow()
+    import keras  # noqa: F401  (part of the framework's fixed cost, as in a real run)
+
+    baseline_bytes = rss_bytes()
+    from bigmem.train.trainer import train
+
+    with tempfile.TemporaryDirectory(prefix="bigmem-probe-") as run_dir:
+        train(config, f"{run_dir}/run", console=Console(file=io.StringIO()),
+              recompute_stages=request.get("recompute_stages"))
+        rows = read_jsonl(f"{run_dir}/run/metrics.jsonl")
+    step_s = [r["step_s"] for r in rows[1:]] or [rows[0]["step_s"]]
+    return {
+        "peak_bytes": peak_rss_bytes(),
+        "baseline_bytes": baseline_bytes,
+        "node_bytes": {str(k): v for k, v in node_resident_bytes().items()},
+        "steps": len(rows),
+        "step_s": statistics.median(step_s),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    with open(argv[0]) as handle:
+        request = json.load(handle)
+    print(json.dumps(probe(request)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""``bigmem profile``'s API: predicted breakdown, measured peak, size sweeps and calibration."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from bigmem.config.options import Recompute
+from bigmem.config.schema import ExperimentConfig
+from bigmem.memory.calibration import Calibration, fit_calibration, fit_line, save_calibration
+from bigmem.memory.estimate import Estimate, NetworkCounts, estimate
+from bigmem.memory.measure import Measurement, measure
+
+TEBIBYTE = 2**40
+
+
+def counts_function(config: ExperimentConfig) -> Callable[[tuple[int, int, int]], NetworkCounts]:
+    """Build the network once (weights only; no activation is allocated) and count any shape."""
+    from bigmem.tfenv import import_tensorflow
+
+    import_tensorflow()
+    from bigmem.nets.unet3d import UNet3D
+
+    model = UNet3D(config.model).build_for()
+    return lambda shape: NetworkCounts.from_model(model, shape)
+
+
+def stages_for(config: ExperimentConfig, counts: NetworkCounts) -> list[str]:
+    return list(counts.block_elements) if config.train.recompute is Recompute.STAGES else []
+
+
+@dataclass
+class ProfileResult:
+    estimate: Estimate
+    measurement: Measurement | None
+
+    @property
+    def error_pct(self) -> float | None:
+        if self.measurement is None:
+            return None
+        measured = self.measurement.peak_bytes
+        return 100.0 * (self.estimate.predicted_peak_bytes - measured) / measured
+
+    def to_dict(self) -> dict:
+        data = self.estimate.to_dict()
+        data["measured_peak_bytes"] = self.measurement.peak_bytes if self.measurement else None
+        data["error_pct"] = None if self.error_pct is None else round(self.error_pct, 2)
+        if self.measurement:
+            data["measured_node_bytes"] = self.measurement.node_bytes
+            data["measured_step_s"] = self.measurement.step_s
+        return data
+
+
+def profile(config: ExperimentConfig, shape: Sequence[int], counts_for, *, do_measure: bool = False,
+            steps: int = 3, recompute_stages: list[str] | None = None) -> ProfileResult:
+    counts = counts_for(tuple(shape))
+    stages = recompute_stages if recompute_stages is not None else stages_for(config, counts)
+    predicted = estimate(config, counts, shape, recompute_stages=stages)
+    measured = measure(config, steps=steps, recompute_stages=stages) if do_measure else None
+    return ProfileResult(predicted, measured)
+
+
+def _with_volume(config: ExperimentConfig, volume: int) -> ExperimentConfig:
+    again = ExperimentConfig.from_dict(config.to_dict())
+    again.data.volume = volume
+    return again
+
+
+@dataclass
+class ScalingLaw:
+    """peak_bytes = fixed_bytes + bytes_per_voxel * voxels (fitted on measured points)."""
+
+    fixed_bytes: float
+    bytes_per_voxel: float
+
+    def peak_at(self, volume: int) -> float:
+        return self.fixed_bytes + self.bytes_per_voxel * volume**3
+
+    def volume_reaching(self, peak_bytes: float) -> float:
+        return ((peak_bytes - self.fixed_bytes) / self.bytes_per_voxel) ** (1 / 3)
+
+    def to_dict(self) -> dict:
+        return {"fixed_bytes": int(self.fixed_bytes), "bytes_per_voxel": self.bytes_per_voxel,
+                "peak_bytes_at_512": int(self.peak_at(512)),
+                "volume_reaching_1TiB": round(self.volume_reaching(TEBIBYTE), 1)}
+
+
+def sweep(config: ExperimentConfig, volumes: Sequence[int], counts_for, *, steps: int = 3,
+          progress: Callable[[int], None] | None = None) -> tuple[list[ProfileResult], ScalingLaw]:
+    """Measure and predict each volume; fit the measured peaks against voxels."""
+    results = []
+    for volume in volumes:
+        if progress:
+            progress(volume)
+        results.append(profile(_with_volume(config, volume), (volume,) * 3, counts_for, do_measure=True, steps=steps))
+    voxels = [math.prod(r.estimate.spatial_shape) for r in results]
+    slope, intercept = fit_line(voxels, [r.measurement.peak_bytes for r in results])
+    return results, ScalingLaw(intercept, slope)
+
+
+def calibrate(config: ExperimentConfig, volumes: Sequence[int], counts_for, *, steps: int = 3,
+              progress: Callable[[int], None] | None = None, save: bool = True) -> tuple[Calibration, list]:
+    """Measure ``volumes`` and fit this machine's calibration for the config's precision/recompute."""
+    unit = Calibration(1.0, 0, "unit")
+    points = []
+    for volume in volumes:
+        if progress:
+            progress(volume)
+        sized = _with_volume(config, volume)
+        counts = counts_for((volume,) * 3)
+        stages = stages_for(sized, counts)
+        raw = estimate(sized, counts, (volume,) * 3, recompute_stages=stages, calibration=unit)
+        measured = measure(sized, steps=steps, recompute_stages=stages)
+        points.append({"volume": volume, "counted_activation_bytes": raw.components["activations"],
+                       "exact_bytes": raw.predicted_peak_bytes - raw.components["activations"],
+                       "measured_peak_bytes": measured.peak_bytes})
+    recompute = "stages" if config.train.recompute is Recompute.STAGES else "none"
+    calibration = fit_calibration(config.train.precision.value, recompute, points)
+    if save:
+        save_calibration(calibration)
+    return calibration, points

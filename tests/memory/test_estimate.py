@@ -1,0 +1,91 @@
+"""The estimator's arithmetic, component by component, on the tiny preset."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from bigmem.config import resolve_config
+from bigmem.memory.calibration import Calibration
+from bigmem.memory.estimate import (
+    FLOAT32_BYTES, HDF5_CHUNK_CACHE_BYTES, NetworkCounts, activation_elements, estimate, recompute_order,
+)
+from bigmem.nets.unet3d import UNet3D
+
+UNIT = Calibration(activation_scale=1.0, framework_bytes=1000, source="test")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return UNet3D(resolve_config("tiny").model).build_for()
+
+
+def _config(**train):
+    return resolve_config("tiny", {"train": train})
+
+
+def test_exact_components(model):
+    counts = NetworkCounts.from_model(model, (16, 16, 16))
+    config = _config(batch_size=2, optimizer="adam")
+    result = estimate(config, counts, (16, 16, 16), calibration=UNIT)
+    c = result.components
+    assert c["framework"] == 1000
+    assert c["weights"] == 10_135 * FLOAT32_BYTES
+    assert c["gradients"] == counts.trainable_count * FLOAT32_BYTES
+    assert c["optimizer_slots"] == 2 * counts.trainable_count * FLOAT32_BYTES
+    assert estimate(_config(batch_size=2, optimizer="sgd"), counts, (16,) * 3,
+                    calibration=UNIT).components["optimizer_slots"] == counts.trainable_count * FLOAT32_BYTES
+    # prefetch 2 + 2 batches of 2 volumes, 16^3 voxels, 1 float32 channel + a uint8 label
+    assert c["input_pipeline"] == 4 * 2 * 4096 * 5
+    assert c["hdf5_chunk_cache"] == 2 * HDF5_CHUNK_CACHE_BYTES
+    # the widest full-resolution tensor is the decoder concat: 2 x 4 filters
+    assert c["workspace"] == 3 * 8 * 4096 * 2 * FLOAT32_BYTES
+    assert c["activations"] == model.feature_map_elements((16,) * 3) * 2 * FLOAT32_BYTES
+    assert result.predicted_peak_bytes == sum(c.values())
+
+
+def test_activations_scale_with_voxels_batch_and_calibration(model):
+    config = _config(batch_size=1)
+    small = estimate(config, NetworkCounts.from_model(model, (16,) * 3), (16,) * 3, calibration=UNIT)
+    big = estimate(config, NetworkCounts.from_model(model, (32,) * 3), (32,) * 3, calibration=UNIT)
+    assert big.components["activations"] == 8 * small.components["activations"]
+    scaled = estimate(config, NetworkCounts.from_model(model, (16,) * 3), (16,) * 3,
+                      calibration=Calibration(1.5, 1000, "test"))
+    assert scaled.components["activations"] == pytest.approx(1.5 * small.components["activations"], abs=1)
+
+
+def test_bf16_halves_all_but_the_float32_logits(model):
+    counts = NetworkCounts.from_model(model, (16,) * 3)
+    fp32 = estimate(_config(batch_size=1), counts, (16,) * 3, calibration=UNIT).components["activations"]
+    bf16 = estimate(_config(batch_size=1, precision="bf16"), counts, (16,) * 3, calibration=UNIT)
+    head = counts.head_elements  # conv output (bf16) + float32 logits: 3 bytes per element pair on average
+    assert bf16.components["activations"] == (fp32 - head * 4) // 2 + head * 3
+
+
+def test_recompute_keeps_outputs_plus_the_largest_stage(model):
+    counts = NetworkCounts.from_model(model, (16,) * 3)
+    every = list(counts.block_elements)
+    kept = activation_elements(counts, every)
+    assert kept == (sum(counts.block_outputs.values()) + max(counts.block_elements.values())
+                    + counts.head_elements)
+    assert kept < activation_elements(counts, [])
+    full = estimate(_config(batch_size=1, recompute="stages"), counts, (16,) * 3, calibration=UNIT)
+    assert full.recompute_stages == every
+    assert full.components["activations"] == kept * FLOAT32_BYTES
+    # The most profitable stage to recompute is the full-resolution decoder stage.
+    assert recompute_order(counts)[0] == "dec0"
+
+
+def test_non_cubic_shapes(model):
+    counts = NetworkCounts.from_model(model, (8, 12, 20))
+    result = estimate(_config(batch_size=1), counts, (8, 12, 20), calibration=UNIT)
+    assert result.spatial_shape == (8, 12, 20)
+    assert counts.largest_tensor == 8 * math.prod((8, 12, 20))
+
+
+def test_to_dict_names_the_fields(model):
+    result = estimate(_config(), NetworkCounts.from_model(model, (16,) * 3), (16,) * 3, calibration=UNIT)
+    data = result.to_dict()
+    assert data["predicted_peak_bytes"] == sum(data["components"].values())
+    assert data["param_count"] == 10_135 and data["calibration"]["source"] == "test"

@@ -1,0 +1,117 @@
+"""The planner's choices on fake budgets, and the refusal messages."""
+
+from __future__ import annotations
+
+import pytest
+
+from bigmem.config import resolve_config
+from bigmem.errors import InsufficientMemoryError
+from bigmem.memory.calibration import Calibration
+from bigmem.memory.estimate import NetworkCounts, estimate
+from bigmem.memory import planner as planner_module
+from bigmem.memory.planner import Planner, check_fits, cheapest_fix, make_plan
+from bigmem.nets.unet3d import UNet3D
+from bigmem.config.options import Precision, Recompute
+
+FIXED = Calibration(1.0, 100 * 2**20, "test")
+
+
+@pytest.fixture(autouse=True)
+def fixed_calibration(monkeypatch):
+    monkeypatch.setattr("bigmem.memory.estimate.lookup_calibration", lambda precision, recompute: FIXED)
+
+
+@pytest.fixture(scope="module")
+def counts_for():
+    model = UNet3D(resolve_config("small").model).build_for()
+    return lambda shape: NetworkCounts.from_model(model, shape)
+
+
+def _peak(config, counts_for, volume, batch, precision="fp32", recompute="none"):
+    return Planner(config, counts_for, 0).evaluate(volume, batch, Precision(precision),
+                                                   Recompute(recompute)).predicted_peak_bytes
+
+
+def test_largest_volume_per_mode_and_the_choice(counts_for):
+    config = resolve_config("small")
+    budget = 4 * 2**30
+    plan = make_plan(config, counts_for, budget, budget_source="test", batch_size=1)
+    modes = {(c.precision, c.recompute): c for c in plan.best_per_mode}
+    assert set(modes) == {("fp32", "none"), ("bf16", "none"), ("fp32", "stages"), ("bf16", "stages")}
+    for c in plan.best_per_mode:
+        assert c.fits and c.volume % 8 == 0 and c.batch_size == 1
+        assert c.predicted_peak_bytes <= budget
+        assert _peak(config, counts_for, c.volume + 8, 1, c.precision, c.recompute) > budget  # the next size doesn't
+    assert modes[("bf16", "stages")].volume >= modes[("fp32", "none")].volume
+    assert plan.chosen == max(plan.best_per_mode, key=lambda c: c.volume)
+    data = plan.to_dict()
+    assert data["fits"] and data["budget_bytes"] == budget and len(data["candidates"]) == len(plan.candidates)
+    assert data["chosen"]["volume"] == plan.chosen.volume
+
+
+def test_fixed_volume_searches_the_batch(counts_for):
+    config = resolve_config("small")
+    budget = 3 * 2**30
+    plan = make_plan(config, counts_for, budget, budget_source="test", volume=64)
+    assert all(c.volume == 64 for c in plan.best_per_mode)
+    best = plan.chosen
+    assert _peak(config, counts_for, 64, best.batch_size + 1, best.precision, best.recompute) > budget
+    assert best.batch_size > 1
+
+
+def test_ties_prefer_full_precision_without_recompute(counts_for):
+    config = resolve_config("small")
+    plan = make_plan(config, counts_for, 2**50, budget_source="huge", volume=32, batch_size=1)
+    assert (plan.chosen.precision, plan.chosen.recompute) == ("fp32", "none")
+
+
+def test_nothing_fits(counts_for):
+    config = resolve_config("small")
+    plan = make_plan(config, counts_for, 10 * 2**20, budget_source="test")
+    assert not plan.fits and plan.chosen is None
+    assert plan.closest.predicted_peak_bytes == min(c.predicted_peak_bytes for c in plan.candidates)
+    assert plan.to_dict()["chosen"] is None
+
+
+def test_cheapest_fix_names_the_first_mode_that_fits(counts_for):
+    config = resolve_config("small", {"train": {"batch_size": 1}})
+    fp32 = _peak(config, counts_for, 128, 1)
+    bf16 = _peak(config, counts_for, 128, 1, "bf16")
+    assert bf16 < fp32
+    budget = (bf16 + fp32) // 2
+    fix = cheapest_fix(config, counts_for, budget, 128, 1)
+    assert fix.startswith("use --precision bf16 (est. ")
+    counts = counts_for((128,) * 3)
+    with pytest.raises(InsufficientMemoryError) as info:
+        check_fits(estimate(config, counts, (128,) * 3), config, counts_for, budget, "test", 128)
+    assert info.value.required_bytes == fp32 and info.value.available_bytes == budget
+    assert str(info.value).startswith("Predicted peak ")
+    assert "for small at 128^3 x batch 1 (fp32) exceeds the memory budget" in str(info.value)
+    assert str(info.value).endswith("(test): " + fix + "; or pass --force to try anyway.")
+
+
+def test_cheapest_fix_falls_back_to_a_smaller_volume(counts_for):
+    config = resolve_config("small", {"train": {"batch_size": 1}})
+    fix = cheapest_fix(config, counts_for, 2 * 2**30, 512, 1)
+    assert fix.startswith("the largest volume that fits is --volume ")
+    assert "--batch-size 1 --recompute stages --precision bf16 (est. " in fix
+    assert cheapest_fix(config, counts_for, 2**20, 512, 1) == ("nothing fits, not even the smallest volume; raise "
+                                                               "--memory-budget or free memory")
+
+
+def test_auto_recomputes_the_fewest_stages(counts_for):
+    config = resolve_config("small", {"train": {"batch_size": 1}})
+    none = _peak(config, counts_for, 128, 1)
+    stages = _peak(config, counts_for, 128, 1, recompute="stages")
+    planner = Planner(config, counts_for, (none + stages) // 2)
+    chosen = planner.fewest_recomputed_stages(128, 1, Precision.FP32)
+    assert chosen.fits and 1 <= len(chosen.recompute_stages) < 7
+    assert chosen.recompute_stages[0] == "dec0"
+    fewer = planner.evaluate(128, 1, Precision.FP32, Recompute.AUTO, chosen.recompute_stages[:-1])
+    assert not fewer.fits
+
+
+def test_available_memory_is_memavailable():
+    import psutil
+
+    assert abs(planner_module.available_memory_bytes() - psutil.virtual_memory().available) < 512 * 2**20

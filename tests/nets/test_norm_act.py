@@ -1,0 +1,79 @@
+"""The fused norm+activation computes what Keras's GroupNormalization + activation compute."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from bigmem.nets.norm_act import NormActivation
+
+REFERENCE_ACTIVATIONS = {
+    "relu": lambda dtype: keras.layers.ReLU(dtype=dtype),
+    "leaky_relu": lambda dtype: keras.layers.LeakyReLU(negative_slope=0.01, dtype=dtype),
+    "linear": lambda dtype: keras.layers.Activation("linear", dtype=dtype),
+}
+# float32 agrees to rounding; bfloat16 keeps 8 bits of mantissa (relative step 2^-8 = 0.004).
+TOLERANCE = {"float32": 1e-5, "mixed_bfloat16": 3e-2}
+# Under bf16 the reference rounds the pre-activation to bf16 before testing its sign, the fused
+# layer tests it in float32: an element right at the activation's kink may take the other slope.
+KINK_FRACTION = {"float32": 0.0, "mixed_bfloat16": 0.005}
+# gamma/beta gradients are sums over a channel: one kink element moves them by its whole |dy|.
+PARAMETER_TOLERANCE = {"float32": 1e-5, "mixed_bfloat16": 0.1}
+
+
+def _assert_close(got, want, tol, allowed_fraction):
+    got = np.asarray(tf.cast(got, tf.float32))
+    want = np.asarray(tf.cast(want, tf.float32))
+    outside = np.abs(got - want) > tol * max(float(np.abs(want).max()), 1e-12)
+    assert outside.mean() <= allowed_fraction, (outside.sum(), outside.size)
+
+
+def _run(layer_fn, x, weights, variables):
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        y = layer_fn(x)
+        loss = tf.reduce_sum(tf.cast(y, tf.float32) * weights)
+    return y, tape.gradient(loss, [x, *variables])
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
+@pytest.mark.parametrize("groups, activation", [(-1, "relu"), (2, "leaky_relu"), (-1, "linear"), (4, "relu")])
+def test_matches_keras_group_norm(policy, groups, activation):
+    rng = np.random.default_rng(0)
+    x = tf.constant(rng.normal(1.0, 3.0, (2, 5, 6, 7, 4)).astype(np.float32))
+    weights = tf.constant(rng.normal(size=x.shape).astype(np.float32))
+    gamma = rng.uniform(0.5, 1.5, 4).astype(np.float32)
+    beta = rng.uniform(-0.5, 0.5, 4).astype(np.float32)
+    fused = NormActivation(groups=groups, activation=activation, dtype=policy)
+    # The reference is Keras's float32 math: under bf16 the fused layer must approximate it to bf16 precision.
+    norm = keras.layers.GroupNormalization(groups=groups, epsilon=1e-5, dtype="float32")
+    act = REFERENCE_ACTIVATIONS[activation]("float32")
+    for layer in (fused, norm):
+        layer.build(x.shape)
+        layer.gamma.assign(gamma)
+        layer.beta.assign(beta)
+    y_fused, g_fused = _run(fused, x, weights, [fused.gamma, fused.beta])
+    y_ref, g_ref = _run(lambda t: act(norm(t)), x, weights, [norm.gamma, norm.beta])
+    assert y_fused.dtype == ("bfloat16" if policy == "mixed_bfloat16" else "float32")
+    tol, kink = TOLERANCE[policy], KINK_FRACTION[policy]
+    _assert_close(y_fused, y_ref, tol, kink)
+    _assert_close(g_fused[0], g_ref[0], tol, kink)
+    for got, want in zip(g_fused[1:], g_ref[1:]):
+        _assert_close(got, want, PARAMETER_TOLERANCE[policy], 0.0)
+
+
+def test_zero_init_and_config_round_trip():
+    layer = NormActivation(groups=2, activation="leaky_relu", zero_init=True)
+    layer.build((None, 4, 4, 4, 4))
+    np.testing.assert_array_equal(np.asarray(layer.gamma), 0.0)
+    again = NormActivation.from_config(layer.get_config())
+    assert again.get_config() == layer.get_config()
+
+
+def test_rejects_unknown_activation_and_bad_groups():
+    with pytest.raises(ValueError, match="activation 'gelu' is not one of"):
+        NormActivation(activation="gelu")
+    with pytest.raises(ValueError, match="6 channels cannot be split into 4 groups"):
+        NormActivation(groups=4).build((None, 4, 4, 4, 6))
