@@ -126,7 +126,8 @@ class _Printer:
             table.add_row(name, format_bytes(value), f"{100 * value / total:.1f}%")
         table.add_row("[bold]predicted peak", f"[bold]{format_bytes(total)}", "100.0%")
         self.console.print(table)
-        self.console.print(f"calibration: {est.calibration.source}", style="dim")
+        self.console.print(f"{est.train_flops_per_step / 1e9:,.1f} GFLOP per training step; "
+                           f"calibration: {est.calibration.source}", style="dim")
         for note in est.notes:
             self.console.print(f"note: {note}", style="dim")
         if result.measurement is not None:

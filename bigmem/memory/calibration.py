@@ -20,15 +20,16 @@ from typing import Sequence
 from bigmem.data.synth import default_cache_dir
 from bigmem.rundir import atomic_write_json
 
-# Defaults, fitted by `bigmem profile --calibrate --model small` (sizes 32, 64, 96, batch 1) on
-# the development machine: AMD EPYC (2 vCPUs, avx512_bf16), TensorFlow 2.21.0, Keras 3.15.1,
-# 2026-11-30. framework_bytes includes TensorFlow's own ~570 MiB after import.
-DEFAULT_SOURCE = "default (fitted on the bigmem dev machine: AMD EPYC 2 vCPU, TF 2.21.0)"
+# Defaults, fitted by `bigmem profile --model small --batch-size 1 --precision P --recompute R
+# --calibrate 32,64,96,128,160` for each (P, R), in a fresh cache, on the development machine:
+# AMD EPYC (2 vCPUs, avx512_bf16, one NUMA node), TensorFlow 2.21.0, Keras 3.15.1, 2026-11-30.
+# framework_bytes includes TensorFlow's own ~570 MiB resident after import.
+DEFAULT_SOURCE = "default (fitted on the bigmem dev machine: AMD EPYC 2 vCPU, TF 2.21.0, small preset)"
 DEFAULTS: dict[tuple[str, str], tuple[float, int]] = {
-    ("fp32", "none"): (1.25, 690 * 2**20),
-    ("bf16", "none"): (1.35, 690 * 2**20),
-    ("fp32", "stages"): (1.25, 690 * 2**20),
-    ("bf16", "stages"): (1.35, 690 * 2**20),
+    ("fp32", "none"): (0.6404, 729_084_995),
+    ("bf16", "none"): (1.003, 734_430_760),
+    ("fp32", "stages"): (0.5385, 730_397_886),
+    ("bf16", "stages"): (0.8223, 753_278_757),
 }
 
 

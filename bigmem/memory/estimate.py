@@ -25,9 +25,11 @@ OPTIMIZER_SLOTS = {OptimizerName.SGD: 1, OptimizerName.ADAM: 2}
 # HDF5's default raw-data chunk cache is 1 MiB per open dataset (H5Pset_chunk_cache default
 # rdcc_nbytes); a reader holds two datasets (image, label) open at a time.
 HDF5_CHUNK_CACHE_BYTES = 1 << 20
-# In the backward pass of the largest block three tensors of its largest shape are live at once
-# in float32 (the incoming gradient, the recomputed normalised input, the outgoing gradient).
+# In the backward pass of the widest full-resolution block (norm_act.py) three tensors of that
+# shape are live in the compute dtype (the gated gradient dz, a product, the outgoing dx) plus
+# one float32 upcast feeding a reduction.
 WORKSPACE_TENSORS = 3
+WORKSPACE_FLOAT32_TENSORS = 1
 # The input pipeline holds `prefetch` finished batches, the batch the step consumes and the one
 # being assembled.
 PIPELINE_EXTRA_BATCHES = 2
@@ -44,6 +46,7 @@ class Estimate:
     precision: str
     recompute_stages: list[str]
     calibration: Calibration
+    train_flops_per_step: int = 0
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -60,6 +63,7 @@ class Estimate:
             "precision": self.precision,
             "recompute_stages": list(self.recompute_stages),
             "calibration": self.calibration.to_dict(),
+            "train_flops_per_step": self.train_flops_per_step,
         }
 
 
@@ -73,6 +77,7 @@ class NetworkCounts:
     block_outputs: dict[str, int]  # the block's output alone (what a recomputed stage keeps)
     largest_tensor: int  # elements of the largest single feature map
     head_elements: int
+    forward_macs: int = 0  # multiply-adds of one sample's forward pass
 
     @classmethod
     def from_model(cls, model, spatial_shape: Sequence[int]) -> "NetworkCounts":
@@ -91,7 +96,7 @@ class NetworkCounts:
         largest = max(2 * cfg.filters[0], cfg.in_channels) * voxels
         trainable = sum(math.prod(v.shape) for v in model.trainable_weights)
         return cls(model.count_params(), int(trainable), {k: v for k, v in elements.items() if k != "head"},
-                   outputs, int(largest), int(elements["head"]))
+                   outputs, int(largest), int(elements["head"]), int(model.forward_macs(spatial_shape)))
 
 
 def activation_elements(counts: NetworkCounts, recompute: Sequence[str]) -> int:
@@ -136,7 +141,8 @@ def estimate(config: ExperimentConfig, counts: NetworkCounts, spatial_shape: Seq
         "gradients": counts.trainable_count * FLOAT32_BYTES,
         "optimizer_slots": OPTIMIZER_SLOTS[train.optimizer] * counts.trainable_count * FLOAT32_BYTES,
         "activations": int(round(calibration.activation_scale * activation_bytes)),
-        "workspace": WORKSPACE_TENSORS * counts.largest_tensor * batch * FLOAT32_BYTES,
+        "workspace": counts.largest_tensor * batch * (WORKSPACE_TENSORS * compute_bytes
+                                                      + WORKSPACE_FLOAT32_TENSORS * FLOAT32_BYTES),
         "input_pipeline": (data.prefetch + PIPELINE_EXTRA_BATCHES) * batch * voxels
                           * (channels * FLOAT32_BYTES + LABEL_BYTES),
         "hdf5_chunk_cache": 2 * HDF5_CHUNK_CACHE_BYTES * max(1, data.num_workers),
@@ -144,5 +150,8 @@ def estimate(config: ExperimentConfig, counts: NetworkCounts, spatial_shape: Seq
     notes = []
     if data.num_workers:
         notes.append(f"{data.num_workers} reader processes hold their own memory (not in this process's peak)")
+    # Training FLOPs: 2 per multiply-add, backward twice the forward; recomputed stages run their
+    # forward once more (not counted: the figure is the model's arithmetic, not bigmem's overhead).
+    train_flops = 3 * 2 * counts.forward_macs * batch
     return Estimate(components, counts.param_count, tuple(spatial_shape), batch, precision.value,
-                    list(recompute_stages), calibration, notes)
+                    list(recompute_stages), calibration, train_flops, notes)

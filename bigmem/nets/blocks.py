@@ -90,6 +90,11 @@ class _Block(keras.layers.Layer):
     def _out_shape(self, spatial_shape: Shape3D) -> tuple[int, ...]:
         return tuple(s // self.strides for s in spatial_shape)
 
+    @staticmethod
+    def _conv_macs(conv, in_channels: int, out_voxels: int) -> int:
+        """Multiply-adds of a convolution: kernel volume x in x out channels per output voxel."""
+        return math.prod(conv.kernel_size) * in_channels * conv.filters * out_voxels
+
     def get_config(self):
         config = super().get_config()
         config.update(
@@ -125,6 +130,9 @@ class ConvNormAct(_Block):
     def feature_map_elements(self, spatial_shape: Shape3D) -> int:
         tensors = 1 + (self.norm_layer is not None) + (self.act is not None)  # conv, norm(+act), separate act
         return tensors * self.filters * _voxels(self._out_shape(spatial_shape))
+
+    def forward_macs(self, spatial_shape: Shape3D, in_channels: int) -> int:
+        return self._conv_macs(self.conv, in_channels, _voxels(self._out_shape(spatial_shape)))
 
     def get_config(self):
         return {**super().get_config(), "zero_init_scale": self.zero_init_scale}
@@ -170,6 +178,11 @@ class ResidualBlock(_Block):
         second = (1 + has_norm) * out  # conv, norm
         projection = (1 + has_norm) * out if self.needs_projection else 0
         return self.first.feature_map_elements(spatial_shape) + second + projection + 2 * out  # add, act
+
+    def forward_macs(self, spatial_shape: Shape3D, in_channels: int) -> int:
+        out_voxels = _voxels(self._out_shape(spatial_shape))
+        macs = self.first.forward_macs(spatial_shape, in_channels) + self._conv_macs(self.conv, self.filters, out_voxels)
+        return macs + (self._conv_macs(self.proj, in_channels, out_voxels) if self.needs_projection else 0)
 
     def get_config(self):
         return {**super().get_config(), "in_filters": self.in_filters}
@@ -226,6 +239,16 @@ class EncoderStage(_Block):
             spatial_shape = block._out_shape(spatial_shape)
         return total
 
+    def forward_macs(self, spatial_shape: Shape3D) -> int:
+        """Multiply-adds of the stage's convolutions (pooling, norms and activations are not MACs)."""
+        total, channels = 0, self.in_filters
+        if self.pool is not None:
+            spatial_shape = _halved(spatial_shape)
+        for block in self.blocks:
+            total += block.forward_macs(spatial_shape, channels)
+            spatial_shape, channels = block._out_shape(spatial_shape), self.filters
+        return total
+
     def get_config(self):
         return {**super().get_config(), "in_filters": self.in_filters, "num_blocks": self.num_blocks,
                 "downsampling": self.downsampling.value if self.downsampling else None,
@@ -264,6 +287,16 @@ class DecoderStage(_Block):
         total = self.filters * voxels + 2 * self.filters * voxels  # transposed conv out, concat out
         for block in self.blocks:
             total += block.feature_map_elements(out_shape)
+        return total
+
+    def forward_macs(self, spatial_shape: Shape3D) -> int:
+        """``spatial_shape`` is the input's; a 2x2x2 stride-2 transposed conv does in x out MACs per output voxel."""
+        out_voxels = _voxels(self.output_spatial_shape(spatial_shape))
+        total = self.in_filters * self.filters * out_voxels
+        channels = 2 * self.filters
+        for block in self.blocks:
+            total += block.forward_macs(self.output_spatial_shape(spatial_shape), channels)
+            channels = self.filters
         return total
 
     def get_config(self):

@@ -24,44 +24,64 @@ def _grouped(x: tf.Tensor, groups: int) -> tf.Tensor:
 
 
 def fused_norm_activation(x, gamma, beta, *, groups: int, epsilon: float, activation: str, negative_slope: float):
-    """act(gamma * (x - mean) / sqrt(var + eps) + beta), stats over space and each channel group."""
-    channels = x.shape[-1]
+    """act(gamma * (x - mean) / sqrt(var + eps) + beta), stats over space and each channel group.
 
-    def gate(z):
-        if activation == "relu":
-            return tf.nn.relu(z), tf.cast(z > 0, tf.float32)
-        if activation == "leaky_relu":
-            return tf.where(z > 0, z, negative_slope * z), tf.where(z > 0, 1.0, negative_slope)
-        return z, None
+    Statistics and every reduction are float32; the full-size elementwise work runs in x's dtype
+    (bfloat16 under mixed precision), written as an affine map per (sample, channel): forward
+    y = act(x * scale + shift); backward dx = k1 * dz + k2 * x + k3, so only a few tensors of
+    x's size and dtype are ever live.
+    """
+    channels = x.shape[-1]
+    per_group = channels // groups
+    dtype = x.dtype
+
+    def gate_mask(z):
+        return z > tf.zeros((), z.dtype)
 
     @tf.custom_gradient
     def forward(x, gamma, beta):
-        xg = tf.cast(_grouped(x, groups), tf.float32)
-        mean = tf.reduce_mean(xg, axis=(1, 3), keepdims=True)
-        var = tf.reduce_mean(tf.math.squared_difference(xg, mean), axis=(1, 3), keepdims=True)
+        xg = _grouped(x, groups)
+        mean = tf.reduce_mean(tf.cast(xg, tf.float32), axis=(1, 3), keepdims=True)  # (B, 1, G, 1)
+        var = tf.reduce_mean(tf.math.squared_difference(tf.cast(xg, tf.float32), mean), axis=(1, 3), keepdims=True)
         rstd = tf.math.rsqrt(var + epsilon)
-        g = tf.reshape(gamma, (1, 1, groups, channels // groups))
-        b = tf.reshape(beta, (1, 1, groups, channels // groups))
-        y, _ = gate((xg - mean) * rstd * g + b)
-        y = tf.reshape(tf.cast(y, x.dtype), tf.shape(x))
+        g = tf.reshape(gamma, (1, 1, groups, per_group))
+        b = tf.reshape(beta, (1, 1, groups, per_group))
+        scale = g * rstd  # (B, 1, G, Cg)
+        shift = b - scale * mean
+        z = xg * tf.cast(scale, dtype) + tf.cast(shift, dtype)
+        if activation == "relu":
+            z = tf.nn.relu(z)
+        elif activation == "leaky_relu":
+            z = tf.where(gate_mask(z), z, z * tf.cast(negative_slope, dtype))
+        y = tf.reshape(z, tf.shape(x))
 
         def backward(dy):
             # The recomputation must wait for dy: without this edge the graph executor may run
-            # it as soon as the forward values exist, keeping x-hat alive as if it were stored.
+            # it as soon as the forward values exist, keeping its results alive as if stored.
             with tf.control_dependencies([dy]):
-                x_again = tf.identity(x)
-            xhat = (tf.cast(_grouped(x_again, groups), tf.float32) - mean) * rstd
-            dz = tf.cast(_grouped(dy, groups), tf.float32)
-            _, slope = gate(xhat * g + b)
-            if slope is not None:
-                dz = dz * slope
-            dgamma = tf.reshape(tf.reduce_sum(dz * xhat, axis=(0, 1)), (channels,))
-            dbeta = tf.reshape(tf.reduce_sum(dz, axis=(0, 1)), (channels,))
-            dxhat = dz * g
-            mean_dxhat = tf.reduce_mean(dxhat, axis=(1, 3), keepdims=True)
-            mean_dxhat_xhat = tf.reduce_mean(dxhat * xhat, axis=(1, 3), keepdims=True)
-            dx = (dxhat - mean_dxhat - xhat * mean_dxhat_xhat) * rstd
-            return tf.reshape(tf.cast(dx, x.dtype), tf.shape(x)), dgamma, dbeta
+                x_again = _grouped(tf.identity(x), groups)
+            dz = _grouped(dy, groups)
+            if activation != "linear":
+                positive = gate_mask(x_again * tf.cast(scale, dtype) + tf.cast(shift, dtype))
+                dz = tf.where(positive, dz, dz * tf.cast(negative_slope if activation == "leaky_relu" else 0.0,
+                                                         dtype))
+            # One float32 temporary at a time: the second reduction waits for the first, so the
+            # inter-op pool cannot run both (each with a full-size float32 copy) at once.
+            sum_dz = tf.reduce_sum(tf.cast(dz, tf.float32), axis=1, keepdims=True)  # (B, 1, G, Cg)
+            with tf.control_dependencies([sum_dz]):
+                sum_dz_x = tf.reduce_sum(tf.cast(dz * x_again, tf.float32), axis=1, keepdims=True)
+            sum_dz_xhat = rstd * (sum_dz_x - mean * sum_dz)  # sum of dz * xhat per (sample, channel)
+            dgamma = tf.reshape(tf.reduce_sum(sum_dz_xhat, axis=0), (channels,))
+            dbeta = tf.reshape(tf.reduce_sum(sum_dz, axis=0), (channels,))
+            count = tf.cast(tf.shape(dz)[1] * per_group, tf.float32)
+            mean_dxhat = tf.reduce_sum(g * sum_dz, axis=3, keepdims=True) / count  # (B, 1, G, 1)
+            mean_dxhat_xhat = tf.reduce_sum(g * sum_dz_xhat, axis=3, keepdims=True) / count
+            # dx = rstd * (g dz - mean(g dz) - xhat mean(g dz xhat)), with xhat = (x - mean) rstd
+            k1 = rstd * g
+            k2 = -rstd * rstd * mean_dxhat_xhat
+            k3 = rstd * rstd * mean_dxhat_xhat * mean - rstd * mean_dxhat
+            dx = dz * tf.cast(k1, dtype) + x_again * tf.cast(k2, dtype) + tf.cast(k3, dtype)
+            return tf.reshape(dx, tf.shape(x)), dgamma, dbeta
 
         return y, backward
 

@@ -124,6 +124,22 @@ class UNet3D(keras.Model):
         counts[self.head.name] = 2 * self.model_config.num_classes * _voxels(shape)  # head out, float32 cast
         return counts
 
+    def forward_macs(self, spatial_shape: Shape3D) -> int:
+        """Multiply-adds of one forward pass of one sample (convolutions; the 1x1x1 head included)."""
+        self.check_spatial_shape(spatial_shape, flag="spatial shape")
+        total, shape = 0, tuple(spatial_shape)
+        for stage in self.encoder:
+            total += stage.forward_macs(shape)
+            shape = stage.output_spatial_shape(shape)
+        for stage in self.decoder:
+            total += stage.forward_macs(shape)
+            shape = stage.output_spatial_shape(shape)
+        return total + self.model_config.filters[0] * self.model_config.num_classes * _voxels(shape)
+
+    def train_flops(self, spatial_shape: Shape3D, batch_size: int = 1) -> int:
+        """FLOPs of one training step: 2 FLOPs per multiply-add, backward = 2x forward."""
+        return 3 * 2 * self.forward_macs(spatial_shape) * batch_size
+
     def feature_map_elements(self, spatial_shape: Shape3D) -> int:
         """Per-sample feature-map elements of the whole network for one input shape."""
         return sum(self.block_feature_map_elements(spatial_shape).values())

@@ -19,6 +19,7 @@ def test_profile_json_fields(capsys):
                                        "workspace", "input_pipeline", "hdf5_chunk_cache"}
     assert data["measured_peak_bytes"] is None and data["error_pct"] is None
     assert data["spatial_shape"] == [32, 32, 32] and data["recompute_stages"] == []
+    assert data["train_flops_per_step"] == 6 * 6_660_096 * 8 * data["batch_size"]  # tiny: 8x the MACs at 16^3
 
 
 def test_profile_table_and_recompute(capsys):

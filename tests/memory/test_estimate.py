@@ -40,7 +40,7 @@ def test_exact_components(model):
     assert c["input_pipeline"] == 4 * 2 * 4096 * 5
     assert c["hdf5_chunk_cache"] == 2 * HDF5_CHUNK_CACHE_BYTES
     # the widest full-resolution tensor is the decoder concat: 2 x 4 filters
-    assert c["workspace"] == 3 * 8 * 4096 * 2 * FLOAT32_BYTES
+    assert c["workspace"] == 8 * 4096 * 2 * (3 * FLOAT32_BYTES + FLOAT32_BYTES)
     assert c["activations"] == model.feature_map_elements((16,) * 3) * 2 * FLOAT32_BYTES
     assert result.predicted_peak_bytes == sum(c.values())
 
@@ -61,6 +61,8 @@ def test_bf16_halves_all_but_the_float32_logits(model):
     bf16 = estimate(_config(batch_size=1, precision="bf16"), counts, (16,) * 3, calibration=UNIT)
     head = counts.head_elements  # conv output (bf16) + float32 logits: 3 bytes per element pair on average
     assert bf16.components["activations"] == (fp32 - head * 4) // 2 + head * 3
+    # the workspace: three bf16 tensors and one float32 upcast of the widest full-resolution shape
+    assert bf16.components["workspace"] == counts.largest_tensor * (3 * 2 + 4)
 
 
 def test_recompute_keeps_outputs_plus_the_largest_stage(model):

@@ -16,11 +16,12 @@ REFERENCE_ACTIVATIONS = {
 }
 # float32 agrees to rounding; bfloat16 keeps 8 bits of mantissa (relative step 2^-8 = 0.004).
 TOLERANCE = {"float32": 1e-5, "mixed_bfloat16": 3e-2}
-# Under bf16 the reference rounds the pre-activation to bf16 before testing its sign, the fused
-# layer tests it in float32: an element right at the activation's kink may take the other slope.
+# Under bf16 the pre-activation is rounded to bf16 before its sign is tested, so an element
+# right at the kink may take the other slope than in the float32 reference. The upstream
+# gradient is zeroed within KINK_BAND of the kink (in the reference's normalised units), so a
+# flipped element carries no gradient and every other value must agree to bf16 precision.
+KINK_BAND = 0.05
 KINK_FRACTION = {"float32": 0.0, "mixed_bfloat16": 0.005}
-# gamma/beta gradients are sums over a channel: one kink element moves them by its whole |dy|.
-PARAMETER_TOLERANCE = {"float32": 1e-5, "mixed_bfloat16": 0.1}
 
 
 def _assert_close(got, want, tol, allowed_fraction):
@@ -54,14 +55,15 @@ def test_matches_keras_group_norm(policy, groups, activation):
         layer.build(x.shape)
         layer.gamma.assign(gamma)
         layer.beta.assign(beta)
+    if activation != "linear":
+        weights = weights * tf.cast(tf.abs(norm(x)) > KINK_BAND, tf.float32)
     y_fused, g_fused = _run(fused, x, weights, [fused.gamma, fused.beta])
     y_ref, g_ref = _run(lambda t: act(norm(t)), x, weights, [norm.gamma, norm.beta])
     assert y_fused.dtype == ("bfloat16" if policy == "mixed_bfloat16" else "float32")
     tol, kink = TOLERANCE[policy], KINK_FRACTION[policy]
     _assert_close(y_fused, y_ref, tol, kink)
-    _assert_close(g_fused[0], g_ref[0], tol, kink)
-    for got, want in zip(g_fused[1:], g_ref[1:]):
-        _assert_close(got, want, PARAMETER_TOLERANCE[policy], 0.0)
+    for got, want in zip(g_fused, g_ref):
+        _assert_close(got, want, tol, 0.0)
 
 
 def test_zero_init_and_config_round_trip():

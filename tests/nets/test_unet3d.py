@@ -163,3 +163,21 @@ def test_model_sums_its_blocks():
     # Doubling every edge multiplies every block's count by 8.
     doubled = model.block_feature_map_elements((32, 32, 32))
     assert all(doubled[name] == 8 * count for name, count in per_block.items())
+
+
+def test_forward_macs_by_hand():
+    # tiny at 16^3: enc0 27*1*4*16^3, enc1 27*4*8*8^3, enc2 27*8*16*4^3, dec1 up 16*8*8^3 + conv 27*16*8*8^3,
+    # dec0 up 8*4*16^3 + conv 27*8*4*16^3, head 4*3*16^3
+    expected = (27 * 4 * 4096 + 27 * 32 * 512 + 27 * 128 * 64 + 128 * 512 + 27 * 128 * 512
+                + 32 * 4096 + 27 * 32 * 4096 + 12 * 4096)
+    model = tiny_model().build_for()
+    assert model.forward_macs((16, 16, 16)) == expected == 6_660_096
+    assert model.train_flops((16, 16, 16), batch_size=2) == 12 * expected
+
+
+def test_kits19_training_flops_match_the_reference():
+    # Issue 7's reference: ~180 TFLOP per 512^3 training step, 1.37 MFLOP per voxel.
+    model = UNet3D(resolve_config("kits19").model).build_for()
+    per_voxel = model.train_flops((64, 64, 64)) / 64**3
+    assert per_voxel == pytest.approx(1.37e6, rel=0.01)
+    assert model.train_flops((512, 512, 512)) == pytest.approx(180e12, rel=0.03)
