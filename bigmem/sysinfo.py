@@ -65,6 +65,16 @@ def tensorflow_description() -> dict[str, Any]:
     }
 
 
+def libnuma_status() -> str:
+    """'available', or why --numa policies other than none cannot be used here."""
+    try:
+        import numa  # py-libnuma: loads the system's libnuma.so.1
+
+        return "available" if numa.info.numa_available() else "kernel without NUMA support"
+    except (ImportError, OSError) as exc:
+        return f"missing ({exc})"
+
+
 def collect_sysinfo(*, include_tensorflow: bool = True, sysfs_root: str = "/") -> dict[str, Any]:
     memory = psutil.virtual_memory()
     info: dict[str, Any] = {
@@ -74,7 +84,7 @@ def collect_sysinfo(*, include_tensorflow: bool = True, sysfs_root: str = "/") -
         "python": sys.version.split()[0],
         "cpu": cpu_description(),
         "memory": {"total_bytes": memory.total, "available_bytes": memory.available},
-        "numa": NUMATopology.from_sysfs(sysfs_root).to_dict(),
+        "numa": {**NUMATopology.from_sysfs(sysfs_root).to_dict(), "libnuma": libnuma_status()},
     }
     if include_tensorflow:
         info["tensorflow"] = tensorflow_description()

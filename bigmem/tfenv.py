@@ -32,17 +32,33 @@ def _stderr_to_tempfile():
             os.close(saved)
 
 
+def _set_thread_pools(tf) -> None:
+    """Size TF's thread pools from the applied placement (stock TF ignores OMP_*/KMP_* variables)."""
+    from bigmem.numa.apply import current
+
+    placement = current()
+    if placement is not None:
+        tf.config.threading.set_intra_op_parallelism_threads(placement.intra_op_threads)
+        tf.config.threading.set_inter_op_parallelism_threads(placement.inter_op_threads)
+
+
 def import_tensorflow(*, verbose: bool = False):
     """Import and return ``tensorflow``; its start-up logs are shown only when ``verbose``."""
-    if verbose or "tensorflow" in sys.modules:
+    if "tensorflow" in sys.modules:
         import tensorflow as tf
 
+        return tf
+    if verbose:
+        import tensorflow as tf
+
+        _set_thread_pools(tf)
         return tf
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     with _stderr_to_tempfile() as captured:
         try:
             import tensorflow as tf
 
+            _set_thread_pools(tf)
             tf.config.list_physical_devices("GPU")  # device probing logs once, here
         except BaseException:
             captured.seek(0)

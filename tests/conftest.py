@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import h5py
-import numpy as np
 import pytest
+
+from helpers import copy_store
 
 # Keep the developer's ~/.cache/bigmem out of tests, and TensorFlow's start-up logs quiet.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -35,11 +35,6 @@ def tiny_store(tmp_path_factory) -> Path:
                                  num_classes=3, seed=0)
 
 
-def copy_store(src: Path, dst: Path) -> Path:
-    dst.write_bytes(src.read_bytes())
-    return dst
-
-
 @pytest.fixture
 def corrupt_store(tiny_store, tmp_path):
     """A function (mutate) -> path of a copy of tiny_store changed by ``mutate(h5py.File)``."""
@@ -51,19 +46,3 @@ def corrupt_store(tiny_store, tmp_path):
         return path
 
     return make
-
-
-def run_cli(argv, capsys):
-    """Run ``bigmem argv`` in-process; return (exit code, stdout, stderr)."""
-    from bigmem.cli.main import main
-
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def bigmem_subprocess_cmd() -> list[str]:
-    return [sys.executable, "-m", "bigmem"]
-
-
-__all__ = ["copy_store", "run_cli", "bigmem_subprocess_cmd", "np"]

@@ -27,6 +27,27 @@ def add_memory_flags(parser, *, auto: bool = True) -> None:
                        + ("; auto: the fewest recomputed stages that fit the memory budget" if auto else ""))
 
 
+NUMA_HELP = ("where memory goes: interleave[:NODES] (round-robin over nodes; for a model bigger than a socket), "
+             "local (first touch), bind:NODES (only those nodes, threads on their CPUs), preferred:N, or none "
+             "(default). Applied before TensorFlow starts, so every TF thread inherits it.")
+
+
+def add_numa_flags(parser) -> None:
+    group = parser.add_argument_group("NUMA and threads")
+    group.add_argument("--numa", metavar="POLICY", help=NUMA_HELP)
+    group.add_argument("--cpus", metavar="LIST", help="CPUs to run on, e.g. 0-15,32-47 (default: the policy's "
+                                                      "nodes for bind, else all allowed CPUs)")
+    group.add_argument("--threads", type=int, metavar="N",
+                       help="TensorFlow intra-op threads (default: the number of CPUs used; inter-op threads = "
+                            "the nodes they span). Stock TensorFlow ignores OMP_NUM_THREADS and KMP_* variables.")
+
+
+def numa_overrides(args) -> dict:
+    values = {"policy": getattr(args, "numa", None), "cpus": getattr(args, "cpus", None),
+              "threads": getattr(args, "threads", None)}
+    return {k: v for k, v in values.items() if v is not None}
+
+
 def model_overrides(args) -> dict:
     """The config sections set by the shared flags (only those the user gave)."""
     sections = {

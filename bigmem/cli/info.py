@@ -45,7 +45,7 @@ def run(args) -> int:
                                             if tf_info["TF_ENABLE_ONEDNN_OPTS"] is not None else ""))
         machine.add_row("GPUs", ", ".join(tf_info["gpus"]) or "none")
     console.print(machine)
-    nodes = Table(title=f"NUMA nodes (from {info['numa']['source']})")
+    nodes = Table(title=f"NUMA nodes (from {info['numa']['source']}; libnuma {info['numa']['libnuma']})")
     for column in ("node", "CPUs", "memory total", "memory free", "distances"):
         nodes.add_column(column)
     for node in info["numa"]["nodes"]:

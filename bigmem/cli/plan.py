@@ -24,6 +24,9 @@ def register(subparsers, parents) -> None:
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--budget", metavar="SIZE", help="memory budget, e.g. 1.5TiB (default: MemAvailable)")
     add_model_flags(parser, volume_help="fix the volume edge and search the batch size")
+    parser.add_argument("--numa", metavar="POLICY", help="budget what this placement can use: bind:NODES -> those "
+                                                         "nodes' free memory; interleave[:NODES] -> the smallest "
+                                                         "node's free memory x nodes (default: none, MemAvailable)")
     parser.add_argument("--out", metavar="PLAN.json", default="plan.json", help="where to write the plan "
                                                                                   "(default: ./plan.json)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -50,6 +53,18 @@ def run(args) -> int:
         budget, source = parse_bytes(args.budget, flag="--budget"), "--budget"
     else:
         budget, source = available_memory_bytes(), "MemAvailable"
+    if args.numa:
+        import os
+
+        from bigmem.numa.capacity import placement_budget
+        from bigmem.numa.policy import resolve_placement
+        from bigmem.numa.topology import NUMATopology
+
+        topology = NUMATopology.from_sysfs()
+        placement = resolve_placement(args.numa, None, None, topology, set(os.sched_getaffinity(0)))
+        node_budget, node_source = placement_budget(placement, topology, budget)
+        if node_budget < budget:
+            budget, source = node_budget, node_source
     counts_for = counts_function(config)
     plan = make_plan(config, counts_for, budget, budget_source=source, volume=args.volume, batch_size=fixed_batch)
     atomic_write_json(Path(args.out), plan.to_dict())

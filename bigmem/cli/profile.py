@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
-from bigmem.cli.common import add_memory_flags, add_model_flags, model_overrides, parse_shape
+from bigmem.cli.common import (
+    add_memory_flags, add_model_flags, add_numa_flags, model_overrides, numa_overrides, parse_shape,
+)
 from bigmem.errors import UsageError
 
 HELP = "predict (and measure) the memory footprint of a training configuration"
@@ -33,6 +36,7 @@ def register(subparsers, parents) -> None:
     measure.add_argument("--sweep", metavar="N,N,...", help="measure and predict each volume, e.g. 32,48,64,96")
     measure.add_argument("--calibrate", nargs="?", const="32,64,96", metavar="N,N,...",
                          help="fit this machine's calibration from measured volumes (default 32,64,96)")
+    add_numa_flags(parser)
     parser.add_argument("--json", action="store_true", help="print JSON")
     parser.set_defaults(run=run)
 
@@ -63,7 +67,12 @@ def run(args) -> int:
         raise UsageError("--measure, --sweep and --calibrate need a cubic --volume (the measured run trains on cubes).")
     if args.steps < 1:
         raise UsageError(f"Invalid --steps {args.steps}: expected a positive integer.")
-    config = resolve_config(args.model or "small", model_overrides(args))
+    config = resolve_config(args.model or "small", {**model_overrides(args), "numa": numa_overrides(args)})
+    from bigmem.numa.policy import resolve_placement  # validate here; the measuring child applies it
+    from bigmem.numa.topology import NUMATopology
+
+    resolve_placement(config.numa.policy, config.numa.cpus, config.numa.threads, NUMATopology.from_sysfs(),
+                      set(os.sched_getaffinity(0)))
     shape = parse_shape(args.shape) if args.shape else (config.data.volume,) * 3
     counts_for = api.counts_function(config)
     UNet3D(config.model).check_spatial_shape(shape, flag="--shape" if args.shape else "--volume")

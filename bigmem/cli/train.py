@@ -7,7 +7,7 @@ import json
 import time
 from pathlib import Path
 
-from bigmem.cli.common import add_memory_flags, add_model_flags, model_overrides
+from bigmem.cli.common import add_memory_flags, add_model_flags, add_numa_flags, model_overrides, numa_overrides
 from bigmem.errors import DataError, UsageError
 from bigmem.units import parse_bytes
 
@@ -29,6 +29,7 @@ def register(subparsers, parents) -> None:
     add_model_flags(parser, volume_help="train on whole volumes cropped/padded to N^3; N must be a multiple of "
                                         "2^depth (default: the preset's)")
     add_memory_flags(parser)
+    add_numa_flags(parser)
     memory = parser.add_argument_group("memory pre-flight")
     memory.add_argument("--memory-budget", metavar="SIZE",
                         help="refuse (exit 3) when the predicted peak exceeds SIZE, e.g. 1.5TiB (default: MemAvailable)")
@@ -59,6 +60,7 @@ def _overrides(args) -> dict:
     budget = parse_bytes(args.memory_budget, flag="--memory-budget") if args.memory_budget else None
     sections = model_overrides(args)
     sections["data"].update(store=args.data, num_workers=args.num_workers, prefetch=args.prefetch)
+    sections["numa"] = numa_overrides(args)
     sections["train"].update(steps=args.steps, epochs=args.epochs, lr=args.lr, warmup_steps=args.warmup_steps,
                              seed=args.seed, checkpoint_every=args.checkpoint_every, memory_budget_bytes=budget)
     return {name: {k: v for k, v in values.items() if v is not None} for name, values in sections.items()}
@@ -95,9 +97,12 @@ def resolve(args):
 
 
 def run(args) -> int:
-    from bigmem.train.trainer import train
+    from bigmem.numa.apply import place
 
     config, out = resolve(args)
+    place(config.numa.policy, config.numa.cpus, config.numa.threads)  # before TensorFlow or numpy start threads
+    from bigmem.train.trainer import train
+
     result = train(config, out, resume=args.resume, verbose=getattr(args, "verbose", False), force=args.force)
     if result.interrupted_by is not None:
         return 128 + result.interrupted_by

@@ -125,10 +125,20 @@ class TrainConfig:
 
 
 @dataclass
+class NUMAConfig:
+    """Placement of memory and threads (bigmem/numa/policy.py has the forms)."""
+
+    policy: str = "none"  # --numa
+    cpus: str | None = None  # --cpus, e.g. 0-15,32-47
+    threads: int | None = None  # --threads: TF intra-op threads (default: the CPUs used)
+
+
+@dataclass
 class ExperimentConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    numa: NUMAConfig = field(default_factory=NUMAConfig)
 
     def validate(self) -> None:
         self.model.validate()

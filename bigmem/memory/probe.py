@@ -22,6 +22,9 @@ from bigmem.tfenv import import_tensorflow
 
 def probe(request: dict) -> dict:
     config = ExperimentConfig.from_dict(request["config"], source="probe request")
+    from bigmem.numa.apply import place
+
+    place(config.numa.policy, config.numa.cpus, config.numa.threads)  # before TensorFlow starts its threads
     import_tensorflow()
     import keras  # noqa: F401  (part of the framework's fixed cost, as in a real run)
 

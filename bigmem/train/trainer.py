@@ -136,16 +136,44 @@ def train(config: ExperimentConfig, run_dir: str | os.PathLike, *, resume: bool 
         config.model.num_classes = loader.store.num_classes
         config.validate()
         total_steps = total_steps_for(config, loader.steps_per_epoch)
+        placement = current_placement(config)
         import_tensorflow(verbose=verbose)
-        plan, recompute_stages = preflight(config, recompute_stages, force=force, console=console)
-        return _run(config, run, manager, latest, loader, total_steps, console, verbose, recompute_stages, plan)
+        plan, recompute_stages = preflight(config, recompute_stages, force=force, console=console,
+                                           placement=placement)
+        return _run(config, run, manager, latest, loader, total_steps, console, verbose, recompute_stages, plan,
+                    placement)
     finally:
         loader.close()
 
 
+def current_placement(config: ExperimentConfig):
+    """The NUMA placement in force: the one the CLI applied, else ``config.numa`` applied now.
+
+    Applying fails (clearly) if TensorFlow is already imported and a policy is asked for: its
+    threads would not inherit the policy.
+    """
+    from bigmem.numa.apply import current, place
+    from bigmem.numa.policy import PolicyKind
+
+    placement = current()
+    wanted = (config.numa.policy or "none").strip().lower()
+    if placement is not None and placement.text.strip().lower() == wanted:
+        return placement
+    if placement is not None and placement.kind is not PolicyKind.NONE:
+        from bigmem.errors import UsageError
+
+        raise UsageError(f"This process already runs under --numa {placement.text}; it cannot switch to "
+                         f"{config.numa.policy!r}. Start a new process.")
+    return place(config.numa.policy, config.numa.cpus, config.numa.threads)
+
+
 def preflight(config: ExperimentConfig, recompute_stages: list[str] | None, *, force: bool,
-              console: Console) -> tuple[dict, list[str]]:
-    """Estimate the footprint, choose the recomputed stages, and refuse a job that cannot fit."""
+              console: Console, placement=None) -> tuple[dict, list[str]]:
+    """Estimate the footprint, choose the recomputed stages, and refuse a job that cannot fit.
+
+    The budget is ``--memory-budget`` if given, else what the NUMA placement can use (the bound
+    nodes' free memory for bind; for interleave, the smallest node's free memory times the nodes).
+    """
     from bigmem.memory.estimate import estimate
     from bigmem.memory.planner import Planner, available_memory_bytes, check_fits
     from bigmem.memory.profile import counts_function, stages_for
@@ -155,8 +183,14 @@ def preflight(config: ExperimentConfig, recompute_stages: list[str] | None, *, f
     shape = (volume,) * 3
     counts_for = counts_function(config)
     counts = counts_for(shape)
+    from bigmem.numa.capacity import check_nodes_fit, placement_budget
+    from bigmem.numa.topology import NUMATopology
+
+    topology = NUMATopology.from_sysfs()
     if config.train.memory_budget_bytes is not None:
         budget, source = config.train.memory_budget_bytes, "--memory-budget"
+    elif placement is not None:
+        budget, source = placement_budget(placement, topology, available_memory_bytes())
     else:
         budget, source = available_memory_bytes(), "MemAvailable"
     if recompute_stages is None:
@@ -168,6 +202,8 @@ def preflight(config: ExperimentConfig, recompute_stages: list[str] | None, *, f
             recompute_stages = stages_for(config, counts)
     predicted = estimate(config, counts, shape, recompute_stages=recompute_stages)
     if not force:
+        if placement is not None and config.train.memory_budget_bytes is None:
+            check_nodes_fit(predicted.predicted_peak_bytes, placement, topology)
         check_fits(predicted, config, counts_for, budget, source, volume)
     fits = predicted.predicted_peak_bytes <= budget
     console.print(f"Memory: predicted peak {format_bytes(predicted.predicted_peak_bytes)} of a "
@@ -185,8 +221,18 @@ def preflight(config: ExperimentConfig, recompute_stages: list[str] | None, *, f
     return plan, list(recompute_stages)
 
 
+def _numa_summary(report: dict) -> str:
+    requested = report["requested"]
+    observed = ", ".join(f"{policy} on {count}" for policy, count in sorted(report["observed"].items(),
+                                                                          key=lambda kv: -kv[1]))
+    cpus = requested["cpus"]
+    cpu_text = f"{cpus[0]}-{cpus[-1]}" if cpus and cpus == list(range(cpus[0], cpus[-1] + 1)) else str(cpus)
+    return (f"NUMA: --numa {requested['text']} on CPUs {cpu_text}, TF threads intra {requested['intra_op_threads']} "
+            f"/ inter {requested['inter_op_threads']}; observed policy per thread: {observed}")
+
+
 def _run(config, run, manager, latest, loader, total_steps, console, verbose, recompute_stages=None,
-         plan=None) -> TrainResult:
+         plan=None, placement=None) -> TrainResult:
     tf = import_tensorflow(verbose=verbose)
     import keras
 
@@ -215,6 +261,13 @@ def _run(config, run, manager, latest, loader, total_steps, console, verbose, re
     atomic_write_json(run.sysinfo, collect_sysinfo())
     if plan is not None:
         atomic_write_json(run.path / "plan.json", plan)
+    from bigmem.numa.observe import NodePeakSampler, observed
+
+    requested = placement.to_dict() if placement is not None else {"policy": "none", "text": "none"}
+    numa_report = observed(requested)
+    atomic_write_json(run.path / "numa.json", numa_report)
+    if placement is not None:
+        console.print(_numa_summary(numa_report))
     console.print(f"bigmem train: {config.model.name} ({model.count_params():,} parameters), "
                   f"{loader.batch_size} x {loader.volume}^3 whole volumes, {config.train.precision.value}, "
                   f"{total_steps} steps -> {run.path}")
@@ -231,7 +284,13 @@ def _run(config, run, manager, latest, loader, total_steps, console, verbose, re
         pending.clear()
         return manager.save(at_step, model, optimizer, {"total_steps": total_steps, "loss": loss, "dice": dice})
 
-    with StopSignals() as stop, TrainProgress(console, total_steps, start_step) as progress:
+    sampler = NodePeakSampler()
+
+    def write_numa_report() -> None:
+        report = observed(requested, sampler)  # threads seen now that TF's pools have run
+        atomic_write_json(run.path / "numa.json", report)
+
+    with StopSignals() as stop, TrainProgress(console, total_steps, start_step) as progress, sampler:
         while step < total_steps:
             started = time.perf_counter()
             try:
@@ -257,7 +316,10 @@ def _run(config, run, manager, latest, loader, total_steps, console, verbose, re
                 run.append_metrics(pending)
                 pending.clear()
             progress.update(row)
+            if step == start_step + 1:
+                write_numa_report()
             if stop.signum is not None:
+                write_numa_report()
                 saved = checkpoint(step)
                 console.print(f"Stopped by signal {stop.signum} at step {step}; checkpoint {saved.name} written. "
                               "Continue with --resume.")
@@ -265,6 +327,7 @@ def _run(config, run, manager, latest, loader, total_steps, console, verbose, re
             if step % config.train.checkpoint_every == 0 or step == total_steps:
                 checkpoint(step)
 
+    write_numa_report()
     _save_model(model, run.model)
     console.print(f"Done: step {step}, loss {loss:.4f}, Dice {dice:.3f}. Model: {run.model}")
     return TrainResult(run.path, start_step, step, total_steps, loss, dice)

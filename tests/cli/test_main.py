@@ -10,7 +10,7 @@ import pytest
 
 import bigmem
 from bigmem.cli import main as cli_main
-from conftest import run_cli
+from helpers import run_cli
 
 NO_TF_SNIPPET = """
 import sys
@@ -87,6 +87,7 @@ def test_info_json_without_tensorflow(capsys):
     assert set(info["cpu"]["isa"]) >= {"avx512f", "avx512_bf16", "amx_bf16"}
     assert info["numa"]["nodes"][0]["node"] == 0
     assert info["numa"]["nodes"][0]["cpus"]
+    assert info["numa"]["libnuma"] == "available"
     assert info["memory"]["total_bytes"] > 0
     assert "tensorflow" not in info
 

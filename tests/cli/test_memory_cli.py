@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from conftest import run_cli
+from helpers import run_cli
 
 
 def test_profile_json_fields(capsys):

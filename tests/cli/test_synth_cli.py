@@ -5,7 +5,7 @@ from __future__ import annotations
 import h5py
 import pytest
 
-from conftest import run_cli
+from helpers import run_cli
 
 
 def test_synth_writes_a_store(tmp_path, capsys):

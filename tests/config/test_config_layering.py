@@ -60,7 +60,7 @@ def test_preset_from_a_file(tmp_path):
     ("small", {"train": {"batch_size": 0}}, "Invalid --batch-size 0: expected a positive integer."),
     ("small", {"train": {"lr": -1.0}}, "Invalid --lr -1.0: expected a positive number."),
     ("small", {"train": {"batch_size": "2"}}, "Invalid --batch-size '2': expected an integer."),
-    ("small", {"trian": {"lr": 1.0}}, "Unknown setting 'trian' in flags: expected one of model, data, train. "
+    ("small", {"trian": {"lr": 1.0}}, "Unknown setting 'trian' in flags: expected one of model, data, train, numa. "
                                       "Did you mean 'train'?"),
 ])
 def test_resolution_errors(preset, overrides, message):

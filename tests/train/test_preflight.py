@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from bigmem.rundir import read_jsonl
-from conftest import run_cli
+from helpers import run_cli
 
 
 def test_refuses_what_does_not_fit(tmp_path, capsys):

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from bigmem.rundir import read_jsonl
-from conftest import run_cli
+from helpers import run_cli
 
 METRIC_FIELDS = {"step", "loss", "dice", "lr", "voxels_per_s", "rss_bytes", "input_wait_s", "step_s"}
 
@@ -29,7 +29,7 @@ def test_run_directory_contract(tmp_path, tiny_store, capsys):
     code, stdout, err = run_cli(tiny_train(out, tiny_store, "--steps", 4, "--seed", 3), capsys)
     assert code == 0, err
     assert sorted(p.name for p in out.iterdir()) == [
-        "checkpoints", "config.json", "metrics.jsonl", "model.keras", "plan.json", "sysinfo.json"]
+        "checkpoints", "config.json", "metrics.jsonl", "model.keras", "numa.json", "plan.json", "sysinfo.json"]
     config = json.loads((out / "config.json").read_text())
     assert config["model"]["name"] == "tiny" and config["train"]["seed"] == 3
     assert config["data"]["store"] == str(tiny_store) and config["total_steps"] == 4

@@ -1,0 +1,81 @@
+"""Read back where a process's threads and pages really are: the proof behind numa.json."""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+from pathlib import Path
+
+from bigmem.memory.procfs import node_resident_bytes
+
+
+def thread_policies(pid: int | str = "self", proc_root: str = "/proc") -> dict[str, int]:
+    """{policy as numa_maps spells it: number of threads}.
+
+    A thread's own memory policy shows in its /proc/PID/task/TID/numa_maps on every mapping
+    that has no policy of its own; the most common entry is taken as the thread's policy.
+    """
+    counts: collections.Counter[str] = collections.Counter()
+    for task in Path(proc_root, str(pid), "task").iterdir():
+        try:
+            lines = (task / "numa_maps").read_text().splitlines()
+        except OSError:  # the thread ended meanwhile
+            continue
+        policies = collections.Counter(line.split()[1] for line in lines if len(line.split()) > 1)
+        if policies:
+            counts[policies.most_common(1)[0][0]] += 1
+    return dict(counts)
+
+
+def thread_cpus(pid: int | str = "self", proc_root: str = "/proc") -> dict[str, int]:
+    """{Cpus_allowed_list: number of threads}."""
+    counts: collections.Counter[str] = collections.Counter()
+    for task in Path(proc_root, str(pid), "task").iterdir():
+        try:
+            for line in (task / "status").read_text().splitlines():
+                if line.startswith("Cpus_allowed_list:"):
+                    counts[line.split(":", 1)[1].strip()] += 1
+        except OSError:
+            continue
+    return dict(counts)
+
+
+class NodePeakSampler:
+    """Samples the process's resident bytes per NUMA node every ``interval_s`` and keeps each maximum."""
+
+    def __init__(self, interval_s: float = 1.0, pid: int | str = "self"):
+        self.interval_s = interval_s
+        self.pid = pid
+        self.peak_bytes: dict[int, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="bigmem-numa-sampler", daemon=True)
+
+    def sample(self) -> None:
+        for node, value in node_resident_bytes(self.pid).items():
+            self.peak_bytes[node] = max(self.peak_bytes.get(node, 0), value)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.sample()
+
+    def __enter__(self) -> "NodePeakSampler":
+        self.sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sample()
+
+
+def observed(placement_dict: dict, sampler: NodePeakSampler | None = None) -> dict:
+    """numa.json's content: requested, observed policy per thread, CPU affinity, per-node peak."""
+    return {
+        "requested": placement_dict,
+        "observed": thread_policies(),
+        "cpus_allowed": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "thread_cpus": thread_cpus(),
+        "node_peak_bytes": {str(k): v for k, v in sorted((sampler.peak_bytes if sampler else {}).items())},
+    }

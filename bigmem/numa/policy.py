@@ -1,0 +1,143 @@
+"""NUMA placement requests: parse ``--numa``, ``--cpus`` and ``--threads`` against a topology.
+
+Policies (``--numa``):
+  interleave[:NODES]  pages round-robin over NODES (default: every node); for one model larger than a socket
+  local               pages on the node of the CPU that first touches them
+  bind:NODES          pages only from NODES, threads on NODES' CPUs
+  preferred:N         pages from N while it has room, then elsewhere
+  none                leave the kernel's default policy alone
+
+NODES is a list such as 0,1 or 0-3. Nothing here touches the process: ``apply.py`` does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from bigmem.errors import UsageError
+from bigmem.numa.topology import NUMATopology, parse_cpulist
+
+POLICY_FORMS = "interleave[:NODES], local, bind:NODES, preferred:N or none (NODES such as 0,1 or 0-3)"
+
+
+class PolicyKind(str, Enum):
+    INTERLEAVE = "interleave"
+    LOCAL = "local"
+    BIND = "bind"
+    PREFERRED = "preferred"
+    NONE = "none"
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where memory and threads go: the memory policy, the CPUs, and TF's thread-pool sizes."""
+
+    kind: PolicyKind
+    nodes: tuple[int, ...]  # the nodes the policy names (all nodes for interleave without a list)
+    cpus: tuple[int, ...]  # the CPU affinity of the process (and so of every thread it creates)
+    intra_op_threads: int
+    inter_op_threads: int
+    text: str = field(default="none")  # what the user asked for
+
+    @property
+    def numa_maps_policy(self) -> str:
+        """How /proc/PID/numa_maps spells this policy (for comparing requested with observed)."""
+        nodes = _format_nodes(self.nodes)
+        return {PolicyKind.INTERLEAVE: f"interleave:{nodes}", PolicyKind.BIND: f"bind:{nodes}",
+                PolicyKind.PREFERRED: f"prefer:{nodes}", PolicyKind.LOCAL: "local",
+                PolicyKind.NONE: "default"}[self.kind]
+
+    def to_dict(self) -> dict:
+        return {"policy": self.kind.value, "text": self.text, "nodes": list(self.nodes), "cpus": list(self.cpus),
+                "intra_op_threads": self.intra_op_threads, "inter_op_threads": self.inter_op_threads}
+
+
+def _format_nodes(nodes) -> str:
+    """(0, 1, 2, 5) -> '0-2,5' (the kernel's nodelist format)."""
+    parts, start = [], None
+    nodes = sorted(nodes)
+    for i, node in enumerate(nodes):
+        start = node if start is None else start
+        if i + 1 == len(nodes) or nodes[i + 1] != node + 1:
+            parts.append(str(start) if start == node else f"{start}-{node}")
+            start = None
+    return ",".join(parts)
+
+
+def _parse_nodes(text: str, topology: NUMATopology, flag: str, spec: str) -> tuple[int, ...]:
+    try:
+        nodes = parse_cpulist(text)
+    except Exception:
+        nodes = ()
+    if not nodes:
+        raise UsageError(f"Invalid {flag} {spec!r}: cannot read the node list {text!r}; expected {POLICY_FORMS}.")
+    existing = [n.node_id for n in topology.nodes]
+    missing = [n for n in nodes if n not in existing]
+    if missing:
+        raise UsageError(f"Invalid {flag} {spec!r}: node {missing[0]} does not exist; this machine has "
+                         f"node{'s' if len(existing) > 1 else ''} {_format_nodes(existing)}.")
+    return nodes
+
+
+def parse_policy(text: str, topology: NUMATopology) -> tuple[PolicyKind, tuple[int, ...]]:
+    """'bind:0,1' -> (BIND, (0, 1)), checked against the nodes that exist."""
+    flag = "--numa"
+    spec = (text or "none").strip().lower()
+    name, _, argument = spec.partition(":")
+    try:
+        kind = PolicyKind(name)
+    except ValueError:
+        from bigmem.config.options import suggest
+
+        raise UsageError(f"Invalid {flag} {text!r}: expected {POLICY_FORMS}." + suggest(name, [k.value for k in PolicyKind])
+                         ) from None
+    all_nodes = tuple(n.node_id for n in topology.nodes)
+    if kind in (PolicyKind.NONE, PolicyKind.LOCAL):
+        if argument:
+            raise UsageError(f"Invalid {flag} {text!r}: '{name}' takes no node list; expected {POLICY_FORMS}.")
+        return kind, all_nodes
+    if kind is PolicyKind.INTERLEAVE:
+        return kind, _parse_nodes(argument, topology, flag, text) if argument else all_nodes
+    if not argument:
+        raise UsageError(f"Invalid {flag} {text!r}: '{name}' needs a node, e.g. {name}:0; expected {POLICY_FORMS}.")
+    nodes = _parse_nodes(argument, topology, flag, text)
+    if kind is PolicyKind.PREFERRED and len(nodes) != 1:
+        raise UsageError(f"Invalid {flag} {text!r}: 'preferred' takes one node, e.g. preferred:0.")
+    return kind, nodes
+
+
+def resolve_placement(policy: str | None, cpus: str | None, threads: int | None, topology: NUMATopology,
+                      allowed_cpus: set[int]) -> Placement:
+    """The full placement: policy, CPU set, and TF intra-/inter-op thread counts.
+
+    CPUs default to the allowed CPUs of the policy's nodes for bind (threads follow their memory)
+    and to every allowed CPU otherwise. Intra-op threads default to the number of CPUs; inter-op
+    threads to the number of nodes those CPUs span, as Intel's guide for TensorFlow on Xeon
+    recommends (intra = cores, inter = sockets).
+    """
+    kind, nodes = parse_policy(policy or "none", topology)
+    node_of = {cpu: n.node_id for n in topology.nodes for cpu in n.cpus}
+    if cpus:
+        try:
+            chosen = parse_cpulist(cpus)
+        except Exception:
+            chosen = ()
+        if not chosen:
+            raise UsageError(f"Invalid --cpus {cpus!r}: expected a CPU list such as 0-15,32-47.")
+        outside = [c for c in chosen if c not in allowed_cpus]
+        if outside:
+            raise UsageError(f"Invalid --cpus {cpus!r}: CPU {outside[0]} is outside the CPUs this process may use "
+                             f"({_format_nodes(sorted(allowed_cpus))}).")
+    elif kind is PolicyKind.BIND:
+        chosen = tuple(c for c in sorted(allowed_cpus) if node_of.get(c) in nodes)
+        if not chosen:
+            raise UsageError(f"Invalid --numa {policy!r}: none of the CPUs this process may use are on node(s) "
+                             f"{_format_nodes(nodes)}.")
+    else:
+        chosen = tuple(sorted(allowed_cpus))
+    if threads is not None and threads < 1:
+        raise UsageError(f"Invalid --threads {threads}: expected a positive integer.")
+    intra = threads or len(chosen)
+    inter = max(1, len({node_of.get(c, 0) for c in chosen}))
+    return Placement(kind, nodes, tuple(chosen), intra, inter, text=policy or "none")

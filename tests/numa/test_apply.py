@@ -1,0 +1,94 @@
+"""The real system calls, on node 0 of this machine, each in a fresh process."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from bigmem.numa.observe import thread_cpus, thread_policies
+
+CHILD = """
+import json, sys, threading
+from bigmem.numa.apply import place
+place(sys.argv[1])
+started = threading.Event(); stop = threading.Event()
+def worker():
+    started.set(); stop.wait()
+t = threading.Thread(target=worker); t.start(); started.wait()
+from bigmem.numa.observe import thread_policies
+print(json.dumps(thread_policies())); stop.set(); t.join()
+"""
+
+
+@pytest.mark.parametrize("policy, observed", [
+    ("interleave", "interleave:0"), ("bind:0", "bind:0"), ("preferred:0", "prefer:0"), ("local", "local"),
+    ("none", "default"),
+])
+def test_policies_reach_every_thread(policy, observed):
+    result = subprocess.run([sys.executable, "-c", CHILD, policy], capture_output=True, text=True, check=True)
+    assert json.loads(result.stdout) == {observed: 2}
+
+
+def test_refuses_after_tensorflow_is_imported():
+    code = ("import tensorflow\nfrom bigmem.numa.apply import place\ntry:\n    place('bind:0')\nexcept Exception as e:"
+            "\n    print(type(e).__name__, e)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                            env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
+    assert result.stdout.strip() == (
+        "BigmemError Cannot apply --numa bind:0: TensorFlow is already imported in this process, and its threads "
+        "would not inherit the policy. Apply the placement first (the bigmem command does), or start a new process.")
+
+
+def test_missing_libnuma_is_a_clear_error():
+    code = ("import sys\nsys.modules['numa'] = None\nfrom bigmem.cli.main import main\n"
+            "sys.exit(main(['train', '--numa', 'interleave', '--model', 'tiny']))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 1
+    assert result.stderr.strip().startswith("bigmem train: error: NUMA policies need libnuma: cannot load "
+                                            "py-libnuma/libnuma.so.1")
+    assert "Traceback" not in result.stderr
+
+
+def test_this_process_observed():
+    policies = thread_policies()
+    assert sum(policies.values()) >= 1
+    assert sum(thread_cpus().values()) == sum(policies.values())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy, expected", [("interleave", "interleave:0"), ("bind:0", "bind:0")])
+def test_training_threads_checked_from_outside(tmp_path, tiny_store, policy, expected):
+    out = tmp_path / "run"
+    process = subprocess.Popen([sys.executable, "-m", "bigmem", "train", "--model", "tiny", "--data", str(tiny_store),
+                                "--volume", "32", "--steps", "100000", "--numa", policy, "--out", str(out)],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "metrics.jsonl").exists() or (out / "metrics.jsonl").stat().st_size == 0:
+            assert process.poll() is None, process.communicate()
+            assert time.monotonic() < deadline, "training did not start"
+            time.sleep(0.1)
+        seen = thread_policies(process.pid)  # read from outside, while TF's pools run
+        assert seen == {expected: sum(seen.values())} and sum(seen.values()) > 3, seen
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.communicate(timeout=120)
+    report = json.loads((out / "numa.json").read_text())
+    assert report["requested"]["policy"] == policy.split(":")[0]
+    assert report["observed"] == {expected: sum(report["observed"].values())}
+    assert report["cpus_allowed"] == sorted(os.sched_getaffinity(0))
+    assert int(report["node_peak_bytes"]["0"]) > 100 * 2**20
+
+
+def test_bind_to_a_missing_node_names_the_nodes(tmp_path, capsys):
+    from helpers import run_cli
+
+    code, _, err = run_cli(["train", "--numa", "bind:1", "--out", tmp_path / "run"], capsys)
+    assert code == 2
+    assert err.strip() == "bigmem train: error: Invalid --numa 'bind:1': node 1 does not exist; this machine has node 0."
