@@ -29,7 +29,9 @@ def register(subparsers, parents) -> None:
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_flags(parser, volume_help="cubic volume edge N (N^3 voxels), a multiple of 2^depth")
     parser.add_argument("--shape", metavar="D,H,W", help="a non-cubic volume, e.g. 240,240,144 (estimate only)")
-    add_memory_flags(parser, auto=False)
+    add_memory_flags(parser)
+    parser.add_argument("--memory-budget", metavar="SIZE",
+                        help="the budget --recompute auto fits (default: MemAvailable, or the --numa nodes' memory)")
     measure = parser.add_argument_group("measurement")
     measure.add_argument("--measure", action="store_true", help="also measure the peak in a child process")
     measure.add_argument("--steps", type=int, default=3, metavar="K", help="training steps to measure (default 3)")
@@ -67,12 +69,16 @@ def run(args) -> int:
         raise UsageError("--measure, --sweep and --calibrate need a cubic --volume (the measured run trains on cubes).")
     if args.steps < 1:
         raise UsageError(f"Invalid --steps {args.steps}: expected a positive integer.")
+    if args.recompute == "auto" and (args.sweep or args.calibrate):
+        raise UsageError("--recompute auto chooses stages per size and budget; --sweep and --calibrate take "
+                         "--recompute none or stages.")
     config = resolve_config(args.model or "small", {**model_overrides(args), "numa": numa_overrides(args)})
     from bigmem.numa.policy import resolve_placement  # validate here; the measuring child applies it
     from bigmem.numa.topology import NUMATopology
 
-    resolve_placement(config.numa.policy, config.numa.cpus, config.numa.threads, NUMATopology.from_sysfs(),
-                      set(os.sched_getaffinity(0)))
+    topology = NUMATopology.from_sysfs()
+    placement = resolve_placement(config.numa.policy, config.numa.cpus, config.numa.threads, topology,
+                                  set(os.sched_getaffinity(0)))
     shape = parse_shape(args.shape) if args.shape else (config.data.volume,) * 3
     counts_for = api.counts_function(config)
     UNet3D(config.model).check_spatial_shape(shape, flag="--shape" if args.shape else "--volume")
@@ -101,12 +107,33 @@ def run(args) -> int:
         else:
             show.sweep(results, law)
         return 0
-    result = api.profile(config, shape, counts_for, do_measure=args.measure, steps=args.steps)
+    stages = None
+    if args.recompute == "auto":
+        stages = _auto_stages(args, config, counts_for, placement, topology, shape)
+    result = api.profile(config, shape, counts_for, do_measure=args.measure, steps=args.steps,
+                         recompute_stages=stages)
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:
         show.breakdown(result)
     return 0
+
+
+def _auto_stages(args, config, counts_for, placement, topology, shape) -> list[str]:
+    """The fewest recomputed stages that fit the budget (as ``bigmem train --recompute auto`` picks)."""
+    from bigmem.memory.planner import Planner, available_memory_bytes
+    from bigmem.numa.capacity import placement_budget
+    from bigmem.units import parse_bytes
+
+    if len(set(shape)) != 1:
+        raise UsageError("--recompute auto needs a cubic --volume.")
+    if args.memory_budget:
+        budget = parse_bytes(args.memory_budget, flag="--memory-budget")
+    else:
+        budget = placement_budget(placement, topology, available_memory_bytes())[0]
+    chosen = Planner(config, counts_for, budget).fewest_recomputed_stages(shape[0], config.train.batch_size,
+                                                                         config.train.precision)
+    return chosen.recompute_stages
 
 
 class _Printer:

@@ -28,6 +28,20 @@ def test_profile_table_and_recompute(capsys):
     assert "recomputing 7 stages" in out and "predicted peak" in out and "calibration:" in out
 
 
+def test_profile_recompute_auto_fits_the_budget(capsys):
+    code, out, _ = run_cli(["profile", "--model", "small", "--volume", 128, "--json"], capsys)
+    plain = json.loads(out)["predicted_peak_bytes"]
+    code, out, _ = run_cli(["profile", "--model", "small", "--volume", 128, "--recompute", "stages", "--json"], capsys)
+    every = json.loads(out)["predicted_peak_bytes"]
+    budget = (plain + every) // 2
+    code, out, err = run_cli(["profile", "--model", "small", "--volume", 128, "--recompute", "auto",
+                              "--memory-budget", budget, "--json"], capsys)
+    assert code == 0, err
+    data = json.loads(out)
+    assert 1 <= len(data["recompute_stages"]) < 7 and data["recompute_stages"][0] == "dec0"
+    assert every <= data["predicted_peak_bytes"] <= budget
+
+
 def test_profile_non_cubic_shape(capsys):
     code, out, _ = run_cli(["profile", "--model", "intelai-brats", "--shape", "240,240,144", "--batch-size", 16,
                             "--json"], capsys)
@@ -52,6 +66,9 @@ def test_profile_non_cubic_shape(capsys):
                                  "Try --shape 16 or 20."),
     (["--sweep", "16,x"], 2, "Invalid --sweep '16,x': expected volume edges such as 32,48,64."),
     (["--steps", "0", "--measure"], 2, "Invalid --steps 0: expected a positive integer."),
+    (["--sweep", "16,32", "--recompute", "auto"], 2, "--recompute auto chooses stages per size and budget; --sweep "
+                                                     "and --calibrate take --recompute none or stages."),
+    (["--numa", "bind:3"], 2, "Invalid --numa 'bind:3': node 3 does not exist; this machine has node 0."),
 ])
 def test_profile_errors(capsys, argv, code, message):
     got, _, err = run_cli(["profile", "--model", "tiny", *argv], capsys)
@@ -70,6 +87,15 @@ def test_profile_measure_against_prediction(capsys):
         100 * (data["predicted_peak_bytes"] - data["measured_peak_bytes"]) / data["measured_peak_bytes"], abs=0.01)
     assert abs(data["error_pct"]) < 15  # tiny model: the framework dominates; the benchmark checks +-10% at scale
     assert sum(data["measured_node_bytes"].values()) > 0
+
+
+@pytest.mark.slow
+def test_profile_measure_under_a_numa_policy(capsys):
+    code, out, err = run_cli(["profile", "--model", "tiny", "--volume", 16, "--measure", "--steps", 2,
+                              "--numa", "bind:0", "--json"], capsys)
+    assert code == 0, err
+    data = json.loads(out)
+    assert set(data["measured_node_bytes"]) == {"0"} and data["measured_node_bytes"]["0"] > 100 * 2**20
 
 
 def test_plan_writes_every_candidate(tmp_path, capsys):
