@@ -11,10 +11,10 @@ import sys
 import traceback
 
 import bigmem
-from bigmem.cli import info, plan, profile, synth, train
+from bigmem.cli import convert, info, plan, profile, synth, train
 from bigmem.errors import EXIT_ERROR, EXIT_USAGE, BigmemError
 
-COMMANDS = (info, synth, train, profile, plan)
+COMMANDS = (info, synth, convert, train, profile, plan)
 
 DESCRIPTION = """\
 bigmem trains 3D U-Nets on whole volumetric scans (CT, MRI) in the RAM of one large CPU server.
@@ -22,6 +22,7 @@ bigmem trains 3D U-Nets on whole volumetric scans (CT, MRI) in the RAM of one la
 examples:
   bigmem info                                   the machine as bigmem sees it
   bigmem synth phantoms.h5 --cases 8 --volume 64  synthetic phantoms in the HDF5 store format
+  bigmem convert Task01_BrainTumour -o brats.h5  an MSD dataset (NIfTI) -> an HDF5 store
   bigmem train                                  train the 'small' preset on the embedded phantoms
   bigmem train --data store.h5 --model kits19 --volume 128 --precision bf16
   bigmem profile --model kits19 --volume 512    predicted memory footprint, per component

@@ -11,6 +11,7 @@ a store is opened in the process that reads it, and reopened if the process id c
 from __future__ import annotations
 
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -174,12 +175,19 @@ class StoreWriter:
     """
 
     def __init__(self, path: str | os.PathLike, *, num_classes: int, channel_names: Sequence[str],
-                 label_names: Sequence[str] | None = None, compression: str | None = None):
+                 label_names: Sequence[str] | None = None, compression: str | None = None,
+                 chunk_edge: int | None = DEFAULT_CHUNK_EDGE, append: bool = False):
         self.path = Path(path)
         self.tmp_path = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
         self.compression = compression
+        self.chunk_edge = chunk_edge  # None: contiguous datasets (readable at their file offset)
         self.num_channels = len(channel_names)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        if append:  # work on a copy: the original stays intact until the rename
+            shutil.copyfile(self.path, self.tmp_path)
+            self._file = h5py.File(self.tmp_path, "r+")
+            self._cases = self._file.require_group("cases")
+            return
         self._file = h5py.File(self.tmp_path, "w")
         self._file.attrs["bigmem_store_version"] = STORE_VERSION
         self._file.attrs["num_classes"] = int(num_classes)
@@ -188,9 +196,17 @@ class StoreWriter:
                                                             [f"class{i}" for i in range(num_classes)])]
         self._cases = self._file.create_group("cases")
 
+    @property
+    def case_ids(self) -> list[str]:
+        return list(self._cases)
+
+    def set_root_attr(self, name: str, value) -> None:
+        self._file.attrs[name] = value
+
     def add_case(self, case_id: str, image: np.ndarray, label: np.ndarray, *,
                  spacing: Sequence[float] = (1.0, 1.0, 1.0), affine: np.ndarray | None = None,
-                 source_affine: np.ndarray | None = None, source_image: str = "", source_label: str = "") -> None:
+                 source_affine: np.ndarray | None = None, source_image: str = "", source_label: str = "",
+                 attrs: dict | None = None) -> None:
         if image.ndim == 3:
             image = image[..., np.newaxis]
         if image.shape[:3] != label.shape or image.shape[3] != self.num_channels:
@@ -199,9 +215,16 @@ class StoreWriter:
         if case_id in self._cases:
             raise DataError(f"Case {case_id!r} appears twice.")
         group = self._cases.create_group(case_id)
-        chunk = tuple(min(s, DEFAULT_CHUNK_EDGE) for s in label.shape)
-        group.create_dataset("image", data=image, chunks=chunk + (image.shape[3],), compression=self.compression)
-        group.create_dataset("label", data=label.astype(np.uint8), chunks=chunk, compression=self.compression)
+        if self.chunk_edge is None and self.compression is None:
+            image_chunks = label_chunks = None  # contiguous
+        else:
+            edge = self.chunk_edge or DEFAULT_CHUNK_EDGE  # HDF5 compresses chunked datasets only
+            label_chunks = tuple(min(s, edge) for s in label.shape)
+            image_chunks = label_chunks + (image.shape[3],)
+        group.create_dataset("image", data=image, chunks=image_chunks, compression=self.compression)
+        group.create_dataset("label", data=label.astype(np.uint8), chunks=label_chunks, compression=self.compression)
+        for name, value in (attrs or {}).items():
+            group.attrs[name] = value
         affine = np.eye(4) if affine is None else np.asarray(affine, dtype=np.float64)
         group.attrs["spacing"] = np.asarray(spacing, dtype=np.float64)
         group.attrs["affine"] = affine

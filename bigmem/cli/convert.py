@@ -1,0 +1,88 @@
+"""``bigmem convert``: NIfTI / Medical Segmentation Decathlon datasets -> a bigmem HDF5 store."""
+
+from __future__ import annotations
+
+import argparse
+
+from bigmem.cli.common import parse_shape
+from bigmem.errors import UsageError
+
+HELP = "convert NIfTI / Medical Segmentation Decathlon data to an HDF5 store"
+
+DESCRIPTION = """\
+Convert the training cases of a Medical Segmentation Decathlon folder (dataset.json, imagesTr/,
+labelsTr/; 3D or 4D images) or of --images/--labels globs into a bigmem store. Every case is
+reoriented to nibabel's closest canonical orientation (RAS), checked (shapes, affines, finite
+values, label values), and written with its source affine and shape; per-channel intensity
+statistics are stored. STORE.manifest.json is written beside the store. The store is written
+under a temporary name and renamed: an interrupted conversion leaves nothing behind.
+
+Chunks: by default 64^3 voxels x all channels (whole-volume reads touch few, large chunks;
+patch reads skip most of a case); --chunks none writes contiguous datasets (no compression).
+"""
+
+
+def register(subparsers, parents) -> None:
+    parser = subparsers.add_parser("convert", help=HELP, description=DESCRIPTION, parents=parents,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("src", nargs="?", metavar="SRC", help="an MSD folder or its dataset.json")
+    parser.add_argument("-o", "--out", required=True, metavar="STORE.h5", help="the store to write")
+    parser.add_argument("--images", metavar="GLOB", help="image files, e.g. 'data/*_0000.nii.gz' (instead of SRC)")
+    parser.add_argument("--labels", metavar="GLOB", help="label files, paired with --images by case id")
+    shape = parser.add_mutually_exclusive_group()
+    shape.add_argument("--volume", type=int, metavar="N", help="centre-crop/pad every case to N^3")
+    shape.add_argument("--shape", metavar="D,H,W", help="centre-crop/pad every case to D,H,W")
+    parser.add_argument("--chunks", default="64", metavar="EDGE|none",
+                        help="chunk edge in voxels (default 64), or none for contiguous datasets")
+    parser.add_argument("--compression", choices=["none", "lzf", "gzip"], default="none",
+                        help="HDF5 compression (default none: fastest reads)")
+    parser.add_argument("--append", action="store_true", help="add the cases to an existing store")
+    parser.add_argument("--force", action="store_true", help="overwrite an existing store")
+    parser.add_argument("--skip-bad", action="store_true",
+                        help="skip a bad case with a warning (and count them at the end) instead of stopping")
+    parser.set_defaults(run=run)
+
+
+def run(args) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from bigmem.data.convert import convert
+    from bigmem.data.nifti import read_globs, read_msd
+
+    if args.src and (args.images or args.labels):
+        raise UsageError("Give either SRC or --images/--labels, not both.")
+    if not args.src and not (args.images and args.labels):
+        raise UsageError("Give SRC (an MSD folder or dataset.json), or both --images and --labels.")
+    if args.append and args.force:
+        raise UsageError("Give either --append or --force, not both.")
+    if args.chunks.lower() == "none":
+        chunk_edge = None
+        if args.compression != "none":
+            raise UsageError("--chunks none writes contiguous datasets, which HDF5 cannot compress; "
+                             "drop --compression or give a chunk edge.")
+    else:
+        try:
+            chunk_edge = int(args.chunks)
+        except ValueError:
+            chunk_edge = 0
+        if chunk_edge < 1:
+            raise UsageError(f"Invalid --chunks {args.chunks!r}: expected a chunk edge in voxels (e.g. 64) or none.")
+    shape = (args.volume,) * 3 if args.volume else (parse_shape(args.shape) if args.shape else None)
+    if shape is not None and min(shape) < 1:
+        raise UsageError(f"Invalid --volume {args.volume}: expected a positive integer.")
+    dataset = read_msd(args.src) if args.src else read_globs(args.images, args.labels)
+    console = Console(soft_wrap=True, stderr=False)
+    with Progress(TextColumn("[bold]convert"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
+                  TimeRemainingColumn(), console=console, disable=not console.is_terminal) as progress:
+        task = progress.add_task("", total=len(dataset.cases))
+
+        def advance(case_id: str) -> None:  # called when a case is done (converted or skipped)
+            progress.update(task, description=case_id, advance=1)
+
+        report = convert(dataset, args.out, force=args.force, append=args.append, skip_bad=args.skip_bad,
+                         compression=None if args.compression == "none" else args.compression, chunk_edge=chunk_edge,
+                         shape=shape, progress=advance, warn=lambda m: console.print(m, style="yellow"))
+    skipped = f"; {len(report.skipped)} skipped" if report.skipped else ""
+    console.print(f"Wrote {len(report.converted)} cases to {report.store}{skipped}; manifest {report.manifest}")
+    return 0

@@ -1,0 +1,166 @@
+"""``bigmem convert``'s API: NIfTI cases -> a bigmem HDF5 store and its manifest.
+
+Each case is read with nibabel, reoriented to the closest canonical orientation (RAS), checked,
+optionally centre-cropped/padded to a fixed shape, and written with what a later prediction
+needs to map back to the source grid (``source_affine``, ``source_shape``, ``crop_pad``).
+Per-channel intensity statistics (mean, std, 0.5 and 99.5 percentiles) are stored per case.
+The store is written under a temporary name and renamed; the manifest
+(``STORE.manifest.json``) is written the same way, after the store.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+
+from bigmem.data.nifti import SourceDataset, load_case, sha256
+from bigmem.data.store import HDF5VolumeStore, StoreWriter
+from bigmem.errors import DataError
+from bigmem.rundir import atomic_write_json
+
+PERCENTILES = (0.5, 99.5)  # nnU-Net's CT clipping percentiles
+
+
+def manifest_path(store: Path) -> Path:
+    return store.with_name(store.name.removesuffix(".h5") + ".manifest.json")
+
+
+def centre_fit(image: np.ndarray, label: np.ndarray, shape: Sequence[int]):
+    """Centre-crop or zero-pad each spatial axis to ``shape``; returns the per-axis (crop, pad) offsets."""
+    offsets = []
+    for axis, target in enumerate(shape):
+        size = label.shape[axis]
+        crop = max(0, (size - target) // 2)
+        pad = max(0, (target - size) // 2)
+        if size > target:
+            image = np.take(image, np.arange(crop, crop + target), axis=axis)
+            label = np.take(label, np.arange(crop, crop + target), axis=axis)
+        elif size < target:
+            widths = [(0, 0)] * image.ndim
+            widths[axis] = (pad, target - size - pad)
+            image, label = np.pad(image, widths), np.pad(label, widths[:3])
+        offsets.append((crop, pad))
+    return image, label, offsets
+
+
+def channel_stats(image: np.ndarray) -> dict[str, list[float]]:
+    flat = image.reshape(-1, image.shape[-1]).astype(np.float64)
+    low, high = np.percentile(flat, PERCENTILES, axis=0)
+    return {"mean": flat.mean(axis=0).tolist(), "std": flat.std(axis=0).tolist(),
+            "p0_5": low.tolist(), "p99_5": high.tolist()}
+
+
+@dataclass
+class ConvertReport:
+    store: Path
+    manifest: Path
+    converted: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)  # one message per skipped case
+
+
+class _Conversion:
+    """The state of one conversion: what was written, skipped, and learnt from the cases."""
+
+    def __init__(self, report: ConvertReport, *, skip_bad: bool, warn, existing: set[str], num_channels: int | None,
+                 label_values: int | None, shape):
+        self.report = report
+        self.skip_bad = skip_bad
+        self.warn = warn
+        self.existing = existing
+        self.num_channels = num_channels
+        self.label_values = label_values
+        self.shape = shape
+        self.entries: dict[str, dict] = {}
+        self.seen_values: set[int] = set()
+
+    def problem(self, message: str) -> None:
+        if not self.skip_bad:
+            raise DataError(message)
+        self.report.skipped.append(message)
+        if self.warn:
+            self.warn(f"skipped: {message}")
+
+    def add(self, case, writer: StoreWriter) -> None:
+        """Load, check, fit and write one case (or report it as a problem)."""
+        if case.case_id in self.existing:
+            self.problem(f"Case {case.case_id!r}: already in {self.report.store} (--append adds new cases only).")
+            return
+        try:
+            loaded = load_case(case, num_channels=self.num_channels, label_values=self.label_values)
+        except DataError as exc:
+            self.problem(str(exc))
+            return
+        if self.num_channels is None:
+            self.num_channels = loaded.image.shape[3]  # the first case fixes it for --images/--labels
+        image, label, offsets = loaded.image, loaded.label, [(0, 0)] * 3
+        if self.shape is not None:
+            image, label, offsets = centre_fit(image, label, self.shape)
+        stats = channel_stats(loaded.image)
+        writer.add_case(case.case_id, image, label, spacing=loaded.spacing, affine=loaded.affine,
+                        source_affine=loaded.source_affine, source_image=str(case.image), source_label=str(case.label),
+                        attrs={"source_shape": list(loaded.source_shape), "canonical_shape": list(loaded.label.shape),
+                               "crop_pad": np.asarray(offsets, np.int64), "intensity_stats": json.dumps(stats)})
+        values = sorted(int(v) for v in np.unique(label))
+        self.seen_values.update(values)
+        self.entries[case.case_id] = {
+            "shape": list(image.shape), "source_shape": list(loaded.source_shape), "spacing": list(loaded.spacing),
+            "image_dtype": "float32", "label_dtype": "uint8", "label_values": values, "intensity_stats": stats,
+            "source_image": str(case.image), "source_label": str(case.label),
+            "source_sha256": {"image": sha256(case.image), "label": sha256(case.label)},
+        }
+        self.report.converted.append(case.case_id)
+
+
+def convert(dataset: SourceDataset, out: str | Path, *, force: bool = False, append: bool = False,
+            skip_bad: bool = False, compression: str | None = None, chunk_edge: int | None = 64,
+            shape: Sequence[int] | None = None, progress: Callable[[str], None] | None = None,
+            warn: Callable[[str], None] | None = None) -> ConvertReport:
+    """Write ``dataset``'s cases to the store ``out`` (atomically) and its manifest beside it."""
+    out = Path(out)
+    if out.exists() and not (force or append):
+        raise DataError(f"{str(out)!r} exists: pass --force to overwrite it or --append to add cases.")
+    if append and not out.exists():
+        raise DataError(f"Cannot --append to {str(out)!r}: no such store.")
+    report = ConvertReport(out, manifest_path(out))
+    old_entries: dict = {}
+    existing: set[str] = set()
+    num_channels = len(dataset.channel_names) if dataset.declared_labels else None
+    label_values = len(dataset.label_names) if dataset.declared_labels else None
+    channel_names, label_names = dataset.channel_names, dataset.label_names
+    if append:
+        with HDF5VolumeStore(out) as store:
+            existing = set(store.case_ids)
+            num_channels, label_values = store.num_channels, store.num_classes
+            channel_names, label_names = store.channel_names, store.label_names
+        if report.manifest.exists():
+            old_entries = json.loads(report.manifest.read_text()).get("cases", {})
+    state = _Conversion(report, skip_bad=skip_bad, warn=warn, existing=existing, num_channels=num_channels,
+                        label_values=label_values, shape=shape)
+    for message in dataset.problems:
+        state.problem(message)
+    with StoreWriter(out, num_classes=max(label_values or 2, 2), channel_names=channel_names or ["image"],
+                     label_names=label_names or None, compression=compression, chunk_edge=chunk_edge,
+                     append=append) as writer:
+        for case in dataset.cases:
+            state.add(case, writer)
+            if progress:
+                progress(case.case_id)
+        if not report.converted:
+            raise DataError(f"No case could be converted from {dataset.origin}"
+                            + (f" ({len(report.skipped)} skipped)." if report.skipped else "."))
+        if not dataset.declared_labels and not append:  # --images/--labels: the data defines the classes
+            num_classes = max(max(state.seen_values) + 1, 2)
+            writer.set_root_attr("num_classes", num_classes)
+            writer.set_root_attr("label_names", [f"class{i}" for i in range(num_classes)])
+            writer.set_root_attr("channel_names", [f"channel{i}" for i in range(state.num_channels or 1)])
+        writer.commit()
+    with HDF5VolumeStore(out) as store:
+        manifest = {"store": out.name, "source": dataset.origin, "num_classes": store.num_classes,
+                    "channel_names": store.channel_names, "label_names": store.label_names,
+                    "cases": {**old_entries, **state.entries}}
+    atomic_write_json(report.manifest, manifest)
+    return report

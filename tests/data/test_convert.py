@@ -1,0 +1,290 @@
+"""bigmem convert: MSD/glob sources -> store; exact round trip against nibabel; bad inputs."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+from pathlib import Path
+
+import h5py
+import nibabel as nib
+import numpy as np
+import pytest
+
+from bigmem.data.store import HDF5VolumeStore
+from helpers import run_cli
+
+# A non-canonical (LPS-like, axis-permuted) affine: canonical reorientation must flip and permute.
+PERMUTED_LPS = np.array([[0.0, 0.0, -2.0, 90.0], [-1.5, 0.0, 0.0, 120.0], [0.0, 1.2, 0.0, -60.0], [0, 0, 0, 1]])
+PLAIN = np.diag([0.8, 0.9, 1.1, 1.0])
+
+
+def _save(path: Path, data: np.ndarray, affine: np.ndarray) -> Path:
+    nib.save(nib.Nifti1Image(data, affine), str(path))
+    return path
+
+
+def make_msd(root: Path, cases: dict, *, channels=("FLAIR",), labels=("background", "edema", "tumour"),
+             nnunet_style: bool = False) -> Path:
+    """cases: {case_id: (image array (3D or 4D), label array, affine)}."""
+    (root / "imagesTr").mkdir(parents=True)
+    (root / "labelsTr").mkdir()
+    training = []
+    for case_id, (image, label, affine) in cases.items():
+        _save(root / "imagesTr" / f"{case_id}.nii.gz", image, affine)
+        _save(root / "labelsTr" / f"{case_id}.nii.gz", label, affine)
+        training.append({"image": f"./imagesTr/{case_id}.nii.gz", "label": f"./labelsTr/{case_id}.nii.gz"})
+    if nnunet_style:
+        meta = {"channel_names": {str(i): c for i, c in enumerate(channels)},
+                "labels": {name: i for i, name in enumerate(labels)}}
+    else:
+        meta = {"modality": {str(i): c for i, c in enumerate(channels)},
+                "labels": {str(i): name for i, name in enumerate(labels)}}
+    meta.update(numTraining=len(training), training=training)
+    (root / "dataset.json").write_text(json.dumps(meta))
+    return root
+
+
+def _case(shape, rng, channels=1, dtype=np.float32, affine=PERMUTED_LPS):
+    image = rng.normal(100, 20, shape + ((channels,) if channels > 1 else ())).astype(dtype)
+    label = rng.integers(0, 3, shape).astype(np.uint8)
+    return image, label, affine
+
+
+@pytest.fixture
+def msd_3d(tmp_path):
+    rng = np.random.default_rng(0)
+    return make_msd(tmp_path / "Task09", {"c_033": _case((33, 35, 37), rng), "c_034": _case((34, 36, 33), rng),
+                                          "c_int": _case((35, 33, 34), rng, dtype=np.int16, affine=PLAIN)})
+
+
+def _canonical(path: Path) -> np.ndarray:
+    return np.asanyarray(nib.as_closest_canonical(nib.load(str(path))).dataobj)
+
+
+def test_round_trip_matches_nibabel_canonical(msd_3d, tmp_path, capsys):
+    out = tmp_path / "s.h5"
+    code, stdout, err = run_cli(["convert", msd_3d, "-o", out], capsys)
+    assert code == 0, err
+    assert f"Wrote 3 cases to {out}" in stdout
+    with h5py.File(out) as handle:
+        assert handle.attrs["num_classes"] == 3
+        assert list(handle.attrs["channel_names"]) == ["FLAIR"]
+        assert list(handle.attrs["label_names"]) == ["background", "edema", "tumour"]
+        for case_id in ("c_033", "c_034", "c_int"):
+            group = handle[f"cases/{case_id}"]
+            src_image = msd_3d / "imagesTr" / f"{case_id}.nii.gz"
+            expected = _canonical(src_image)
+            np.testing.assert_array_equal(group["image"][..., 0], expected.astype(np.float32))  # exact
+            np.testing.assert_array_equal(group["label"][...], _canonical(msd_3d / "labelsTr" / f"{case_id}.nii.gz"))
+            canonical = nib.as_closest_canonical(nib.load(str(src_image)))
+            np.testing.assert_allclose(group.attrs["affine"], canonical.affine)
+            np.testing.assert_allclose(group.attrs["source_affine"], nib.load(str(src_image)).affine)
+            np.testing.assert_allclose(group.attrs["spacing"], canonical.header.get_zooms()[:3])
+            assert list(group.attrs["source_shape"]) == list(nib.load(str(src_image)).shape)
+            assert group.attrs["source_image"] == str(src_image)
+    # The permuted LPS affine really was reoriented: voxel axes (0, 1, 2) point along world (y, z, x),
+    # so RAS order takes source axes (2, 0, 1).
+    assert HDF5VolumeStore(out).cases[0].shape == (37, 33, 35)
+
+
+def test_manifest(msd_3d, tmp_path, capsys):
+    out = tmp_path / "s.h5"
+    assert run_cli(["convert", msd_3d, "-o", out], capsys)[0] == 0
+    manifest = json.loads((tmp_path / "s.manifest.json").read_text())
+    assert manifest["num_classes"] == 3 and sorted(manifest["cases"]) == ["c_033", "c_034", "c_int"]
+    entry = manifest["cases"]["c_033"]
+    image = _canonical(msd_3d / "imagesTr" / "c_033.nii.gz").astype(np.float64)
+    assert entry["shape"] == [37, 33, 35, 1] and entry["source_shape"] == [33, 35, 37]
+    assert entry["spacing"] == pytest.approx([2.0, 1.5, 1.2])
+    assert entry["image_dtype"] == "float32" and entry["label_dtype"] == "uint8"
+    assert entry["label_values"] == [0, 1, 2]
+    assert entry["intensity_stats"]["mean"][0] == pytest.approx(image.mean())
+    assert entry["intensity_stats"]["std"][0] == pytest.approx(image.std())
+    assert entry["intensity_stats"]["p99_5"][0] == pytest.approx(np.percentile(image, 99.5))
+    digest = hashlib.sha256((msd_3d / "imagesTr" / "c_033.nii.gz").read_bytes()).hexdigest()
+    assert entry["source_sha256"]["image"] == digest
+
+
+def test_4d_images_and_nnunet_style_json(tmp_path, capsys):
+    rng = np.random.default_rng(1)
+    src = make_msd(tmp_path / "brats", {"b1": _case((17, 19, 21), rng, channels=4),
+                                        "b2": _case((18, 17, 16), rng, channels=4)},
+                   channels=("FLAIR", "T1w", "t1gd", "T2w"), labels=("background", "a", "b"), nnunet_style=True)
+    out = tmp_path / "b.h5"
+    code, _, err = run_cli(["convert", src / "dataset.json", "-o", out, "--volume", 16], capsys)
+    assert code == 0, err
+    store = HDF5VolumeStore(out)
+    assert store.channel_names == ["FLAIR", "T1w", "t1gd", "T2w"] and store.num_channels == 4
+    image, label = store.read_case("b1")
+    assert image.shape == (16, 16, 16, 4) and label.shape == (16, 16, 16)
+    # centre crop of the canonical data (no padding needed on axes >= 16)
+    expected = _canonical(src / "imagesTr" / "b1.nii.gz").astype(np.float32)
+    with h5py.File(out) as handle:
+        crop_pad = handle["cases/b1"].attrs["crop_pad"]
+    d, h, w = (int(c[0]) for c in crop_pad)
+    np.testing.assert_array_equal(image, expected[d:d + 16, h:h + 16, w:w + 16])
+
+
+def test_globs_append_and_force(tmp_path, capsys):
+    rng = np.random.default_rng(2)
+    data = tmp_path / "raw"
+    data.mkdir()
+    for case_id in ("p1", "p2", "p3"):
+        image, label, affine = _case((9, 10, 11), rng, affine=PLAIN)
+        _save(data / f"{case_id}_0000.nii.gz", image, affine)
+        _save(data / f"{case_id}.nii.gz", label, affine)
+    out = tmp_path / "g.h5"
+    code, _, err = run_cli(["convert", "--images", f"{data}/p[12]_0000.nii.gz", "--labels", f"{data}/p?.nii.gz",
+                            "-o", out, "--chunks", "none"], capsys)
+    assert code == 0, err
+    assert HDF5VolumeStore(out).case_ids == ["p1", "p2"] and HDF5VolumeStore(out).num_classes == 3
+    with h5py.File(out) as handle:
+        assert handle["cases/p1/image"].chunks is None  # contiguous
+    code, _, err = run_cli(["convert", "--images", f"{data}/p3_0000.nii.gz", "--labels", f"{data}/p?.nii.gz",
+                            "-o", out, "--append"], capsys)
+    assert code == 0, err
+    assert HDF5VolumeStore(out).case_ids == ["p1", "p2", "p3"]
+    assert sorted(json.loads((tmp_path / "g.manifest.json").read_text())["cases"]) == ["p1", "p2", "p3"]
+    code, _, err = run_cli(["convert", "--images", f"{data}/p3_0000.nii.gz", "--labels", f"{data}/p?.nii.gz",
+                            "-o", out, "--append"], capsys)
+    assert code == 1
+    assert err.strip() == f"bigmem convert: error: Case 'p3': already in {out} (--append adds new cases only)."
+    assert HDF5VolumeStore(out).case_ids == ["p1", "p2", "p3"]  # untouched
+    code, _, err = run_cli(["convert", "--images", f"{data}/p1_0000.nii.gz", "--labels", f"{data}/p?.nii.gz",
+                            "-o", out], capsys)
+    assert code == 1 and "exists: pass --force to overwrite it or --append to add cases." in err
+    assert run_cli(["convert", "--images", f"{data}/p1_0000.nii.gz", "--labels", f"{data}/p?.nii.gz",
+                    "-o", out, "--force", "--compression", "gzip"], capsys)[0] == 0
+    assert HDF5VolumeStore(out).case_ids == ["p1"]
+
+
+def test_a_converted_store_trains(msd_3d, tmp_path, capsys):
+    out = tmp_path / "s.h5"
+    assert run_cli(["convert", msd_3d, "-o", out], capsys)[0] == 0
+    code, _, err = run_cli(["train", "--data", out, "--model", "tiny", "--volume", 32, "--steps", 2,
+                            "--out", tmp_path / "run"], capsys)
+    assert code == 0, err
+
+
+# ---- bad inputs: one line naming the case and file, exit 1, no traceback, nothing left behind ----
+
+def _bad_shape(root, rng):
+    image, _, affine = _case((12, 12, 12), rng)
+    return {"bad": (image, np.zeros((12, 12, 11), np.uint8), affine)}
+
+
+def _write_case(root, case_id, image, label, image_affine, label_affine):
+    _save(root / "imagesTr" / f"{case_id}.nii.gz", image, image_affine)
+    _save(root / "labelsTr" / f"{case_id}.nii.gz", label, label_affine)
+
+
+BAD = {
+    "shape": r"Case 'bad': label shape \(12, 12, 11\) != image shape \(12, 12, 12\) \(.*labelsTr/bad.nii.gz\)\.",
+    "affine": r"Case 'bad': label affine differs from the image affine by 0\.5 \(tolerance 0\.001\) "
+              r"\(.*labelsTr/bad.nii.gz\); the two are not on the same grid\.",
+    "nan": r"Case 'bad': image has 3 non-finite values \(NaN/Inf\) \(.*imagesTr/bad.nii.gz\)\.",
+    "label_value": r"Case 'bad': label values \[7\] are not in dataset.json's labels \(0\.\.2\) \(.*labelsTr/bad.nii.gz\)\.",
+    "label_4d": r"Case 'bad': label has shape \(12, 12, 12, 2\) \(.*labelsTr/bad.nii.gz\); expected a 3D label map",
+    "truncated": r"Case 'bad': cannot read image '.*imagesTr/bad.nii.gz' \(.*\); the file may be truncated or not NIfTI\.",
+    "not_nifti": r"Case 'bad': cannot read label '.*labelsTr/bad.nii.gz' \(.*\); the file may be truncated or not NIfTI\.",
+    "missing": r"Case 'bad': image file '.*imagesTr/bad.nii.gz' does not exist\.",
+    "duplicate": r"Case 'good': listed twice in .*dataset.json\.",
+}
+
+
+def _make_bad(kind: str, root: Path) -> Path:
+    rng = np.random.default_rng(3)
+    good_image, good_label, affine = _case((12, 12, 12), rng)
+    make_msd(root, {"good": (good_image, good_label, affine)})
+    meta = json.loads((root / "dataset.json").read_text())
+    image, label = good_image.copy(), good_label.copy()
+    if kind == "shape":
+        _write_case(root, "bad", image, label[:, :, :11], affine, affine)
+    elif kind == "affine":
+        shifted = affine.copy()
+        shifted[0, 3] += 0.5
+        _write_case(root, "bad", image, label, affine, shifted)
+    elif kind == "nan":
+        image[0, 0, :3] = [np.nan, np.inf, -np.inf]
+        _write_case(root, "bad", image, label, affine, affine)
+    elif kind == "label_value":
+        label[1, 1, 1] = 7
+        _write_case(root, "bad", image, label, affine, affine)
+    elif kind == "label_4d":
+        _write_case(root, "bad", image, np.stack([label, label], -1), affine, affine)
+    elif kind == "truncated":
+        _write_case(root, "bad", image, label, affine, affine)
+        path = root / "imagesTr" / "bad.nii.gz"
+        path.write_bytes(path.read_bytes()[: len(path.read_bytes()) // 2])
+    elif kind == "not_nifti":
+        _write_case(root, "bad", image, label, affine, affine)
+        (root / "labelsTr" / "bad.nii.gz").write_bytes(gzip.compress(b"this is not a NIfTI header" * 20))
+    if kind == "duplicate":
+        meta["training"].append(dict(meta["training"][0]))
+    elif kind != "missing":
+        meta["training"].append({"image": "./imagesTr/bad.nii.gz", "label": "./labelsTr/bad.nii.gz"})
+    else:
+        meta["training"].append({"image": "./imagesTr/bad.nii.gz", "label": "./labelsTr/good.nii.gz"})
+    (root / "dataset.json").write_text(json.dumps(meta))
+    return root
+
+
+@pytest.mark.parametrize("kind", sorted(BAD))
+def test_bad_inputs(kind, tmp_path, capsys):
+    src = _make_bad(kind, tmp_path / "src")
+    out = tmp_path / "out" / "s.h5"
+    code, _, err = run_cli(["convert", src, "-o", out], capsys)
+    assert code == 1
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err
+    assert lines[0].startswith("bigmem convert: error: ")
+    import re
+
+    assert re.search(BAD[kind], lines[0]), lines[0]
+    assert not out.exists() and not list(out.parent.glob("*")) if out.parent.exists() else True
+
+
+@pytest.mark.parametrize("kind", ["shape", "nan", "duplicate"])
+def test_skip_bad_keeps_the_good_cases(kind, tmp_path, capsys):
+    src = _make_bad(kind, tmp_path / "src")
+    out = tmp_path / "s.h5"
+    code, stdout, err = run_cli(["convert", src, "-o", out, "--skip-bad"], capsys)
+    assert code == 0, err
+    assert "skipped: Case '" in stdout and f"Wrote 1 cases to {out}; 1 skipped" in stdout
+    assert HDF5VolumeStore(out).case_ids == ["good"]
+
+
+def test_non_consecutive_labels_in_dataset_json(tmp_path, capsys):
+    rng = np.random.default_rng(4)
+    src = make_msd(tmp_path / "src", {"a": _case((8, 8, 8), rng)})
+    meta = json.loads((src / "dataset.json").read_text())
+    meta["labels"] = {"0": "background", "1": "edema", "4": "enhancing"}
+    (src / "dataset.json").write_text(json.dumps(meta))
+    code, _, err = run_cli(["convert", src, "-o", tmp_path / "s.h5"], capsys)
+    assert code == 1
+    assert "label values [0, 1, 4] are not 0..2; bigmem needs consecutive labels" in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([], "Give SRC (an MSD folder or dataset.json), or both --images and --labels."),
+    (["SRC", "--images", "x"], "Give either SRC or --images/--labels, not both."),
+    (["SRC", "--chunks", "0"], "Invalid --chunks '0': expected a chunk edge in voxels (e.g. 64) or none."),
+    (["SRC", "--chunks", "none", "--compression", "lzf"], "--chunks none writes contiguous datasets, which HDF5 "
+                                                          "cannot compress; drop --compression or give a chunk edge."),
+    (["SRC", "--append", "--force"], "Give either --append or --force, not both."),
+])
+def test_usage_errors(tmp_path, capsys, argv, message):
+    argv = [str(tmp_path) if a == "SRC" else a for a in argv]
+    code, _, err = run_cli(["convert", *argv, "-o", tmp_path / "s.h5"], capsys)
+    assert code == 2
+    assert err.strip() == f"bigmem convert: error: {message}"
+
+
+def test_not_an_msd_folder(tmp_path, capsys):
+    code, _, err = run_cli(["convert", tmp_path, "-o", tmp_path / "s.h5"], capsys)
+    assert code == 1
+    assert err.strip() == (f"bigmem convert: error: No dataset.json in {str(tmp_path)!r}: expected a Medical "
+                           "Segmentation Decathlon folder (dataset.json, imagesTr/, labelsTr/) or --images/--labels "
+                           "globs.")
