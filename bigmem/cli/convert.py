@@ -29,6 +29,8 @@ def register(subparsers, parents) -> None:
     parser.add_argument("-o", "--out", required=True, metavar="STORE.h5", help="the store to write")
     parser.add_argument("--images", metavar="GLOB", help="image files, e.g. 'data/*_0000.nii.gz' (instead of SRC)")
     parser.add_argument("--labels", metavar="GLOB", help="label files, paired with --images by case id")
+    parser.add_argument("--spacing", metavar="X,Y,Z", help="resample to this voxel spacing in mm (image trilinear, "
+                                                           "label nearest), in the canonical (RAS) axis order")
     shape = parser.add_mutually_exclusive_group()
     shape.add_argument("--volume", type=int, metavar="N", help="centre-crop/pad every case to N^3")
     shape.add_argument("--shape", metavar="D,H,W", help="centre-crop/pad every case to D,H,W")
@@ -36,6 +38,10 @@ def register(subparsers, parents) -> None:
                         help="chunk edge in voxels (default 64), or none for contiguous datasets")
     parser.add_argument("--compression", choices=["none", "lzf", "gzip"], default="none",
                         help="HDF5 compression (default none: fastest reads)")
+    parser.add_argument("--max-write-rate", metavar="RATE", help="cap the average write rate, e.g. 200MB/s, so a "
+                                                                  "conversion beside a training run does not starve it")
+    parser.add_argument("--block-size", metavar="SIZE", help="hand data to HDF5 (and flush) in blocks of SIZE, "
+                                                             "e.g. 1MiB (default: a whole dataset at once)")
     parser.add_argument("--append", action="store_true", help="add the cases to an existing store")
     parser.add_argument("--force", action="store_true", help="overwrite an existing store")
     parser.add_argument("--skip-bad", action="store_true",
@@ -68,7 +74,22 @@ def run(args) -> int:
             chunk_edge = 0
         if chunk_edge < 1:
             raise UsageError(f"Invalid --chunks {args.chunks!r}: expected a chunk edge in voxels (e.g. 64) or none.")
+    from bigmem.units import parse_bytes
+
+    rate = parse_bytes(args.max_write_rate.removesuffix("/s"), flag="--max-write-rate") if args.max_write_rate \
+        else None
+    block = parse_bytes(args.block_size, flag="--block-size") if args.block_size else None
+    if rate == 0 or block == 0:
+        raise UsageError("--max-write-rate and --block-size must be positive.")
     shape = (args.volume,) * 3 if args.volume else (parse_shape(args.shape) if args.shape else None)
+    spacing = None
+    if args.spacing:
+        try:
+            spacing = tuple(float(v) for v in args.spacing.split(","))
+        except ValueError:
+            spacing = ()
+        if len(spacing) != 3 or min(spacing) <= 0:
+            raise UsageError(f"Invalid --spacing {args.spacing!r}: expected three positive numbers (mm) such as 1,1,1.5.")
     if shape is not None and min(shape) < 1:
         raise UsageError(f"Invalid --volume {args.volume}: expected a positive integer.")
     dataset = read_msd(args.src) if args.src else read_globs(args.images, args.labels)
@@ -82,7 +103,8 @@ def run(args) -> int:
 
         report = convert(dataset, args.out, force=args.force, append=args.append, skip_bad=args.skip_bad,
                          compression=None if args.compression == "none" else args.compression, chunk_edge=chunk_edge,
-                         shape=shape, progress=advance, warn=lambda m: console.print(m, style="yellow"))
+                         shape=shape, progress=advance, warn=lambda m: console.print(m, style="yellow"),
+                         max_write_rate=rate, block_bytes=block, spacing=spacing)
     skipped = f"; {len(report.skipped)} skipped" if report.skipped else ""
     console.print(f"Wrote {len(report.converted)} cases to {report.store}{skipped}; manifest {report.manifest}")
     return 0

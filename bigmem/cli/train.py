@@ -39,6 +39,9 @@ def register(subparsers, parents) -> None:
     data.add_argument("--num-workers", type=int, metavar="N",
                       help="reader processes (0: read in the training process; default 0)")
     data.add_argument("--prefetch", type=int, metavar="N", help="batches prepared ahead of the step (default 2)")
+    data.add_argument("--cold-cache", action="store_true", default=None,
+                      help="drop the store's pages from the page cache after every read (posix_fadvise DONTNEED), "
+                           "so training reads from disk as it would for a dataset larger than RAM")
     opt = parser.add_argument_group("optimisation")
     length = opt.add_mutually_exclusive_group()
     length.add_argument("--steps", type=int, metavar="K", help="number of training steps")
@@ -59,7 +62,8 @@ def _overrides(args) -> dict:
     """Only the flags the user gave (argparse defaults are None), as config sections."""
     budget = parse_bytes(args.memory_budget, flag="--memory-budget") if args.memory_budget else None
     sections = model_overrides(args)
-    sections["data"].update(store=args.data, num_workers=args.num_workers, prefetch=args.prefetch)
+    sections["data"].update(store=args.data, num_workers=args.num_workers, prefetch=args.prefetch,
+                            cold_cache=args.cold_cache)
     sections["numa"] = numa_overrides(args)
     sections["train"].update(steps=args.steps, epochs=args.epochs, lr=args.lr, warmup_steps=args.warmup_steps,
                              seed=args.seed, checkpoint_every=args.checkpoint_every, memory_budget_bytes=budget)

@@ -77,6 +77,7 @@ class DataConfig:
     prefetch: int = 2
     num_workers: int = 0  # 0: read in the training process; N: N reader processes
     flip: bool = True
+    cold_cache: bool = False  # --cold-cache: drop the store's pages after each read (dataset > RAM)
     synth_cases: int = 16
     synth_volume: int = 48
     synth_classes: int = 3

@@ -17,8 +17,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from bigmem.data.nifti import SourceDataset, load_case, sha256
-from bigmem.data.store import HDF5VolumeStore, StoreWriter
+from bigmem.data.nifti import LoadedCase, SourceDataset, load_case, sha256
+from bigmem.data.store import HDF5VolumeStore, StoreWriter, WriteThrottle
 from bigmem.errors import DataError
 from bigmem.rundir import atomic_write_json
 
@@ -47,6 +47,28 @@ def centre_fit(image: np.ndarray, label: np.ndarray, shape: Sequence[int]):
     return image, label, offsets
 
 
+def resample(loaded: LoadedCase, target: Sequence[float]) -> LoadedCase:
+    """Resample a canonical case to voxel ``target`` spacing (mm): image trilinear, label nearest.
+
+    The new shape is round(shape x spacing / target); the field of view's outer edges stay in place
+    (``grid_mode``), and the affine is rebuilt so every voxel keeps its world position.
+    """
+    from scipy import ndimage
+
+    old = np.asarray(loaded.spacing, np.float64)
+    shape = np.asarray(loaded.label.shape)
+    new_shape = np.maximum(1, np.round(shape * old / np.asarray(target, np.float64))).astype(int)
+    zoom = new_shape / shape
+    image = np.stack([ndimage.zoom(loaded.image[..., c], zoom, order=1, grid_mode=True, mode="grid-constant")
+                      for c in range(loaded.image.shape[3])], axis=-1).astype(np.float32)
+    label = ndimage.zoom(loaded.label, zoom, order=0, grid_mode=True, mode="grid-constant").astype(np.uint8)
+    affine = loaded.affine.copy()
+    affine[:3, :3] = loaded.affine[:3, :3] / zoom  # column j scaled by 1/zoom_j
+    affine[:3, 3] = loaded.affine[:3, :3] @ (0.5 / zoom - 0.5) + loaded.affine[:3, 3]  # voxel 0's new centre
+    return LoadedCase(loaded.case_id, image, label, affine, loaded.source_affine, loaded.source_shape,
+                      tuple(float(s) for s in old / zoom))
+
+
 def channel_stats(image: np.ndarray) -> dict[str, list[float]]:
     flat = image.reshape(-1, image.shape[-1]).astype(np.float64)
     low, high = np.percentile(flat, PERCENTILES, axis=0)
@@ -66,7 +88,8 @@ class _Conversion:
     """The state of one conversion: what was written, skipped, and learnt from the cases."""
 
     def __init__(self, report: ConvertReport, *, skip_bad: bool, warn, existing: set[str], num_channels: int | None,
-                 label_values: int | None, shape):
+                 label_values: int | None, shape, spacing=None):
+        self.spacing = spacing
         self.report = report
         self.skip_bad = skip_bad
         self.warn = warn
@@ -96,6 +119,8 @@ class _Conversion:
             return
         if self.num_channels is None:
             self.num_channels = loaded.image.shape[3]  # the first case fixes it for --images/--labels
+        if self.spacing is not None:
+            loaded = resample(loaded, self.spacing)
         image, label, offsets = loaded.image, loaded.label, [(0, 0)] * 3
         if self.shape is not None:
             image, label, offsets = centre_fit(image, label, self.shape)
@@ -118,7 +143,8 @@ class _Conversion:
 def convert(dataset: SourceDataset, out: str | Path, *, force: bool = False, append: bool = False,
             skip_bad: bool = False, compression: str | None = None, chunk_edge: int | None = 64,
             shape: Sequence[int] | None = None, progress: Callable[[str], None] | None = None,
-            warn: Callable[[str], None] | None = None) -> ConvertReport:
+            warn: Callable[[str], None] | None = None, max_write_rate: float | None = None,
+            block_bytes: int | None = None, spacing: Sequence[float] | None = None) -> ConvertReport:
     """Write ``dataset``'s cases to the store ``out`` (atomically) and its manifest beside it."""
     out = Path(out)
     if out.exists() and not (force or append):
@@ -139,12 +165,12 @@ def convert(dataset: SourceDataset, out: str | Path, *, force: bool = False, app
         if report.manifest.exists():
             old_entries = json.loads(report.manifest.read_text()).get("cases", {})
     state = _Conversion(report, skip_bad=skip_bad, warn=warn, existing=existing, num_channels=num_channels,
-                        label_values=label_values, shape=shape)
+                        label_values=label_values, shape=shape, spacing=spacing)
     for message in dataset.problems:
         state.problem(message)
     with StoreWriter(out, num_classes=max(label_values or 2, 2), channel_names=channel_names or ["image"],
                      label_names=label_names or None, compression=compression, chunk_edge=chunk_edge,
-                     append=append) as writer:
+                     append=append, throttle=WriteThrottle(max_write_rate, block_bytes)) as writer:
         for case in dataset.cases:
             state.add(case, writer)
             if progress:

@@ -71,25 +71,64 @@ def load_sample(store: HDF5VolumeStore, sample_index: int, *, volume: int, seed:
     return np.ascontiguousarray(image, dtype=np.float32), np.ascontiguousarray(label, dtype=np.uint8)
 
 
+FOREGROUND_FRACTION = 0.4  # MLPerf 3D U-Net: share of patches centred on a foreground voxel
+
+
+def patch_start(label: np.ndarray | None, shape: tuple[int, ...], patch: int, rng: np.random.Generator) -> tuple:
+    """A patch origin: centred on a random foreground voxel of ``label`` if given (and any), else uniform."""
+    if label is not None:
+        foreground = np.flatnonzero(label)
+        if foreground.size:
+            centre = np.unravel_index(int(foreground[rng.integers(foreground.size)]), shape)
+            return tuple(int(min(max(c - patch // 2, 0), max(s - patch, 0))) for c, s in zip(centre, shape))
+    return tuple(int(rng.integers(0, max(s - patch, 0) + 1)) for s in shape)
+
+
+def load_patch(store: HDF5VolumeStore, sample_index: int, *, patch: int, seed: int, flip: bool,
+               foreground_fraction: float = FOREGROUND_FRACTION):
+    """One training patch (patch^3), foreground-centred with probability ``foreground_fraction``.
+
+    Only the chunks the patch overlaps are read (plus the label, 1 byte/voxel, for a foreground
+    patch). The patch is z-scored on its own values.
+    """
+    info = store.cases[case_for_sample(sample_index, len(store), seed)]
+    rng = np.random.default_rng([seed, sample_index, 2])
+    label = store.read_label(info.case_id) if rng.random() < foreground_fraction else None
+    start = patch_start(label, info.shape, patch, rng)
+    size = tuple(min(patch, s) for s in info.shape)
+    image, label = store.read_patch(info.case_id, start, size)
+    image, label = fit_to_volume(normalize(image), label, patch, rng)
+    if flip:
+        axes = tuple(int(a) for a in np.flatnonzero(rng.random(3) < 0.5))
+        if axes:
+            image, label = np.flip(image, axes), np.flip(label, axes)
+    return np.ascontiguousarray(image, dtype=np.float32), np.ascontiguousarray(label, dtype=np.uint8)
+
+
 _WORKER_STORE: HDF5VolumeStore | None = None
 
 
-def _init_worker(store_path: str) -> None:
+def _init_worker(store_path: str, cold_cache: bool) -> None:
     global _WORKER_STORE
-    _WORKER_STORE = HDF5VolumeStore(store_path)
+    _WORKER_STORE = HDF5VolumeStore(store_path, cold_cache=cold_cache)
 
 
-def _worker_load(sample_index: int, volume: int, seed: int, flip: bool):
+def _worker_load(sample_index: int, volume: int, seed: int, flip: bool, patch: int | None):
+    if patch:
+        return load_patch(_WORKER_STORE, sample_index, patch=patch, seed=seed, flip=flip)
     return load_sample(_WORKER_STORE, sample_index, volume=volume, seed=seed, flip=flip)
 
 
 class WholeVolumeLoader:
-    """Batches of whole volumes from a store, in a deterministic order from a start step."""
+    """Batches of whole volumes (or, with ``patch``, of patch^3 patches) in a deterministic order."""
 
     def __init__(self, store_path: str | os.PathLike, *, volume: int, batch_size: int, seed: int = 0,
-                 flip: bool = True, num_workers: int = 0, prefetch: int = 2):
-        self.store = HDF5VolumeStore(store_path)
-        self.volume = int(volume)
+                 flip: bool = True, num_workers: int = 0, prefetch: int = 2, cold_cache: bool = False,
+                 patch: int | None = None):
+        self.store = HDF5VolumeStore(store_path, cold_cache=cold_cache)
+        self.cold_cache = cold_cache
+        self.patch = patch
+        self.volume = int(patch or volume)
         self.batch_size = int(batch_size)
         self.seed = int(seed)
         self.flip = bool(flip)
@@ -110,15 +149,20 @@ class WholeVolumeLoader:
         if self._pool is None:
             self._pool = ProcessPoolExecutor(
                 self.num_workers, mp_context=multiprocessing.get_context("spawn"),
-                initializer=_init_worker, initargs=(str(self.store.path),))
-        return self._pool.submit(_worker_load, sample_index, self.volume, self.seed, self.flip)
+                initializer=_init_worker, initargs=(str(self.store.path), self.cold_cache))
+        return self._pool.submit(_worker_load, sample_index, self.volume, self.seed, self.flip, self.patch)
+
+    def _load(self, index: int):
+        if self.patch:
+            return load_patch(self.store, index, patch=self.patch, seed=self.seed, flip=self.flip)
+        return load_sample(self.store, index, volume=self.volume, seed=self.seed, flip=self.flip)
 
     def samples(self, start_sample: int = 0) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """An endless stream of samples from ``start_sample`` on."""
         index = start_sample
         if self.num_workers == 0:
             while True:
-                yield load_sample(self.store, index, volume=self.volume, seed=self.seed, flip=self.flip)
+                yield self._load(index)
                 index += 1
         ahead = max(self.num_workers, (self.prefetch + 1) * self.batch_size)
         pending: collections.deque[Future] = collections.deque()

@@ -129,7 +129,7 @@ def train(config: ExperimentConfig, run_dir: str | os.PathLike, *, resume: bool 
         config.data.store = str(store_path)
     loader = WholeVolumeLoader(config.data.store, volume=config.data.volume, batch_size=config.train.batch_size,
                                seed=config.train.seed, flip=config.data.flip, num_workers=config.data.num_workers,
-                               prefetch=config.data.prefetch)
+                               prefetch=config.data.prefetch, cold_cache=config.data.cold_cache)
     try:
         # The data decides the network's input channels and classes (as nnU-Net's planner does).
         config.model.in_channels = loader.num_channels

@@ -288,3 +288,53 @@ def test_not_an_msd_folder(tmp_path, capsys):
     assert err.strip() == (f"bigmem convert: error: No dataset.json in {str(tmp_path)!r}: expected a Medical "
                            "Segmentation Decathlon folder (dataset.json, imagesTr/, labelsTr/) or --images/--labels "
                            "globs.")
+
+
+def test_throttled_writes_are_identical_and_rate_limited(msd_3d, tmp_path, capsys):
+    import time
+
+    plain, slow = tmp_path / "plain.h5", tmp_path / "slow.h5"
+    assert run_cli(["convert", msd_3d, "-o", plain], capsys)[0] == 0
+    started = time.monotonic()
+    code, _, err = run_cli(["convert", msd_3d, "-o", slow, "--max-write-rate", "2MB/s", "--block-size", "64KiB"],
+                           capsys)
+    elapsed = time.monotonic() - started
+    assert code == 0, err
+    a, b = HDF5VolumeStore(plain), HDF5VolumeStore(slow)
+    written = sum(int(np.prod(c.shape)) * 5 for c in a.cases)  # float32 image + uint8 label per voxel
+    assert elapsed >= 0.9 * written / 2e6  # the limiter held the average rate (a floor, not a timing target)
+    for case_id in a.case_ids:
+        for x, y in zip(a.read_case(case_id), b.read_case(case_id)):
+            np.testing.assert_array_equal(x, y)
+
+
+def test_throttle_flag_errors(msd_3d, tmp_path, capsys):
+    code, _, err = run_cli(["convert", msd_3d, "-o", tmp_path / "s.h5", "--max-write-rate", "fast"], capsys)
+    assert code == 2
+    assert err.strip() == ("bigmem convert: error: Invalid --max-write-rate 'fast': expected a size such as 512GiB, "
+                           "1.5TiB, 200MB or 1048576.")
+
+
+def test_spacing_resamples_and_keeps_world_positions(tmp_path, capsys):
+    rng = np.random.default_rng(5)
+    affine = np.diag([2.0, 1.0, 3.0, 1.0])
+    affine[:3, 3] = [-10.0, 5.0, 7.0]
+    image = rng.normal(size=(10, 20, 8)).astype(np.float32)
+    label = np.zeros((10, 20, 8), np.uint8)
+    label[2:6, 5:15, 1:5] = 2
+    src = make_msd(tmp_path / "src", {"r": (image, label, affine)})
+    out = tmp_path / "s.h5"
+    code, _, err = run_cli(["convert", src, "-o", out, "--spacing", "1,1,1"], capsys)
+    assert code == 0, err
+    with h5py.File(out) as handle:
+        group = handle["cases/r"]
+        assert group["image"].shape == (20, 20, 24, 1)
+        np.testing.assert_allclose(group.attrs["spacing"], [1.0, 1.0, 1.0])
+        new_affine = group.attrs["affine"]
+        assert set(np.unique(group["label"][...])) == {0, 2}  # nearest: no invented labels
+    # The field of view's corner (voxel -0.5) sits at the same world point before and after.
+    corner = lambda a: a[:3, :3] @ np.full(3, -0.5) + a[:3, 3]  # noqa: E731
+    np.testing.assert_allclose(corner(new_affine), corner(affine))
+    np.testing.assert_allclose(np.linalg.norm(new_affine[:3, :3], axis=0), [1.0, 1.0, 1.0])
+    code, _, err = run_cli(["convert", src, "-o", tmp_path / "t.h5", "--spacing", "1,0,1"], capsys)
+    assert code == 2 and "Invalid --spacing '1,0,1': expected three positive numbers (mm)" in err

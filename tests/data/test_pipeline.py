@@ -91,3 +91,48 @@ def test_repr_states_memory(tiny_store):
     with WholeVolumeLoader(tiny_store, volume=32, batch_size=2) as loader:
         assert repr(loader) == ("WholeVolumeLoader(volume: 32^3; batch: 2; workers: 0; prefetch: 2; "
                                 "memory per batch: 0.3 MiB)")
+
+
+def test_direct_read_of_contiguous_datasets_matches_hdf5(tmp_path):
+    from bigmem.data.store import HDF5VolumeStore
+    from bigmem.data.synth import write_synthetic_store
+    import h5py
+
+    path = tmp_path / "s.h5"
+    write_synthetic_store(path, num_cases=2, volume=12)
+    with h5py.File(path, "r+") as handle:  # rewrite one case contiguous
+        image, label = handle["cases/synth_0000/image"][...], handle["cases/synth_0000/label"][...]
+        del handle["cases/synth_0000/image"], handle["cases/synth_0000/label"]
+        handle["cases/synth_0000"].create_dataset("image", data=image)
+        handle["cases/synth_0000"].create_dataset("label", data=label)
+    direct = HDF5VolumeStore(path, cold_cache=True)
+    through_hdf5 = HDF5VolumeStore(path, direct_read=False)
+    for case_id in direct.case_ids:
+        for a, b in zip(direct.read_case(case_id), through_hdf5.read_case(case_id)):
+            np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(direct.read_case("synth_0000")[0], image)
+
+
+def test_patches_are_foreground_oversampled(tiny_store):
+    from bigmem.data.pipeline import load_patch
+    from bigmem.data.store import HDF5VolumeStore
+
+    store = HDF5VolumeStore(tiny_store)
+    hits = {0.0: 0, 1.0: 0}
+    for fraction in hits:
+        for index in range(40):
+            image, label = load_patch(store, index, patch=6, seed=0, flip=False, foreground_fraction=fraction)
+            assert image.shape == (6, 6, 6, 1) and label.shape == (6, 6, 6)
+            hits[fraction] += int(label.any())
+    assert hits[1.0] == 40  # every patch centred on foreground holds some
+    assert hits[1.0] > hits[0.0]
+
+
+def test_patch_loader_batches(tiny_store):
+    with WholeVolumeLoader(tiny_store, volume=16, batch_size=2, patch=8, seed=1) as loader:
+        images, labels = next(loader.batches())
+        again = next(loader.batches())
+    assert images.shape == (2, 8, 8, 8, 1) and labels.shape == (2, 8, 8, 8)
+    np.testing.assert_array_equal(images, again[0])
+    with WholeVolumeLoader(tiny_store, volume=16, batch_size=2, patch=8, seed=1, num_workers=1) as parallel:
+        np.testing.assert_array_equal(next(parallel.batches())[0], images)
