@@ -16,6 +16,7 @@ import collections
 import multiprocessing
 import os
 from concurrent.futures import Future, ProcessPoolExecutor
+from multiprocessing import resource_tracker, shared_memory
 from typing import Iterator
 
 import numpy as np
@@ -106,6 +107,7 @@ def load_patch(store: HDF5VolumeStore, sample_index: int, *, patch: int, seed: i
 
 
 _WORKER_STORE: HDF5VolumeStore | None = None
+_WORKER_SLOTS: dict[str, shared_memory.SharedMemory] = {}
 
 
 def _init_worker(store_path: str, cold_cache: bool) -> None:
@@ -113,10 +115,28 @@ def _init_worker(store_path: str, cold_cache: bool) -> None:
     _WORKER_STORE = HDF5VolumeStore(store_path, cold_cache=cold_cache)
 
 
-def _worker_load(sample_index: int, volume: int, seed: int, flip: bool, patch: int | None):
+def _slot_views(buffer, volume: int, channels: int):
+    """(image, label) arrays laid out in one shared-memory slot."""
+    image_bytes = volume**3 * channels * 4
+    image = np.ndarray((volume, volume, volume, channels), np.float32, buffer=buffer)
+    label = np.ndarray((volume, volume, volume), np.uint8, buffer=buffer, offset=image_bytes)
+    return image, label
+
+
+def _worker_load(slot: str, sample_index: int, volume: int, seed: int, flip: bool, patch: int | None) -> None:
+    """Load one sample into the shared-memory ``slot``: only the slot's name crosses the pipe,
+    not the volume (pickling a 28 MB volume costs two extra copies and the pipe)."""
+    if slot not in _WORKER_SLOTS:
+        _WORKER_SLOTS[slot] = shared_memory.SharedMemory(name=slot)
+        # The training process owns the slot; this process must not unlink it when it exits.
+        resource_tracker.unregister(_WORKER_SLOTS[slot]._name, "shared_memory")
     if patch:
-        return load_patch(_WORKER_STORE, sample_index, patch=patch, seed=seed, flip=flip)
-    return load_sample(_WORKER_STORE, sample_index, volume=volume, seed=seed, flip=flip)
+        image, label = load_patch(_WORKER_STORE, sample_index, patch=patch, seed=seed, flip=flip)
+    else:
+        image, label = load_sample(_WORKER_STORE, sample_index, volume=volume, seed=seed, flip=flip)
+    image_view, label_view = _slot_views(_WORKER_SLOTS[slot].buf, volume, image.shape[3])
+    image_view[...] = image
+    label_view[...] = label
 
 
 class WholeVolumeLoader:
@@ -135,6 +155,7 @@ class WholeVolumeLoader:
         self.num_workers = int(num_workers)
         self.prefetch = int(prefetch)
         self._pool: ProcessPoolExecutor | None = None
+        self._slots: list[shared_memory.SharedMemory] = []
         self.error: Exception | None = None  # a reader error, kept so tf.data cannot blur it
 
     @property
@@ -145,12 +166,13 @@ class WholeVolumeLoader:
     def steps_per_epoch(self) -> int:
         return -(-len(self.store) // self.batch_size)
 
-    def _submit(self, sample_index: int) -> Future:
+    def _submit(self, sample_index: int, slot: int) -> Future:
         if self._pool is None:
             self._pool = ProcessPoolExecutor(
                 self.num_workers, mp_context=multiprocessing.get_context("spawn"),
                 initializer=_init_worker, initargs=(str(self.store.path), self.cold_cache))
-        return self._pool.submit(_worker_load, sample_index, self.volume, self.seed, self.flip, self.patch)
+        return self._pool.submit(_worker_load, self._slots[slot].name, sample_index, self.volume, self.seed,
+                                 self.flip, self.patch)
 
     def _load(self, index: int):
         if self.patch:
@@ -158,26 +180,43 @@ class WholeVolumeLoader:
         return load_sample(self.store, index, volume=self.volume, seed=self.seed, flip=self.flip)
 
     def samples(self, start_sample: int = 0) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """An endless stream of samples from ``start_sample`` on."""
+        """An endless stream of samples from ``start_sample`` on.
+
+        With reader processes the arrays are views of shared memory, valid only until the next
+        sample is requested: copy what you keep (``batches`` copies each into its batch).
+        """
         index = start_sample
         if self.num_workers == 0:
             while True:
                 yield self._load(index)
                 index += 1
         ahead = max(self.num_workers, (self.prefetch + 1) * self.batch_size)
-        pending: collections.deque[Future] = collections.deque()
+        sample_bytes = self.volume**3 * (4 * self.num_channels + 1)
+        while len(self._slots) < ahead:
+            self._slots.append(shared_memory.SharedMemory(create=True, size=sample_bytes))
+        pending: collections.deque[tuple[Future, int]] = collections.deque()
+        free = collections.deque(range(len(self._slots)))
         while True:
-            while len(pending) < ahead:
-                pending.append(self._submit(index))
+            while free:
+                slot = free.popleft()
+                pending.append((self._submit(index, slot), slot))
                 index += 1
-            yield pending.popleft().result()
+            future, slot = pending.popleft()
+            future.result()
+            # Views of the slot: valid until the next sample is requested, when the slot is refilled.
+            yield _slot_views(self._slots[slot].buf, self.volume, self.num_channels)
+            free.append(slot)
 
     def batches(self, start_step: int = 0) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """An endless stream of (images (B,V,V,V,C), labels (B,V,V,V)) from ``start_step`` on."""
         stream = self.samples(start_step * self.batch_size)
+        shape = (self.batch_size, self.volume, self.volume, self.volume)
         while True:
-            pairs = [next(stream) for _ in range(self.batch_size)]
-            yield np.stack([p[0] for p in pairs]), np.stack([p[1] for p in pairs])
+            images = np.empty(shape + (self.num_channels,), np.float32)
+            labels = np.empty(shape, np.uint8)
+            for i in range(self.batch_size):
+                images[i], labels[i] = next(stream)  # one copy, straight into the batch
+            yield images, labels
 
     def dataset(self, start_step: int = 0):
         """The batches as a prefetching ``tf.data.Dataset`` (imports TensorFlow)."""
@@ -200,6 +239,10 @@ class WholeVolumeLoader:
         if self._pool is not None:
             self._pool.shutdown(cancel_futures=True)
             self._pool = None
+        for slot in self._slots:
+            slot.close()
+            slot.unlink()
+        self._slots = []
         self.store.close()
 
     def __enter__(self) -> "WholeVolumeLoader":
