@@ -22,6 +22,7 @@ from typing import Iterator
 import numpy as np
 
 from bigmem.data.store import HDF5VolumeStore
+from bigmem.errors import DataError
 
 NORM_EPSILON = 1e-6  # guards the z-score of a constant channel
 
@@ -49,9 +50,18 @@ def fit_to_volume(image: np.ndarray, label: np.ndarray, volume: int, rng: np.ran
     return image, label
 
 
-def normalize(image: np.ndarray) -> np.ndarray:
-    """Z-score each channel over the whole volume (in place on a float32 array)."""
+def normalize(image: np.ndarray, case_id: str = "?", where: str = "") -> np.ndarray:
+    """Z-score each channel over the whole volume (in place on a float32 array).
+
+    A NaN/Inf voxel makes its channel's mean non-finite: that is where the input pipeline checks
+    values (the store reads with check_finite=False), without another pass over the data.
+    """
     mean = image.mean(axis=(0, 1, 2), keepdims=True, dtype=np.float64)
+    if not np.all(np.isfinite(mean)):
+        bad = int(np.count_nonzero(~np.isfinite(image)))
+        if bad:
+            raise DataError(f"Case {case_id!r}: image has {bad} non-finite values (NaN/Inf) ({where}); "
+                            "fix the source and convert again.")
     std = image.std(axis=(0, 1, 2), keepdims=True, dtype=np.float64)
     image -= mean.astype(np.float32)
     image /= (std + NORM_EPSILON).astype(np.float32)
@@ -63,7 +73,7 @@ def load_sample(store: HDF5VolumeStore, sample_index: int, *, volume: int, seed:
     case_id = store.case_ids[case_for_sample(sample_index, len(store), seed)]
     image, label = store.read_case(case_id)
     rng = np.random.default_rng([seed, sample_index, 1])
-    image = normalize(image)
+    image = normalize(image, case_id, str(store.path))
     image, label = fit_to_volume(image, label, volume, rng)
     if flip:
         axes = tuple(int(a) for a in np.flatnonzero(rng.random(3) < 0.5))
@@ -98,7 +108,7 @@ def load_patch(store: HDF5VolumeStore, sample_index: int, *, patch: int, seed: i
     start = patch_start(label, info.shape, patch, rng)
     size = tuple(min(patch, s) for s in info.shape)
     image, label = store.read_patch(info.case_id, start, size)
-    image, label = fit_to_volume(normalize(image), label, patch, rng)
+    image, label = fit_to_volume(normalize(image, info.case_id, str(store.path)), label, patch, rng)
     if flip:
         axes = tuple(int(a) for a in np.flatnonzero(rng.random(3) < 0.5))
         if axes:
@@ -112,7 +122,7 @@ _WORKER_SLOTS: dict[str, shared_memory.SharedMemory] = {}
 
 def _init_worker(store_path: str, cold_cache: bool) -> None:
     global _WORKER_STORE
-    _WORKER_STORE = HDF5VolumeStore(store_path, cold_cache=cold_cache)
+    _WORKER_STORE = HDF5VolumeStore(store_path, cold_cache=cold_cache, check_finite=False)
 
 
 def _slot_views(buffer, volume: int, channels: int):
@@ -145,7 +155,7 @@ class WholeVolumeLoader:
     def __init__(self, store_path: str | os.PathLike, *, volume: int, batch_size: int, seed: int = 0,
                  flip: bool = True, num_workers: int = 0, prefetch: int = 2, cold_cache: bool = False,
                  patch: int | None = None):
-        self.store = HDF5VolumeStore(store_path, cold_cache=cold_cache)
+        self.store = HDF5VolumeStore(store_path, cold_cache=cold_cache, check_finite=False)
         self.cold_cache = cold_cache
         self.patch = patch
         self.volume = int(patch or volume)

@@ -136,3 +136,19 @@ def test_patch_loader_batches(tiny_store):
     np.testing.assert_array_equal(images, again[0])
     with WholeVolumeLoader(tiny_store, volume=16, batch_size=2, patch=8, seed=1, num_workers=1) as parallel:
         np.testing.assert_array_equal(next(parallel.batches())[0], images)
+
+
+def test_the_pipeline_catches_non_finite_values_in_normalisation(corrupt_store):
+    from bigmem.errors import DataError
+
+    def poison(handle):
+        data = handle["cases/synth_0002/image"]
+        values = data[...]
+        values[1, 1, 1, 0] = np.nan
+        data[...] = values
+
+    path = corrupt_store(poison)
+    with WholeVolumeLoader(path, volume=16, batch_size=4, flip=False) as loader:
+        assert loader.store.check_finite is False
+        with pytest.raises(DataError, match=r"^Case 'synth_0002': image has 1 non-finite values \(NaN/Inf\) "):
+            next(loader.batches())

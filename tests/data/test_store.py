@@ -176,3 +176,22 @@ def test_truncated_store(tiny_store, tmp_path):
         store = HDF5VolumeStore(cut)
         for case_id in store.case_ids:
             store.read_case(case_id)
+
+
+@pytest.mark.parametrize("damage", ["cut_off", "missing_label"])
+def test_damaged_store_through_train_is_one_line(damage, tiny_store, corrupt_store, tmp_path, capsys):
+    from helpers import run_cli
+
+    if damage == "cut_off":  # a store cut off mid-write
+        path = tmp_path / "cut.h5"
+        data = tiny_store.read_bytes()
+        path.write_bytes(data[: len(data) // 3])
+    else:
+        path = corrupt_store(_drop_label)
+    code, _, err = run_cli(["train", "--model", "tiny", "--data", path, "--steps", 1, "--out", tmp_path / "r"],
+                           capsys)
+    assert code == 1
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("bigmem train: error: ") and "Traceback" not in err
+    assert str(path) in lines[0]
+    assert not (tmp_path / "r").exists()
