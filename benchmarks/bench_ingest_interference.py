@@ -103,7 +103,8 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"ingest-{socket.gethostname()}-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps({"machine": socket.gethostname(), "cpus": os.cpu_count(), "rows": rows}, indent=2) + "\n")
+    report = {"machine": socket.gethostname(), "cpus": os.cpu_count(), "rows": rows}
+    path.write_text(json.dumps(report, indent=2) + "\n")
     console.print(f"wrote {path}")
     subprocess.run(["rm", "-rf", str(tmp)], check=False)
     return 0

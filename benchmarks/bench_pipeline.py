@@ -21,7 +21,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import h5py
 import numpy as np
 
 from bigmem.data.pipeline import WholeVolumeLoader

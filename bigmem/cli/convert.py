@@ -89,7 +89,8 @@ def run(args) -> int:
         except ValueError:
             spacing = ()
         if len(spacing) != 3 or min(spacing) <= 0:
-            raise UsageError(f"Invalid --spacing {args.spacing!r}: expected three positive numbers (mm) such as 1,1,1.5.")
+            raise UsageError(f"Invalid --spacing {args.spacing!r}: expected three positive numbers (mm) "
+                             "such as 1,1,1.5.")
     if shape is not None and min(shape) < 1:
         raise UsageError(f"Invalid --volume {args.volume}: expected a positive integer.")
     dataset = read_msd(args.src) if args.src else read_globs(args.images, args.labels)

@@ -83,9 +83,10 @@ def run(args) -> int:
                           format_bytes(c.predicted_peak_bytes), ratio)
         console.print(table)
         if plan.chosen:
-            console.print(f"chosen: --volume {plan.chosen.volume} --batch-size {plan.chosen.batch_size} "
-                          f"{plan.chosen.flags()}".rstrip() + f" (est. {format_bytes(plan.chosen.predicted_peak_bytes)});"
-                          f" {len(plan.candidates)} candidates in {args.out}")
+            chosen = plan.chosen
+            flags = f"--volume {chosen.volume} --batch-size {chosen.batch_size} {chosen.flags()}".rstrip()
+            console.print(f"chosen: {flags} (est. {format_bytes(chosen.predicted_peak_bytes)}); "
+                          f"{len(plan.candidates)} candidates in {args.out}")
     if not plan.fits:
         c = plan.closest
         raise InsufficientMemoryError(

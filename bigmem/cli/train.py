@@ -32,7 +32,8 @@ def register(subparsers, parents) -> None:
     add_numa_flags(parser)
     memory = parser.add_argument_group("memory pre-flight")
     memory.add_argument("--memory-budget", metavar="SIZE",
-                        help="refuse (exit 3) when the predicted peak exceeds SIZE, e.g. 1.5TiB (default: MemAvailable)")
+                        help="refuse (exit 3) when the predicted peak exceeds SIZE, e.g. 1.5TiB "
+                             "(default: MemAvailable, or what the --numa placement can use)")
     memory.add_argument("--force", action="store_true", help="train even when the predicted peak exceeds the budget")
     data = parser.add_argument_group("data")
     data.add_argument("--data", metavar="STORE.h5", help="HDF5 store to train on (default: synthetic phantoms)")

@@ -149,7 +149,7 @@ def make_plan(config: ExperimentConfig, counts_for, budget_bytes: int, *, budget
                 best = planner.evaluate(best.volume, batch_size, precision, recompute)
                 if not best.fits:
                     best = planner._largest(
-                        lambda k: planner.evaluate(k * planner.divisor, batch_size, precision, recompute),
+                        lambda k, p=precision, r=recompute: planner.evaluate(k * planner.divisor, batch_size, p, r),
                         MAX_VOLUME // planner.divisor)
         elif batch_size is None:
             best = planner.largest_batch(volume, precision, recompute)

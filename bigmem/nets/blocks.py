@@ -181,7 +181,8 @@ class ResidualBlock(_Block):
 
     def forward_macs(self, spatial_shape: Shape3D, in_channels: int) -> int:
         out_voxels = _voxels(self._out_shape(spatial_shape))
-        macs = self.first.forward_macs(spatial_shape, in_channels) + self._conv_macs(self.conv, self.filters, out_voxels)
+        macs = self.first.forward_macs(spatial_shape, in_channels)
+        macs += self._conv_macs(self.conv, self.filters, out_voxels)
         return macs + (self._conv_macs(self.proj, in_channels, out_voxels) if self.needs_projection else 0)
 
     def get_config(self):

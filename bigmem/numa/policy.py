@@ -90,8 +90,8 @@ def parse_policy(text: str, topology: NUMATopology) -> tuple[PolicyKind, tuple[i
     except ValueError:
         from bigmem.config.options import suggest
 
-        raise UsageError(f"Invalid {flag} {text!r}: expected {POLICY_FORMS}." + suggest(name, [k.value for k in PolicyKind])
-                         ) from None
+        hint = suggest(name, [k.value for k in PolicyKind])
+        raise UsageError(f"Invalid {flag} {text!r}: expected {POLICY_FORMS}." + hint) from None
     all_nodes = tuple(n.node_id for n in topology.nodes)
     if kind in (PolicyKind.NONE, PolicyKind.LOCAL):
         if argument:

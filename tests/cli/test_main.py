@@ -6,7 +6,6 @@ import json
 import subprocess
 import sys
 
-import pytest
 
 import bigmem
 from bigmem.cli import main as cli_main

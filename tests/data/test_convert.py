@@ -185,10 +185,14 @@ BAD = {
     "affine": r"Case 'bad': label affine differs from the image affine by 0\.5 \(tolerance 0\.001\) "
               r"\(.*labelsTr/bad.nii.gz\); the two are not on the same grid\.",
     "nan": r"Case 'bad': image has 3 non-finite values \(NaN/Inf\) \(.*imagesTr/bad.nii.gz\)\.",
-    "label_value": r"Case 'bad': label values \[7\] are not in dataset.json's labels \(0\.\.2\) \(.*labelsTr/bad.nii.gz\)\.",
-    "label_4d": r"Case 'bad': label has shape \(12, 12, 12, 2\) \(.*labelsTr/bad.nii.gz\); expected a 3D label map",
-    "truncated": r"Case 'bad': cannot read image '.*imagesTr/bad.nii.gz' \(.*\); the file may be truncated or not NIfTI\.",
-    "not_nifti": r"Case 'bad': cannot read label '.*labelsTr/bad.nii.gz' \(.*\); the file may be truncated or not NIfTI\.",
+    "label_value": r"Case 'bad': label values \[7\] are not in dataset.json's labels \(0\.\.2\) "
+                   r"\(.*labelsTr/bad.nii.gz\)\.",
+    "label_4d": r"Case 'bad': label has shape \(12, 12, 12, 2\) \(.*labelsTr/bad.nii.gz\); expected a 3D label "
+                r"map",
+    "truncated": r"Case 'bad': cannot read image '.*imagesTr/bad.nii.gz' \(.*\); the file may be truncated or "
+                 r"not NIfTI\.",
+    "not_nifti": r"Case 'bad': cannot read label '.*labelsTr/bad.nii.gz' \(.*\); the file may be truncated or "
+                 r"not NIfTI\.",
     "missing": r"Case 'bad': image file '.*imagesTr/bad.nii.gz' does not exist\.",
     "duplicate": r"Case 'good': listed twice in .*dataset.json\.",
 }

@@ -91,4 +91,5 @@ def test_bind_to_a_missing_node_names_the_nodes(tmp_path, capsys):
 
     code, _, err = run_cli(["train", "--numa", "bind:1", "--out", tmp_path / "run"], capsys)
     assert code == 2
-    assert err.strip() == "bigmem train: error: Invalid --numa 'bind:1': node 1 does not exist; this machine has node 0."
+    assert err.strip() == ("bigmem train: error: Invalid --numa 'bind:1': node 1 does not exist; this machine has "
+                           "node 0.")
