@@ -83,6 +83,7 @@ def run(args) -> int:
     counts_for = api.counts_function(config)
     UNet3D(config.model).check_spatial_shape(shape, flag="--shape" if args.shape else "--volume")
     console = Console(soft_wrap=True)
+    status = Console(soft_wrap=True, stderr=True)  # progress goes to stderr: stdout may be --json
     show = _Printer(console, config)
 
     if args.calibrate:
@@ -90,7 +91,7 @@ def run(args) -> int:
         for v in volumes:
             UNet3D(config.model).check_spatial_shape((v,) * 3)
         calibration, points = api.calibrate(config, volumes, counts_for, steps=args.steps,
-                                            progress=lambda v: console.print(f"measuring {v}^3 ...", style="dim"))
+                                            progress=lambda v: status.print(f"measuring {v}^3 ...", style="dim"))
         if args.json:
             print(json.dumps({"calibration": calibration.to_dict(), "points": points}, indent=2))
         else:
@@ -101,7 +102,7 @@ def run(args) -> int:
         for v in volumes:
             UNet3D(config.model).check_spatial_shape((v,) * 3, flag="--sweep")
         results, law = api.sweep(config, volumes, counts_for, steps=args.steps,
-                                 progress=lambda v: console.print(f"measuring {v}^3 ...", style="dim"))
+                                 progress=lambda v: status.print(f"measuring {v}^3 ...", style="dim"))
         if args.json:
             print(json.dumps({"points": [r.to_dict() for r in results], "scaling_law": law.to_dict()}, indent=2))
         else:

@@ -127,3 +127,30 @@ def test_plan_bad_budget(capsys, tmp_path):
     assert code == 2
     assert err.strip() == ("bigmem plan: error: Invalid --budget 'lots': expected a size such as 512GiB, 1.5TiB, "
                            "200MB or 1048576.")
+
+
+@pytest.mark.slow
+def test_profile_sweep_fits_a_scaling_law(capsys):
+    code, out, err = run_cli(["profile", "--model", "tiny", "--sweep", "16,32", "--steps", 2, "--json"], capsys)
+    assert code == 0, err
+    data = json.loads(out)
+    assert [p["spatial_shape"][0] for p in data["points"]] == [16, 32]
+    assert all(p["measured_peak_bytes"] > 0 and p["error_pct"] is not None for p in data["points"])
+    law = data["scaling_law"]
+    measured = [p["measured_peak_bytes"] for p in data["points"]]
+    # Two points: the fitted line passes through both.
+    assert law["fixed_bytes"] + law["bytes_per_voxel"] * 16**3 == pytest.approx(measured[0], rel=1e-6)
+    assert law["peak_bytes_at_512"] == pytest.approx(law["fixed_bytes"] + law["bytes_per_voxel"] * 512**3, abs=2)
+    assert law["volume_reaching_1TiB"] > 512
+
+
+@pytest.mark.slow
+def test_profile_calibrate_is_used_afterwards(capsys):
+    code, out, err = run_cli(["profile", "--model", "tiny", "--calibrate", "16,32", "--steps", 2, "--json"], capsys)
+    assert code == 0, err
+    calibration = json.loads(out)["calibration"]
+    assert calibration["fitted_on"] == [16, 32] and calibration["source"].startswith("this machine")
+    code, out, _ = run_cli(["profile", "--model", "tiny", "--volume", 32, "--json"], capsys)
+    assert json.loads(out)["calibration"] == calibration
+    code, out, _ = run_cli(["profile", "--model", "tiny", "--volume", 32, "--precision", "bf16", "--json"], capsys)
+    assert json.loads(out)["calibration"]["source"].startswith("default")  # fitted for fp32/none only
