@@ -23,7 +23,8 @@ def add_memory_flags(parser, *, auto: bool = True) -> None:
     choices = ["none", "stages", "auto"] if auto else ["none", "stages"]
     group.add_argument("--recompute", choices=choices,
                        help="none: keep every activation for backward; stages: keep only each encoder/decoder "
-                            "stage's output and recompute the rest in backward (less memory; one more forward pass, about a third more compute)"
+                            "stage's output and recompute the rest in backward (less memory; one more forward "
+                            "pass, about a third more compute)"
                        + ("; auto: the fewest recomputed stages that fit the memory budget" if auto else ""))
 
 
