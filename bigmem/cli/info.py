@@ -34,7 +34,9 @@ def run(args) -> int:
     machine = Table(title="machine", show_header=False)
     machine.add_row("host", info["hostname"])
     machine.add_row("CPU", f"{cpu['model']} ({cpu['logical_cpus']} logical CPUs, {cpu['physical_cores']} cores)")
-    machine.add_row("ISA", " ".join(f"{k}{'' if v else ' (no)'}" for k, v in cpu["isa"].items()))
+    present = [k for k, v in cpu["isa"].items() if v]
+    absent = [k for k, v in cpu["isa"].items() if not v]
+    machine.add_row("ISA", " ".join(present) + (f"; absent: {' '.join(absent)}" if absent else ""))
     machine.add_row("memory", f"{format_bytes(info['memory']['total_bytes'])} total, "
                               f"{format_bytes(info['memory']['available_bytes'])} available")
     if "tensorflow" in info:
