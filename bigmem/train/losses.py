@@ -11,17 +11,26 @@ import tensorflow as tf
 DICE_SMOOTH = 1e-5  # nnU-Net's smoothing term for the soft Dice
 
 
-def dice_ce_loss(labels: tf.Tensor, logits: tf.Tensor) -> tf.Tensor:
-    """Scalar loss for integer ``labels`` (B, D, H, W) and float32 ``logits`` (B, D, H, W, K)."""
+def dice_ce_per_sample(labels: tf.Tensor, logits: tf.Tensor) -> tf.Tensor:
+    """Loss of each sample, shape (B,): mean voxel cross-entropy + (1 - mean foreground soft Dice).
+
+    Per-sample terms let a data-parallel step average over the *global* batch exactly (each
+    replica sums its samples' losses and divides by the global batch size).
+    """
     num_classes = logits.shape[-1]
     onehot = tf.one_hot(tf.cast(labels, tf.int32), num_classes, dtype=logits.dtype)
-    cross_entropy = tf.reduce_mean(tf.nn.softmax_cross_entropy_with_logits(onehot, logits))
-    probs = tf.nn.softmax(logits)
     spatial = (1, 2, 3)
+    cross_entropy = tf.reduce_mean(tf.nn.softmax_cross_entropy_with_logits(onehot, logits), axis=spatial)
+    probs = tf.nn.softmax(logits)
     intersection = tf.reduce_sum(probs * onehot, axis=spatial)
     denominator = tf.reduce_sum(probs, axis=spatial) + tf.reduce_sum(onehot, axis=spatial)
     dice = (2.0 * intersection + DICE_SMOOTH) / (denominator + DICE_SMOOTH)  # (B, K)
-    return cross_entropy + (1.0 - tf.reduce_mean(dice[:, 1:]))
+    return cross_entropy + (1.0 - tf.reduce_mean(dice[:, 1:], axis=1))
+
+
+def dice_ce_loss(labels: tf.Tensor, logits: tf.Tensor) -> tf.Tensor:
+    """Scalar loss for integer ``labels`` (B, D, H, W) and float32 ``logits`` (B, D, H, W, K)."""
+    return tf.reduce_mean(dice_ce_per_sample(labels, logits))
 
 
 def foreground_dice(labels: tf.Tensor, logits: tf.Tensor) -> tf.Tensor:

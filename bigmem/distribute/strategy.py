@@ -1,0 +1,81 @@
+"""Data-parallel training with tf.distribute (the GPU baseline bigmem compares itself with).
+
+On a machine without GPUs the same code runs on N logical CPU devices
+(``tf.config.set_logical_device_configuration``); anything produced that way is simulated and
+must be reported so. The loss of a step is the mean over the *global* batch: each replica sums
+its samples' losses and divides by the global batch size, and the optimizer sums gradients
+across replicas (Keras 3's TF optimizer all-reduces them in a replica context).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from bigmem.errors import BigmemError, UsageError
+
+
+@dataclass(frozen=True)
+class Replicas:
+    strategy: object  # tf.distribute.Strategy
+    num_replicas: int
+    simulated: bool  # True: logical CPU devices standing in for GPUs
+    devices: tuple[str, ...]
+
+
+def simulate_cpu_replicas(count: int) -> list[str]:
+    """Split the CPU into ``count`` logical devices. Must run before TensorFlow initialises devices."""
+    import tensorflow as tf
+
+    if count < 1:
+        raise UsageError(f"Invalid --simulate-replicas {count}: expected a positive integer.")
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    try:
+        tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * count)
+    except RuntimeError:
+        raise BigmemError("Cannot simulate replicas: TensorFlow's devices are already initialised in this "
+                          "process; simulate before running any TensorFlow operation.") from None
+    return [d.name for d in tf.config.list_logical_devices("CPU")]
+
+
+def mirrored(simulate_replicas: int | None = None, gpus: int | None = None) -> Replicas:
+    """MirroredStrategy over ``gpus`` GPUs, or over ``simulate_replicas`` logical CPU devices."""
+    import tensorflow as tf
+
+    if simulate_replicas:
+        devices = simulate_cpu_replicas(simulate_replicas)
+        return Replicas(tf.distribute.MirroredStrategy(devices), len(devices), True, tuple(devices))
+    found = [d.name for d in tf.config.list_logical_devices("GPU")]
+    if not found:
+        raise BigmemError("No GPU found for --strategy mirrored; use --simulate-replicas N to run the same path "
+                          "on N logical CPU devices.")
+    devices = found[:gpus] if gpus else found
+    return Replicas(tf.distribute.MirroredStrategy(devices), len(devices), False, tuple(devices))
+
+
+def scaled_learning_rate(reference_lr: float, reference_batch: int, global_batch: int) -> float:
+    """The linear scaling rule (Goyal et al. 2017): lr grows with the global batch."""
+    return reference_lr * global_batch / reference_batch
+
+
+def make_distributed_step(replicas: Replicas, model, optimizer, global_batch_size: int):
+    """One compiled data-parallel update; returns the global-batch mean loss."""
+    import tensorflow as tf
+
+    from bigmem.train.losses import dice_ce_per_sample
+
+    strategy = replicas.strategy
+
+    def replica_step(images, labels):
+        with tf.GradientTape() as tape:
+            logits = model(images, training=True)
+            loss = tf.reduce_sum(dice_ce_per_sample(labels, logits)) / global_batch_size
+        gradients = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply(gradients, model.trainable_variables)
+        return loss
+
+    @tf.function
+    def step(distributed_images, distributed_labels):
+        per_replica = strategy.run(replica_step, args=(distributed_images, distributed_labels))
+        return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
+
+    return step

@@ -1,0 +1,82 @@
+"""The data-parallel step: N simulated replicas train exactly as 1 replica with the same global batch."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from bigmem.distribute.strategy import mirrored, scaled_learning_rate, simulate_cpu_replicas
+from bigmem.errors import BigmemError
+
+CHILD = """
+import json, sys
+from bigmem.distribute.strategy import make_distributed_step, mirrored
+replicas = mirrored(simulate_replicas=int(sys.argv[1]))
+import keras, numpy as np, tensorflow as tf
+from bigmem.config import resolve_config
+from bigmem.nets.unet3d import UNet3D
+keras.utils.set_random_seed(0)
+with replicas.strategy.scope():
+    model = UNet3D(resolve_config("tiny").model).build_for()
+    optimizer = keras.optimizers.SGD(0.05, momentum=0.9)
+    optimizer.build(model.trainable_variables)
+rng = np.random.default_rng(0)
+images = rng.normal(size=(4, 16, 16, 16, 1)).astype(np.float32)
+labels = rng.integers(0, 3, (4, 16, 16, 16)).astype(np.uint8)
+dataset = tf.data.Dataset.from_tensors((images, labels)).repeat()
+batches = iter(replicas.strategy.experimental_distribute_dataset(dataset))
+step = make_distributed_step(replicas, model, optimizer, global_batch_size=4)
+losses = [float(step(*next(batches))) for _ in range(3)]
+print(json.dumps({"replicas": replicas.num_replicas, "simulated": replicas.simulated, "losses": losses,
+                  "weights": [np.asarray(w).ravel()[:50].tolist() for w in model.trainable_weights[:3]]}))
+"""
+
+
+def _run(replicas: int) -> dict:
+    result = subprocess.run([sys.executable, "-c", CHILD, str(replicas)], capture_output=True, text=True, check=True,
+                            env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_two_replicas_train_exactly_as_one():
+    one, two = _run(1), _run(2)
+    assert (one["replicas"], two["replicas"]) == (1, 2) and two["simulated"] is True
+    assert two["losses"] == pytest.approx(one["losses"], rel=1e-5)
+    assert one["losses"][2] < one["losses"][0]  # it is training
+    for a, b in zip(one["weights"], two["weights"]):
+        assert b == pytest.approx(a, rel=1e-5, abs=1e-6)
+
+
+def test_linear_scaling_rule():
+    # Goyal et al. 2017: 0.1 per 256 images -> 3.2 at a global batch of 8192.
+    assert scaled_learning_rate(0.1, 256, 8192) == pytest.approx(3.2)
+    assert scaled_learning_rate(1e-3, 2, 2) == pytest.approx(1e-3)
+
+
+def test_no_gpu_is_a_clear_error():
+    import tensorflow as tf
+
+    if tf.config.list_physical_devices("GPU"):
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(BigmemError, match=r"^No GPU found for --strategy mirrored; use --simulate-replicas N"):
+        mirrored()
+
+
+def test_simulating_after_initialisation_is_refused():
+    import tensorflow as tf
+
+    float(tf.constant(1.0) + 1.0)  # make sure this process's devices are initialised
+    with pytest.raises(BigmemError, match=r"^Cannot simulate replicas: TensorFlow's devices are already"):
+        simulate_cpu_replicas(2)
+
+
+def test_replica_count_must_be_positive():
+    from bigmem.errors import UsageError
+
+    with pytest.raises(UsageError, match=r"^Invalid --simulate-replicas 0: expected a positive integer\.$"):
+        simulate_cpu_replicas(0)
