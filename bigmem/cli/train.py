@@ -30,6 +30,20 @@ def register(subparsers, parents) -> None:
                                         "2^depth (default: the preset's)")
     add_memory_flags(parser)
     add_numa_flags(parser)
+    dp = parser.add_argument_group("data parallel (the GPU baseline bigmem compares itself with)")
+    dp.add_argument("--strategy", choices=["none", "mirrored", "multiworker"],
+                    help="none (default): whole volumes in this process; mirrored: tf.distribute.MirroredStrategy "
+                         "on this host's GPUs; multiworker: MultiWorkerMirroredStrategy across hosts (TF_CONFIG)")
+    dp.add_argument("--gpus", type=int, metavar="N", help="GPUs to use with --strategy mirrored (default: all)")
+    dp.add_argument("--simulate-replicas", type=int, metavar="N",
+                    help="run the data-parallel path on N logical CPU devices instead of GPUs (results are "
+                         "labelled 'simulated on CPU')")
+    dp.add_argument("--gpu-memory", metavar="SIZE", help="memory of one GPU, e.g. 80GiB: the patch is the largest "
+                                                         "that fits it at --batch-size per replica")
+    dp.add_argument("--patch", type=int, metavar="N", help="use N^3 patches instead of the planner's choice")
+    dp.add_argument("--reference-batch", type=int, metavar="B",
+                    help="the global batch --lr is meant for; lr scales linearly to the real global batch "
+                         "(default: --batch-size, i.e. one replica)")
     memory = parser.add_argument_group("memory pre-flight")
     memory.add_argument("--memory-budget", metavar="SIZE",
                         help="refuse (exit 3) when the predicted peak exceeds SIZE, e.g. 1.5TiB "
@@ -37,6 +51,7 @@ def register(subparsers, parents) -> None:
     memory.add_argument("--force", action="store_true", help="train even when the predicted peak exceeds the budget")
     data = parser.add_argument_group("data")
     data.add_argument("--data", metavar="STORE.h5", help="HDF5 store to train on (default: synthetic phantoms)")
+    data.add_argument("--holdout", type=int, metavar="N", help="keep the last N cases out of training")
     data.add_argument("--num-workers", type=int, metavar="N",
                       help="reader processes (0: read in the training process; default 0)")
     data.add_argument("--prefetch", type=int, metavar="N", help="batches prepared ahead of the step (default 2)")
@@ -47,6 +62,8 @@ def register(subparsers, parents) -> None:
     length = opt.add_mutually_exclusive_group()
     length.add_argument("--steps", type=int, metavar="K", help="number of training steps")
     length.add_argument("--epochs", type=int, metavar="E", help="number of passes over the cases")
+    opt.add_argument("--time-budget", type=float, metavar="S", help="stop after S seconds of training (a checkpoint "
+                                                                     "and model.keras are written)")
     opt.add_argument("--lr", type=float, metavar="X", help="peak learning rate (after linear warmup)")
     opt.add_argument("--warmup-steps", type=int, metavar="K", help="linear warmup length in steps")
     opt.add_argument("--seed", type=int, metavar="S", help="seed for weights, case order and augmentation")
@@ -66,6 +83,11 @@ def _overrides(args) -> dict:
     sections["data"].update(store=args.data, num_workers=args.num_workers, prefetch=args.prefetch,
                             cold_cache=args.cold_cache)
     sections["numa"] = numa_overrides(args)
+    gpu_memory = parse_bytes(args.gpu_memory, flag="--gpu-memory") if args.gpu_memory else None
+    sections["data"].update(patch=args.patch, holdout=args.holdout)
+    sections["train"].update(strategy=args.strategy, gpus=args.gpus, simulate_replicas=args.simulate_replicas,
+                             gpu_memory_bytes=gpu_memory, reference_batch=args.reference_batch,
+                             time_budget_s=args.time_budget)
     sections["train"].update(steps=args.steps, epochs=args.epochs, lr=args.lr, warmup_steps=args.warmup_steps,
                              seed=args.seed, checkpoint_every=args.checkpoint_every, memory_budget_bytes=budget)
     return {name: {k: v for k, v in values.items() if v is not None} for name, values in sections.items()}
@@ -88,7 +110,8 @@ def resolve(args):
         if args.model is not None:
             raise UsageError("--model cannot change when resuming; the run keeps the model in its config.json.")
         saved = json.loads(saved_path.read_text())
-        saved.pop("total_steps", None)
+        # config.json also records derived figures (total_steps, effective_lr); only the sections are settings
+        saved = {k: v for k, v in saved.items() if k in ("model", "data", "train", "numa")}
         if overrides["train"].get("steps") is not None or overrides["train"].get("epochs") is not None:
             saved["train"]["steps"] = saved["train"]["epochs"] = None
         config = ExperimentConfig.from_dict(saved, source=str(saved_path))

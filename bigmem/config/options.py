@@ -52,6 +52,12 @@ class Recompute(StrOption):
     AUTO = "auto"
 
 
+class Strategy(StrOption):
+    NONE = "none"  # the big-memory path: whole volumes in one process
+    MIRRORED = "mirrored"  # data parallel on one host (GPUs, or simulated on CPU)
+    MULTIWORKER = "multiworker"  # data parallel across hosts, configured by TF_CONFIG
+
+
 class OptimizerName(StrOption):
     SGD = "sgd"
     ADAM = "adam"

@@ -17,6 +17,7 @@ from bigmem.config.options import (
     OptimizerName,
     Precision,
     Recompute,
+    Strategy,
     StrOption,
     Upsampling,
     look_up_option,
@@ -78,6 +79,8 @@ class DataConfig:
     num_workers: int = 0  # 0: read in the training process; N: N reader processes
     flip: bool = True
     cold_cache: bool = False  # --cold-cache: drop the store's pages after each read (dataset > RAM)
+    holdout: int = 0  # the last N cases (sorted ids) are kept out of training, for evaluation
+    patch: int | None = None  # data-parallel path: patch edge (default: the largest that fits --gpu-memory)
     synth_cases: int = 16
     synth_volume: int = 48
     synth_classes: int = 3
@@ -105,6 +108,12 @@ class TrainConfig:
     precision: Precision = Precision.FP32
     recompute: Recompute = Recompute.NONE  # stages: recompute every stage's activations in backward
     memory_budget_bytes: int | None = None  # --memory-budget; None: MemAvailable at start
+    strategy: Strategy = Strategy.NONE  # --strategy: none (whole volumes) | mirrored | multiworker
+    simulate_replicas: int | None = None  # --simulate-replicas N: N logical CPU devices instead of GPUs
+    gpus: int | None = None  # --gpus N (default: every GPU found)
+    gpu_memory_bytes: int | None = None  # --gpu-memory: per-GPU memory the patch must fit
+    reference_batch: int | None = None  # --reference-batch: the global batch --lr is meant for
+    time_budget_s: float | None = None  # --time-budget: stop (and save the model) after this much training
     seed: int = 0
     checkpoint_every: int = 50
     keep_checkpoints: int = 3

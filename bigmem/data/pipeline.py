@@ -120,9 +120,9 @@ _WORKER_STORE: HDF5VolumeStore | None = None
 _WORKER_SLOTS: dict[str, shared_memory.SharedMemory] = {}
 
 
-def _init_worker(store_path: str, cold_cache: bool) -> None:
+def _init_worker(store_path: str, cold_cache: bool, holdout: int) -> None:
     global _WORKER_STORE
-    _WORKER_STORE = HDF5VolumeStore(store_path, cold_cache=cold_cache, check_finite=False)
+    _WORKER_STORE = HDF5VolumeStore(store_path, cold_cache=cold_cache, check_finite=False, holdout=holdout)
 
 
 def _slot_views(buffer, volume: int, channels: int):
@@ -154,8 +154,9 @@ class WholeVolumeLoader:
 
     def __init__(self, store_path: str | os.PathLike, *, volume: int, batch_size: int, seed: int = 0,
                  flip: bool = True, num_workers: int = 0, prefetch: int = 2, cold_cache: bool = False,
-                 patch: int | None = None):
-        self.store = HDF5VolumeStore(store_path, cold_cache=cold_cache, check_finite=False)
+                 patch: int | None = None, holdout: int = 0):
+        self.store = HDF5VolumeStore(store_path, cold_cache=cold_cache, check_finite=False, holdout=holdout)
+        self.holdout = holdout
         self.cold_cache = cold_cache
         self.patch = patch
         self.volume = int(patch or volume)
@@ -167,6 +168,14 @@ class WholeVolumeLoader:
         self._pool: ProcessPoolExecutor | None = None
         self._slots: list[shared_memory.SharedMemory] = []
         self.error: Exception | None = None  # a reader error, kept so tf.data cannot blur it
+
+    def reshape(self, *, batch_size: int, patch: int | None) -> None:
+        """Switch to ``batch_size`` batches of ``patch``^3 patches (whole volumes if None), before reading."""
+        if self._pool is not None:
+            raise RuntimeError("reshape() before the first batch is read")
+        self.batch_size, self.patch = int(batch_size), patch
+        if patch:
+            self.volume = int(patch)
 
     @property
     def num_channels(self) -> int:
@@ -180,7 +189,7 @@ class WholeVolumeLoader:
         if self._pool is None:
             self._pool = ProcessPoolExecutor(
                 self.num_workers, mp_context=multiprocessing.get_context("spawn"),
-                initializer=_init_worker, initargs=(str(self.store.path), self.cold_cache))
+                initializer=_init_worker, initargs=(str(self.store.path), self.cold_cache, self.holdout))
         return self._pool.submit(_worker_load, self._slots[slot].name, sample_index, self.volume, self.seed,
                                  self.flip, self.patch)
 

@@ -40,7 +40,7 @@ class HDF5VolumeStore:
     """Read-only access to a bigmem store; checks the layout when opened, the values when read."""
 
     def __init__(self, path: str | os.PathLike, *, cold_cache: bool = False, direct_read: bool = True,
-                 check_finite: bool = True):
+                 check_finite: bool = True, holdout: int = 0):
         """``cold_cache``: drop the store's pages from the page cache after every read
         (posix_fadvise DONTNEED), to behave as a dataset larger than RAM would.
         ``direct_read``: read contiguous, uncompressed datasets with one pread at their file
@@ -60,6 +60,14 @@ class HDF5VolumeStore:
         self.channel_names = [str(n) for n in handle.attrs.get("channel_names", [])]
         self.label_names = [str(n) for n in handle.attrs.get("label_names", [])]
         self.cases = self._check_layout(handle)
+        if holdout:  # the last ``holdout`` cases are kept for evaluation
+            if holdout >= len(self.cases):
+                raise DataError(f"Cannot hold out {holdout} of the {len(self.cases)} cases in {str(self.path)!r}: "
+                                "training needs at least one.")
+            self.held_out = [c.case_id for c in self.cases[-holdout:]]
+            self.cases = self.cases[:-holdout]
+        else:
+            self.held_out = []
 
     # ---- opening -------------------------------------------------------------------------
 

@@ -52,6 +52,43 @@ def mirrored(simulate_replicas: int | None = None, gpus: int | None = None) -> R
     return Replicas(tf.distribute.MirroredStrategy(devices), len(devices), False, tuple(devices))
 
 
+def multiworker() -> Replicas:
+    """MultiWorkerMirroredStrategy configured by TF_CONFIG (every worker runs the same command)."""
+    import json
+    import os
+
+    import tensorflow as tf
+
+    if "TF_CONFIG" not in os.environ:
+        raise UsageError("--strategy multiworker needs TF_CONFIG (cluster and task); see README, 'two hosts'.")
+    try:
+        json.loads(os.environ["TF_CONFIG"])
+    except ValueError:
+        raise UsageError("TF_CONFIG is not valid JSON.") from None
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    devices = tuple(d.name for d in tf.config.list_logical_devices("GPU")) or ("/cpu:0",)
+    simulated = not tf.config.list_logical_devices("GPU")
+    return Replicas(strategy, strategy.num_replicas_in_sync, simulated, devices)
+
+
+def is_chief() -> bool:
+    """Whether this process writes the run directory (worker 0, or the only worker)."""
+    import json
+    import os
+
+    task = json.loads(os.environ.get("TF_CONFIG", "{}")).get("task", {})
+    return task.get("type", "worker") in ("worker", "chief") and int(task.get("index", 0)) == 0
+
+
+def setup_replicas(config) -> Replicas:
+    """The strategy ``config.train`` asks for (call right after importing TensorFlow)."""
+    from bigmem.config.options import Strategy
+
+    if config.train.strategy is Strategy.MULTIWORKER:
+        return multiworker()
+    return mirrored(simulate_replicas=config.train.simulate_replicas, gpus=config.train.gpus)
+
+
 def scaled_learning_rate(reference_lr: float, reference_batch: int, global_batch: int) -> float:
     """The linear scaling rule (Goyal et al. 2017): lr grows with the global batch."""
     return reference_lr * global_batch / reference_batch
@@ -61,9 +98,10 @@ def make_distributed_step(replicas: Replicas, model, optimizer, global_batch_siz
     """One compiled data-parallel update; returns the global-batch mean loss."""
     import tensorflow as tf
 
-    from bigmem.train.losses import dice_ce_per_sample
+    from bigmem.train.losses import dice_ce_per_sample, dice_counts, dice_from_counts
 
     strategy = replicas.strategy
+    total = tf.distribute.ReduceOp.SUM
 
     def replica_step(images, labels):
         with tf.GradientTape() as tape:
@@ -71,11 +109,14 @@ def make_distributed_step(replicas: Replicas, model, optimizer, global_batch_siz
             loss = tf.reduce_sum(dice_ce_per_sample(labels, logits)) / global_batch_size
         gradients = tape.gradient(loss, model.trainable_variables)
         optimizer.apply(gradients, model.trainable_variables)
-        return loss
+        intersection, union = dice_counts(labels, logits)
+        return loss, intersection, union
 
     @tf.function
     def step(distributed_images, distributed_labels):
-        per_replica = strategy.run(replica_step, args=(distributed_images, distributed_labels))
-        return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
+        loss, intersection, union = strategy.run(replica_step, args=(distributed_images, distributed_labels))
+        return (strategy.reduce(total, loss, axis=None),
+                dice_from_counts(strategy.reduce(total, intersection, axis=None),
+                                 strategy.reduce(total, union, axis=None)))
 
     return step

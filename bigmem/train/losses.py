@@ -33,16 +33,24 @@ def dice_ce_loss(labels: tf.Tensor, logits: tf.Tensor) -> tf.Tensor:
     return tf.reduce_mean(dice_ce_per_sample(labels, logits))
 
 
+def dice_counts(labels: tf.Tensor, logits: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+    """Per class: (|prediction AND truth|, |prediction| + |truth|) over the batch (summable across replicas)."""
+    num_classes = logits.shape[-1]
+    predicted = tf.one_hot(tf.argmax(logits, axis=-1, output_type=tf.int32), num_classes, dtype=tf.float32)
+    truth = tf.one_hot(tf.cast(labels, tf.int32), num_classes, dtype=tf.float32)
+    axes = (0, 1, 2, 3)
+    return (tf.reduce_sum(predicted * truth, axis=axes),
+            tf.reduce_sum(predicted, axis=axes) + tf.reduce_sum(truth, axis=axes))
+
+
+def dice_from_counts(intersection: tf.Tensor, total: tf.Tensor) -> tf.Tensor:
+    dice = tf.where(total > 0, 2.0 * intersection / tf.maximum(total, 1.0), 1.0)
+    return tf.reduce_mean(dice[1:])
+
+
 def foreground_dice(labels: tf.Tensor, logits: tf.Tensor) -> tf.Tensor:
     """Mean hard Dice over the foreground classes, pooled over the batch.
 
     A class absent from both prediction and label scores 1 (nothing to find, nothing found).
     """
-    num_classes = logits.shape[-1]
-    predicted = tf.one_hot(tf.argmax(logits, axis=-1, output_type=tf.int32), num_classes, dtype=tf.float32)
-    truth = tf.one_hot(tf.cast(labels, tf.int32), num_classes, dtype=tf.float32)
-    axes = (0, 1, 2, 3)
-    intersection = tf.reduce_sum(predicted * truth, axis=axes)
-    total = tf.reduce_sum(predicted, axis=axes) + tf.reduce_sum(truth, axis=axes)
-    dice = tf.where(total > 0, 2.0 * intersection / tf.maximum(total, 1.0), 1.0)
-    return tf.reduce_mean(dice[1:])
+    return dice_from_counts(*dice_counts(labels, logits))

@@ -17,7 +17,9 @@ from pathlib import Path
 import psutil
 from rich.console import Console
 
-from bigmem.config.options import OptimizerName, Precision, Recompute
+import contextlib
+
+from bigmem.config.options import OptimizerName, Precision, Recompute, Strategy
 from bigmem.config.schema import ExperimentConfig
 from bigmem.data.pipeline import WholeVolumeLoader
 from bigmem.data.synth import cached_synthetic_store
@@ -129,7 +131,8 @@ def train(config: ExperimentConfig, run_dir: str | os.PathLike, *, resume: bool 
         config.data.store = str(store_path)
     loader = WholeVolumeLoader(config.data.store, volume=config.data.volume, batch_size=config.train.batch_size,
                                seed=config.train.seed, flip=config.data.flip, num_workers=config.data.num_workers,
-                               prefetch=config.data.prefetch, cold_cache=config.data.cold_cache)
+                               prefetch=config.data.prefetch, cold_cache=config.data.cold_cache,
+                               holdout=config.data.holdout)
     try:
         # The data decides the network's input channels and classes (as nnU-Net's planner does).
         config.model.in_channels = loader.num_channels
@@ -138,10 +141,15 @@ def train(config: ExperimentConfig, run_dir: str | os.PathLike, *, resume: bool 
         total_steps = total_steps_for(config, loader.steps_per_epoch)
         placement = current_placement(config)
         import_tensorflow(verbose=verbose)
+        replicas = None
+        if config.train.strategy is not Strategy.NONE:
+            from bigmem.distribute.strategy import setup_replicas
+
+            replicas = setup_replicas(config)  # before any TensorFlow operation initialises devices
         plan, recompute_stages = preflight(config, recompute_stages, force=force, console=console,
-                                           placement=placement)
+                                           placement=placement, replicas=replicas, loader=loader)
         return _run(config, run, manager, latest, loader, total_steps, console, verbose, recompute_stages, plan,
-                    placement)
+                    placement, replicas)
     finally:
         loader.close()
 
@@ -167,8 +175,34 @@ def current_placement(config: ExperimentConfig):
     return place(config.numa.policy, config.numa.cpus, config.numa.threads)
 
 
+def plan_data_parallel(config: ExperimentConfig, counts_for, replicas, loader) -> dict:
+    """Choose the patch that fits one GPU (--gpu-memory) and set the loader to global batches of it."""
+    from bigmem.distribute.planning import gpu_footprint_bytes, largest_edge
+    from bigmem.errors import InsufficientMemoryError, UsageError
+    from bigmem.units import format_bytes
+
+    gpu_memory = config.train.gpu_memory_bytes
+    if gpu_memory is None:
+        raise UsageError("Give --gpu-memory SIZE (e.g. 80GiB): the patch size is chosen to fit one GPU's memory"
+                         + (", and these replicas are simulated on CPU." if replicas.simulated else "."))
+    per_replica = config.train.batch_size
+    patch = config.data.patch or largest_edge(config, counts_for, gpu_memory, per_replica, config.data.volume)
+    if patch is None:
+        need = gpu_footprint_bytes(config, counts_for, config.model.divisor, per_replica)
+        raise InsufficientMemoryError(
+            f"Not even a {config.model.divisor}^3 patch at batch {per_replica} fits --gpu-memory "
+            f"{format_bytes(gpu_memory)} (needs {format_bytes(need)}).", need, gpu_memory)
+    config.data.patch = patch
+    global_batch = per_replica * replicas.num_replicas
+    loader.reshape(batch_size=global_batch, patch=patch)
+    return {"replicas": replicas.num_replicas, "simulated": replicas.simulated, "devices": list(replicas.devices),
+            "gpu_memory_bytes": gpu_memory, "patch": patch, "per_replica_batch": per_replica,
+            "global_batch": global_batch,
+            "per_gpu_predicted_bytes": gpu_footprint_bytes(config, counts_for, patch, per_replica)}
+
+
 def preflight(config: ExperimentConfig, recompute_stages: list[str] | None, *, force: bool,
-              console: Console, placement=None) -> tuple[dict, list[str]]:
+              console: Console, placement=None, replicas=None, loader=None) -> tuple[dict, list[str]]:
     """Estimate the footprint, choose the recomputed stages, and refuse a job that cannot fit.
 
     The budget is ``--memory-budget`` if given, else what the NUMA placement can use (the bound
@@ -179,9 +213,15 @@ def preflight(config: ExperimentConfig, recompute_stages: list[str] | None, *, f
     from bigmem.memory.profile import counts_function, stages_for
     from bigmem.units import format_bytes
 
+    counts_for = counts_function(config)
+    data_parallel = None
+    if replicas is not None:
+        data_parallel = plan_data_parallel(config, counts_for, replicas, loader)
+        config = ExperimentConfig.from_dict(config.to_dict())  # the host check: patches, global batch
+        config.data.volume = data_parallel["patch"]
+        config.train.batch_size = data_parallel["global_batch"]
     volume = config.data.volume
     shape = (volume,) * 3
-    counts_for = counts_function(config)
     counts = counts_for(shape)
     from bigmem.numa.capacity import check_nodes_fit, placement_budget
     from bigmem.numa.topology import NUMATopology
@@ -201,7 +241,8 @@ def preflight(config: ExperimentConfig, recompute_stages: list[str] | None, *, f
         else:
             recompute_stages = stages_for(config, counts)
     predicted = estimate(config, counts, shape, recompute_stages=recompute_stages)
-    if not force:
+    host_check = replicas is None or replicas.simulated  # on real GPUs the host holds only the input
+    if not force and host_check:
         if placement is not None and config.train.memory_budget_bytes is None:
             check_nodes_fit(predicted.predicted_peak_bytes, placement, topology)
         check_fits(predicted, config, counts_for, budget, source, volume)
@@ -215,6 +256,7 @@ def preflight(config: ExperimentConfig, recompute_stages: list[str] | None, *, f
                        "precision": config.train.precision.value, "recompute": config.train.recompute.value,
                        "recompute_stages": list(recompute_stages)},
             "components": predicted.components, "calibration": predicted.calibration.to_dict(),
+            "data_parallel": data_parallel,
             "candidates": [{"volume": volume, "batch_size": config.train.batch_size,
                             "precision": config.train.precision.value, "recompute": config.train.recompute.value,
                             "predicted_peak_bytes": predicted.predicted_peak_bytes, "fits": fits}]}
@@ -231,8 +273,37 @@ def _numa_summary(report: dict) -> str:
             f"/ inter {requested['inter_op_threads']}; observed policy per thread: {observed}")
 
 
+def _distributed_batches(replicas, loader, start_step: int):
+    """The loader's global batches, split over the replicas (every worker takes its own slice)."""
+    import tensorflow as tf
+
+    strategy = replicas.strategy
+    if config_is_multiworker(strategy):
+        workers = strategy.cluster_resolver.cluster_spec().num_tasks("worker")
+        index = strategy.cluster_resolver.task_id
+        per_worker = loader.batch_size // workers
+        local = strategy.num_replicas_in_sync // workers
+
+        mine = slice(index * per_worker, (index + 1) * per_worker)
+
+        def dataset_fn(context):  # the same global batches on every worker; each takes its slice
+            data = loader.dataset(start_step).map(lambda x, y: (x[mine], y[mine]))
+            return data.unbatch().batch(per_worker // local)
+
+        return iter(strategy.distribute_datasets_from_function(dataset_fn))
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+    return iter(strategy.experimental_distribute_dataset(loader.dataset(start_step).with_options(options)))
+
+
+def config_is_multiworker(strategy) -> bool:
+    import tensorflow as tf
+
+    return isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
+
+
 def _run(config, run, manager, latest, loader, total_steps, console, verbose, recompute_stages=None,
-         plan=None, placement=None) -> TrainResult:
+         plan=None, placement=None, replicas=None) -> TrainResult:
     tf = import_tensorflow(verbose=verbose)
     import keras
 
@@ -241,14 +312,21 @@ def _run(config, run, manager, latest, loader, total_steps, console, verbose, re
 
     keras.utils.set_random_seed(config.train.seed)
     policy = "mixed_bfloat16" if config.train.precision is Precision.BF16 else "float32"
-    model = UNet3D(config.model, dtype=policy, name="unet3d").build_for()
-    if recompute_stages is None:
-        recompute_stages = model.stage_names if config.train.recompute is Recompute.STAGES else []
-    model.set_recompute(recompute_stages)
-    schedule = WarmupPolynomialDecay(config.train.lr, total_steps, config.train.warmup_steps,
-                                     config.train.lr_decay_power, config.train.end_lr)
-    optimizer = make_optimizer(config, schedule)
-    optimizer.build(model.trainable_variables)
+    lr = config.train.lr
+    if replicas is not None:  # the linear scaling rule, from the batch --lr was meant for
+        from bigmem.distribute.strategy import scaled_learning_rate
+
+        lr = scaled_learning_rate(lr, config.train.reference_batch or config.train.batch_size, loader.batch_size)
+    scope = replicas.strategy.scope() if replicas is not None else contextlib.nullcontext()
+    with scope:
+        model = UNet3D(config.model, dtype=policy, name="unet3d").build_for()
+        if recompute_stages is None:
+            recompute_stages = model.stage_names if config.train.recompute is Recompute.STAGES else []
+        model.set_recompute(recompute_stages)
+        schedule = WarmupPolynomialDecay(lr, total_steps, config.train.warmup_steps,
+                                         config.train.lr_decay_power, config.train.end_lr)
+        optimizer = make_optimizer(config, schedule)
+        optimizer.build(model.trainable_variables)
 
     start_step = 0
     if latest is not None:
@@ -257,7 +335,7 @@ def _run(config, run, manager, latest, loader, total_steps, console, verbose, re
         run.truncate_metrics(start_step)
         console.print(f"Resuming {run.path} from {latest.name} (step {start_step} of {total_steps}).")
     run.path.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(run.config, {**config.to_dict(), "total_steps": total_steps})
+    atomic_write_json(run.config, {**config.to_dict(), "total_steps": total_steps, "effective_lr": lr})
     atomic_write_json(run.sysinfo, collect_sysinfo())
     if plan is not None:
         atomic_write_json(run.path / "plan.json", plan)
@@ -268,12 +346,20 @@ def _run(config, run, manager, latest, loader, total_steps, console, verbose, re
     atomic_write_json(run.path / "numa.json", numa_report)
     if placement is not None:
         console.print(_numa_summary(numa_report))
-    console.print(f"bigmem train: {config.model.name} ({model.count_params():,} parameters), "
-                  f"{loader.batch_size} x {loader.volume}^3 whole volumes, {config.train.precision.value}, "
-                  f"{total_steps} steps -> {run.path}")
+    if replicas is None:
+        what = f"{loader.batch_size} x {loader.volume}^3 whole volumes"
+        train_step = make_train_step(model, optimizer)
+        batches = iter(loader.dataset(start_step))
+    else:
+        from bigmem.distribute.strategy import make_distributed_step
 
-    train_step = make_train_step(model, optimizer)
-    batches = iter(loader.dataset(start_step))
+        where = "logical CPU devices (simulated on CPU)" if replicas.simulated else "GPUs"
+        what = (f"{loader.batch_size} x {loader.volume}^3 patches over {replicas.num_replicas} {where}, "
+                f"lr {lr:g}")
+        train_step = make_distributed_step(replicas, model, optimizer, loader.batch_size)
+        batches = _distributed_batches(replicas, loader, start_step)
+    console.print(f"bigmem train: {config.model.name} ({model.count_params():,} parameters), {what}, "
+                  f"{config.train.precision.value}, {total_steps} steps -> {run.path}")
     process = psutil.Process()
     voxels_per_step = loader.batch_size * loader.volume**3
     step, loss, dice = start_step, float("nan"), float("nan")
@@ -290,8 +376,10 @@ def _run(config, run, manager, latest, loader, total_steps, console, verbose, re
         report = observed(requested, sampler)  # threads seen now that TF's pools have run
         atomic_write_json(run.path / "numa.json", report)
 
+    started_s = time.monotonic()
+    budget_s = config.train.time_budget_s
     with StopSignals() as stop, TrainProgress(console, total_steps, start_step) as progress, sampler:
-        while step < total_steps:
+        while step < total_steps and not (budget_s is not None and time.monotonic() - started_s >= budget_s):
             started = time.perf_counter()
             try:
                 images, labels = next(batches)
@@ -327,7 +415,14 @@ def _run(config, run, manager, latest, loader, total_steps, console, verbose, re
             if step % config.train.checkpoint_every == 0 or step == total_steps:
                 checkpoint(step)
 
+    if step < total_steps:  # the time budget ended the run
+        checkpoint(step)
+        console.print(f"Time budget of {budget_s:g} s reached at step {step}.")
     write_numa_report()
+    from bigmem.memory.procfs import peak_rss_bytes
+
+    atomic_write_json(run.path / "summary.json", {"steps": step, "train_s": time.monotonic() - started_s,
+                                                  "peak_rss_bytes": peak_rss_bytes(), "loss": loss, "dice": dice})
     _save_model(model, run.model)
     console.print(f"Done: step {step}, loss {loss:.4f}, Dice {dice:.3f}. Model: {run.model}")
     return TrainResult(run.path, start_step, step, total_steps, loss, dice)

@@ -30,7 +30,7 @@ labels = rng.integers(0, 3, (4, 16, 16, 16)).astype(np.uint8)
 dataset = tf.data.Dataset.from_tensors((images, labels)).repeat()
 batches = iter(replicas.strategy.experimental_distribute_dataset(dataset))
 step = make_distributed_step(replicas, model, optimizer, global_batch_size=4)
-losses = [float(step(*next(batches))) for _ in range(3)]
+losses = [float(step(*next(batches))[0]) for _ in range(3)]
 print(json.dumps({"replicas": replicas.num_replicas, "simulated": replicas.simulated, "losses": losses,
                   "weights": [np.asarray(w).ravel()[:50].tolist() for w in model.trainable_weights[:3]]}))
 """
@@ -80,3 +80,39 @@ def test_replica_count_must_be_positive():
 
     with pytest.raises(UsageError, match=r"^Invalid --simulate-replicas 0: expected a positive integer\.$"):
         simulate_cpu_replicas(0)
+
+
+def _train(tmp_path, tiny_store, name: str, replicas: int, batch: int) -> list[dict]:
+    from bigmem.rundir import read_jsonl
+
+    out = tmp_path / name
+    result = subprocess.run(
+        [sys.executable, "-m", "bigmem", "train", "--model", "tiny", "--data", str(tiny_store), "--volume", "16",
+         "--steps", "4", "--seed", "2", "--strategy", "mirrored", "--simulate-replicas", str(replicas),
+         "--batch-size", str(batch), "--reference-batch", "4", "--gpu-memory", "2GiB", "--optimizer", "sgd",
+         "--out", str(out)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert "simulated on CPU" in result.stdout
+    return read_jsonl(out / "metrics.jsonl")
+
+
+@pytest.mark.slow
+def test_bigmem_train_on_n_replicas_matches_one(tmp_path, tiny_store):
+    one = _train(tmp_path, tiny_store, "one", replicas=1, batch=4)
+    two = _train(tmp_path, tiny_store, "two", replicas=2, batch=2)
+    assert [r["step"] for r in two] == [1, 2, 3, 4]
+    for a, b in zip(one, two):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+        assert b["lr"] == pytest.approx(a["lr"])
+        assert b["dice"] == pytest.approx(a["dice"], abs=1e-6)
+    plan = json.loads((tmp_path / "two" / "plan.json").read_text())["data_parallel"]
+    assert plan["replicas"] == 2 and plan["simulated"] and plan["global_batch"] == 4 and plan["patch"] == 16
+
+
+def test_simulated_replicas_need_gpu_memory(tmp_path, tiny_store):
+    result = subprocess.run([sys.executable, "-m", "bigmem", "train", "--model", "tiny", "--data", str(tiny_store),
+                             "--strategy", "mirrored", "--simulate-replicas", "2", "--out", str(tmp_path / "r")],
+                            capture_output=True, text=True)
+    assert result.returncode == 2
+    assert result.stderr.strip() == ("bigmem train: error: Give --gpu-memory SIZE (e.g. 80GiB): the patch size is "
+                                     "chosen to fit one GPU's memory, and these replicas are simulated on CPU.")
