@@ -1,0 +1,60 @@
+"""Two workers on 127.0.0.1 (MultiWorkerMirroredStrategy, TF_CONFIG) train as one with the same global batch."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+
+from bigmem.rundir import read_jsonl
+
+COMMON = ["--model", "tiny", "--volume", "16", "--steps", "3", "--seed", "2", "--optimizer", "sgd",
+          "--gpu-memory", "2GiB", "--reference-batch", "2"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _weights(run_dir) -> list[np.ndarray]:
+    import bigmem.nets.unet3d  # noqa: F401  (registers UNet3D)
+
+    return [np.asarray(w) for w in keras.models.load_model(run_dir / "model.keras").weights]
+
+
+@pytest.mark.slow
+def test_two_workers_match_one(tmp_path, tiny_store):
+    ports = [_free_port(), _free_port()]
+    cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
+    workers = []
+    for index in range(2):
+        env = {**os.environ, "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})}
+        workers.append(subprocess.Popen(
+            [sys.executable, "-m", "bigmem", "train", *COMMON, "--data", str(tiny_store), "--strategy", "multiworker",
+             "--batch-size", "1", "--out", str(tmp_path / f"w{index}")], env=env, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True))
+    for process in workers:
+        _, err = process.communicate(timeout=300)
+        assert process.returncode == 0, err
+    single = subprocess.run([sys.executable, "-m", "bigmem", "train", *COMMON, "--data", str(tiny_store),
+                             "--strategy", "mirrored", "--simulate-replicas", "1", "--batch-size", "2",
+                             "--out", str(tmp_path / "one")], capture_output=True, text=True)
+    assert single.returncode == 0, single.stderr
+    losses = {name: [r["loss"] for r in read_jsonl(tmp_path / name / "metrics.jsonl")] for name in ("w0", "w1", "one")}
+    assert len(losses["one"]) == 3
+    assert losses["w0"] == losses["w1"]
+    assert losses["w0"] == pytest.approx(losses["one"], rel=1e-5)
+    w0, w1, one = (_weights(tmp_path / name) for name in ("w0", "w1", "one"))
+    for a, b, c in zip(w0, w1, one):
+        np.testing.assert_array_equal(a, b)  # the workers hold identical weights
+        np.testing.assert_allclose(a, c, rtol=1e-5, atol=1e-6)
+    plan = json.loads((tmp_path / "w0" / "plan.json").read_text())["data_parallel"]
+    assert plan["replicas"] == 2 and plan["global_batch"] == 2
