@@ -41,8 +41,10 @@ def format_bytes(num_bytes: int | float) -> str:
     value = float(num_bytes)
     sign = "-" if value < 0 else ""
     value = abs(value)
-    for unit in _BINARY:
-        if value < 1024 or unit == _BINARY[-1]:
-            return f"{sign}{int(value)} B" if unit == "B" else f"{sign}{value:.2f} {unit}"
+    if value < 1024:
+        return f"{sign}{int(value)} B"
+    unit = 0
+    while value >= 1024 and unit < len(_BINARY) - 1:
         value /= 1024
-    raise AssertionError("unreachable")  # pragma: no cover
+        unit += 1
+    return f"{sign}{value:.2f} {_BINARY[unit]}"

@@ -71,15 +71,6 @@ def multiworker() -> Replicas:
     return Replicas(strategy, strategy.num_replicas_in_sync, simulated, devices)
 
 
-def is_chief() -> bool:
-    """Whether this process writes the run directory (worker 0, or the only worker)."""
-    import json
-    import os
-
-    task = json.loads(os.environ.get("TF_CONFIG", "{}")).get("task", {})
-    return task.get("type", "worker") in ("worker", "chief") and int(task.get("index", 0)) == 0
-
-
 def setup_replicas(config) -> Replicas:
     """The strategy ``config.train`` asks for (call right after importing TensorFlow)."""
     from bigmem.config.options import Strategy

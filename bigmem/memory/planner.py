@@ -163,8 +163,6 @@ def make_plan(config: ExperimentConfig, counts_for, budget_bytes: int, *, budget
         if chosen is None or (candidate.volume, candidate.batch_size) > (chosen.volume, chosen.batch_size):
             chosen = candidate
     closest = chosen or min(planner.candidates, key=lambda c: c.predicted_peak_bytes)
-    if chosen is None and (volume is not None or batch_size is not None):
-        closest = min((c for c in planner.candidates), key=lambda c: c.predicted_peak_bytes)
     return Plan(chosen is not None, budget_bytes, budget_source, chosen, closest, planner.candidates, best_per_mode)
 
 

@@ -6,6 +6,7 @@ directory of DESIGN.md: config.json, sysinfo.json, metrics.jsonl, checkpoints/, 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import signal
@@ -16,8 +17,6 @@ from pathlib import Path
 
 import psutil
 from rich.console import Console
-
-import contextlib
 
 from bigmem.config.options import OptimizerName, Precision, Recompute, Strategy
 from bigmem.config.schema import ExperimentConfig
