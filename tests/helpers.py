@@ -17,3 +17,16 @@ def run_cli(argv, capsys):
     code = main([str(a) for a in argv])
     out, err = capsys.readouterr()
     return code, out, err
+
+
+def poison_labels(value: int, voxel=(0, 0, 0)):
+    """A mutate() for the corrupt_store fixture: set one label voxel of every case to ``value``."""
+
+    def mutate(handle) -> None:
+        for case in handle["cases"]:
+            data = handle[f"cases/{case}/label"]
+            values = data[...]
+            values[voxel] = value
+            data[...] = values
+
+    return mutate

@@ -71,16 +71,11 @@ def test_tf_dataset_matches_the_numpy_batches(tiny_store):
 
 
 def test_reader_errors_keep_their_message_through_tf_data(corrupt_store):
-    def poison(handle):
-        for case in handle["cases"]:
-            data = handle[f"cases/{case}/label"]
-            values = data[...]
-            values[0, 0, 0] = 9
-            data[...] = values
-
     import tensorflow as tf
 
-    with WholeVolumeLoader(corrupt_store(poison), volume=16, batch_size=1) as loader:
+    from helpers import poison_labels
+
+    with WholeVolumeLoader(corrupt_store(poison_labels(9)), volume=16, batch_size=1) as loader:
         with pytest.raises(tf.errors.OpError):
             next(iter(loader.dataset()))
         assert isinstance(loader.error, DataError)

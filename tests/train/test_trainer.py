@@ -163,15 +163,10 @@ def test_resume_without_checkpoint(tmp_path, capsys):
 
 
 def test_bad_case_is_named_and_nothing_is_half_written(tmp_path, corrupt_store, capsys):
-    def poison(handle):
-        for case in handle["cases"]:
-            data = handle[f"cases/{case}/label"]
-            values = data[...]
-            values[3, 3, 3] = 5
-            data[...] = values
+    from helpers import poison_labels
 
     out = tmp_path / "run"
-    code, _, err = run_cli(tiny_train(out, corrupt_store(poison), "--steps", 2), capsys)
+    code, _, err = run_cli(tiny_train(out, corrupt_store(poison_labels(5, (3, 3, 3))), "--steps", 2), capsys)
     assert code == 1
     assert err.startswith("bigmem train: error: Case 'synth_000")
     assert "label value 5 >= number of classes 3" in err and "Traceback" not in err
