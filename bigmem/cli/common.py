@@ -40,7 +40,7 @@ def add_numa_flags(parser) -> None:
                                                       "nodes for bind, else all allowed CPUs)")
     group.add_argument("--threads", type=int, metavar="N",
                        help="TensorFlow intra-op threads (default: the number of CPUs used; inter-op threads = "
-                            "the nodes they span). Stock TensorFlow ignores OMP_NUM_THREADS and KMP_* variables.")
+                            "2 per node they span). Stock TensorFlow ignores OMP_NUM_THREADS and KMP_* variables.")
 
 
 def numa_overrides(args) -> dict:

@@ -42,6 +42,10 @@ class ModelConfig:
     upsampling: Upsampling = Upsampling.TRANSPOSED
     residual: bool = False
     conv_bias: bool = False
+    # True: only Keras's stock layers (Concatenate + Conv3D for skips, GroupNormalization, ReLU), as
+    # a plain Keras model is written; the speed benchmark's baseline. False: bigmem's fused
+    # norm+activation (nets/norm_act.py) and two-input skip convolutions (nets/blocks.py).
+    stock_layers: bool = False
     in_channels: int = 1
     num_classes: int = 3
 

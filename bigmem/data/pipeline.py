@@ -238,20 +238,31 @@ class WholeVolumeLoader:
             yield images, labels
 
     def dataset(self, start_step: int = 0):
-        """The batches as a prefetching ``tf.data.Dataset`` (imports TensorFlow)."""
+        """The batches as a prefetching ``tf.data.Dataset`` (imports TensorFlow).
+
+        Built as range -> map(numpy_function) over one stream, not ``Dataset.from_generator``:
+        merely creating a from_generator dataset slowed every later training step by ~45%
+        (kits19 32^3 on the dev machine: 0.155 -> 0.22 s/step, even after the dataset was gone;
+        TF 2.21), which range + numpy_function does not.
+        """
         import tensorflow as tf
 
         shape = (self.batch_size, self.volume, self.volume, self.volume)
-        signature = (tf.TensorSpec(shape + (self.num_channels,), tf.float32), tf.TensorSpec(shape, tf.uint8))
+        image_shape = shape + (self.num_channels,)
+        stream = self.batches(start_step)
 
-        def generate():
+        def next_batch(_step):
             try:
-                yield from self.batches(start_step)
-            except Exception as exc:
-                self.error = exc
+                return next(stream)
+            except Exception as exc:  # the first failure is the cause; prefetching may call again after it
+                self.error = self.error or exc
                 raise
 
-        dataset = tf.data.Dataset.from_generator(generate, output_signature=signature)
+        def load(step):
+            images, labels = tf.numpy_function(next_batch, [step], (tf.float32, tf.uint8), stateful=True)
+            return tf.ensure_shape(images, image_shape), tf.ensure_shape(labels, shape)
+
+        dataset = tf.data.Dataset.range(start_step, 2**62).map(load)
         return dataset.prefetch(self.prefetch) if self.prefetch else dataset
 
     def close(self) -> None:

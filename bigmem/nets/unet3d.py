@@ -35,8 +35,8 @@ class UNet3D(keras.Model):
         self.model_config = _model_config(config)
         cfg = self.model_config
         common = dict(norm=cfg.norm.value, groups=cfg.groups, activation=cfg.activation.value,
-                      use_bias=cfg.conv_bias, residual=cfg.residual, num_blocks=cfg.blocks_per_level,
-                      dtype=self.dtype_policy)
+                      use_bias=cfg.conv_bias, stock_layers=cfg.stock_layers, residual=cfg.residual,
+                      num_blocks=cfg.blocks_per_level, dtype=self.dtype_policy)
         filters = cfg.filters
         self.encoder = [
             EncoderStage(filters[level], in_filters=filters[level - 1] if level else cfg.in_channels,

@@ -147,12 +147,38 @@ def test_encoder_and_decoder_stages_count_their_tensors():
     assert enc.feature_map_elements((8, 8, 8)) == (_size(pooled) + enc.blocks[0].feature_map_elements((4, 4, 4))
                                                    + enc.blocks[1].feature_map_elements((4, 4, 4)))
     assert first.shape == (1, 4, 4, 4, 4)
-    dec = DecoderStage(4, in_filters=8, num_blocks=1)
     low = np.zeros((1, 4, 4, 4, 8), np.float32)
     skip = np.zeros((1, 8, 8, 8, 4), np.float32)
+    # Plain blocks take [up, skip] as two inputs: no concatenated tensor.
+    dec = DecoderStage(4, in_filters=8, num_blocks=1)
+    assert dec.concat is None and dec.blocks[0].num_inputs == 2
+    up = dec.up(low)
+    block = dec.blocks[0]
+    parts = (block.conv(up), block.conv_skip(skip))
+    summed = parts[0] + parts[1]
+    assert block.feature_map_elements((8,) * 3) == sum(map(_size, (*parts, summed, block.norm_layer(summed))))
+    assert dec.feature_map_elements((4, 4, 4)) == _size(up) + block.feature_map_elements((8,) * 3)
+    # Residual blocks take the concatenation.
+    dec = DecoderStage(4, in_filters=8, num_blocks=1, residual=True)
     up = dec.up(low)
     cat = dec.concat([up, skip])
     assert dec.feature_map_elements((4, 4, 4)) == _size(up) + _size(cat) + dec.blocks[0].feature_map_elements((8,) * 3)
+
+
+@pytest.mark.parametrize("use_bias", [False, True])
+def test_two_input_conv_is_a_conv_of_the_concatenation(use_bias):
+    """conv(x) + conv_skip(skip) == one convolution of concat([x, skip]) with the kernels stacked."""
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(2, 6, 5, 7, 3)).astype(np.float32)
+    skip = rng.normal(size=(2, 6, 5, 7, 2)).astype(np.float32)
+    block = ConvNormAct(4, num_inputs=2, norm="none", use_bias=use_bias)
+    got = np.asarray(block([x, skip]))
+    whole = keras.layers.Conv3D(4, 3, padding="same", use_bias=use_bias)
+    whole.build((None, 6, 5, 7, 5))
+    stacked = np.concatenate([np.asarray(block.conv.kernel), np.asarray(block.conv_skip.kernel)], axis=3)
+    whole.set_weights([stacked, np.asarray(block.conv.bias)] if use_bias else [stacked])
+    want = np.asarray(keras.layers.ReLU()(whole(np.concatenate([x, skip], axis=-1))))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_model_sums_its_blocks():

@@ -44,15 +44,15 @@ def test_bind_runs_threads_on_the_bound_nodes(two_socket):
     topology = NUMATopology.from_sysfs(two_socket)
     placement = resolve_placement("bind:1", None, None, topology, _all_cpus(topology))
     assert placement.cpus == tuple(range(24, 48)) + tuple(range(72, 96))
-    assert (placement.intra_op_threads, placement.inter_op_threads) == (48, 1)
+    assert (placement.intra_op_threads, placement.inter_op_threads) == (48, 2)
     assert placement.numa_maps_policy == "bind:1"
 
 
-def test_interleave_uses_every_cpu_and_one_inter_op_thread_per_socket(four_socket):
+def test_interleave_uses_every_cpu_and_two_inter_op_threads_per_socket(four_socket):
     topology = NUMATopology.from_sysfs(four_socket)
     placement = resolve_placement("interleave", None, None, topology, _all_cpus(topology))
     assert placement.cpus == tuple(range(80))
-    assert (placement.intra_op_threads, placement.inter_op_threads) == (80, 4)
+    assert (placement.intra_op_threads, placement.inter_op_threads) == (80, 8)
     assert placement.numa_maps_policy == "interleave:0-3"
     assert placement.to_dict()["nodes"] == [0, 1, 2, 3]
 
@@ -61,7 +61,7 @@ def test_cpus_and_threads_flags(four_socket):
     topology = NUMATopology.from_sysfs(four_socket)
     placement = resolve_placement("local", "0-9,20-29", 16, topology, _all_cpus(topology))
     assert placement.cpus == tuple(range(10)) + tuple(range(20, 30))
-    assert (placement.intra_op_threads, placement.inter_op_threads) == (16, 2)
+    assert (placement.intra_op_threads, placement.inter_op_threads) == (16, 4)
     assert resolve_placement("preferred:2", None, None, topology, _all_cpus(topology)).numa_maps_policy == "prefer:2"
 
 

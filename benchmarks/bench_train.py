@@ -1,0 +1,409 @@
+"""Training throughput side by side: bigmem, plain Keras and PyTorch, against the machine's ceilings.
+
+    python benchmarks/bench_train.py [--presets small,kits19] [--volumes 64,96,128] [--steps 5]
+        [--warmup 2] [--paths bigmem,keras,torch] [--scaling kits19:32,48,64,96,128,160] [--out DIR]
+
+One run, one machine, every figure it compares. Each measurement runs in a fresh child process
+(its own threads, allocator state and VmHWM), trains batch 1 whole volumes, drops ``--warmup``
+steps (tracing, oneDNN primitive creation) and reports the median and spread of ``--steps``:
+
+- ceilings: TF ``conv3d`` forward + both gradients at the model's dominant layer shape (the
+  full-resolution C -> C 3x3x3 convolution, C = base filters), and a 4096^2 matmul, fp32 and bf16;
+- bigmem: ``bigmem.train.train`` itself (input pipeline, NUMA placement, thread pools, fused
+  norm, two-input skip convolutions), fp32 and bf16 (mixed);
+- keras: the same architecture from Keras's stock layers (``model.stock_layers``: Concatenate,
+  Conv3D, GroupNormalization, ReLU), ``compile`` + ``train_on_batch`` with defaults, fp32 and
+  ``mixed_bfloat16``;
+- torch: the same architecture in PyTorch (benchmarks/torch_unet3d.py), eager, fp32 (needs
+  ``pip install .[bench]``; skipped with a note when torch is missing).
+
+GFLOP/s count 3x the forward multiply-adds x 2 (``UNet3D.train_flops``) for every path.
+``--scaling`` times bigmem fp32 from 32^3 up and prints the cost per voxel relative to its
+median. Prints a table and writes JSON keyed by machine (never run by pytest).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from bigmem.config import resolve_config
+from bigmem.memory.calibration import cpu_model, tensorflow_version
+from bigmem.memory.procfs import peak_rss_bytes
+from bigmem.units import format_bytes
+
+MATMUL_EDGE = 4096
+# Every path trains with this learning rate: speed does not depend on it, and a preset's own
+# (kits19: 1e-2, momentum 0.99) can diverge within a few steps on two phantoms, ending the run.
+BENCH_LR = 1e-3
+
+
+# ---- child processes: one measurement each --------------------------------------------------------
+
+def _timed(step, warmup: int, steps: int) -> list[float]:
+    """Run ``step`` warmup + steps times; return the timed steps' seconds. ``step`` must block on its result."""
+    times = []
+    for _ in range(warmup + steps):
+        started = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - started)
+    return times[warmup:]
+
+
+def _sample_case(config, volume: int):
+    """One synthetic case at ``volume``^3 (the same phantoms every path trains on), normalised."""
+    import h5py
+    import numpy as np
+
+    from bigmem.data.synth import cached_synthetic_store
+
+    path = cached_synthetic_store(num_cases=2, volume=volume, num_classes=config.model.num_classes)
+    with h5py.File(path, "r") as store:
+        case = next(iter(store["cases"].values()))
+        image = case["image"][...].astype(np.float32)
+        label = case["label"][...].astype(np.int64)
+    image = (image - image.mean()) / (image.std() + 1e-6)
+    return image[None], label[None]  # (1, D, H, W, C), (1, D, H, W)
+
+
+def child_ceiling(request: dict) -> dict:
+    import tensorflow as tf
+
+    dtype = tf.bfloat16 if request["precision"] == "bf16" else tf.float32
+    if request["what"] == "matmul":
+        a = tf.cast(tf.random.normal((MATMUL_EDGE, MATMUL_EDGE)), dtype)
+
+        @tf.function
+        def matmul():
+            return tf.reduce_sum(tf.cast(tf.matmul(a, a), tf.float32))
+
+        times = _timed(lambda: matmul().numpy(), request["warmup"], request["steps"])
+        return {"step_s": times, "flops": 2 * MATMUL_EDGE**3}
+    volume, channels = request["volume"], request["channels"]
+    x = tf.cast(tf.random.normal((1, volume, volume, volume, channels)), dtype)
+    kernel = tf.cast(tf.random.normal((3, 3, 3, channels, channels)) * 0.05, dtype)
+
+    @tf.function
+    def conv_forward_backward():
+        with tf.GradientTape() as tape:
+            tape.watch([x, kernel])
+            y = tf.nn.conv3d(x, kernel, [1] * 5, "SAME")
+            total = tf.reduce_sum(tf.cast(y, tf.float32))
+        dx, dkernel = tape.gradient(total, [x, kernel])
+        # The result depends on the forward output and on both gradients (nothing is pruned).
+        return total + tf.reduce_sum(tf.cast(dx, tf.float32)) + tf.reduce_sum(tf.cast(dkernel, tf.float32))
+
+    times = _timed(lambda: conv_forward_backward().numpy(), request["warmup"], request["steps"])
+    return {"step_s": times, "flops": 3 * 2 * 27 * channels * channels * volume**3}
+
+
+def child_bigmem(request: dict) -> dict:
+    import io
+
+    from bigmem.config.schema import ExperimentConfig
+    from bigmem.data.synth import cached_synthetic_store
+    from bigmem.numa.apply import place
+    from bigmem.rundir import read_jsonl
+    from bigmem.tfenv import import_tensorflow
+
+    config = ExperimentConfig.from_dict(request["config"], source="bench request")
+    place(config.numa.policy, config.numa.cpus, config.numa.threads)  # before TensorFlow starts its threads
+    import_tensorflow()
+    from bigmem.train.trainer import train
+
+    volume = config.data.volume
+    config.data.store = str(cached_synthetic_store(num_cases=2, volume=volume, num_classes=config.model.num_classes))
+    total = request["warmup"] + request["steps"]
+    config.train.steps, config.train.epochs, config.train.log_every = total, None, 1
+    config.train.checkpoint_every = total + 1  # one checkpoint, after the last step (not timed)
+    with tempfile.TemporaryDirectory(prefix="bigmem-bench-") as run_dir:
+        train(config, f"{run_dir}/run", console=Console(file=io.StringIO()))
+        rows = read_jsonl(f"{run_dir}/run/metrics.jsonl")
+    return {"step_s": [r["step_s"] for r in rows[request["warmup"]:]],
+            "input_wait_s": [r["input_wait_s"] for r in rows[request["warmup"]:]]}
+
+
+def child_keras(request: dict) -> dict:
+    import tensorflow as tf  # noqa: F401  (TF defaults: a plain Keras user sets no threads)
+    import keras
+
+    from bigmem.config.schema import ExperimentConfig
+    from bigmem.nets.unet3d import UNet3D
+    from bigmem.train.losses import dice_ce_loss
+
+    config = ExperimentConfig.from_dict(request["config"], source="bench request")
+    config.model.stock_layers = True
+    keras.utils.set_random_seed(config.train.seed)
+    policy = "mixed_bfloat16" if request["precision"] == "bf16" else "float32"
+    model = UNet3D(config.model, dtype=policy).build_for()
+    model.compile(optimizer=keras.optimizers.SGD(config.train.lr, momentum=config.train.momentum, nesterov=True),
+                  loss=dice_ce_loss)
+    image, label = _sample_case(config, config.data.volume)
+    times = _timed(lambda: model.train_on_batch(image, label), request["warmup"], request["steps"])
+    return {"step_s": times, "param_count": model.count_params()}
+
+
+def child_torch(request: dict) -> dict:
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from torch_unet3d import TorchUNet3D, dice_ce_loss, parameter_count
+
+    from bigmem.config.schema import ExperimentConfig
+
+    config = ExperimentConfig.from_dict(request["config"], source="bench request")
+    torch.manual_seed(config.train.seed)
+    model = TorchUNet3D(config.model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=config.train.lr, momentum=config.train.momentum,
+                                nesterov=True)
+    image, label = _sample_case(config, config.data.volume)
+    images = torch.from_numpy(image).permute(0, 4, 1, 2, 3).contiguous()
+    labels = torch.from_numpy(label)
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        loss = dice_ce_loss(model(images), labels)
+        loss.backward()
+        optimizer.step()
+        return loss.item()
+
+    times = _timed(step, request["warmup"], request["steps"])
+    return {"step_s": times, "param_count": parameter_count(model), "torch": torch.__version__,
+            "threads": torch.get_num_threads()}
+
+
+CHILDREN = {"ceiling": child_ceiling, "bigmem": child_bigmem, "keras": child_keras, "torch": child_torch}
+
+
+def child_main(request_path: str) -> int:
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    with open(request_path) as handle:
+        request = json.load(handle)
+    result = CHILDREN[request["kind"]](request)
+    result["peak_bytes"] = peak_rss_bytes()
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+# ---- parent: plan, run, tabulate ------------------------------------------------------------------
+
+def run_child(request: dict, timeout_s: float = 3600.0) -> dict:
+    with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="bigmem-bench-") as handle:
+        json.dump(request, handle)
+        handle.flush()
+        result = subprocess.run([sys.executable, __file__, "--child", handle.name], capture_output=True, text=True,
+                                timeout=timeout_s)
+    if result.returncode != 0:
+        tail = (result.stderr.strip().splitlines() or ["no output"])[-1]
+        return {"error": f"exit {result.returncode}: {tail}"}
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def summarise(times: list[float]) -> dict:
+    return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times),
+            "spread_pct": 100.0 * (max(times) - min(times)) / statistics.median(times), "n": len(times)}
+
+
+def torch_available() -> str | None:
+    try:
+        from importlib import metadata
+
+        return metadata.version("torch")
+    except Exception:  # noqa: BLE001  (any failure means: not usable here)
+        return None
+
+
+def train_flops_of(config, volume: int) -> tuple[int, int]:
+    """(training FLOPs per batch-1 step, parameter count) of ``config`` at ``volume``^3."""
+    from bigmem.nets.unet3d import UNet3D
+
+    model = UNet3D(config.model).build_for()
+    return model.train_flops((volume,) * 3), model.count_params()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--presets", default="small,kits19")
+    parser.add_argument("--volumes", default="64,96,128")
+    parser.add_argument("--paths", default="bigmem,keras,torch")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--scaling", default="kits19:32,48,64,96,128,160,192",
+                        help="PRESET:V1,V2,... timed for bigmem fp32 (cost per voxel); '' to skip")
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args(argv)
+    if args.child:
+        return child_main(args.child)
+
+    console = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 180)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    torch_version = torch_available()
+    paths = args.paths.split(",")
+    if "torch" in paths and torch_version is None:
+        console.print("torch is not installed (pip install .[bench]): the PyTorch column is skipped.")
+        paths.remove("torch")
+    volumes = [int(v) for v in args.volumes.split(",")]
+    common = {"warmup": args.warmup, "steps": args.steps}
+    rows, ceilings = [], {}
+
+    def note(text: str) -> None:
+        console.print(text, style="dim")
+
+    for volume in volumes:  # ceilings are per volume (the dominant layer's size), shared by the presets
+        for preset in args.presets.split(","):
+            channels = resolve_config(preset).model.base_filters
+            for precision in ("fp32", "bf16"):
+                key = (preset, volume, precision)
+                conv = run_child({"kind": "ceiling", "what": "conv3d", "volume": volume, "channels": channels,
+                                  "precision": precision, **common})
+                ceilings[key] = {"conv3d": conv}
+                if (precision, "matmul") not in ceilings:
+                    ceilings[(precision, "matmul")] = run_child({"kind": "ceiling", "what": "matmul",
+                                                                 "precision": precision, **common})
+                for result in (conv, ceilings[(precision, "matmul")]):
+                    if "error" not in result:
+                        result["gflops"] = result["flops"] / statistics.median(result["step_s"]) / 1e9
+                note(f"ceiling {preset} {volume}^3 {precision}: conv3d {conv.get('gflops', float('nan')):.0f} "
+                     f"GFLOP/s, matmul {ceilings[(precision, 'matmul')].get('gflops', float('nan')):.0f} GFLOP/s")
+
+    for preset in args.presets.split(","):
+        for volume in volumes:
+            flops, params = train_flops_of(resolve_config(preset), volume)
+            for path in paths:
+                for precision in (("fp32",) if path == "torch" else ("fp32", "bf16")):
+                    config = resolve_config(preset, {"data": {"volume": volume}, "train": {
+                        "batch_size": 1, "precision": precision, "lr": BENCH_LR}})
+                    request = {"kind": path, "precision": precision, "config": config.to_dict(), **common}
+                    result = run_child(request)
+                    row = {"preset": preset, "volume": volume, "path": path, "precision": precision,
+                           "train_flops": flops, "bigmem_param_count": params}
+                    if "error" in result:
+                        row["error"] = result["error"]
+                        note(f"{preset} {volume}^3 {path} {precision}: FAILED {result['error']}")
+                        rows.append(row)
+                        continue
+                    stats = summarise(result.pop("step_s"))
+                    row.update(stats, **result)
+                    row["voxels_per_s"] = volume**3 / stats["median_s"]
+                    row["gflops"] = flops / stats["median_s"] / 1e9
+                    row["peak_bytes_per_voxel"] = result["peak_bytes"] / volume**3
+                    conv = ceilings[(preset, volume, precision)]["conv3d"].get("gflops")
+                    matmul = ceilings[(precision, "matmul")].get("gflops")
+                    row["pct_conv3d_ceiling"] = 100 * row["gflops"] / conv if conv else None
+                    row["pct_matmul_ceiling"] = 100 * row["gflops"] / matmul if matmul else None
+                    rows.append(row)
+                    note(f"{preset} {volume}^3 {path} {precision}: {stats['median_s']:.3f} s/step, "
+                         f"{row['gflops']:.0f} GFLOP/s, peak {format_bytes(result['peak_bytes'])}"
+                         + (f", {result['param_count']:,} parameters (bigmem {params:,})" if "param_count" in result
+                            else ""))
+    _speedups(rows)
+    scaling = _scaling(args, rows, common, note) if args.scaling else None
+    _print(console, rows, ceilings, scaling)
+    report = {"machine": {"host": socket.gethostname(), "cpu": cpu_model(), "cpus": os.cpu_count(),
+                          "tensorflow": tensorflow_version(), "torch": torch_version},
+              "warmup": args.warmup, "steps": args.steps,
+              "ceilings": [{"preset": k[0], "volume": k[1], "precision": k[2],
+                            "conv3d_gflops": v["conv3d"].get("gflops")} for k, v in ceilings.items() if len(k) == 3]
+              + [{"what": "matmul", "precision": k[0], "gflops": v.get("gflops")}
+                 for k, v in ceilings.items() if len(k) == 2],
+              "rows": rows, "scaling": scaling}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"train-{socket.gethostname()}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    console.print(f"wrote {path}")
+    return 0
+
+
+def _speedups(rows: list[dict]) -> None:
+    """bigmem's speed over plain Keras at the same precision, and over PyTorch (fp32), per volume."""
+    by_key = {(r["preset"], r["volume"], r["path"], r["precision"]): r for r in rows if "error" not in r}
+    for row in rows:
+        if row["path"] != "bigmem" or "error" in row:
+            continue
+        key = (row["preset"], row["volume"])
+        keras_row = by_key.get((*key, "keras", row["precision"]))
+        torch_row = by_key.get((*key, "torch", "fp32")) if row["precision"] == "fp32" else None
+        row["speedup_vs_keras"] = keras_row["median_s"] / row["median_s"] if keras_row else None
+        row["speedup_vs_torch"] = torch_row["median_s"] / row["median_s"] if torch_row else None
+        row["memory_vs_keras"] = row["peak_bytes"] / keras_row["peak_bytes"] if keras_row else None
+
+
+def _scaling(args, rows, common, note) -> dict:
+    preset, volumes = args.scaling.split(":")
+    points = []
+    for volume in (int(v) for v in volumes.split(",")):
+        done = [r for r in rows if (r["preset"], r["volume"], r["path"], r["precision"])
+                == (preset, volume, "bigmem", "fp32") and "error" not in r]
+        if done:
+            median_s = done[0]["median_s"]
+        else:
+            config = resolve_config(preset, {"data": {"volume": volume}, "train": {"batch_size": 1, "lr": BENCH_LR}})
+            result = run_child({"kind": "bigmem", "precision": "fp32", "config": config.to_dict(), **common})
+            if "error" in result:
+                note(f"scaling {preset} {volume}^3: FAILED {result['error']}")
+                continue
+            median_s = statistics.median(result["step_s"])
+        points.append({"volume": volume, "median_s": median_s, "s_per_mvoxel": median_s / volume**3 * 1e6})
+        note(f"scaling {preset} {volume}^3: {median_s:.3f} s/step, {points[-1]['s_per_mvoxel']:.3f} s per Mvoxel")
+    reference = statistics.median(p["s_per_mvoxel"] for p in points) if points else None
+    for point in points:
+        point["relative_to_median"] = point["s_per_mvoxel"] / reference
+    worst = max((abs(p["relative_to_median"] - 1) for p in points), default=None)
+    return {"preset": preset, "points": points, "worst_deviation_pct": None if worst is None else 100 * worst}
+
+
+def _fmt(value, spec: str, missing: str = "-") -> str:
+    return missing if value is None else format(value, spec)
+
+
+def _print(console, rows, ceilings, scaling) -> None:
+    table = Table(title="Training step, batch 1 whole volume: median of the timed steps (spread = (max-min)/median)")
+    for column in ("preset", "volume", "path", "prec", "s/step", "spread", "Mvox/s", "GFLOP/s", "% conv3d",
+                   "% matmul", "peak", "B/voxel", "vs keras", "vs torch"):
+        table.add_column(column, justify="right")
+    for r in rows:
+        if "error" in r:
+            table.add_row(r["preset"], f"{r['volume']}^3", r["path"], r["precision"], "failed", *[""] * 9)
+            continue
+        table.add_row(r["preset"], f"{r['volume']}^3", r["path"], r["precision"], f"{r['median_s']:.3f}",
+                      f"{r['spread_pct']:.0f}%", f"{r['voxels_per_s'] / 1e6:.2f}", f"{r['gflops']:.0f}",
+                      _fmt(r["pct_conv3d_ceiling"], ".0f"), _fmt(r["pct_matmul_ceiling"], ".0f"),
+                      format_bytes(r["peak_bytes"]), f"{r['peak_bytes_per_voxel']:.0f}",
+                      _fmt(r.get("speedup_vs_keras"), ".2f"), _fmt(r.get("speedup_vs_torch"), ".2f"))
+    console.print(table)
+    ceiling_table = Table(title="Ceilings measured in this run (GFLOP/s)")
+    for column in ("what", "preset", "volume", "precision", "GFLOP/s"):
+        ceiling_table.add_column(column, justify="right")
+    for key, value in ceilings.items():
+        if len(key) == 3:
+            ceiling_table.add_row("conv3d fwd+bwd", key[0], f"{key[1]}^3", key[2],
+                                  _fmt(value["conv3d"].get("gflops"), ".0f", "failed"))
+        else:
+            ceiling_table.add_row(f"matmul {MATMUL_EDGE}^2", "", "", key[0], _fmt(value.get("gflops"), ".0f", "failed"))
+    console.print(ceiling_table)
+    if scaling and scaling["points"]:
+        scale_table = Table(title=f"Scaling: bigmem fp32 {scaling['preset']}, cost per voxel")
+        for column in ("volume", "s/step", "s per Mvoxel", "vs median"):
+            scale_table.add_column(column, justify="right")
+        for p in scaling["points"]:
+            scale_table.add_row(f"{p['volume']}^3", f"{p['median_s']:.3f}", f"{p['s_per_mvoxel']:.3f}",
+                                f"{100 * (p['relative_to_median'] - 1):+.1f}%")
+        console.print(scale_table)
+        console.print(f"worst deviation from the median cost per voxel: {scaling['worst_deviation_pct']:.1f}%")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
