@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--paths", default="bigmem,keras,torch")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--scaling", default="kits19:32,48,64,96,128,160,192",
+    parser.add_argument("--scaling", default="kits19:32,64,96,128,160,192",
                         help="PRESET:V1,V2,... timed for bigmem fp32 (cost per voxel); '' to skip")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
@@ -343,8 +343,12 @@ def _speedups(rows: list[dict]) -> None:
 
 def _scaling(args, rows, common, note) -> dict:
     preset, volumes = args.scaling.split(":")
+    divisor = resolve_config(preset).model.divisor
     points = []
     for volume in (int(v) for v in volumes.split(",")):
+        if volume % divisor:
+            note(f"scaling {preset} {volume}^3: skipped (not a multiple of {divisor})")
+            continue
         done = [r for r in rows if (r["preset"], r["volume"], r["path"], r["precision"])
                 == (preset, volume, "bigmem", "fp32") and "error" not in r]
         if done:

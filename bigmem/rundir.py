@@ -53,7 +53,7 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
 
 class RunDir:
     """Paths of one run: config.json, plan.json, sysinfo.json, numa.json, metrics.jsonl,
-    checkpoints/, model.keras."""
+    monitor.csv, summary.json, checkpoints/, model.keras."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
@@ -69,6 +69,10 @@ class RunDir:
     @property
     def metrics(self) -> Path:
         return self.path / "metrics.jsonl"
+
+    @property
+    def monitor(self) -> Path:
+        return self.path / "monitor.csv"
 
     @property
     def checkpoints(self) -> Path:

@@ -35,6 +35,8 @@ def register(subparsers, parents) -> None:
     budget.add_argument("--steps", type=int, metavar="K", help="training steps for each path (default 5)")
     budget.add_argument("--time-budget", type=float, metavar="S", help="seconds of training for each path")
     parser.add_argument("--holdout", type=int, metavar="N", help="held-out cases for the Dice (default: 1 in 5)")
+    parser.add_argument("--monitor-interval", type=float, metavar="S",
+                        help="seconds between monitor.csv rows in each path's run directory (default 1; 0: off)")
     parser.add_argument("--out", metavar="DIR", default="compare", help="output folder (default: ./compare)")
     parser.set_defaults(run=run)
 
@@ -72,6 +74,11 @@ def run(args) -> int:
         common += ["--volume", str(args.volume)]
     if args.batch_size:
         common += ["--batch-size", str(args.batch_size)]
+    if args.monitor_interval is not None:
+        if args.monitor_interval < 0:
+            raise UsageError(f"Invalid --monitor-interval {args.monitor_interval:g}: expected seconds >= 0 "
+                             "(0 turns the monitor off).")
+        common += ["--monitor-interval", str(args.monitor_interval)]
     console = Console(soft_wrap=True)
     status = Console(soft_wrap=True, stderr=True)
     report = compare(config, Path(args.out), replicas=replicas, simulate=simulate, gpu_memory_bytes=gpu_memory,

@@ -11,10 +11,10 @@ import sys
 import traceback
 
 import bigmem
-from bigmem.cli import compare, convert, info, plan, profile, synth, train
+from bigmem.cli import compare, convert, info, plan, profile, report, synth, train
 from bigmem.errors import EXIT_ERROR, EXIT_USAGE, BigmemError
 
-COMMANDS = (info, synth, convert, train, profile, plan, compare)
+COMMANDS = (info, synth, convert, train, profile, plan, compare, report)
 
 DESCRIPTION = """\
 bigmem trains 3D U-Nets on whole volumetric scans (CT, MRI) in the RAM of one large CPU server.
@@ -28,6 +28,7 @@ examples:
   bigmem profile --model kits19 --volume 512    predicted memory footprint, per component
   bigmem plan --budget 1.5TiB --model kits19    the largest volume and batch that fit
   bigmem compare --simulate-replicas 2 --steps 5  big-memory CPU vs data-parallel baseline
+  bigmem report runs/small-20261130-101500      plots and a summary of a run (finished or running)
 
 exit codes: 0 ok, 1 error (bad input, corrupt file, ...), 2 usage error, 3 does not fit in memory.
 """

@@ -122,6 +122,7 @@ class TrainConfig:
     checkpoint_every: int = 50
     keep_checkpoints: int = 3
     log_every: int = 1
+    monitor_interval_s: float = 1.0  # --monitor-interval: seconds between monitor.csv rows; 0 turns it off
 
     def validate(self) -> None:
         if self.batch_size < 1:
@@ -136,6 +137,9 @@ class TrainConfig:
             raise UsageError(f"Invalid --lr {self.lr}: expected a positive number.")
         if self.checkpoint_every < 1 or self.keep_checkpoints < 1 or self.log_every < 1:
             raise UsageError("Invalid checkpoint/log interval: expected positive integers.")
+        if self.monitor_interval_s < 0:
+            raise UsageError(f"Invalid --monitor-interval {self.monitor_interval_s:g}: expected seconds >= 0 "
+                             "(0 turns the monitor off).")
 
 
 @dataclass

@@ -23,6 +23,7 @@ from bigmem.config.schema import ExperimentConfig
 from bigmem.data.pipeline import WholeVolumeLoader
 from bigmem.data.synth import cached_synthetic_store
 from bigmem.errors import TrainingError
+from bigmem.monitor.sampler import ResourceMonitor
 from bigmem.rundir import RunDir, atomic_write_json
 from bigmem.sysinfo import collect_sysinfo
 from bigmem.tfenv import import_tensorflow
@@ -377,7 +378,10 @@ def _run(config, run, manager, latest, loader, total_steps, console, verbose, re
 
     started_s = time.monotonic()
     budget_s = config.train.time_budget_s
-    with StopSignals() as stop, TrainProgress(console, total_steps, start_step) as progress, sampler:
+    waited_s = stepped_s = 0.0  # input wait and whole step time of this session's steps (the stall share)
+    monitor = (ResourceMonitor(run.monitor, interval_s=config.train.monitor_interval_s, store_path=config.data.store)
+               if config.train.monitor_interval_s > 0 else contextlib.nullcontext())
+    with StopSignals() as stop, TrainProgress(console, total_steps, start_step) as progress, sampler, monitor:
         while step < total_steps and not (budget_s is not None and time.monotonic() - started_s >= budget_s):
             started = time.perf_counter()
             try:
@@ -395,6 +399,8 @@ def _run(config, run, manager, latest, loader, total_steps, console, verbose, re
                 raise TrainingError(f"Loss is {loss} at step {step + 1}: training stopped; {where}. "
                                     "Try a lower --lr or --precision fp32.")
             step += 1
+            waited_s += fetched - started
+            stepped_s += elapsed
             row = {"step": step, "loss": loss, "dice": dice, "lr": float(schedule(step - 1)),
                    "voxels_per_s": voxels_per_step / elapsed, "rss_bytes": process.memory_info().rss,
                    "input_wait_s": fetched - started, "step_s": elapsed}
@@ -420,10 +426,14 @@ def _run(config, run, manager, latest, loader, total_steps, console, verbose, re
     write_numa_report()
     from bigmem.memory.procfs import peak_rss_bytes
 
+    stall_share = waited_s / stepped_s if stepped_s else 0.0
     atomic_write_json(run.path / "summary.json", {"steps": step, "train_s": time.monotonic() - started_s,
-                                                  "peak_rss_bytes": peak_rss_bytes(), "loss": loss, "dice": dice})
+                                                  "peak_rss_bytes": peak_rss_bytes(), "loss": loss, "dice": dice,
+                                                  "input_wait_s": waited_s, "step_time_s": stepped_s,
+                                                  "input_stall_share": stall_share})
     _save_model(model, run.model)
-    console.print(f"Done: step {step}, loss {loss:.4f}, Dice {dice:.3f}. Model: {run.model}")
+    console.print(f"Done: step {step}, loss {loss:.4f}, Dice {dice:.3f}; input stalls {100 * stall_share:.1f}% of "
+                  f"step time. Model: {run.model}")
     return TrainResult(run.path, start_step, step, total_steps, loss, dice)
 
 

@@ -147,10 +147,10 @@ def test_encoder_and_decoder_stages_count_their_tensors():
     assert enc.feature_map_elements((8, 8, 8)) == (_size(pooled) + enc.blocks[0].feature_map_elements((4, 4, 4))
                                                    + enc.blocks[1].feature_map_elements((4, 4, 4)))
     assert first.shape == (1, 4, 4, 4, 4)
-    low = np.zeros((1, 4, 4, 4, 8), np.float32)
-    skip = np.zeros((1, 8, 8, 8, 4), np.float32)
-    # Plain blocks take [up, skip] as two inputs: no concatenated tensor.
-    dec = DecoderStage(4, in_filters=8, num_blocks=1)
+    low = np.zeros((1, 4, 4, 4, 32), np.float32)
+    skip = np.zeros((1, 8, 8, 8, 16), np.float32)
+    # Plain blocks of 16 or more filters take [up, skip] as two inputs: no concatenated tensor.
+    dec = DecoderStage(16, in_filters=32, num_blocks=1)
     assert dec.concat is None and dec.blocks[0].num_inputs == 2
     up = dec.up(low)
     block = dec.blocks[0]
@@ -158,11 +158,13 @@ def test_encoder_and_decoder_stages_count_their_tensors():
     summed = parts[0] + parts[1]
     assert block.feature_map_elements((8,) * 3) == sum(map(_size, (*parts, summed, block.norm_layer(summed))))
     assert dec.feature_map_elements((4, 4, 4)) == _size(up) + block.feature_map_elements((8,) * 3)
-    # Residual blocks take the concatenation.
-    dec = DecoderStage(4, in_filters=8, num_blocks=1, residual=True)
-    up = dec.up(low)
-    cat = dec.concat([up, skip])
-    assert dec.feature_map_elements((4, 4, 4)) == _size(up) + _size(cat) + dec.blocks[0].feature_map_elements((8,) * 3)
+    # Residual blocks, and narrower levels, take the concatenation.
+    for dec in (DecoderStage(16, in_filters=32, num_blocks=1, residual=True), DecoderStage(8, in_filters=32,
+                                                                                             num_blocks=1)):
+        up = dec.up(low)
+        cat = dec.concat([up, skip[..., :dec.filters]])
+        assert dec.feature_map_elements((4, 4, 4)) == (_size(up) + _size(cat)
+                                                       + dec.blocks[0].feature_map_elements((8,) * 3))
 
 
 @pytest.mark.parametrize("use_bias", [False, True])
@@ -207,3 +209,17 @@ def test_kits19_training_flops_match_the_reference():
     per_voxel = model.train_flops((64, 64, 64)) / 64**3
     assert per_voxel == pytest.approx(1.37e6, rel=0.01)
     assert model.train_flops((512, 512, 512)) == pytest.approx(180e12, rel=0.03)
+
+
+def test_stock_layers_build_the_same_network_from_keras_layers():
+    """The plain-Keras baseline of bench_train.py: same parameters, Keras's own norm and concatenation."""
+    config = resolve_config("tiny", {"model": {"base_filters": 16}}).model  # wide enough for two-input skips
+    ours = UNet3D(config).build_for()
+    config.stock_layers = True
+    stock = UNet3D(config).build_for()
+    assert stock.count_params() == ours.count_params()
+    kinds = {type(layer).__name__ for layer in stock._flatten_layers()}
+    assert {"GroupNormalization", "Concatenate", "ReLU"} <= kinds and "NormActivation" not in kinds
+    kinds = {type(layer).__name__ for layer in ours._flatten_layers()}
+    assert "NormActivation" in kinds and "Concatenate" not in kinds and "GroupNormalization" not in kinds
+    assert UNet3D.from_config(stock.get_config()).model_config.stock_layers is True

@@ -2,29 +2,9 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-GIB_KB = 1024 * 1024  # sysfs meminfo is in kB
-
-
-def make_sysfs(root: Path, nodes: list[tuple[str, int, int]], distances: list[list[int]]) -> Path:
-    """nodes: (cpulist, total GiB, free GiB) per node."""
-    base = root / "sys/devices/system/node"
-    for node, (cpulist, total_gib, free_gib) in enumerate(nodes):
-        d = base / f"node{node}"
-        d.mkdir(parents=True)
-        (d / "cpulist").write_text(cpulist + "\n")
-        (d / "distance").write_text(" ".join(map(str, distances[node])) + "\n")
-        (d / "meminfo").write_text(
-            f"Node {node} MemTotal:       {total_gib * GIB_KB} kB\n"
-            f"Node {node} MemFree:        {free_gib * GIB_KB} kB\n"
-            f"Node {node} MemUsed:        {(total_gib - free_gib) * GIB_KB} kB\n"
-            f"Node {node} FilePages:      0 kB\n"
-            f"Node {node} Shmem:          0 kB\n")
-    (base / "online").write_text(f"0-{len(nodes) - 1}\n")
-    return root
+from helpers import make_sysfs
 
 
 @pytest.fixture

@@ -1,0 +1,102 @@
+"""The resource monitor's overhead: training steps/s with and without it, from one run.
+
+    python benchmarks/bench_monitor.py [--model small] [--volume 48] [--steps 150] [--repeats 2]
+        [--interval 1.0] [--out DIR]
+
+Runs ``bigmem train`` in fresh processes, alternating --monitor-interval INTERVAL and 0 (off)
+``--repeats`` times each, and compares the median steps/s (first 10 steps, tracing and warm-up,
+excluded). Also times one ``ResourceMonitor.sample()`` call in this process. Prints a table and
+writes JSON keyed by machine (never run by pytest).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from bigmem.memory.calibration import cpu_model, tensorflow_version
+from bigmem.monitor.sampler import ResourceMonitor
+from bigmem.rundir import read_jsonl
+
+WARMUP_STEPS = 10
+
+
+def train_steps_per_s(args, interval: float, out: Path) -> dict:
+    command = [sys.executable, "-m", "bigmem", "train", "--model", args.model, "--volume", str(args.volume),
+               "--steps", str(args.steps), "--checkpoint-every", str(args.steps), "--monitor-interval",
+               str(interval), "--out", str(out)]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise SystemExit(f"bigmem train failed (exit {result.returncode}): {result.stderr.strip()[-500:]}")
+    rows = read_jsonl(out / "metrics.jsonl")[WARMUP_STEPS:]
+    step_s = statistics.median(r["step_s"] for r in rows)
+    samples = 0
+    if (out / "monitor.csv").exists():
+        samples = len((out / "monitor.csv").read_text().splitlines()) - 1
+    return {"interval_s": interval, "steps_per_s": 1.0 / step_s, "median_step_s": step_s, "monitor_rows": samples}
+
+
+def sample_cost_s(repeats: int = 200) -> float:
+    with tempfile.TemporaryDirectory() as folder:
+        monitor = ResourceMonitor(Path(folder) / "monitor.csv", interval_s=3600, store_path=folder)
+        monitor.sample()
+        started = time.perf_counter()
+        for _ in range(repeats):
+            monitor.sample()
+        return (time.perf_counter() - started) / repeats
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="small")
+    parser.add_argument("--volume", type=int, default=48)
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--interval", type=float, default=1.0)
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args(argv)
+    console = Console(soft_wrap=True)
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="bigmem-bench-monitor-") as folder:
+        for repeat in range(args.repeats):
+            for interval in (args.interval, 0.0):
+                run = train_steps_per_s(args, interval, Path(folder) / f"r{repeat}-{interval:g}")
+                runs.append(run)
+                console.print(f"monitor {'on' if interval else 'off'}: {run['steps_per_s']:.2f} steps/s "
+                              f"({run['monitor_rows']} monitor rows)", style="dim")
+    on = statistics.median(r["steps_per_s"] for r in runs if r["interval_s"] > 0)
+    off = statistics.median(r["steps_per_s"] for r in runs if r["interval_s"] == 0)
+    cost = sample_cost_s()
+    table = Table(title=f"monitor overhead: bigmem train {args.model} {args.volume}^3, {args.steps} steps")
+    for column in ("monitor", "steps/s (median of runs)", "runs"):
+        table.add_column(column, justify="right")
+    table.add_row(f"every {args.interval:g} s", f"{on:.3f}", str(args.repeats))
+    table.add_row("off", f"{off:.3f}", str(args.repeats))
+    console.print(table)
+    overhead_pct = 100.0 * (off - on) / off
+    console.print(f"overhead: {overhead_pct:+.2f}% steps/s; one sample() costs {cost * 1e3:.2f} ms "
+                  f"({100 * cost / args.interval:.3f}% of one core at one sample per {args.interval:g} s)")
+    report = {"machine": {"host": socket.gethostname(), "cpu": cpu_model(), "tensorflow": tensorflow_version()},
+              "model": args.model, "volume": args.volume, "steps": args.steps, "runs": runs,
+              "steps_per_s_on": on, "steps_per_s_off": off, "overhead_pct": overhead_pct,
+              "sample_cost_s": cost}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"monitor-{socket.gethostname()}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    console.print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Resource monitoring during training and the reports drawn from it."""
