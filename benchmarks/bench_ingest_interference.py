@@ -23,6 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _results import write_results
+
 import numpy as np
 
 WARMUP_STEPS = 5
@@ -100,12 +102,8 @@ def main(argv=None) -> int:
         r["slowdown_pct"] = 100 * (r["step_s"] / base - 1)
         table.add_row(r["condition"], f"{r['step_s']:.3f}", f"{r['slowdown_pct']:+.0f}%")
     console.print(table)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"ingest-{socket.gethostname()}-{time.strftime('%Y%m%d-%H%M%S')}.json"
     report = {"machine": socket.gethostname(), "cpus": os.cpu_count(), "rows": rows}
-    path.write_text(json.dumps(report, indent=2) + "\n")
-    console.print(f"wrote {path}")
+    write_results("ingest", report, args.out, console)
     subprocess.run(["rm", "-rf", str(tmp)], check=False)
     return 0
 

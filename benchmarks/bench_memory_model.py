@@ -12,12 +12,10 @@ stays under the budget. Prints a table and writes JSON keyed by machine (never r
 from __future__ import annotations
 
 import argparse
-import json
 import socket
 import sys
-import time
-from pathlib import Path
 
+from _results import write_results
 from rich.console import Console
 from rich.table import Table
 
@@ -70,11 +68,7 @@ def main(argv: list[str] | None = None) -> int:
               "worst_error_pct": worst["error_pct"]}
     if args.budget:
         report["budget_check"] = budget_check(args, console)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"memory_model-{socket.gethostname()}-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps(report, indent=2) + "\n")
-    console.print(f"wrote {path}")
+    write_results("memory_model", report, args.out, console)
     return 0
 
 

@@ -12,7 +12,6 @@ writes JSON keyed by machine (never run by pytest).
 from __future__ import annotations
 
 import argparse
-import json
 import socket
 import statistics
 import subprocess
@@ -21,6 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from _results import write_results
 from rich.console import Console
 from rich.table import Table
 
@@ -90,11 +90,7 @@ def main(argv: list[str] | None = None) -> int:
               "model": args.model, "volume": args.volume, "steps": args.steps, "runs": runs,
               "steps_per_s_on": on, "steps_per_s_off": off, "overhead_pct": overhead_pct,
               "sample_cost_s": cost}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"monitor-{socket.gethostname()}-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps(report, indent=2) + "\n")
-    console.print(f"wrote {path}")
+    write_results("monitor", report, args.out, console)
     return 0
 
 

@@ -22,6 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _results import write_results
+
 REPEATS = 5
 
 
@@ -103,12 +105,8 @@ def main(argv=None) -> int:
                       f"{r['copy_bytes_per_s'] / 1e9:.2f}", f"{r['step_s']:.3f}",
                       f"{r['step_spread'][0]:.3f}-{r['step_spread'][1]:.3f}")
     console.print(table)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"numa-{socket.gethostname()}-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps({"machine": {"host": socket.gethostname(), "topology": topology.to_dict()},
-                                "model": args.model, "volume": args.volume, "rows": rows}, indent=2) + "\n")
-    console.print(f"wrote {path}")
+    write_results("numa", {"machine": {"host": socket.gethostname(), "topology": topology.to_dict()},
+                           "model": args.model, "volume": args.volume, "rows": rows}, args.out, console)
     return 0
 
 

@@ -12,7 +12,6 @@ passes with the spread; prints a table and writes JSON keyed by machine (never r
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import socket
 import statistics
@@ -20,6 +19,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from _results import write_results
 
 import numpy as np
 
@@ -131,12 +132,8 @@ def main(argv=None) -> int:
     for d in delivered:
         what = f"{d['patch']}^3 patches" if d["patch"] else f"whole {args.volume}^3 volumes"
         console.print(f"delivered: {d['samples_per_s']:.1f} samples/s of {what} with {d['workers']} reader processes")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"pipeline-{socket.gethostname()}-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps({"machine": socket.gethostname(), "cases": args.cases, "volume": args.volume,
-                                "reads": results, "delivered": delivered}, indent=2) + "\n")
-    console.print(f"wrote {path}")
+    write_results("pipeline", {"machine": socket.gethostname(), "cases": args.cases, "volume": args.volume,
+                               "reads": results, "delivered": delivered}, args.out, console)
     for p in (*stores.values(), raw):
         p.unlink()
     tmp.rmdir()

@@ -35,6 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from _results import write_results
 from rich.console import Console
 from rich.table import Table
 
@@ -319,11 +320,7 @@ def main(argv: list[str] | None = None) -> int:
               + [{"what": "matmul", "precision": k[0], "gflops": v.get("gflops")}
                  for k, v in ceilings.items() if len(k) == 2],
               "rows": rows, "scaling": scaling}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"train-{socket.gethostname()}-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps(report, indent=2) + "\n")
-    console.print(f"wrote {path}")
+    write_results("train", report, args.out, console)
     return 0
 
 

@@ -34,6 +34,7 @@ class RunData:
     summary: dict | None = None
     plan: dict | None = None
     config: dict | None = None
+    monitor_info: dict | None = None  # monitor.json: the disk device and nodes the columns describe
 
     @property
     def finished(self) -> bool:
@@ -85,7 +86,7 @@ def read_run(path: str | os.PathLike) -> RunData:
             raise DataError(f"Cannot report on {str(path)!r}: {name} is not valid JSON.") from None
 
     return RunData(run.path, run.path.name or str(run.path), metrics, monitor, load("summary.json"),
-                   load("plan.json"), load("config.json"))
+                   load("plan.json"), load("config.json"), load("monitor.json"))
 
 
 def _max(values: list[float]) -> float | None:
@@ -128,6 +129,7 @@ def summarise(run: RunData) -> dict:
         "peak_page_cache_bytes": _max(run.column("page_cache_bytes")),
         "node_peak_used_bytes": {c[:-len("_used_bytes")]: _max(run.column(c)) for c in run.node_columns},
         "monitor_samples": len(run.column("time_s")),
+        "disk_device": (run.monitor_info or {}).get("disk_device"),
     }
 
 
@@ -248,6 +250,7 @@ def markdown(summaries: list[dict], plots: dict[str, Path]) -> str:
     row("peak / plan", lambda s: _num(s["peak_vs_plan"], ".2f", "x"))
     row("CPU mean / peak", lambda s: f"{_num(s['mean_cpu_percent'], '.0f', '%')} / "
                                      f"{_num(s['peak_cpu_percent'], '.0f', '%')}")
+    row("disk device", lambda s: s["disk_device"] or "-")
     row("disk read mean / peak", lambda s: f"{_rate(s['mean_disk_read_bytes_per_s'])} / "
                                            f"{_rate(s['peak_disk_read_bytes_per_s'])}")
     row("disk write mean / peak", lambda s: f"{_rate(s['mean_disk_write_bytes_per_s'])} / "

@@ -7,7 +7,8 @@ where an NVIDIA driver is present, each GPU's utilisation and memory (``nvidia-s
 
 Every source is a small /proc or /sys read (psutil), so a sample costs well under a
 millisecond on the training process; ``nvidia-smi`` is a subprocess, run only when GPUs exist.
-Rows are flushed as they are written, so ``bigmem report`` can read a running run.
+Rows are flushed as they are written, so ``bigmem report`` can read a running run. Beside the
+CSV, monitor.json says which disk device and NUMA nodes the columns describe.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import psutil
 
 from bigmem.memory.procfs import status_bytes
 from bigmem.numa.topology import NUMATopology
+from bigmem.rundir import atomic_write_json
 
 BASE_COLUMNS = ("time_s", "cpu_percent", "num_threads", "rss_bytes", "peak_rss_bytes", "page_cache_bytes",
                 "disk_read_bytes_per_s", "disk_write_bytes_per_s")
@@ -166,8 +168,14 @@ class ResourceMonitor:
 
     # ---- the thread ------------------------------------------------------------------------------
 
+    def describe(self) -> dict:
+        """What the columns measure here (written beside the CSV as monitor.json)."""
+        return {"interval_s": self.interval_s, "disk_device": self.device or "all disks (the store has no block "
+                "device of its own)", "numa_nodes": self.nodes, "num_gpus": self.num_gpus, "columns": self.columns}
+
     def _open(self) -> None:
         self.csv_path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(self.csv_path.with_suffix(".json"), self.describe())
         same_columns, previous = _existing(self.csv_path, self.columns)
         if self.csv_path.exists() and not same_columns:  # written with other columns: keep it aside
             self.csv_path.replace(self.csv_path.with_suffix(".previous.csv"))

@@ -74,6 +74,7 @@ def test_monitor_csv_and_report(trained, capsys):
     assert only["predicted_peak_bytes"] == plan["predicted_peak_bytes"]
     markdown = (folder / "report.md").read_text()
     assert "input stall share" in markdown and "peak / plan" in markdown and "![memory](memory.png)" in markdown
+    assert only["disk_device"] == json.loads((run / "monitor.json").read_text())["disk_device"]
     assert f"{run}: finished, 8 steps" in out
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 import os
 import time
 
@@ -37,6 +38,10 @@ def test_writes_the_columns_with_sane_values(tmp_path, two_nodes):
         _busy(0.4)
     rows = _rows(csv_path)
     assert monitor.samples == len(rows) >= 5
+    info = json.loads((tmp_path / "run" / "monitor.json").read_text())
+    assert info["numa_nodes"] == [0, 1] and info["num_gpus"] == 0 and info["columns"] == list(rows[0])
+    # The fake sysfs root has no /sys/dev/block: the monitor falls back to all disks and says so.
+    assert info["disk_device"] == "all disks (the store has no block device of its own)"
     assert list(rows[0]) == [*BASE_COLUMNS, "node0_used_bytes", "node1_used_bytes"]  # no GPU columns
     times = [float(r["time_s"]) for r in rows]
     assert times == sorted(times) and times[0] == 0.0
