@@ -78,8 +78,10 @@ def test_get_config_round_trip(overrides):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "mixed_bfloat16"])
-def test_keras_file_round_trip(tmp_path, dtype):
-    model = UNet3D(resolve_config("tiny", {"model": {"residual": True, "norm": "batch"}}).model, dtype=dtype)
+@pytest.mark.parametrize("overrides", [{"residual": True, "norm": "batch"}, {"base_filters": 16}], ids=str)
+def test_keras_file_round_trip(tmp_path, dtype, overrides):
+    """Residual batch-norm blocks; and two-input skip convolutions with the fused instance norm."""
+    model = UNet3D(resolve_config("tiny", {"model": overrides}).model, dtype=dtype)
     model.build_for()
     x = np.random.default_rng(2).normal(size=(1, 8, 8, 8, 1)).astype(np.float32)
     expected = np.asarray(model(x))
@@ -94,7 +96,8 @@ def test_blocks_round_trip_their_config():
     for block in (ConvNormAct(4, strides=2, norm="group", groups=2, activation="leaky_relu", use_bias=True),
                   ResidualBlock(4, in_filters=2, strides=2),
                   EncoderStage(4, in_filters=2, downsampling="maxpool", residual=True),
-                  DecoderStage(4, in_filters=8, num_blocks=1)):
+                  DecoderStage(4, in_filters=8, num_blocks=1), DecoderStage(16, in_filters=32, num_blocks=1),
+                  ConvNormAct(16, num_inputs=2, stock_layers=True)):
         again = type(block).from_config(block.get_config())
         assert again.get_config() == block.get_config()
 
