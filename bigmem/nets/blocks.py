@@ -136,8 +136,8 @@ class ConvNormAct(_Block):
     With ``num_inputs=2`` the block takes ``[x, skip]`` and convolves each with its own kernel
     and adds the results: the same function as one convolution of their concatenation (whose
     kernel is the two stacked), without the concatenated copy, and faster on CPU (oneDNN's
-    weight gradient for 2C -> C channels runs at ~300 GFLOP/s where two C -> C run at ~420 on
-    the dev machine; benchmarks/bench_train.py).
+    weight gradient for 2C -> C channels runs at ~300 GFLOP/s where two C -> C run at ~420,
+    timed alone on the dev machine; see SPLIT_SKIP_MIN_FILTERS for where it pays).
     """
 
     def __init__(self, filters: int, *, zero_init_scale: bool = False, num_inputs: int = 1, **kwargs):
