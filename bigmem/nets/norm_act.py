@@ -105,9 +105,16 @@ def instance_norm_activation(x, gamma, beta, *, epsilon: float, activation: str,
     its variance output (Bessel-corrected, for moving averages) is not used.
     """
     samples = tf.split(x, x.shape[0]) if x.shape[0] > 1 else [x]
-    normalised = [tf.compat.v1.nn.fused_batch_norm(sample, gamma, beta, epsilon=epsilon, is_training=True,
-                                                   data_format="NDHWC")[0] for sample in samples]
+    shape = tf.shape(x)
+    # (1, D, H*W, C) in NHWC: the same per-channel statistics over space, and a 4-D
+    # FusedBatchNormV3, which TF's oneDNN graph pass rewrites to oneDNN's batch normalisation
+    # (it leaves the 5-D form on the generic Eigen kernel, ~2.7x slower forward+backward).
+    as_4d = tf.stack([1, shape[1], -1, x.shape[-1]])
+    normalised = [tf.compat.v1.nn.fused_batch_norm(tf.reshape(sample, as_4d), gamma, beta, epsilon=epsilon,
+                                                   is_training=True, data_format="NHWC")[0]
+                  for sample in samples]
     y = normalised[0] if len(normalised) == 1 else tf.concat(normalised, axis=0)
+    y = tf.reshape(y, shape)
     if activation == "relu":
         return tf.nn.relu(y)
     if activation == "leaky_relu":

@@ -31,17 +31,23 @@ def _assert_close(got, want, tol, allowed_fraction):
     assert outside.mean() <= allowed_fraction, (outside.sum(), outside.size)
 
 
-def _run(layer_fn, x, weights, variables):
-    with tf.GradientTape() as tape:
-        tape.watch(x)
-        y = layer_fn(x)
-        loss = tf.reduce_sum(tf.cast(y, tf.float32) * weights)
-    return y, tape.gradient(loss, [x, *variables])
+def _run(layer_fn, x, weights, variables, graph=False):
+    def forward_backward(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = layer_fn(x)
+            loss = tf.reduce_sum(tf.cast(y, tf.float32) * weights)
+        return y, tape.gradient(loss, [x, *variables])
+    # In a tf.function TF's graph passes may swap kernels (oneDNN's batch norm for the 4-D
+    # FusedBatchNormV3), so both execution modes are checked.
+    return tf.function(forward_backward)(x) if graph else forward_backward(x)
 
 
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf.function"])
 @pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
-@pytest.mark.parametrize("groups, activation", [(-1, "relu"), (2, "leaky_relu"), (-1, "linear"), (4, "relu")])
-def test_matches_keras_group_norm(policy, groups, activation):
+@pytest.mark.parametrize("groups, activation", [(-1, "relu"), (2, "leaky_relu"), (-1, "linear"), (4, "relu"),
+                                                (-1, "leaky_relu")])
+def test_matches_keras_group_norm(policy, groups, activation, graph):
     rng = np.random.default_rng(0)
     x = tf.constant(rng.normal(1.0, 3.0, (2, 5, 6, 7, 4)).astype(np.float32))
     weights = tf.constant(rng.normal(size=x.shape).astype(np.float32))
@@ -57,7 +63,7 @@ def test_matches_keras_group_norm(policy, groups, activation):
         layer.beta.assign(beta)
     if activation != "linear":
         weights = weights * tf.cast(tf.abs(norm(x)) > KINK_BAND, tf.float32)
-    y_fused, g_fused = _run(fused, x, weights, [fused.gamma, fused.beta])
+    y_fused, g_fused = _run(fused, x, weights, [fused.gamma, fused.beta], graph)
     y_ref, g_ref = _run(lambda t: act(norm(t)), x, weights, [norm.gamma, norm.beta])
     assert y_fused.dtype == ("bfloat16" if policy == "mixed_bfloat16" else "float32")
     tol, kink = TOLERANCE[policy], KINK_FRACTION[policy]
