@@ -72,11 +72,11 @@ def total_steps_for(config: ExperimentConfig, steps_per_epoch: int) -> int:
 
 
 def make_optimizer(config: ExperimentConfig, schedule):
-    import keras
+    from bigmem.train.optimizers import FusedAdam, FusedSGD
 
     if config.train.optimizer is OptimizerName.SGD:
-        return keras.optimizers.SGD(learning_rate=schedule, momentum=config.train.momentum, nesterov=True)
-    return keras.optimizers.Adam(learning_rate=schedule)
+        return FusedSGD(learning_rate=schedule, momentum=config.train.momentum, nesterov=True)
+    return FusedAdam(learning_rate=schedule)
 
 
 def make_train_step(model, optimizer):

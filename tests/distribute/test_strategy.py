@@ -19,10 +19,11 @@ replicas = mirrored(simulate_replicas=int(sys.argv[1]))
 import keras, numpy as np, tensorflow as tf
 from bigmem.config import resolve_config
 from bigmem.nets.unet3d import UNet3D
+from bigmem.train.optimizers import FusedSGD
 keras.utils.set_random_seed(0)
 with replicas.strategy.scope():
     model = UNet3D(resolve_config("tiny").model).build_for()
-    optimizer = keras.optimizers.SGD(0.05, momentum=0.9)
+    optimizer = FusedSGD(0.05, momentum=0.9)  # bigmem's optimizer; Keras's ops under a strategy
     optimizer.build(model.trainable_variables)
 rng = np.random.default_rng(0)
 images = rng.normal(size=(4, 16, 16, 16, 1)).astype(np.float32)
