@@ -14,6 +14,7 @@ from typing import Sequence
 import keras
 
 from bigmem.config.options import Activation, Downsampling, Norm
+from bigmem.nets.conv import Conv3D
 from bigmem.nets.norm_act import NormActivation
 
 Shape3D = Sequence[int]
@@ -103,9 +104,11 @@ class _Block(keras.layers.Layer):
         return make_norm(self.norm, self.groups, zero_init=zero_init, dtype=self.dtype_policy, name=name,
                          activation=activation, fused=not self.stock_layers)
 
-    def _conv(self, kernel_size: int, strides: int, name: str):
-        return keras.layers.Conv3D(
-            self.filters, kernel_size, strides=strides, padding="same", use_bias=self.use_bias,
+    def _conv(self, kernel_size: int, strides: int, name: str, *, use_bias: bool | None = None):
+        layer = keras.layers.Conv3D if self.stock_layers else Conv3D
+        return layer(
+            self.filters, kernel_size, strides=strides, padding="same",
+            use_bias=self.use_bias if use_bias is None else use_bias,
             kernel_initializer="he_normal", dtype=self.dtype_policy, name=name,
         )
 
@@ -148,9 +151,7 @@ class ConvNormAct(_Block):
             raise ValueError(f"num_inputs must be 1 or 2, got {num_inputs}")
         self.conv = self._conv(3, self.strides, "conv")
         # The second input's kernel; a bias, when used, belongs to the first convolution only.
-        self.conv_skip = (keras.layers.Conv3D(self.filters, 3, strides=self.strides, padding="same", use_bias=False,
-                                              kernel_initializer="he_normal", dtype=self.dtype_policy,
-                                              name="conv_skip")
+        self.conv_skip = (self._conv(3, self.strides, "conv_skip", use_bias=False)
                           if self.num_inputs == 2 else None)
         fused = fuses_activation(self.norm, not self.stock_layers)
         self.norm_layer = self._norm(zero_init=self.zero_init_scale, name="norm",
