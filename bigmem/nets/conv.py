@@ -1,19 +1,35 @@
-"""Conv3D whose bfloat16 weight gradient is computed plane by plane where that is faster.
+"""Conv3D whose weight gradient is computed plane by plane where that is faster.
 
-oneDNN has no brgemm kernel for the bfloat16 weight gradient without AMX; its generic kernel
-(``jit_bf16``) slows down as the volume grows. For a 3x3x3, stride-1, "same" convolution the
-weight gradient splits along depth into three 2-D weight gradients, one per depth tap ``kd``,
-over the stack of depth planes as a batch:
+oneDNN's 3-D weight-gradient kernels are its weakest without AMX: the bfloat16 one has no
+brgemm version and slows down as the volume grows, and the stride-2 ones (fp32 and bf16) run at
+a fraction of the forward pass's rate. For a 3x3x3 "same" convolution the weight gradient
+splits along depth into three 2-D weight gradients, one per depth tap ``kd``, over stacks of
+depth planes as the batch:
 
-    dW[kd] = sum_d conv2d_weight_grad(x[d + kd - 1], dy[d])
+- stride 1: ``dW[kd] = sum_d conv2d_weight_grad(x[d + kd - 1], dy[d])``; for kd = 0 the output
+  planes 1..D-1 read input planes 0..D-2, for kd = 2 the planes 0..D-2 read 1..D-1 (the zero
+  padding contributes nothing). Each stack is a range of whole planes, taken without a copy.
+- stride 2 (even sizes, which TF pads by one plane after): ``dW[kd] = sum_d
+  conv2d_weight_grad_stride2(x[2d + kd], dy[d])``: kd = 0 reads the even planes, kd = 1 the odd
+  ones, kd = 2 the even planes from the second on against the output planes but the last. The
+  even and odd plane stacks are copies, made one after the other (half the input each).
 
-(for kd = 0 the planes d = 1..D-1 read x[0..D-2]; for kd = 2 the planes d = 0..D-2 read
-x[1..D-1]; zero padding in depth contributes nothing). Each plane stack is a contiguous slice
-without a copy. Timed alone on the dev machine (2 cores, avx512_bf16, TF 2.21), the split
-runs 213 -> 174 ms at 128^3 x 32 channels, 92 -> 74 ms at 96^3 x 32, 97 -> 83 ms at 64^3 x 64,
-gains nothing clear from 128 input channels on (39 -> 37 ms at 32^3 x 128) and is slower in
-float32 (108 -> 127 ms at 96^3 x 32); so it is used for bfloat16 with at most
-``PLANEWISE_MAX_IN_CHANNELS`` input channels. Forward and input gradient are TF's own kernels either way.
+Timed alone on the dev machine (2 cores, avx512_bf16, TF 2.21), weight gradient only:
+
+| conv                     | fp32 oneDNN -> planes | bf16 oneDNN -> planes |
+|--------------------------|-----------------------|-----------------------|
+| 128^3, 32 -> 32, stride 1| 298 -> 338 ms         | 213 -> 174 ms         |
+| 96^3, 32 -> 32, stride 1 | 108 -> 127            | 92 -> 74              |
+| 64^3, 64 -> 64, stride 1 | 150 -> 157            | 97 -> 83              |
+| 32^3, 128 -> 128, str. 1 |                       | 39 -> 37              |
+| 128^3, 32 -> 64, stride 2| 117 -> 110            | 158 -> 74             |
+| 96^3, 32 -> 64, stride 2 | 51 -> 51              | 70 -> 33              |
+| 64^3, 64 -> 128, stride 2| 102 -> 50             | 51 -> 33              |
+| 32^3, 128 -> 256, str. 2 | 27 -> 24              | 17 -> 17              |
+
+So the planes are used for stride 2 in both precisions and for stride 1 under bfloat16, with
+at most ``PLANEWISE_MAX_IN_CHANNELS`` input channels. Forward and input gradient are TF's own
+kernels either way.
 """
 
 from __future__ import annotations
@@ -24,44 +40,59 @@ import tensorflow as tf
 PLANEWISE_MAX_IN_CHANNELS = 64
 
 
-def planewise_weight_grad(x: tf.Tensor, dy: tf.Tensor, kernel_shape) -> tf.Tensor:
-    """The weight gradient of a 3x3x3 stride-1 "same" conv3d, as three batched conv2d gradients.
+def _plane_stack(t: tf.Tensor) -> tf.Tensor:
+    """(B, D, H, W, C) -> (B*D, H, W, C)."""
+    return tf.reshape(t, tf.concat([[-1], tf.shape(t)[2:]], axis=0))
 
-    ``x`` and ``dy`` are viewed as stacks of planes, (B*D, H, W, C), and every slice taken is a
-    range of whole planes of one sample: TF's Slice returns such a range without copying it.
+
+def planewise_weight_grad(x: tf.Tensor, dy: tf.Tensor, kernel_shape, stride: int = 1) -> tf.Tensor:
+    """The weight gradient of a 3x3x3 "same" conv3d (stride 1 or 2), as three batched conv2d gradients.
+
+    Every slice taken is a range of whole planes of one sample, which TF's Slice returns without
+    copying. ``stride=2`` needs even depth, height and width.
     """
     batch, depth = x.shape[0], x.shape[1]
+    out_depth = depth // stride
     filter_sizes = tf.constant([3, 3, kernel_shape[3], kernel_shape[4]])
+    dy_planes = _plane_stack(dy)
 
-    def stack(t):
-        return tf.reshape(t, tf.concat([[-1], tf.shape(t)[2:]], axis=0))
+    def planes(stack, sample, start, stop):  # every stack holds out_depth planes per sample
+        return tf.slice(stack, tf.stack([sample * out_depth + start, 0, 0, 0]), tf.stack([stop - start, -1, -1, -1]))
 
-    x_planes, dy_planes = stack(x), stack(dy)
+    def grad_2d(source, x_start, x_stop, dy_start, dy_stop):
+        return tf.add_n([tf.raw_ops.Conv2DBackpropFilter(
+            input=planes(source, sample, x_start, x_stop), filter_sizes=filter_sizes,
+            out_backprop=planes(dy_planes, sample, dy_start, dy_stop), strides=[1, stride, stride, 1], padding="SAME")
+            for sample in range(batch)])
 
-    def planes(t, sample, start, stop):
-        return tf.slice(t, tf.stack([sample * depth + start, 0, 0, 0]), tf.stack([stop - start, -1, -1, -1]))
+    if stride == 1:
+        x_planes = _plane_stack(x)
+        # Depth tap kd pairs output plane d with input plane d + kd - 1.
+        return tf.stack([grad_2d(x_planes, 0, depth - 1, 1, depth), grad_2d(x_planes, 0, depth, 0, depth),
+                         grad_2d(x_planes, 1, depth, 0, depth - 1)])
+    # Depth tap kd pairs output plane d with input plane 2d + kd (plane D is padding): kd = 0 and 2
+    # read the even planes, kd = 1 the odd ones. The odd copy is made once the even one is used
+    # up, so only half the input is ever copied at once.
+    pairs = tf.reshape(x, tf.concat([[batch, out_depth, 2], tf.shape(x)[2:]], axis=0))
+    even = _plane_stack(pairs[:, :, 0])
+    tap0, tap2 = grad_2d(even, 0, out_depth, 0, out_depth), grad_2d(even, 1, out_depth, 0, out_depth - 1)
+    with tf.control_dependencies([tap0, tap2]):
+        odd = _plane_stack(pairs[:, :, 1])
+    return tf.stack([tap0, grad_2d(odd, 0, out_depth, 0, out_depth), tap2])
 
-    def grad_2d(sample, x_range, dy_range):
-        return tf.raw_ops.Conv2DBackpropFilter(input=planes(x_planes, sample, *x_range), filter_sizes=filter_sizes,
-                                               out_backprop=planes(dy_planes, sample, *dy_range),
-                                               strides=[1, 1, 1, 1], padding="SAME")
 
-    # Depth tap kd pairs output plane d with input plane d + kd - 1.
-    taps = ((0, depth - 1), (1, depth)), ((0, depth), (0, depth)), ((1, depth), (0, depth - 1))
-    return tf.stack([tf.add_n([grad_2d(sample, *tap) for sample in range(batch)]) for tap in taps])
-
-
-def conv3d_planewise_grad(x: tf.Tensor, kernel: tf.Tensor) -> tf.Tensor:
-    """tf.nn.conv3d(x, kernel, stride 1, "SAME") with the weight gradient of planewise_weight_grad."""
+def conv3d_planewise_grad(x: tf.Tensor, kernel: tf.Tensor, stride: int = 1) -> tf.Tensor:
+    """tf.nn.conv3d(x, kernel, stride, "SAME") with the weight gradient of planewise_weight_grad."""
+    strides = [1, stride, stride, stride, 1]
 
     @tf.custom_gradient
     def conv(x, kernel):
-        y = tf.nn.conv3d(x, kernel, strides=[1, 1, 1, 1, 1], padding="SAME")
+        y = tf.nn.conv3d(x, kernel, strides=strides, padding="SAME")
 
         def grad(dy):
             dx = tf.raw_ops.Conv3DBackpropInputV2(input_sizes=tf.shape(x), filter=kernel, out_backprop=dy,
-                                                  strides=[1, 1, 1, 1, 1], padding="SAME")
-            return dx, planewise_weight_grad(x, dy, kernel.shape)
+                                                  strides=strides, padding="SAME")
+            return dx, planewise_weight_grad(x, dy, kernel.shape, stride)
 
         return y, grad
 
@@ -70,18 +101,22 @@ def conv3d_planewise_grad(x: tf.Tensor, kernel: tf.Tensor) -> tf.Tensor:
 
 @keras.saving.register_keras_serializable(package="bigmem")
 class Conv3D(keras.layers.Conv3D):
-    """``keras.layers.Conv3D`` (channels last), with the planewise bfloat16 weight gradient where it pays."""
+    """``keras.layers.Conv3D`` (channels last), with the planewise weight gradient where it pays."""
 
     def _planewise(self, inputs, kernel) -> bool:
-        return (inputs.dtype == tf.bfloat16 and tuple(self.kernel_size) == (3, 3, 3)
-                and tuple(self.strides) == (1, 1, 1) and tuple(self.dilation_rate) == (1, 1, 1)
+        strides = tuple(self.strides)
+        shape = inputs.shape
+        if not (tuple(self.kernel_size) == (3, 3, 3) and tuple(self.dilation_rate) == (1, 1, 1)
                 and self.padding == "same" and self.groups == 1 and self.data_format == "channels_last"
-                and inputs.shape.rank == 5 and inputs.shape[0] is not None and inputs.shape[1] is not None
-                and inputs.shape[1] >= 2
-                and kernel.shape[3] <= PLANEWISE_MAX_IN_CHANNELS)
+                and shape.rank == 5 and None not in shape and shape[-1] <= PLANEWISE_MAX_IN_CHANNELS):
+            return False
+        if strides == (1, 1, 1):
+            return inputs.dtype == tf.bfloat16 and shape[1] >= 2
+        return strides == (2, 2, 2) and all(size % 2 == 0 and size >= 4 for size in shape[1:4])
 
     def convolution_op(self, inputs, kernel):
         if self._planewise(inputs, kernel):
-            # The kernel variable reads as float32 outside Keras's autocast; the conv runs in bf16.
-            return conv3d_planewise_grad(inputs, tf.cast(tf.convert_to_tensor(kernel), inputs.dtype))
+            # The kernel variable reads as float32 outside Keras's autocast; the conv runs in the input's dtype.
+            return conv3d_planewise_grad(inputs, tf.cast(tf.convert_to_tensor(kernel), inputs.dtype),
+                                         self.strides[0])
         return super().convolution_op(inputs, kernel)
