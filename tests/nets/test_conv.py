@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from bigmem.nets.conv import PLANEWISE_MAX_IN_CHANNELS, Conv3D, planewise_weight_grad
+from bigmem.nets.conv import PLANEWISE_MAX_IN_CHANNELS, PLANEWISE_MIN_IN_CHANNELS, Conv3D, planewise_weight_grad
 
 
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf.function"])
@@ -36,10 +36,14 @@ def _grads(layer, x):
     return y, tape.gradient(loss, [x, layer.kernel])
 
 
+LOW_1, LOW_2 = PLANEWISE_MIN_IN_CHANNELS[1], PLANEWISE_MIN_IN_CHANNELS[2]
+
+
 @pytest.mark.parametrize("policy, strides, in_channels, planewise", [
-    ("mixed_bfloat16", 1, 4, True), ("mixed_bfloat16", 1, PLANEWISE_MAX_IN_CHANNELS + 1, False),
-    ("mixed_bfloat16", 2, 4, True), ("float32", 2, 4, True), ("float32", 1, 4, False),
-    ("float32", 2, PLANEWISE_MAX_IN_CHANNELS + 1, False)])
+    ("mixed_bfloat16", 1, LOW_1, True), ("mixed_bfloat16", 1, LOW_1 - 1, False),
+    ("mixed_bfloat16", 1, PLANEWISE_MAX_IN_CHANNELS + 1, False),
+    ("mixed_bfloat16", 2, LOW_2, True), ("float32", 2, LOW_2, True), ("float32", 2, LOW_2 - 1, False),
+    ("float32", 1, LOW_1, False), ("float32", 2, PLANEWISE_MAX_IN_CHANNELS + 1, False)])
 def test_layer_matches_keras_conv3d(policy, strides, in_channels, planewise):
     rng = np.random.default_rng(1)
     x = tf.constant(rng.normal(size=(2, 6, 4, 8, in_channels)).astype(np.float32))
@@ -60,7 +64,7 @@ def test_layer_matches_keras_conv3d(policy, strides, in_channels, planewise):
 
 def test_odd_or_tiny_strided_inputs_use_tf_kernels():
     layer = Conv3D(2, 3, strides=2, padding="same")
-    layer.build((1, 6, 6, 6, 2))
-    assert layer._planewise(tf.zeros((1, 6, 6, 6, 2)), layer.kernel)
-    assert not layer._planewise(tf.zeros((1, 5, 6, 6, 2)), layer.kernel)  # TF pads odd sizes differently
-    assert not layer._planewise(tf.zeros((1, 2, 6, 6, 2)), layer.kernel)  # one output plane
+    layer.build((1, 6, 6, 6, LOW_2))
+    assert layer._planewise(tf.zeros((1, 6, 6, 6, LOW_2)), layer.kernel)
+    assert not layer._planewise(tf.zeros((1, 5, 6, 6, LOW_2)), layer.kernel)  # TF pads odd sizes differently
+    assert not layer._planewise(tf.zeros((1, 2, 6, 6, LOW_2)), layer.kernel)  # one output plane

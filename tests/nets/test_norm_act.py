@@ -43,16 +43,18 @@ def _run(layer_fn, x, weights, variables, graph=False):
     return tf.function(forward_backward)(x) if graph else forward_backward(x)
 
 
+# 4 channels: group norm, and instance norm on the 5-D kernel; 16: instance norm on oneDNN's 4-D kernel.
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf.function"])
 @pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
-@pytest.mark.parametrize("groups, activation", [(-1, "relu"), (2, "leaky_relu"), (-1, "linear"), (4, "relu"),
-                                                (-1, "leaky_relu")])
-def test_matches_keras_group_norm(policy, groups, activation, graph):
+@pytest.mark.parametrize("groups, activation, channels", [
+    (-1, "relu", 4), (2, "leaky_relu", 4), (-1, "linear", 4), (4, "relu", 4), (-1, "leaky_relu", 4),
+    (-1, "relu", 16), (-1, "leaky_relu", 16), (-1, "linear", 16)])
+def test_matches_keras_group_norm(policy, groups, activation, channels, graph):
     rng = np.random.default_rng(0)
-    x = tf.constant(rng.normal(1.0, 3.0, (2, 5, 6, 7, 4)).astype(np.float32))
+    x = tf.constant(rng.normal(1.0, 3.0, (2, 5, 6, 7, channels)).astype(np.float32))
     weights = tf.constant(rng.normal(size=x.shape).astype(np.float32))
-    gamma = rng.uniform(0.5, 1.5, 4).astype(np.float32)
-    beta = rng.uniform(-0.5, 0.5, 4).astype(np.float32)
+    gamma = rng.uniform(0.5, 1.5, channels).astype(np.float32)
+    beta = rng.uniform(-0.5, 0.5, channels).astype(np.float32)
     fused = NormActivation(groups=groups, activation=activation, dtype=policy)
     # The reference is Keras's float32 math: under bf16 the fused layer must approximate it to bf16 precision.
     norm = keras.layers.GroupNormalization(groups=groups, epsilon=1e-5, dtype="float32")
