@@ -350,15 +350,9 @@ def _scaling(args, rows, common, note) -> dict:
             continue
         done = [r for r in rows if (r["preset"], r["volume"], r["path"], r["precision"])
                 == (preset, volume, "bigmem", "fp32") and "error" not in r]
-        if done:
-            median_s = done[0]["median_s"]
-        else:
-            config = resolve_config(preset, {"data": {"volume": volume}, "train": {"batch_size": 1, "lr": BENCH_LR}})
-            result = run_child({"kind": "bigmem", "precision": "fp32", "config": config.to_dict(), **common})
-            if "error" in result:
-                note(f"scaling {preset} {volume}^3: FAILED {result['error']}")
-                continue
-            median_s = statistics.median(result["step_s"])
+        median_s = done[0]["median_s"] if done else _bigmem_fp32_median(preset, volume, 1, common, note)
+        if median_s is None:
+            continue
         points.append({"volume": volume, "median_s": median_s, "s_per_mvoxel": median_s / volume**3 * 1e6})
         note(f"scaling {preset} {volume}^3: {median_s:.3f} s/step, {points[-1]['s_per_mvoxel']:.3f} s per Mvoxel")
     reference = statistics.median(p["s_per_mvoxel"] for p in points) if points else None
@@ -368,6 +362,16 @@ def _scaling(args, rows, common, note) -> dict:
     batched = _batched_point(preset, points, reference, common, note) if len(points) >= 2 else None
     return {"preset": preset, "points": points, "worst_deviation_pct": None if worst is None else 100 * worst,
             "batched": batched}
+
+
+def _bigmem_fp32_median(preset: str, volume: int, batch: int, common: dict, note) -> float | None:
+    """bigmem's median fp32 step time for ``preset`` at ``volume``^3 and ``batch`` (None if the child failed)."""
+    config = resolve_config(preset, {"data": {"volume": volume}, "train": {"batch_size": batch, "lr": BENCH_LR}})
+    result = run_child({"kind": "bigmem", "precision": "fp32", "config": config.to_dict(), **common})
+    if "error" in result:
+        note(f"scaling {preset} {volume}^3 x batch {batch}: FAILED {result['error']}")
+        return None
+    return statistics.median(result["step_s"])
 
 
 def _batched_point(preset: str, points: list[dict], reference: float, common: dict, note) -> dict | None:
@@ -382,13 +386,9 @@ def _batched_point(preset: str, points: list[dict], reference: float, common: di
     batch = round((following / smallest) ** 3)
     if batch < 2 or batch * smallest**3 != following**3:
         return None
-    config = resolve_config(preset, {"data": {"volume": smallest},
-                                     "train": {"batch_size": batch, "lr": BENCH_LR}})
-    result = run_child({"kind": "bigmem", "precision": "fp32", "config": config.to_dict(), **common})
-    if "error" in result:
-        note(f"scaling {preset} {smallest}^3 x {batch}: FAILED {result['error']}")
+    median_s = _bigmem_fp32_median(preset, smallest, batch, common, note)
+    if median_s is None:
         return None
-    median_s = statistics.median(result["step_s"])
     s_per_mvoxel = median_s / (batch * smallest**3) * 1e6
     note(f"scaling {preset} {smallest}^3 x batch {batch}: {median_s:.3f} s/step, {s_per_mvoxel:.3f} s per Mvoxel")
     return {"volume": smallest, "batch_size": batch, "median_s": median_s, "s_per_mvoxel": s_per_mvoxel,
