@@ -108,7 +108,7 @@ def conv3d_planewise_grad(x: tf.Tensor, kernel: tf.Tensor, stride: int = 1) -> t
 class Conv3D(keras.layers.Conv3D):
     """``keras.layers.Conv3D`` (channels last), with the planewise weight gradient where it pays."""
 
-    def _planewise(self, inputs, kernel) -> bool:
+    def _planewise(self, inputs) -> bool:
         strides = tuple(self.strides)
         shape = inputs.shape
         if not (tuple(self.kernel_size) == (3, 3, 3) and tuple(self.dilation_rate) == (1, 1, 1)
@@ -121,7 +121,7 @@ class Conv3D(keras.layers.Conv3D):
                 and shape[-1] >= PLANEWISE_MIN_IN_CHANNELS[2])
 
     def convolution_op(self, inputs, kernel):
-        if self._planewise(inputs, kernel):
+        if self._planewise(inputs):
             # The kernel variable reads as float32 outside Keras's autocast; the conv runs in the input's dtype.
             return conv3d_planewise_grad(inputs, tf.cast(tf.convert_to_tensor(kernel), inputs.dtype),
                                          self.strides[0])

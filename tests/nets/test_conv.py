@@ -52,7 +52,7 @@ def test_layer_matches_keras_conv3d(policy, strides, in_channels, planewise):
     for layer in (ours, stock):
         layer.build(x.shape)
     stock.kernel.assign(ours.kernel)
-    assert ours._planewise(tf.cast(x, ours.compute_dtype), ours.kernel) is planewise
+    assert ours._planewise(tf.cast(x, ours.compute_dtype)) is planewise
     (y, (dx, dw)), (y_ref, (dx_ref, dw_ref)) = _grads(ours, x), _grads(stock, x)
     assert y.dtype == ours.compute_dtype and dw.dtype == tf.float32
     # bf16 keeps 8 bits of mantissa; the kernel gradient sums over the volume in bf16 kernels.
@@ -65,6 +65,6 @@ def test_layer_matches_keras_conv3d(policy, strides, in_channels, planewise):
 def test_odd_or_tiny_strided_inputs_use_tf_kernels():
     layer = Conv3D(2, 3, strides=2, padding="same")
     layer.build((1, 6, 6, 6, LOW_2))
-    assert layer._planewise(tf.zeros((1, 6, 6, 6, LOW_2)), layer.kernel)
-    assert not layer._planewise(tf.zeros((1, 5, 6, 6, LOW_2)), layer.kernel)  # TF pads odd sizes differently
-    assert not layer._planewise(tf.zeros((1, 2, 6, 6, LOW_2)), layer.kernel)  # one output plane
+    assert layer._planewise(tf.zeros((1, 6, 6, 6, LOW_2)))
+    assert not layer._planewise(tf.zeros((1, 5, 6, 6, LOW_2)))  # TF pads odd sizes differently
+    assert not layer._planewise(tf.zeros((1, 2, 6, 6, LOW_2)))  # one output plane
