@@ -28,7 +28,7 @@ from bigmem.errors import BigmemError
 from bigmem.memory.calibration import cpu_model, tensorflow_version
 from bigmem.memory.measure import measure
 from bigmem.memory.planner import available_memory_bytes, make_plan
-from bigmem.memory.profile import counts_function, profile
+from bigmem.memory.profile import ProfileResult, counts_function, profile
 from bigmem.units import format_bytes, parse_bytes
 
 # A size is measured only if its prediction leaves this share of MemAvailable free, so that the
@@ -66,12 +66,14 @@ def main(argv: list[str] | None = None) -> int:
                 config = resolve_config(model, {"data": {"volume": size}, "train": {
                     "batch_size": args.batch_size, "precision": precision, "recompute": recompute}})
                 counts_for = counts_for or counts_function(config)
-                predicted = profile(config, (size,) * 3, counts_for).estimate.predicted_peak_bytes
-                if predicted > MEASURABLE_FRACTION * available_memory_bytes():
+                predicted = profile(config, (size,) * 3, counts_for).estimate
+                if predicted.predicted_peak_bytes > MEASURABLE_FRACTION * available_memory_bytes():
                     console.print(f"{model} {precision}/{recompute} {size}^3: skipped, predicted "
-                                  f"{format_bytes(predicted)} is more than this machine can hold", style="dim")
+                                  f"{format_bytes(predicted.predicted_peak_bytes)} is more than this machine can hold",
+                                  style="dim")
                     continue
-                result = profile(config, (size,) * 3, counts_for, do_measure=True, steps=args.steps)
+                result = ProfileResult(predicted, measure(config, steps=args.steps,
+                                                          recompute_stages=predicted.recompute_stages))
                 row = {"model": model, "precision": precision, "recompute": recompute, "volume": size,
                        "predicted_peak_bytes": result.estimate.predicted_peak_bytes,
                        "measured_peak_bytes": result.measurement.peak_bytes, "error_pct": round(result.error_pct, 2),
