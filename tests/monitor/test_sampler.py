@@ -35,7 +35,12 @@ def test_writes_the_columns_with_sane_values(tmp_path, two_nodes):
     csv_path = tmp_path / "run" / "monitor.csv"
     with ResourceMonitor(csv_path, interval_s=0.05, store_path=tmp_path, sys_root=two_nodes,
                          gpu_command=("no-such-nvidia-smi",)) as monitor:
+        # Busy for at least 0.4 s and until the thread has written 3 rows: on a loaded CI runner the busy
+        # loop can hold the GIL long enough that a fixed 0.4 s gives the thread only one or two turns.
+        deadline = time.perf_counter() + 30.0
         _busy(0.4)
+        while monitor.samples < 4 and time.perf_counter() < deadline:
+            _busy(0.05)
     rows = _rows(csv_path)
     assert monitor.samples == len(rows) >= 5
     info = json.loads((tmp_path / "run" / "monitor.json").read_text())
