@@ -20,7 +20,9 @@ steps (tracing, oneDNN primitive creation) and reports the median and spread of 
 GFLOP/s count 3x the forward multiply-adds x 2 (``UNet3D.train_flops``) for every path.
 ``--scaling`` times bigmem fp32 from 32^3 up and prints the cost per voxel relative to its
 median, at batch 1, and once more the smallest size with a batch that holds as many voxels as
-the next size (32^3 x 8 = 64^3), to show how much of the smallest step is per-step work.
+the next size (32^3 x 8 = 64^3), to show how much of the smallest step is per-step work, and
+the least that work can cost here: the optimizer update timed alone, plus the convolutions' own
+passes over the weights at the bandwidth that update reaches.
 Prints a table and writes JSON keyed by machine (never run by pytest).
 """
 
@@ -186,7 +188,34 @@ def child_torch(request: dict) -> dict:
             "threads": torch.get_num_threads()}
 
 
-CHILDREN = {"ceiling": child_ceiling, "bigmem": child_bigmem, "keras": child_keras, "torch": child_torch}
+def child_optimizer(request: dict) -> dict:
+    """One optimizer update over every weight of the model, as bigmem's trainer makes it (gradients are constants)."""
+    from bigmem.config.schema import ExperimentConfig
+    from bigmem.numa.apply import place
+    from bigmem.tfenv import import_tensorflow
+
+    config = ExperimentConfig.from_dict(request["config"], source="bench request")
+    place(config.numa.policy, config.numa.cpus, config.numa.threads)  # the threads bigmem's training uses
+    tf = import_tensorflow()
+    from bigmem.nets.unet3d import UNet3D
+    from bigmem.train.trainer import make_optimizer
+
+    model = UNet3D(config.model).build_for()
+    optimizer = make_optimizer(config, config.train.lr)
+    optimizer.build(model.trainable_variables)
+    gradients = [tf.fill(v.shape, 1e-3) for v in model.trainable_variables]
+
+    @tf.function
+    def update():
+        optimizer.apply(gradients, model.trainable_variables)
+        return optimizer.iterations.value  # reads back after the update, so the call blocks on it
+
+    times = _timed(lambda: update().numpy(), request["warmup"], request["steps"])
+    return {"step_s": times, "param_count": model.count_params(), "optimizer": type(optimizer).__name__}
+
+
+CHILDREN = {"ceiling": child_ceiling, "bigmem": child_bigmem, "keras": child_keras, "torch": child_torch,
+            "optimizer": child_optimizer}
 
 
 def child_main(request_path: str) -> int:
@@ -360,8 +389,9 @@ def _scaling(args, rows, common, note) -> dict:
         point["relative_to_median"] = point["s_per_mvoxel"] / reference
     worst = max((abs(p["relative_to_median"] - 1) for p in points), default=None)
     batched = _batched_point(preset, points, reference, common, note) if len(points) >= 2 else None
+    floor = _weight_traffic_floor(preset, points, reference, common, note) if points else None
     return {"preset": preset, "points": points, "worst_deviation_pct": None if worst is None else 100 * worst,
-            "batched": batched}
+            "batched": batched, "weight_traffic_floor": floor}
 
 
 def _bigmem_fp32_median(preset: str, volume: int, batch: int, common: dict, note) -> float | None:
@@ -393,6 +423,41 @@ def _batched_point(preset: str, points: list[dict], reference: float, common: di
     note(f"scaling {preset} {smallest}^3 x batch {batch}: {median_s:.3f} s/step, {s_per_mvoxel:.3f} s per Mvoxel")
     return {"volume": smallest, "batch_size": batch, "median_s": median_s, "s_per_mvoxel": s_per_mvoxel,
             "relative_to_median": s_per_mvoxel / reference}
+
+
+# Full passes over a weight-sized fp32 array that one optimizer update makes: read weight, gradient and
+# each slot, write weight and each slot (SGD with momentum: 1 slot; Adam: 2).
+OPTIMIZER_PASSES = {"FusedSGD": 5, "FusedAdam": 7}
+# And the passes the convolutions cannot avoid: the forward reads every kernel, the input gradient reads
+# it again, the kernel gradient writes one weight-sized array.
+CONVOLUTION_PASSES = 3
+
+
+def _weight_traffic_floor(preset: str, points: list[dict], reference: float, common: dict, note) -> dict | None:
+    """The per-step time that moving every weight costs at this machine's bandwidth, whatever the volume.
+
+    The optimizer update is timed alone over the model's real weights (its passes over memory are
+    known, so it gives the bandwidth); the convolutions' three unavoidable passes are added at that
+    bandwidth. Unless hidden behind compute, the smallest batch-1 step pays at least this on top of
+    its voxels' cost; ``pct_of_smallest`` is it as a share of that step at the median cost per voxel.
+    """
+    config = resolve_config(preset, {"train": {"lr": BENCH_LR}})
+    result = run_child({"kind": "optimizer", "config": config.to_dict(), **common})
+    if "error" in result or result["optimizer"] not in OPTIMIZER_PASSES:
+        note(f"weight traffic {preset}: FAILED {result.get('error', result.get('optimizer'))}")
+        return None
+    update_s = statistics.median(result["step_s"])
+    passes = OPTIMIZER_PASSES[result["optimizer"]]
+    weight_bytes = 4 * result["param_count"]
+    bandwidth = passes * weight_bytes / update_s
+    floor_s = update_s + CONVOLUTION_PASSES * weight_bytes / bandwidth
+    smallest = points[0]["volume"]
+    pct = 100 * floor_s / (reference * smallest**3 / 1e6)
+    note(f"weight traffic {preset}: {result['optimizer']} update {update_s * 1e3:.1f} ms "
+         f"({bandwidth / 1e9:.0f} GB/s), floor {floor_s * 1e3:.1f} ms per step")
+    return {"optimizer": result["optimizer"], "param_count": result["param_count"], "update_s": update_s,
+            "passes": passes + CONVOLUTION_PASSES, "bandwidth_bytes_per_s": bandwidth, "floor_s": floor_s,
+            "smallest_volume": smallest, "pct_of_smallest": pct}
 
 
 def _fmt(value, spec: str, missing: str = "-") -> str:
@@ -438,6 +503,15 @@ def _print(console, rows, ceilings, scaling) -> None:
         console.print(scale_table)
         console.print(f"worst deviation from the median cost per voxel (batch 1): "
                       f"{scaling['worst_deviation_pct']:.1f}%")
+        floor = scaling.get("weight_traffic_floor")
+        if floor:
+            console.print(
+                f"weight traffic per step, whatever the volume: {floor['passes']} passes over "
+                f"{format_bytes(4 * floor['param_count'])} of fp32 weights at an effective "
+                f"{floor['bandwidth_bytes_per_s'] / 1e9:.0f} GB/s ({floor['optimizer']} update timed alone: "
+                f"{floor['update_s'] * 1e3:.1f} ms) = {floor['floor_s'] * 1e3:.1f} ms, "
+                f"+{floor['pct_of_smallest']:.0f}% on a {floor['smallest_volume']}^3 batch-1 step at the median "
+                f"cost per voxel, unless hidden behind compute")
 
 
 if __name__ == "__main__":
