@@ -14,8 +14,9 @@ from typing import Sequence
 import keras
 
 from bigmem.config.options import Activation, Downsampling, Norm
-from bigmem.nets.conv import Conv3D
+from bigmem.nets.conv import Conv3D, Conv3DTranspose
 from bigmem.nets.norm_act import NormActivation
+from bigmem.nets.pooling import MaxPooling3D
 
 Shape3D = Sequence[int]
 
@@ -257,7 +258,8 @@ class EncoderStage(_Block):
         self.residual = bool(residual)
         self.pool = None
         if self.downsampling is Downsampling.MAXPOOL:
-            self.pool = keras.layers.MaxPooling3D(2, dtype=self.dtype_policy, name="pool")
+            pool = keras.layers.MaxPooling3D if self.stock_layers else MaxPooling3D
+            self.pool = pool(2, dtype=self.dtype_policy, name="pool")
         first_strides = 2 if self.downsampling is Downsampling.STRIDED else 1
         self.blocks = _make_blocks(self, self.num_blocks, self.in_filters, first_strides, self.residual)
 
@@ -313,8 +315,8 @@ class DecoderStage(_Block):
         self.num_blocks = int(num_blocks)
         self.residual = bool(residual)
         # The transposed conv keeps its bias, as in MLPerf's and IntelAI's reference models.
-        self.up = keras.layers.Conv3DTranspose(self.filters, 2, strides=2, padding="same",
-                                               dtype=self.dtype_policy, name="up")
+        up = keras.layers.Conv3DTranspose if self.stock_layers else Conv3DTranspose
+        self.up = up(self.filters, 2, strides=2, padding="same", dtype=self.dtype_policy, name="up")
         joined = self.residual or self.stock_layers or self.filters < SPLIT_SKIP_MIN_FILTERS
         self.concat = keras.layers.Concatenate(axis=-1, dtype=self.dtype_policy, name="concat") if joined else None
         self.blocks = _make_blocks(self, self.num_blocks, 2 * self.filters, 1, self.residual,

@@ -41,6 +41,8 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
+from bigmem.nets.slabs import conv3d_slabs, conv3d_transpose_slabs, exceeds_limit, same_padding
+
 PLANEWISE_MAX_IN_CHANNELS = 64
 PLANEWISE_MIN_IN_CHANNELS = {1: 16, 2: 32}  # by stride
 
@@ -120,9 +122,55 @@ class Conv3D(keras.layers.Conv3D):
         return (strides == (2, 2, 2) and all(size % 2 == 0 and size >= 4 for size in shape[1:4])
                 and shape[-1] >= PLANEWISE_MIN_IN_CHANNELS[2])
 
+    def _output_shape(self, shape):
+        stride = self.strides[0]
+        return (shape[0], *(same_padding(size, 1, stride)[0] for size in shape[1:4]), self.filters)
+
+    def _partitioned(self, inputs) -> bool:
+        """Whether the input or output is past the kernel limit, so the conv runs in depth slabs."""
+        shape = tuple(inputs.shape)
+        return (len(shape) == 5 and None not in shape and self.padding == "same" and self.groups == 1
+                and self.data_format == "channels_last" and tuple(self.dilation_rate) == (1, 1, 1)
+                and len(set(self.strides)) == 1 and exceeds_limit(shape, self._output_shape(shape)))
+
     def convolution_op(self, inputs, kernel):
+        if self._partitioned(inputs):
+            kernel = tf.cast(tf.convert_to_tensor(kernel), inputs.dtype)
+            stride = self.strides[0]
+
+            def filter_grad(x_slab, dy_slab):
+                if self._planewise(x_slab):
+                    return planewise_weight_grad(x_slab, dy_slab, kernel.shape, stride)
+                return tf.raw_ops.Conv3DBackpropFilterV2(
+                    input=x_slab, filter_sizes=tf.constant(kernel.shape.as_list(), tf.int32), out_backprop=dy_slab,
+                    strides=[1, stride, stride, stride, 1], padding="SAME")
+
+            return conv3d_slabs(inputs, kernel, stride, filter_grad=filter_grad)
         if self._planewise(inputs):
             # The kernel variable reads as float32 outside Keras's autocast; the conv runs in the input's dtype.
             return conv3d_planewise_grad(inputs, tf.cast(tf.convert_to_tensor(kernel), inputs.dtype),
                                          self.strides[0])
         return super().convolution_op(inputs, kernel)
+
+
+@keras.saving.register_keras_serializable(package="bigmem")
+class Conv3DTranspose(keras.layers.Conv3DTranspose):
+    """``keras.layers.Conv3DTranspose`` that runs in depth slabs past the kernel limit (nets/slabs.py).
+
+    Only the decoder's upsampling form is partitioned (kernel == strides, "same", channels
+    last): each input plane then writes its own output planes.
+    """
+
+    def call(self, inputs):
+        shape = tuple(inputs.shape)
+        out_shape = (shape[0], *(self.strides[i] * shape[i + 1] for i in range(3)), self.filters) \
+            if len(shape) == 5 and None not in shape else shape
+        if not (len(shape) == 5 and None not in shape and exceeds_limit(shape, out_shape)
+                and tuple(self.kernel_size) == tuple(self.strides) and len(set(self.strides)) == 1
+                and self.padding == "same" and self.data_format == "channels_last"):
+            return super().call(inputs)
+        kernel = tf.cast(tf.convert_to_tensor(self.kernel), inputs.dtype)
+        outputs = conv3d_transpose_slabs(inputs, kernel, self.strides[0])
+        if self.use_bias:
+            outputs = outputs + tf.cast(tf.convert_to_tensor(self.bias), outputs.dtype)
+        return outputs if self.activation is None else self.activation(outputs)

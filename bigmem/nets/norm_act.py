@@ -24,6 +24,8 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
+from bigmem.nets.slabs import PlaneWriter, as_planes, exceeds_limit, max_kernel_elements, plan_slabs, take_planes
+
 ACTIVATIONS = ("relu", "leaky_relu", "linear")
 # Channel counts oneDNN's batch norm vectorises for channels-last data (AVX-512: 16 lanes; its
 # float32 kernel also has an AVX2 form with 8), by dtype; checked with ONEDNN_VERBOSE.
@@ -35,6 +37,44 @@ def _grouped(x: tf.Tensor, groups: int) -> tf.Tensor:
     shape = tf.shape(x)
     channels = x.shape[-1]
     return tf.reshape(x, tf.stack([shape[0], -1, groups, channels // groups]))
+
+
+def _input_grad_coefficients(g, mean, rstd, sum_dz, sum_dz_x, count):
+    """dgamma, dbeta and (k1, k2, k3) with dx = k1 * dz + k2 * x + k3, per (sample, group, channel).
+
+    Args:
+        g: gamma as (1, 1, G, Cg); mean, rstd: (B, 1, G, 1) statistics of x.
+        sum_dz, sum_dz_x: sums over space of dz and dz * x, (B, 1, G, Cg), float32.
+        count: elements per (sample, group).
+    """
+    channels = g.shape[2] * g.shape[3]
+    sum_dz_xhat = rstd * (sum_dz_x - mean * sum_dz)  # sum of dz * xhat per (sample, channel)
+    dgamma = tf.reshape(tf.reduce_sum(sum_dz_xhat, axis=0), (channels,))
+    dbeta = tf.reshape(tf.reduce_sum(sum_dz, axis=0), (channels,))
+    count = tf.cast(count, tf.float32)
+    mean_dxhat = tf.reduce_sum(g * sum_dz, axis=3, keepdims=True) / count  # (B, 1, G, 1)
+    mean_dxhat_xhat = tf.reduce_sum(g * sum_dz_xhat, axis=3, keepdims=True) / count
+    # dx = rstd * (g dz - mean(g dz) - xhat mean(g dz xhat)), with xhat = (x - mean) rstd
+    k1 = rstd * g
+    k2 = -rstd * rstd * mean_dxhat_xhat
+    k3 = rstd * rstd * mean_dxhat_xhat * mean - rstd * mean_dxhat
+    return dgamma, dbeta, (k1, k2, k3)
+
+
+def _activate(z, activation: str, negative_slope: float):
+    if activation == "relu":
+        return tf.nn.relu(z)
+    if activation == "leaky_relu":
+        return tf.where(z > tf.zeros((), z.dtype), z, z * tf.cast(negative_slope, z.dtype))
+    return z
+
+
+def _gate(dy, z, activation: str, negative_slope: float):
+    """The activation's backward: dy where z > 0, else dy times the slope (0 for ReLU)."""
+    if activation == "linear":
+        return dy
+    slope = negative_slope if activation == "leaky_relu" else 0.0
+    return tf.where(z > tf.zeros((), z.dtype), dy, dy * tf.cast(slope, dy.dtype))
 
 
 def fused_norm_activation(x, gamma, beta, *, groups: int, epsilon: float, activation: str, negative_slope: float):
@@ -49,9 +89,6 @@ def fused_norm_activation(x, gamma, beta, *, groups: int, epsilon: float, activa
     per_group = channels // groups
     dtype = x.dtype
 
-    def gate_mask(z):
-        return z > tf.zeros((), z.dtype)
-
     @tf.custom_gradient
     def forward(x, gamma, beta):
         xg = _grouped(x, groups)
@@ -62,11 +99,7 @@ def fused_norm_activation(x, gamma, beta, *, groups: int, epsilon: float, activa
         b = tf.reshape(beta, (1, 1, groups, per_group))
         scale = g * rstd  # (B, 1, G, Cg)
         shift = b - scale * mean
-        z = xg * tf.cast(scale, dtype) + tf.cast(shift, dtype)
-        if activation == "relu":
-            z = tf.nn.relu(z)
-        elif activation == "leaky_relu":
-            z = tf.where(gate_mask(z), z, z * tf.cast(negative_slope, dtype))
+        z = _activate(xg * tf.cast(scale, dtype) + tf.cast(shift, dtype), activation, negative_slope)
         y = tf.reshape(z, tf.shape(x))
 
         def backward(dy):
@@ -74,30 +107,119 @@ def fused_norm_activation(x, gamma, beta, *, groups: int, epsilon: float, activa
             # it as soon as the forward values exist, keeping its results alive as if stored.
             with tf.control_dependencies([dy]):
                 x_again = _grouped(tf.identity(x), groups)
-            dz = _grouped(dy, groups)
-            if activation != "linear":
-                positive = gate_mask(x_again * tf.cast(scale, dtype) + tf.cast(shift, dtype))
-                dz = tf.where(positive, dz, dz * tf.cast(negative_slope if activation == "leaky_relu" else 0.0,
-                                                         dtype))
+            dz = _gate(_grouped(dy, groups), x_again * tf.cast(scale, dtype) + tf.cast(shift, dtype), activation,
+                       negative_slope)
             # One float32 temporary at a time: the second reduction waits for the first, so the
             # inter-op pool cannot run both (each with a full-size float32 copy) at once.
             sum_dz = tf.reduce_sum(tf.cast(dz, tf.float32), axis=1, keepdims=True)  # (B, 1, G, Cg)
             with tf.control_dependencies([sum_dz]):
                 sum_dz_x = tf.reduce_sum(tf.cast(dz * x_again, tf.float32), axis=1, keepdims=True)
-            sum_dz_xhat = rstd * (sum_dz_x - mean * sum_dz)  # sum of dz * xhat per (sample, channel)
-            dgamma = tf.reshape(tf.reduce_sum(sum_dz_xhat, axis=0), (channels,))
-            dbeta = tf.reshape(tf.reduce_sum(sum_dz, axis=0), (channels,))
-            count = tf.cast(tf.shape(dz)[1] * per_group, tf.float32)
-            mean_dxhat = tf.reduce_sum(g * sum_dz, axis=3, keepdims=True) / count  # (B, 1, G, 1)
-            mean_dxhat_xhat = tf.reduce_sum(g * sum_dz_xhat, axis=3, keepdims=True) / count
-            # dx = rstd * (g dz - mean(g dz) - xhat mean(g dz xhat)), with xhat = (x - mean) rstd
-            k1 = rstd * g
-            k2 = -rstd * rstd * mean_dxhat_xhat
-            k3 = rstd * rstd * mean_dxhat_xhat * mean - rstd * mean_dxhat
+            dgamma, dbeta, (k1, k2, k3) = _input_grad_coefficients(g, mean, rstd, sum_dz, sum_dz_x,
+                                                                   tf.shape(dz)[1] * per_group)
             dx = dz * tf.cast(k1, dtype) + x_again * tf.cast(k2, dtype) + tf.cast(k3, dtype)
             return tf.reshape(dx, tf.shape(x)), dgamma, dbeta
 
         return y, backward
+
+    return forward(x, gamma, beta)
+
+
+def norm_activation_slabs(x, gamma, beta, *, groups: int, epsilon: float, activation: str,
+                          negative_slope: float):
+    """``fused_norm_activation`` over depth slabs, for tensors past the kernel limit (nets/slabs.py).
+
+    Forward: each sample's statistics are combined from per-slab means and sums of squared
+    deviations (Chan, Golub and LeVeque's pairwise update, float32), then each slab is
+    normalised and activated and written in place. Backward: a first pass over the slabs sums
+    dz and dz * x, a second writes dx = k1 * dz + k2 * x + k3 slab by slab. Only x and the
+    statistics are kept; every temporary is one slab.
+
+    Args:
+        x: (batch, D, H, W, C), static shape, any float dtype (the work runs in it).
+        gamma, beta: (C,) float32.
+        groups: channel groups (C for instance norm).
+
+    Returns:
+        (batch, D, H, W, C) in x's dtype, equal to ``fused_norm_activation`` (to float rounding).
+    """
+    batch, depth, height, width, channels = x.shape
+    per_group = channels // groups
+    dtype = x.dtype
+    plane = height * width * channels
+    limit = max_kernel_elements()
+    slabs = plan_slabs(depth, lambda d0, d1: (d1 - d0) * plane <= limit, what=f"group norm on {tuple(x.shape)}")
+    g = tf.reshape(gamma, (1, 1, groups, per_group))
+    b = tf.reshape(beta, (1, 1, groups, per_group))
+    count = depth * height * width * per_group  # elements per (sample, group)
+
+    def grouped(t):
+        return tf.reshape(t, (1, -1, groups, per_group))
+
+    @tf.custom_gradient
+    def forward(x, gamma, beta):
+        x_planes = as_planes(x)
+        means, rstds = [], []
+        last = []
+        for sample in range(batch):
+            n, mean, m2 = 0, tf.zeros((1, 1, groups, 1)), tf.zeros((1, 1, groups, 1))
+            for d0, d1 in slabs:
+                with tf.control_dependencies(last):
+                    xs = tf.cast(grouped(take_planes(x_planes, depth, sample, d0, d1)), tf.float32)
+                    n_slab = (d1 - d0) * height * width * per_group
+                    mean_slab = tf.reduce_mean(xs, axis=(1, 3), keepdims=True)
+                    m2_slab = tf.reduce_sum(tf.math.squared_difference(xs, mean_slab), axis=(1, 3), keepdims=True)
+                delta, total = mean_slab - mean, n + n_slab
+                mean = mean + delta * (n_slab / total)
+                m2 = m2 + m2_slab + delta * delta * (n * n_slab / total)
+                n, last = total, [m2]
+            means.append(mean)
+            rstds.append(tf.math.rsqrt(m2 / count + epsilon))
+        mean, rstd = tf.concat(means, axis=0), tf.concat(rstds, axis=0)  # (B, 1, G, 1)
+        scale = g * rstd
+        shift = b - scale * mean
+        writer = PlaneWriter(x.shape, dtype)
+        for sample in range(batch):
+            coefficients = (tf.cast(scale[sample:sample + 1], dtype), tf.cast(shift[sample:sample + 1], dtype))
+            for d0, d1 in slabs:
+                with tf.control_dependencies(writer.after + last):
+                    xs = grouped(take_planes(x_planes, depth, sample, d0, d1))
+                    z = _activate(xs * coefficients[0] + coefficients[1], activation, negative_slope)
+                writer.write(sample, d0, tf.reshape(z, (1, d1 - d0, height, width, channels)))
+
+        def backward(dy):
+            dy_planes = as_planes(dy)
+
+            def gated(sample, d0, d1):
+                xs = grouped(take_planes(x_planes, depth, sample, d0, d1))
+                z = xs * tf.cast(scale[sample:sample + 1], dtype) + tf.cast(shift[sample:sample + 1], dtype)
+                return xs, _gate(grouped(take_planes(dy_planes, depth, sample, d0, d1)), z, activation,
+                                 negative_slope)
+
+            sums, last = [], [dy]
+            for sample in range(batch):
+                sum_dz, sum_dz_x = tf.zeros((1, 1, groups, per_group)), tf.zeros((1, 1, groups, per_group))
+                for d0, d1 in slabs:
+                    with tf.control_dependencies(last):
+                        xs, dz = gated(sample, d0, d1)
+                        sum_dz = sum_dz + tf.reduce_sum(tf.cast(dz, tf.float32), axis=1, keepdims=True)
+                    with tf.control_dependencies([sum_dz]):
+                        sum_dz_x = sum_dz_x + tf.reduce_sum(tf.cast(dz * xs, tf.float32), axis=1, keepdims=True)
+                    last = [sum_dz_x]
+                sums.append((sum_dz, sum_dz_x))
+            dgamma, dbeta, (k1, k2, k3) = _input_grad_coefficients(
+                g, mean, rstd, tf.concat([s[0] for s in sums], axis=0), tf.concat([s[1] for s in sums], axis=0),
+                count)
+            dx = PlaneWriter(x.shape, dtype)
+            for sample in range(batch):
+                k = [tf.cast(c[sample:sample + 1], dtype) for c in (k1, k2, k3)]
+                for d0, d1 in slabs:
+                    with tf.control_dependencies(dx.after + last):
+                        xs, dz = gated(sample, d0, d1)
+                        piece = dz * k[0] + xs * k[1] + k[2]
+                    dx.write(sample, d0, tf.reshape(piece, (1, d1 - d0, height, width, channels)))
+            return dx.result(), dgamma, dbeta
+
+        return writer.result(), backward
 
     return forward(x, gamma, beta)
 
@@ -168,6 +290,9 @@ class NormActivation(keras.layers.Layer):
         beta = tf.cast(tf.convert_to_tensor(self.beta.value if hasattr(self.beta, "value") else self.beta),
                        tf.float32)
         x = tf.cast(x, self.compute_dtype)
+        if exceeds_limit(x.shape):
+            return norm_activation_slabs(x, gamma, beta, groups=self._num_groups, epsilon=self.epsilon,
+                                         activation=self.activation, negative_slope=self.negative_slope)
         if self._num_groups == x.shape[-1] and x.shape[0] is not None and x.shape.rank == 5:
             return instance_norm_activation(x, gamma, beta, epsilon=self.epsilon, activation=self.activation,
                                             negative_slope=self.negative_slope)

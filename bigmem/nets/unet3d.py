@@ -10,6 +10,7 @@ import tensorflow as tf
 
 from bigmem.config.schema import ExperimentConfig, ModelConfig, update
 from bigmem.errors import UsageError
+from bigmem.nets.conv import Conv3D
 from bigmem.nets.blocks import DecoderStage, EncoderStage, Shape3D, _voxels
 
 
@@ -47,7 +48,8 @@ class UNet3D(keras.Model):
             DecoderStage(filters[level], in_filters=filters[level + 1], name=f"dec{level}", **common)
             for level in reversed(range(cfg.depth))
         ]
-        self.head = keras.layers.Conv3D(cfg.num_classes, 1, dtype=self.dtype_policy, name="head")
+        head = keras.layers.Conv3D if cfg.stock_layers else Conv3D  # bigmem's runs in slabs past the limit
+        self.head = head(cfg.num_classes, 1, dtype=self.dtype_policy, name="head")
         # Logits leave the network in float32 so the loss is computed in full precision.
         self.to_float32 = keras.layers.Activation("linear", dtype="float32", name="logits")
         # Names of the stages whose activations are recomputed in the backward pass instead of

@@ -1,0 +1,412 @@
+"""Depth slabs: no TensorFlow CPU kernel is handed a tensor past its size limit.
+
+TF 2.21's CPU convolution and fused batch-norm kernels (oneDNN and Eigen alike) crash on
+tensors of more than 2**31 elements; a 512^3 volume with 32 channels has 4.3e9. The ops of a
+3D U-Net that would see such a tensor run here slab by slab along depth: each slab, with the
+halo its kernel needs, stays under the limit; its result is written into the full-size output
+in place (``InplaceUpdate`` on an uninitialised buffer, so no concatenated copy), and the
+gradient is a custom gradient computed slab by slab too (slicing's own gradient would
+materialise a full-size zero tensor per slab).
+
+Slabs run one after another (each waits for the previous slab's write), so at most one slab's
+temporaries are alive at once: the peak is the unpartitioned op's plus about one slab. Slices
+of whole depth planes of one sample are views (TF's Slice aliases a range of the first axis), so
+taking a slab copies nothing.
+
+Shapes are channels-last ``(batch, D, H, W, C)`` with static sizes; every function here works on
+any size, so tests lower the limit (``kernel_element_limit``) to run the slab path on small
+volumes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from dataclasses import dataclass
+from typing import Callable, Iterator, Sequence
+
+import tensorflow as tf
+
+# The most elements any one tensor handed to a TF CPU kernel may have. TF 2.21.0 on x86 (oneDNN on
+# and off): conv3d ran on (1, 1016, 1024, 1024, 2) = 2.13e9 elements and crashed (SIGSEGV) on
+# (1, 1032, 1024, 1024, 2) = 2.16e9; conv2d and FusedBatchNormV3 crashed at 2.16e9 too. Per-op
+# figures: benchmarks/bench_kernel_limits.py and its results. 2**31 - 1 is the largest signed
+# 32-bit index, where those kernels overflow.
+MAX_KERNEL_ELEMENTS = 2**31 - 1
+# For tests and benchmarks: run the slab path on small tensors (also in child processes).
+LIMIT_ENVIRONMENT_VARIABLE = "BIGMEM_MAX_KERNEL_ELEMENTS"
+
+_limit_override: list[int] = []
+
+
+def max_kernel_elements() -> int:
+    """The element limit in force: ``kernel_element_limit``'s, else the environment's, else the constant."""
+    if _limit_override:
+        return _limit_override[-1]
+    value = os.environ.get(LIMIT_ENVIRONMENT_VARIABLE)
+    return int(value) if value else MAX_KERNEL_ELEMENTS
+
+
+@contextlib.contextmanager
+def kernel_element_limit(elements: int) -> Iterator[int]:
+    """Lower (or raise) the limit while tracing/running the ops inside the block.
+
+    Example:
+        >>> with kernel_element_limit(4096):
+        ...     y = conv3d_slabs(x, kernel)  # slabs of at most 4096 elements
+    """
+    if elements < 1:
+        raise ValueError(f"kernel element limit must be >= 1, got {elements}")
+    _limit_override.append(int(elements))
+    try:
+        yield int(elements)
+    finally:
+        _limit_override.pop()
+
+
+def exceeds_limit(*shapes: Sequence[int | None]) -> bool:
+    """Whether any of the (static) shapes has more elements than the limit; unknown sizes never do."""
+    limit = max_kernel_elements()
+    return any(None not in tuple(shape) and math.prod(shape) > limit for shape in shapes)
+
+
+class SlabTooLargeError(ValueError):
+    """One depth plane (with its halo) is already past the kernel limit: depth slabs cannot help."""
+
+
+# ---- slab geometry -----------------------------------------------------------------------------
+
+
+def same_padding(length: int, kernel: int, stride: int) -> tuple[int, int]:
+    """(output length, padding before) of TF's "SAME" padding along one axis."""
+    out = -(-length // stride)
+    total = max((out - 1) * stride + kernel - length, 0)
+    return out, total // 2
+
+
+@dataclass(frozen=True)
+class ConvFrame:
+    """How to compute output planes [o0, o1) of a "SAME" conv from input planes [a, b) alone.
+
+    A "SAME" conv of the input planes [a, b) yields ``out_len`` planes, of which [j0, j0 + o1 - o0)
+    are the wanted outputs: the padding TF adds to that slab is zero exactly where the whole
+    volume's padding is, and the wanted outputs line up with the slab's stride.
+    """
+
+    o0: int
+    o1: int
+    a: int
+    b: int
+    j0: int
+    out_len: int
+
+
+def conv_frame(depth: int, kernel: int, stride: int, o0: int, o1: int) -> ConvFrame:
+    """The ``ConvFrame`` of output planes [o0, o1) of a "SAME" conv over ``depth`` input planes."""
+    _, pad = same_padding(depth, kernel, stride)
+    window_start, window_stop = o0 * stride - pad, (o1 - 1) * stride - pad + kernel
+    starts = [0] if window_start <= 0 else range(window_start, max(window_start - stride, 0) - 1, -1)
+    stops = [depth] if window_stop >= depth else range(window_stop, min(window_stop + stride, depth) + 1)
+    for a in starts:
+        for b in stops:
+            out_len, slab_pad = same_padding(b - a, kernel, stride)
+            offset = window_start - (a - slab_pad)
+            if offset % stride == 0 and 0 <= offset // stride and offset // stride + o1 - o0 <= out_len:
+                return ConvFrame(o0, o1, a, b, offset // stride, out_len)
+    raise ValueError(f"no aligned slab for outputs [{o0}, {o1}) of a kernel-{kernel} stride-{stride} "
+                     f"SAME conv over {depth} planes")  # not reached for kernel <= stride + 2
+
+
+def split_evenly(length: int, parts: int) -> list[tuple[int, int]]:
+    """[start, stop) ranges of ``parts`` near-equal pieces of ``length``."""
+    bounds = [round(i * length / parts) for i in range(parts + 1)]
+    return [(bounds[i], bounds[i + 1]) for i in range(parts) if bounds[i + 1] > bounds[i]]
+
+
+def plan_slabs(length: int, fits: Callable[[int, int], bool], *, what: str) -> list[tuple[int, int]]:
+    """The fewest near-equal ranges of ``length`` planes for which ``fits(start, stop)`` holds for all.
+
+    Raises:
+        SlabTooLargeError: if even one plane per slab does not fit.
+    """
+    if not all(fits(p, p + 1) for p in (0, length // 2, length - 1)):
+        raise SlabTooLargeError(f"{what}: a single depth plane with its halo exceeds the kernel limit of "
+                                f"{max_kernel_elements()} elements; depth slabs cannot bring it under")
+    for parts in range(1, length + 1):
+        slabs = split_evenly(length, parts)
+        if all(fits(start, stop) for start, stop in slabs):
+            return slabs
+    raise SlabTooLargeError(f"{what}: no depth partition fits the kernel limit of {max_kernel_elements()} elements")
+
+
+# ---- reading and writing rows of depth planes ---------------------------------------------------
+
+
+def as_planes(t: tf.Tensor) -> tf.Tensor:
+    """(B, D, H, W, C) -> (B*D, H, W, C): sample b's plane d is row b*D + d (no copy)."""
+    shape = t.shape
+    return tf.reshape(t, (shape[0] * shape[1], *shape[2:]))
+
+
+def take_planes(planes: tf.Tensor, depth: int, sample: int, start: int, stop: int) -> tf.Tensor:
+    """Planes [start, stop) of one sample from ``as_planes`` rows, as (1, stop - start, H, W, C) (a view)."""
+    rows = tf.slice(planes, [sample * depth + start, 0, 0, 0], [stop - start, -1, -1, -1])
+    return tf.expand_dims(rows, 0)
+
+
+class PlaneWriter:
+    """Fills an uninitialised (B, D, H, W, C) tensor plane range by plane range, in place, in order.
+
+    Each write waits for the previous one (``after`` gives the dependency to put on the next
+    slab's work), so slabs never run side by side.
+    """
+
+    def __init__(self, shape: Sequence[int], dtype):
+        self.shape = tuple(int(s) for s in shape)
+        self.depth = self.shape[1]
+        self.rows = tf.raw_ops.Empty(shape=(self.shape[0] * self.depth, *self.shape[2:]), dtype=dtype, init=False)
+        self.written = 0
+
+    @property
+    def after(self) -> list[tf.Tensor]:
+        return [self.rows]
+
+    def write(self, sample: int, start: int, values: tf.Tensor) -> None:
+        """Planes [start, start + n) of ``sample`` := values (1, n, H, W, C)."""
+        count = values.shape[1]
+        first = sample * self.depth + start
+        self.rows = tf.raw_ops.InplaceUpdate(x=self.rows, i=tf.range(first, first + count),
+                                             v=tf.reshape(values, (count, *self.shape[2:])))
+        self.written += count
+
+    def result(self) -> tf.Tensor:
+        if self.written != self.shape[0] * self.depth:  # a bug in a caller, never a user error
+            raise RuntimeError(f"PlaneWriter: {self.written} of {self.shape[0] * self.depth} planes written")
+        return tf.reshape(self.rows, self.shape)
+
+
+def crop_planes(t: tf.Tensor, start: int, stop: int) -> tf.Tensor:
+    """Planes [start, stop) of a (1, L, H, W, C) tensor, as a view (a range of the first axis)."""
+    rows = tf.reshape(t, t.shape[1:])
+    if (start, stop) == (0, t.shape[1]):
+        return t
+    return tf.expand_dims(tf.slice(rows, [start, 0, 0, 0], [stop - start, -1, -1, -1]), 0)
+
+
+def _pad_depth(t: tf.Tensor, before: int, after: int) -> tf.Tensor:
+    if not (before or after):
+        return t
+    return tf.pad(t, [[0, 0], [before, after], [0, 0], [0, 0], [0, 0]])
+
+
+# ---- convolution -----------------------------------------------------------------------------
+
+
+def _filter_grad_3d(x, dy, kernel_shape, strides):
+    return tf.raw_ops.Conv3DBackpropFilterV2(input=x, filter_sizes=tf.constant(kernel_shape, tf.int32),
+                                            out_backprop=dy, strides=strides, padding="SAME")
+
+
+def conv3d_slabs(x: tf.Tensor, kernel: tf.Tensor, stride: int = 1,
+                 filter_grad: Callable[[tf.Tensor, tf.Tensor], tf.Tensor] | None = None) -> tf.Tensor:
+    """``tf.nn.conv3d(x, kernel, stride, "SAME")`` computed in depth slabs, with a slab-wise gradient.
+
+    Args:
+        x: (batch, D, H, W, C_in), static shape.
+        kernel: (k, k, k, C_in, C_out) (any k; equal strides on every axis).
+        stride: the stride on every spatial axis.
+        filter_grad: ``f(x_slab, dy_slab) -> dkernel`` for one slab's "SAME" conv (e.g. the
+            planewise weight gradient); default TF's Conv3DBackpropFilterV2.
+
+    Returns:
+        (batch, ceil(D/stride), ceil(H/stride), ceil(W/stride), C_out), equal to the unpartitioned conv.
+
+    Raises:
+        SlabTooLargeError: if one depth plane with its halo is already past the limit.
+    """
+    batch, depth, height, width, in_channels = x.shape
+    k = kernel.shape[0]
+    out_depth, _ = same_padding(depth, k, stride)
+    out_height, out_width = -(-height // stride), -(-width // stride)
+    out_plane = out_height * out_width * kernel.shape[-1]
+    in_plane = height * width * in_channels
+    strides = [1, stride, stride, stride, 1]
+    kernel_shape = [int(s) for s in kernel.shape]
+    filter_grad = filter_grad or (lambda xs, dys: _filter_grad_3d(xs, dys, kernel_shape, strides))
+    limit = max_kernel_elements()
+
+    def frame_fits(frame: ConvFrame) -> bool:
+        return (frame.b - frame.a) * in_plane <= limit and frame.out_len * out_plane <= limit
+
+    out_slabs = plan_slabs(out_depth, lambda o0, o1: frame_fits(conv_frame(depth, k, stride, o0, o1)),
+                           what=f"conv3d on {tuple(x.shape)}")
+    frames = [conv_frame(depth, k, stride, o0, o1) for o0, o1 in out_slabs]
+
+    def input_frame(i0: int, i1: int) -> ConvFrame:
+        """The frame of every output that reads an input plane in [i0, i1)."""
+        _, pad = same_padding(depth, k, stride)
+        o_lo = max(0, -(-(i0 + pad - k + 1) // stride))
+        o_hi = min(out_depth, (i1 - 1 + pad) // stride + 1)
+        return conv_frame(depth, k, stride, o_lo, max(o_hi, o_lo + 1))
+
+    in_slabs = plan_slabs(depth, lambda i0, i1: frame_fits(input_frame(i0, i1)) and (i1 - i0) * in_plane <= limit,
+                          what=f"conv3d input gradient on {tuple(x.shape)}")
+
+    def dy_for(dy_planes, sample, frame: ConvFrame):
+        """dy of the frame's outputs, zero-padded to the slab conv's out_len planes."""
+        dy = take_planes(dy_planes, out_depth, sample, frame.o0, frame.o1)
+        return _pad_depth(dy, frame.j0, frame.out_len - frame.j0 - (frame.o1 - frame.o0))
+
+    @tf.custom_gradient
+    def conv(x, kernel):
+        x_planes = as_planes(x)
+        writer = PlaneWriter((batch, out_depth, out_height, out_width, kernel_shape[-1]), x.dtype)
+        for sample in range(batch):
+            for frame in frames:
+                with tf.control_dependencies(writer.after):
+                    y = tf.nn.conv3d(take_planes(x_planes, depth, sample, frame.a, frame.b), kernel,
+                                     strides=strides, padding="SAME")
+                writer.write(sample, frame.o0, crop_planes(y, frame.j0, frame.j0 + frame.o1 - frame.o0))
+        y = writer.result()
+
+        def grad(dy):
+            dy_planes = as_planes(dy)
+            dx = PlaneWriter(x.shape, x.dtype)
+            for sample in range(batch):
+                for i0, i1 in in_slabs:
+                    frame = input_frame(i0, i1)
+                    with tf.control_dependencies(dx.after):
+                        dx_frame = tf.raw_ops.Conv3DBackpropInputV2(
+                            input_sizes=tf.constant([1, frame.b - frame.a, height, width, in_channels], tf.int32),
+                            filter=kernel, out_backprop=dy_for(dy_planes, sample, frame), strides=strides,
+                            padding="SAME")
+                    # Planes of [i0, i1) outside the frame are read by no output (a 1x1x1 kernel
+                    # with stride 2 skips planes): their gradient is 0.
+                    lo, hi = max(i0, frame.a), min(i1, frame.b)
+                    if hi > lo:
+                        piece = _pad_depth(crop_planes(dx_frame, lo - frame.a, hi - frame.a), lo - i0, i1 - hi)
+                    else:
+                        piece = tf.zeros((1, i1 - i0, height, width, in_channels), x.dtype)
+                    dx.write(sample, i0, piece)
+            dx = dx.result()
+            dkernel = tf.zeros(kernel_shape, kernel.dtype)
+            for sample in range(batch):
+                for frame in frames:
+                    # One slab at a time, after the input gradient.
+                    with tf.control_dependencies([dx, dkernel]):
+                        dkernel = dkernel + tf.cast(filter_grad(take_planes(x_planes, depth, sample, frame.a, frame.b),
+                                                                dy_for(dy_planes, sample, frame)), kernel.dtype)
+            return dx, dkernel
+
+        return y, grad
+
+    return conv(x, kernel)
+
+
+def conv3d_transpose_slabs(x: tf.Tensor, kernel: tf.Tensor, stride: int) -> tf.Tensor:
+    """A transposed conv whose kernel equals its stride (``Conv3DTranspose(k, strides=k)``), in depth slabs.
+
+    With kernel == stride no two input planes write the same output plane, so input planes
+    [i0, i1) give output planes [k*i0, k*i1) exactly, and both gradients split the same way.
+
+    Args:
+        x: (batch, D, H, W, C_in), static shape.
+        kernel: (k, k, k, C_out, C_in), Keras's and TF's layout for transposed convs.
+        stride: equal to k.
+
+    Returns:
+        (batch, k*D, k*H, k*W, C_out), without bias.
+    """
+    batch, depth, height, width, in_channels = x.shape
+    k = kernel.shape[0]
+    if tuple(kernel.shape[:3]) != (stride,) * 3:
+        raise ValueError(f"conv3d_transpose_slabs needs kernel == stride, got kernel {tuple(kernel.shape[:3])}, "
+                         f"stride {stride}")
+    out_channels = kernel.shape[3]
+    in_plane, out_plane = height * width * in_channels, k * height * k * width * out_channels
+    limit = max_kernel_elements()
+    slabs = plan_slabs(depth, lambda i0, i1: (i1 - i0) * max(in_plane, k * out_plane) <= limit,
+                       what=f"conv3d_transpose on {tuple(x.shape)}")
+    strides = [1, k, k, k, 1]
+    out_shape = (batch, k * depth, k * height, k * width, out_channels)
+
+    @tf.custom_gradient
+    def up(x, kernel):
+        x_planes = as_planes(x)
+        writer = PlaneWriter(out_shape, x.dtype)
+        for sample in range(batch):
+            for i0, i1 in slabs:
+                with tf.control_dependencies(writer.after):
+                    y = tf.raw_ops.Conv3DBackpropInputV2(
+                        input_sizes=tf.constant([1, k * (i1 - i0), *out_shape[2:]], tf.int32), filter=kernel,
+                        out_backprop=take_planes(x_planes, depth, sample, i0, i1), strides=strides, padding="SAME")
+                writer.write(sample, k * i0, y)
+
+        def grad(dy):
+            dy_planes = as_planes(dy)
+            dx = PlaneWriter(x.shape, x.dtype)
+            dkernel = tf.zeros(kernel.shape, kernel.dtype)
+            for sample in range(batch):
+                for i0, i1 in slabs:
+                    with tf.control_dependencies(dx.after + [dkernel]):
+                        dy_slab = take_planes(dy_planes, k * depth, sample, k * i0, k * i1)
+                        dx.write(sample, i0, tf.nn.conv3d(dy_slab, kernel, strides=strides, padding="SAME"))
+                    with tf.control_dependencies(dx.after):
+                        dkernel = dkernel + tf.raw_ops.Conv3DBackpropFilterV2(
+                            input=dy_slab, filter_sizes=tf.constant(kernel.shape.as_list(), tf.int32),
+                            out_backprop=take_planes(x_planes, depth, sample, i0, i1), strides=strides,
+                            padding="SAME")
+            return dx.result(), dkernel
+
+        return writer.result(), grad
+
+    return up(x, kernel)
+
+
+def max_pool3d_slabs(x: tf.Tensor, pool: int) -> tf.Tensor:
+    """``tf.nn.max_pool3d(x, pool, pool, "VALID")`` in depth slabs, with a slab-wise gradient.
+
+    Output planes [o0, o1) read input planes [pool*o0, pool*o1) alone; input planes past the last
+    whole window (odd sizes) get a zero gradient, as in TF's own gradient.
+    """
+    batch, depth, height, width, channels = x.shape
+    out_depth = depth // pool
+    in_plane = height * width * channels
+    limit = max_kernel_elements()
+    slabs = plan_slabs(out_depth, lambda o0, o1: pool * (o1 - o0) * in_plane <= limit,
+                       what=f"max_pool3d on {tuple(x.shape)}")
+    window = [1, pool, pool, pool, 1]
+
+    @tf.custom_gradient
+    def pool_op(x):
+        x_planes = as_planes(x)
+        writer = PlaneWriter((batch, out_depth, height // pool, width // pool, channels), x.dtype)
+        for sample in range(batch):
+            for o0, o1 in slabs:
+                with tf.control_dependencies(writer.after):
+                    y = tf.nn.max_pool3d(take_planes(x_planes, depth, sample, pool * o0, pool * o1), window, window,
+                                         "VALID")
+                writer.write(sample, o0, y)
+        y = writer.result()
+
+        def grad(dy):
+            y_planes, dy_planes = as_planes(y), as_planes(dy)
+            dx = PlaneWriter(x.shape, x.dtype)
+            for sample in range(batch):
+                for o0, o1 in slabs:
+                    with tf.control_dependencies(dx.after):
+                        piece = tf.raw_ops.MaxPool3DGrad(
+                            orig_input=take_planes(x_planes, depth, sample, pool * o0, pool * o1),
+                            orig_output=take_planes(y_planes, out_depth, sample, o0, o1),
+                            grad=take_planes(dy_planes, out_depth, sample, o0, o1), ksize=window, strides=window,
+                            padding="VALID")
+                    dx.write(sample, pool * o0, piece)
+                if depth > pool * out_depth:
+                    dx.write(sample, pool * out_depth,
+                             tf.zeros((1, depth - pool * out_depth, height, width, channels), x.dtype))
+            return dx.result()
+
+        return y, grad
+
+    return pool_op(x)
