@@ -24,7 +24,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from bigmem.nets.slabs import PlaneWriter, as_planes, exceeds_limit, max_kernel_elements, plan_slabs, take_planes
+from bigmem.nets.slabs import PlaneWriter, as_planes, exceeds_limit, plan_slabs, slab_elements, take_planes
 
 ACTIVATIONS = ("relu", "leaky_relu", "linear")
 # Channel counts oneDNN's batch norm vectorises for channels-last data (AVX-512: 16 lanes; its
@@ -146,7 +146,7 @@ def norm_activation_slabs(x, gamma, beta, *, groups: int, epsilon: float, activa
     per_group = channels // groups
     dtype = x.dtype
     plane = height * width * channels
-    limit = max_kernel_elements()
+    limit = slab_elements()
     slabs = plan_slabs(depth, lambda d0, d1: (d1 - d0) * plane <= limit, what=f"group norm on {tuple(x.shape)}")
     g = tf.reshape(gamma, (1, 1, groups, per_group))
     b = tf.reshape(beta, (1, 1, groups, per_group))

@@ -20,56 +20,20 @@ volumes.
 
 from __future__ import annotations
 
-import contextlib
-import math
-import os
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Sequence
 
 import tensorflow as tf
 
-# The most elements any one tensor handed to a TF CPU kernel may have. TF 2.21.0 on x86 (oneDNN on
-# and off): conv3d ran on (1, 1016, 1024, 1024, 2) = 2.13e9 elements and crashed (SIGSEGV) on
-# (1, 1032, 1024, 1024, 2) = 2.16e9; conv2d and FusedBatchNormV3 crashed at 2.16e9 too. Per-op
-# figures: benchmarks/bench_kernel_limits.py and its results. 2**31 - 1 is the largest signed
-# 32-bit index, where those kernels overflow.
-MAX_KERNEL_ELEMENTS = 2**31 - 1
-# For tests and benchmarks: run the slab path on small tensors (also in child processes).
-LIMIT_ENVIRONMENT_VARIABLE = "BIGMEM_MAX_KERNEL_ELEMENTS"
-
-_limit_override: list[int] = []
-
-
-def max_kernel_elements() -> int:
-    """The element limit in force: ``kernel_element_limit``'s, else the environment's, else the constant."""
-    if _limit_override:
-        return _limit_override[-1]
-    value = os.environ.get(LIMIT_ENVIRONMENT_VARIABLE)
-    return int(value) if value else MAX_KERNEL_ELEMENTS
-
-
-@contextlib.contextmanager
-def kernel_element_limit(elements: int) -> Iterator[int]:
-    """Lower (or raise) the limit while tracing/running the ops inside the block.
-
-    Example:
-        >>> with kernel_element_limit(4096):
-        ...     y = conv3d_slabs(x, kernel)  # slabs of at most 4096 elements
-    """
-    if elements < 1:
-        raise ValueError(f"kernel element limit must be >= 1, got {elements}")
-    _limit_override.append(int(elements))
-    try:
-        yield int(elements)
-    finally:
-        _limit_override.pop()
-
-
-def exceeds_limit(*shapes: Sequence[int | None]) -> bool:
-    """Whether any of the (static) shapes has more elements than the limit; unknown sizes never do."""
-    limit = max_kernel_elements()
-    return any(None not in tuple(shape) and math.prod(shape) > limit for shape in shapes)
-
+from bigmem.nets.limits import (  # noqa: F401  (re-exported: the slab API in one place)
+    LIMIT_ENVIRONMENT_VARIABLE,
+    MAX_KERNEL_ELEMENTS,
+    MAX_SLAB_ELEMENTS,
+    exceeds_limit,
+    kernel_element_limit,
+    max_kernel_elements,
+    slab_elements,
+)
 
 class SlabTooLargeError(ValueError):
     """One depth plane (with its halo) is already past the kernel limit: depth slabs cannot help."""
@@ -131,13 +95,13 @@ def plan_slabs(length: int, fits: Callable[[int, int], bool], *, what: str) -> l
         SlabTooLargeError: if even one plane per slab does not fit.
     """
     if not all(fits(p, p + 1) for p in (0, length // 2, length - 1)):
-        raise SlabTooLargeError(f"{what}: a single depth plane with its halo exceeds the kernel limit of "
-                                f"{max_kernel_elements()} elements; depth slabs cannot bring it under")
+        raise SlabTooLargeError(f"{what}: a single depth plane with its halo exceeds the slab size of "
+                                f"{slab_elements()} elements; depth slabs cannot bring it under")
     for parts in range(1, length + 1):
         slabs = split_evenly(length, parts)
         if all(fits(start, stop) for start, stop in slabs):
             return slabs
-    raise SlabTooLargeError(f"{what}: no depth partition fits the kernel limit of {max_kernel_elements()} elements")
+    raise SlabTooLargeError(f"{what}: no depth partition fits the slab size of {slab_elements()} elements")
 
 
 # ---- reading and writing rows of depth planes ---------------------------------------------------
@@ -234,7 +198,7 @@ def conv3d_slabs(x: tf.Tensor, kernel: tf.Tensor, stride: int = 1,
     strides = [1, stride, stride, stride, 1]
     kernel_shape = [int(s) for s in kernel.shape]
     filter_grad = filter_grad or (lambda xs, dys: _filter_grad_3d(xs, dys, kernel_shape, strides))
-    limit = max_kernel_elements()
+    limit = slab_elements()
 
     def frame_fits(frame: ConvFrame) -> bool:
         return (frame.b - frame.a) * in_plane <= limit and frame.out_len * out_plane <= limit
@@ -325,7 +289,7 @@ def conv3d_transpose_slabs(x: tf.Tensor, kernel: tf.Tensor, stride: int) -> tf.T
                          f"stride {stride}")
     out_channels = kernel.shape[3]
     in_plane, out_plane = height * width * in_channels, k * height * k * width * out_channels
-    limit = max_kernel_elements()
+    limit = slab_elements()
     slabs = plan_slabs(depth, lambda i0, i1: (i1 - i0) * max(in_plane, k * out_plane) <= limit,
                        what=f"conv3d_transpose on {tuple(x.shape)}")
     strides = [1, k, k, k, 1]
@@ -373,7 +337,7 @@ def max_pool3d_slabs(x: tf.Tensor, pool: int) -> tf.Tensor:
     batch, depth, height, width, channels = x.shape
     out_depth = depth // pool
     in_plane = height * width * channels
-    limit = max_kernel_elements()
+    limit = slab_elements()
     slabs = plan_slabs(out_depth, lambda o0, o1: pool * (o1 - o0) * in_plane <= limit,
                        what=f"max_pool3d on {tuple(x.shape)}")
     window = [1, pool, pool, pool, 1]

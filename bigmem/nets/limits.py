@@ -1,0 +1,67 @@
+"""The tensor-size limit of TF's CPU kernels, and the slab size used past it (no TensorFlow import).
+
+The memory estimate reads these without importing TensorFlow; nets/slabs.py partitions by them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from typing import Iterator, Sequence
+
+# The most elements any one tensor handed to a TF CPU kernel may have. TF 2.21.0 on x86 (oneDNN on
+# and off): conv3d ran on (1, 1016, 1024, 1024, 2) = 2.13e9 elements and crashed (SIGSEGV) on
+# (1, 1032, 1024, 1024, 2) = 2.16e9; conv2d and FusedBatchNormV3 crashed at 2.16e9 too. Per-op
+# figures: benchmarks/bench_kernel_limits.py and its results. 2**31 - 1 is the largest signed
+# 32-bit index, where those kernels overflow.
+MAX_KERNEL_ELEMENTS = 2**31 - 1
+# The most elements of one slab once an op is partitioned: 2 GiB in float32. Each slab's
+# temporaries (its conv output, a zero-padded gradient slab) are the extra memory of the slab
+# path, so slabs are kept well under the limit; the halo planes this adds are 2 of 64 at 512^2
+# x 32 channels (about 3% more convolution work; benchmarks/bench_slabs.py measures it).
+MAX_SLAB_ELEMENTS = 2**29
+# For tests and benchmarks: run the slab path on small tensors (also in child processes).
+LIMIT_ENVIRONMENT_VARIABLE = "BIGMEM_MAX_KERNEL_ELEMENTS"
+
+_limit_override: list[int] = []
+
+
+def max_kernel_elements() -> int:
+    """The element limit in force: ``kernel_element_limit``'s, else the environment's, else the constant."""
+    if _limit_override:
+        return _limit_override[-1]
+    value = os.environ.get(LIMIT_ENVIRONMENT_VARIABLE)
+    if not value:
+        return MAX_KERNEL_ELEMENTS
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{LIMIT_ENVIRONMENT_VARIABLE}={value!r}: expected a positive whole number of elements")
+    return int(value)
+
+
+@contextlib.contextmanager
+def kernel_element_limit(elements: int) -> Iterator[int]:
+    """Lower (or raise) the limit while tracing/running the ops inside the block.
+
+    Example:
+        >>> with kernel_element_limit(4096):
+        ...     y = conv3d_slabs(x, kernel)  # slabs of at most 4096 elements
+    """
+    if elements < 1:
+        raise ValueError(f"kernel element limit must be >= 1, got {elements}")
+    _limit_override.append(int(elements))
+    try:
+        yield int(elements)
+    finally:
+        _limit_override.pop()
+
+
+def slab_elements() -> int:
+    """The most elements a slab's tensors may have: the limit, capped at MAX_SLAB_ELEMENTS."""
+    return min(max_kernel_elements(), MAX_SLAB_ELEMENTS)
+
+
+def exceeds_limit(*shapes: Sequence[int | None]) -> bool:
+    """Whether any of the (static) shapes has more elements than the limit; unknown sizes never do."""
+    limit = max_kernel_elements()
+    return any(None not in tuple(shape) and math.prod(shape) > limit for shape in shapes)
