@@ -41,6 +41,8 @@ class Candidate:
     predicted_peak_bytes: int
     fits: bool
     recompute_stages: list[str] = field(default_factory=list)
+    components: dict[str, int] = field(default_factory=dict)  # the estimate's breakdown (bytes)
+    partitioned_stages: list[str] = field(default_factory=list)  # stages run in depth slabs
 
     def flags(self) -> str:
         parts = []
@@ -73,8 +75,9 @@ class Plan:
             "budget_source": self.budget_source,
             "predicted_peak_bytes": self.predicted_peak_bytes,
             "chosen": {"volume": chosen.volume, "batch_size": chosen.batch_size, "precision": chosen.precision,
-                       "recompute": chosen.recompute, "recompute_stages": chosen.recompute_stages} if self.fits
-            else None,
+                       "recompute": chosen.recompute, "recompute_stages": chosen.recompute_stages,
+                       "components": dict(chosen.components), "partitioned_stages": chosen.partitioned_stages}
+            if self.fits else None,
             "closest": dataclasses.asdict(self.closest),
             "best_per_mode": [dataclasses.asdict(c) for c in self.best_per_mode],
             "candidates": [dataclasses.asdict(c) for c in self.candidates],
@@ -101,7 +104,8 @@ class Planner:
             stages = list(counts.block_elements) if recompute is Recompute.STAGES else []
         result = estimate(config, counts, (volume,) * 3, recompute_stages=stages)
         candidate = Candidate(volume, batch, precision.value, recompute.value, result.predicted_peak_bytes,
-                              result.predicted_peak_bytes <= self.budget_bytes, list(stages))
+                              result.predicted_peak_bytes <= self.budget_bytes, list(stages),
+                              dict(result.components), list(result.partitioned_stages))
         self.candidates.append(candidate)
         return candidate
 
