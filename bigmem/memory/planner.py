@@ -104,7 +104,7 @@ class Planner:
             stages = list(counts.block_elements) if recompute is Recompute.STAGES else []
         result = estimate(config, counts, (volume,) * 3, recompute_stages=stages)
         candidate = Candidate(volume, batch, precision.value, recompute.value, result.predicted_peak_bytes,
-                              result.predicted_peak_bytes <= self.budget_bytes, list(stages),
+                              result.predicted_peak_bytes <= self.budget_bytes and result.runnable, list(stages),
                               dict(result.components), list(result.partitioned_stages))
         self.candidates.append(candidate)
         return candidate

@@ -21,6 +21,9 @@ MAX_KERNEL_ELEMENTS = 2**31 - 1
 # path, so slabs are kept well under the limit; the halo planes this adds are 2 of 64 at 512^2
 # x 32 channels (about 3% more convolution work; benchmarks/bench_slabs.py measures it).
 MAX_SLAB_ELEMENTS = 2**29
+# ... unless that is fewer than this many depth planes (wide planes of very large volumes): then
+# slabs grow to this many planes, up to the kernel limit, so the halo stays a small share.
+MIN_SLAB_PLANES = 32
 # For tests and benchmarks: run the slab path on small tensors (also in child processes).
 LIMIT_ENVIRONMENT_VARIABLE = "BIGMEM_MAX_KERNEL_ELEMENTS"
 
@@ -56,9 +59,12 @@ def kernel_element_limit(elements: int) -> Iterator[int]:
         _limit_override.pop()
 
 
-def slab_elements() -> int:
-    """The most elements a slab's tensors may have: the limit, capped at MAX_SLAB_ELEMENTS."""
-    return min(max_kernel_elements(), MAX_SLAB_ELEMENTS)
+def slab_elements(plane_elements: int = 0) -> int:
+    """The most elements a slab's tensors may have, for depth planes of ``plane_elements`` elements.
+
+    MAX_SLAB_ELEMENTS, or MIN_SLAB_PLANES planes where that is more, never past the kernel limit.
+    """
+    return min(max_kernel_elements(), max(MAX_SLAB_ELEMENTS, MIN_SLAB_PLANES * plane_elements))
 
 
 def exceeds_limit(*shapes: Sequence[int | None]) -> bool:

@@ -146,7 +146,7 @@ def norm_activation_slabs(x, gamma, beta, *, groups: int, epsilon: float, activa
     per_group = channels // groups
     dtype = x.dtype
     plane = height * width * channels
-    limit = slab_elements()
+    limit = slab_elements(plane)
     slabs = plan_slabs(depth, lambda d0, d1: (d1 - d0) * plane <= limit, what=f"group norm on {tuple(x.shape)}")
     g = tf.reshape(gamma, (1, 1, groups, per_group))
     b = tf.reshape(beta, (1, 1, groups, per_group))

@@ -95,13 +95,13 @@ def plan_slabs(length: int, fits: Callable[[int, int], bool], *, what: str) -> l
         SlabTooLargeError: if even one plane per slab does not fit.
     """
     if not all(fits(p, p + 1) for p in (0, length // 2, length - 1)):
-        raise SlabTooLargeError(f"{what}: a single depth plane with its halo exceeds the slab size of "
-                                f"{slab_elements()} elements; depth slabs cannot bring it under")
+        raise SlabTooLargeError(f"{what}: a single depth plane with its halo exceeds the kernel limit of "
+                                f"{max_kernel_elements()} elements; depth slabs cannot bring it under")
     for parts in range(1, length + 1):
         slabs = split_evenly(length, parts)
         if all(fits(start, stop) for start, stop in slabs):
             return slabs
-    raise SlabTooLargeError(f"{what}: no depth partition fits the slab size of {slab_elements()} elements")
+    raise SlabTooLargeError(f"{what}: no depth partition fits the kernel limit of {max_kernel_elements()} elements")
 
 
 # ---- reading and writing rows of depth planes ---------------------------------------------------
@@ -198,7 +198,7 @@ def conv3d_slabs(x: tf.Tensor, kernel: tf.Tensor, stride: int = 1,
     strides = [1, stride, stride, stride, 1]
     kernel_shape = [int(s) for s in kernel.shape]
     filter_grad = filter_grad or (lambda xs, dys: _filter_grad_3d(xs, dys, kernel_shape, strides))
-    limit = slab_elements()
+    limit = slab_elements(max(in_plane, out_plane))
 
     def frame_fits(frame: ConvFrame) -> bool:
         return (frame.b - frame.a) * in_plane <= limit and frame.out_len * out_plane <= limit
@@ -289,7 +289,7 @@ def conv3d_transpose_slabs(x: tf.Tensor, kernel: tf.Tensor, stride: int) -> tf.T
                          f"stride {stride}")
     out_channels = kernel.shape[3]
     in_plane, out_plane = height * width * in_channels, k * height * k * width * out_channels
-    limit = slab_elements()
+    limit = slab_elements(max(in_plane, k * out_plane))
     slabs = plan_slabs(depth, lambda i0, i1: (i1 - i0) * max(in_plane, k * out_plane) <= limit,
                        what=f"conv3d_transpose on {tuple(x.shape)}")
     strides = [1, k, k, k, 1]
@@ -337,7 +337,7 @@ def max_pool3d_slabs(x: tf.Tensor, pool: int) -> tf.Tensor:
     batch, depth, height, width, channels = x.shape
     out_depth = depth // pool
     in_plane = height * width * channels
-    limit = slab_elements()
+    limit = slab_elements(in_plane)
     slabs = plan_slabs(out_depth, lambda o0, o1: pool * (o1 - o0) * in_plane <= limit,
                        what=f"max_pool3d on {tuple(x.shape)}")
     window = [1, pool, pool, pool, 1]
