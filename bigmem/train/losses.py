@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from bigmem.nets.slabs import PlaneWriter, as_planes, exceeds_limit, plan_slabs, slab_elements, take_planes
+
 DICE_SMOOTH = 1e-5  # nnU-Net's smoothing term for the soft Dice
 
 
@@ -15,8 +17,11 @@ def dice_ce_per_sample(labels: tf.Tensor, logits: tf.Tensor) -> tf.Tensor:
     """Loss of each sample, shape (B,): mean voxel cross-entropy + (1 - mean foreground soft Dice).
 
     Per-sample terms let a data-parallel step average over the *global* batch exactly (each
-    replica sums its samples' losses and divides by the global batch size).
+    replica sums its samples' losses and divides by the global batch size). Logits past the
+    kernel limit are scored in depth slabs (``dice_ce_per_sample_slabs``).
     """
+    if exceeds_limit(logits.shape):
+        return dice_ce_per_sample_slabs(labels, logits)
     num_classes = logits.shape[-1]
     onehot = tf.one_hot(tf.cast(labels, tf.int32), num_classes, dtype=logits.dtype)
     spatial = (1, 2, 3)
@@ -28,14 +33,113 @@ def dice_ce_per_sample(labels: tf.Tensor, logits: tf.Tensor) -> tf.Tensor:
     return cross_entropy + (1.0 - tf.reduce_mean(dice[:, 1:], axis=1))
 
 
+def _label_planes(labels: tf.Tensor) -> tf.Tensor:
+    """(B, D, H, W) labels as (B*D, H, W, 1) rows, so take_planes reads them like feature maps."""
+    return tf.reshape(labels, (labels.shape[0] * labels.shape[1], *labels.shape[2:], 1))
+
+
+def _loss_slabs(logits: tf.Tensor) -> list[tuple[int, int]]:
+    batch, depth, height, width, num_classes = logits.shape
+    plane = height * width * num_classes
+    limit = slab_elements(plane)
+    return plan_slabs(depth, lambda d0, d1: (d1 - d0) * plane <= limit, what=f"the loss on {tuple(logits.shape)}")
+
+
+def dice_ce_per_sample_slabs(labels: tf.Tensor, logits: tf.Tensor) -> tf.Tensor:
+    """``dice_ce_per_sample`` over depth slabs, for logits past the kernel limit; the same values.
+
+    Forward: one pass over each sample's slabs sums the cross-entropy and, per class, the soft
+    Dice terms (intersection, predicted and true volumes). Backward: a second pass writes
+    d loss / d logits slab by slab: (p - t) / N for the cross-entropy and, for the Dice,
+    p * (g - sum_k p_k g_k) with g_k = d(1 - mean Dice) / d p_k = a_k t_k + b_k per class. Only
+    one slab's softmax and one-hot are ever alive.
+
+    Args:
+        labels: (batch, D, H, W) integer class indices.
+        logits: (batch, D, H, W, num_classes) float32, static shape.
+
+    Returns:
+        (batch,) float32 losses.
+    """
+    batch, depth, height, width, num_classes = logits.shape
+    voxels = depth * height * width
+    slabs = _loss_slabs(logits)
+    label_planes = _label_planes(labels)
+
+    def probabilities_and_truth(logit_planes, sample, d0, d1):
+        probs = tf.nn.softmax(take_planes(logit_planes, depth, sample, d0, d1))
+        truth = tf.one_hot(tf.cast(take_planes(label_planes, depth, sample, d0, d1)[..., 0], tf.int32), num_classes,
+                           dtype=logits.dtype)
+        return probs, truth
+
+    @tf.custom_gradient
+    def per_sample(logits):
+        logit_planes = as_planes(logits)
+        losses, terms, last = [], [], []
+        for sample in range(batch):
+            cross_entropy = tf.zeros(())
+            intersection = predicted = true = tf.zeros((num_classes,))
+            for d0, d1 in slabs:
+                with tf.control_dependencies(last):
+                    piece = take_planes(logit_planes, depth, sample, d0, d1)
+                    truth = tf.one_hot(tf.cast(take_planes(label_planes, depth, sample, d0, d1)[..., 0], tf.int32),
+                                       num_classes, dtype=logits.dtype)
+                    cross_entropy += tf.reduce_sum(tf.nn.softmax_cross_entropy_with_logits(truth, piece))
+                    probs = tf.nn.softmax(piece)
+                    intersection += tf.reduce_sum(probs * truth, axis=(0, 1, 2, 3))
+                    predicted += tf.reduce_sum(probs, axis=(0, 1, 2, 3))
+                    true += tf.reduce_sum(truth, axis=(0, 1, 2, 3))
+                last = [cross_entropy, intersection, predicted, true]
+            denominator = predicted + true + DICE_SMOOTH
+            dice = (2.0 * intersection + DICE_SMOOTH) / denominator
+            losses.append(cross_entropy / voxels + 1.0 - tf.reduce_mean(dice[1:]))
+            terms.append((intersection, denominator))
+        loss = tf.stack(losses)
+
+        def grad(upstream):  # upstream: (batch,)
+            dlogits = PlaneWriter(logits.shape, logits.dtype)
+            foreground = tf.constant([0.0] + [1.0 / (num_classes - 1)] * (num_classes - 1))
+            for sample in range(batch):
+                intersection, denominator = terms[sample]
+                # d(1 - mean_k>=1 Dice_k) / d p_k(v) = a_k t_k(v) + b_k
+                a = -2.0 * foreground / denominator
+                b = foreground * (2.0 * intersection + DICE_SMOOTH) / (denominator * denominator)
+                for d0, d1 in slabs:
+                    with tf.control_dependencies(dlogits.after):
+                        probs, truth = probabilities_and_truth(logit_planes, sample, d0, d1)
+                        g = a * truth + b
+                        piece = (probs - truth) / voxels + probs * (g - tf.reduce_sum(probs * g, axis=-1,
+                                                                                       keepdims=True))
+                    dlogits.write(sample, d0, piece * upstream[sample])
+            return dlogits.result()
+
+        return loss, grad
+
+    return per_sample(logits)
+
+
 def dice_ce_loss(labels: tf.Tensor, logits: tf.Tensor) -> tf.Tensor:
     """Scalar loss for integer ``labels`` (B, D, H, W) and float32 ``logits`` (B, D, H, W, K)."""
     return tf.reduce_mean(dice_ce_per_sample(labels, logits))
 
 
 def dice_counts(labels: tf.Tensor, logits: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
-    """Per class: (|prediction AND truth|, |prediction| + |truth|) over the batch (summable across replicas)."""
+    """Per class: (|prediction AND truth|, |prediction| + |truth|) over the batch (summable across replicas).
+
+    Logits past the kernel limit are counted slab by slab.
+    """
     num_classes = logits.shape[-1]
+    if exceeds_limit(logits.shape):
+        batch, depth = logits.shape[:2]
+        logit_planes, label_planes = as_planes(logits), _label_planes(labels)
+        intersection = total = tf.zeros((num_classes,))
+        for sample in range(batch):
+            for d0, d1 in _loss_slabs(logits):
+                with tf.control_dependencies([intersection, total]):
+                    piece_counts = dice_counts(take_planes(label_planes, depth, sample, d0, d1)[..., 0],
+                                               take_planes(logit_planes, depth, sample, d0, d1))
+                intersection, total = intersection + piece_counts[0], total + piece_counts[1]
+        return intersection, total
     predicted = tf.one_hot(tf.argmax(logits, axis=-1, output_type=tf.int32), num_classes, dtype=tf.float32)
     truth = tf.one_hot(tf.cast(labels, tf.int32), num_classes, dtype=tf.float32)
     axes = (0, 1, 2, 3)

@@ -210,6 +210,7 @@ def preflight(config: ExperimentConfig, recompute_stages: list[str] | None, *, f
     """
     from bigmem.memory.estimate import estimate
     from bigmem.memory.planner import Planner, available_memory_bytes, check_fits
+    from bigmem.nets.limits import max_kernel_elements
     from bigmem.memory.profile import counts_function, stages_for
     from bigmem.units import format_bytes
 
@@ -249,12 +250,15 @@ def preflight(config: ExperimentConfig, recompute_stages: list[str] | None, *, f
     fits = predicted.predicted_peak_bytes <= budget
     console.print(f"Memory: predicted peak {format_bytes(predicted.predicted_peak_bytes)} of a "
                   f"{format_bytes(budget)} budget ({source})" + ("" if fits else " - over budget, forced")
-                  + (f"; recomputing {len(recompute_stages)} stages" if recompute_stages else ""))
+                  + (f"; recomputing {len(recompute_stages)} stages" if recompute_stages else "")
+                  + (f"; {len(predicted.partitioned_stages)} stages run in depth slabs (tensors past "
+                     f"{max_kernel_elements():,} elements)" if predicted.partitioned_stages else ""))
     plan = {"fits": fits, "budget_bytes": budget, "budget_source": source, "forced": force and not fits,
             "predicted_peak_bytes": predicted.predicted_peak_bytes,
             "chosen": {"volume": volume, "batch_size": config.train.batch_size,
                        "precision": config.train.precision.value, "recompute": config.train.recompute.value,
-                       "recompute_stages": list(recompute_stages)},
+                       "recompute_stages": list(recompute_stages),
+                       "partitioned_stages": list(predicted.partitioned_stages)},
             "components": predicted.components, "calibration": predicted.calibration.to_dict(),
             "data_parallel": data_parallel,
             "candidates": [{"volume": volume, "batch_size": config.train.batch_size,
