@@ -482,6 +482,21 @@ OPS = {
 }
 
 
+def shared_interior(reference: Callable, depth: int) -> Callable:
+    """reference(a, b), computed once per phase of the tiling for slabs away from both ends."""
+    cache = {}
+
+    def shared(a, b):
+        if a < EDGE or b > depth - EDGE:  # padding or a clipped halo: this slab's own reference
+            return reference(a, b)
+        key = (a % (2 * PERIOD), b - a)  # an interior slab's input planes repeat with this phase
+        if key not in cache:
+            cache[key] = reference(a, b)
+        return cache[key]
+
+    return shared
+
+
 def compare(case: Case, outputs) -> dict:
     """Max |error| and max |reference| per checked output, over every slab of its depth."""
     import numpy as np
@@ -489,17 +504,7 @@ def compare(case: Case, outputs) -> dict:
 
     results = {}
     for check in case.checks:
-        cache = {}
-
-        def reference(a, b):
-            interior = a >= EDGE and b <= case.depth - EDGE
-            if not interior:  # the input planes of an interior slab repeat with the tiling's phase
-                return check.reference(a, b)
-            key = (a % (2 * PERIOD), b - a)
-            if key not in cache:
-                cache[key] = check.reference(a, b)
-            return cache[key]
-
+        reference = shared_interior(check.reference, case.depth)
         output, error, scale = outputs[check.index], 0.0, 0.0
         if check.kind == "sum":
             want = sum(np.asarray(reference(a, min(a + SLAB, case.depth))) for a in range(0, case.depth, SLAB))
@@ -586,6 +591,8 @@ def run_child(op: str, size: str, onednn: str, args) -> dict:
            "dtype": OPS[op].dtype, "onednn": onednn, "exit_code": proc.returncode, "wall_s": round(wall_s, 1),
            "peak_rss_bytes": usage.ru_maxrss * 1024, "onednn_primitives": onednn_kinds(stdout), **reported}
     row["outcome"], row["ran"] = classify(row, stderr, timed_out=wall_s >= args.timeout_s)
+    if not row["ran"]:  # what the process said last (TF's fatal log lines name the failed check)
+        row["stderr_tail"] = [line[:400] for line in stderr.strip().splitlines()[-4:]]
     return row
 
 
