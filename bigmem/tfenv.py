@@ -1,7 +1,7 @@
 """The one place bigmem imports TensorFlow from a command.
 
-Process-wide settings that TensorFlow reads once at start-up (log level now; NUMA memory
-policy and CPU affinity later) must be in force before the import, so commands call
+Process-wide settings that TensorFlow reads once at start-up (log level, oneDNN, NUMA memory
+policy and CPU affinity) must be in force before the import, so commands call
 ``import_tensorflow`` rather than importing it themselves.
 """
 
@@ -9,8 +9,44 @@ from __future__ import annotations
 
 import contextlib
 import os
+import platform
 import sys
 import tempfile
+
+ONEDNN_VARIABLE = "TF_ENABLE_ONEDNN_OPTS"
+X86_MACHINES = ("x86_64", "amd64", "i686", "i386")
+# Set by enable_onednn for sysinfo.json and `bigmem info` to say why oneDNN is on or off.
+ONEDNN_REASON_VARIABLE = "BIGMEM_ONEDNN_REASON"
+
+
+def enable_onednn(environ=None, machine: str | None = None) -> str:
+    """Turn TensorFlow's oneDNN kernels on for x86 unless the user chose; return why it is on or off.
+
+    Stock TensorFlow enables oneDNN by default only on CPUs with AVX-512 VNNI/BF16, AVX-VNNI or
+    AMX; on AVX2 servers (AMD EPYC Zen 2/3, Skylake-era Xeons) it stays off, and training is ~7x
+    slower there (DESIGN.md). Must run before TensorFlow is imported.
+
+    Args:
+        environ: the environment to read and change (default ``os.environ``).
+        machine: the CPU architecture (default ``platform.machine()``).
+
+    Returns:
+        The reason, also stored in ``environ[ONEDNN_REASON_VARIABLE]``.
+    """
+    environ = os.environ if environ is None else environ
+    machine = (machine or platform.machine()).lower()
+    if ONEDNN_REASON_VARIABLE in environ and ONEDNN_VARIABLE in environ:
+        return environ[ONEDNN_REASON_VARIABLE]  # decided earlier in this process (or its parent)
+    if ONEDNN_VARIABLE in environ:
+        reason = f"{ONEDNN_VARIABLE}={environ[ONEDNN_VARIABLE]} set by the user"
+    elif machine in X86_MACHINES:
+        environ[ONEDNN_VARIABLE] = "1"
+        reason = (f"turned on by bigmem on x86 ({ONEDNN_VARIABLE}=1; TensorFlow's own default is on only with "
+                  "AVX-512 VNNI/BF16, AVX-VNNI or AMX)")
+    else:
+        reason = f"TensorFlow's default on {machine} ({ONEDNN_VARIABLE} unset)"
+    environ[ONEDNN_REASON_VARIABLE] = reason
+    return reason
 
 
 @contextlib.contextmanager
@@ -48,6 +84,7 @@ def import_tensorflow(*, verbose: bool = False):
         import tensorflow as tf
 
         return tf
+    enable_onednn()
     if verbose:
         import tensorflow as tf
 

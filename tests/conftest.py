@@ -12,6 +12,9 @@ from helpers import copy_store
 
 # Keep the developer's ~/.cache/bigmem out of tests, and TensorFlow's start-up logs quiet.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# The planner's choices depend on whether the CPU has native bf16; the suite runs on CPUs with and
+# without it, so it fixes the answer (tests of the other case set it themselves).
+os.environ["BIGMEM_NATIVE_BF16"] = "1"
 
 
 @pytest.fixture(autouse=True, scope="session")

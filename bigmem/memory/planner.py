@@ -23,6 +23,9 @@ MODES: tuple[tuple[Precision, Recompute], ...] = (
     (Precision.FP32, Recompute.NONE), (Precision.BF16, Recompute.NONE),
     (Precision.FP32, Recompute.STAGES), (Precision.BF16, Recompute.STAGES),
 )
+# On a CPU without native bfloat16 (sysinfo.native_bf16) bf16 is emulated, ~20x slower than fp32
+# (DESIGN.md): the planner and the pre-flight's suggestions leave it out unless asked for.
+FP32_MODES = tuple(mode for mode in MODES if mode[0] is Precision.FP32)
 MAX_BATCH = 4096
 MAX_VOLUME = 4096  # voxels per edge searched; 4096^3 is 64 Gi voxels
 
@@ -139,12 +142,25 @@ class Planner:
         return candidate
 
 
+def allowed_modes(allow_bf16: bool | None = None) -> tuple[tuple[Precision, Recompute], ...]:
+    """MODES, without bf16 where ``allow_bf16`` is False (None: where this CPU has no native bf16)."""
+    if allow_bf16 is None:
+        from bigmem.sysinfo import native_bf16
+
+        allow_bf16 = native_bf16()
+    return MODES if allow_bf16 else FP32_MODES
+
+
 def make_plan(config: ExperimentConfig, counts_for, budget_bytes: int, *, budget_source: str,
-              volume: int | None = None, batch_size: int | None = None) -> Plan:
-    """The largest volume (unless fixed) and then batch (unless fixed) that fit, over all modes."""
+              volume: int | None = None, batch_size: int | None = None, allow_bf16: bool | None = None) -> Plan:
+    """The largest volume (unless fixed) and then batch (unless fixed) that fit, over the allowed modes.
+
+    Args:
+        allow_bf16: consider bf16 modes; default: only where the CPU has native bf16.
+    """
     planner = Planner(config, counts_for, budget_bytes)
     best_per_mode: list[Candidate] = []
-    for precision, recompute in MODES:
+    for precision, recompute in allowed_modes(allow_bf16):
         if volume is None:
             best = planner.largest_volume(precision, recompute)
             if best is not None and batch_size is None:
@@ -170,14 +186,19 @@ def make_plan(config: ExperimentConfig, counts_for, budget_bytes: int, *, budget
     return Plan(chosen is not None, budget_bytes, budget_source, chosen, closest, planner.candidates, best_per_mode)
 
 
-def cheapest_fix(config: ExperimentConfig, counts_for, budget_bytes: int, volume: int, batch: int) -> str:
-    """A sentence naming the cheapest change that makes ``volume``/``batch`` fit, or what does."""
+def cheapest_fix(config: ExperimentConfig, counts_for, budget_bytes: int, volume: int, batch: int,
+                 allow_bf16: bool | None = None) -> str:
+    """A sentence naming the cheapest change that makes ``volume``/``batch`` fit, or what does.
+
+    bf16 is suggested only where the CPU has it natively, or when the configuration asks for it.
+    """
     planner = Planner(config, counts_for, budget_bytes)
-    for precision, recompute in MODES:
+    modes = allowed_modes(True if config.train.precision is Precision.BF16 else allow_bf16)
+    for precision, recompute in modes:
         candidate = planner.evaluate(volume, batch, precision, recompute)
         if candidate.fits:
             return f"use {candidate.flags()} (est. {format_bytes(candidate.predicted_peak_bytes)})"
-    precision, recompute = MODES[-1]
+    precision, recompute = modes[-1]
     if batch > 1:
         smaller = planner._largest(lambda b: planner.evaluate(volume, b, precision, recompute), batch - 1)
         if smaller is not None:

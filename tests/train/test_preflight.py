@@ -48,7 +48,7 @@ def test_plan_json_in_every_run(tmp_path, tiny_store, capsys):
     plan = json.loads((out / "plan.json").read_text())
     assert plan["fits"] is True and plan["budget_source"] == "MemAvailable"
     assert plan["chosen"] == {"volume": 16, "batch_size": 1, "precision": "fp32", "recompute": "none",
-                              "recompute_stages": []}
+                              "recompute_stages": [], "partitioned_stages": []}
 
 
 @pytest.mark.parametrize("mode", ["stages", "auto"])
@@ -65,3 +65,14 @@ def test_recompute_gives_the_same_training(tmp_path, tiny_store, capsys, mode):
     again = read_jsonl(tmp_path / mode / "metrics.jsonl")
     for a, b in zip(plain, again):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-5)
+
+
+def test_bf16_without_native_support_says_it_is_emulated(tmp_path, tiny_store, capsys, monkeypatch):
+    from helpers import run_cli
+
+    for native, warned in (("0", True), ("1", False)):
+        monkeypatch.setenv("BIGMEM_NATIVE_BF16", native)
+        code, out, err = run_cli(["train", "--model", "tiny", "--data", tiny_store, "--out", tmp_path / native,
+                                  "--steps", 1, "--precision", "bf16", "--monitor-interval", 0], capsys)
+        assert code == 0, err
+        assert ("bf16 is emulated, about 20x slower than fp32" in out) == warned

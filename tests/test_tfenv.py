@@ -1,0 +1,23 @@
+"""oneDNN is turned on for x86 before TensorFlow starts, unless the user chose."""
+
+from bigmem.tfenv import ONEDNN_REASON_VARIABLE, enable_onednn
+
+
+def test_x86_gets_onednn_on():
+    environ = {}
+    reason = enable_onednn(environ, machine="x86_64")
+    assert environ["TF_ENABLE_ONEDNN_OPTS"] == "1"
+    assert reason.startswith("turned on by bigmem on x86") and environ[ONEDNN_REASON_VARIABLE] == reason
+    assert enable_onednn(environ, machine="x86_64") == reason  # a second call (or a child process) keeps it
+
+
+def test_the_users_setting_wins():
+    environ = {"TF_ENABLE_ONEDNN_OPTS": "0"}
+    assert enable_onednn(environ, machine="x86_64") == "TF_ENABLE_ONEDNN_OPTS=0 set by the user"
+    assert environ["TF_ENABLE_ONEDNN_OPTS"] == "0"
+
+
+def test_other_architectures_keep_tensorflows_default():
+    environ = {}
+    assert enable_onednn(environ, machine="aarch64") == "TensorFlow's default on aarch64 (TF_ENABLE_ONEDNN_OPTS unset)"
+    assert "TF_ENABLE_ONEDNN_OPTS" not in environ
