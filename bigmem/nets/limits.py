@@ -10,12 +10,14 @@ import math
 import os
 from typing import Iterator, Sequence
 
-# The most elements any one tensor handed to a TF CPU kernel may have. TF 2.21.0 on x86 (oneDNN on
-# and off): conv3d ran on (1, 1016, 1024, 1024, 2) = 2.13e9 elements and crashed (SIGSEGV) on
-# (1, 1032, 1024, 1024, 2) = 2.16e9; conv2d and FusedBatchNormV3 crashed at 2.16e9 too. Per-op
-# figures: benchmarks/bench_kernel_limits.py and its results. 2**31 - 1 is the largest signed
-# 32-bit index, where those kernels overflow.
-MAX_KERNEL_ELEMENTS = 2**31 - 1
+# The most elements any one tensor handed to a TF CPU kernel may have. Measured with TF 2.21.0 on
+# x86, oneDNN on (benchmarks/bench_kernel_limits.py, results in benchmarks/results/kernel_limits-*):
+# conv3d and Conv3DBackpropInputV2 ran correctly on (1, 1020, 1024, 1024, 2) = 2.139e9 elements and
+# crashed (SIGSEGV) on (1, 1032, 1024, 1024, 2) = 2.164e9; Conv3DBackpropFilterV2 was already
+# WRONG at 2.139e9 (relative error 0.5, no crash) and right at 1.07e9 (5.6e-4, fp32 summation).
+# So the limit is 2^30, the largest size every op was verified correct at, not 2^31: a silent
+# wrong gradient is worse than a crash, and other CPUs' oneDNN kernels may fail earlier.
+MAX_KERNEL_ELEMENTS = 2**30
 # The most elements of one slab once an op is partitioned: 2 GiB in float32. Each slab's
 # temporaries (its conv output, a zero-padded gradient slab) are the extra memory of the slab
 # path, so slabs are kept well under the limit; the halo planes this adds are 2 of 64 at 512^2

@@ -1,7 +1,8 @@
 """Depth slabs: no TensorFlow CPU kernel is handed a tensor past its size limit.
 
-TF 2.21's CPU convolution and fused batch-norm kernels (oneDNN and Eigen alike) crash on
-tensors of more than 2**31 elements; a 512^3 volume with 32 channels has 4.3e9. The ops of a
+TF 2.21's CPU convolution kernels crash on tensors of more than 2**31 elements, and the weight
+gradient is silently wrong just below that (nets/limits.py); a 512^3 volume with 32 channels has
+4.3e9 elements. The ops of a
 3D U-Net that would see such a tensor run here slab by slab along depth: each slab, with the
 halo its kernel needs, stays under the limit; its result is written into the full-size output
 in place (``InplaceUpdate`` on an uninitialised buffer, so no concatenated copy), and the

@@ -40,7 +40,7 @@ def _close(a, b, tol=1e-4):
 
 
 def test_limit_constant_and_override(monkeypatch):
-    assert MAX_KERNEL_ELEMENTS == 2**31 - 1
+    assert MAX_KERNEL_ELEMENTS == 2**30
     monkeypatch.delenv("BIGMEM_MAX_KERNEL_ELEMENTS", raising=False)
     assert max_kernel_elements() == MAX_KERNEL_ELEMENTS
     with kernel_element_limit(1000):
