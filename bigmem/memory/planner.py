@@ -16,6 +16,7 @@ from bigmem.config.options import Precision, Recompute
 from bigmem.config.schema import ExperimentConfig
 from bigmem.errors import InsufficientMemoryError
 from bigmem.memory.estimate import Estimate, NetworkCounts, estimate, recompute_order
+from bigmem.memory.speed import MachineSpeed, predicted_step_s, step_rate
 from bigmem.units import format_bytes
 
 # Modes in order of preference: on a tie the earlier (less recomputation, full precision) wins.
@@ -45,6 +46,8 @@ class Candidate:
     fits: bool
     recompute_stages: list[str] = field(default_factory=list)
     components: dict[str, int] = field(default_factory=dict)  # the estimate's breakdown (bytes)
+    predicted_step_s: float | None = None  # memory/speed.py: FLOPs over this CPU's measured rate
+    step_rate_source: str = ""
     partitioned_stages: list[str] = field(default_factory=list)  # stages run in depth slabs
 
     def flags(self) -> str:
@@ -79,7 +82,8 @@ class Plan:
             "predicted_peak_bytes": self.predicted_peak_bytes,
             "chosen": {"volume": chosen.volume, "batch_size": chosen.batch_size, "precision": chosen.precision,
                        "recompute": chosen.recompute, "recompute_stages": chosen.recompute_stages,
-                       "components": dict(chosen.components), "partitioned_stages": chosen.partitioned_stages}
+                       "components": dict(chosen.components), "partitioned_stages": chosen.partitioned_stages,
+                       "predicted_step_s": chosen.predicted_step_s, "step_rate_source": chosen.step_rate_source}
             if self.fits else None,
             "closest": dataclasses.asdict(self.closest),
             "best_per_mode": [dataclasses.asdict(c) for c in self.best_per_mode],
@@ -91,7 +95,8 @@ class Planner:
     """Evaluates candidates for one model configuration against a budget."""
 
     def __init__(self, config: ExperimentConfig, counts_for: Callable[[tuple[int, int, int]], NetworkCounts],
-                 budget_bytes: int):
+                 budget_bytes: int, machine: MachineSpeed | None = None):
+        self.machine = machine or MachineSpeed.here()
         self.config = config
         self.counts_for = counts_for
         self.budget_bytes = int(budget_bytes)
@@ -106,9 +111,16 @@ class Planner:
         if stages is None:
             stages = list(counts.block_elements) if recompute is Recompute.STAGES else []
         result = estimate(config, counts, (volume,) * 3, recompute_stages=stages)
+        rate = step_rate(self.machine.isa_class, precision.value, config.model.filters[0], self.machine.native_bf16)
+        # The recomputed stages' share of the forward work, by their share of the feature maps.
+        recomputed = sum(counts.block_elements[name] for name in stages) / max(1, sum(counts.block_elements.values()))
         candidate = Candidate(volume, batch, precision.value, recompute.value, result.predicted_peak_bytes,
                               result.predicted_peak_bytes <= self.budget_bytes and result.runnable, list(stages),
-                              dict(result.components), list(result.partitioned_stages))
+                              components=dict(result.components),
+                              partitioned_stages=list(result.partitioned_stages),
+                              predicted_step_s=round(predicted_step_s(result.train_flops_per_step, recomputed, rate,
+                                                                      self.machine.cores), 3),
+                              step_rate_source=rate.source)
         self.candidates.append(candidate)
         return candidate
 

@@ -1,0 +1,126 @@
+"""Predicted step time of a training configuration: its FLOPs over a measured rate per ISA class.
+
+A plan that only says what bf16 and recomputation save hides what they cost. The rate a 3D
+U-Net step reaches depends on the CPU's ISA class, the precision and how wide the network is
+(narrow convolutions use the vector units worse), so the rates below are per (ISA class,
+precision) at the base widths that were measured, interpolated on log2(base filters) between
+them. Every figure is per core and says where it comes from; an ISA class that was not measured
+borrows the nearest one's figure and says so.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+# bigmem's own training step (benchmarks/bench_train.py, batch 1, median of 5 after 2 warm-up steps),
+# GFLOP/s per core by base filters, on 2 cores:
+#   avx512_bf16: AMD EPYC VM, TF 2.21.0, oneDNN on, benchmarks/results/train-vm-20261130-095928.json:
+#     small (8 base filters) 191-206 fp32, 176-189 bf16; kits19 (32) 416-428 fp32, 681-720 bf16.
+#   avx2: AMD EPYC Zen 3 (AVX2 + FMA, no AVX-512), TF 2.21.0, oneDNN forced on, the `make demo`
+#     configuration (small, 48^3, batch 2) of the oneDNN issue: 0.33 Mvox/s fp32 and 0.016 bf16
+#     (emulated) at 81.2 kFLOP per voxel = 26.8 and 1.3 GFLOP/s.
+MEASURED_RATES: dict[tuple[str, str], dict[int, float]] = {
+    ("avx512_bf16", "fp32"): {8: 99.0, 32: 211.0},
+    ("avx512_bf16", "bf16"): {8: 91.0, 32: 350.0},
+    ("avx2", "fp32"): {8: 13.4},
+    ("avx2", "bf16"): {8: 0.65},
+}
+RATE_SOURCES = {
+    "avx512_bf16": "avx512_bf16: measured (bench_train, AMD EPYC, TF 2.21.0)",
+    "avx2": "avx2: measured at 8 base filters (the demo on an AVX2 EPYC, TF 2.21.0); other widths scaled as on "
+            "avx512_bf16",
+}
+# Classes that were not measured, and the measured class whose figures they use.
+BORROWED_RATES = {
+    "amx": "avx512_bf16",  # on paper: AMX's bf16 tiles should be faster; not measured, so no credit taken
+    "avx512": "avx512_bf16",  # the same fp32 kernels; bf16 emulated (below)
+    "baseline": "avx2",
+}
+# Without native bf16 oneDNN emulates it: 20x slower than fp32 (0.016 vs 0.33 Mvox/s, above).
+EMULATED_BF16_SLOWDOWN = 20.0
+# A recomputed stage runs its forward pass twice: the step does 1/3 more of that stage's work
+# (forward 1 + backward 2 -> 4).
+RECOMPUTE_EXTRA_SHARE = 1.0 / 3.0
+
+
+@dataclass(frozen=True)
+class StepRate:
+    """GFLOP/s per core for one (ISA class, precision, base filters), with where it came from."""
+
+    gflops_per_core: float
+    source: str
+
+
+def _interpolate(points: dict[int, float], base_filters: int) -> float:
+    """The rate at ``base_filters``, log-linear in the width between measured widths, flat outside."""
+    widths = sorted(points)
+    if base_filters in points:
+        return points[base_filters]
+    if base_filters <= widths[0]:
+        return points[widths[0]]
+    for low, high in zip(widths, widths[1:]):
+        if base_filters <= high:
+            t = (math.log2(base_filters) - math.log2(low)) / (math.log2(high) - math.log2(low))
+            return points[low] * (points[high] / points[low]) ** t
+    return points[widths[-1]]
+
+
+def step_rate(isa_class: str, precision: str, base_filters: int, native_bf16: bool) -> StepRate:
+    """The rate a training step of this width reaches per core on this ISA class and precision.
+
+    Args:
+        isa_class: as ``sysinfo.isa_class`` gives it ("amx", "avx512_bf16", "avx512", "avx2", "baseline").
+        precision: "fp32" or "bf16".
+        base_filters: the network's first-level filters.
+        native_bf16: whether the CPU runs bf16 natively (else bf16 is emulated).
+    """
+    measured = isa_class if isa_class in RATE_SOURCES else BORROWED_RATES.get(isa_class, "avx2")
+    source = RATE_SOURCES[measured] + ("" if measured == isa_class else f"; {isa_class} not measured, "
+                                                                         f"{measured}'s figures used")
+    emulated = precision == "bf16" and not native_bf16
+    table = MEASURED_RATES[(measured, "fp32" if emulated and measured != "avx2" else precision)]
+    reference = MEASURED_RATES[("avx512_bf16", "fp32" if emulated else precision)]
+    if len(table) == 1 and base_filters not in table:  # scale one measured width as avx512_bf16's scale
+        width = next(iter(table))
+        rate = table[width] * _interpolate(reference, base_filters) / _interpolate(reference, width)
+    else:
+        rate = _interpolate(table, base_filters)
+    if emulated and measured != "avx2":
+        rate /= EMULATED_BF16_SLOWDOWN
+        source += f"; bf16 emulated: fp32 / {EMULATED_BF16_SLOWDOWN:g}"
+    return StepRate(rate, source)
+
+
+@dataclass(frozen=True)
+class MachineSpeed:
+    """What the step-time prediction needs to know about the CPU."""
+
+    isa_class: str
+    native_bf16: bool
+    cores: int
+
+    @classmethod
+    def here(cls) -> "MachineSpeed":
+        from bigmem.sysinfo import cpu_description, isa_class, native_bf16
+
+        return cls(isa_class(cpu_description()["isa"]), native_bf16(), usable_cores())
+
+
+def usable_cores() -> int:
+    """CPUs this process may run on (its affinity), as a count of cores for the rate above."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def predicted_step_s(train_flops: int, recomputed_share: float, rate: StepRate, cores: int) -> float:
+    """Seconds per step: FLOPs (plus the recomputed forward passes) over the rate times the cores.
+
+    Args:
+        train_flops: FLOPs of one training step without recomputation.
+        recomputed_share: the share of the forward FLOPs in recomputed stages (0..1).
+        rate: from ``step_rate``.
+        cores: cores the step runs on.
+    """
+    flops = train_flops * (1.0 + RECOMPUTE_EXTRA_SHARE * recomputed_share)
+    return flops / (rate.gflops_per_core * 1e9 * max(1, cores))
