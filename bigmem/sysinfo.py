@@ -19,6 +19,31 @@ TRAINING_ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx5
                       "amx_tile", "amx_bf16", "amx_int8")
 
 
+# ISA classes a memory calibration is keyed by, most capable first (the flag that defines each):
+# they select different oneDNN kernels, and bf16 is native only on the first two (DESIGN.md).
+ISA_CLASSES = (("amx", "amx_bf16"), ("avx512_bf16", "avx512_bf16"), ("avx512", "avx512f"), ("avx2", "avx2"))
+NATIVE_BF16_ISA_CLASSES = ("amx", "avx512_bf16")
+
+
+def isa_class(isa: dict[str, bool]) -> str:
+    """The most capable ISA class whose defining flag is set, else "baseline".
+
+    Args:
+        isa: flag -> present, as ``cpu_description()["isa"]`` gives it.
+
+    Returns:
+        One of "amx", "avx512_bf16", "avx512", "avx2", "baseline".
+
+    Example:
+        >>> isa_class({"avx2": True, "avx512f": True, "avx512_bf16": False})
+        'avx512'
+    """
+    for name, flag in ISA_CLASSES:
+        if isa.get(flag):
+            return name
+    return "baseline"
+
+
 def cpu_description(proc_root: str | os.PathLike = "/proc") -> dict[str, Any]:
     model, flags = platform.processor() or "unknown", set()
     cpuinfo = Path(proc_root) / "cpuinfo"

@@ -41,6 +41,7 @@ def run(args) -> int:
     from rich.table import Table
 
     from bigmem.config.presets import resolve_config
+    from bigmem.memory.calibration import lookup_calibration
     from bigmem.memory.planner import available_memory_bytes, make_plan
     from bigmem.memory.profile import counts_function
     from bigmem.rundir import atomic_write_json
@@ -87,6 +88,8 @@ def run(args) -> int:
             flags = f"--volume {chosen.volume} --batch-size {chosen.batch_size} {chosen.flags()}".rstrip()
             console.print(f"chosen: {flags} (est. {format_bytes(chosen.predicted_peak_bytes)}); "
                           f"{len(plan.candidates)} candidates in {args.out}")
+            source = lookup_calibration(config.model.name, chosen.precision, chosen.recompute).source
+            console.print(f"calibration: {source}", style="dim")
     if not plan.fits:
         c = plan.closest
         raise InsufficientMemoryError(

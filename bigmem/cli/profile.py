@@ -18,7 +18,9 @@ Predict the peak resident memory of one training step, per component, before any
 allocated; with --measure, also run a few real steps in a child process and read the kernel's
 peak (VmHWM). --sweep measures several sizes and fits peak = fixed + bytes/voxel x voxels.
 --calibrate fits this machine's activation multiplier and overhead (stored in ~/.cache/bigmem)
-for the chosen --precision and --recompute; later estimates use it.
+for the chosen --model, --precision and --recompute; later estimates use it. Without one, the
+shipped defaults for this CPU's ISA class are used, or, where there are none, another class's
+plus a stated safety margin (the breakdown shows it as its own component).
 
 Measurements use synthetic volumes of the same shape (voxel values do not change the footprint).
 """
@@ -196,7 +198,8 @@ class _Printer:
 
         sizes = ", ".join(f"{p['volume']}^3: {format_bytes(p['measured_peak_bytes'])}" for p in points)
         self.console.print(f"measured {sizes}")
-        self.console.print(f"calibration ({calibration.key['precision']}, recompute {calibration.key['recompute']}): "
+        self.console.print(f"calibration ({calibration.key['preset']}, {calibration.key['precision']}, recompute "
+                           f"{calibration.key['recompute']}): "
                            f"activation scale {calibration.activation_scale:.3f}, framework "
-                           f"{format_bytes(calibration.framework_bytes)}; saved for {calibration.key['cpu']}, "
-                           f"TF {calibration.key['tensorflow']}")
+                           f"{format_bytes(calibration.framework_bytes)}; saved for {calibration.key['cpu']} "
+                           f"({calibration.key['isa']}), TF {calibration.key['tensorflow']}")

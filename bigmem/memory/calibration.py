@@ -1,14 +1,16 @@
 """Per-machine calibration of the footprint estimate: an activation multiplier and a fixed overhead.
 
-``bigmem profile --calibrate`` measures 2-3 small sizes in child processes and fits, per
-(precision, recompute), ``measured - exact parts = framework_bytes + activation_scale * counted``
+``bigmem profile --calibrate --model X`` measures 2-3 small sizes in child processes and fits, per
+(preset, precision, recompute), ``measured - exact parts = framework_bytes + activation_scale * counted``
 by least squares; the result is stored in the user's cache directory, keyed by CPU model,
-TensorFlow version, precision and recompute mode. Without a stored fit the estimate uses the
-defaults below and says so.
+ISA class, TensorFlow version, preset, precision and recompute mode. Without a stored fit the
+estimate uses the shipped defaults for this ISA class and preset; where there are none it uses
+another's and adds a stated safety margin, and says so.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import platform
 import time
@@ -19,30 +21,185 @@ from typing import Sequence
 
 from bigmem.data.synth import default_cache_dir
 from bigmem.rundir import atomic_write_json
+from bigmem.sysinfo import NATIVE_BF16_ISA_CLASSES, cpu_description, isa_class
 
-# Defaults, fitted by `bigmem profile --model small --batch-size 1 --precision P --recompute R
-# --calibrate 32,64,96,128,160` for each (P, R), in a fresh cache, on the development machine:
-# AMD EPYC (2 vCPUs, avx512_bf16, one NUMA node), TensorFlow 2.21.0, Keras 3.15.1, 2026-11-30.
-# framework_bytes includes TensorFlow's own ~570 MiB resident after import.
-DEFAULT_SOURCE = "default (fitted on the bigmem dev machine: AMD EPYC 2 vCPU, TF 2.21.0, small preset)"
-DEFAULTS: dict[tuple[str, str], tuple[float, int]] = {
-    ("fp32", "none"): (0.6404, 729_084_995),
-    ("bf16", "none"): (1.003, 734_430_760),
-    ("fp32", "stages"): (0.5385, 730_397_886),
-    ("bf16", "stages"): (0.8223, 753_278_757),
+# Defaults per (ISA class, preset, precision, recompute): knots (volume edge, counted activation
+# bytes, measured overhead bytes = VmHWM - the estimate's exact parts) at batch 1, see
+# Calibration. Measured by
+#   python benchmarks/bench_memory_model.py --model intelai-brats,small,kits19 --check-sizes reused
+#       --checks-per-mode 9 --reuse <the results files it names in "reused_from">
+# (every point trained 3 steps in a fresh child process; its printed "defaults_fit"), on the
+# development machine: AMD EPYC, 2 vCPUs, avx512_bf16 without AMX, one NUMA node, 24 GiB,
+# TensorFlow 2.21.0 with oneDNN on, Keras 3, 2026-11-30; results in
+# benchmarks/results/memory_model-vm-20261130-*.json. tiny uses small's (DEFAULT_PRESET_FOR).
+DEFAULTS_MACHINE = "AMD EPYC 2 vCPU avx512_bf16, TF 2.21.0, 2026-11-30"
+DEFAULTS: dict[tuple[str, str, str, str], tuple[tuple[int, int, int], ...]] = {
+    ("avx512_bf16", "small", "fp32", "none"): (
+        (32, 24_551_424, 695_568_720),
+        (64, 196_411_392, 849_606_992),
+        (96, 662_888_448, 1_265_551_696),
+        (128, 1_571_291_136, 2_057_447_760),
+    ),
+    ("avx512_bf16", "small", "bf16", "none"): (
+        (32, 13_520_896, 711_051_600),
+        (64, 108_167_168, 857_418_064),
+        (96, 365_064_192, 1_097_779_536),
+        (128, 865_337_344, 1_608_710_480),
+    ),
+    ("avx512_bf16", "small", "fp32", "stages"): (
+        (32, 19_283_968, 700_430_672),
+        (64, 154_271_744, 793_753_936),
+        (96, 520_667_136, 1_068_386_640),
+        (128, 1_234_173_952, 1_552_689_488),
+    ),
+    ("avx512_bf16", "small", "bf16", "stages"): (
+        (32, 10_887_168, 722_626_896),
+        (64, 87_097_344, 811_624_784),
+        (96, 293_953_536, 986_872_144),
+        (128, 696_778_752, 1_371_658_576),
+    ),
+    ("avx512_bf16", "intelai-brats", "fp32", "none"): (
+        (32, 59_478_016, 847_618_528),
+        (64, 475_824_128, 1_107_259_872),
+        (96, 1_605_906_432, 1_755_529_696),
+        (240, 25_092_288_000, 15_804_133_856),
+    ),
+    ("avx512_bf16", "intelai-brats", "bf16", "none"): (
+        (32, 31_967_232, 837_767_648),
+        (64, 255_737_856, 1_131_295_200),
+        (96, 863_115_264, 1_695_150_560),
+        (256, 16_367_222_784, 18_608_734_688),
+    ),
+    ("avx512_bf16", "intelai-brats", "fp32", "stages"): (
+        (32, 41_754_624, 842_314_208),
+        (64, 334_036_992, 1_040_880_096),
+        (96, 1_127_374_848, 1_525_883_360),
+        (272, 25_642_558_464, 16_301_154_784),
+    ),
+    ("avx512_bf16", "kits19", "fp32", "none"): (
+        (32, 95_734_784, 885_110_108),
+        (64, 765_878_272, 1_419_109_724),
+        (96, 2_584_839_168, 2_863_961_436),
+        (128, 6_127_026_176, 5_380_838_748),
+        (160, 11_966_848_000, 9_255_101_788),
+        (192, 20_678_713_344, 15_014_458_716),
+    ),
+    ("avx512_bf16", "kits19", "bf16", "none"): (
+        (32, 52_258_304, 943_375_708),
+        (64, 418_066_432, 1_229_227_356),
+        (96, 1_410_974_208, 1_980_990_812),
+        (128, 3_344_531_456, 3_302_958_428),
+    ),
+    ("avx512_bf16", "kits19", "fp32", "stages"): (
+        (32, 74_863_872, 925_582_684),
+        (64, 598_910_976, 1_244_034_396),
+        (96, 2_021_324_544, 2_160_117_084),
+        (128, 4_791_287_808, 3_579_942_236),
+    ),
+    ("avx512_bf16", "kits19", "bf16", "stages"): (
+        (32, 41_822_848, 978_457_948),
+        (64, 334_582_784, 1_210_717_532),
+        (96, 1_129_216_896, 1_586_447_708),
+        (128, 2_676_662_272, 2_488_800_604),
+        (256, 21_413_298_176, 13_843_834_204),
+    ),
 }
+# Presets without defaults of their own that use another's: tiny has small's blocks (instance
+# norm, max pooling) at a quarter of its width; its test-sized runs are framework-dominated.
+DEFAULT_PRESET_FOR = {"tiny": "small"}
+# Margins added to the whole prediction where the defaults were not measured for this CPU or
+# model, so that a pre-flight check never under-predicts silently (issue 14, AVX2 dev machine
+# with oneDNN forced on, small 64^3, the avx512-fitted default): fp32 was predicted 9.6% below
+# the measured peak (x1.106 needed), rounded up to 15%; bf16 without native instructions is
+# emulated with float32 temporaries and was predicted 45.7% below (x1.84 needed), rounded up to 100%.
+UNMEASURED_MARGIN_FRACTION = 0.15
+EMULATED_BF16_MARGIN_FRACTION = 1.0
 
 
 @dataclass
 class Calibration:
+    """How the counted activation bytes become resident bytes: ``framework + scale * counted``.
+
+    With ``knots`` (measured ``[counted_activation_bytes, overhead_bytes]`` pairs, ascending),
+    the line is the segment between the two knots around the counted bytes (the first or last
+    segment beyond them): the measured overhead is not one line in the counted bytes. On this
+    machine (kits19, fp32) it grows by 2,340 bytes per voxel up to 96^3 and by 1,955 from 128^3
+    to 192^3 (benchmarks/results/memory_model-*.json), so no single (scale, framework) pair holds
+    both 32^3 and 192^3 within 5%. ``activation_scale`` and ``framework_bytes`` are then the line
+    used beyond the measured sizes (``line_for`` past the last knot).
+    """
+
     activation_scale: float
     framework_bytes: int
     source: str
     key: dict = field(default_factory=dict)
     fitted_on: list = field(default_factory=list)
+    # Added to the whole prediction (a fraction of it) where the values were not measured here.
+    margin_fraction: float = 0.0
+    knots: list = field(default_factory=list)
+
+    def line_for(self, counted_activation_bytes: float) -> tuple[float, float]:
+        """(activation_scale, framework_bytes) of the segment that holds ``counted_activation_bytes``.
+
+        Args:
+            counted_activation_bytes: the estimate's activation bytes at unit scale.
+
+        Returns:
+            The scalars when there are fewer than two knots, else the interpolating segment's
+            slope and intercept: below the first knot the first segment's; beyond the last, a
+            line through the last knot with the larger of the last segment's slope and the
+            least-squares slope of all knots (each weighted by 1 / overhead^2).
+        """
+        if len(self.knots) < 2:
+            return self.activation_scale, self.framework_bytes
+        index = 1
+        while index < len(self.knots) - 1 and counted_activation_bytes > self.knots[index][0]:
+            index += 1
+        (x0, y0), (x1, y1) = self.knots[index - 1], self.knots[index]
+        slope = (y1 - y0) / (x1 - x0)
+        if counted_activation_bytes > x1 and len(self.knots) > 2:
+            # Beyond the last knot, through it, with the larger of the last segment's slope and
+            # the least-squares slope of all knots: one segment between nearby sizes is noisy
+            # (kits19 bf16+stages, calibrated on 32/64/96^3: the 64-96 segment predicts 288^3
+            # 9.3% low, the least-squares slope 1.1% low; benchmarks/results/memory_model-*.json).
+            xs, ys = [k[0] for k in self.knots], [k[1] for k in self.knots]
+            slope = max(slope, fit_line(xs, ys, [1.0 / max(y, 1) ** 2 for y in ys])[0])
+            return slope, int(round(y1 - slope * x1))
+        return slope, int(round(y0 - slope * x0))
+
+    def fixed_bytes(self) -> int:
+        """The overhead at no counted bytes: the first segment's intercept (else ``framework_bytes``)."""
+        return self.line_for(self.knots[0][0])[1] if len(self.knots) >= 2 else self.framework_bytes
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def knots_from(points: Sequence[dict]) -> list[list[int]]:
+    """Measured points as knots: one per volume (averaged), ascending, overhead never decreasing.
+
+    A later knot below an earlier one (measurement noise at small sizes, where the framework's
+    fixed cost dominates) is raised to it, so that a segment never has a negative slope; that
+    errs towards predicting more.
+
+    Args:
+        points: ``{volume, counted_activation_bytes, exact_bytes, measured_peak_bytes}`` each.
+
+    Returns:
+        ``[[counted_activation_bytes, overhead_bytes], ...]``, ascending in both.
+    """
+    by_volume: dict[int, list[dict]] = {}
+    for p in points:
+        by_volume.setdefault(p["volume"], []).append(p)
+    knots = []
+    for volume in sorted(by_volume, key=lambda v: by_volume[v][0]["counted_activation_bytes"]):
+        group = by_volume[volume]
+        x = sum(p["counted_activation_bytes"] for p in group) / len(group)
+        y = sum(p["measured_peak_bytes"] - p["exact_bytes"] for p in group) / len(group)
+        if knots and x <= knots[-1][0]:
+            continue
+        knots.append([int(round(x)), int(round(max(y, knots[-1][1] if knots else y)))])
+    return knots
 
 
 def calibration_path() -> Path:
@@ -68,8 +225,16 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def machine_key(precision: str, recompute: str) -> dict:
-    return {"cpu": cpu_model(), "tensorflow": tensorflow_version(), "precision": precision, "recompute": recompute}
+@functools.lru_cache(maxsize=1)
+def machine_isa_class() -> str:
+    """This CPU's ISA class (``bigmem.sysinfo.isa_class`` of its /proc/cpuinfo flags)."""
+    return isa_class(cpu_description()["isa"])
+
+
+def machine_key(preset: str, precision: str, recompute: str) -> dict:
+    """What a stored calibration is valid for: this CPU and TF version, one model and mode."""
+    return {"cpu": cpu_model(), "isa": machine_isa_class(), "tensorflow": tensorflow_version(),
+            "preset": preset, "precision": precision, "recompute": recompute}
 
 
 def _load_all(path: Path) -> list[dict]:
@@ -79,34 +244,133 @@ def _load_all(path: Path) -> list[dict]:
         return []
 
 
-def lookup_calibration(precision: str, recompute: str, *, path: Path | None = None) -> Calibration:
-    """The stored calibration for this machine and mode, else the default."""
-    key = machine_key(precision, recompute)
+def lookup_calibration(preset: str, precision: str, recompute: str, *, path: Path | None = None,
+                       isa: str | None = None) -> Calibration:
+    """This machine's stored calibration for ``preset`` and the mode, else the shipped default.
+
+    Args:
+        preset: the model preset's name (``config.model.name``).
+        precision: "fp32" or "bf16".
+        recompute: "none" or "stages".
+        path: the calibration store (default: ``calibration_path()``).
+        isa: the ISA class to look defaults up for (default: this CPU's).
+
+    Returns:
+        A stored fit; else the default for this ISA class and preset (no margin); else a default
+        measured elsewhere with ``margin_fraction`` set and its ``source`` saying why.
+    """
+    key = machine_key(preset, precision, recompute)
     for entry in _load_all(path or calibration_path()):
         if entry.get("key") == key:
             return Calibration(**entry)
-    scale, framework = DEFAULTS[(precision, recompute)]
-    return Calibration(scale, framework, DEFAULT_SOURCE, key)
+    return default_calibration(preset, precision, recompute, isa=isa or machine_isa_class(), key=key)
 
 
-def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
-    """Least-squares (slope, intercept) of ys against xs (at least two distinct xs)."""
+def _last_slope(knots: Sequence[tuple[int, int, int]]) -> float:
+    (_, x0, y0), (_, x1, y1) = knots[-2], knots[-1]
+    return (y1 - y0) / (x1 - x0)
+
+
+def default_calibration(preset: str, precision: str, recompute: str, *, isa: str,
+                        key: dict | None = None) -> Calibration:
+    """The shipped default for ``isa`` and ``preset``, with a margin where none was measured for them.
+
+    Args:
+        preset, precision, recompute: as for ``lookup_calibration``.
+        isa: an ISA class (``bigmem.sysinfo.isa_class``).
+        key: recorded in the result (default: this machine's key).
+
+    Returns:
+        A Calibration; ``margin_fraction`` is 0 only where DEFAULTS has this ISA class and preset
+        (or the preset that stands in for it, DEFAULT_PRESET_FOR).
+
+    Example:
+        >>> default_calibration("small", "bf16", "none", isa="avx2").margin_fraction
+        1.0
+    """
+    key = key or machine_key(preset, precision, recompute)
+    measured_isas = sorted({k[0] for k in DEFAULTS})
+    base = DEFAULT_PRESET_FOR.get(preset, preset)
+    reasons = []
+    source_isa = isa if isa in measured_isas else measured_isas[0]
+    if source_isa != isa:
+        reasons.append(f"no default for ISA class {isa} (measured: {', '.join(measured_isas)})")
+    mode_defaults = {k[1]: v for k, v in DEFAULTS.items() if (k[0], k[2], k[3]) == (source_isa, precision, recompute)}
+    if base not in mode_defaults:
+        # An unmeasured model or mode: the shipped preset with the largest multiplier beyond its knots.
+        fallback = max(mode_defaults, key=lambda name: _last_slope(mode_defaults[name]))
+        reasons.append(f"no default for model {preset!r} in {precision}/{recompute}; using {fallback}'s")
+        base = fallback
+    margin = 0.0
+    if reasons:
+        margin = UNMEASURED_MARGIN_FRACTION
+        if precision == "bf16" and isa not in NATIVE_BF16_ISA_CLASSES:
+            margin = EMULATED_BF16_MARGIN_FRACTION
+            reasons.append("bf16 is emulated on this ISA (float32 temporaries)")
+    knots = [[x, y] for _, x, y in mode_defaults[base]]
+    scale, framework = Calibration(0.0, 0, "", knots=knots).line_for(knots[-1][0] + 1)
+    source = f"default for {base} on {source_isa} ({DEFAULTS_MACHINE})"
+    if reasons:
+        source += f"; {'; '.join(reasons)}: +{100 * margin:.0f}% safety margin"
+    return Calibration(round(scale, 4), framework, source, key, [v for v, _, _ in mode_defaults[base]],
+                       margin_fraction=margin, knots=knots)
+
+
+def fit_line(xs: Sequence[float], ys: Sequence[float], weights: Sequence[float] | None = None) -> tuple[float, float]:
+    """Weighted least-squares (slope, intercept) of ys against xs (at least two distinct xs).
+
+    Args:
+        xs, ys: the points.
+        weights: one per point (default: all 1).
+
+    Returns:
+        (slope, intercept).
+
+    Raises:
+        ValueError: fewer than two distinct xs.
+    """
     n = len(xs)
-    mean_x, mean_y = sum(xs) / n, sum(ys) / n
-    sxx = sum((x - mean_x) ** 2 for x in xs)
-    if n < 2 or sxx == 0:
+    weights = list(weights) if weights is not None else [1.0] * n
+    total = sum(weights)
+    if n < 2 or total <= 0:
         raise ValueError("calibration needs at least two different sizes")
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sxx
+    mean_x = sum(w * x for w, x in zip(weights, xs)) / total
+    mean_y = sum(w * y for w, y in zip(weights, ys)) / total
+    sxx = sum(w * (x - mean_x) ** 2 for w, x in zip(weights, xs))
+    if sxx == 0:
+        raise ValueError("calibration needs at least two different sizes")
+    slope = sum(w * (x - mean_x) * (y - mean_y) for w, x, y in zip(weights, xs, ys)) / sxx
     return slope, mean_y - slope * mean_x
 
 
-def fit_calibration(precision: str, recompute: str, points: Sequence[dict]) -> Calibration:
-    """Fit from points {volume, counted_activation_bytes, exact_bytes, measured_peak_bytes}."""
+def fit_calibration(preset: str, precision: str, recompute: str, points: Sequence[dict]) -> Calibration:
+    """Fit ``measured - exact = framework_bytes + activation_scale * counted`` to measured points.
+
+    With three or more volumes the result interpolates between them (``knots``; its scalars are
+    the line beyond them); with two it is the least-squares line, each point weighted by
+    1 / measured^2 so that it minimises the squared *relative* error (a pre-flight check is
+    judged by it; unweighted, the largest size would decide the fit alone).
+
+    Args:
+        preset, precision, recompute: what the points measured (the stored key).
+        points: ``{volume, counted_activation_bytes, exact_bytes, measured_peak_bytes}`` each,
+            at least two different volumes (``bigmem.memory.profile.calibration_point``).
+
+    Returns:
+        The Calibration, keyed by this machine, ``fitted_on`` the volumes.
+    """
     xs = [p["counted_activation_bytes"] for p in points]
     ys = [p["measured_peak_bytes"] - p["exact_bytes"] for p in points]
-    scale, framework = fit_line(xs, ys)
-    return Calibration(round(scale, 4), int(framework), f"this machine, fitted {time.strftime('%Y-%m-%d')}",
-                       machine_key(precision, recompute), sorted(p["volume"] for p in points))
+    weights = [1.0 / p["measured_peak_bytes"] ** 2 for p in points]
+    scale, framework = fit_line(xs, ys, weights)
+    knots = knots_from(points) if len({p["volume"] for p in points}) > 2 else []
+    calibration = Calibration(round(scale, 4), int(framework), f"this machine, fitted {time.strftime('%Y-%m-%d')}",
+                              machine_key(preset, precision, recompute), sorted(p["volume"] for p in points),
+                              knots=knots)
+    if knots:
+        calibration.activation_scale, calibration.framework_bytes = calibration.line_for(knots[-1][0] + 1)
+        calibration.activation_scale = round(calibration.activation_scale, 4)
+    return calibration
 
 
 def save_calibration(calibration: Calibration, *, path: Path | None = None) -> Path:

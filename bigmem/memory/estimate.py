@@ -126,7 +126,7 @@ def estimate(config: ExperimentConfig, counts: NetworkCounts, spatial_shape: Seq
     if recompute_stages is None:
         recompute_stages = list(counts.block_elements) if train.recompute is Recompute.STAGES else []
     recompute_key = "stages" if recompute_stages else "none"
-    calibration = calibration or lookup_calibration(precision.value, recompute_key)
+    calibration = calibration or lookup_calibration(config.model.name, precision.value, recompute_key)
     voxels = math.prod(spatial_shape)
     compute_bytes = BFLOAT16_BYTES if precision is Precision.BF16 else FLOAT32_BYTES
     channels = config.model.in_channels
@@ -135,19 +135,33 @@ def estimate(config: ExperimentConfig, counts: NetworkCounts, spatial_shape: Seq
     # The head's logits leave the network in float32 whatever the compute precision.
     float32_extra = counts.head_elements * batch * (FLOAT32_BYTES - compute_bytes) // 2
     activation_bytes = kept * compute_bytes + float32_extra
+    workspace_bytes = counts.largest_tensor * batch * (WORKSPACE_TENSORS * compute_bytes
+                                                       + WORKSPACE_FLOAT32_TENSORS * FLOAT32_BYTES)
+    # The calibration scales the workspace with the activations: both count tensors assumed live
+    # at the peak, and neither is exact (kits19 bf16+stages, batch 1: the measured peak grew by 617
+    # bytes per voxel from 256^3 to 288^3, where the workspace alone counts 640).
+    counted_bytes = activation_bytes + workspace_bytes
+    scale, intercept = calibration.line_for(counted_bytes)
+    # The fixed part is the framework's cost at no volume; what the calibrated line adds beyond it
+    # is shared by the activations and the workspace in proportion to their counts.
+    framework_bytes = calibration.fixed_bytes()
+    scale = (intercept + scale * counted_bytes - framework_bytes) / counted_bytes if counted_bytes else 0.0
     components = {
-        "framework": calibration.framework_bytes,
+        "framework": framework_bytes,
         "weights": counts.param_count * FLOAT32_BYTES,
         "gradients": counts.trainable_count * FLOAT32_BYTES,
         "optimizer_slots": OPTIMIZER_SLOTS[train.optimizer] * counts.trainable_count * FLOAT32_BYTES,
-        "activations": int(round(calibration.activation_scale * activation_bytes)),
-        "workspace": counts.largest_tensor * batch * (WORKSPACE_TENSORS * compute_bytes
-                                                      + WORKSPACE_FLOAT32_TENSORS * FLOAT32_BYTES),
+        "activations": int(round(scale * activation_bytes)),
+        "workspace": int(round(scale * workspace_bytes)),
         "input_pipeline": (data.prefetch + PIPELINE_EXTRA_BATCHES) * batch * voxels
                           * (channels * FLOAT32_BYTES + LABEL_BYTES),
         "hdf5_chunk_cache": 2 * HDF5_CHUNK_CACHE_BYTES * max(1, data.num_workers),
     }
     notes = []
+    if calibration.margin_fraction:
+        components["safety_margin"] = int(round(calibration.margin_fraction * sum(components.values())))
+        notes.append(f"calibration: {calibration.source}; run `bigmem profile --calibrate --model "
+                     f"{config.model.name}` to measure this machine")
     if data.num_workers:
         notes.append(f"{data.num_workers} reader processes hold their own memory (not in this process's peak)")
     # Training FLOPs: 2 per multiply-add, backward twice the forward; recomputed stages run their

@@ -22,8 +22,11 @@ class Measurement:
 
 
 def measure(config: ExperimentConfig, *, steps: int = 3, recompute_stages: list[str] | None = None,
-            timeout_s: float = 3600.0) -> Measurement:
+            timeout_s: float = 3600.0, force: bool = False) -> Measurement:
     """Train ``config`` for ``steps`` steps on synthetic volumes of its shape in a fresh process.
+
+    ``force`` skips the training pre-flight's refusal (exit 3) when the *estimate* exceeds the free
+    memory: a benchmark that checks the estimate must be able to measure where it is too high.
 
     The values of the voxels do not change the footprint, so the measurement uses phantoms of
     ``config.data.volume`` (cached) rather than the user's store.
@@ -36,7 +39,7 @@ def measure(config: ExperimentConfig, *, steps: int = 3, recompute_stages: list[
     config.train.checkpoint_every = steps
     config.train.warmup_steps = min(config.train.warmup_steps, steps)
     with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="bigmem-probe-") as request:
-        json.dump({"config": config.to_dict(), "recompute_stages": recompute_stages}, request)
+        json.dump({"config": config.to_dict(), "recompute_stages": recompute_stages, "force": force}, request)
         request.flush()
         result = subprocess.run([sys.executable, "-m", "bigmem.memory.probe", request.name],
                                 capture_output=True, text=True, timeout=timeout_s)

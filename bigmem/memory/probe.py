@@ -33,7 +33,7 @@ def probe(request: dict) -> dict:
 
     with tempfile.TemporaryDirectory(prefix="bigmem-probe-") as run_dir:
         train(config, f"{run_dir}/run", console=Console(file=io.StringIO()),
-              recompute_stages=request.get("recompute_stages"))
+              recompute_stages=request.get("recompute_stages"), force=bool(request.get("force", False)))
         rows = read_jsonl(f"{run_dir}/run/metrics.jsonl")
     step_s = [r["step_s"] for r in rows[1:]] or [rows[0]["step_s"]]
     return {

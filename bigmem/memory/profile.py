@@ -13,6 +13,8 @@ from bigmem.memory.estimate import Estimate, NetworkCounts, estimate
 from bigmem.memory.measure import Measurement, measure
 
 TEBIBYTE = 2**40
+# No multiplier and no overhead: the estimate's own parts, as a calibration fit takes them.
+UNIT_CALIBRATION = Calibration(1.0, 0, "unit")
 
 
 def counts_function(config: ExperimentConfig) -> Callable[[tuple[int, int, int]], NetworkCounts]:
@@ -99,24 +101,41 @@ def sweep(config: ExperimentConfig, volumes: Sequence[int], counts_for, *, steps
     return results, ScalingLaw(intercept, slope)
 
 
+def calibration_point(config: ExperimentConfig, counts_for, measured_peak_bytes: int) -> dict:
+    """One measured point as ``fit_calibration`` takes it: the estimate's parts at unit calibration.
+
+    Args:
+        config: the measured configuration (its ``data.volume`` is the cube edge).
+        counts_for: ``counts_function(config)``.
+        measured_peak_bytes: the measured VmHWM of that configuration.
+
+    Returns:
+        ``{volume, counted_activation_bytes, exact_bytes, measured_peak_bytes}``; the counted bytes
+        are the activations' and the workspace's (what the calibration scales), the exact ones
+        the rest of the estimate.
+    """
+    volume = config.data.volume
+    counts = counts_for((volume,) * 3)
+    stages = stages_for(config, counts)
+    raw = estimate(config, counts, (volume,) * 3, recompute_stages=stages, calibration=UNIT_CALIBRATION)
+    counted = raw.components["activations"] + raw.components["workspace"]  # what the calibration scales
+    return {"volume": volume, "counted_activation_bytes": counted, "exact_bytes": raw.predicted_peak_bytes - counted,
+            "measured_peak_bytes": int(measured_peak_bytes)}
+
+
 def calibrate(config: ExperimentConfig, volumes: Sequence[int], counts_for, *, steps: int = 3,
               progress: Callable[[int], None] | None = None, save: bool = True) -> tuple[Calibration, list]:
-    """Measure ``volumes`` and fit this machine's calibration for the config's precision/recompute."""
-    unit = Calibration(1.0, 0, "unit")
+    """Measure ``volumes`` and fit this machine's calibration for the config's preset, precision and recompute."""
     points = []
     for volume in volumes:
         if progress:
             progress(volume)
         sized = _with_volume(config, volume)
-        counts = counts_for((volume,) * 3)
-        stages = stages_for(sized, counts)
-        raw = estimate(sized, counts, (volume,) * 3, recompute_stages=stages, calibration=unit)
+        stages = stages_for(sized, counts_for((volume,) * 3))
         measured = measure(sized, steps=steps, recompute_stages=stages)
-        points.append({"volume": volume, "counted_activation_bytes": raw.components["activations"],
-                       "exact_bytes": raw.predicted_peak_bytes - raw.components["activations"],
-                       "measured_peak_bytes": measured.peak_bytes})
+        points.append(calibration_point(sized, counts_for, measured.peak_bytes))
     recompute = "stages" if config.train.recompute is Recompute.STAGES else "none"
-    calibration = fit_calibration(config.train.precision.value, recompute, points)
+    calibration = fit_calibration(config.model.name, config.train.precision.value, recompute, points)
     if save:
         save_calibration(calibration)
     return calibration, points

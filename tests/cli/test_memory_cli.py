@@ -48,9 +48,10 @@ def test_profile_non_cubic_shape(capsys):
     assert code == 0
     data = json.loads(out)
     assert data["spatial_shape"] == [240, 240, 144] and data["batch_size"] == 16
-    # The 2020 paper's job: hundreds of GiB (the paper's TF 1.x run reported "a little less than
-    # 1 TB"; bigmem's graph keeps fewer tensors, see models/README.md).
-    assert 2**37 < data["predicted_peak_bytes"] < 2**40
+    # The 2020 paper's job: about a hundred GiB and more (the paper's TF 1.x run reported "a little
+    # less than 1 TB"; bigmem's graph keeps fewer tensors, see models/README.md; with intelai-brats's
+    # measured calibration, 2026-11-30, 104 GiB).
+    assert 2**36 < data["predicted_peak_bytes"] < 2**40
     assert data["components"]["activations"] > 0.6 * data["predicted_peak_bytes"]
 
 
@@ -154,3 +155,5 @@ def test_profile_calibrate_is_used_afterwards(capsys):
     assert json.loads(out)["calibration"] == calibration
     code, out, _ = run_cli(["profile", "--model", "tiny", "--volume", 32, "--precision", "bf16", "--json"], capsys)
     assert json.loads(out)["calibration"]["source"].startswith("default")  # fitted for fp32/none only
+    code, out, _ = run_cli(["profile", "--model", "small", "--volume", 32, "--json"], capsys)
+    assert json.loads(out)["calibration"]["source"].startswith("default for small")  # fitted for tiny only

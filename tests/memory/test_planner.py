@@ -18,7 +18,7 @@ FIXED = Calibration(1.0, 100 * 2**20, "test")
 
 @pytest.fixture(autouse=True)
 def fixed_calibration(monkeypatch):
-    monkeypatch.setattr("bigmem.memory.estimate.lookup_calibration", lambda precision, recompute: FIXED)
+    monkeypatch.setattr("bigmem.memory.estimate.lookup_calibration", lambda preset, precision, recompute: FIXED)
 
 
 @pytest.fixture(scope="module")
