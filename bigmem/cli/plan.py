@@ -44,6 +44,7 @@ def run(args) -> int:
     from bigmem.memory.calibration import lookup_calibration
     from bigmem.memory.planner import available_memory_bytes, make_plan
     from bigmem.memory.profile import counts_function
+    from bigmem.nets.limits import max_kernel_elements
     from bigmem.rundir import atomic_write_json
     from bigmem.units import format_bytes, parse_bytes
 
@@ -90,6 +91,12 @@ def run(args) -> int:
                           f"{len(plan.candidates)} candidates in {args.out}")
             source = lookup_calibration(config.model.name, chosen.precision, chosen.recompute).source
             console.print(f"calibration: {source}", style="dim")
+            breakdown = ", ".join(f"{name} {format_bytes(size)}" for name, size in
+                                  sorted(chosen.components.items(), key=lambda item: -item[1]) if size)
+            console.print(f"breakdown: {breakdown}")
+            if chosen.partitioned_stages:
+                console.print(f"depth slabs: {', '.join(chosen.partitioned_stages)} hold tensors past "
+                              f"{max_kernel_elements():,} elements (TF's CPU kernel limit) and run in depth slabs")
     if not plan.fits:
         c = plan.closest
         raise InsufficientMemoryError(

@@ -15,6 +15,7 @@ from typing import Sequence
 
 from bigmem.config.options import OptimizerName, Precision, Recompute
 from bigmem.config.schema import ExperimentConfig
+from bigmem.nets.limits import max_kernel_elements, slab_elements
 from bigmem.memory.calibration import Calibration, lookup_calibration
 
 FLOAT32_BYTES = 4
@@ -33,6 +34,10 @@ WORKSPACE_FLOAT32_TENSORS = 1
 # The input pipeline holds `prefetch` finished batches, the batch the step consumes and the one
 # being assembled.
 PIPELINE_EXTRA_BATCHES = 2
+# The fewest depth planes a slab of a 3x3x3 conv's input gradient needs: one plane is read by
+# three output planes, which read two more on each side (nets/slabs.py). Wider planes than the
+# kernel limit over this many cannot be run at all.
+SLAB_FRAME_PLANES = 5
 
 
 @dataclass
@@ -48,6 +53,8 @@ class Estimate:
     calibration: Calibration
     train_flops_per_step: int = 0
     notes: list[str] = field(default_factory=list)
+    partitioned_stages: list[str] = field(default_factory=list)  # stages run in depth slabs
+    runnable: bool = True  # False where one depth plane is too wide for any slab (see SLAB_FRAME_PLANES)
 
     @property
     def predicted_peak_bytes(self) -> int:
@@ -64,6 +71,8 @@ class Estimate:
             "recompute_stages": list(self.recompute_stages),
             "calibration": self.calibration.to_dict(),
             "train_flops_per_step": self.train_flops_per_step,
+            "partitioned_stages": list(self.partitioned_stages),
+            "runnable": self.runnable,
         }
 
 
@@ -78,25 +87,39 @@ class NetworkCounts:
     largest_tensor: int  # elements of the largest single feature map
     head_elements: int
     forward_macs: int = 0  # multiply-adds of one sample's forward pass
+    # Per stage, its largest single tensor (elements per sample): what decides whether its ops
+    # run in depth slabs (nets/slabs.py).
+    stage_largest: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def from_model(cls, model, spatial_shape: Sequence[int]) -> "NetworkCounts":
         model.build_for()
         elements = model.block_feature_map_elements(spatial_shape)
         voxels = math.prod(spatial_shape)
-        outputs, shape = {}, tuple(spatial_shape)
+        outputs, largest_in, shape = {}, {}, tuple(spatial_shape)
         for stage in model.encoder:
+            # A stage's input (pooled or not) and its output at the finer of the two resolutions.
+            largest_in[stage.name] = max(stage.in_filters * math.prod(shape),
+                                         stage.filters * math.prod(stage.output_spatial_shape(shape)))
             shape = stage.output_spatial_shape(shape)
             outputs[stage.name] = stage.filters * math.prod(shape)
         for stage in model.decoder:
             shape = stage.output_spatial_shape(shape)
             outputs[stage.name] = stage.filters * math.prod(shape)
+            largest_in[stage.name] = 2 * stage.filters * math.prod(shape)  # the joined skip and upsampled input
         cfg = model.model_config
         # The widest full-resolution tensor: a decoder concat (2 x level-0 filters) or the input.
         largest = max(2 * cfg.filters[0], cfg.in_channels) * voxels
         trainable = sum(math.prod(v.shape) for v in model.trainable_weights)
         return cls(model.count_params(), int(trainable), {k: v for k, v in elements.items() if k != "head"},
-                   outputs, int(largest), int(elements["head"]), int(model.forward_macs(spatial_shape)))
+                   outputs, int(largest), int(elements["head"]), int(model.forward_macs(spatial_shape)),
+                   {name: int(n) for name, n in largest_in.items()})
+
+
+def partitioned_stages(counts: NetworkCounts, batch_size: int) -> list[str]:
+    """Stages with a tensor past the kernel limit: their ops run in depth slabs (nets/slabs.py)."""
+    limit = max_kernel_elements()
+    return [name for name, n in counts.stage_largest.items() if n * batch_size > limit]
 
 
 def activation_elements(counts: NetworkCounts, recompute: Sequence[str]) -> int:
@@ -131,12 +154,18 @@ def estimate(config: ExperimentConfig, counts: NetworkCounts, spatial_shape: Seq
     compute_bytes = BFLOAT16_BYTES if precision is Precision.BF16 else FLOAT32_BYTES
     channels = config.model.in_channels
 
+    # Past the kernel limit the widest ops run in depth slabs, and their temporaries are one slab's
+    # (a slab conv's output and zero-padded gradient, the norm's float32 upcasts), not the tensor's.
+    sliced = partitioned_stages(counts, batch)
+    workspace_elements = counts.largest_tensor * batch
+    if sliced:
+        workspace_elements = min(workspace_elements, slab_elements(counts.largest_tensor // spatial_shape[0]))
     kept = activation_elements(counts, recompute_stages) * batch
     # The head's logits leave the network in float32 whatever the compute precision.
     float32_extra = counts.head_elements * batch * (FLOAT32_BYTES - compute_bytes) // 2
     activation_bytes = kept * compute_bytes + float32_extra
-    workspace_bytes = counts.largest_tensor * batch * (WORKSPACE_TENSORS * compute_bytes
-                                                       + WORKSPACE_FLOAT32_TENSORS * FLOAT32_BYTES)
+    workspace_bytes = workspace_elements * (WORKSPACE_TENSORS * compute_bytes
+                                            + WORKSPACE_FLOAT32_TENSORS * FLOAT32_BYTES)
     # The calibration scales the workspace with the activations: both count tensors assumed live
     # at the peak, and neither is exact (kits19 bf16+stages, batch 1: the measured peak grew by 617
     # bytes per voxel from 256^3 to 288^3, where the workspace alone counts 640).
@@ -162,10 +191,20 @@ def estimate(config: ExperimentConfig, counts: NetworkCounts, spatial_shape: Seq
         components["safety_margin"] = int(round(calibration.margin_fraction * sum(components.values())))
         notes.append(f"calibration: {calibration.source}; run `bigmem profile --calibrate --model "
                      f"{config.model.name}` to measure this machine")
+    widest_plane = counts.largest_tensor // spatial_shape[0]
+    runnable = widest_plane * SLAB_FRAME_PLANES <= max_kernel_elements()
+    if not runnable:
+        notes.append(f"not runnable: a depth plane of {widest_plane:,} elements is too wide for any slab under TF's "
+                     f"CPU kernel limit of {max_kernel_elements():,} elements (needs {SLAB_FRAME_PLANES} planes)")
+    if sliced:
+        notes.append(f"{len(sliced)} stages hold tensors past {max_kernel_elements():,} elements, TF's CPU kernel "
+                     f"limit, and run in depth slabs of at most "
+                     f"{slab_elements(counts.largest_tensor // spatial_shape[0]):,} elements: {', '.join(sliced)}")
     if data.num_workers:
         notes.append(f"{data.num_workers} reader processes hold their own memory (not in this process's peak)")
     # Training FLOPs: 2 per multiply-add, backward twice the forward; recomputed stages run their
     # forward once more (not counted: the figure is the model's arithmetic, not bigmem's overhead).
     train_flops = 3 * 2 * counts.forward_macs * batch
     return Estimate(components, counts.param_count, tuple(spatial_shape), batch, precision.value,
-                    list(recompute_stages), calibration, train_flops, notes)
+                    list(recompute_stages), calibration, train_flops, notes, partitioned_stages=sliced,
+                    runnable=runnable)
