@@ -64,25 +64,54 @@ def cpu_description(proc_root: str | os.PathLike = "/proc") -> dict[str, Any]:
     }
 
 
+# Flags under which oneDNN runs bfloat16 natively: AVX-512 BF16, AMX, and AVX-NE-CONVERT with
+# AVX-VNNI (oneDNN's avx2_vnni_2). Elsewhere bf16 is emulated: ~20x slower than fp32 (DESIGN.md).
+NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16", "avx_ne_convert")
+# "1"/"0" overrides the CPU's flags (a container hiding /proc/cpuinfo; tests that must not depend
+# on the CPU they run on).
+NATIVE_BF16_VARIABLE = "BIGMEM_NATIVE_BF16"
+
+
+def native_bf16(proc_root: str | os.PathLike = "/proc") -> bool:
+    """Whether this CPU computes bfloat16 natively (see NATIVE_BF16_FLAGS and NATIVE_BF16_VARIABLE)."""
+    override = os.environ.get(NATIVE_BF16_VARIABLE)
+    if override in ("0", "1"):
+        return override == "1"
+    try:
+        text = (Path(proc_root) / "cpuinfo").read_text()
+    except OSError:
+        return False
+    flags = set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            flags.update(line.split(":", 1)[1].split())
+            break
+    return any(flag in flags for flag in NATIVE_BF16_FLAGS)
+
+
 def tensorflow_description() -> dict[str, Any]:
     """TF/Keras versions, oneDNN, and devices. Imports TensorFlow."""
     import keras
     import tensorflow as tf
 
-    try:  # whether this TF build contains oneDNN (x86 builds since TF 2.9 do)
+    from bigmem.tfenv import ONEDNN_REASON_VARIABLE, X86_MACHINES
+
+    # IsMklEnabled says whether oneDNN is on in this process (TF_ENABLE_ONEDNN_OPTS, else TF's
+    # per-CPU default); every x86 build since TF 2.9 contains it, on or off.
+    try:
         from tensorflow.python.util import _pywrap_util_port
 
-        onednn_built = bool(_pywrap_util_port.IsMklEnabled())
+        onednn_enabled = bool(_pywrap_util_port.IsMklEnabled())
     except (ImportError, AttributeError):
-        onednn_built = None
-    # Stock TF turns oneDNN on by default on x86 Linux unless TF_ENABLE_ONEDNN_OPTS=0.
+        onednn_enabled = None
+    onednn_built = platform.machine().lower() in X86_MACHINES or bool(onednn_enabled)
     env = os.environ.get("TF_ENABLE_ONEDNN_OPTS")
-    onednn_enabled = bool(onednn_built) and env not in ("0", "false", "False")
     return {
         "tensorflow": tf.__version__,
         "keras": keras.__version__,
         "onednn_built": onednn_built,
         "onednn_enabled": onednn_enabled,
+        "onednn_reason": os.environ.get(ONEDNN_REASON_VARIABLE, "TensorFlow imported outside bigmem"),
         "TF_ENABLE_ONEDNN_OPTS": env,
         "gpus": [d.name for d in tf.config.list_physical_devices("GPU")],
         "intra_op_threads": tf.config.threading.get_intra_op_parallelism_threads(),

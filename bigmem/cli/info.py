@@ -43,8 +43,7 @@ def run(args) -> int:
         tf_info = info["tensorflow"]
         machine.add_row("TensorFlow", f"{tf_info['tensorflow']} (Keras {tf_info['keras']})")
         onednn = "on" if tf_info["onednn_enabled"] else ("off" if tf_info["onednn_built"] else "not in this build")
-        machine.add_row("oneDNN", onednn + (f" (TF_ENABLE_ONEDNN_OPTS={tf_info['TF_ENABLE_ONEDNN_OPTS']})"
-                                            if tf_info["TF_ENABLE_ONEDNN_OPTS"] is not None else ""))
+        machine.add_row("oneDNN", f"{onednn}: {tf_info['onednn_reason']}")
         machine.add_row("GPUs", ", ".join(tf_info["gpus"]) or "none")
     console.print(machine)
     nodes = Table(title=f"NUMA nodes (from {info['numa']['source']}; libnuma {info['numa']['libnuma']})")

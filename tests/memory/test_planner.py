@@ -115,3 +115,24 @@ def test_available_memory_is_memavailable():
     import psutil
 
     assert abs(planner_module.available_memory_bytes() - psutil.virtual_memory().available) < 512 * 2**20
+
+
+def test_without_native_bf16_the_plan_and_suggestions_keep_fp32(monkeypatch):
+    from bigmem.memory.planner import FP32_MODES, MODES, allowed_modes
+
+    model = UNet3D(resolve_config("small").model).build_for()
+
+    def counts_for(shape):
+        return NetworkCounts.from_model(model, shape)
+
+    config = resolve_config("small", {"train": {"batch_size": 1}})
+    monkeypatch.setenv("BIGMEM_NATIVE_BF16", "0")
+    assert allowed_modes() == FP32_MODES and allowed_modes(True) == MODES
+    plan = make_plan(config, counts_for, 2 * 2**30, budget_source="test", batch_size=1)
+    assert plan.fits and {c.precision for c in plan.candidates} == {"fp32"}
+    assert plan.chosen.precision == "fp32"
+    with_bf16 = make_plan(config, counts_for, 2 * 2**30, budget_source="test", batch_size=1, allow_bf16=True)
+    assert {c.precision for c in with_bf16.candidates} == {"fp32", "bf16"}
+    assert "bf16" not in cheapest_fix(config, counts_for, 2 * 2**30, 160, 1)
+    bf16 = resolve_config("small", {"train": {"batch_size": 1, "precision": "bf16"}})
+    assert "bf16" in cheapest_fix(bf16, counts_for, 2 * 2**30, 160, 1)  # asked for: still suggested
