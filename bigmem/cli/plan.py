@@ -96,7 +96,8 @@ def run(args) -> int:
             console.print(f"breakdown: {breakdown}")
             if chosen.partitioned_stages:
                 console.print(f"depth slabs: {', '.join(chosen.partitioned_stages)} hold tensors past "
-                              f"{max_kernel_elements():,} elements (TF's CPU kernel limit) and run in depth slabs")
+                              f"{max_kernel_elements():,} elements (the limit bigmem keeps TF's CPU kernels under) and "
+                              "run in depth slabs")
     if not plan.fits:
         c = plan.closest
         raise InsufficientMemoryError(

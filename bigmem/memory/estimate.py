@@ -194,11 +194,11 @@ def estimate(config: ExperimentConfig, counts: NetworkCounts, spatial_shape: Seq
     widest_plane = counts.largest_tensor // spatial_shape[0]
     runnable = widest_plane * SLAB_FRAME_PLANES <= max_kernel_elements()
     if not runnable:
-        notes.append(f"not runnable: a depth plane of {widest_plane:,} elements is too wide for any slab under TF's "
-                     f"CPU kernel limit of {max_kernel_elements():,} elements (needs {SLAB_FRAME_PLANES} planes)")
+        notes.append(f"not runnable: a depth plane of {widest_plane:,} elements is too wide for any slab under the "
+                     f"kernel limit of {max_kernel_elements():,} elements (needs {SLAB_FRAME_PLANES} planes)")
     if sliced:
-        notes.append(f"{len(sliced)} stages hold tensors past {max_kernel_elements():,} elements, TF's CPU kernel "
-                     f"limit, and run in depth slabs of at most "
+        notes.append(f"{len(sliced)} stages hold tensors past {max_kernel_elements():,} elements, the limit bigmem "
+                     f"keeps TF's CPU kernels under, and run in depth slabs of at most "
                      f"{slab_elements(counts.largest_tensor // spatial_shape[0]):,} elements: {', '.join(sliced)}")
     if data.num_workers:
         notes.append(f"{data.num_workers} reader processes hold their own memory (not in this process's peak)")
