@@ -13,9 +13,12 @@ HELP = "find the largest volume and batch that fit a memory budget"
 
 DESCRIPTION = """\
 Search the largest whole volume (a multiple of 2^depth), then the largest batch, whose predicted
-peak fits the budget, trying fp32 and bf16, with and without stage recomputation (preferring, on
-a tie, full precision and no recomputation). Writes plan.json with every candidate evaluated.
-Give --volume and/or --batch-size to fix them. Exit code 3 when nothing fits.
+peak fits the budget, trying fp32 and bf16 (bf16 only where the CPU has it natively, unless
+--precision bf16), with and without stage recomputation (preferring, on a tie, full precision
+and no recomputation). Each candidate shows its predicted step time: its training FLOPs, plus the
+recomputed forward passes, over a rate measured for this CPU's ISA class and precision. Writes
+plan.json with every candidate evaluated. Give --volume and/or --batch-size to fix them. Exit
+code 3 when nothing fits.
 """
 
 
@@ -29,6 +32,9 @@ def register(subparsers, parents) -> None:
                                                          "node's free memory x nodes (default: none, MemAvailable)")
     parser.add_argument("--out", metavar="PLAN.json", default="plan.json", help="where to write the plan "
                                                                                   "(default: ./plan.json)")
+    parser.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto", dest="plan_precision",
+                        help="auto: fp32, and bf16 where the CPU has it natively; fp32: fp32 only; bf16: try bf16 "
+                             "even where it is emulated (~20x slower) (default: auto)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.set_defaults(run=run)
 
@@ -45,6 +51,8 @@ def run(args) -> int:
     from bigmem.memory.planner import available_memory_bytes, make_plan
     from bigmem.memory.profile import counts_function
     from bigmem.nets.limits import max_kernel_elements
+    from bigmem.sysinfo import native_bf16
+    from bigmem.train.trainer import EMULATED_BF16_WARNING
     from bigmem.rundir import atomic_write_json
     from bigmem.units import format_bytes, parse_bytes
 
@@ -68,22 +76,27 @@ def run(args) -> int:
         if node_budget < budget:
             budget, source = node_budget, node_source
     counts_for = counts_function(config)
-    plan = make_plan(config, counts_for, budget, budget_source=source, volume=args.volume, batch_size=fixed_batch)
+    allow_bf16 = {"auto": None, "fp32": False, "bf16": True}[args.plan_precision]
+    plan = make_plan(config, counts_for, budget, budget_source=source, volume=args.volume, batch_size=fixed_batch,
+                     allow_bf16=allow_bf16)
     atomic_write_json(Path(args.out), plan.to_dict())
     if args.json:
         print(json.dumps(plan.to_dict(), indent=2))
     else:
         console = Console(soft_wrap=True)
         table = Table(title=f"{config.model.name} within {format_bytes(budget)} ({source})")
-        for column in ("precision", "recompute", "largest volume", "batch", "predicted peak", "voxels vs fp32"):
+        for column in ("precision", "recompute", "largest volume", "batch", "predicted peak", "voxels vs fp32",
+                       "step (pred.)"):
             table.add_column(column, justify="right")
         base = next((c for c in plan.best_per_mode if (c.precision, c.recompute) == ("fp32", "none")), None)
         for c in plan.best_per_mode:
             ratio = f"{(c.volume ** 3 * c.batch_size) / (base.volume ** 3 * base.batch_size):.2f}x" if base else "-"
             mark = " *" if c is plan.chosen else ""
             table.add_row(c.precision, c.recompute, f"{c.volume}^3{mark}", str(c.batch_size),
-                          format_bytes(c.predicted_peak_bytes), ratio)
+                          format_bytes(c.predicted_peak_bytes), ratio, f"{c.predicted_step_s:.3g} s")
         console.print(table)
+        if args.plan_precision == "bf16" and not native_bf16():
+            console.print(EMULATED_BF16_WARNING, style="yellow")
         if plan.chosen:
             chosen = plan.chosen
             flags = f"--volume {chosen.volume} --batch-size {chosen.batch_size} {chosen.flags()}".rstrip()
@@ -91,6 +104,8 @@ def run(args) -> int:
                           f"{len(plan.candidates)} candidates in {args.out}")
             source = lookup_calibration(config.model.name, chosen.precision, chosen.recompute).source
             console.print(f"calibration: {source}", style="dim")
+            console.print(f"step time: {chosen.predicted_step_s:.3g} s predicted ({chosen.step_rate_source})",
+                          style="dim")
             breakdown = ", ".join(f"{name} {format_bytes(size)}" for name, size in
                                   sorted(chosen.components.items(), key=lambda item: -item[1]) if size)
             console.print(f"breakdown: {breakdown}")

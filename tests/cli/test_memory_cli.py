@@ -157,3 +157,20 @@ def test_profile_calibrate_is_used_afterwards(capsys):
     assert json.loads(out)["calibration"]["source"].startswith("default")  # fitted for fp32/none only
     code, out, _ = run_cli(["profile", "--model", "small", "--volume", 32, "--json"], capsys)
     assert json.loads(out)["calibration"]["source"].startswith("default for small")  # fitted for tiny only
+
+
+@pytest.mark.parametrize("precision,native,precisions,warned", [
+    ("auto", "1", {"fp32", "bf16"}, False), ("auto", "0", {"fp32"}, False), ("fp32", "1", {"fp32"}, False),
+    ("bf16", "0", {"fp32", "bf16"}, True)])
+def test_plan_precision_and_predicted_step_time(tmp_path, capsys, monkeypatch, precision, native, precisions, warned):
+    monkeypatch.setenv("BIGMEM_NATIVE_BF16", native)
+    out = tmp_path / "plan.json"
+    code, stdout, err = run_cli(["plan", "--budget", "2GiB", "--model", "small", "--batch-size", 1,
+                                 "--precision", precision, "--out", out], capsys)
+    assert code == 0, err
+    plan = json.loads(out.read_text())
+    assert {c["precision"] for c in plan["candidates"]} == precisions
+    assert all(c["predicted_step_s"] > 0 and c["step_rate_source"] for c in plan["candidates"])
+    assert plan["chosen"]["predicted_step_s"] > 0
+    assert f"step time: {plan['chosen']['predicted_step_s']:.3g} s predicted" in stdout
+    assert ("bf16 is emulated" in stdout) == warned
