@@ -39,10 +39,10 @@ def test_stages_past_the_limit_and_their_workspace(counts):
     assert sliced.partitioned_stages == ["enc0", "enc1", "dec0"]
     assert sliced.to_dict()["partitioned_stages"] == ["enc0", "enc1", "dec0"]
     assert any("run in depth slabs" in note and "enc0, enc1, dec0" in note for note in sliced.notes)
-    # the workspace shrinks from the widest tensor (2 x 8 x 32^3 per batch) to one slab (the limit)
+    # the workspace keeps the widest tensor's (2 x 8 x 32^3 per batch): measured, slabs do not lower the peak
     per_element = WORKSPACE_TENSORS * FLOAT32_BYTES + WORKSPACE_FLOAT32_TENSORS * FLOAT32_BYTES
     assert whole.components["workspace"] == 2 * 2 * 4 * 32**3 * per_element
-    assert sliced.components["workspace"] == limit * per_element
+    assert sliced.components == whole.components
 
 
 def test_a_plane_too_wide_for_any_slab_is_not_runnable(counts):
