@@ -24,6 +24,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
+from bigmem.nets.reduce import spatial_sum
 from bigmem.nets.slabs import PlaneWriter, as_planes, exceeds_limit, plan_slabs, slab_elements, take_planes
 
 ACTIVATIONS = ("relu", "leaky_relu", "linear")
@@ -37,6 +38,30 @@ def _grouped(x: tf.Tensor, groups: int) -> tf.Tensor:
     shape = tf.shape(x)
     channels = x.shape[-1]
     return tf.reshape(x, tf.stack([shape[0], -1, groups, channels // groups]))
+
+
+def _channel_sums(t: tf.Tensor, like: tf.Tensor | None, groups: int) -> tf.Tensor:
+    """Sums over space per (sample, channel) as (B, 1, G, C/G), float32; ``t`` is 5-D or shaped like ``like``.
+
+    One spatial axis at a time (nets/reduce.py): TF's one-step sum saturates past 2^24 terms
+    when fewer than 8 channels remain.
+    """
+    if like is not None:
+        t = tf.reshape(t, tf.shape(like))
+    sums = spatial_sum(t)  # (B, C)
+    channels = t.shape[-1]
+    return tf.reshape(sums, tf.stack([tf.shape(sums)[0], 1, groups, channels // groups]))
+
+
+def _group_sums(t: tf.Tensor, groups: int) -> tf.Tensor:
+    """Sums over space and each group's channels of a 5-D tensor, as (B, 1, G, 1)."""
+    return tf.reduce_sum(_channel_sums(t, None, groups), axis=3, keepdims=True)
+
+
+def _per_channel(per_group: tf.Tensor, channels_per_group: int) -> tf.Tensor:
+    """(B, 1, G, 1) -> (B, 1, 1, 1, C): a group statistic for each of its channels, to broadcast over 5-D."""
+    repeated = tf.repeat(per_group, channels_per_group, axis=2)  # (B, 1, C, 1)
+    return tf.reshape(repeated, tf.stack([tf.shape(per_group)[0], 1, 1, 1, -1]))
 
 
 def _input_grad_coefficients(g, mean, rstd, sum_dz, sum_dz_x, count):
@@ -92,8 +117,10 @@ def fused_norm_activation(x, gamma, beta, *, groups: int, epsilon: float, activa
     @tf.custom_gradient
     def forward(x, gamma, beta):
         xg = _grouped(x, groups)
-        mean = tf.reduce_mean(tf.cast(xg, tf.float32), axis=(1, 3), keepdims=True)  # (B, 1, G, 1)
-        var = tf.reduce_mean(tf.math.squared_difference(tf.cast(xg, tf.float32), mean), axis=(1, 3), keepdims=True)
+        count = tf.cast(tf.reduce_prod(tf.shape(x)[1:4]) * per_group, tf.float32)
+        mean = _group_sums(tf.cast(x, tf.float32), groups) / count  # (B, 1, G, 1)
+        var = _group_sums(tf.math.squared_difference(tf.cast(x, tf.float32), _per_channel(mean, per_group)),
+                          groups) / count
         rstd = tf.math.rsqrt(var + epsilon)
         g = tf.reshape(gamma, (1, 1, groups, per_group))
         b = tf.reshape(beta, (1, 1, groups, per_group))
@@ -111,9 +138,9 @@ def fused_norm_activation(x, gamma, beta, *, groups: int, epsilon: float, activa
                        negative_slope)
             # One float32 temporary at a time: the second reduction waits for the first, so the
             # inter-op pool cannot run both (each with a full-size float32 copy) at once.
-            sum_dz = tf.reduce_sum(tf.cast(dz, tf.float32), axis=1, keepdims=True)  # (B, 1, G, Cg)
+            sum_dz = _channel_sums(tf.cast(dz, tf.float32), x, groups)  # (B, 1, G, Cg)
             with tf.control_dependencies([sum_dz]):
-                sum_dz_x = tf.reduce_sum(tf.cast(dz * x_again, tf.float32), axis=1, keepdims=True)
+                sum_dz_x = _channel_sums(tf.cast(dz * x_again, tf.float32), x, groups)
             dgamma, dbeta, (k1, k2, k3) = _input_grad_coefficients(g, mean, rstd, sum_dz, sum_dz_x,
                                                                    tf.shape(dz)[1] * per_group)
             dx = dz * tf.cast(k1, dtype) + x_again * tf.cast(k2, dtype) + tf.cast(k3, dtype)
@@ -164,10 +191,10 @@ def norm_activation_slabs(x, gamma, beta, *, groups: int, epsilon: float, activa
             n, mean, m2 = 0, tf.zeros((1, 1, groups, 1)), tf.zeros((1, 1, groups, 1))
             for d0, d1 in slabs:
                 with tf.control_dependencies(last):
-                    xs = tf.cast(grouped(take_planes(x_planes, depth, sample, d0, d1)), tf.float32)
+                    xs = tf.cast(take_planes(x_planes, depth, sample, d0, d1), tf.float32)
                     n_slab = (d1 - d0) * height * width * per_group
-                    mean_slab = tf.reduce_mean(xs, axis=(1, 3), keepdims=True)
-                    m2_slab = tf.reduce_sum(tf.math.squared_difference(xs, mean_slab), axis=(1, 3), keepdims=True)
+                    mean_slab = _group_sums(xs, groups) / n_slab
+                    m2_slab = _group_sums(tf.math.squared_difference(xs, _per_channel(mean_slab, per_group)), groups)
                 delta, total = mean_slab - mean, n + n_slab
                 mean = mean + delta * (n_slab / total)
                 m2 = m2 + m2_slab + delta * delta * (n * n_slab / total)
@@ -201,9 +228,11 @@ def norm_activation_slabs(x, gamma, beta, *, groups: int, epsilon: float, activa
                 for d0, d1 in slabs:
                     with tf.control_dependencies(last):
                         xs, dz = gated(sample, d0, d1)
-                        sum_dz = sum_dz + tf.reduce_sum(tf.cast(dz, tf.float32), axis=1, keepdims=True)
+                        shape5 = (1, d1 - d0, height, width, channels)
+                        sum_dz = sum_dz + _channel_sums(tf.cast(tf.reshape(dz, shape5), tf.float32), None, groups)
                     with tf.control_dependencies([sum_dz]):
-                        sum_dz_x = sum_dz_x + tf.reduce_sum(tf.cast(dz * xs, tf.float32), axis=1, keepdims=True)
+                        sum_dz_x = sum_dz_x + _channel_sums(tf.cast(tf.reshape(dz * xs, shape5), tf.float32), None,
+                                                            groups)
                     last = [sum_dz_x]
                 sums.append((sum_dz, sum_dz_x))
             dgamma, dbeta, (k1, k2, k3) = _input_grad_coefficients(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from bigmem.nets.reduce import spatial_sum
 from bigmem.nets.slabs import PlaneWriter, as_planes, exceeds_limit, plan_slabs, slab_elements, take_planes
 
 DICE_SMOOTH = 1e-5  # nnU-Net's smoothing term for the soft Dice
@@ -25,10 +26,12 @@ def dice_ce_per_sample(labels: tf.Tensor, logits: tf.Tensor) -> tf.Tensor:
     num_classes = logits.shape[-1]
     onehot = tf.one_hot(tf.cast(labels, tf.int32), num_classes, dtype=logits.dtype)
     spatial = (1, 2, 3)
-    cross_entropy = tf.reduce_mean(tf.nn.softmax_cross_entropy_with_logits(onehot, logits), axis=spatial)
+    voxels = tf.cast(tf.reduce_prod(tf.shape(labels)[1:]), logits.dtype)
+    cross_entropy = spatial_sum(tf.nn.softmax_cross_entropy_with_logits(onehot, logits), spatial) / voxels
     probs = tf.nn.softmax(logits)
-    intersection = tf.reduce_sum(probs * onehot, axis=spatial)
-    denominator = tf.reduce_sum(probs, axis=spatial) + tf.reduce_sum(onehot, axis=spatial)
+    # Per class over the volume: TF's own reduce_sum saturates there past 2^24 (nets/reduce.py).
+    intersection = spatial_sum(probs * onehot, spatial)
+    denominator = spatial_sum(probs, spatial) + spatial_sum(onehot, spatial)
     dice = (2.0 * intersection + DICE_SMOOTH) / (denominator + DICE_SMOOTH)  # (B, K)
     return cross_entropy + (1.0 - tf.reduce_mean(dice[:, 1:], axis=1))
 
@@ -86,9 +89,9 @@ def dice_ce_per_sample_slabs(labels: tf.Tensor, logits: tf.Tensor) -> tf.Tensor:
                                        num_classes, dtype=logits.dtype)
                     cross_entropy += tf.reduce_sum(tf.nn.softmax_cross_entropy_with_logits(truth, piece))
                     probs = tf.nn.softmax(piece)
-                    intersection += tf.reduce_sum(probs * truth, axis=(0, 1, 2, 3))
-                    predicted += tf.reduce_sum(probs, axis=(0, 1, 2, 3))
-                    true += tf.reduce_sum(truth, axis=(0, 1, 2, 3))
+                    intersection += spatial_sum(probs * truth, (0, 1, 2, 3))
+                    predicted += spatial_sum(probs, (0, 1, 2, 3))
+                    true += spatial_sum(truth, (0, 1, 2, 3))
                 last = [cross_entropy, intersection, predicted, true]
             denominator = predicted + true + DICE_SMOOTH
             dice = (2.0 * intersection + DICE_SMOOTH) / denominator
@@ -143,8 +146,7 @@ def dice_counts(labels: tf.Tensor, logits: tf.Tensor) -> tuple[tf.Tensor, tf.Ten
     predicted = tf.one_hot(tf.argmax(logits, axis=-1, output_type=tf.int32), num_classes, dtype=tf.float32)
     truth = tf.one_hot(tf.cast(labels, tf.int32), num_classes, dtype=tf.float32)
     axes = (0, 1, 2, 3)
-    return (tf.reduce_sum(predicted * truth, axis=axes),
-            tf.reduce_sum(predicted, axis=axes) + tf.reduce_sum(truth, axis=axes))
+    return (spatial_sum(predicted * truth, axes), spatial_sum(predicted, axes) + spatial_sum(truth, axes))
 
 
 def dice_from_counts(intersection: tf.Tensor, total: tf.Tensor) -> tf.Tensor:
