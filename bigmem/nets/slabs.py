@@ -356,16 +356,19 @@ def max_pool3d_slabs(x: tf.Tensor, pool: int) -> tf.Tensor:
         y = writer.result()
 
         def grad(dy):
-            y_planes, dy_planes = as_planes(y), as_planes(dy)
+            # TF's own gradient of each slab's pool (the forward recomputed under a tape): a bare
+            # MaxPool3DGrad cannot use oneDNN's forward workspace and ran 40x slower here.
+            dy_planes = as_planes(dy)
             dx = PlaneWriter(x.shape, x.dtype)
             for sample in range(batch):
                 for o0, o1 in slabs:
                     with tf.control_dependencies(dx.after):
-                        piece = tf.raw_ops.MaxPool3DGrad(
-                            orig_input=take_planes(x_planes, depth, sample, pool * o0, pool * o1),
-                            orig_output=take_planes(y_planes, out_depth, sample, o0, o1),
-                            grad=take_planes(dy_planes, out_depth, sample, o0, o1), ksize=window, strides=window,
-                            padding="VALID")
+                        x_slab = take_planes(x_planes, depth, sample, pool * o0, pool * o1)
+                        with tf.GradientTape() as tape:
+                            tape.watch(x_slab)
+                            y_slab = tf.nn.max_pool3d(x_slab, window, window, "VALID")
+                        piece = tape.gradient(y_slab, x_slab,
+                                              output_gradients=take_planes(dy_planes, out_depth, sample, o0, o1))
                     dx.write(sample, pool * o0, piece)
                 if depth > pool * out_depth:
                     dx.write(sample, pool * out_depth,
