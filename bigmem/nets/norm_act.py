@@ -31,6 +31,12 @@ ACTIVATIONS = ("relu", "leaky_relu", "linear")
 # Channel counts oneDNN's batch norm vectorises for channels-last data (AVX-512: 16 lanes; its
 # float32 kernel also has an AVX2 form with 8), by dtype; checked with ONEDNN_VERBOSE.
 ONEDNN_NORM_CHANNEL_MULTIPLE = {"float32": 8, "bfloat16": 16}
+# The most voxels per sample FusedBatchNormV3 (oneDNN, TF 2.21) normalises correctly: its float32
+# statistics accumulate linearly per channel, so at (1, 2^25 / 1024, 1024, 8) with values in [3, 4)
+# it returned mean 3.857 and variance 0.207 (true: 3.500, 0.083; normalised outputs off by 1.4),
+# while at 2^23 voxels the mean was within 1e-4. Larger volumes (kits19 from 224^3) use the slab
+# norm, whose sums run one spatial axis at a time in float32 (nets/reduce.py).
+FUSED_NORM_MAX_VOXELS = 2**23
 
 
 def _grouped(x: tf.Tensor, groups: int) -> tf.Tensor:
@@ -327,7 +333,8 @@ class NormActivation(keras.layers.Layer):
         beta = tf.cast(tf.convert_to_tensor(self.beta.value if hasattr(self.beta, "value") else self.beta),
                        tf.float32)
         x = tf.cast(x, self.compute_dtype)
-        if exceeds_limit(x.shape):
+        voxels = None if None in x.shape[1:4] else x.shape[1] * x.shape[2] * x.shape[3]
+        if exceeds_limit(x.shape) or (voxels is not None and voxels > FUSED_NORM_MAX_VOXELS):
             return norm_activation_slabs(x, gamma, beta, groups=self._num_groups, epsilon=self.epsilon,
                                          activation=self.activation, negative_slope=self.negative_slope)
         if self._num_groups == x.shape[-1] and x.shape[0] is not None and x.shape.rank == 5:

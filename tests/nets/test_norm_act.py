@@ -87,3 +87,29 @@ def test_rejects_unknown_activation_and_bad_groups():
         NormActivation(activation="gelu")
     with pytest.raises(ValueError, match="6 channels cannot be split into 4 groups"):
         NormActivation(groups=4).build((None, 4, 4, 4, 6))
+
+
+def test_volumes_past_the_fused_norms_accuracy_use_the_slab_norm():
+    """Past FUSED_NORM_MAX_VOXELS per sample oneDNN's batch norm statistics drift; the slab norm is exact."""
+    import numpy as np
+    import tensorflow as tf
+
+    from bigmem.nets import norm_act
+    from bigmem.nets.norm_act import NormActivation
+
+    layer = NormActivation(activation="linear")
+    x = tf.random.stateless_uniform((1, 64, 64, 64, 8), seed=[1, 2]) + 3.0
+    layer.build(x.shape)
+    calls = []
+    original = norm_act.norm_activation_slabs
+    try:
+        norm_act.norm_activation_slabs = lambda *a, **k: calls.append(1) or original(*a, **k)
+        norm_act.FUSED_NORM_MAX_VOXELS = 64**3 - 1
+        y = layer(x, training=True)
+    finally:
+        norm_act.norm_activation_slabs = original
+        norm_act.FUSED_NORM_MAX_VOXELS = 2**23
+    assert calls == [1]
+    centred = y.numpy().reshape(-1, 8)
+    np.testing.assert_allclose(centred.mean(axis=0), 0.0, atol=1e-4)
+    np.testing.assert_allclose(centred.std(axis=0), 1.0, atol=1e-3)
