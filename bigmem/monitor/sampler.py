@@ -102,6 +102,7 @@ class ResourceMonitor:
             raise ValueError(f"interval_s must be positive, got {interval_s}")
         self.csv_path = Path(csv_path)
         self.interval_s = float(interval_s)
+        self._cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         self.sys_root = sys_root
         self.device = block_device_of(store_path, sys_root)
         self.gpu_command = gpu_command
@@ -147,7 +148,9 @@ class ResourceMonitor:
         memory = psutil.virtual_memory()
         row = {
             "time_s": round(self._offset_s + now - self._started, 3),
-            "cpu_percent": round(self._process.cpu_percent(interval=None), 1),
+            # psutil's CPU times come in scheduler ticks (10 ms per thread), so over short intervals
+            # on a busy machine the ratio can pass what the allowed CPUs can do; that bound is physical.
+            "cpu_percent": round(min(self._process.cpu_percent(interval=None), 100.0 * self._cpus), 1),
             "num_threads": self._process.num_threads(),
             "rss_bytes": status["VmRSS"],
             "peak_rss_bytes": status["VmHWM"],
