@@ -16,7 +16,7 @@ from bigmem.numa.topology import NUMATopology
 
 # ISA extensions that matter for training speed (names as /proc/cpuinfo spells them).
 TRAINING_ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx512_fp16",
-                      "amx_tile", "amx_bf16", "amx_int8")
+                      "amx_tile", "amx_bf16", "amx_int8", "avx_ne_convert")
 
 
 # ISA classes a memory calibration is keyed by, most capable first (the flag that defines each):
@@ -64,29 +64,21 @@ def cpu_description(proc_root: str | os.PathLike = "/proc") -> dict[str, Any]:
     }
 
 
-# Flags under which oneDNN runs bfloat16 natively: AVX-512 BF16, AMX, and AVX-NE-CONVERT with
-# AVX-VNNI (oneDNN's avx2_vnni_2). Elsewhere bf16 is emulated: ~20x slower than fp32 (DESIGN.md).
-NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16", "avx_ne_convert")
 # "1"/"0" overrides the CPU's flags (a container hiding /proc/cpuinfo; tests that must not depend
 # on the CPU they run on).
 NATIVE_BF16_VARIABLE = "BIGMEM_NATIVE_BF16"
 
 
 def native_bf16(proc_root: str | os.PathLike = "/proc") -> bool:
-    """Whether this CPU computes bfloat16 natively (see NATIVE_BF16_FLAGS and NATIVE_BF16_VARIABLE)."""
+    """Whether this CPU runs bfloat16 natively: an ISA class in NATIVE_BF16_ISA_CLASSES, or
+    AVX-NE-CONVERT (oneDNN's avx2_vnni_2). Elsewhere bf16 is emulated, ~20x slower than fp32
+    (DESIGN.md). NATIVE_BF16_VARIABLE overrides the flags.
+    """
     override = os.environ.get(NATIVE_BF16_VARIABLE)
     if override in ("0", "1"):
         return override == "1"
-    try:
-        text = (Path(proc_root) / "cpuinfo").read_text()
-    except OSError:
-        return False
-    flags = set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            flags.update(line.split(":", 1)[1].split())
-            break
-    return any(flag in flags for flag in NATIVE_BF16_FLAGS)
+    isa = cpu_description(proc_root)["isa"]
+    return isa_class(isa) in NATIVE_BF16_ISA_CLASSES or isa["avx_ne_convert"]
 
 
 def tensorflow_description() -> dict[str, Any]:
