@@ -323,15 +323,16 @@ class NormActivation(keras.layers.Layer):
         if channels % groups:
             raise ValueError(f"{channels} channels cannot be split into {groups} groups")
         self._num_groups = groups
-        self.gamma = self.add_weight(shape=(channels,), name="gamma", dtype=self.variable_dtype,
+        # Not autocast: under mixed_bfloat16 Keras would hand call() gamma and beta rounded to
+        # bfloat16 (0.7 -> 0.6992, -0.2 -> -0.2002), as its own BatchNormalization avoids too.
+        self.gamma = self.add_weight(shape=(channels,), name="gamma", dtype=self.variable_dtype, autocast=False,
                                      initializer="zeros" if self.zero_init else "ones")
-        self.beta = self.add_weight(shape=(channels,), name="beta", dtype=self.variable_dtype, initializer="zeros")
+        self.beta = self.add_weight(shape=(channels,), name="beta", dtype=self.variable_dtype, autocast=False,
+                                    initializer="zeros")
 
     def call(self, x):
-        gamma = tf.cast(tf.convert_to_tensor(self.gamma.value if hasattr(self.gamma, "value") else self.gamma),
-                        tf.float32)
-        beta = tf.cast(tf.convert_to_tensor(self.beta.value if hasattr(self.beta, "value") else self.beta),
-                       tf.float32)
+        gamma = tf.cast(tf.convert_to_tensor(self.gamma), tf.float32)
+        beta = tf.cast(tf.convert_to_tensor(self.beta), tf.float32)
         x = tf.cast(x, self.compute_dtype)
         voxels = None if None in x.shape[1:4] else x.shape[1] * x.shape[2] * x.shape[3]
         if exceeds_limit(x.shape) or (voxels is not None and voxels > FUSED_NORM_MAX_VOXELS):

@@ -113,3 +113,29 @@ def test_volumes_past_the_fused_norms_accuracy_use_the_slab_norm():
     centred = y.numpy().reshape(-1, 8)
     np.testing.assert_allclose(centred.mean(axis=0), 0.0, atol=1e-4)
     np.testing.assert_allclose(centred.std(axis=0), 1.0, atol=1e-3)
+
+
+@pytest.mark.parametrize("slabs", [False, True], ids=["fused", "slabs"])
+@pytest.mark.parametrize("channels", [4, 16])
+def test_mixed_bfloat16_normalises_with_float32_gamma_and_beta(slabs, channels):
+    """beta = -0.999 is -1.0 in bfloat16: with it, xhat = +1 would be gated off and dbeta would be 0.
+
+    x is +1 / -1 in alternating voxels: mean 0, variance 1, so xhat = +-1 / sqrt(1 + eps) and
+    z = xhat - 0.999 is +0.001 on the +1 voxels: exactly half the voxels pass the ReLU.
+    """
+    from bigmem.nets.slabs import kernel_element_limit
+
+    shape = (1, 8, 8, 8, channels)
+    sign = np.where(np.indices(shape[1:4]).sum(axis=0) % 2 == 0, 1.0, -1.0)
+    x = tf.constant(np.broadcast_to(sign[None, ..., None], shape), tf.float32)
+    layer = NormActivation(dtype="mixed_bfloat16")
+    layer.build(shape)
+    layer.beta.assign(np.full(channels, -0.999, np.float32))
+    with kernel_element_limit(2 * 8 * 8 * channels if slabs else 2**30):
+        with tf.GradientTape() as tape:
+            y = layer(x)
+        dbeta = tape.gradient(y, layer.beta, output_gradients=tf.ones_like(y))
+    assert layer.beta.dtype == "float32" and np.asarray(layer.beta)[0] == np.float32(-0.999)
+    np.testing.assert_array_equal(dbeta.numpy(), np.full(channels, 8**3 / 2))
+    positive = tf.cast(y, tf.float32).numpy()[..., 0][sign[None] > 0]
+    np.testing.assert_allclose(positive, 1.0 / np.sqrt(1 + 1e-5) - 0.999, rtol=2e-2)
