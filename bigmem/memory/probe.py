@@ -15,7 +15,8 @@ import tempfile
 from rich.console import Console
 
 from bigmem.config.schema import ExperimentConfig
-from bigmem.memory.procfs import node_resident_bytes, peak_rss_bytes, rss_bytes
+from bigmem.memory.procfs import peak_rss_bytes, rss_bytes
+from bigmem.numa.observe import node_resident_bytes
 from bigmem.rundir import read_jsonl
 from bigmem.tfenv import import_tensorflow
 

@@ -2,18 +2,15 @@
 
 TensorFlow's allocator statistics on CPU depend on the oneDNN setting and miss memory outside
 its allocator, so bigmem reads the kernel's view: VmHWM (peak resident set) and VmRSS from
-/proc/PID/status, per-node pages from /proc/PID/numa_maps.
+/proc/PID/status. Per-node pages (/proc/PID/numa_maps) are read by ``bigmem.numa.observe``.
 """
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 
 _STATUS_RE = re.compile(r"^(VmHWM|VmRSS|VmPeak|VmSize):\s+(\d+)\s+kB", re.MULTILINE)
-_NODE_RE = re.compile(r"\bN(\d+)=(\d+)")
-_PAGESIZE_RE = re.compile(r"kernelpagesize_kB=(\d+)")
 
 
 def status_bytes(pid: int | str = "self", proc_root: str = "/proc") -> dict[str, int]:
@@ -39,17 +36,3 @@ def reset_peak_rss(pid: int | str = "self") -> bool:
         return True
     except OSError:
         return False
-
-
-def node_resident_bytes(pid: int | str = "self", proc_root: str = "/proc") -> dict[int, int]:
-    """Resident bytes of a process per NUMA node, summed over /proc/PID/numa_maps."""
-    totals: dict[int, int] = {}
-    path = Path(proc_root, str(pid), "numa_maps")
-    if not path.exists():
-        return totals
-    for line in path.read_text().splitlines():
-        page = _PAGESIZE_RE.search(line)
-        page_bytes = int(page.group(1)) * 1024 if page else os.sysconf("SC_PAGE_SIZE")
-        for node, pages in _NODE_RE.findall(line):
-            totals[int(node)] = totals.get(int(node), 0) + int(pages) * page_bytes
-    return totals

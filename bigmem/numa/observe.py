@@ -4,11 +4,27 @@ from __future__ import annotations
 
 import collections
 import os
+import re
 import threading
 import time
 from pathlib import Path
 
-from bigmem.memory.procfs import node_resident_bytes
+_NODE_RE = re.compile(r"\bN(\d+)=(\d+)")
+_PAGESIZE_RE = re.compile(r"kernelpagesize_kB=(\d+)")
+
+
+def node_resident_bytes(pid: int | str = "self", proc_root: str = "/proc") -> dict[int, int]:
+    """Resident bytes of a process per NUMA node, summed over /proc/PID/numa_maps."""
+    totals: dict[int, int] = {}
+    path = Path(proc_root, str(pid), "numa_maps")
+    if not path.exists():
+        return totals
+    for line in path.read_text().splitlines():
+        page = _PAGESIZE_RE.search(line)
+        page_bytes = int(page.group(1)) * 1024 if page else os.sysconf("SC_PAGE_SIZE")
+        for node, pages in _NODE_RE.findall(line):
+            totals[int(node)] = totals.get(int(node), 0) + int(pages) * page_bytes
+    return totals
 
 
 def thread_policies(pid: int | str = "self", proc_root: str = "/proc") -> dict[str, int]:

@@ -1,11 +1,29 @@
-"""NodePeakSampler keeps per-node maxima and keeps its own cost bounded."""
+"""numa_maps parsing, and NodePeakSampler keeping per-node maxima at a bounded cost."""
 
 from __future__ import annotations
 
 import pytest
 
 import bigmem.numa.observe as observe
-from bigmem.numa.observe import NodePeakSampler
+from bigmem.memory.procfs import rss_bytes
+from bigmem.numa.observe import NodePeakSampler, node_resident_bytes
+
+
+def test_real_numa_maps_cover_the_resident_set():
+    nodes = node_resident_bytes()
+    assert 0 in nodes
+    assert sum(nodes.values()) > 0.5 * rss_bytes()
+
+
+def test_fake_numa_maps(tmp_path):
+    proc = tmp_path / "123"
+    proc.mkdir()
+    (proc / "numa_maps").write_text(
+        "7f00 interleave:0-1 anon=6 dirty=6 N0=4 N1=2 kernelpagesize_kB=4\n"
+        "7f10 bind:1 anon=1 N1=1 kernelpagesize_kB=2048\n"
+        "7f20 default file=/lib/x.so\n")
+    assert node_resident_bytes(123, proc_root=str(tmp_path)) == {0: 4 * 4096, 1: 2 * 4096 + 2 * 2**20}
+    assert node_resident_bytes(456, proc_root=str(tmp_path)) == {}  # no such process: nothing resident
 
 
 def test_peaks_per_node_and_wait_scaled_by_the_read_time(monkeypatch):
