@@ -68,14 +68,28 @@ def _stderr_to_tempfile():
             os.close(saved)
 
 
-def _set_thread_pools(tf) -> None:
-    """Size TF's thread pools from the applied placement (stock TF ignores OMP_*/KMP_* variables)."""
-    from bigmem.numa.apply import current
+# The thread-pool sizes of the placement in force, set by bigmem.numa.apply (None: TF's defaults).
+_thread_pools: tuple[int, int] | None = None
 
-    placement = current()
-    if placement is not None:
-        tf.config.threading.set_intra_op_parallelism_threads(placement.intra_op_threads)
-        tf.config.threading.set_inter_op_parallelism_threads(placement.inter_op_threads)
+
+def set_thread_pools(intra_op_threads: int, inter_op_threads: int) -> None:
+    """Size TensorFlow's thread pools when ``import_tensorflow`` imports it.
+
+    Stock TensorFlow ignores OMP_*/KMP_* variables; its intra-op and inter-op pool sizes are the
+    levers. A placement that is put in force calls this, so that the pools match its CPUs.
+
+    Args:
+        intra_op_threads: threads that run one op (a convolution) in parallel.
+        inter_op_threads: threads that run independent ops at the same time.
+    """
+    global _thread_pools
+    _thread_pools = (intra_op_threads, inter_op_threads)
+
+
+def _set_thread_pools(tf) -> None:
+    if _thread_pools is not None:
+        tf.config.threading.set_intra_op_parallelism_threads(_thread_pools[0])
+        tf.config.threading.set_inter_op_parallelism_threads(_thread_pools[1])
 
 
 def import_tensorflow(*, verbose: bool = False):

@@ -1,4 +1,8 @@
-"""oneDNN is turned on for x86 before TensorFlow starts, unless the user chose."""
+"""oneDNN is turned on for x86 before TensorFlow starts, unless the user chose; thread pools follow the placement."""
+
+import os
+import subprocess
+import sys
 
 from bigmem.tfenv import ONEDNN_REASON_VARIABLE, enable_onednn
 
@@ -21,3 +25,15 @@ def test_other_architectures_keep_tensorflows_default():
     environ = {}
     assert enable_onednn(environ, machine="aarch64") == "TensorFlow's default on aarch64 (TF_ENABLE_ONEDNN_OPTS unset)"
     assert "TF_ENABLE_ONEDNN_OPTS" not in environ
+
+
+def test_an_applied_placement_sizes_tensorflows_thread_pools():
+    code = ("from bigmem.numa.apply import apply_placement\nfrom bigmem.numa.policy import Placement, PolicyKind\n"
+            "from bigmem.tfenv import import_tensorflow\n"
+            "apply_placement(Placement(PolicyKind.NONE, (), (), intra_op_threads=3, inter_op_threads=2))\n"
+            "tf = import_tensorflow()\n"
+            "print(tf.config.threading.get_intra_op_parallelism_threads(), "
+            "tf.config.threading.get_inter_op_parallelism_threads())")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                            env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
+    assert result.stdout.split() == ["3", "2"]

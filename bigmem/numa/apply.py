@@ -16,6 +16,7 @@ import sys
 
 from bigmem.errors import BigmemError
 from bigmem.numa.policy import Placement, PolicyKind
+from bigmem.tfenv import set_thread_pools
 
 _applied: Placement | None = None
 
@@ -50,7 +51,11 @@ def place(policy: str | None, cpus: str | None = None, threads: int | None = Non
 
 
 def apply_placement(placement: Placement) -> Placement:
-    """Set the memory policy and CPU affinity of this process (and the threads it will create)."""
+    """Set the memory policy and CPU affinity of this process (and the threads it will create).
+
+    The placement's thread-pool sizes are handed to ``bigmem.tfenv``, which applies them when it
+    imports TensorFlow.
+    """
     global _applied
     if "tensorflow" in sys.modules and placement.kind is not PolicyKind.NONE:
         raise BigmemError(f"Cannot apply --numa {placement.text}: TensorFlow is already imported in this process, "
@@ -68,5 +73,6 @@ def apply_placement(placement: Placement) -> Placement:
             numa.memory.set_local_alloc()
     if placement.cpus and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, placement.cpus)
+    set_thread_pools(placement.intra_op_threads, placement.inter_op_threads)
     _applied = placement
     return placement
