@@ -85,11 +85,31 @@ def scaled_learning_rate(reference_lr: float, reference_batch: int, global_batch
     return reference_lr * global_batch / reference_batch
 
 
-def make_distributed_step(replicas: Replicas, model, optimizer, global_batch_size: int):
-    """One compiled data-parallel update; returns the global-batch mean loss."""
-    import tensorflow as tf
+def make_distributed_step(replicas: Replicas, model, optimizer, global_batch_size: int, *, loss_per_sample,
+                          metric_counts, metric_from_counts):
+    """One compiled data-parallel update; returns the global-batch mean loss and the metric.
 
-    from bigmem.train.losses import dice_ce_per_sample, dice_counts, dice_from_counts
+    The loss and metric come in as functions, so this layer needs nothing from ``bigmem.train``.
+
+    Args:
+        replicas: the strategy and its replicas (``setup_replicas``).
+        model: a Keras model built under ``replicas.strategy.scope()``.
+        optimizer: a built Keras optimizer, also from that scope.
+        global_batch_size: samples per step over all replicas; each replica's summed loss is
+            divided by it, so the step's loss is the mean over the global batch.
+        loss_per_sample: ``(labels, logits) -> (batch,)`` losses of a replica's samples.
+        metric_counts: ``(labels, logits) -> (intersection, total)`` per-class counts, summed
+            across replicas.
+        metric_from_counts: ``(intersection, total) -> scalar``, the metric of the summed counts.
+
+    Returns:
+        A ``tf.function`` ``step(images, labels) -> (loss, metric)`` over distributed batches.
+
+    Example:
+        >>> step = make_distributed_step(replicas, model, optimizer, 4, loss_per_sample=dice_ce_per_sample,
+        ...                              metric_counts=dice_counts, metric_from_counts=dice_from_counts)
+    """
+    import tensorflow as tf
 
     strategy = replicas.strategy
     total = tf.distribute.ReduceOp.SUM
@@ -97,17 +117,17 @@ def make_distributed_step(replicas: Replicas, model, optimizer, global_batch_siz
     def replica_step(images, labels):
         with tf.GradientTape() as tape:
             logits = model(images, training=True)
-            loss = tf.reduce_sum(dice_ce_per_sample(labels, logits)) / global_batch_size
+            loss = tf.reduce_sum(loss_per_sample(labels, logits)) / global_batch_size
         gradients = tape.gradient(loss, model.trainable_variables)
         optimizer.apply(gradients, model.trainable_variables)
-        intersection, union = dice_counts(labels, logits)
+        intersection, union = metric_counts(labels, logits)
         return loss, intersection, union
 
     @tf.function
     def step(distributed_images, distributed_labels):
         loss, intersection, union = strategy.run(replica_step, args=(distributed_images, distributed_labels))
         return (strategy.reduce(total, loss, axis=None),
-                dice_from_counts(strategy.reduce(total, intersection, axis=None),
-                                 strategy.reduce(total, union, axis=None)))
+                metric_from_counts(strategy.reduce(total, intersection, axis=None),
+                                   strategy.reduce(total, union, axis=None)))
 
     return step

@@ -367,11 +367,14 @@ def _run(config, run, manager, latest, loader, total_steps, console, verbose, re
         batches = iter(loader.dataset(start_step))
     else:
         from bigmem.distribute.strategy import make_distributed_step
+        from bigmem.train.losses import dice_ce_per_sample, dice_counts, dice_from_counts
 
         where = "logical CPU devices (simulated on CPU)" if replicas.simulated else "GPUs"
         what = (f"{loader.batch_size} x {loader.volume}^3 patches over {replicas.num_replicas} {where}, "
                 f"lr {lr:g}")
-        train_step = make_distributed_step(replicas, model, optimizer, loader.batch_size)
+        train_step = make_distributed_step(replicas, model, optimizer, loader.batch_size,
+                                           loss_per_sample=dice_ce_per_sample, metric_counts=dice_counts,
+                                           metric_from_counts=dice_from_counts)
         batches = _distributed_batches(replicas, loader, start_step)
     console.print(f"bigmem train: {config.model.name} ({model.count_params():,} parameters), {what}, "
                   f"{config.train.precision.value}, {total_steps} steps -> {run.path}")

@@ -19,6 +19,7 @@ replicas = mirrored(simulate_replicas=int(sys.argv[1]))
 import keras, numpy as np, tensorflow as tf
 from bigmem.config import resolve_config
 from bigmem.nets.unet3d import UNet3D
+from bigmem.train.losses import dice_ce_per_sample, dice_counts, dice_from_counts
 from bigmem.train.optimizers import FusedSGD
 keras.utils.set_random_seed(0)
 with replicas.strategy.scope():
@@ -30,7 +31,8 @@ images = rng.normal(size=(4, 16, 16, 16, 1)).astype(np.float32)
 labels = rng.integers(0, 3, (4, 16, 16, 16)).astype(np.uint8)
 dataset = tf.data.Dataset.from_tensors((images, labels)).repeat()
 batches = iter(replicas.strategy.experimental_distribute_dataset(dataset))
-step = make_distributed_step(replicas, model, optimizer, global_batch_size=4)
+step = make_distributed_step(replicas, model, optimizer, global_batch_size=4, loss_per_sample=dice_ce_per_sample,
+                             metric_counts=dice_counts, metric_from_counts=dice_from_counts)
 losses = [float(step(*next(batches))[0]) for _ in range(3)]
 print(json.dumps({"replicas": replicas.num_replicas, "simulated": replicas.simulated, "losses": losses,
                   "weights": [np.asarray(w).ravel()[:50].tolist() for w in model.trainable_weights[:3]]}))
