@@ -255,14 +255,16 @@ def conv3d_slabs(x: tf.Tensor, kernel: tf.Tensor, stride: int = 1,
                         piece = tf.zeros((1, i1 - i0, height, width, in_channels), x.dtype)
                     dx.write(sample, i0, piece)
             dx = dx.result()
-            dkernel = tf.zeros(kernel_shape, kernel.dtype)
+            # Summed in float32: a bfloat16 running sum rounds at every slab (past 2^31 elements, 17
+            # slabs put a block's kernel gradient 2.7% off, against 0.6% for one unpartitioned call).
+            dkernel = tf.zeros(kernel_shape, tf.float32)
             for sample in range(batch):
                 for frame in frames:
                     # One slab at a time, after the input gradient.
                     with tf.control_dependencies([dx, dkernel]):
                         dkernel = dkernel + tf.cast(filter_grad(take_planes(x_planes, depth, sample, frame.a, frame.b),
-                                                                dy_for(dy_planes, sample, frame)), kernel.dtype)
-            return dx, dkernel
+                                                                dy_for(dy_planes, sample, frame)), tf.float32)
+            return dx, tf.cast(dkernel, kernel.dtype)
 
         return y, grad
 
@@ -311,18 +313,18 @@ def conv3d_transpose_slabs(x: tf.Tensor, kernel: tf.Tensor, stride: int) -> tf.T
         def grad(dy):
             dy_planes = as_planes(dy)
             dx = PlaneWriter(x.shape, x.dtype)
-            dkernel = tf.zeros(kernel.shape, kernel.dtype)
+            dkernel = tf.zeros(kernel.shape, tf.float32)  # float32, as in conv3d_slabs
             for sample in range(batch):
                 for i0, i1 in slabs:
                     with tf.control_dependencies(dx.after + [dkernel]):
                         dy_slab = take_planes(dy_planes, k * depth, sample, k * i0, k * i1)
                         dx.write(sample, i0, tf.nn.conv3d(dy_slab, kernel, strides=strides, padding="SAME"))
                     with tf.control_dependencies(dx.after):
-                        dkernel = dkernel + tf.raw_ops.Conv3DBackpropFilterV2(
+                        dkernel = dkernel + tf.cast(tf.raw_ops.Conv3DBackpropFilterV2(
                             input=dy_slab, filter_sizes=tf.constant(kernel.shape.as_list(), tf.int32),
                             out_backprop=take_planes(x_planes, depth, sample, i0, i1), strides=strides,
-                            padding="SAME")
-            return dx.result(), dkernel
+                            padding="SAME"), tf.float32)
+            return dx.result(), tf.cast(dkernel, kernel.dtype)
 
         return writer.result(), grad
 
