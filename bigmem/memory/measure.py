@@ -12,6 +12,10 @@ from bigmem.config.schema import ExperimentConfig
 from bigmem.data.synth import cached_synthetic_store
 from bigmem.errors import BigmemError
 
+# The child program that trains and prints its peak (``bigmem/train/probe.py``). It is started as
+# a separate process, never imported: the trainer is a layer above this one.
+PROBE_MODULE = "bigmem.train.probe"
+
 
 @dataclass
 class Measurement:
@@ -41,7 +45,7 @@ def measure(config: ExperimentConfig, *, steps: int = 3, recompute_stages: list[
     with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="bigmem-probe-") as request:
         json.dump({"config": config.to_dict(), "recompute_stages": recompute_stages, "force": force}, request)
         request.flush()
-        result = subprocess.run([sys.executable, "-m", "bigmem.memory.probe", request.name],
+        result = subprocess.run([sys.executable, "-m", PROBE_MODULE, request.name],
                                 capture_output=True, text=True, timeout=timeout_s)
     if result.returncode != 0:
         tail = (result.stderr.strip().splitlines() or ["no output"])[-1]

@@ -1,7 +1,9 @@
 """Child process that trains a configuration for a few steps and reports its peak memory.
 
-Run as ``python -m bigmem.memory.probe REQUEST.json``; prints one JSON line. A fresh process per
-configuration, so one measurement's peak never leaks into the next (DESIGN.md).
+Run as ``python -m bigmem.train.probe REQUEST.json`` (by ``bigmem.memory.measure``); prints one JSON
+line. A fresh process per configuration, so one measurement's peak never leaks into the next
+(DESIGN.md). It lives with the trainer it runs; the memory layer starts it as a program and
+never imports it.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ def probe(request: dict) -> dict:
     import keras  # noqa: F401  (part of the framework's fixed cost, as in a real run)
 
     baseline_bytes = rss_bytes()
-    from bigmem.train.trainer import train
+    from bigmem.train.trainer import train  # after the placement, and outside the baseline (TF and Keras only)
 
     with tempfile.TemporaryDirectory(prefix="bigmem-probe-") as run_dir:
         train(config, f"{run_dir}/run", console=Console(file=io.StringIO()),
