@@ -52,8 +52,32 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
 
 
 class RunDir:
-    """Paths of one run: config.json, plan.json, sysinfo.json, numa.json, metrics.jsonl,
-    monitor.csv, summary.json, checkpoints/, model.keras."""
+    """The files of one run directory, and the one place that names them.
+
+    ======================  ==================================================================
+    config.json             the resolved ExperimentConfig, with total_steps and effective_lr
+    sysinfo.json            the machine: CPU, ISA, NUMA nodes, TensorFlow, oneDNN
+    plan.json               the memory pre-flight: budget, predicted peak, chosen mode
+    numa.json               the placement requested and what was observed (threads, pages)
+    metrics.jsonl           one JSON row per logged step (appended; a kill tears the last line)
+    monitor.csv             resource samples (``ResourceMonitor``), described by monitor.json
+    summary.json            written once, when the run ends (its presence means "finished")
+    checkpoints/            ``CheckpointManager``'s atomic checkpoints
+    model.keras             the final model
+    report/                 ``bigmem report``'s default output folder
+    ======================  ==================================================================
+
+    JSON files are written whole under a temporary name and renamed into place, so a reader
+    (``bigmem report`` on a running run) sees the old file or the new one, never half of one.
+
+    Args:
+        path: the run directory (created by the first write).
+
+    Example:
+        >>> run = RunDir("runs/small-1")
+        >>> run.read_summary() is None  # not finished (or not started)
+        True
+    """
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
@@ -67,12 +91,29 @@ class RunDir:
         return self.path / "sysinfo.json"
 
     @property
+    def plan(self) -> Path:
+        return self.path / "plan.json"
+
+    @property
+    def numa(self) -> Path:
+        return self.path / "numa.json"
+
+    @property
     def metrics(self) -> Path:
         return self.path / "metrics.jsonl"
 
     @property
     def monitor(self) -> Path:
         return self.path / "monitor.csv"
+
+    @property
+    def monitor_info(self) -> Path:
+        """monitor.json: ``ResourceMonitor`` writes it beside its CSV, under the CSV's stem."""
+        return self.monitor.with_suffix(".json")
+
+    @property
+    def summary(self) -> Path:
+        return self.path / "summary.json"
 
     @property
     def checkpoints(self) -> Path:
@@ -82,8 +123,45 @@ class RunDir:
     def model(self) -> Path:
         return self.path / "model.keras"
 
+    @property
+    def report(self) -> Path:
+        return self.path / "report"
+
     def holds_run(self) -> bool:
         return self.config.exists() or self.checkpoints.exists()
+
+    # ---- writers (atomic) ---------------------------------------------------------------------
+
+    def write_config(self, config: dict[str, Any]) -> Path:
+        return atomic_write_json(self.config, config)
+
+    def write_sysinfo(self, sysinfo: dict[str, Any]) -> Path:
+        return atomic_write_json(self.sysinfo, sysinfo)
+
+    def write_plan(self, plan: dict[str, Any]) -> Path:
+        return atomic_write_json(self.plan, plan)
+
+    def write_numa(self, report: dict[str, Any]) -> Path:
+        """numa.json: ``bigmem.numa.observe.observed``'s report."""
+        return atomic_write_json(self.numa, report)
+
+    def write_summary(self, *, steps: int, train_s: float, peak_rss_bytes: int, loss: float, dice: float,
+                      input_wait_s: float, step_time_s: float, input_stall_share: float) -> Path:
+        """summary.json, the last file a run writes.
+
+        Args:
+            steps: the step the run ended at.
+            train_s: wall seconds of this session's training loop.
+            peak_rss_bytes: the process's VmHWM.
+            loss: the last step's loss.
+            dice: the last step's mean foreground Dice.
+            input_wait_s: seconds this session's steps waited for their batch.
+            step_time_s: seconds of this session's whole steps, waits included.
+            input_stall_share: ``input_wait_s / step_time_s`` (0 without steps).
+        """
+        return atomic_write_json(self.summary, {"steps": steps, "train_s": train_s, "peak_rss_bytes": peak_rss_bytes,
+                                                "loss": loss, "dice": dice, "input_wait_s": input_wait_s,
+                                                "step_time_s": step_time_s, "input_stall_share": input_stall_share})
 
     def truncate_metrics(self, last_step: int) -> None:
         """Keep only the metric rows up to ``last_step`` (the step a resumed run restarts from)."""
@@ -95,3 +173,28 @@ class RunDir:
             for row in rows:
                 handle.write(json.dumps(row) + "\n")
             handle.flush()
+
+    # ---- readers: None while a file does not exist; json.JSONDecodeError if it is not JSON ----
+
+    def read_config(self) -> dict[str, Any] | None:
+        return _read_json(self.config)
+
+    def read_plan(self) -> dict[str, Any] | None:
+        return _read_json(self.plan)
+
+    def read_numa(self) -> dict[str, Any] | None:
+        return _read_json(self.numa)
+
+    def read_summary(self) -> dict[str, Any] | None:
+        return _read_json(self.summary)
+
+    def read_monitor_info(self) -> dict[str, Any] | None:
+        return _read_json(self.monitor_info)
+
+    def read_metrics(self) -> list[dict[str, Any]]:
+        """The complete rows of metrics.jsonl (``read_jsonl``); [] before the first logged step."""
+        return read_jsonl(self.metrics)
+
+
+def _read_json(path: Path) -> Any:
+    return json.loads(path.read_text()) if path.exists() else None

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 from bigmem.cli.common import add_memory_flags, add_model_flags, add_numa_flags, model_overrides, numa_overrides
 from bigmem.errors import DataError, UsageError
+from bigmem.rundir import RunDir
 from bigmem.units import parse_bytes
 
 HELP = "train a 3D U-Net on whole volumes"
@@ -108,17 +108,17 @@ def resolve(args):
     if args.resume:
         if args.out is None:
             raise UsageError("--resume needs --out RUN_DIR: the run to continue.")
-        saved_path = Path(args.out) / "config.json"
-        if not saved_path.exists():
+        run = RunDir(args.out)
+        if not run.config.exists():
             raise DataError(f"Cannot resume {args.out!r}: no config.json there (is it a bigmem run directory?).")
         if args.model is not None:
             raise UsageError("--model cannot change when resuming; the run keeps the model in its config.json.")
-        saved = json.loads(saved_path.read_text())
+        saved = run.read_config()
         # config.json also records derived figures (total_steps, effective_lr); only the sections are settings
         saved = {k: v for k, v in saved.items() if k in ("model", "data", "train", "numa")}
         if overrides["train"].get("steps") is not None or overrides["train"].get("epochs") is not None:
             saved["train"]["steps"] = saved["train"]["epochs"] = None
-        config = ExperimentConfig.from_dict(saved, source=str(saved_path))
+        config = ExperimentConfig.from_dict(saved, source=str(run.config))
         update(config, {k: v for k, v in overrides.items() if v}, source="flags")
         config.validate()
         return config, Path(args.out)

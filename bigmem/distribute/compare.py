@@ -8,7 +8,6 @@ large a whole volume each path could train: host RAM against one GPU's memory.
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +16,7 @@ import numpy as np
 
 from bigmem.config.schema import ExperimentConfig
 from bigmem.errors import BigmemError
-from bigmem.rundir import atomic_write_json, atomic_write_text, read_jsonl
+from bigmem.rundir import RunDir, atomic_write_json, atomic_write_text
 from bigmem.units import format_bytes
 
 PATHS = ("cpu_bigmem", "data_parallel")
@@ -29,10 +28,8 @@ def _run_train(argv: list[str], out: Path) -> dict:
     if result.returncode != 0:
         tail = (result.stderr.strip().splitlines() or ["no output"])[-1]
         raise BigmemError(f"The {out.name} run failed (exit {result.returncode}): {tail}")
-    rows = read_jsonl(out / "metrics.jsonl")
-    summary = json.loads((out / "summary.json").read_text())
-    config = json.loads((out / "config.json").read_text())
-    plan = json.loads((out / "plan.json").read_text())
+    run = RunDir(out)
+    rows, summary, config, plan = run.read_metrics(), run.read_summary(), run.read_config(), run.read_plan()
     steady = rows[1:] or rows  # the first step includes tracing
     step_s = float(np.median([r["step_s"] for r in steady]))
     batch = plan["data_parallel"]["global_batch"] if plan.get("data_parallel") else config["train"]["batch_size"]
@@ -107,7 +104,7 @@ def compare(config: ExperimentConfig, out: Path, *, replicas: int, simulate: boo
             **{k: run[k] for k in ("steps", "step_s", "voxels_per_s", "samples_per_s", "peak_host_bytes", "train_s",
                                    "final_train_dice", "run_dir", "curve")},
             "max_whole_volume": volumes["host"] if name == "cpu_bigmem" else volumes["gpu"],
-            "dice": evaluate(Path(run["run_dir"]) / "model.keras", store, held_out, volume),
+            "dice": evaluate(RunDir(run["run_dir"]).model, store, held_out, volume),
         }
     report["paths"]["cpu_bigmem"]["max_whole_volume_mode"] = volumes["host_mode"]
     report["paths"]["data_parallel"]["peak_device_bytes"] = None if simulate else "not measured"

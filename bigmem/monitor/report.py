@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bigmem.errors import DataError
-from bigmem.rundir import RunDir, atomic_write_json, atomic_write_text, read_jsonl
+from bigmem.rundir import RunDir, atomic_write_json, atomic_write_text
 from bigmem.units import format_bytes
 
 MIB = 2**20
@@ -72,21 +72,21 @@ def read_run(path: str | os.PathLike) -> RunData:
     run = RunDir(path)
     if not run.path.is_dir():
         raise DataError(f"Cannot report on {str(path)!r}: no such directory.")
-    metrics = read_jsonl(run.metrics)
+    metrics = run.read_metrics()
     monitor = read_monitor(run.monitor)
     if not metrics and not monitor:
         raise DataError(f"Cannot report on {str(path)!r}: it has neither metrics.jsonl nor monitor.csv "
                         "(is it a bigmem run directory, and has its first step finished?).")
 
-    def load(name: str) -> dict | None:
-        file = run.path / name
+    def load(read, file: Path) -> dict | None:
         try:
-            return json.loads(file.read_text()) if file.exists() else None
+            return read()
         except json.JSONDecodeError:
-            raise DataError(f"Cannot report on {str(path)!r}: {name} is not valid JSON.") from None
+            raise DataError(f"Cannot report on {str(path)!r}: {file.name} is not valid JSON.") from None
 
-    return RunData(run.path, run.path.name or str(run.path), metrics, monitor, load("summary.json"),
-                   load("plan.json"), load("config.json"), load("monitor.json"))
+    return RunData(run.path, run.path.name or str(run.path), metrics, monitor, load(run.read_summary, run.summary),
+                   load(run.read_plan, run.plan), load(run.read_config, run.config),
+                   load(run.read_monitor_info, run.monitor_info))
 
 
 def _max(values: list[float]) -> float | None:
@@ -275,7 +275,7 @@ def make_report(run_dirs: list[str | os.PathLike], out: str | os.PathLike | None
     if len(runs) == 2 and runs[0].label == runs[1].label:
         for run in runs:
             run.label = str(run.path)
-    folder = Path(out) if out is not None else runs[0].path / "report"
+    folder = Path(out) if out is not None else RunDir(runs[0].path).report
     folder.mkdir(parents=True, exist_ok=True)
     summaries = [summarise(run) for run in runs]
     plots = make_plots(runs, folder)

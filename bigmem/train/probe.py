@@ -19,7 +19,7 @@ from rich.console import Console
 from bigmem.config.schema import ExperimentConfig
 from bigmem.memory.procfs import peak_rss_bytes, rss_bytes
 from bigmem.numa.observe import node_resident_bytes
-from bigmem.rundir import read_jsonl
+from bigmem.rundir import RunDir
 from bigmem.tfenv import import_tensorflow
 
 
@@ -37,7 +37,7 @@ def probe(request: dict) -> dict:
     with tempfile.TemporaryDirectory(prefix="bigmem-probe-") as run_dir:
         train(config, f"{run_dir}/run", console=Console(file=io.StringIO()),
               recompute_stages=request.get("recompute_stages"), force=bool(request.get("force", False)))
-        rows = read_jsonl(f"{run_dir}/run/metrics.jsonl")
+        rows = RunDir(f"{run_dir}/run").read_metrics()
     step_s = [r["step_s"] for r in rows[1:]] or [rows[0]["step_s"]]
     return {
         "peak_bytes": peak_rss_bytes(),

@@ -1,7 +1,8 @@
 """The training loop: whole volumes, a custom ``tf.function`` step, atomic checkpoints, resume.
 
 ``train(config, run_dir)`` is the public entry point under ``bigmem train``. It writes the run
-directory of DESIGN.md: config.json, sysinfo.json, metrics.jsonl, checkpoints/, model.keras.
+directory of DESIGN.md through ``RunDir``: config.json, sysinfo.json, plan.json, numa.json,
+metrics.jsonl, monitor.csv, checkpoints/, model.keras and, last, summary.json.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from bigmem.data.pipeline import WholeVolumeLoader
 from bigmem.data.synth import cached_synthetic_store
 from bigmem.errors import TrainingError
 from bigmem.monitor.sampler import ResourceMonitor
-from bigmem.rundir import RunDir, atomic_write_json
+from bigmem.rundir import RunDir
 from bigmem.sysinfo import collect_sysinfo
 from bigmem.tfenv import import_tensorflow
 from bigmem.train.checkpoints import CheckpointManager
@@ -350,15 +351,15 @@ def _run(config, run, manager, latest, loader, total_steps, console, verbose, re
         run.truncate_metrics(start_step)
         console.print(f"Resuming {run.path} from {latest.name} (step {start_step} of {total_steps}).")
     run.path.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(run.config, {**config.to_dict(), "total_steps": total_steps, "effective_lr": lr})
-    atomic_write_json(run.sysinfo, collect_sysinfo())
+    run.write_config({**config.to_dict(), "total_steps": total_steps, "effective_lr": lr})
+    run.write_sysinfo(collect_sysinfo())
     if plan is not None:
-        atomic_write_json(run.path / "plan.json", plan)
+        run.write_plan(plan)
     from bigmem.numa.observe import NodePeakSampler, observed
 
     requested = placement.to_dict() if placement is not None else {"policy": "none", "text": "none"}
     numa_report = observed(requested)
-    atomic_write_json(run.path / "numa.json", numa_report)
+    run.write_numa(numa_report)
     if placement is not None:
         console.print(_numa_summary(numa_report))
     if replicas is None:
@@ -391,8 +392,7 @@ def _run(config, run, manager, latest, loader, total_steps, console, verbose, re
     sampler = NodePeakSampler()
 
     def write_numa_report() -> None:
-        report = observed(requested, sampler)  # threads seen now that TF's pools have run
-        atomic_write_json(run.path / "numa.json", report)
+        run.write_numa(observed(requested, sampler))  # threads seen now that TF's pools have run
 
     started_s = time.monotonic()
     budget_s = config.train.time_budget_s
@@ -445,10 +445,8 @@ def _run(config, run, manager, latest, loader, total_steps, console, verbose, re
     from bigmem.memory.procfs import peak_rss_bytes
 
     stall_share = waited_s / stepped_s if stepped_s else 0.0
-    atomic_write_json(run.path / "summary.json", {"steps": step, "train_s": time.monotonic() - started_s,
-                                                  "peak_rss_bytes": peak_rss_bytes(), "loss": loss, "dice": dice,
-                                                  "input_wait_s": waited_s, "step_time_s": stepped_s,
-                                                  "input_stall_share": stall_share})
+    run.write_summary(steps=step, train_s=time.monotonic() - started_s, peak_rss_bytes=peak_rss_bytes(), loss=loss,
+                      dice=dice, input_wait_s=waited_s, step_time_s=stepped_s, input_stall_share=stall_share)
     _save_model(model, run.model)
     console.print(f"Done: step {step}, loss {loss:.4f}, Dice {dice:.3f}; input stalls {100 * stall_share:.1f}% of "
                   f"step time. Model: {run.model}")
