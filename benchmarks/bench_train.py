@@ -49,6 +49,23 @@ from bigmem.memory.procfs import peak_rss_bytes
 from bigmem.units import format_bytes
 
 MATMUL_EDGE = 4096
+# --variant: the environment of every child, per path ("*": every path). A capped oneDNN
+# (ONEDNN_MAX_CPU_ISA) emulates a smaller CPU's convolutions on this one; TensorFlow's own Eigen
+# kernels keep this CPU's ISA. Plain Keras runs as a user would: with TF's default, which leaves
+# oneDNN off on AVX2 and AVX-512 without VNNI/BF16 (issue 15), while bigmem turns it on.
+VARIANTS = {
+    "native": {},
+    "onednn-off": {"*": {"TF_ENABLE_ONEDNN_OPTS": "0"}},
+    "avx512": {"*": {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE"}, "keras": {"TF_ENABLE_ONEDNN_OPTS": "0"}},
+    "avx2": {"*": {"ONEDNN_MAX_CPU_ISA": "AVX2"}, "keras": {"TF_ENABLE_ONEDNN_OPTS": "0"}},
+}
+_variant = "native"
+
+
+def variant_env(kind: str) -> dict[str, str]:
+    """The environment variables --variant sets for a child of ``kind``."""
+    table = VARIANTS[_variant]
+    return {**table.get("*", {}), **table.get(kind, {})}
 # Every path trains with this learning rate: speed does not depend on it, and a preset's own
 # (kits19: 1e-2, momentum 0.99) can diverge within a few steps on two phantoms, ending the run.
 BENCH_LR = 1e-3
@@ -224,6 +241,13 @@ def child_main(request_path: str) -> int:
         request = json.load(handle)
     result = CHILDREN[request["kind"]](request)
     result["peak_bytes"] = peak_rss_bytes()
+    if "tensorflow" in sys.modules:  # what the child ran with: oneDNN on or off, its thread pools
+        from bigmem.sysinfo import tensorflow_description
+
+        runtime = tensorflow_description()
+        result["runtime"] = {key: runtime.get(key) for key in ("onednn_enabled", "intra_op_threads",
+                                                                "inter_op_threads", "TF_ENABLE_ONEDNN_OPTS")}
+        result["runtime"]["ONEDNN_MAX_CPU_ISA"] = os.environ.get("ONEDNN_MAX_CPU_ISA")
     print(json.dumps(result), flush=True)
     return 0
 
@@ -235,7 +259,7 @@ def run_child(request: dict, timeout_s: float = 3600.0) -> dict:
         json.dump(request, handle)
         handle.flush()
         result = subprocess.run([sys.executable, __file__, "--child", handle.name], capture_output=True, text=True,
-                                timeout=timeout_s)
+                                timeout=timeout_s, env={**os.environ, **variant_env(request["kind"])})
     if result.returncode != 0:
         tail = (result.stderr.strip().splitlines() or ["no output"])[-1]
         return {"error": f"exit {result.returncode}: {tail}"}
@@ -274,10 +298,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--scaling", default="kits19:32,64,96,128,160,192",
                         help="PRESET:V1,V2,... timed for bigmem fp32 (cost per voxel); '' to skip")
+    parser.add_argument("--precisions", default="fp32,bf16")
+    parser.add_argument("--variant", default="native", choices=sorted(VARIANTS),
+                        help="the children's environment: oneDNN off, or oneDNN capped at a smaller ISA")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
     if args.child:
         return child_main(args.child)
+    global _variant
+    _variant = args.variant
+    precisions = tuple(args.precisions.split(","))
 
     console = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 180)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -296,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     for volume in volumes:  # ceilings are per volume (the dominant layer's size), shared by the presets
         for preset in args.presets.split(","):
             channels = resolve_config(preset).model.base_filters
-            for precision in ("fp32", "bf16"):
+            for precision in precisions:
                 key = (preset, volume, precision)
                 conv = run_child({"kind": "ceiling", "what": "conv3d", "volume": volume, "channels": channels,
                                   "precision": precision, **common})
@@ -314,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         for volume in volumes:
             flops, params = train_flops_of(resolve_config(preset), volume)
             for path in paths:
-                for precision in (("fp32",) if path == "torch" else ("fp32", "bf16")):
+                for precision in (("fp32",) if path == "torch" else precisions):
                     config = resolve_config(preset, {"data": {"volume": volume}, "train": {
                         "batch_size": 1, "precision": precision, "lr": BENCH_LR}})
                     request = {"kind": path, "precision": precision, "config": config.to_dict(), **common}
@@ -344,7 +374,8 @@ def main(argv: list[str] | None = None) -> int:
     scaling = _scaling(args, rows, common, note) if args.scaling else None
     _print(console, rows, ceilings, scaling)
     report = {"machine": {"host": socket.gethostname(), "cpu": cpu_model(), "cpus": os.cpu_count(),
-                          "tensorflow": tensorflow_version(), "torch": torch_version},
+                          "tensorflow": tensorflow_version(), "torch": torch_version, "isa_class": _isa_class(),
+                          "variant": args.variant, "variant_env": {k: variant_env(k) for k in paths}},
               "warmup": args.warmup, "steps": args.steps,
               "ceilings": [{"preset": k[0], "volume": k[1], "precision": k[2],
                             "conv3d_gflops": v["conv3d"].get("gflops")} for k, v in ceilings.items() if len(k) == 3]
@@ -353,6 +384,12 @@ def main(argv: list[str] | None = None) -> int:
               "rows": rows, "scaling": scaling}
     write_results("train", report, args.out, console)
     return 0
+
+
+def _isa_class() -> str:
+    from bigmem.sysinfo import cpu_description, isa_class
+
+    return isa_class(cpu_description()["isa"])
 
 
 def _speedups(rows: list[dict]) -> None:
