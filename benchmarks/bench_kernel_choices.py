@@ -148,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
                 result = run_child(request, ISA_CAPS[isa])
                 results.append({"isa": native if isa == "native" else isa, "onednn_max_cpu_isa": ISA_CAPS[isa],
                                 **request, **result})
-                console.print(f"{isa} {precision} {volume}^3: {'error: ' + result['error'] if 'error' in result else 'ok'}")
+                status = f"error: {result['error']}" if "error" in result else "ok"
+                console.print(f"{isa} {precision} {volume}^3: {status}")
     table = Table(title="kernel choices: median seconds, forward excluded (faster in bold)")
     for column in ("ISA", "precision", "volume", "op", "shape", "oneDNN 3-D / 4-D", "planewise / 5-D", "choice"):
         table.add_column(column)
@@ -158,7 +159,9 @@ def main(argv: list[str] | None = None) -> int:
                 shape = f"s{row['stride']} {row['in_channels']}->{row['out_channels']}"
                 a, b, names = row["onednn_s"], row["planewise_s"], ("oneDNN", "planewise")
             else:
-                shape = f"{row['channels']} ch" + (f" (fp32 4-D {row['4d_fp32_s'] * 1e3:.1f} ms)" if "4d_fp32_s" in row else "")
+                shape = f"{row['channels']} ch"
+                if "4d_fp32_s" in row:
+                    shape += f" (fp32 4-D {row['4d_fp32_s'] * 1e3:.1f} ms)"
                 a, b, names = row["4d_s"], row["5d_s"], ("4-D", "5-D")
             row["choice"] = names[0] if a <= b else names[1]
             if row.get("4d_fp32_s", float("inf")) < min(a, b):
@@ -170,10 +173,11 @@ def main(argv: list[str] | None = None) -> int:
 
     machine = {"cpu": cpu["model"], "isa_class": native, "isa": cpu["isa"], "logical_cpus": os.cpu_count(),
                "tensorflow_runtime": tensorflow_description()}
-    console.print(f"{cpu['model']} ({native}), oneDNN {'on' if machine['tensorflow_runtime']['onednn_enabled'] else 'off'}")
-    write_results("kernel_choices", {"command": "python benchmarks/bench_kernel_choices.py " + " ".join(argv or sys.argv[1:]),
-                                     "warmup": args.warmup, "repeat": args.repeat, "results": results,
-                                     "machine": machine}, args.out, console)
+    onednn = "on" if machine["tensorflow_runtime"]["onednn_enabled"] else "off"
+    console.print(f"{cpu['model']} ({native}), oneDNN {onednn}")
+    command = "python benchmarks/bench_kernel_choices.py " + " ".join(argv or sys.argv[1:])
+    write_results("kernel_choices", {"command": command, "warmup": args.warmup, "repeat": args.repeat,
+                                     "results": results, "machine": machine}, args.out, console)
     return 0
 
 
