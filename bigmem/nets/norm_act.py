@@ -25,7 +25,7 @@ import keras
 import tensorflow as tf
 
 from bigmem.nets.reduce import spatial_sum
-from bigmem.nets.slabs import PlaneWriter, as_planes, exceeds_limit, plan_slabs, slab_elements, take_planes
+from bigmem.nets.slabs import SlabTooLargeError, as_planes, exceeds_limit, slab_elements
 
 ACTIVATIONS = ("relu", "leaky_relu", "linear")
 # Channel counts oneDNN's batch norm vectorises for channels-last data (AVX-512: 16 lanes; its
@@ -37,6 +37,12 @@ ONEDNN_NORM_CHANNEL_MULTIPLE = {"float32": 8, "bfloat16": 16}
 # while at 2^23 voxels the mean was within 1e-4. Larger volumes (kits19 from 224^3) use the slab
 # norm, whose sums run one spatial axis at a time in float32 (nets/reduce.py).
 FUSED_NORM_MAX_VOXELS = 2**23
+# The slab norm's slabs: its temporaries are float32 and several live at once, so a conv-sized
+# slab (2^29 elements, 2 GiB in float32) put kits19 at 224^3 (batch 2, bf16 + stages; 1.34 GiB
+# temporaries) past its plan, out of memory, and 2^25-element slabs still cost 1.2 GiB over the
+# fused norm at 128^3. It needs no halo, so its slabs are small, run as a tf.while_loop:
+# 2^22 elements (16 MiB in float32), one plane where a plane is more.
+NORM_SLAB_ELEMENTS = 2**22
 
 
 def _grouped(x: tf.Tensor, groups: int) -> tf.Tensor:
@@ -157,6 +163,30 @@ def fused_norm_activation(x, gamma, beta, *, groups: int, epsilon: float, activa
     return forward(x, gamma, beta)
 
 
+def _slab_ranges(depth: int, planes: int) -> list[tuple[int, int, int]]:
+    """(first plane, slab count, planes per slab): whole slabs of ``planes`` as one loop, the rest as another."""
+    whole, rest = divmod(depth, planes)
+    return [r for r in ((0, whole, planes), (whole * planes, 1 if rest else 0, rest)) if r[1]]
+
+
+def _over_slabs(rows, depth: int, planes: int, sample: int, body, state):
+    """``state = body(first_row, slab, state)`` for each slab of one sample, in order, as tf.while_loops.
+
+    ``slab`` is (1, n, H, W, C) read from ``rows`` (``as_planes``) at runtime, ``first_row`` its row.
+    A while_loop holds one slab's temporaries at a time and one copy of the body in the graph, so
+    the slabs can be small whatever the depth.
+    """
+    for first, count, n in _slab_ranges(depth, planes):
+        def step(i, *state, first=first, n=n):
+            row = sample * depth + first + i * n
+            slab = tf.expand_dims(tf.slice(rows, tf.stack([row, 0, 0, 0]), [n, -1, -1, -1]), 0)
+            return (i + 1, *body(row, slab, tuple(state)))
+
+        state = tuple(tf.while_loop(lambda i, *_, count=count: i < count, step, (tf.constant(0), *state),
+                                    parallel_iterations=1)[1:])
+    return state
+
+
 def norm_activation_slabs(x, gamma, beta, *, groups: int, epsilon: float, activation: str,
                           negative_slope: float):
     """``fused_norm_activation`` over depth slabs, for tensors past the kernel limit (nets/slabs.py).
@@ -165,7 +195,8 @@ def norm_activation_slabs(x, gamma, beta, *, groups: int, epsilon: float, activa
     deviations (Chan, Golub and LeVeque's pairwise update, float32), then each slab is
     normalised and activated and written in place. Backward: a first pass over the slabs sums
     dz and dz * (x - mean), a second writes dx = k1 * dz + k2 * (x - mean) + k3 slab by slab.
-    Only x and the statistics are kept; every temporary is one slab, in float32.
+    Only x and the statistics are kept; every temporary is one slab, in float32, and the slabs
+    run as tf.while_loops (NORM_SLAB_ELEMENTS).
 
     Args:
         x: (batch, D, H, W, C), static shape, any float dtype (the work runs in it).
@@ -179,8 +210,11 @@ def norm_activation_slabs(x, gamma, beta, *, groups: int, epsilon: float, activa
     per_group = channels // groups
     dtype = x.dtype
     plane = height * width * channels
-    limit = slab_elements(plane)
-    slabs = plan_slabs(depth, lambda d0, d1: (d1 - d0) * plane <= limit, what=f"group norm on {tuple(x.shape)}")
+    limit = min(slab_elements(plane), max(plane, NORM_SLAB_ELEMENTS))
+    if plane > limit:
+        raise SlabTooLargeError(f"group norm on {tuple(x.shape)}: a single depth plane exceeds the kernel limit "
+                                f"of {limit} elements; depth slabs cannot bring it under")
+    planes = max(1, min(depth, limit // plane))
     g = tf.reshape(gamma, (1, 1, groups, per_group))
     b = tf.reshape(beta, (1, 1, groups, per_group))
     count = depth * height * width * per_group  # elements per (sample, group)
@@ -192,19 +226,18 @@ def norm_activation_slabs(x, gamma, beta, *, groups: int, epsilon: float, activa
     def forward(x, gamma, beta):
         x_planes = as_planes(x)
         means, rstds = [], []
-        last = []
         for sample in range(batch):
-            n, mean, m2 = 0, tf.zeros((1, 1, groups, 1)), tf.zeros((1, 1, groups, 1))
-            for d0, d1 in slabs:
-                with tf.control_dependencies(last):
-                    xs = tf.cast(take_planes(x_planes, depth, sample, d0, d1), tf.float32)
-                    n_slab = (d1 - d0) * height * width * per_group
-                    mean_slab = _group_sums(xs, groups) / n_slab
-                    m2_slab = _group_sums(tf.math.squared_difference(xs, _per_channel(mean_slab, per_group)), groups)
+            def stats(_, slab, state):
+                n, mean, m2 = state
+                xs = tf.cast(slab, tf.float32)
+                n_slab = tf.cast(tf.size(xs) // groups, tf.float32)
+                mean_slab = _group_sums(xs, groups) / n_slab
+                m2_slab = _group_sums(tf.math.squared_difference(xs, _per_channel(mean_slab, per_group)), groups)
                 delta, total = mean_slab - mean, n + n_slab
-                mean = mean + delta * (n_slab / total)
-                m2 = m2 + m2_slab + delta * delta * (n * n_slab / total)
-                n, last = total, [m2]
+                return total, mean + delta * (n_slab / total), m2 + m2_slab + delta * delta * (n * n_slab / total)
+
+            zeros = tf.zeros((1, 1, groups, 1))
+            _, mean, m2 = _over_slabs(x_planes, depth, planes, sample, stats, (tf.constant(0.0), zeros, zeros))
             means.append(mean)
             rstds.append(tf.math.rsqrt(m2 / count + epsilon))
         mean, rstd = tf.concat(means, axis=0), tf.concat(rstds, axis=0)  # (B, 1, G, 1)
@@ -213,37 +246,40 @@ def norm_activation_slabs(x, gamma, beta, *, groups: int, epsilon: float, activa
         # Every elementwise step runs in float32 on the centred slab: in bfloat16, x * scale + shift
         # and dz * k1 + x * k2 + k3 cancel catastrophically when the mean is large against the
         # spread (a conv -> norm block's input gradient came out 15-25% off).
-        def centred(planes, sample, d0, d1):
-            return grouped(tf.cast(take_planes(planes, depth, sample, d0, d1), tf.float32)) - mean[sample:sample + 1]
+        def centred(slab, sample):
+            return grouped(tf.cast(slab, tf.float32)) - mean[sample:sample + 1]
 
-        writer = PlaneWriter(x.shape, dtype)
+        def write(rows_out, row, values, n):
+            return tf.raw_ops.InplaceUpdate(x=rows_out, i=tf.range(row, row + n),
+                                            v=tf.reshape(tf.cast(values, dtype), (n, height, width, channels)))
+
+        y_rows = tf.raw_ops.Empty(shape=x_planes.shape, dtype=dtype, init=False)
         for sample in range(batch):
-            for d0, d1 in slabs:
-                with tf.control_dependencies(writer.after + last):
-                    z = _activate(centred(x_planes, sample, d0, d1) * scale[sample:sample + 1] + b, activation,
-                                  negative_slope)
-                writer.write(sample, d0, tf.reshape(tf.cast(z, dtype), (1, d1 - d0, height, width, channels)))
+            def normalise(row, slab, state, sample=sample):
+                z = _activate(centred(slab, sample) * scale[sample:sample + 1] + b, activation, negative_slope)
+                return (write(state[0], row, z, slab.shape[1]),)
+
+            (y_rows,) = _over_slabs(x_planes, depth, planes, sample, normalise, (y_rows,))
 
         def backward(dy):
             dy_planes = as_planes(dy)
 
-            def gated(sample, d0, d1):
-                xc = centred(x_planes, sample, d0, d1)
-                dy_slab = grouped(tf.cast(take_planes(dy_planes, depth, sample, d0, d1), tf.float32))
-                return xc, _gate(dy_slab, xc * scale[sample:sample + 1] + b, activation, negative_slope)
+            def gated(row, slab, sample):
+                xc = centred(slab, sample)
+                dy_slab = tf.slice(dy_planes, tf.stack([row, 0, 0, 0]), [slab.shape[1], -1, -1, -1])
+                return xc, _gate(grouped(tf.cast(dy_slab, tf.float32)), xc * scale[sample:sample + 1] + b,
+                                 activation, negative_slope)
 
-            sums, last = [], [dy]
+            sums = []
             for sample in range(batch):
-                sum_dz, sum_dz_xc = tf.zeros((1, 1, groups, per_group)), tf.zeros((1, 1, groups, per_group))
-                for d0, d1 in slabs:
-                    shape5 = (1, d1 - d0, height, width, channels)
-                    with tf.control_dependencies(last):
-                        xc, dz = gated(sample, d0, d1)
-                        sum_dz = sum_dz + _channel_sums(tf.reshape(dz, shape5), None, groups)
-                    with tf.control_dependencies([sum_dz]):
-                        sum_dz_xc = sum_dz_xc + _channel_sums(tf.reshape(dz * xc, shape5), None, groups)
-                    last = [sum_dz_xc]
-                sums.append((sum_dz, sum_dz_xc))
+                def accumulate(row, slab, state, sample=sample):
+                    xc, dz = gated(row, slab, sample)
+                    shape5 = (1, slab.shape[1], height, width, channels)
+                    return (state[0] + _channel_sums(tf.reshape(dz, shape5), None, groups),
+                            state[1] + _channel_sums(tf.reshape(dz * xc, shape5), None, groups))
+
+                zeros = tf.zeros((1, 1, groups, per_group))
+                sums.append(_over_slabs(x_planes, depth, planes, sample, accumulate, (zeros, zeros)))
             sum_dz = tf.concat([s[0] for s in sums], axis=0)  # (B, 1, G, Cg)
             sum_dz_xhat = rstd * tf.concat([s[1] for s in sums], axis=0)
             dgamma = tf.reshape(tf.reduce_sum(sum_dz_xhat, axis=0), (channels,))
@@ -252,17 +288,18 @@ def norm_activation_slabs(x, gamma, beta, *, groups: int, epsilon: float, activa
             mean_dxhat_xhat = tf.reduce_sum(g * sum_dz_xhat, axis=3, keepdims=True) / count
             # dx = rstd * (g dz - mean(g dz) - xhat mean(g dz xhat)), xhat = (x - mean) rstd
             k1, k2, k3 = rstd * g, -rstd * rstd * mean_dxhat_xhat, -rstd * mean_dxhat
-            dx = PlaneWriter(x.shape, dtype)
+            dx_rows = tf.raw_ops.Empty(shape=x_planes.shape, dtype=dtype, init=False)
             for sample in range(batch):
                 k = [c[sample:sample + 1] for c in (k1, k2, k3)]
-                for d0, d1 in slabs:
-                    with tf.control_dependencies(dx.after + last):
-                        xc, dz = gated(sample, d0, d1)
-                        piece = tf.cast(dz * k[0] + xc * k[1] + k[2], dtype)
-                    dx.write(sample, d0, tf.reshape(piece, (1, d1 - d0, height, width, channels)))
-            return dx.result(), dgamma, dbeta
 
-        return writer.result(), backward
+                def input_grad(row, slab, state, sample=sample, k=k):
+                    xc, dz = gated(row, slab, sample)
+                    return (write(state[0], row, dz * k[0] + xc * k[1] + k[2], slab.shape[1]),)
+
+                (dx_rows,) = _over_slabs(x_planes, depth, planes, sample, input_grad, (dx_rows,))
+            return tf.reshape(dx_rows, x.shape), dgamma, dbeta
+
+        return tf.reshape(y_rows, x.shape), backward
 
     return forward(x, gamma, beta)
 
