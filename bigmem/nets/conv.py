@@ -31,9 +31,9 @@ Timed alone on the dev machine (2 cores, avx512_bf16, TF 2.21), weight gradient 
 | 128^3, 8 -> 16, stride 2 | 6.7 -> 8.1            | 19 -> 9               |
 | 64^3, 16 -> 32, stride 2 | 3.4 -> 3.9            | 3.8 -> 4.1            |
 
-So the planes are used for stride 2 in both precisions and for stride 1 under bfloat16, with
-``PLANEWISE_MIN_IN_CHANNELS[stride]`` to ``PLANEWISE_MAX_IN_CHANNELS`` input channels. Forward
-and input gradient are TF's own kernels either way.
+So on that ISA class the planes are used for stride 2 in both precisions and for stride 1 under
+bfloat16, within a range of input channels; nets/choices.py holds the ranges per ISA class.
+Forward and input gradient are TF's own kernels either way.
 """
 
 from __future__ import annotations
@@ -41,10 +41,9 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
+from bigmem.nets.choices import planewise_channels
 from bigmem.nets.slabs import conv3d_slabs, conv3d_transpose_slabs, exceeds_limit, same_padding
 
-PLANEWISE_MAX_IN_CHANNELS = 64
-PLANEWISE_MIN_IN_CHANNELS = {1: 16, 2: 32}  # by stride
 
 
 def _plane_stack(t: tf.Tensor) -> tf.Tensor:
@@ -115,12 +114,15 @@ class Conv3D(keras.layers.Conv3D):
         shape = inputs.shape
         if not (tuple(self.kernel_size) == (3, 3, 3) and tuple(self.dilation_rate) == (1, 1, 1)
                 and self.padding == "same" and self.groups == 1 and self.data_format == "channels_last"
-                and shape.rank == 5 and None not in shape and shape[-1] <= PLANEWISE_MAX_IN_CHANNELS):
+                and shape.rank == 5 and None not in shape and strides in ((1, 1, 1), (2, 2, 2))):
+            return False
+        # Where it pays depends on the ISA class oneDNN runs at (nets/choices.py).
+        channels = planewise_channels("bf16" if inputs.dtype == tf.bfloat16 else "fp32", strides[0])
+        if channels is None or not channels[0] <= shape[-1] <= channels[1]:
             return False
         if strides == (1, 1, 1):
-            return inputs.dtype == tf.bfloat16 and shape[1] >= 2 and shape[-1] >= PLANEWISE_MIN_IN_CHANNELS[1]
-        return (strides == (2, 2, 2) and all(size % 2 == 0 and size >= 4 for size in shape[1:4])
-                and shape[-1] >= PLANEWISE_MIN_IN_CHANNELS[2])
+            return shape[1] >= 2
+        return all(size % 2 == 0 and size >= 4 for size in shape[1:4])
 
     def _output_shape(self, shape):
         stride = self.strides[0]

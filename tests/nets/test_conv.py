@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from bigmem.nets.conv import PLANEWISE_MAX_IN_CHANNELS, PLANEWISE_MIN_IN_CHANNELS, Conv3D, planewise_weight_grad
+from bigmem.nets import choices
+from bigmem.nets.conv import Conv3D, planewise_weight_grad
 
 
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf.function"])
@@ -36,7 +37,15 @@ def _grads(layer, x):
     return y, tape.gradient(loss, [x, layer.kernel])
 
 
-LOW_1, LOW_2 = PLANEWISE_MIN_IN_CHANNELS[1], PLANEWISE_MIN_IN_CHANNELS[2]
+# The planewise choices of the avx512_bf16 class, whatever CPU runs the tests.
+PLANEWISE = choices.CHOICES["avx512_bf16"].planewise
+LOW_1, LOW_2 = PLANEWISE[("bf16", 1)][0], PLANEWISE[("bf16", 2)][0]
+PLANEWISE_MAX_IN_CHANNELS = PLANEWISE[("bf16", 1)][1]
+
+
+@pytest.fixture(autouse=True)
+def avx512_bf16_choices(monkeypatch):
+    monkeypatch.setattr(choices, "kernel_choices", lambda: ("avx512_bf16", choices.CHOICES["avx512_bf16"]))
 
 
 @pytest.mark.parametrize("policy, strides, in_channels, planewise", [

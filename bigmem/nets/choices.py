@@ -1,0 +1,77 @@
+"""Speed-motivated kernel choices, per ISA class: which weight gradient each convolution uses.
+
+The numbers behind each entry are in benchmarks/results/kernel_choices-*.json (measured with
+``python benchmarks/bench_kernel_choices.py``); this module holds only the decisions. A class
+measured with oneDNN capped at it (``ONEDNN_MAX_CPU_ISA``) on a bigger CPU says so in its
+``source``. TensorFlow-free, so the planner and ``bigmem info`` can read it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass, field
+
+# ONEDNN_MAX_CPU_ISA values -> the ISA class they cap oneDNN at (oneDNN's names, upper case).
+ONEDNN_ISA_CAPS = {"SSE41": "baseline", "AVX": "baseline", "AVX2": "avx2", "AVX2_VNNI": "avx2",
+                   "AVX2_VNNI_2": "avx2", "AVX512_CORE": "avx512", "AVX512_CORE_VNNI": "avx512",
+                   "AVX512_CORE_BF16": "avx512_bf16", "AVX512_CORE_FP16": "avx512_bf16",
+                   "AVX512_CORE_AMX": "amx", "AVX512_CORE_AMX_FP16": "amx", "DEFAULT": None, "ALL": None}
+CLASS_ORDER = ("baseline", "avx2", "avx512", "avx512_bf16", "amx")
+
+
+@dataclass(frozen=True)
+class KernelChoices:
+    """The kernels picked for one ISA class.
+
+    Attributes:
+        planewise: (precision, stride) -> (fewest, most) input channels for which the 3x3x3
+            conv's weight gradient runs as three batched 2-D ones (nets/conv.py); absent: never.
+        source: where the decision comes from (a results file, or "on paper" and why).
+    """
+
+    planewise: dict[tuple[str, int], tuple[int, int]] = field(default_factory=dict)
+    source: str = ""
+
+
+CHOICES: dict[str, KernelChoices] = {
+    "avx512_bf16": KernelChoices(
+        planewise={("bf16", 1): (16, 64), ("bf16", 2): (32, 64), ("fp32", 2): (32, 64)},
+        source="measured: AMD EPYC avx512_bf16, TF 2.21.0, oneDNN on (issue 7; "
+               "benchmarks/results/kernel_choices-vm-*.json)"),
+    "avx512": KernelChoices(planewise={}, source="not yet measured"),
+    "avx2": KernelChoices(planewise={}, source="not yet measured"),
+    "baseline": KernelChoices(planewise={}, source="no oneDNN fast path to beat: TF's own kernels"),
+}
+# AMX CPUs run oneDNN's AMX kernels for bf16 convolutions, which none of the measurements covered:
+# they keep avx512_bf16's choices, on paper (no AMX machine was available).
+CHOICES["amx"] = KernelChoices(planewise=dict(CHOICES["avx512_bf16"].planewise),
+                               source="on paper: avx512_bf16's choices; no AMX CPU was measured")
+
+
+def effective_isa_class(detected: str, environ: dict | None = None) -> str:
+    """The ISA class oneDNN runs at: the CPU's, or lower where ONEDNN_MAX_CPU_ISA caps it.
+
+    Example:
+        >>> effective_isa_class("avx512_bf16", {"ONEDNN_MAX_CPU_ISA": "AVX2"})
+        'avx2'
+    """
+    environ = os.environ if environ is None else environ
+    cap = ONEDNN_ISA_CAPS.get(str(environ.get("ONEDNN_MAX_CPU_ISA", "")).upper())
+    if cap is None or detected not in CLASS_ORDER:
+        return detected
+    return min(detected, cap, key=CLASS_ORDER.index)
+
+
+@functools.lru_cache(maxsize=1)
+def kernel_choices() -> tuple[str, KernelChoices]:
+    """(ISA class, its choices) for this process: read once, from the CPU and ONEDNN_MAX_CPU_ISA."""
+    from bigmem.cpu import cpu_description, isa_class
+
+    name = effective_isa_class(isa_class(cpu_description()["isa"]))
+    return name, CHOICES.get(name, CHOICES["baseline"])
+
+
+def planewise_channels(precision: str, stride: int) -> tuple[int, int] | None:
+    """The input-channel range of the planewise weight gradient for this process's ISA class, else None."""
+    return kernel_choices()[1].planewise.get((precision, stride))

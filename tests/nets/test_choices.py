@@ -1,0 +1,31 @@
+"""Kernel choices follow the ISA class oneDNN runs at."""
+
+from __future__ import annotations
+
+import pytest
+
+from bigmem.nets import choices
+
+
+@pytest.mark.parametrize("detected, cap, want", [
+    ("avx512_bf16", None, "avx512_bf16"), ("avx512_bf16", "AVX2", "avx2"), ("avx512_bf16", "avx512_core", "avx512"),
+    ("avx2", "AVX512_CORE_BF16", "avx2"), ("amx", "AVX512_CORE_BF16", "avx512_bf16"), ("avx2", "ALL", "avx2"),
+    ("avx512", "not-an-isa", "avx512")])
+def test_effective_isa_class_is_the_lower_of_cpu_and_cap(detected, cap, want):
+    environ = {} if cap is None else {"ONEDNN_MAX_CPU_ISA": cap}
+    assert choices.effective_isa_class(detected, environ) == want
+
+
+def test_every_class_has_choices_with_a_source_and_sane_ranges():
+    for name in choices.CLASS_ORDER:
+        entry = choices.CHOICES[name]
+        assert entry.source
+        for (precision, stride), (low, high) in entry.planewise.items():
+            assert precision in ("fp32", "bf16") and stride in (1, 2) and 1 <= low <= high
+
+
+def test_planewise_channels_reads_this_process_class(monkeypatch):
+    table = choices.KernelChoices(planewise={("fp32", 2): (8, 16)}, source="test")
+    monkeypatch.setattr(choices, "kernel_choices", lambda: ("avx2", table))
+    assert choices.planewise_channels("fp32", 2) == (8, 16)
+    assert choices.planewise_channels("bf16", 1) is None
