@@ -34,13 +34,26 @@ class KernelChoices:
     source: str = ""
 
 
+# Planewise where it was at least as fast at 96^3 and within 10% at 64^3 (one weight gradient,
+# forward excluded); benchmarks/results/kernel_choices-vm-20261130-195005.json, AMD EPYC 2 vCPU,
+# TF 2.21.0, oneDNN on. avx512 and avx2 were measured with oneDNN capped at them
+# (ONEDNN_MAX_CPU_ISA=AVX512_CORE / AVX2) on that avx512_bf16 CPU: oneDNN's kernels are the
+# smaller CPU's, TensorFlow's own Eigen kernels are not.
+MEASURED = "benchmarks/results/kernel_choices-vm-20261130-195005.json"
 CHOICES: dict[str, KernelChoices] = {
+    # bf16: planes 1.1-2x faster from 16 channels (stride 1) and 8 (stride 2: 5.2 vs 10.8 ms at
+    # 96^3, 8 -> 16). fp32: only stride 2 from 64 in-channels (64 -> 128: 355 vs 602 ms at 96^3);
+    # at 32 -> 64 oneDNN's own is 5-10% faster.
     "avx512_bf16": KernelChoices(
-        planewise={("bf16", 1): (16, 64), ("bf16", 2): (32, 64), ("fp32", 2): (32, 64)},
-        source="measured: AMD EPYC avx512_bf16, TF 2.21.0, oneDNN on (issue 7; "
-               "benchmarks/results/kernel_choices-vm-*.json)"),
-    "avx512": KernelChoices(planewise={}, source="not yet measured"),
-    "avx2": KernelChoices(planewise={}, source="not yet measured"),
+        planewise={("bf16", 1): (16, 64), ("bf16", 2): (8, 64), ("fp32", 2): (64, 64)},
+        source=f"measured on avx512_bf16: {MEASURED}"),
+    # fp32 only (bf16 is emulated here and never chosen): stride 2 from 32 in-channels.
+    "avx512": KernelChoices(planewise={("fp32", 2): (32, 64)},
+                            source=f"measured with oneDNN capped at AVX512_CORE: {MEASURED}"),
+    # oneDNN's AVX2 weight gradients are its weakest: planes 1.3-2.9x faster up to 32 channels
+    # (stride 1; 64 -> 64 is 4-11% slower) and up to 64 (stride 2).
+    "avx2": KernelChoices(planewise={("fp32", 1): (8, 32), ("fp32", 2): (8, 64)},
+                          source=f"measured with oneDNN capped at AVX2: {MEASURED}"),
     "baseline": KernelChoices(planewise={}, source="no oneDNN fast path to beat: TF's own kernels"),
 }
 # AMX CPUs run oneDNN's AMX kernels for bf16 convolutions, which none of the measurements covered:

@@ -304,6 +304,32 @@ def norm_activation_slabs(x, gamma, beta, *, groups: int, epsilon: float, activa
     return forward(x, gamma, beta)
 
 
+def _fused_batch_norm_float32(x, gamma, beta, epsilon: float):
+    """FusedBatchNormV3 (training mode, NHWC) of a bfloat16 x computed in float32, keeping only x.
+
+    The float32 copy of x is made again for the gradient instead of being kept, so the norm
+    holds no more memory than the bfloat16 kernel would.
+    """
+    empty = tf.constant([], tf.float32)
+
+    @tf.custom_gradient
+    def norm(x, gamma, beta):
+        y, _, _, mean, inverse, workspace = tf.raw_ops.FusedBatchNormV3(
+            x=tf.cast(x, tf.float32), scale=gamma, offset=beta, mean=empty, variance=empty, epsilon=epsilon,
+            data_format="NHWC", is_training=True)
+
+        def grad(dy):
+            dx, dgamma, dbeta, _, _ = tf.raw_ops.FusedBatchNormGradV3(
+                y_backprop=tf.cast(dy, tf.float32), x=tf.cast(x, tf.float32), scale=gamma, reserve_space_1=mean,
+                reserve_space_2=inverse, reserve_space_3=workspace, epsilon=epsilon, data_format="NHWC",
+                is_training=True)
+            return tf.cast(dx, x.dtype), dgamma, dbeta
+
+        return tf.cast(y, x.dtype), grad
+
+    return norm(x, gamma, beta)
+
+
 def instance_norm_activation(x, gamma, beta, *, epsilon: float, activation: str, negative_slope: float):
     """act(instance_norm(x)) as one FusedBatchNormV3 per sample; needs a static batch size.
 
@@ -321,10 +347,16 @@ def instance_norm_activation(x, gamma, beta, *, epsilon: float, activation: str,
     # such channel counts stay 5-D. The activation follows the norm directly, so TF's remapper
     # can fuse a ReLU into it.
     onednn = channels % ONEDNN_NORM_CHANNEL_MULTIPLE.get(x.dtype.name, 16) == 0
+    # bfloat16 with a channel count only oneDNN's float32 kernel vectorises (8): that kernel,
+    # between casts, beats the 5-D one 2-3x (benchmarks/results/kernel_choices-*.json).
+    via_float32 = (not onednn and x.dtype == tf.bfloat16
+                   and channels % ONEDNN_NORM_CHANNEL_MULTIPLE["float32"] == 0)
     as_4d = tf.stack([1, shape[1], -1, channels])
     outputs = []
     for sample in samples:
-        if onednn:
+        if via_float32:
+            y = _fused_batch_norm_float32(tf.reshape(sample, as_4d), gamma, beta, epsilon)
+        elif onednn:
             y = tf.compat.v1.nn.fused_batch_norm(tf.reshape(sample, as_4d), gamma, beta, epsilon=epsilon,
                                                  is_training=True, data_format="NHWC")[0]
         else:

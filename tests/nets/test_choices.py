@@ -29,3 +29,16 @@ def test_planewise_channels_reads_this_process_class(monkeypatch):
     monkeypatch.setattr(choices, "kernel_choices", lambda: ("avx2", table))
     assert choices.planewise_channels("fp32", 2) == (8, 16)
     assert choices.planewise_channels("bf16", 1) is None
+
+
+def test_conv_layer_follows_the_class_choices(monkeypatch):
+    import tensorflow as tf
+
+    from bigmem.nets.conv import Conv3D
+
+    layer = Conv3D(4, 3, padding="same")
+    x = tf.zeros((1, 4, 4, 4, 16))
+    layer.build(x.shape)
+    for name, want in (("avx2", True), ("avx512", False), ("avx512_bf16", False)):
+        monkeypatch.setattr(choices, "kernel_choices", lambda name=name: (name, choices.CHOICES[name]))
+        assert layer._planewise(x) is want, name  # fp32 stride 1: planewise on AVX2 only

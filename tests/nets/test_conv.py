@@ -39,7 +39,7 @@ def _grads(layer, x):
 
 # The planewise choices of the avx512_bf16 class, whatever CPU runs the tests.
 PLANEWISE = choices.CHOICES["avx512_bf16"].planewise
-LOW_1, LOW_2 = PLANEWISE[("bf16", 1)][0], PLANEWISE[("bf16", 2)][0]
+LOW_1, LOW_2, LOW_2_FP32 = PLANEWISE[("bf16", 1)][0], PLANEWISE[("bf16", 2)][0], PLANEWISE[("fp32", 2)][0]
 PLANEWISE_MAX_IN_CHANNELS = PLANEWISE[("bf16", 1)][1]
 
 
@@ -51,7 +51,7 @@ def avx512_bf16_choices(monkeypatch):
 @pytest.mark.parametrize("policy, strides, in_channels, planewise", [
     ("mixed_bfloat16", 1, LOW_1, True), ("mixed_bfloat16", 1, LOW_1 - 1, False),
     ("mixed_bfloat16", 1, PLANEWISE_MAX_IN_CHANNELS + 1, False),
-    ("mixed_bfloat16", 2, LOW_2, True), ("float32", 2, LOW_2, True), ("float32", 2, LOW_2 - 1, False),
+    ("mixed_bfloat16", 2, LOW_2, True), ("float32", 2, LOW_2_FP32, True), ("float32", 2, LOW_2_FP32 - 1, False),
     ("float32", 1, LOW_1, False), ("float32", 2, PLANEWISE_MAX_IN_CHANNELS + 1, False)])
 def test_layer_matches_keras_conv3d(policy, strides, in_channels, planewise):
     rng = np.random.default_rng(1)
@@ -73,7 +73,7 @@ def test_layer_matches_keras_conv3d(policy, strides, in_channels, planewise):
 
 def test_odd_or_tiny_strided_inputs_use_tf_kernels():
     layer = Conv3D(2, 3, strides=2, padding="same")
-    layer.build((1, 6, 6, 6, LOW_2))
-    assert layer._planewise(tf.zeros((1, 6, 6, 6, LOW_2)))
-    assert not layer._planewise(tf.zeros((1, 5, 6, 6, LOW_2)))  # TF pads odd sizes differently
-    assert not layer._planewise(tf.zeros((1, 2, 6, 6, LOW_2)))  # one output plane
+    layer.build((1, 6, 6, 6, LOW_2_FP32))
+    assert layer._planewise(tf.zeros((1, 6, 6, 6, LOW_2_FP32)))
+    assert not layer._planewise(tf.zeros((1, 5, 6, 6, LOW_2_FP32)))  # TF pads odd sizes differently
+    assert not layer._planewise(tf.zeros((1, 2, 6, 6, LOW_2_FP32)))  # one output plane

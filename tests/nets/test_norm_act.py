@@ -48,6 +48,7 @@ def _run(layer_fn, x, weights, variables, graph=False):
 @pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
 @pytest.mark.parametrize("groups, activation, channels", [
     (-1, "relu", 4), (2, "leaky_relu", 4), (-1, "linear", 4), (4, "relu", 4), (-1, "leaky_relu", 4),
+    (-1, "relu", 8),  # bf16: oneDNN's float32 kernel between casts (_fused_batch_norm_float32)
     (-1, "relu", 16), (-1, "leaky_relu", 16), (-1, "linear", 16)])
 def test_matches_keras_group_norm(policy, groups, activation, channels, graph):
     rng = np.random.default_rng(0)
@@ -139,3 +140,18 @@ def test_mixed_bfloat16_normalises_with_float32_gamma_and_beta(slabs, channels):
     np.testing.assert_array_equal(dbeta.numpy(), np.full(channels, 8**3 / 2))
     positive = tf.cast(y, tf.float32).numpy()[..., 0][sign[None] > 0]
     np.testing.assert_allclose(positive, 1.0 / np.sqrt(1 + 1e-5) - 0.999, rtol=2e-2)
+
+
+def test_bfloat16_with_eight_channels_runs_the_float32_kernel(monkeypatch):
+    from bigmem.nets import norm_act
+
+    calls = []
+    original = norm_act._fused_batch_norm_float32
+    monkeypatch.setattr(norm_act, "_fused_batch_norm_float32", lambda *a: calls.append(a[0].dtype) or original(*a))
+    x = tf.cast(tf.random.stateless_normal((1, 4, 4, 4, 8), [1, 2]), tf.bfloat16)
+    y = norm_act.instance_norm_activation(x, tf.ones(8), tf.zeros(8), epsilon=1e-5, activation="relu",
+                                          negative_slope=0.0)
+    assert calls == [tf.bfloat16] and y.dtype == tf.bfloat16
+    norm_act.instance_norm_activation(tf.cast(x, tf.float32), tf.ones(8), tf.zeros(8), epsilon=1e-5,
+                                      activation="relu", negative_slope=0.0)
+    assert calls == [tf.bfloat16]  # float32 with 8 channels takes oneDNN's float32 kernel directly
