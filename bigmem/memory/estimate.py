@@ -135,6 +135,14 @@ def activation_elements(counts: NetworkCounts, recompute: Sequence[str]) -> int:
     return kept + counts.head_elements
 
 
+def mode_stages(recompute: Recompute, counts: NetworkCounts) -> list[str]:
+    """The stages a fixed ``--recompute`` mode recomputes: every stage for STAGES, none otherwise.
+
+    AUTO has no fixed stages: ``memory.preflight.recompute_stages`` chooses them against a budget.
+    """
+    return list(counts.block_elements) if recompute is Recompute.STAGES else []
+
+
 def recompute_order(counts: NetworkCounts) -> list[str]:
     """Stages by how much recomputing them saves (their elements beyond their output), most first."""
     return sorted(counts.block_elements, key=lambda n: counts.block_outputs[n] - counts.block_elements[n])
@@ -147,7 +155,7 @@ def estimate(config: ExperimentConfig, counts: NetworkCounts, spatial_shape: Seq
     batch = train.batch_size
     precision = train.precision
     if recompute_stages is None:
-        recompute_stages = list(counts.block_elements) if train.recompute is Recompute.STAGES else []
+        recompute_stages = mode_stages(train.recompute, counts)
     recompute_key = "stages" if recompute_stages else "none"
     calibration = calibration or lookup_calibration(config.model.name, precision.value, recompute_key)
     voxels = math.prod(spatial_shape)

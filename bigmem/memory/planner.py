@@ -15,7 +15,8 @@ import psutil
 from bigmem.config.options import Precision, Recompute
 from bigmem.config.schema import ExperimentConfig
 from bigmem.errors import InsufficientMemoryError
-from bigmem.memory.estimate import Estimate, NetworkCounts, estimate, recompute_order
+from bigmem.memory.calibration import lookup_calibration
+from bigmem.memory.estimate import Estimate, NetworkCounts, estimate, mode_stages, recompute_order
 from bigmem.memory.speed import MachineSpeed, predicted_step_s, step_rate
 from bigmem.units import format_bytes
 
@@ -61,6 +62,13 @@ class Candidate:
 
 @dataclass
 class Plan:
+    """What fits a memory budget: the one schema of plan.json (``bigmem plan`` and every run's).
+
+    ``chosen`` is the configuration that will run: the planner's pick (None when nothing fits),
+    or, for a fixed job (``memory.preflight.job_plan``), the job itself, even when it is forced
+    past the budget (then ``fits`` is False and ``forced`` True).
+    """
+
     fits: bool
     budget_bytes: int
     budget_source: str
@@ -68,23 +76,31 @@ class Plan:
     closest: Candidate
     candidates: list[Candidate]
     best_per_mode: list[Candidate]
+    forced: bool = False  # a fixed job run past its budget (--force)
+    calibration: dict | None = None  # the calibration behind the chosen (or closest) candidate's estimate
+    data_parallel: dict | None = None  # the data-parallel run's patch and replicas (train --strategy)
 
     @property
     def predicted_peak_bytes(self) -> int:
         return (self.chosen or self.closest).predicted_peak_bytes
 
     def to_dict(self) -> dict:
-        chosen = self.chosen or self.closest
+        """plan.json. ``components`` and ``predicted_peak_bytes`` are the chosen (else closest) candidate's."""
+        chosen = self.chosen
         return {
             "fits": self.fits,
+            "forced": self.forced,
             "budget_bytes": self.budget_bytes,
             "budget_source": self.budget_source,
             "predicted_peak_bytes": self.predicted_peak_bytes,
+            "components": dict((chosen or self.closest).components),
+            "calibration": self.calibration,
             "chosen": {"volume": chosen.volume, "batch_size": chosen.batch_size, "precision": chosen.precision,
                        "recompute": chosen.recompute, "recompute_stages": chosen.recompute_stages,
                        "components": dict(chosen.components), "partitioned_stages": chosen.partitioned_stages,
                        "predicted_step_s": chosen.predicted_step_s, "step_rate_source": chosen.step_rate_source}
-            if self.fits else None,
+            if chosen is not None else None,
+            "data_parallel": self.data_parallel,
             "closest": dataclasses.asdict(self.closest),
             "best_per_mode": [dataclasses.asdict(c) for c in self.best_per_mode],
             "candidates": [dataclasses.asdict(c) for c in self.candidates],
@@ -109,7 +125,7 @@ class Planner:
             self.config.train, batch_size=batch, precision=precision, recompute=recompute))
         counts = self.counts_for((volume,) * 3)
         if stages is None:
-            stages = list(counts.block_elements) if recompute is Recompute.STAGES else []
+            stages = mode_stages(recompute, counts)
         result = estimate(config, counts, (volume,) * 3, recompute_stages=stages)
         rate = step_rate(self.machine.isa_class, precision.value, config.model.filters[0], self.machine.native_bf16)
         # The recomputed stages' share of the forward work, by their share of the feature maps.
@@ -195,7 +211,14 @@ def make_plan(config: ExperimentConfig, counts_for, budget_bytes: int, *, budget
         if chosen is None or (candidate.volume, candidate.batch_size) > (chosen.volume, chosen.batch_size):
             chosen = candidate
     closest = chosen or min(planner.candidates, key=lambda c: c.predicted_peak_bytes)
-    return Plan(chosen is not None, budget_bytes, budget_source, chosen, closest, planner.candidates, best_per_mode)
+    return Plan(chosen is not None, budget_bytes, budget_source, chosen, closest, planner.candidates, best_per_mode,
+                calibration=candidate_calibration(config, closest))
+
+
+def candidate_calibration(config: ExperimentConfig, candidate: Candidate) -> dict:
+    """The calibration the estimate of ``candidate`` used (as ``estimate`` looks it up)."""
+    recompute = "stages" if candidate.recompute_stages else "none"
+    return lookup_calibration(config.model.name, candidate.precision, recompute).to_dict()
 
 
 def cheapest_fix(config: ExperimentConfig, counts_for, budget_bytes: int, volume: int, batch: int,
@@ -238,5 +261,5 @@ def check_fits(estimated: Estimate, config: ExperimentConfig, counts_for, budget
         f"({budget_source}): {fix}; or pass --force to try anyway.", required, budget_bytes)
 
 
-__all__ = ["Candidate", "Plan", "Planner", "available_memory_bytes", "check_fits",
+__all__ = ["Candidate", "Plan", "Planner", "available_memory_bytes", "candidate_calibration", "check_fits",
            "cheapest_fix", "make_plan"]

@@ -1,0 +1,217 @@
+"""The memory pre-flight: one budget rule, one choice of recomputed stages, one ``Plan``.
+
+Every command that asks "does this fit?" asks here: ``bigmem train`` before anything large is
+allocated, ``bigmem plan`` for the largest volume and batch, ``bigmem profile --recompute auto``
+for its stages, and ``bigmem compare`` for the largest whole volume in host RAM. What they get
+back is a ``memory.planner.Plan``, whose ``to_dict`` is plan.json's one schema.
+
+The budget, in one rule (``resolve_budget``):
+
+1. an explicit budget (``--memory-budget SIZE``; ``--budget`` on ``bigmem plan``) wins;
+2. else what the NUMA placement bigmem runs under can use: ``bind:NODES`` the bound nodes' free
+   memory, ``interleave[:NODES]`` the smallest node's free memory times the nodes
+   (``numa.capacity.placement_budget``);
+3. else (no placement, or ``local``, ``preferred`` or ``none``, which may spill anywhere)
+   MemAvailable.
+
+An explicit budget larger than a bind or interleave placement can use is capped to it, with a
+one-line note: the pages cannot land anywhere else. An explicit budget above MemAvailable is
+kept (a plan for a bigger machine, or page cache the user knows can be dropped).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from bigmem.config.options import Recompute
+from bigmem.config.schema import ExperimentConfig
+from bigmem.errors import InsufficientMemoryError, UsageError
+from bigmem.memory.estimate import NetworkCounts, estimate, mode_stages
+from bigmem.memory.planner import Plan, Planner, available_memory_bytes, check_fits, make_plan
+from bigmem.numa.capacity import check_nodes_fit, placement_budget
+from bigmem.numa.policy import Placement, PolicyKind
+from bigmem.numa.topology import NUMATopology
+from bigmem.units import format_bytes
+
+CountsFor = Callable[[tuple[int, int, int]], NetworkCounts]
+EXPLICIT_FLAG = "--memory-budget"
+# Policies whose pages stay on the placement's nodes: their free memory is the most a job can use.
+NODE_BOUND_POLICIES = (PolicyKind.BIND, PolicyKind.INTERLEAVE)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """A resolved memory budget and where it came from.
+
+    Attributes:
+        budget_bytes: the most the job's predicted peak may be.
+        source: what set it, as messages and plan.json's ``budget_source`` name it: the flag
+            (``"--memory-budget"``, ``"--budget"``), the placement (``"free memory of node(s) 1"``)
+            or ``"MemAvailable"``.
+        note: one line to show the user when an explicit budget was capped ("" otherwise).
+        placement: the placement whose nodes set the budget, when they did (the refusal then names
+            the nodes); None otherwise.
+        topology: the topology ``placement`` was measured on.
+    """
+
+    budget_bytes: int
+    source: str
+    note: str = ""
+    placement: Placement | None = None
+    topology: NUMATopology | None = None
+
+
+def resolve_budget(explicit_bytes: int | None = None, *, flag: str = EXPLICIT_FLAG,
+                   placement: Placement | None = None, topology: NUMATopology | None = None,
+                   available_bytes: int | None = None) -> Budget:
+    """The memory budget, by the one precedence rule of this module's docstring.
+
+    Args:
+        explicit_bytes: the budget the user gave, or None.
+        flag: how the user spelled it (``--memory-budget``, or ``--budget`` on ``bigmem plan``);
+            it becomes the budget's source.
+        placement: the NUMA placement the job runs under (applied, or resolved for planning);
+            None for none.
+        topology: the machine's nodes (default: read from sysfs when a bind or interleave
+            placement needs them).
+        available_bytes: MemAvailable (default: read now, when the rule falls through to it).
+
+    Returns:
+        The ``Budget``.
+
+    Example:
+        >>> resolve_budget(2**30, available_bytes=2**40)
+        Budget(budget_bytes=1073741824, source='--memory-budget', note='', placement=None, topology=None)
+    """
+    limit = None
+    if placement is not None and placement.kind in NODE_BOUND_POLICIES:
+        topology = topology or NUMATopology.from_sysfs()
+        limit = placement_budget(placement, topology, 0)  # bind/interleave: the nodes' free memory only
+    if explicit_bytes is not None:
+        if limit is None or explicit_bytes <= limit[0]:
+            return Budget(int(explicit_bytes), flag)
+        note = (f"note: {flag} {format_bytes(explicit_bytes)} is more than --numa {placement.text} can use; "
+                f"budgeting {format_bytes(limit[0])} ({limit[1]})")
+        return Budget(limit[0], limit[1], note, placement, topology)
+    if limit is not None:
+        return Budget(limit[0], limit[1], placement=placement, topology=topology)
+    available = available_memory_bytes() if available_bytes is None else int(available_bytes)
+    return Budget(available, "MemAvailable")
+
+
+def recompute_stages(config: ExperimentConfig, counts_for: CountsFor, shape: Sequence[int],
+                     budget_bytes: int | None = None, *, planner: Planner | None = None) -> list[str]:
+    """The stages a job recomputes in backward: the one place ``--recompute`` becomes stage names.
+
+    Args:
+        config: the job (``train.recompute``, ``train.precision``, ``train.batch_size``).
+        counts_for: ``memory.profile.counts_function(config)``.
+        shape: the spatial shape ``(D, H, W)``; ``auto`` needs a cube.
+        budget_bytes: the budget ``auto`` fits (``resolve_budget``); unused by none and stages.
+        planner: the ``Planner`` to evaluate ``auto``'s candidates with (it keeps them);
+            default: a new one for ``budget_bytes``.
+
+    Returns:
+        none: ``[]``; stages: every stage; auto: the fewest stages, those that save most first,
+        whose predicted peak fits ``budget_bytes`` (every stage when none does).
+
+    Raises:
+        UsageError: auto without a budget, or on a non-cubic shape.
+
+    Example:
+        >>> recompute_stages(config, counts_for, (128, 128, 128), 8 * 2**30)
+        ['dec0', 'enc0']
+    """
+    recompute = config.train.recompute
+    if recompute is not Recompute.AUTO:
+        return mode_stages(recompute, counts_for(tuple(shape)))
+    if len(set(shape)) != 1:
+        raise UsageError("--recompute auto needs a cubic --volume.")
+    if planner is None:
+        if budget_bytes is None:
+            raise UsageError("--recompute auto needs a memory budget to fit; give --memory-budget SIZE.")
+        planner = Planner(config, counts_for, budget_bytes)
+    chosen = planner.fewest_recomputed_stages(shape[0], config.train.batch_size, config.train.precision)
+    return chosen.recompute_stages
+
+
+def job_plan(config: ExperimentConfig, counts_for: CountsFor, budget: Budget, *,
+             stages: Sequence[str] | None = None, force: bool = False, check: bool = True) -> Plan:
+    """The plan of one fixed job (``config.data.volume`` cubes at ``train.batch_size``), refused unless it fits.
+
+    Args:
+        config: the job as it will run.
+        counts_for: ``memory.profile.counts_function(config)``.
+        budget: ``resolve_budget(...)``.
+        stages: the recomputed stages, if the caller fixed them (default: ``recompute_stages``).
+        force: run past the budget: no refusal, and the plan says ``forced``.
+        check: refuse at all (False where the host does not hold the model, e.g. real GPUs).
+
+    Returns:
+        A ``Plan`` whose ``chosen`` is the job, ``fits`` whether its predicted peak is within the
+        budget, and ``candidates`` every configuration evaluated (the stages ``auto`` tried).
+
+    Raises:
+        InsufficientMemoryError: (exit 3) the predicted peak exceeds the budget, unless ``force``
+            or not ``check``. When the placement's nodes set the budget the message names the
+            nodes; otherwise it names the cheapest change that fits.
+
+    Example:
+        >>> plan = job_plan(config, counts_for, resolve_budget(64 * 2**30))
+        >>> plan.chosen.recompute_stages, plan.fits
+        ([], True)
+    """
+    volume, batch = config.data.volume, config.train.batch_size
+    shape = (volume,) * 3
+    planner = Planner(config, counts_for, budget.budget_bytes)
+    stages = list(recompute_stages(config, counts_for, shape, planner=planner) if stages is None else stages)
+    mode = (volume, batch, config.train.precision.value, config.train.recompute.value, stages)
+    candidate = next((c for c in planner.candidates  # auto's last try is the job itself
+                      if (c.volume, c.batch_size, c.precision, c.recompute, c.recompute_stages) == mode), None)
+    candidate = candidate or planner.evaluate(volume, batch, config.train.precision, config.train.recompute, stages)
+    predicted = estimate(config, counts_for(shape), shape, recompute_stages=stages)
+    fits = predicted.predicted_peak_bytes <= budget.budget_bytes
+    if check and not force and not fits:
+        if budget.placement is not None:
+            check_nodes_fit(predicted.predicted_peak_bytes, budget.placement, budget.topology)
+        check_fits(predicted, config, counts_for, budget.budget_bytes, budget.source, volume)
+    return Plan(fits, budget.budget_bytes, budget.source, candidate, candidate, list(planner.candidates), [candidate],
+                forced=force and not fits, calibration=predicted.calibration.to_dict())
+
+
+def search_plan(config: ExperimentConfig, counts_for: CountsFor, budget: Budget, *, volume: int | None = None,
+                batch_size: int | None = None, allow_bf16: bool | None = None) -> Plan:
+    """The largest volume (unless fixed), then batch (unless fixed), that fits ``budget`` (``make_plan``).
+
+    Args:
+        config: the model and training settings.
+        counts_for: ``memory.profile.counts_function(config)``.
+        budget: ``resolve_budget(...)``.
+        volume: fix the volume edge and search the batch.
+        batch_size: fix the batch and search the volume.
+        allow_bf16: consider bf16 (default: only where the CPU has it natively).
+
+    Returns:
+        The ``Plan``; ``chosen`` is None when nothing fits (``require_fit`` refuses it).
+    """
+    return make_plan(config, counts_for, budget.budget_bytes, budget_source=budget.source, volume=volume,
+                     batch_size=batch_size, allow_bf16=allow_bf16)
+
+
+def require_fit(plan: Plan) -> None:
+    """Refuse (exit 3) a searched plan in which nothing fits, naming the closest candidate.
+
+    Raises:
+        InsufficientMemoryError: ``plan.fits`` is False.
+    """
+    if plan.fits:
+        return
+    c = plan.closest
+    raise InsufficientMemoryError(
+        f"Nothing fits {format_bytes(plan.budget_bytes)} ({plan.budget_source}): the closest candidate, "
+        f"{c.volume}^3 x batch {c.batch_size} {c.precision} recompute {c.recompute}, needs "
+        f"{format_bytes(c.predicted_peak_bytes)}.", c.predicted_peak_bytes, plan.budget_bytes)
+
+
+__all__ = ["Budget", "job_plan", "recompute_stages", "require_fit", "resolve_budget", "search_plan"]

@@ -1,0 +1,225 @@
+"""The one pre-flight: the budget's precedence on fake machines, the recomputed stages, the Plan, exit 3."""
+
+from __future__ import annotations
+
+import pytest
+
+from bigmem.config import resolve_config
+from bigmem.errors import EXIT_NO_FIT, InsufficientMemoryError, UsageError
+from bigmem.memory.calibration import Calibration
+from bigmem.memory.estimate import NetworkCounts, estimate
+from bigmem.memory.preflight import Budget, job_plan, recompute_stages, require_fit, resolve_budget, search_plan
+from bigmem.nets.unet3d import UNet3D
+from bigmem.numa.policy import resolve_placement
+from bigmem.numa.topology import NUMATopology
+from bigmem.units import format_bytes
+from helpers import make_sysfs
+
+GIB = 2**30
+MIB = 2**20
+FIXED = Calibration(1.0, 100 * MIB, "test")
+ALL_STAGES = ["enc0", "enc1", "enc2", "enc3", "dec2", "dec1", "dec0"]  # small: depth 3
+
+
+@pytest.fixture(autouse=True)
+def fixed_calibration(monkeypatch):
+    monkeypatch.setattr("bigmem.memory.estimate.lookup_calibration", lambda preset, precision, recompute: FIXED)
+    monkeypatch.setattr("bigmem.memory.planner.lookup_calibration", lambda preset, precision, recompute: FIXED)
+
+
+@pytest.fixture
+def two_socket(tmp_path):
+    """Node 0: 700 GiB free; node 1: 384 GiB free."""
+    return make_sysfs(tmp_path, [("0-3", 768, 700), ("4-7", 768, 384)], [[10, 21], [21, 10]])
+
+
+@pytest.fixture
+def full_node(tmp_path):
+    """Node 1 has nothing free: any job bound to it is refused."""
+    return make_sysfs(tmp_path, [("0-3", 64, 60), ("4-7", 64, 0)], [[10, 21], [21, 10]])
+
+
+def _placement(root, text):
+    topology = NUMATopology.from_sysfs(root)
+    return resolve_placement(text, None, None, topology, {c for n in topology.nodes for c in n.cpus}), topology
+
+
+@pytest.fixture
+def no_memavailable(monkeypatch):
+    """Fails a test that reads MemAvailable where the rule says it must not."""
+    def unread():
+        raise AssertionError("MemAvailable was read")
+
+    monkeypatch.setattr("bigmem.memory.preflight.available_memory_bytes", unread)
+
+
+# ---- the budget's precedence ------------------------------------------------------------------
+
+def test_an_explicit_budget_wins_over_memavailable(no_memavailable):
+    assert resolve_budget(3 * GIB) == Budget(3 * GIB, "--memory-budget")
+    # Above MemAvailable too: a plan for a bigger machine keeps what it was given.
+    assert resolve_budget(2**50, flag="--budget") == Budget(2**50, "--budget")
+
+
+def test_an_explicit_budget_wins_over_a_placement_with_more_memory(two_socket, no_memavailable):
+    placement, topology = _placement(two_socket, "bind:1")
+    assert resolve_budget(100 * GIB, placement=placement, topology=topology) == Budget(100 * GIB, "--memory-budget")
+
+
+def test_an_explicit_budget_past_the_placement_is_capped_with_a_note(two_socket, no_memavailable):
+    placement, topology = _placement(two_socket, "bind:1")
+    budget = resolve_budget(500 * GIB, flag="--budget", placement=placement, topology=topology)
+    assert (budget.budget_bytes, budget.source) == (384 * GIB, "free memory of node(s) 1")
+    assert budget.note == ("note: --budget 500.00 GiB is more than --numa bind:1 can use; budgeting 384.00 GiB "
+                           "(free memory of node(s) 1)")
+    assert budget.placement is placement
+
+
+def test_without_a_budget_the_placement_decides(two_socket, no_memavailable):
+    placement, topology = _placement(two_socket, "bind:0-1")
+    budget = resolve_budget(None, placement=placement, topology=topology)
+    assert (budget.budget_bytes, budget.source, budget.note) == ((700 + 384) * GIB, "free memory of node(s) 0,1", "")
+    placement, topology = _placement(two_socket, "interleave")
+    budget = resolve_budget(None, placement=placement, topology=topology)
+    assert budget.budget_bytes == 2 * 384 * GIB
+    assert budget.source == "2 interleaved node(s) x the smallest free 384.00 GiB"
+
+
+@pytest.mark.parametrize("policy", [None, "none", "local", "preferred:1"])
+def test_else_memavailable(two_socket, policy):
+    placement, topology = _placement(two_socket, policy) if policy else (None, None)
+    budget = resolve_budget(None, placement=placement, topology=topology, available_bytes=123 * GIB)
+    assert budget == Budget(123 * GIB, "MemAvailable")
+
+
+def test_memavailable_is_read_only_when_the_rule_gets_there(monkeypatch):
+    monkeypatch.setattr("bigmem.memory.preflight.available_memory_bytes", lambda: 77 * GIB)
+    assert resolve_budget().budget_bytes == 77 * GIB
+
+
+# ---- the recomputed stages --------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def counts_for():
+    model = UNet3D(resolve_config("small").model).build_for()
+    return lambda shape: NetworkCounts.from_model(model, shape)
+
+
+def _config(**train):
+    return resolve_config("small", {"data": {"volume": 128}, "train": {"batch_size": 1, **train}})
+
+
+def _peak(config, counts_for, stages):
+    return estimate(config, counts_for((128,) * 3), (128,) * 3, recompute_stages=stages).predicted_peak_bytes
+
+
+def test_fixed_modes_name_no_stage_or_every_stage(counts_for):
+    assert recompute_stages(_config(), counts_for, (128,) * 3) == []
+    assert sorted(recompute_stages(_config(recompute="stages"), counts_for, (128,) * 3)) == sorted(ALL_STAGES)
+
+
+def test_auto_recomputes_the_fewest_stages_that_fit(counts_for):
+    none, every = _peak(_config(), counts_for, []), _peak(_config(), counts_for, ALL_STAGES)
+    budget = (none + every) // 2
+    stages = recompute_stages(_config(recompute="auto"), counts_for, (128,) * 3, budget)
+    assert 1 <= len(stages) < 7 and stages[0] == "dec0"
+    assert _peak(_config(), counts_for, stages) <= budget < _peak(_config(), counts_for, stages[:-1])
+    # Nothing fits: every stage, the most it can save.
+    assert sorted(recompute_stages(_config(recompute="auto"), counts_for, (128,) * 3, MIB)) == sorted(ALL_STAGES)
+
+
+def test_auto_needs_a_budget_and_a_cube(counts_for):
+    with pytest.raises(UsageError, match=r"^--recompute auto needs a memory budget to fit; give --memory-budget"):
+        recompute_stages(_config(recompute="auto"), counts_for, (128,) * 3)
+    with pytest.raises(UsageError, match=r"^--recompute auto needs a cubic --volume\.$"):
+        recompute_stages(_config(recompute="auto"), counts_for, (128, 128, 64), GIB)
+
+
+# ---- the Plan of a job, and exit 3 ------------------------------------------------------------
+
+def test_a_job_that_fits_is_its_own_chosen_candidate(counts_for):
+    config = _config()
+    plan = job_plan(config, counts_for, Budget(64 * GIB, "--memory-budget"))
+    peak = _peak(config, counts_for, [])
+    assert plan.fits and not plan.forced and plan.predicted_peak_bytes == peak
+    chosen = plan.chosen
+    assert (chosen.volume, chosen.batch_size, chosen.precision, chosen.recompute, chosen.recompute_stages) == (
+        128, 1, "fp32", "none", [])
+    data = plan.to_dict()
+    assert data["budget_bytes"] == 64 * GIB and data["budget_source"] == "--memory-budget"
+    assert data["predicted_peak_bytes"] == sum(data["components"].values()) == peak
+    assert data["calibration"]["source"] == "test" and data["data_parallel"] is None
+    assert data["candidates"] == [data["closest"]] and data["candidates"][0]["predicted_peak_bytes"] == peak
+
+
+def test_one_schema_for_plan_and_for_a_run(counts_for):
+    budget = Budget(64 * GIB, "--budget")
+    searched = search_plan(_config(), counts_for, budget, volume=128, batch_size=1).to_dict()
+    run = job_plan(_config(recompute="auto"), counts_for, budget).to_dict()
+    assert list(searched) == list(run)
+    assert list(searched["chosen"]) == list(run["chosen"])
+    # Every key plan.json's readers use (monitor/report.py, distribute/compare.py, the tests).
+    assert {"fits", "forced", "budget_bytes", "budget_source", "predicted_peak_bytes", "components", "chosen",
+            "data_parallel", "candidates"} <= set(run)
+    assert {"volume", "batch_size", "precision", "recompute", "recompute_stages", "partitioned_stages"} <= set(
+        run["chosen"])
+
+
+def test_auto_keeps_the_stages_it_tried(counts_for):
+    config = _config(recompute="auto")
+    budget = (_peak(config, counts_for, []) + _peak(config, counts_for, ALL_STAGES)) // 2
+    plan = job_plan(config, counts_for, Budget(budget, "--memory-budget"))
+    assert plan.fits and plan.chosen.recompute == "auto" and plan.chosen.recompute_stages[0] == "dec0"
+    tried = [c.recompute_stages for c in plan.candidates]
+    assert tried == [plan.chosen.recompute_stages[:n] for n in range(len(plan.chosen.recompute_stages) + 1)]
+    assert plan.candidates[-1] is plan.chosen
+
+
+def test_a_job_over_its_budget_is_refused_with_the_cheapest_fix(counts_for):
+    config = _config()
+    peak = _peak(config, counts_for, [])
+    with pytest.raises(InsufficientMemoryError) as info:
+        job_plan(config, counts_for, Budget(peak - 1, "--memory-budget"))
+    error = info.value
+    assert error.exit_code == EXIT_NO_FIT == 3
+    assert (error.required_bytes, error.available_bytes) == (peak, peak - 1)
+    message = str(error)
+    assert message.startswith(f"Predicted peak {format_bytes(peak)} for small at 128^3 x batch 1 "
+                              "(fp32) exceeds the memory budget ")
+    assert "(--memory-budget): use --precision bf16 (est. " in message  # the suite fixes native bf16 on
+    assert message.endswith("; or pass --force to try anyway.")
+
+
+def test_a_job_over_its_placement_is_refused_per_node(full_node, counts_for):
+    placement, topology = _placement(full_node, "bind:1")
+    budget = resolve_budget(None, placement=placement, topology=topology)
+    peak = _peak(_config(), counts_for, [])
+    with pytest.raises(InsufficientMemoryError) as info:
+        job_plan(_config(), counts_for, budget)
+    assert str(info.value) == (f"Predicted peak {format_bytes(peak)} does not fit --numa bind:1 "
+                               "(node 1: 0 B free; 0 B in all). Bind more nodes, or use --numa interleave.")
+    assert info.value.exit_code == 3
+
+
+def test_forced_and_unchecked_jobs_run_past_the_budget(counts_for):
+    forced = job_plan(_config(), counts_for, Budget(MIB, "--memory-budget"), force=True)
+    assert not forced.fits and forced.forced and forced.chosen.volume == 128
+    assert forced.to_dict()["chosen"]["recompute_stages"] == []
+    unchecked = job_plan(_config(), counts_for, Budget(MIB, "--memory-budget"), check=False)
+    assert not unchecked.fits and not unchecked.forced
+
+
+def test_fixed_stages_are_kept(counts_for):
+    plan = job_plan(_config(recompute="stages"), counts_for, Budget(64 * GIB, "x"), stages=["dec0"])
+    assert plan.chosen.recompute_stages == ["dec0"]
+    assert plan.predicted_peak_bytes == _peak(_config(), counts_for, ["dec0"])
+
+
+def test_a_search_where_nothing_fits_is_refused(counts_for):
+    plan = search_plan(_config(), counts_for, Budget(10 * MIB, "--budget"))
+    assert not plan.fits and plan.to_dict()["chosen"] is None
+    with pytest.raises(InsufficientMemoryError) as info:
+        require_fit(plan)
+    assert str(info.value).startswith("Nothing fits 10.00 MiB (--budget): the closest candidate, 8^3 x batch 1 ")
+    assert info.value.available_bytes == 10 * MIB and info.value.exit_code == 3
+    require_fit(search_plan(_config(), counts_for, Budget(64 * GIB, "--budget"), volume=32, batch_size=1))
