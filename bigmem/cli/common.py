@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
+
 from bigmem.errors import UsageError
+from bigmem.units import parse_bytes
 
 PRESET_HELP = "preset name (tiny, small, intelai-brats, kits19) or a .toml file (default: small)"
 
@@ -26,6 +29,30 @@ def add_memory_flags(parser, *, auto: bool = True) -> None:
                             "stage's output and recompute the rest in backward (less memory; one more forward "
                             "pass, about a third more compute)"
                        + ("; auto: the fewest recomputed stages that fit the memory budget" if auto else ""))
+
+
+class _BudgetFlag(argparse.Action):
+    """Stores the size text and how it was spelled, so messages name the flag the user typed."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        namespace.memory_budget_flag = option_string
+
+
+def add_budget_flag(parser, *, help_text: str, alias: bool = False) -> None:
+    """``--memory-budget SIZE`` (and ``--budget``, its older name, where ``alias``), into ``args.memory_budget``.
+
+    The budget's precedence is ``bigmem.memory.preflight.resolve_budget``'s.
+    """
+    names = ("--memory-budget", "--budget") if alias else ("--memory-budget",)
+    parser.add_argument(*names, dest="memory_budget", metavar="SIZE", action=_BudgetFlag, help=help_text)
+
+
+def budget_arguments(args) -> tuple[int | None, str]:
+    """(the budget in bytes or None, the flag as typed) from ``add_budget_flag``'s arguments."""
+    flag = getattr(args, "memory_budget_flag", None) or "--memory-budget"
+    text = getattr(args, "memory_budget", None)
+    return (parse_bytes(text, flag=flag) if text else None), flag
 
 
 NUMA_HELP = ("where memory goes: interleave[:NODES] (round-robin over nodes; for a model bigger than a socket), "

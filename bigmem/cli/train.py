@@ -6,7 +6,10 @@ import argparse
 import time
 from pathlib import Path
 
-from bigmem.cli.common import add_memory_flags, add_model_flags, add_numa_flags, model_overrides, numa_overrides
+from bigmem.cli.common import (
+    add_budget_flag, add_memory_flags, add_model_flags, add_numa_flags, budget_arguments, model_overrides,
+    numa_overrides,
+)
 from bigmem.errors import DataError, UsageError
 from bigmem.rundir import RunDir
 from bigmem.units import parse_bytes
@@ -45,9 +48,9 @@ def register(subparsers, parents) -> None:
                     help="the global batch --lr is meant for; lr scales linearly to the real global batch "
                          "(default: --batch-size, i.e. one replica)")
     memory = parser.add_argument_group("memory pre-flight")
-    memory.add_argument("--memory-budget", metavar="SIZE",
-                        help="refuse (exit 3) when the predicted peak exceeds SIZE, e.g. 1.5TiB "
-                             "(default: MemAvailable, or what the --numa placement can use)")
+    add_budget_flag(memory, help_text="refuse (exit 3) when the predicted peak exceeds SIZE, e.g. 1.5TiB (default: "
+                                      "what the --numa placement can use, else MemAvailable; a SIZE above what "
+                                      "a bind or interleave placement can use is capped to it)")
     memory.add_argument("--force", action="store_true", help="train even when the predicted peak exceeds the budget")
     data = parser.add_argument_group("data")
     data.add_argument("--data", metavar="STORE.h5", help="HDF5 store to train on (default: synthetic phantoms)")
@@ -81,7 +84,7 @@ def register(subparsers, parents) -> None:
 
 def _overrides(args) -> dict:
     """Only the flags the user gave (argparse defaults are None), as config sections."""
-    budget = parse_bytes(args.memory_budget, flag="--memory-budget") if args.memory_budget else None
+    budget = budget_arguments(args)[0]
     sections = model_overrides(args)
     sections["data"].update(store=args.data, num_workers=args.num_workers, prefetch=args.prefetch,
                             cold_cache=args.cold_cache)

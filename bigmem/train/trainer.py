@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 from rich.console import Console
 
-from bigmem.config.options import OptimizerName, Precision, Recompute, Strategy
+from bigmem.config.options import OptimizerName, Precision, Strategy
 from bigmem.config.schema import ExperimentConfig
 from bigmem.data.pipeline import WholeVolumeLoader
 from bigmem.data.synth import cached_synthetic_store
@@ -123,8 +123,9 @@ def train(config: ExperimentConfig, run_dir: str | os.PathLike, *, resume: bool 
     """Train ``config`` into ``run_dir`` (resuming from its newest checkpoint if ``resume``).
 
     Before anything large is allocated, the footprint is estimated and checked against the
-    memory budget (``train.memory_budget_bytes``, default MemAvailable): a job that does not fit
-    raises InsufficientMemoryError (exit 3) unless ``force``.
+    memory budget (``memory.preflight.resolve_budget``: ``train.memory_budget_bytes``, else what
+    the NUMA placement can use, else MemAvailable): a job that does not fit raises
+    InsufficientMemoryError (exit 3) unless ``force``.
     """
     console = console or Console(soft_wrap=True)
     run = RunDir(run_dir)
@@ -209,16 +210,20 @@ def plan_data_parallel(config: ExperimentConfig, counts_for, replicas, loader) -
 
 
 def preflight(config: ExperimentConfig, recompute_stages: list[str] | None, *, force: bool,
-              console: Console, placement=None, replicas=None, loader=None) -> tuple[dict, list[str]]:
-    """Estimate the footprint, choose the recomputed stages, and refuse a job that cannot fit.
+              console: Console, placement=None, replicas=None, loader=None):
+    """The run's memory pre-flight (``memory.preflight``), printed; refuses a job that cannot fit.
 
-    The budget is ``--memory-budget`` if given, else what the NUMA placement can use (the bound
-    nodes' free memory for bind; for interleave, the smallest node's free memory times the nodes).
+    Returns:
+        ``(plan, recompute_stages)``: the ``memory.planner.Plan`` written as plan.json (with the
+        data-parallel patch and replicas when ``replicas``), and the stages to recompute.
+
+    Raises:
+        InsufficientMemoryError: (exit 3) the host's predicted peak exceeds the budget, unless
+            ``force``; on real GPUs the host holds only the input and is not checked.
     """
-    from bigmem.memory.estimate import estimate
-    from bigmem.memory.planner import Planner, available_memory_bytes, check_fits
+    from bigmem.memory.preflight import job_plan, resolve_budget
+    from bigmem.memory.profile import counts_function
     from bigmem.nets.limits import max_kernel_elements
-    from bigmem.memory.profile import counts_function, stages_for
     from bigmem.units import format_bytes
 
     counts_for = counts_function(config)
@@ -228,55 +233,25 @@ def preflight(config: ExperimentConfig, recompute_stages: list[str] | None, *, f
         config = ExperimentConfig.from_dict(config.to_dict())  # the host check: patches, global batch
         config.data.volume = data_parallel["patch"]
         config.train.batch_size = data_parallel["global_batch"]
-    volume = config.data.volume
-    shape = (volume,) * 3
-    counts = counts_for(shape)
-    from bigmem.numa.capacity import check_nodes_fit, placement_budget
-    from bigmem.numa.topology import NUMATopology
-
-    topology = NUMATopology.from_sysfs()
-    if config.train.memory_budget_bytes is not None:
-        budget, source = config.train.memory_budget_bytes, "--memory-budget"
-    elif placement is not None:
-        budget, source = placement_budget(placement, topology, available_memory_bytes())
-    else:
-        budget, source = available_memory_bytes(), "MemAvailable"
-    if recompute_stages is None:
-        if config.train.recompute is Recompute.AUTO:
-            chosen = Planner(config, counts_for, budget).fewest_recomputed_stages(
-                volume, config.train.batch_size, config.train.precision)
-            recompute_stages = chosen.recompute_stages
-        else:
-            recompute_stages = stages_for(config, counts)
-    predicted = estimate(config, counts, shape, recompute_stages=recompute_stages)
+    budget = resolve_budget(config.train.memory_budget_bytes, placement=placement)
+    if budget.note:
+        console.print(budget.note, style="yellow")
     host_check = replicas is None or replicas.simulated  # on real GPUs the host holds only the input
-    if not force and host_check:
-        if placement is not None and config.train.memory_budget_bytes is None:
-            check_nodes_fit(predicted.predicted_peak_bytes, placement, topology)
-        check_fits(predicted, config, counts_for, budget, source, volume)
-    fits = predicted.predicted_peak_bytes <= budget
+    plan = job_plan(config, counts_for, budget, stages=recompute_stages, force=force, check=host_check)
+    plan.data_parallel = data_parallel
+    chosen = plan.chosen
     if config.train.precision is Precision.BF16:
         from bigmem.sysinfo import native_bf16
 
         if not native_bf16():
             console.print(EMULATED_BF16_WARNING, style="yellow")
-    console.print(f"Memory: predicted peak {format_bytes(predicted.predicted_peak_bytes)} of a "
-                  f"{format_bytes(budget)} budget ({source})" + ("" if fits else " - over budget, forced")
-                  + (f"; recomputing {len(recompute_stages)} stages" if recompute_stages else "")
-                  + (f"; {len(predicted.partitioned_stages)} stages run in depth slabs (tensors past "
-                     f"{max_kernel_elements():,} elements)" if predicted.partitioned_stages else ""))
-    plan = {"fits": fits, "budget_bytes": budget, "budget_source": source, "forced": force and not fits,
-            "predicted_peak_bytes": predicted.predicted_peak_bytes,
-            "chosen": {"volume": volume, "batch_size": config.train.batch_size,
-                       "precision": config.train.precision.value, "recompute": config.train.recompute.value,
-                       "recompute_stages": list(recompute_stages),
-                       "partitioned_stages": list(predicted.partitioned_stages)},
-            "components": predicted.components, "calibration": predicted.calibration.to_dict(),
-            "data_parallel": data_parallel,
-            "candidates": [{"volume": volume, "batch_size": config.train.batch_size,
-                            "precision": config.train.precision.value, "recompute": config.train.recompute.value,
-                            "predicted_peak_bytes": predicted.predicted_peak_bytes, "fits": fits}]}
-    return plan, list(recompute_stages)
+    console.print(f"Memory: predicted peak {format_bytes(plan.predicted_peak_bytes)} of a "
+                  f"{format_bytes(plan.budget_bytes)} budget ({plan.budget_source})"
+                  + ("" if plan.fits else " - over budget, forced")
+                  + (f"; recomputing {len(chosen.recompute_stages)} stages" if chosen.recompute_stages else "")
+                  + (f"; {len(chosen.partitioned_stages)} stages run in depth slabs (tensors past "
+                     f"{max_kernel_elements():,} elements)" if chosen.partitioned_stages else ""))
+    return plan, list(chosen.recompute_stages)
 
 
 def _numa_summary(report: dict) -> str:
@@ -318,8 +293,8 @@ def config_is_multiworker(strategy) -> bool:
     return isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
 
 
-def _run(config, run, manager, latest, loader, total_steps, console, verbose, recompute_stages=None,
-         plan=None, placement=None, replicas=None) -> TrainResult:
+def _run(config, run, manager, latest, loader, total_steps, console, verbose, recompute_stages, plan,
+         placement=None, replicas=None) -> TrainResult:
     tf = import_tensorflow(verbose=verbose)
     import keras
 
@@ -336,9 +311,7 @@ def _run(config, run, manager, latest, loader, total_steps, console, verbose, re
     scope = replicas.strategy.scope() if replicas is not None else contextlib.nullcontext()
     with scope:
         model = UNet3D(config.model, dtype=policy, name="unet3d").build_for()
-        if recompute_stages is None:
-            recompute_stages = model.stage_names if config.train.recompute is Recompute.STAGES else []
-        model.set_recompute(recompute_stages)
+        model.set_recompute(recompute_stages)  # chosen by the pre-flight
         schedule = WarmupPolynomialDecay(lr, total_steps, config.train.warmup_steps,
                                          config.train.lr_decay_power, config.train.end_lr)
         optimizer = make_optimizer(config, schedule)
@@ -354,7 +327,7 @@ def _run(config, run, manager, latest, loader, total_steps, console, verbose, re
     run.write_config({**config.to_dict(), "total_steps": total_steps, "effective_lr": lr})
     run.write_sysinfo(collect_sysinfo())
     if plan is not None:
-        run.write_plan(plan)
+        run.write_plan(plan.to_dict())
     from bigmem.numa.observe import NodePeakSampler, observed
 
     requested = placement.to_dict() if placement is not None else {"policy": "none", "text": "none"}

@@ -47,8 +47,13 @@ def test_plan_json_in_every_run(tmp_path, tiny_store, capsys):
     assert run_cli(["train", "--model", "tiny", "--data", tiny_store, "--steps", 1, "--out", out], capsys)[0] == 0
     plan = json.loads((out / "plan.json").read_text())
     assert plan["fits"] is True and plan["budget_source"] == "MemAvailable"
-    assert plan["chosen"] == {"volume": 16, "batch_size": 1, "precision": "fp32", "recompute": "none",
-                              "recompute_stages": [], "partitioned_stages": []}
+    chosen = {k: plan["chosen"][k] for k in ("volume", "batch_size", "precision", "recompute", "recompute_stages",
+                                             "partitioned_stages")}
+    assert chosen == {"volume": 16, "batch_size": 1, "precision": "fp32", "recompute": "none",
+                      "recompute_stages": [], "partitioned_stages": []}
+    # plan.json is bigmem plan's schema (Plan.to_dict): the chosen candidate's breakdown and step time too.
+    assert plan["chosen"]["components"] == plan["components"] and plan["chosen"]["step_rate_source"]
+    assert plan["candidates"] == [plan["closest"]] and plan["best_per_mode"] == [plan["closest"]]
 
 
 @pytest.mark.parametrize("mode", ["stages", "auto"])
