@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from bigmem.cli.common import add_budget_flag, budget_arguments
 from bigmem.errors import UsageError
 
 HELP = "compare whole-volume CPU training with a data-parallel GPU baseline"
@@ -34,6 +35,8 @@ def register(subparsers, parents) -> None:
     budget = parser.add_mutually_exclusive_group()
     budget.add_argument("--steps", type=int, metavar="K", help="training steps for each path (default 5)")
     budget.add_argument("--time-budget", type=float, metavar="S", help="seconds of training for each path")
+    add_budget_flag(parser, help_text="host memory budget of both training runs and of the largest-volume figure "
+                                      "(default: MemAvailable)")
     parser.add_argument("--holdout", type=int, metavar="N", help="held-out cases for the Dice (default: 1 in 5)")
     parser.add_argument("--monitor-interval", type=float, metavar="S",
                         help="seconds between monitor.csv rows in each path's run directory (default 1; 0: off)")
@@ -55,6 +58,7 @@ def run(args) -> int:
     if args.steps is not None and args.steps < 1:
         raise UsageError(f"Invalid --steps {args.steps}: expected a positive integer.")
     gpu_memory = parse_bytes(args.gpu_memory, flag="--gpu-memory")
+    memory_budget = budget_arguments(args)[0]
     overrides = {"data": {k: v for k, v in (("volume", args.volume),) if v is not None},
                  "train": {k: v for k, v in (("batch_size", args.batch_size),) if v is not None}}
     config = resolve_config(args.model or "small", overrides)
@@ -74,6 +78,8 @@ def run(args) -> int:
         common += ["--volume", str(args.volume)]
     if args.batch_size:
         common += ["--batch-size", str(args.batch_size)]
+    if memory_budget is not None:
+        common += ["--memory-budget", str(memory_budget)]
     if args.monitor_interval is not None:
         if args.monitor_interval < 0:
             raise UsageError(f"Invalid --monitor-interval {args.monitor_interval:g}: expected seconds >= 0 "
@@ -83,7 +89,7 @@ def run(args) -> int:
     status = Console(soft_wrap=True, stderr=True)
     report = compare(config, Path(args.out), replicas=replicas, simulate=simulate, gpu_memory_bytes=gpu_memory,
                      steps=args.steps or (None if args.time_budget else 5), time_budget_s=args.time_budget,
-                     common=common, progress=lambda m: status.print(m, style="dim"))
+                     common=common, progress=lambda m: status.print(m, style="dim"), memory_budget_bytes=memory_budget)
     title = "bigmem compare" + (" — data-parallel path SIMULATED ON CPU" if simulate else "")
     table = Table(title=title)
     table.add_column("")

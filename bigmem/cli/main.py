@@ -26,7 +26,7 @@ examples:
   bigmem train                                  train the 'small' preset on the embedded phantoms
   bigmem train --data store.h5 --model kits19 --volume 128 --precision bf16
   bigmem profile --model kits19 --volume 512    predicted memory footprint, per component
-  bigmem plan --budget 1.5TiB --model kits19    the largest volume and batch that fit
+  bigmem plan --memory-budget 1.5TiB --model kits19  the largest volume and batch that fit
   bigmem compare --simulate-replicas 2 --steps 5  big-memory CPU vs data-parallel baseline
   bigmem report runs/small-20261130-101500      plots and a summary of a run (finished or running)
 

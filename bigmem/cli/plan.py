@@ -6,8 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from bigmem.cli.common import add_model_flags, model_overrides
-from bigmem.errors import InsufficientMemoryError
+from bigmem.cli.common import add_budget_flag, add_model_flags, budget_arguments, model_overrides
 
 HELP = "find the largest volume and batch that fit a memory budget"
 
@@ -19,13 +18,17 @@ and no recomputation). Each candidate shows its predicted step time: its trainin
 recomputed forward passes, over a rate measured for this CPU's ISA class and precision. Writes
 plan.json with every candidate evaluated. Give --volume and/or --batch-size to fix them. Exit
 code 3 when nothing fits.
+
+The budget: --memory-budget (or --budget) if given; else what the --numa placement can use;
+else MemAvailable. A budget above what a bind or interleave placement can use is capped to it.
 """
 
 
 def register(subparsers, parents) -> None:
     parser = subparsers.add_parser("plan", help=HELP, description=DESCRIPTION, parents=parents,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--budget", metavar="SIZE", help="memory budget, e.g. 1.5TiB (default: MemAvailable)")
+    add_budget_flag(parser, alias=True, help_text="memory budget, e.g. 1.5TiB (default: what the --numa placement "
+                                                  "can use, else MemAvailable)")
     add_model_flags(parser, volume_help="fix the volume edge and search the batch size")
     parser.add_argument("--numa", metavar="POLICY", help="budget what this placement can use: bind:NODES -> those "
                                                          "nodes' free memory; interleave[:NODES] -> the smallest "
@@ -47,44 +50,39 @@ def run(args) -> int:
     from rich.table import Table
 
     from bigmem.config.presets import resolve_config
-    from bigmem.memory.calibration import lookup_calibration
-    from bigmem.memory.planner import available_memory_bytes, make_plan
+    from bigmem.memory.preflight import require_fit, resolve_budget, search_plan
     from bigmem.memory.profile import counts_function
     from bigmem.nets.limits import max_kernel_elements
     from bigmem.sysinfo import native_bf16
     from bigmem.train.trainer import EMULATED_BF16_WARNING
     from bigmem.rundir import atomic_write_json
-    from bigmem.units import format_bytes, parse_bytes
+    from bigmem.units import format_bytes
 
     overrides = model_overrides(args)
     fixed_batch = overrides["train"].get("batch_size")
     config = resolve_config(args.model or "small", overrides)
-    if args.budget:
-        budget, source = parse_bytes(args.budget, flag="--budget"), "--budget"
-    else:
-        budget, source = available_memory_bytes(), "MemAvailable"
+    explicit, flag = budget_arguments(args)
+    placement = topology = None
     if args.numa:
         import os
 
-        from bigmem.numa.capacity import placement_budget
         from bigmem.numa.policy import resolve_placement
         from bigmem.numa.topology import NUMATopology
 
         topology = NUMATopology.from_sysfs()
         placement = resolve_placement(args.numa, None, None, topology, set(os.sched_getaffinity(0)))
-        node_budget, node_source = placement_budget(placement, topology, budget)
-        if node_budget < budget:
-            budget, source = node_budget, node_source
+    budget = resolve_budget(explicit, flag=flag, placement=placement, topology=topology)
     counts_for = counts_function(config)
     allow_bf16 = {"auto": None, "fp32": False, "bf16": True}[args.plan_precision]
-    plan = make_plan(config, counts_for, budget, budget_source=source, volume=args.volume, batch_size=fixed_batch,
-                     allow_bf16=allow_bf16)
+    if budget.note:  # on stderr: stdout may be --json
+        Console(soft_wrap=True, stderr=True).print(budget.note, style="yellow")
+    plan = search_plan(config, counts_for, budget, volume=args.volume, batch_size=fixed_batch, allow_bf16=allow_bf16)
     atomic_write_json(Path(args.out), plan.to_dict())
     if args.json:
         print(json.dumps(plan.to_dict(), indent=2))
     else:
         console = Console(soft_wrap=True)
-        table = Table(title=f"{config.model.name} within {format_bytes(budget)} ({source})")
+        table = Table(title=f"{config.model.name} within {format_bytes(budget.budget_bytes)} ({budget.source})")
         for column in ("precision", "recompute", "largest volume", "batch", "predicted peak", "voxels vs fp32",
                        "step (pred.)"):
             table.add_column(column, justify="right")
@@ -102,8 +100,7 @@ def run(args) -> int:
             flags = f"--volume {chosen.volume} --batch-size {chosen.batch_size} {chosen.flags()}".rstrip()
             console.print(f"chosen: {flags} (est. {format_bytes(chosen.predicted_peak_bytes)}); "
                           f"{len(plan.candidates)} candidates in {args.out}")
-            source = lookup_calibration(config.model.name, chosen.precision, chosen.recompute).source
-            console.print(f"calibration: {source}", style="dim")
+            console.print(f"calibration: {plan.calibration['source']}", style="dim")
             console.print(f"step time: {chosen.predicted_step_s:.3g} s predicted ({chosen.step_rate_source})",
                           style="dim")
             breakdown = ", ".join(f"{name} {format_bytes(size)}" for name, size in
@@ -113,10 +110,5 @@ def run(args) -> int:
                 console.print(f"depth slabs: {', '.join(chosen.partitioned_stages)} hold tensors past "
                               f"{max_kernel_elements():,} elements (the limit bigmem keeps TF's CPU kernels under) and "
                               "run in depth slabs")
-    if not plan.fits:
-        c = plan.closest
-        raise InsufficientMemoryError(
-            f"Nothing fits {format_bytes(budget)} ({source}): the closest candidate, {c.volume}^3 x batch "
-            f"{c.batch_size} {c.precision} recompute {c.recompute}, needs {format_bytes(c.predicted_peak_bytes)}.",
-            c.predicted_peak_bytes, budget)
+    require_fit(plan)
     return 0

@@ -7,7 +7,8 @@ import json
 import os
 
 from bigmem.cli.common import (
-    add_memory_flags, add_model_flags, add_numa_flags, model_overrides, numa_overrides, parse_shape,
+    add_budget_flag, add_memory_flags, add_model_flags, add_numa_flags, budget_arguments, model_overrides,
+    numa_overrides, parse_shape,
 )
 from bigmem.errors import UsageError
 
@@ -32,8 +33,8 @@ def register(subparsers, parents) -> None:
     add_model_flags(parser, volume_help="cubic volume edge N (N^3 voxels), a multiple of 2^depth")
     parser.add_argument("--shape", metavar="D,H,W", help="a non-cubic volume, e.g. 240,240,144 (estimate only)")
     add_memory_flags(parser)
-    parser.add_argument("--memory-budget", metavar="SIZE",
-                        help="the budget --recompute auto fits (default: MemAvailable, or the --numa nodes' memory)")
+    add_budget_flag(parser, help_text="the budget --recompute auto fits (default: what the --numa placement can use, "
+                                      "else MemAvailable)")
     measure = parser.add_argument_group("measurement")
     measure.add_argument("--measure", action="store_true", help="also measure the peak in a child process")
     measure.add_argument("--steps", type=int, default=3, metavar="K", help="training steps to measure (default 3)")
@@ -110,9 +111,7 @@ def run(args) -> int:
         else:
             show.sweep(results, law)
         return 0
-    stages = None
-    if args.recompute == "auto":
-        stages = _auto_stages(args, config, counts_for, placement, topology, shape)
+    stages = _stages(args, config, counts_for, placement, topology, shape, status)
     result = api.profile(config, shape, counts_for, do_measure=args.measure, steps=args.steps,
                          recompute_stages=stages)
     if args.json:
@@ -122,21 +121,20 @@ def run(args) -> int:
     return 0
 
 
-def _auto_stages(args, config, counts_for, placement, topology, shape) -> list[str]:
-    """The fewest recomputed stages that fit the budget (as ``bigmem train --recompute auto`` picks)."""
-    from bigmem.memory.planner import Planner, available_memory_bytes
-    from bigmem.numa.capacity import placement_budget
-    from bigmem.units import parse_bytes
+def _stages(args, config, counts_for, placement, topology, shape, status) -> list[str]:
+    """The recomputed stages, as ``bigmem train`` chooses them (auto: the fewest that fit the budget)."""
+    from bigmem.memory.preflight import recompute_stages, resolve_budget
 
-    if len(set(shape)) != 1:
-        raise UsageError("--recompute auto needs a cubic --volume.")
-    if args.memory_budget:
-        budget = parse_bytes(args.memory_budget, flag="--memory-budget")
-    else:
-        budget = placement_budget(placement, topology, available_memory_bytes())[0]
-    chosen = Planner(config, counts_for, budget).fewest_recomputed_stages(shape[0], config.train.batch_size,
-                                                                         config.train.precision)
-    return chosen.recompute_stages
+    budget = None
+    if args.recompute == "auto":
+        if len(set(shape)) != 1:
+            raise UsageError("--recompute auto needs a cubic --volume.")
+        explicit, flag = budget_arguments(args)
+        resolved = resolve_budget(explicit, flag=flag, placement=placement, topology=topology)
+        if resolved.note:
+            status.print(resolved.note, style="yellow")
+        budget = resolved.budget_bytes
+    return recompute_stages(config, counts_for, shape, budget)
 
 
 class _Printer:

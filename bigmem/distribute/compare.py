@@ -66,14 +66,26 @@ def evaluate(model_path: Path, store_path: str, case_ids: list[str], volume: int
     return float(np.mean(scores))
 
 
-def largest_whole_volumes(config: ExperimentConfig, gpu_memory_bytes: int) -> dict:
-    """From the planner: the largest whole volume (batch 1) on one GPU and in this host's RAM."""
+def largest_whole_volumes(config: ExperimentConfig, gpu_memory_bytes: int,
+                          memory_budget_bytes: int | None = None) -> dict:
+    """From the planner: the largest whole volume (batch 1) on one GPU and in this host's RAM.
+
+    Args:
+        config: the compared model.
+        gpu_memory_bytes: one GPU's memory.
+        memory_budget_bytes: the host's budget (``--memory-budget``); default as
+            ``memory.preflight.resolve_budget`` decides without one (this process runs no placement:
+            MemAvailable).
+
+    Returns:
+        ``{gpu, host, host_mode, host_budget_bytes}``: edges (None when none fits), the host's mode.
+    """
     from bigmem.distribute.planning import largest_edge
-    from bigmem.memory.planner import available_memory_bytes, make_plan
+    from bigmem.memory.preflight import resolve_budget, search_plan
     from bigmem.memory.profile import counts_function
 
     counts_for = counts_function(config)
-    host = make_plan(config, counts_for, available_memory_bytes(), budget_source="MemAvailable", batch_size=1)
+    host = search_plan(config, counts_for, resolve_budget(memory_budget_bytes), batch_size=1)
     gpu = largest_edge(config, counts_for, gpu_memory_bytes, 1, 4096)
     return {"gpu": gpu, "host": host.chosen.volume if host.chosen else None,
             "host_mode": (f"{host.chosen.precision}, recompute {host.chosen.recompute}" if host.chosen else None),
@@ -81,7 +93,8 @@ def largest_whole_volumes(config: ExperimentConfig, gpu_memory_bytes: int) -> di
 
 
 def compare(config: ExperimentConfig, out: Path, *, replicas: int, simulate: bool, gpu_memory_bytes: int,
-            steps: int | None, time_budget_s: float | None, common: list[str], progress=print) -> dict:
+            steps: int | None, time_budget_s: float | None, common: list[str], progress=print,
+            memory_budget_bytes: int | None = None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     budget = ["--time-budget", str(time_budget_s), "--steps", "1000000"] if time_budget_s else ["--steps", str(steps)]
     base = [*common, *budget, "--checkpoint-every", "1000000"]
@@ -95,7 +108,7 @@ def compare(config: ExperimentConfig, out: Path, *, replicas: int, simulate: boo
     held_out = _held_out(store, cpu["config"]["data"]["holdout"])
     volume = cpu["config"]["data"]["volume"]
     progress(f"evaluating both on {len(held_out)} held-out whole volumes ...")
-    volumes = largest_whole_volumes(config, gpu_memory_bytes)
+    volumes = largest_whole_volumes(config, gpu_memory_bytes, memory_budget_bytes)
     report = {"simulated": simulate, "replicas": replicas, "gpu_memory_bytes": gpu_memory_bytes,
               "model": config.model.name, "volume": volume, "held_out_cases": held_out,
               "patch_size": dp["plan"]["data_parallel"]["patch"], "paths": {}}

@@ -9,8 +9,9 @@ from typing import Callable, Sequence
 from bigmem.config.options import Recompute
 from bigmem.config.schema import ExperimentConfig
 from bigmem.memory.calibration import Calibration, fit_calibration, fit_line, save_calibration
-from bigmem.memory.estimate import Estimate, NetworkCounts, estimate
+from bigmem.memory.estimate import Estimate, NetworkCounts, estimate, mode_stages
 from bigmem.memory.measure import Measurement, measure
+from bigmem.memory.preflight import recompute_stages as choose_stages
 
 TEBIBYTE = 2**40
 # No multiplier and no overhead: the estimate's own parts, as a calibration fit takes them.
@@ -29,7 +30,11 @@ def counts_function(config: ExperimentConfig) -> Callable[[tuple[int, int, int]]
 
 
 def stages_for(config: ExperimentConfig, counts: NetworkCounts) -> list[str]:
-    return list(counts.block_elements) if config.train.recompute is Recompute.STAGES else []
+    """The stages a fixed --recompute mode recomputes (kept for the benchmarks' imports).
+
+    bigmem's own code asks ``memory.preflight.recompute_stages``, which also chooses ``auto``'s.
+    """
+    return mode_stages(config.train.recompute, counts)
 
 
 @dataclass
@@ -57,7 +62,7 @@ class ProfileResult:
 def profile(config: ExperimentConfig, shape: Sequence[int], counts_for, *, do_measure: bool = False,
             steps: int = 3, recompute_stages: list[str] | None = None) -> ProfileResult:
     counts = counts_for(tuple(shape))
-    stages = recompute_stages if recompute_stages is not None else stages_for(config, counts)
+    stages = recompute_stages if recompute_stages is not None else choose_stages(config, counts_for, shape)
     predicted = estimate(config, counts, shape, recompute_stages=stages)
     measured = measure(config, steps=steps, recompute_stages=stages) if do_measure else None
     return ProfileResult(predicted, measured)
@@ -116,7 +121,7 @@ def calibration_point(config: ExperimentConfig, counts_for, measured_peak_bytes:
     """
     volume = config.data.volume
     counts = counts_for((volume,) * 3)
-    stages = stages_for(config, counts)
+    stages = choose_stages(config, counts_for, (volume,) * 3)
     raw = estimate(config, counts, (volume,) * 3, recompute_stages=stages, calibration=UNIT_CALIBRATION)
     counted = raw.components["activations"] + raw.components["workspace"]  # what the calibration scales
     return {"volume": volume, "counted_activation_bytes": counted, "exact_bytes": raw.predicted_peak_bytes - counted,
@@ -131,7 +136,7 @@ def calibrate(config: ExperimentConfig, volumes: Sequence[int], counts_for, *, s
         if progress:
             progress(volume)
         sized = _with_volume(config, volume)
-        stages = stages_for(sized, counts_for((volume,) * 3))
+        stages = choose_stages(sized, counts_for, (volume,) * 3)
         measured = measure(sized, steps=steps, recompute_stages=stages)
         points.append(calibration_point(sized, counts_for, measured.peak_bytes))
     recompute = "stages" if config.train.recompute is Recompute.STAGES else "none"

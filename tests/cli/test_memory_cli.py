@@ -114,6 +114,17 @@ def test_plan_writes_every_candidate(tmp_path, capsys):
     assert f"chosen: --volume {plan['chosen']['volume']} --batch-size 1" in stdout
 
 
+@pytest.mark.parametrize("flag", ["--memory-budget", "--budget"])
+def test_plan_budget_flag_and_its_alias(tmp_path, capsys, flag):
+    out = tmp_path / "plan.json"
+    code, _, err = run_cli(["plan", flag, "2GiB", "--model", "tiny", "--volume", 16, "--out", out], capsys)
+    assert code == 0, err
+    plan = json.loads(out.read_text())
+    assert (plan["budget_bytes"], plan["budget_source"]) == (2 * 2**30, flag)
+    code, _, err = run_cli(["plan", flag, "lots", "--out", out], capsys)
+    assert code == 2 and f"Invalid {flag} 'lots'" in err
+
+
 def test_plan_nothing_fits_exits_3(tmp_path, capsys):
     out = tmp_path / "plan.json"
     code, _, err = run_cli(["plan", "--budget", "10MiB", "--model", "small", "--out", out], capsys)
