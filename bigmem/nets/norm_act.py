@@ -304,6 +304,122 @@ def norm_activation_slabs(x, gamma, beta, *, groups: int, epsilon: float, activa
     return forward(x, gamma, beta)
 
 
+def norm_activation_large(x, gamma, beta, *, groups: int, epsilon: float, activation: str,
+                          negative_slope: float):
+    """Group norm + activation for samples past FUSED_NORM_MAX_VOXELS whose tensors are under the kernel limit.
+
+    The sums (statistics; dz and dz * (x - mean) for the gradient) run over small depth slabs in
+    float32 (``_over_slabs``), where FusedBatchNormV3's own sums drift; every full-size
+    elementwise step is one of TF's fused kernels instead of a slab loop: FusedBatchNormV3 in
+    inference mode with those statistics (oneDNN on the 4-D view), the activation and its
+    gradient (ReluGrad), and dx = k1 dz + k2 (x - mean) + k3 as two inference-mode norms and an
+    add. Those kernels may reuse their input's buffer, as the fused training-mode norm's gradient
+    does; the slab loop's written-in-place outputs cannot, and held one more full-size tensor
+    per norm layer (kits19 bf16 at 128^3: +0.54 GiB over four norms, 288^3 out of memory).
+
+    Args and Returns: as ``norm_activation_slabs``.
+    """
+    batch, depth, height, width, channels = x.shape
+    per_group = channels // groups
+    plane = height * width * channels
+    planes = max(1, min(depth, NORM_SLAB_ELEMENTS // plane))
+    count = depth * height * width * per_group  # elements per (sample, group)
+    g = tf.reshape(gamma, (1, 1, groups, per_group))
+    view = (1, depth, height * width, channels)  # 4-D: oneDNN's kernel (see instance_norm_activation)
+    zero = tf.zeros((channels,))
+
+    def affine(t, sample, scale, offset, mean, variance):
+        """scale * (t - mean) / sqrt(variance + epsilon) + offset, per channel, in float32 inside the kernel."""
+        return tf.reshape(tf.raw_ops.FusedBatchNormV3(
+            x=tf.reshape(t[sample:sample + 1], view), scale=scale, offset=offset, mean=mean, variance=variance,
+            epsilon=epsilon, data_format="NHWC", is_training=False)[0], (1, depth, height, width, channels))
+
+    def per_channel(t):  # (1, 1, G, 1 or Cg) -> (C,)
+        return tf.reshape(tf.broadcast_to(t, (1, 1, groups, per_group)), (channels,))
+
+    @tf.custom_gradient
+    def forward(x, gamma, beta):
+        x_planes = as_planes(x)
+        means, variances = [], []
+        for sample in range(batch):
+            mean, variance = _slab_statistics(x_planes, depth, planes, sample, groups, per_group, count)
+            means.append(per_channel(mean))
+            variances.append(per_channel(variance))
+        outputs = [affine(x, i, gamma, beta, means[i], variances[i]) for i in range(batch)]
+        y = _activate_fused(outputs[0] if batch == 1 else tf.concat(outputs, axis=0), activation, negative_slope)
+
+        def backward(dy):
+            dz = _activation_grad(dy, y, activation, negative_slope)
+            dz_planes = as_planes(dz)
+            sums_dz, sums_dz_xc, dxs = [], [], []
+            for sample in range(batch):
+                mean_g = tf.reshape(means[sample], (1, 1, groups, per_group))[..., :1]
+
+                def accumulate(row, slab, state, sample=sample, mean_g=mean_g):
+                    dz_slab = tf.slice(dz_planes, tf.stack([row, 0, 0, 0]), [slab.shape[1], -1, -1, -1])
+                    shape5 = (1, slab.shape[1], height, width, channels)
+                    xc = tf.reshape(tf.cast(slab, tf.float32), (1, -1, groups, per_group)) - mean_g
+                    dzf = tf.reshape(tf.cast(dz_slab, tf.float32), (1, -1, groups, per_group))
+                    return (state[0] + _channel_sums(tf.reshape(dzf, shape5), None, groups),
+                            state[1] + _channel_sums(tf.reshape(dzf * xc, shape5), None, groups))
+
+                zeros = tf.zeros((1, 1, groups, per_group))
+                sum_dz, sum_dz_xc = _over_slabs(x_planes, depth, planes, sample, accumulate, (zeros, zeros))
+                rstd = tf.math.rsqrt(tf.reshape(variances[sample], (1, 1, groups, per_group))[..., :1] + epsilon)
+                sum_dz_xhat = rstd * sum_dz_xc
+                mean_dxhat = tf.reduce_sum(g * sum_dz, axis=3, keepdims=True) / count  # (1, 1, G, 1)
+                mean_dxhat_xhat = tf.reduce_sum(g * sum_dz_xhat, axis=3, keepdims=True) / count
+                # dx = k1 dz + k2 (x - mean) + k3: k1 dz as a norm of dz with mean 0 and variance
+                # 1 - epsilon, k2 (x - mean) + k3 as one of x with scale k2 sqrt(var + eps).
+                k1, k2, k3 = rstd * g, -rstd * rstd * mean_dxhat_xhat, -rstd * mean_dxhat
+                ones = tf.ones((channels,)) - epsilon
+                dxs.append(affine(dz, sample, per_channel(k1), zero, zero, ones)
+                           + affine(x, sample, per_channel(k2 / rstd), per_channel(k3), means[sample],
+                                    variances[sample]))
+                sums_dz.append(sum_dz)
+                sums_dz_xc.append(sum_dz_xhat)
+            dgamma = tf.reshape(tf.add_n(sums_dz_xc), (channels,))
+            dbeta = tf.reshape(tf.add_n(sums_dz), (channels,))
+            return (dxs[0] if batch == 1 else tf.concat(dxs, axis=0)), dgamma, dbeta
+
+        return y, backward
+
+    return forward(x, gamma, beta)
+
+
+def _slab_statistics(x_planes, depth, planes, sample, groups, per_group, count):
+    """Mean and biased variance per group of one sample, (1, 1, G, 1) float32, from small slabs (Chan et al.)."""
+    def stats(_, slab, state):
+        n, mean, m2 = state
+        xs = tf.cast(slab, tf.float32)
+        n_slab = tf.cast(tf.size(xs) // groups, tf.float32)
+        mean_slab = _group_sums(xs, groups) / n_slab
+        m2_slab = _group_sums(tf.math.squared_difference(xs, _per_channel(mean_slab, per_group)), groups)
+        delta, total = mean_slab - mean, n + n_slab
+        return total, mean + delta * (n_slab / total), m2 + m2_slab + delta * delta * (n * n_slab / total)
+
+    zeros = tf.zeros((1, 1, groups, 1))
+    _, mean, m2 = _over_slabs(x_planes, depth, planes, sample, stats, (tf.constant(0.0), zeros, zeros))
+    return mean, m2 / count
+
+
+def _activate_fused(y, activation: str, negative_slope: float):
+    if activation == "relu":
+        return tf.nn.relu(y)
+    if activation == "leaky_relu":
+        return tf.nn.leaky_relu(y, alpha=negative_slope)
+    return y
+
+
+def _activation_grad(dy, y, activation: str, negative_slope: float):
+    """dz from dy and the activation's output (its sign is the pre-activation's)."""
+    if activation == "relu":
+        return tf.raw_ops.ReluGrad(gradients=dy, features=y)
+    if activation == "leaky_relu":
+        return tf.raw_ops.LeakyReluGrad(gradients=dy, features=y, alpha=negative_slope)
+    return dy
+
+
 def _fused_batch_norm_float32(x, gamma, beta, epsilon: float):
     """FusedBatchNormV3 (training mode, NHWC) of a bfloat16 x computed in float32, keeping only x.
 
@@ -404,8 +520,11 @@ class NormActivation(keras.layers.Layer):
         beta = tf.cast(tf.convert_to_tensor(self.beta), tf.float32)
         x = tf.cast(x, self.compute_dtype)
         voxels = None if None in x.shape[1:4] else x.shape[1] * x.shape[2] * x.shape[3]
-        if exceeds_limit(x.shape) or (voxels is not None and voxels > FUSED_NORM_MAX_VOXELS):
+        if exceeds_limit(x.shape):
             return norm_activation_slabs(x, gamma, beta, groups=self._num_groups, epsilon=self.epsilon,
+                                         activation=self.activation, negative_slope=self.negative_slope)
+        if voxels is not None and voxels > FUSED_NORM_MAX_VOXELS and None not in x.shape:
+            return norm_activation_large(x, gamma, beta, groups=self._num_groups, epsilon=self.epsilon,
                                          activation=self.activation, negative_slope=self.negative_slope)
         if self._num_groups == x.shape[-1] and x.shape[0] is not None and x.shape.rank == 5:
             return instance_norm_activation(x, gamma, beta, epsilon=self.epsilon, activation=self.activation,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import keras
 import numpy as np
 import pytest
@@ -90,8 +92,8 @@ def test_rejects_unknown_activation_and_bad_groups():
         NormActivation(groups=4).build((None, 4, 4, 4, 6))
 
 
-def test_volumes_past_the_fused_norms_accuracy_use_the_slab_norm():
-    """Past FUSED_NORM_MAX_VOXELS per sample oneDNN's batch norm statistics drift; the slab norm is exact."""
+def test_volumes_past_the_fused_norms_accuracy_use_the_slab_statistics():
+    """Past FUSED_NORM_MAX_VOXELS per sample oneDNN's batch norm statistics drift; slab sums are exact."""
     import numpy as np
     import tensorflow as tf
 
@@ -102,13 +104,13 @@ def test_volumes_past_the_fused_norms_accuracy_use_the_slab_norm():
     x = tf.random.stateless_uniform((1, 64, 64, 64, 8), seed=[1, 2]) + 3.0
     layer.build(x.shape)
     calls = []
-    original = norm_act.norm_activation_slabs
+    original = norm_act.norm_activation_large
     try:
-        norm_act.norm_activation_slabs = lambda *a, **k: calls.append(1) or original(*a, **k)
+        norm_act.norm_activation_large = lambda *a, **k: calls.append(1) or original(*a, **k)
         norm_act.FUSED_NORM_MAX_VOXELS = 64**3 - 1
         y = layer(x, training=True)
     finally:
-        norm_act.norm_activation_slabs = original
+        norm_act.norm_activation_large = original
         norm_act.FUSED_NORM_MAX_VOXELS = 2**23
     assert calls == [1]
     centred = y.numpy().reshape(-1, 8)
@@ -155,3 +157,39 @@ def test_bfloat16_with_eight_channels_runs_the_float32_kernel(monkeypatch):
     norm_act.instance_norm_activation(tf.cast(x, tf.float32), tf.ones(8), tf.zeros(8), epsilon=1e-5,
                                       activation="relu", negative_slope=0.0)
     assert calls == [tf.bfloat16]  # float32 with 8 channels takes oneDNN's float32 kernel directly
+
+
+@pytest.mark.parametrize("shape, groups, activation, dtype", [
+    ((1, 9, 6, 5, 16), 16, "relu", "float32"), ((2, 7, 4, 4, 8), 4, "leaky_relu", "float32"),
+    ((1, 8, 6, 6, 4), 2, "linear", "float32"), ((1, 9, 6, 6, 16), 16, "relu", "bfloat16")])
+def test_large_volume_norm_equals_fused_norm(shape, groups, activation, dtype):
+    """norm_activation_large (slab sums, fused elementwise kernels) against the float32 fused norm."""
+    from bigmem.nets import norm_act
+
+    rng = np.random.default_rng(3)
+    x = tf.cast(tf.constant(rng.normal(2.0, 1.5, shape).astype(np.float32)), dtype)
+    gamma = tf.constant(rng.uniform(0.5, 1.5, shape[-1]).astype(np.float32))
+    beta = tf.constant(rng.normal(0, 0.3, shape[-1]).astype(np.float32))
+    weights = tf.constant(rng.normal(size=shape).astype(np.float32))
+    options = dict(groups=groups, epsilon=1e-5, activation=activation, negative_slope=0.01)
+
+    def run(fn, x):
+        with tf.GradientTape() as tape:
+            tape.watch([x, gamma, beta])
+            y = fn(x, gamma, beta, **options)
+            loss = tf.reduce_sum(tf.cast(y, tf.float32) * weights)
+        return [y, *tape.gradient(loss, [x, gamma, beta])]
+
+    saved = norm_act.NORM_SLAB_ELEMENTS
+    norm_act.NORM_SLAB_ELEMENTS = 2 * math.prod(shape[2:])  # two planes a slab: several slabs and a rest
+    try:
+        got = run(norm_act.norm_activation_large, x)
+    finally:
+        norm_act.NORM_SLAB_ELEMENTS = saved
+    want = run(norm_act.fused_norm_activation, tf.cast(x, tf.float32))
+    tol = 1e-4 if dtype == "float32" else 3e-2
+    for name, a, b in zip(("y", "dx", "dgamma", "dbeta"), got, want):
+        a, b = tf.cast(a, tf.float32).numpy(), tf.cast(b, tf.float32).numpy()
+        # bf16: a pre-activation within rounding of 0 may take the other slope; allow a few such elements
+        outside = np.abs(a - b) > tol * max(np.abs(b).max(), 1e-6)
+        assert outside.mean() <= (0.0 if dtype == "float32" else 0.01), (name, np.abs(a - b).max())
