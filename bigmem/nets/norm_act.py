@@ -227,19 +227,9 @@ def norm_activation_slabs(x, gamma, beta, *, groups: int, epsilon: float, activa
         x_planes = as_planes(x)
         means, rstds = [], []
         for sample in range(batch):
-            def stats(_, slab, state):
-                n, mean, m2 = state
-                xs = tf.cast(slab, tf.float32)
-                n_slab = tf.cast(tf.size(xs) // groups, tf.float32)
-                mean_slab = _group_sums(xs, groups) / n_slab
-                m2_slab = _group_sums(tf.math.squared_difference(xs, _per_channel(mean_slab, per_group)), groups)
-                delta, total = mean_slab - mean, n + n_slab
-                return total, mean + delta * (n_slab / total), m2 + m2_slab + delta * delta * (n * n_slab / total)
-
-            zeros = tf.zeros((1, 1, groups, 1))
-            _, mean, m2 = _over_slabs(x_planes, depth, planes, sample, stats, (tf.constant(0.0), zeros, zeros))
+            mean, variance = _slab_statistics(x_planes, depth, planes, sample, groups, per_group, count)
             means.append(mean)
-            rstds.append(tf.math.rsqrt(m2 / count + epsilon))
+            rstds.append(tf.math.rsqrt(variance + epsilon))
         mean, rstd = tf.concat(means, axis=0), tf.concat(rstds, axis=0)  # (B, 1, G, 1)
         scale = g * rstd
 
