@@ -102,7 +102,7 @@ def _activate(z, activation: str, negative_slope: float):
     if activation == "relu":
         return tf.nn.relu(z)
     if activation == "leaky_relu":
-        return tf.where(z > tf.zeros((), z.dtype), z, z * tf.cast(negative_slope, z.dtype))
+        return tf.nn.leaky_relu(z, alpha=negative_slope)
     return z
 
 
@@ -270,14 +270,9 @@ def norm_activation_slabs(x, gamma, beta, *, groups: int, epsilon: float, activa
 
                 zeros = tf.zeros((1, 1, groups, per_group))
                 sums.append(_over_slabs(x_planes, depth, planes, sample, accumulate, (zeros, zeros)))
-            sum_dz = tf.concat([s[0] for s in sums], axis=0)  # (B, 1, G, Cg)
-            sum_dz_xhat = rstd * tf.concat([s[1] for s in sums], axis=0)
-            dgamma = tf.reshape(tf.reduce_sum(sum_dz_xhat, axis=0), (channels,))
-            dbeta = tf.reshape(tf.reduce_sum(sum_dz, axis=0), (channels,))
-            mean_dxhat = tf.reduce_sum(g * sum_dz, axis=3, keepdims=True) / count  # (B, 1, G, 1)
-            mean_dxhat_xhat = tf.reduce_sum(g * sum_dz_xhat, axis=3, keepdims=True) / count
-            # dx = rstd * (g dz - mean(g dz) - xhat mean(g dz xhat)), xhat = (x - mean) rstd
-            k1, k2, k3 = rstd * g, -rstd * rstd * mean_dxhat_xhat, -rstd * mean_dxhat
+            # The sums are of dz * (x - mean): the coefficients of the centred x (mean 0).
+            dgamma, dbeta, (k1, k2, k3) = _input_grad_coefficients(
+                g, 0.0, rstd, tf.concat([s[0] for s in sums], axis=0), tf.concat([s[1] for s in sums], axis=0), count)
             dx_rows = tf.raw_ops.Empty(shape=x_planes.shape, dtype=dtype, init=False)
             for sample in range(batch):
                 k = [c[sample:sample + 1] for c in (k1, k2, k3)]
@@ -330,22 +325,21 @@ def norm_activation_large(x, gamma, beta, *, groups: int, epsilon: float, activa
     @tf.custom_gradient
     def forward(x, gamma, beta):
         x_planes = as_planes(x)
-        means, variances = [], []
-        for sample in range(batch):
-            mean, variance = _slab_statistics(x_planes, depth, planes, sample, groups, per_group, count)
-            means.append(per_channel(mean))
-            variances.append(per_channel(variance))
+        stats = [_slab_statistics(x_planes, depth, planes, sample, groups, per_group, count)
+                 for sample in range(batch)]  # (mean, variance) per sample, (1, 1, G, 1) each
+        means = [per_channel(mean) for mean, _ in stats]
+        variances = [per_channel(variance) for _, variance in stats]
         outputs = [affine(x, i, gamma, beta, means[i], variances[i]) for i in range(batch)]
-        y = _activate_fused(outputs[0] if batch == 1 else tf.concat(outputs, axis=0), activation, negative_slope)
+        y = _activate(outputs[0] if batch == 1 else tf.concat(outputs, axis=0), activation, negative_slope)
 
         def backward(dy):
             dz = _activation_grad(dy, y, activation, negative_slope)
             dz_planes = as_planes(dz)
-            sums_dz, sums_dz_xc, dxs = [], [], []
+            dgammas, dbetas, dxs = [], [], []
             for sample in range(batch):
-                mean_g = tf.reshape(means[sample], (1, 1, groups, per_group))[..., :1]
+                mean_g, variance_g = stats[sample]
 
-                def accumulate(row, slab, state, sample=sample, mean_g=mean_g):
+                def accumulate(row, slab, state, mean_g=mean_g):
                     dz_slab = tf.slice(dz_planes, tf.stack([row, 0, 0, 0]), [slab.shape[1], -1, -1, -1])
                     shape5 = (1, slab.shape[1], height, width, channels)
                     xc = tf.reshape(tf.cast(slab, tf.float32), (1, -1, groups, per_group)) - mean_g
@@ -355,22 +349,17 @@ def norm_activation_large(x, gamma, beta, *, groups: int, epsilon: float, activa
 
                 zeros = tf.zeros((1, 1, groups, per_group))
                 sum_dz, sum_dz_xc = _over_slabs(x_planes, depth, planes, sample, accumulate, (zeros, zeros))
-                rstd = tf.math.rsqrt(tf.reshape(variances[sample], (1, 1, groups, per_group))[..., :1] + epsilon)
-                sum_dz_xhat = rstd * sum_dz_xc
-                mean_dxhat = tf.reduce_sum(g * sum_dz, axis=3, keepdims=True) / count  # (1, 1, G, 1)
-                mean_dxhat_xhat = tf.reduce_sum(g * sum_dz_xhat, axis=3, keepdims=True) / count
+                rstd = tf.math.rsqrt(variance_g + epsilon)
+                dgamma, dbeta, (k1, k2, k3) = _input_grad_coefficients(g, 0.0, rstd, sum_dz, sum_dz_xc, count)
                 # dx = k1 dz + k2 (x - mean) + k3: k1 dz as a norm of dz with mean 0 and variance
                 # 1 - epsilon, k2 (x - mean) + k3 as one of x with scale k2 sqrt(var + eps).
-                k1, k2, k3 = rstd * g, -rstd * rstd * mean_dxhat_xhat, -rstd * mean_dxhat
                 ones = tf.ones((channels,)) - epsilon
                 dxs.append(affine(dz, sample, per_channel(k1), zero, zero, ones)
                            + affine(x, sample, per_channel(k2 / rstd), per_channel(k3), means[sample],
                                     variances[sample]))
-                sums_dz.append(sum_dz)
-                sums_dz_xc.append(sum_dz_xhat)
-            dgamma = tf.reshape(tf.add_n(sums_dz_xc), (channels,))
-            dbeta = tf.reshape(tf.add_n(sums_dz), (channels,))
-            return (dxs[0] if batch == 1 else tf.concat(dxs, axis=0)), dgamma, dbeta
+                dgammas.append(dgamma)
+                dbetas.append(dbeta)
+            return (dxs[0] if batch == 1 else tf.concat(dxs, axis=0)), tf.add_n(dgammas), tf.add_n(dbetas)
 
         return y, backward
 
@@ -391,14 +380,6 @@ def _slab_statistics(x_planes, depth, planes, sample, groups, per_group, count):
     zeros = tf.zeros((1, 1, groups, 1))
     _, mean, m2 = _over_slabs(x_planes, depth, planes, sample, stats, (tf.constant(0.0), zeros, zeros))
     return mean, m2 / count
-
-
-def _activate_fused(y, activation: str, negative_slope: float):
-    if activation == "relu":
-        return tf.nn.relu(y)
-    if activation == "leaky_relu":
-        return tf.nn.leaky_relu(y, alpha=negative_slope)
-    return y
 
 
 def _activation_grad(dy, y, activation: str, negative_slope: float):
