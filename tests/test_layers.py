@@ -27,7 +27,9 @@ LAYERS = (
     # memory's calibration, speed and planner read the CPU's ISA from it.
     ("sysinfo",),
     ("memory",),
-    ("distribute", "monitor"),  # monitor reads memory's /proc readers; the trainer runs it
+    # monitor reads memory's /proc readers; infer (predict, evaluate, sliding windows, the source
+    # geometry) reads memory's inference plan; the trainer runs both.
+    ("distribute", "monitor", "infer"),
     ("train",),
     ("cli",),
     ("__main__",),  # python -m bigmem: the command line
