@@ -23,28 +23,66 @@ from bigmem.errors import DataError
 from bigmem.rundir import atomic_write_json
 
 PERCENTILES = (0.5, 99.5)  # nnU-Net's CT clipping percentiles
+# Root attribute: JSON {"spacing": [x, y, z] | null, "shape": [d, h, w] | null}, convert's --spacing and --shape.
+CONVERT_OPTIONS_ATTR = "convert_options"
 
 
 def manifest_path(store: Path) -> Path:
     return store.with_name(store.name.removesuffix(".h5") + ".manifest.json")
 
 
-def centre_fit(image: np.ndarray, label: np.ndarray, shape: Sequence[int]):
-    """Centre-crop or zero-pad each spatial axis to ``shape``; returns the per-axis (crop, pad) offsets."""
+def centre_fit(image: np.ndarray, label: np.ndarray | None, shape: Sequence[int]):
+    """Centre-crop or zero-pad each spatial axis to ``shape``; returns the per-axis (crop, pad) offsets.
+
+    ``label`` may be None (an image without a label, as ``bigmem predict`` fits one); None is returned for it.
+    """
     offsets = []
     for axis, target in enumerate(shape):
-        size = label.shape[axis]
+        size = image.shape[axis]
         crop = max(0, (size - target) // 2)
         pad = max(0, (target - size) // 2)
         if size > target:
             image = np.take(image, np.arange(crop, crop + target), axis=axis)
-            label = np.take(label, np.arange(crop, crop + target), axis=axis)
+            if label is not None:
+                label = np.take(label, np.arange(crop, crop + target), axis=axis)
         elif size < target:
             widths = [(0, 0)] * image.ndim
             widths[axis] = (pad, target - size - pad)
-            image, label = np.pad(image, widths), np.pad(label, widths[:3])
+            image = np.pad(image, widths)
+            if label is not None:
+                label = np.pad(label, widths[:3])
         offsets.append((crop, pad))
     return image, label, offsets
+
+
+def resample_zoom(shape: Sequence[int], spacing: Sequence[float], target: Sequence[float]) -> np.ndarray:
+    """Per-axis zoom from a grid of ``shape`` at ``spacing`` to the grid nearest ``target`` spacing (mm).
+
+    The new shape is round(shape x spacing / target), at least 1; the zoom is new shape / shape, so
+    the new spacing is spacing / zoom (close to, not exactly, ``target``).
+    """
+    shape = np.asarray(shape[:3])
+    new_shape = np.maximum(1, np.round(shape * np.asarray(spacing, np.float64) / np.asarray(target, np.float64)))
+    return new_shape.astype(int) / shape
+
+
+def zoomed_affine(affine: np.ndarray, zoom: np.ndarray) -> np.ndarray:
+    """The affine of a grid zoomed by ``zoom`` with its field of view's outer edges kept (``grid_mode``)."""
+    out = np.asarray(affine, np.float64).copy()
+    out[:3, :3] = affine[:3, :3] / zoom  # column j scaled by 1/zoom_j
+    out[:3, 3] = affine[:3, :3] @ (0.5 / zoom - 0.5) + affine[:3, 3]  # voxel 0's new centre
+    return out
+
+
+def resample_image(image: np.ndarray, affine: np.ndarray, spacing: Sequence[float], target: Sequence[float]):
+    """Resample a canonical ``(D, H, W, C)`` image to ``target`` spacing (trilinear): (image, affine, spacing)."""
+    from scipy import ndimage
+
+    zoom = resample_zoom(image.shape, spacing, target)
+    image = np.stack([ndimage.zoom(image[..., c], zoom, order=1, grid_mode=True, mode="grid-constant")
+                      for c in range(image.shape[3])], axis=-1).astype(np.float32)
+    new_spacing = tuple(float(s) for s in np.asarray(spacing, np.float64) / zoom)
+    return image, zoomed_affine(affine, zoom), new_spacing
 
 
 def resample(loaded: LoadedCase, target: Sequence[float]) -> LoadedCase:
@@ -55,18 +93,10 @@ def resample(loaded: LoadedCase, target: Sequence[float]) -> LoadedCase:
     """
     from scipy import ndimage
 
-    old = np.asarray(loaded.spacing, np.float64)
-    shape = np.asarray(loaded.label.shape)
-    new_shape = np.maximum(1, np.round(shape * old / np.asarray(target, np.float64))).astype(int)
-    zoom = new_shape / shape
-    image = np.stack([ndimage.zoom(loaded.image[..., c], zoom, order=1, grid_mode=True, mode="grid-constant")
-                      for c in range(loaded.image.shape[3])], axis=-1).astype(np.float32)
+    image, affine, spacing = resample_image(loaded.image, loaded.affine, loaded.spacing, target)
+    zoom = resample_zoom(loaded.label.shape, loaded.spacing, target)
     label = ndimage.zoom(loaded.label, zoom, order=0, grid_mode=True, mode="grid-constant").astype(np.uint8)
-    affine = loaded.affine.copy()
-    affine[:3, :3] = loaded.affine[:3, :3] / zoom  # column j scaled by 1/zoom_j
-    affine[:3, 3] = loaded.affine[:3, :3] @ (0.5 / zoom - 0.5) + loaded.affine[:3, 3]  # voxel 0's new centre
-    return LoadedCase(loaded.case_id, image, label, affine, loaded.source_affine, loaded.source_shape,
-                      tuple(float(s) for s in old / zoom))
+    return LoadedCase(loaded.case_id, image, label, affine, loaded.source_affine, loaded.source_shape, spacing)
 
 
 def channel_stats(image: np.ndarray) -> dict[str, list[float]]:
@@ -183,6 +213,10 @@ def convert(dataset: SourceDataset, out: str | Path, *, force: bool = False, app
             writer.set_root_attr("num_classes", num_classes)
             writer.set_root_attr("label_names", [f"class{i}" for i in range(num_classes)])
             writer.set_root_attr("channel_names", [f"channel{i}" for i in range(state.num_channels or 1)])
+        if not append:  # what a new case needs to be prepared as these were (bigmem.infer.geometry.prepare_nifti)
+            writer.set_root_attr(CONVERT_OPTIONS_ATTR, json.dumps(
+                {"spacing": None if spacing is None else [float(s) for s in spacing],
+                 "shape": None if shape is None else [int(s) for s in shape]}))
         writer.commit()
     with HDF5VolumeStore(out) as store:
         manifest = {"store": out.name, "source": dataset.origin, "num_classes": store.num_classes,

@@ -143,14 +143,57 @@ def _load(path: Path, case_id: str, what: str):
     return img, canonical, data
 
 
-def load_case(case: SourceCase, *, num_channels: int | None, label_values: int | None) -> LoadedCase:
-    """Load one case in canonical orientation, checking what can be checked."""
-    image_img, image_canonical, image = _load(case.image, case.case_id, "image")
-    label_img, _, label = _load(case.label, case.case_id, "label")
+@dataclass
+class LoadedImage:
+    image: np.ndarray  # (D, H, W, C) float32, canonical (RAS) orientation
+    affine: np.ndarray  # canonical affine
+    source_affine: np.ndarray
+    source_shape: tuple[int, ...]  # as the file has it (4D images keep their channel axis)
+    spacing: tuple[float, float, float]
+
+
+def load_image(path: Path, case_id: str, *, num_channels: int | None = None) -> LoadedImage:
+    """Load one image file (3D, or 4D with channels last) in canonical orientation, checked.
+
+    Args:
+        path: a NIfTI file.
+        case_id: the case's id, for messages.
+        num_channels: the number of channels expected, or None to accept any.
+
+    Returns:
+        A ``LoadedImage`` whose ``image`` is ``(D, H, W, C)`` float32 in the closest canonical (RAS)
+        orientation, with the canonical and the file's affines, the file's shape and the voxel spacing.
+
+    Raises:
+        DataError: the file is missing or unreadable, not 3D/4D, has another number of channels,
+            or holds NaN/Inf.
+
+    Example:
+        >>> loaded = load_image(Path("imagesTs/case_001.nii.gz"), "case_001", num_channels=1)
+        >>> loaded.image.shape  # (D, H, W, 1)
+    """
+    image_img, image_canonical, image = _load(path, case_id, "image")
     if image.ndim == 3:
         image = image[..., np.newaxis]
     if image.ndim != 4:
-        raise DataError(f"Case {case.case_id!r}: image has {image.ndim} dimensions ({case.image}); expected 3 or 4.")
+        raise DataError(f"Case {case_id!r}: image has {image.ndim} dimensions ({path}); expected 3 or 4.")
+    if num_channels is not None and image.shape[3] != num_channels:
+        raise DataError(f"Case {case_id!r}: image has {image.shape[3]} channels; dataset.json names "
+                        f"{num_channels} ({path}).")
+    image = np.asarray(image, dtype=np.float32)
+    bad = int(np.count_nonzero(~np.isfinite(image)))
+    if bad:
+        raise DataError(f"Case {case_id!r}: image has {bad} non-finite values (NaN/Inf) ({path}).")
+    zooms = tuple(float(z) for z in image_canonical.header.get_zooms()[:3])
+    return LoadedImage(image, np.asarray(image_canonical.affine, np.float64), np.asarray(image_img.affine, np.float64),
+                       tuple(int(s) for s in image_img.shape), zooms)
+
+
+def load_case(case: SourceCase, *, num_channels: int | None, label_values: int | None) -> LoadedCase:
+    """Load one case in canonical orientation, checking what can be checked."""
+    loaded = load_image(case.image, case.case_id, num_channels=num_channels)
+    image = loaded.image
+    label_img, _, label = _load(case.label, case.case_id, "label")
     if label.ndim == 4 and label.shape[3] == 1:
         label = label[..., 0]
     if label.ndim != 3:
@@ -158,18 +201,11 @@ def load_case(case: SourceCase, *, num_channels: int | None, label_values: int |
                         "map (one integer per voxel), not a 4D file.")
     if label.shape != image.shape[:3]:  # reported as the files have them, not as reoriented
         raise DataError(f"Case {case.case_id!r}: label shape {tuple(label_img.shape[:3])} != image shape "
-                        f"{tuple(image_img.shape[:3])} ({case.label}).")
-    if num_channels is not None and image.shape[3] != num_channels:
-        raise DataError(f"Case {case.case_id!r}: image has {image.shape[3]} channels; dataset.json names "
-                        f"{num_channels} ({case.image}).")
-    if not np.allclose(image_img.affine, label_img.affine, atol=AFFINE_TOLERANCE_MM):
-        worst = float(np.abs(image_img.affine - label_img.affine).max())
+                        f"{tuple(loaded.source_shape[:3])} ({case.label}).")
+    if not np.allclose(loaded.source_affine, label_img.affine, atol=AFFINE_TOLERANCE_MM):
+        worst = float(np.abs(loaded.source_affine - label_img.affine).max())
         raise DataError(f"Case {case.case_id!r}: label affine differs from the image affine by {worst:.3g} "
                         f"(tolerance {AFFINE_TOLERANCE_MM}) ({case.label}); the two are not on the same grid.")
-    image = np.asarray(image, dtype=np.float32)
-    bad = int(np.count_nonzero(~np.isfinite(image)))
-    if bad:
-        raise DataError(f"Case {case.case_id!r}: image has {bad} non-finite values (NaN/Inf) ({case.image}).")
     if not np.all(np.isfinite(label)) or np.any(label != np.round(label)):
         raise DataError(f"Case {case.case_id!r}: label has non-integer values ({case.label}).")
     values = np.unique(label).astype(np.int64)
@@ -180,6 +216,5 @@ def load_case(case: SourceCase, *, num_channels: int | None, label_values: int |
                         f"({case.label}).")
     if values.max() > 255:
         raise DataError(f"Case {case.case_id!r}: label value {int(values.max())} does not fit uint8 ({case.label}).")
-    zooms = tuple(float(z) for z in image_canonical.header.get_zooms()[:3])
-    return LoadedCase(case.case_id, image, label.astype(np.uint8), np.asarray(image_canonical.affine, np.float64),
-                      np.asarray(image_img.affine, np.float64), tuple(int(s) for s in image_img.shape), zooms)
+    return LoadedCase(case.case_id, image, label.astype(np.uint8), loaded.affine, loaded.source_affine,
+                      loaded.source_shape, loaded.spacing)
