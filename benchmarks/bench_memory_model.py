@@ -104,12 +104,12 @@ class Campaign:
 
     def config(self, model: str, precision: str, recompute: str, volume: int):
         return resolve_config(model, {"data": {"volume": volume}, "train": {
-            "batch_size": self.args.batch_size, "precision": precision, "recompute": recompute}})
+            "batch_size": self.args.batch_size, "precision": precision}, "memory": {"recompute": recompute}})
 
     def measured(self, config, counts_for) -> tuple[int | None, float | None, str]:
         """(peak bytes, s/step, where it came from); (None, None, error) if the run failed."""
         train = config.train
-        key = _point_key(config.model.name, train.precision.value, train.recompute.value, config.data.volume,
+        key = _point_key(config.model.name, train.precision.value, config.memory.recompute.value, config.data.volume,
                          train.batch_size)
         if key in self.reused:
             row = self.reused[key]
@@ -289,7 +289,7 @@ def fit_defaults(rows: list[dict], isa: str, batch_size: int, console) -> list[d
         counts_for = counts_function(resolve_config(model))
         mode_rows = [r for r in rows if (r["model"], r["precision"], r["recompute"]) == key]
         points = [calibration_point(resolve_config(model, {"data": {"volume": r["volume"]}, "train": {
-            "batch_size": batch_size, "precision": precision, "recompute": recompute}}), counts_for,
+            "batch_size": batch_size, "precision": precision}, "memory": {"recompute": recompute}}), counts_for,
             r["measured_peak_bytes"]) for r in sorted(mode_rows, key=lambda r: r["volume"])]
         knots = knots_from(points)
         left_out = {}
@@ -319,7 +319,7 @@ def budget_check(args, model: str, console) -> dict:
     console.print(f"planner at {format_bytes(budget)}: fp32 {fp32.volume}^3, bf16+stages {saver.volume}^3 "
                   f"({ratio:.2f}x the voxels); measuring bf16+stages at {saver.volume}^3 ...")
     run_config = resolve_config(model, {"data": {"volume": saver.volume}, "train": {
-        "batch_size": args.batch_size, "precision": "bf16", "recompute": "stages"}})
+        "batch_size": args.batch_size, "precision": "bf16"}, "memory": {"recompute": "stages"}})
     try:
         with held(args.lock):
             measured = measure(run_config, steps=2)

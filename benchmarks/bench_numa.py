@@ -52,10 +52,10 @@ def child(args) -> dict:
     from bigmem.rundir import read_jsonl
     from bigmem.train.trainer import train
 
-    config = resolve_config(args.model, {"data": {"volume": args.volume}, "train": {"steps": args.steps,
-                                                                                      "checkpoint_every": args.steps},
+    store = str(cached_synthetic_store(num_cases=4, volume=args.volume, num_classes=3))
+    config = resolve_config(args.model, {"data": {"volume": args.volume, "store": store},
+                                         "train": {"steps": args.steps, "checkpoint_every": args.steps},
                                          "numa": {"policy": args.child}})
-    config.data.store = str(cached_synthetic_store(num_cases=4, volume=args.volume, num_classes=3))
     with tempfile.TemporaryDirectory() as tmp:
         train(config, f"{tmp}/run", console=Console(file=io.StringIO()))
         rows = read_jsonl(f"{tmp}/run/metrics.jsonl")

@@ -145,10 +145,11 @@ def child_bigmem(request: dict) -> dict:
     from bigmem.train.trainer import train
 
     volume = config.data.volume
-    config.data.store = str(cached_synthetic_store(num_cases=2, volume=volume, num_classes=config.model.num_classes))
+    store = str(cached_synthetic_store(num_cases=2, volume=volume, num_classes=config.model.num_classes))
     total = request["warmup"] + request["steps"]
-    config.train.steps, config.train.epochs, config.train.log_every = total, None, 1
-    config.train.checkpoint_every = total + 1  # one checkpoint, after the last step (not timed)
+    config = config.updated({"data": {"store": store}, "train": {
+        "steps": total, "epochs": None, "log_every": 1,
+        "checkpoint_every": total + 1}})  # one checkpoint, after the last step (not timed)
     with tempfile.TemporaryDirectory(prefix="bigmem-bench-") as run_dir:
         train(config, f"{run_dir}/run", console=Console(file=io.StringIO()))
         rows = read_jsonl(f"{run_dir}/run/metrics.jsonl")
@@ -164,8 +165,8 @@ def child_keras(request: dict) -> dict:
     from bigmem.nets.unet3d import UNet3D
     from bigmem.train.losses import dice_ce_loss
 
-    config = ExperimentConfig.from_dict(request["config"], source="bench request")
-    config.model.stock_layers = True
+    config = ExperimentConfig.from_dict(request["config"], source="bench request").updated(
+        {"model": {"stock_layers": True}})
     keras.utils.set_random_seed(config.train.seed)
     policy = "mixed_bfloat16" if request["precision"] == "bf16" else "float32"
     model = UNet3D(config.model, dtype=policy).build_for()

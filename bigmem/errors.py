@@ -5,6 +5,9 @@
 
 from __future__ import annotations
 
+import re
+from typing import Callable
+
 EXIT_OK = 0
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -21,6 +24,27 @@ class UsageError(BigmemError):
     """A flag or option with a value bigmem cannot use."""
 
     exit_code = EXIT_USAGE
+
+
+class ConfigError(UsageError):
+    """A config field with a value bigmem cannot use, named as a field (``data.volume``).
+
+    The message is a template: ``{field}`` stands for this field and ``{section.name}`` for
+    another one. A Python caller reads the dotted names; the command line renders each as the
+    flag that sets it (``bigmem.cli.common.flag_for``): ``Invalid --volume 50: ...``.
+    """
+
+    PLACEHOLDER = re.compile(r"\{(field|[a-z_]+\.[a-z_]+)\}")
+
+    def __init__(self, field: str, template: str):
+        self.field = field
+        self.template = template
+        super().__init__(self.render(lambda name: name))
+
+    def render(self, name_of: Callable[[str], str]) -> str:
+        """The message with every field named by ``name_of(dotted_field)``."""
+        return self.PLACEHOLDER.sub(lambda m: name_of(self.field if m.group(1) == "field" else m.group(1)),
+                                    self.template)
 
 
 class DataError(BigmemError):

@@ -7,6 +7,27 @@ import argparse
 from bigmem.errors import UsageError
 from bigmem.units import parse_bytes
 
+# Flags whose name is not the kebab-case of their field's (STYLE.md: flags are the field names).
+FLAG_NAMES = {"data.store": "--data", "model.name": "--model", "numa.policy": "--numa",
+              "memory.budget_bytes": "--memory-budget", "numa.threads": "--threads"}
+UNIT_SUFFIXES = ("_bytes", "_s")
+
+
+def flag_for(field: str) -> str:
+    """The flag that sets config field ``field``: 'train.batch_size' -> '--batch-size'.
+
+    Example:
+        >>> flag_for("distribute.gpu_memory_bytes"), flag_for("memory.budget_bytes")
+        ('--gpu-memory', '--memory-budget')
+    """
+    if field in FLAG_NAMES:
+        return FLAG_NAMES[field]
+    name = field.split(".")[-1]
+    for suffix in UNIT_SUFFIXES:
+        name = name.removesuffix(suffix)
+    return "--" + name.replace("_", "-")
+
+
 PRESET_HELP = "preset name (tiny, small, intelai-brats, kits19) or a .toml file (default: small)"
 
 
@@ -81,7 +102,8 @@ def model_overrides(args) -> dict:
     sections = {
         "data": {"volume": getattr(args, "volume", None)},
         "train": {"batch_size": getattr(args, "batch_size", None), "optimizer": getattr(args, "optimizer", None),
-                  "precision": getattr(args, "precision", None), "recompute": getattr(args, "recompute", None)},
+                  "precision": getattr(args, "precision", None)},
+        "memory": {"recompute": getattr(args, "recompute", None)},
     }
     return {name: {k: v for k, v in values.items() if v is not None} for name, values in sections.items()}
 

@@ -50,7 +50,7 @@ def run(args) -> int:
 
     from bigmem.config.presets import resolve_config
     from bigmem.data.store import HDF5VolumeStore
-    from bigmem.data.synth import cached_synthetic_store
+    from bigmem.data.derived import with_data_fields
     from bigmem.distribute.compare import compare, rows
     from bigmem.tfenv import import_tensorflow
     from bigmem.units import parse_bytes
@@ -62,12 +62,10 @@ def run(args) -> int:
     overrides = {"data": {k: v for k, v in (("volume", args.volume),) if v is not None},
                  "train": {k: v for k, v in (("batch_size", args.batch_size),) if v is not None}}
     config = resolve_config(args.model or "small", overrides)
-    store = args.data or str(cached_synthetic_store(num_cases=config.data.synth_cases,
-                                                    volume=config.data.synth_volume,
-                                                    num_classes=config.data.synth_classes))
+    config = with_data_fields(config.updated({"data": {"store": args.data}}))
+    store = config.data.store
     with HDF5VolumeStore(store) as opened:
         num_cases = len(opened)
-        config.model.in_channels, config.model.num_classes = opened.num_channels, opened.num_classes
     holdout = args.holdout if args.holdout is not None else max(1, num_cases // 5)
     tf = import_tensorflow(verbose=getattr(args, "verbose", False))
     gpus = len(tf.config.list_physical_devices("GPU"))

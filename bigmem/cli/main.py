@@ -12,7 +12,8 @@ import traceback
 
 import bigmem
 from bigmem.cli import compare, convert, info, plan, profile, report, synth, train
-from bigmem.errors import EXIT_ERROR, EXIT_USAGE, BigmemError
+from bigmem.cli.common import flag_for
+from bigmem.errors import EXIT_ERROR, EXIT_USAGE, BigmemError, ConfigError
 
 COMMANDS = (info, synth, convert, train, profile, plan, compare, report)
 
@@ -67,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     except BigmemError as exc:
         if verbose:
             traceback.print_exc()
-        print(f"bigmem {args.command}: error: {exc}", file=sys.stderr)
+        message = exc.render(flag_for) if isinstance(exc, ConfigError) else str(exc)  # fields as flags
+        print(f"bigmem {args.command}: error: {message}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         print(f"bigmem {args.command}: interrupted", file=sys.stderr)

@@ -54,7 +54,7 @@ def run(args) -> int:
     from bigmem.memory.profile import counts_function
     from bigmem.nets.limits import max_kernel_elements
     from bigmem.sysinfo import native_bf16
-    from bigmem.train.trainer import EMULATED_BF16_WARNING
+    from bigmem.train.job import EMULATED_BF16_WARNING
     from bigmem.rundir import atomic_write_json
     from bigmem.units import format_bytes
 

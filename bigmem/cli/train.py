@@ -90,20 +90,20 @@ def _overrides(args) -> dict:
                             cold_cache=args.cold_cache)
     sections["numa"] = numa_overrides(args)
     gpu_memory = parse_bytes(args.gpu_memory, flag="--gpu-memory") if args.gpu_memory else None
-    sections["data"].update(patch=args.patch, holdout=args.holdout)
-    sections["train"].update(strategy=args.strategy, gpus=args.gpus, simulate_replicas=args.simulate_replicas,
-                             gpu_memory_bytes=gpu_memory, reference_batch=args.reference_batch,
-                             time_budget_s=args.time_budget)
+    sections["data"].update(holdout=args.holdout)
+    sections["distribute"] = dict(strategy=args.strategy, gpus=args.gpus, simulate_replicas=args.simulate_replicas,
+                                  gpu_memory_bytes=gpu_memory, patch=args.patch)
+    sections["memory"].update(budget_bytes=budget)
     sections["train"].update(steps=args.steps, epochs=args.epochs, lr=args.lr, warmup_steps=args.warmup_steps,
-                             seed=args.seed, checkpoint_every=args.checkpoint_every, memory_budget_bytes=budget,
+                             seed=args.seed, checkpoint_every=args.checkpoint_every,
+                             reference_batch=args.reference_batch, time_budget_s=args.time_budget,
                              monitor_interval_s=args.monitor_interval)
     return {name: {k: v for k, v in values.items() if v is not None} for name, values in sections.items()}
 
 
 def resolve(args):
     """The resolved ExperimentConfig and run directory for these arguments."""
-    from bigmem.config.presets import resolve_config
-    from bigmem.config.schema import ExperimentConfig, update
+    from bigmem.config.presets import preset_names, resolve_config
 
     overrides = _overrides(args)
     if args.data is not None and not Path(args.data).exists():
@@ -118,13 +118,12 @@ def resolve(args):
             raise UsageError("--model cannot change when resuming; the run keeps the model in its config.json.")
         saved = run.read_config()
         # config.json also records derived figures (total_steps, effective_lr); only the sections are settings
-        saved = {k: v for k, v in saved.items() if k in ("model", "data", "train", "numa")}
+        saved = {k: v for k, v in saved.items() if isinstance(v, dict)}
         if overrides["train"].get("steps") is not None or overrides["train"].get("epochs") is not None:
-            saved["train"]["steps"] = saved["train"]["epochs"] = None
-        config = ExperimentConfig.from_dict(saved, source=str(run.config))
-        update(config, {k: v for k, v in overrides.items() if v}, source="flags")
-        config.validate()
-        return config, Path(args.out)
+            saved["train"] = {**saved.get("train", {}), "steps": None, "epochs": None}
+        # the saved sections are complete; the preset only fills settings newer than the run
+        preset = saved.get("model", {}).get("name")
+        return resolve_config(preset if preset in preset_names() else "small", overrides, base=saved), Path(args.out)
     preset = args.model or "small"
     config = resolve_config(preset, overrides)
     out = Path(args.out) if args.out else Path("runs") / f"{config.model.name}-{time.strftime('%Y%m%d-%H%M%S')}"

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from bigmem.config.options import suggest
-from bigmem.config.schema import ExperimentConfig, update
+from bigmem.config.schema import ExperimentConfig, migrate_sections, update
 from bigmem.errors import UsageError
 
 if sys.version_info >= (3, 11):
@@ -54,16 +54,33 @@ def resolve_config(
     *,
     base: Mapping[str, Any] | None = None,
 ) -> ExperimentConfig:
-    """Defaults -> preset -> ``base`` (a saved config.json, on resume) -> ``overrides`` (flags)."""
-    config = ExperimentConfig()
+    """The one resolution of a config: defaults -> preset -> ``base`` -> ``overrides``.
+
+    Args:
+        preset: a preset name ('small') or a path to a .toml file.
+        overrides: settings by section from flags (``{"train": {"steps": 10}}``); errors name
+            their fields (``ConfigError``), which the command line shows as flags.
+        base: a saved config.json's sections, when resuming a run (settings from older
+            layouts are moved to their sections).
+
+    Returns:
+        The validated, frozen ``ExperimentConfig``.
+
+    Raises:
+        UsageError: an unknown preset or setting, or a value bigmem cannot use.
+
+    Example:
+        >>> resolve_config("tiny", {"data": {"volume": 32}}).data.volume
+        32
+    """
     values = load_preset(preset)
-    card = values.pop("card", {})
-    update(config, values, source=f"preset {preset!r}")
-    config.model.name = Path(preset).stem if preset.endswith(".toml") else preset
-    del card  # descriptive only; listed by models/README.md
+    values.pop("card", None)  # descriptive only; listed by models/README.md
+    config = update(ExperimentConfig(), values, source=f"preset {preset!r}")
+    config = update(config, {"model": {"name": Path(preset).stem if preset.endswith(".toml") else preset}},
+                    source="code")
     if base:
-        update(config, base, source="the saved config.json")
+        config = update(config, migrate_sections(base), source="the saved config.json")
     if overrides:
-        update(config, {k: v for k, v in overrides.items() if v}, source="flags")
+        config = update(config, {k: v for k, v in overrides.items() if v}, source="flags")
     config.validate()
     return config

@@ -1,6 +1,12 @@
-"""Typed configuration: nested dataclasses resolved defaults -> preset file -> flags.
+"""Typed configuration: nested frozen dataclasses resolved defaults -> preset file -> flags.
 
-Every run saves the resolved result (``ExperimentConfig.to_dict``) as ``RUN_DIR/config.json``.
+A config is resolved once and never changed: a different value is a new config
+(``dataclasses.replace`` or ``ExperimentConfig.updated``). Every run saves the resolved result
+(``ExperimentConfig.to_dict``) as ``RUN_DIR/config.json``.
+
+Errors name config fields (``data.volume``), never flags: a Python caller never typed a flag.
+``ConfigError`` carries the field, and the command line renders it as its flag
+(``bigmem.config.flags.flag_for``): ``--volume``.
 """
 
 from __future__ import annotations
@@ -23,10 +29,10 @@ from bigmem.config.options import (
     look_up_option,
     suggest,
 )
-from bigmem.errors import UsageError
+from bigmem.errors import ConfigError, UsageError
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelConfig:
     """A 3D U-Net: ``depth`` downsamplings, filters doubling per level up to ``max_filters``."""
 
@@ -62,18 +68,17 @@ class ModelConfig:
     def validate(self) -> None:
         for name in ("depth", "base_filters", "max_filters", "blocks_per_level", "in_channels"):
             if getattr(self, name) < (0 if name == "depth" else 1):
-                raise UsageError(f"Invalid model.{name} {getattr(self, name)}: expected a positive integer.")
+                raise ConfigError(f"model.{name}",
+                                  f"Invalid {{field}} {getattr(self, name)}: expected a positive integer.")
         if self.num_classes < 2:
-            raise UsageError(
-                f"Invalid model.num_classes {self.num_classes}: expected >= 2 (background + at least one class)."
-            )
+            raise ConfigError("model.num_classes", f"Invalid {{field}} {self.num_classes}: expected >= 2 "
+                              "(background + at least one class).")
         if self.norm is Norm.GROUP and any(f % self.groups for f in self.filters):
-            raise UsageError(
-                f"Invalid model.groups {self.groups}: every level's filters {self.filters} must be divisible by it."
-            )
+            raise ConfigError("model.groups", f"Invalid {{field}} {self.groups}: every level's filters "
+                              f"{self.filters} must be divisible by it.")
 
 
-@dataclass
+@dataclass(frozen=True)
 class DataConfig:
     """Where cases come from and how they are shaped for the network."""
 
@@ -84,19 +89,19 @@ class DataConfig:
     flip: bool = True
     cold_cache: bool = False  # --cold-cache: drop the store's pages after each read (dataset > RAM)
     holdout: int = 0  # the last N cases (sorted ids) are kept out of training, for evaluation
-    patch: int | None = None  # data-parallel path: patch edge (default: the largest that fits --gpu-memory)
     synth_cases: int = 16
     synth_volume: int = 48
     synth_classes: int = 3
 
     def validate(self) -> None:
         if self.volume < 1:
-            raise UsageError(f"Invalid --volume {self.volume}: expected a positive integer.")
-        if self.prefetch < 0 or self.num_workers < 0:
-            raise UsageError("Invalid --prefetch/--num-workers: expected non-negative integers.")
+            raise ConfigError("data.volume", f"Invalid {{field}} {self.volume}: expected a positive integer.")
+        for name in ("prefetch", "num_workers", "holdout"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"data.{name}", f"Invalid {{field}} {getattr(self, name)}: expected an integer >= 0.")
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainConfig:
     """The optimisation recipe (DESIGN.md: Dice+CE, SGD Nesterov or Adam, warmup + poly decay)."""
 
@@ -110,13 +115,7 @@ class TrainConfig:
     lr_decay_power: float = 2.0  # polynomial decay power (Goyal et al. style recipes use 2)
     end_lr: float = 0.0
     precision: Precision = Precision.FP32
-    recompute: Recompute = Recompute.NONE  # stages: recompute every stage's activations in backward
-    memory_budget_bytes: int | None = None  # --memory-budget; None: MemAvailable at start
-    strategy: Strategy = Strategy.NONE  # --strategy: none (whole volumes) | mirrored | multiworker
-    simulate_replicas: int | None = None  # --simulate-replicas N: N logical CPU devices instead of GPUs
-    gpus: int | None = None  # --gpus N (default: every GPU found)
-    gpu_memory_bytes: int | None = None  # --gpu-memory: per-GPU memory the patch must fit
-    reference_batch: int | None = None  # --reference-batch: the global batch --lr is meant for
+    reference_batch: int | None = None  # the global batch ``lr`` is meant for (data-parallel lr scaling)
     time_budget_s: float | None = None  # --time-budget: stop (and save the model) after this much training
     seed: int = 0
     checkpoint_every: int = 50
@@ -125,24 +124,49 @@ class TrainConfig:
     monitor_interval_s: float = 1.0  # --monitor-interval: seconds between monitor.csv rows; 0 turns it off
 
     def validate(self) -> None:
-        if self.batch_size < 1:
-            raise UsageError(f"Invalid --batch-size {self.batch_size}: expected a positive integer.")
         if self.steps is not None and self.epochs is not None:
-            raise UsageError("Give either --steps or --epochs, not both.")
-        for name in ("steps", "epochs"):
+            raise ConfigError("train.steps", "Give either {field} or {train.epochs}, not both.")
+        for name in ("batch_size", "steps", "epochs", "checkpoint_every", "keep_checkpoints", "log_every"):
             value = getattr(self, name)
             if value is not None and value < 1:
-                raise UsageError(f"Invalid --{name} {value}: expected a positive integer.")
+                raise ConfigError(f"train.{name}", f"Invalid {{field}} {value}: expected a positive integer.")
         if not self.lr > 0:
-            raise UsageError(f"Invalid --lr {self.lr}: expected a positive number.")
-        if self.checkpoint_every < 1 or self.keep_checkpoints < 1 or self.log_every < 1:
-            raise UsageError("Invalid checkpoint/log interval: expected positive integers.")
+            raise ConfigError("train.lr", f"Invalid {{field}} {self.lr}: expected a positive number.")
         if self.monitor_interval_s < 0:
-            raise UsageError(f"Invalid --monitor-interval {self.monitor_interval_s:g}: expected seconds >= 0 "
-                             "(0 turns the monitor off).")
+            raise ConfigError("train.monitor_interval_s", f"Invalid {{field}} {self.monitor_interval_s:g}: expected "
+                              "seconds >= 0 (0 turns the monitor off).")
 
 
-@dataclass
+@dataclass(frozen=True)
+class MemoryConfig:
+    """How the job fits its memory (bigmem/memory/preflight.py decides the budget from these)."""
+
+    budget_bytes: int | None = None  # None: what the NUMA placement can use, else MemAvailable at start
+    recompute: Recompute = Recompute.NONE  # stages: recompute every stage's activations in backward
+
+
+@dataclass(frozen=True)
+class DistributeConfig:
+    """The data-parallel baseline (bigmem/distribute/): replicas, the patch that fits one GPU.
+
+    With ``strategy`` none, training is single-process whole volumes; ``multiworker`` without
+    ``gpu_memory_bytes`` or ``patch`` trains whole volumes on several CPU hosts.
+    """
+
+    strategy: Strategy = Strategy.NONE  # none (whole volumes) | mirrored | multiworker
+    simulate_replicas: int | None = None  # N logical CPU devices instead of GPUs
+    gpus: int | None = None  # default: every GPU found
+    gpu_memory_bytes: int | None = None  # per-GPU memory the patch must fit
+    patch: int | None = None  # patch edge (default: the largest that fits gpu_memory_bytes)
+
+    def validate(self) -> None:
+        for name in ("simulate_replicas", "gpus", "gpu_memory_bytes", "patch"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"distribute.{name}", f"Invalid {{field}} {value}: expected a positive integer.")
+
+
+@dataclass(frozen=True)
 class NUMAConfig:
     """Placement of memory and threads (bigmem/numa/policy.py has the forms)."""
 
@@ -151,33 +175,78 @@ class NUMAConfig:
     threads: int | None = None  # --threads: TF intra-op threads (default: the CPUs used)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ExperimentConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    distribute: DistributeConfig = field(default_factory=DistributeConfig)
     numa: NUMAConfig = field(default_factory=NUMAConfig)
 
     def validate(self) -> None:
+        """Check every section and their agreement.
+
+        Raises:
+            ConfigError: a field with a value bigmem cannot use (it names the field).
+        """
         self.model.validate()
         self.data.validate()
         self.train.validate()
-        if self.data.volume % self.model.divisor:
-            lower = max(self.model.divisor, self.data.volume // self.model.divisor * self.model.divisor)
-            upper = lower + self.model.divisor
-            raise UsageError(
-                f"Invalid --volume {self.data.volume}: expected a multiple of {self.model.divisor} "
-                f"(the network downsamples {self.model.depth} times). Try --volume {lower} or {upper}."
-            )
+        self.distribute.validate()
+        check_multiple("data.volume", self.data.volume, self.model)
 
     def to_dict(self) -> dict[str, Any]:
+        """The config as JSON-able data (enums as their strings): config.json's sections."""
         return to_dict(self)
+
+    def updated(self, values: Mapping[str, Any], *, source: str = "code") -> "ExperimentConfig":
+        """A new config with ``values`` (nested by section, e.g. ``{"data": {"volume": 64}}``) overlaid.
+
+        Example:
+            >>> ExperimentConfig().updated({"train": {"batch_size": 1}}).train.batch_size
+            1
+        """
+        return update(self, values, source=source)
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any], *, source: str = "config") -> "ExperimentConfig":
-        config = cls()
-        update(config, values, source=source)
-        return config
+        """The config of ``values`` (config.json's sections) over the defaults.
+
+        Settings saved by runs before the memory and distribute sections existed
+        (``train.memory_budget_bytes``, ``train.recompute``, ``train.strategy``, ..., ``data.patch``)
+        are read into their sections, so older runs still resume.
+        """
+        return update(cls(), migrate_sections(values), source=source)
+
+
+# Settings that moved sections: old dotted name -> new (runs saved before the move still resume).
+MOVED = {"train.memory_budget_bytes": "memory.budget_bytes", "train.recompute": "memory.recompute",
+         **{f"train.{name}": f"distribute.{name}" for name in ("strategy", "simulate_replicas", "gpus",
+                                                                "gpu_memory_bytes")},
+         "data.patch": "distribute.patch"}
+
+
+def migrate_sections(values: Mapping[str, Any]) -> dict[str, Any]:
+    """``values`` with settings from before a section move put where they live now."""
+    moved = {name: dict(section) if isinstance(section, Mapping) else section for name, section in values.items()}
+    for old, new in MOVED.items():
+        old_section, old_key = old.split(".")
+        section = moved.get(old_section)
+        if isinstance(section, Mapping) and old_key in section:
+            new_section, new_key = new.split(".")
+            moved.setdefault(new_section, {})[new_key] = section.pop(old_key)
+    return moved
+
+
+def check_multiple(field_name: str, size: int, model: ModelConfig) -> None:
+    """Raise ``ConfigError`` naming ``field_name`` unless ``size`` is a positive multiple of ``model.divisor``."""
+    divisor = model.divisor
+    if size > 0 and size % divisor == 0:
+        return
+    lower = max(divisor, size // divisor * divisor)
+    raise ConfigError(field_name, f"Invalid {{field}} {size}: expected a multiple of {divisor} (the network "
+                      f"downsamples {model.depth} times). Try {{field}} {lower} or {lower + divisor}.")
 
 
 def to_dict(obj: Any) -> Any:
@@ -189,13 +258,25 @@ def to_dict(obj: Any) -> Any:
     return obj
 
 
-def update(obj: Any, values: Mapping[str, Any], *, source: str, prefix: str = "") -> None:
-    """Overlay ``values`` onto dataclass ``obj`` in place, coercing and checking each value's type.
+def update(obj: Any, values: Mapping[str, Any], *, source: str, prefix: str = "") -> Any:
+    """A copy of dataclass ``obj`` with ``values`` overlaid, each value's type coerced and checked.
 
-    ``source`` names where the values came from (a preset file, 'flags') for error messages.
+    Args:
+        obj: a (frozen) config dataclass; it is not changed.
+        values: settings by field name; a section's value is a mapping of its fields.
+        source: where the values came from (a preset file, 'flags'), for error messages.
+        prefix: the dotted name of ``obj`` ("data."), for error messages.
+
+    Returns:
+        The new dataclass (``dataclasses.replace``).
+
+    Raises:
+        UsageError: an unknown setting or a value of the wrong type; ``ConfigError`` (naming the
+            field) when ``source`` is 'flags'.
     """
     hints = typing.get_type_hints(type(obj))
     names = [f.name for f in dataclasses.fields(obj)]
+    changes = {}
     for key, value in values.items():
         dotted = f"{prefix}{key}"
         if key not in names:
@@ -206,9 +287,10 @@ def update(obj: Any, values: Mapping[str, Any], *, source: str, prefix: str = ""
         if dataclasses.is_dataclass(current):
             if not isinstance(value, Mapping):
                 raise UsageError(f"Invalid {dotted} in {source}: expected a table of settings.")
-            update(current, value, source=source, prefix=f"{dotted}.")
+            changes[key] = update(current, value, source=source, prefix=f"{dotted}.")
         else:
-            setattr(obj, key, _coerce(value, hints[key], dotted, source))
+            changes[key] = _coerce(value, hints[key], dotted, source)
+    return dataclasses.replace(obj, **changes)
 
 
 def _coerce(value: Any, hint: Any, dotted: str, source: str) -> Any:
@@ -219,23 +301,31 @@ def _coerce(value: Any, hint: Any, dotted: str, source: str) -> Any:
             return None
         raise UsageError(f"Invalid {dotted} in {source}: a value is required.")
     base = next((a for a in args if a is not type(None)), hint) if args else hint
-    flag = f"{dotted} ({source})" if source != "flags" else f"--{dotted.split('.')[-1].replace('_', '-')}"
+    named = source in ("flags", "code")  # else a file: name the setting and the file, not a flag
+    name = "{field}" if named else f"{dotted} ({source})"
+
+    def invalid(message: str) -> UsageError:
+        return ConfigError(dotted, message) if named else UsageError(message)
+
     if isinstance(base, type) and issubclass(base, StrOption):
-        return look_up_option(value, base, flag=flag)
+        try:
+            return look_up_option(value, base, flag=name)
+        except UsageError as exc:
+            raise invalid(str(exc)) from None
     if base is bool:
         if isinstance(value, bool):
             return value
-        raise UsageError(f"Invalid {flag} {value!r}: expected true or false.")
+        raise invalid(f"Invalid {name} {value!r}: expected true or false.")
     if base is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise UsageError(f"Invalid {flag} {value!r}: expected an integer.")
+            raise invalid(f"Invalid {name} {value!r}: expected an integer.")
         return value
     if base is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise UsageError(f"Invalid {flag} {value!r}: expected a number.")
+            raise invalid(f"Invalid {name} {value!r}: expected a number.")
         return float(value)
     if base is str:
         if not isinstance(value, str):
-            raise UsageError(f"Invalid {flag} {value!r}: expected a string.")
+            raise invalid(f"Invalid {name} {value!r}: expected a string.")
         return value
     raise TypeError(f"unsupported config field type {hint!r} for {dotted}")  # a bug in this module

@@ -28,13 +28,37 @@ NORM_EPSILON = 1e-6  # guards the z-score of a constant channel
 
 
 def case_for_sample(sample_index: int, num_cases: int, seed: int) -> int:
-    """The case index of the ``sample_index``-th sample: a fresh permutation every epoch."""
+    """The case index of the ``sample_index``-th sample: a fresh permutation every epoch.
+
+    Args:
+        sample_index: the sample's position in the stream, from 0 (epoch = index // num_cases).
+        num_cases: cases in the store.
+        seed: the run's seed.
+
+    Returns:
+        An index into the store's sorted case ids, in ``[0, num_cases)``.
+    """
     epoch, position = divmod(sample_index, num_cases)
     return int(np.random.default_rng([seed, epoch]).permutation(num_cases)[position])
 
 
 def fit_to_volume(image: np.ndarray, label: np.ndarray, volume: int, rng: np.random.Generator):
-    """Crop (at a random offset) or zero-pad (centred) each spatial axis to ``volume``."""
+    """Crop (at a random offset) or zero-pad (centred) each spatial axis to ``volume``.
+
+    Args:
+        image: ``(D, H, W, C)``.
+        label: ``(D, H, W)``.
+        volume: the target edge in voxels.
+        rng: draws the crop offsets (one per cropped axis).
+
+    Returns:
+        ``(image (volume, volume, volume, C), label (volume, volume, volume))``, dtypes kept;
+        padding is 0 (the mean, for an image already z-scored by ``normalize``).
+
+    Example:
+        >>> image, label = fit_to_volume(np.ones((40, 70, 64, 1), np.float32), np.zeros((40, 70, 64), np.uint8),
+        ...                              64, np.random.default_rng(0))  # image (64, 64, 64, 1), label (64, 64, 64)
+    """
     for axis in range(3):
         size = label.shape[axis]
         if size > volume:
@@ -55,6 +79,18 @@ def normalize(image: np.ndarray, case_id: str = "?", where: str = "") -> np.ndar
 
     A NaN/Inf voxel makes its channel's mean non-finite: that is where the input pipeline checks
     values (the store reads with check_finite=False), without another pass over the data.
+    Statistics are float64; a constant channel becomes 0 (NORM_EPSILON guards the division).
+
+    Args:
+        image: ``(D, H, W, C)`` float32, changed in place.
+        case_id: the case, for the error message.
+        where: the store's path, for the error message.
+
+    Returns:
+        ``image`` itself, each channel with mean 0 and standard deviation 1.
+
+    Raises:
+        DataError: the image has NaN or Inf values.
     """
     mean = image.mean(axis=(0, 1, 2), keepdims=True, dtype=np.float64)
     if not np.all(np.isfinite(mean)):
@@ -69,7 +105,25 @@ def normalize(image: np.ndarray, case_id: str = "?", where: str = "") -> np.ndar
 
 
 def load_sample(store: HDF5VolumeStore, sample_index: int, *, volume: int, seed: int, flip: bool):
-    """One training sample: (image (V,V,V,C) float32, label (V,V,V) uint8)."""
+    """One training sample: read, z-scored, cropped/padded to ``volume``^3, randomly flipped.
+
+    Which case, the crop offsets and the flips are a pure function of ``(seed, sample_index)``.
+
+    Args:
+        store: the store to read from.
+        sample_index: the sample's position in the stream (``case_for_sample``).
+        volume: the edge of the returned cube, in voxels.
+        seed: the run's seed.
+        flip: flip each spatial axis with probability 0.5.
+
+    Returns:
+        ``(image (volume, volume, volume, C) float32, label (volume, volume, volume) uint8)``,
+        both C-contiguous.
+
+    Raises:
+        DataError: the case cannot be read, has NaN/Inf image values, or a label value past the
+            store's classes.
+    """
     case_id = store.case_ids[case_for_sample(sample_index, len(store), seed)]
     image, label = store.read_case(case_id)
     rng = np.random.default_rng([seed, sample_index, 1])
@@ -86,7 +140,17 @@ FOREGROUND_FRACTION = 0.4  # MLPerf 3D U-Net: share of patches centred on a fore
 
 
 def patch_start(label: np.ndarray | None, shape: tuple[int, ...], patch: int, rng: np.random.Generator) -> tuple:
-    """A patch origin: centred on a random foreground voxel of ``label`` if given (and any), else uniform."""
+    """A patch origin: centred on a random foreground voxel of ``label`` if given (and any), else uniform.
+
+    Args:
+        label: ``(D, H, W)``, or None for a uniform origin.
+        shape: the case's ``(D, H, W)``.
+        patch: the patch edge in voxels.
+        rng: draws the voxel or the origin.
+
+    Returns:
+        ``(d, h, w)``, clipped so the patch stays inside the case where it fits.
+    """
     if label is not None:
         foreground = np.flatnonzero(label)
         if foreground.size:
@@ -101,6 +165,18 @@ def load_patch(store: HDF5VolumeStore, sample_index: int, *, patch: int, seed: i
 
     Only the chunks the patch overlaps are read (plus the label, 1 byte/voxel, for a foreground
     patch). The patch is z-scored on its own values.
+
+    Args:
+        store, sample_index, seed, flip: as ``load_sample``.
+        patch: the patch edge in voxels (smaller cases are zero-padded to it).
+        foreground_fraction: the probability of a foreground-centred patch (default
+            FOREGROUND_FRACTION, MLPerf's 0.4).
+
+    Returns:
+        ``(image (patch, patch, patch, C) float32, label (patch, patch, patch) uint8)``.
+
+    Raises:
+        DataError: as ``load_sample``.
     """
     info = store.cases[case_for_sample(sample_index, len(store), seed)]
     rng = np.random.default_rng([seed, sample_index, 2])
@@ -135,7 +211,7 @@ def _slot_views(buffer, volume: int, channels: int):
 
 def _worker_load(slot: str, sample_index: int, volume: int, seed: int, flip: bool, patch: int | None) -> None:
     """Load one sample into the shared-memory ``slot``: only the slot's name crosses the pipe,
-    not the volume (pickling a 28 MB volume costs two extra copies and the pipe)."""
+    not the volume (pickling one would cost two extra copies of it and the pipe)."""
     if slot not in _WORKER_SLOTS:
         _WORKER_SLOTS[slot] = shared_memory.SharedMemory(name=slot)
         # The training process owns the slot; this process must not unlink it when it exits.
@@ -150,12 +226,51 @@ def _worker_load(slot: str, sample_index: int, volume: int, seed: int, flip: boo
 
 
 class WholeVolumeLoader:
-    """Batches of whole volumes (or, with ``patch``, of patch^3 patches) in a deterministic order."""
+    """Batches of whole volumes (or, with ``patch``, of patch^3 patches) in a deterministic order.
+
+    Each case is read whole, z-scored per channel, cropped (random offset) or zero-padded
+    (centred) to ``volume``^3 and randomly flipped; the order, crops and flips are a pure
+    function of ``(seed, sample index)``, so a resumed run continues exactly where it stopped.
+    Image and label values are checked as they are read.
+
+    Args:
+        store_path: a bigmem HDF5 store (``bigmem synth`` or ``bigmem convert`` writes one).
+        volume: the cube edge in voxels that cases are cropped or padded to (with ``patch``, the
+            patch edge is used instead).
+        batch_size: samples per batch (per process when sharded).
+        seed: the order, crops and flips (default 0).
+        flip: flip each spatial axis with probability 0.5 (default True).
+        num_workers: 0 (default): read in this process; N: N reader processes (spawned), which
+            hand samples over through shared memory.
+        prefetch: batches ``dataset`` prepares ahead of the training step (default 2; 0: none);
+            reader processes keep ``(prefetch + 1) * batch_size`` samples in flight.
+        cold_cache: drop the store's pages from the page cache after every read (default False),
+            to behave as a dataset larger than RAM.
+        patch: read ``patch``^3 patches instead of whole volumes, foreground-centred with
+            probability FOREGROUND_FRACTION (default None: whole volumes).
+        holdout: the last N cases (sorted ids) are kept out, for evaluation (default 0).
+        shard: ``(index, count)``: load only slice ``index`` of each global batch of
+            ``count * batch_size`` samples (default ``(0, 1)``: all of it).
+
+    Raises:
+        DataError: the store is missing, not a bigmem store, newer than this bigmem, has no
+            cases or an inconsistent case, or ``holdout`` leaves no case to train on.
+        ValueError: ``shard`` is not ``(index, count)`` with ``0 <= index < count``.
+
+    Example:
+        >>> with WholeVolumeLoader("synth.h5", volume=64, batch_size=2) as loader:
+        ...     images, labels = next(loader.batches())  # (2, 64, 64, 64, C) float32, (2, 64, 64, 64) uint8
+    """
 
     def __init__(self, store_path: str | os.PathLike, *, volume: int, batch_size: int, seed: int = 0,
                  flip: bool = True, num_workers: int = 0, prefetch: int = 2, cold_cache: bool = False,
-                 patch: int | None = None, holdout: int = 0):
+                 patch: int | None = None, holdout: int = 0, shard: tuple[int, int] = (0, 1)):
         self.store = HDF5VolumeStore(store_path, cold_cache=cold_cache, check_finite=False, holdout=holdout)
+        # (index, count): this process loads only its slice of each global batch of count x batch_size
+        # samples (a worker of a multi-host run); the sample order stays that of one process.
+        self.shard_index, self.num_shards = (int(shard[0]), int(shard[1]))
+        if not 0 <= self.shard_index < self.num_shards:
+            raise ValueError(f"shard {shard}: expected (index, count) with 0 <= index < count")
         self.holdout = holdout
         self.cold_cache = cold_cache
         self.patch = patch
@@ -169,21 +284,23 @@ class WholeVolumeLoader:
         self._slots: list[shared_memory.SharedMemory] = []
         self.error: Exception | None = None  # a reader error, kept so tf.data cannot blur it
 
-    def reshape(self, *, batch_size: int, patch: int | None) -> None:
-        """Switch to ``batch_size`` batches of ``patch``^3 patches (whole volumes if None), before reading."""
-        if self._pool is not None:
-            raise RuntimeError("reshape() before the first batch is read")
-        self.batch_size, self.patch = int(batch_size), patch
-        if patch:
-            self.volume = int(patch)
-
     @property
     def num_channels(self) -> int:
+        """Image channels C of every sample."""
         return self.store.num_channels
 
     @property
     def steps_per_epoch(self) -> int:
-        return -(-len(self.store) // self.batch_size)
+        """Global batches per pass over the training cases: ``ceil(cases / (batch_size * shards))``."""
+        return -(-len(self.store) // (self.batch_size * self.num_shards))
+
+    def sample_indices(self, start_step: int = 0) -> Iterator[int]:
+        """The sample indices this process loads, batch after batch, from ``start_step`` on."""
+        step = start_step
+        while True:
+            first = (step * self.num_shards + self.shard_index) * self.batch_size
+            yield from range(first, first + self.batch_size)
+            step += 1
 
     def _submit(self, sample_index: int, slot: int) -> Future:
         if self._pool is None:
@@ -198,17 +315,25 @@ class WholeVolumeLoader:
             return load_patch(self.store, index, patch=self.patch, seed=self.seed, flip=self.flip)
         return load_sample(self.store, index, volume=self.volume, seed=self.seed, flip=self.flip)
 
-    def samples(self, start_sample: int = 0) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """An endless stream of samples from ``start_sample`` on.
+    def samples(self, start_step: int = 0) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """An endless stream of this process's samples, from the first of batch ``start_step`` on.
 
         With reader processes the arrays are views of shared memory, valid only until the next
         sample is requested: copy what you keep (``batches`` copies each into its batch).
+
+        Args:
+            start_step: the batch to start from (default 0).
+
+        Yields:
+            ``(image (V, V, V, C) float32, label (V, V, V) uint8)`` with V = ``volume``.
+
+        Raises:
+            DataError: a case cannot be read or holds invalid values.
         """
-        index = start_sample
+        indices = self.sample_indices(start_step)
         if self.num_workers == 0:
-            while True:
+            for index in indices:
                 yield self._load(index)
-                index += 1
         ahead = max(self.num_workers, (self.prefetch + 1) * self.batch_size)
         sample_bytes = self.volume**3 * (4 * self.num_channels + 1)
         while len(self._slots) < ahead:
@@ -218,8 +343,7 @@ class WholeVolumeLoader:
         while True:
             while free:
                 slot = free.popleft()
-                pending.append((self._submit(index, slot), slot))
-                index += 1
+                pending.append((self._submit(next(indices), slot), slot))
             future, slot = pending.popleft()
             future.result()
             # Views of the slot: valid until the next sample is requested, when the slot is refilled.
@@ -227,8 +351,19 @@ class WholeVolumeLoader:
             free.append(slot)
 
     def batches(self, start_step: int = 0) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """An endless stream of (images (B,V,V,V,C), labels (B,V,V,V)) from ``start_step`` on."""
-        stream = self.samples(start_step * self.batch_size)
+        """An endless stream of batches from ``start_step`` on.
+
+        Args:
+            start_step: the batch to start from (default 0), e.g. a resumed run's next step.
+
+        Yields:
+            ``(images (batch_size, V, V, V, C) float32, labels (batch_size, V, V, V) uint8)``,
+            new arrays each step, V = ``volume``.
+
+        Raises:
+            DataError: a case cannot be read or holds invalid values.
+        """
+        stream = self.samples(start_step)
         shape = (self.batch_size, self.volume, self.volume, self.volume)
         while True:
             images = np.empty(shape + (self.num_channels,), np.float32)
@@ -241,9 +376,16 @@ class WholeVolumeLoader:
         """The batches as a prefetching ``tf.data.Dataset`` (imports TensorFlow).
 
         Built as range -> map(numpy_function) over one stream, not ``Dataset.from_generator``:
-        merely creating a from_generator dataset slowed every later training step by ~45%
-        (kits19 32^3 on the dev machine: 0.155 -> 0.22 s/step, even after the dataset was gone;
-        TF 2.21), which range + numpy_function does not.
+        merely creating a from_generator dataset slowed every later training step, even after
+        it was gone (benchmarks/results/input_pipeline.md); range + numpy_function does not.
+
+        Args:
+            start_step: the batch to start from (default 0).
+
+        Returns:
+            A ``tf.data.Dataset`` of ``(images (batch_size, V, V, V, C) float32, labels
+            (batch_size, V, V, V) uint8)``, prefetching ``prefetch`` batches. A reader error
+            surfaces from TensorFlow as an op error; the original is kept in ``self.error``.
         """
         import tensorflow as tf
 
@@ -266,6 +408,7 @@ class WholeVolumeLoader:
         return dataset.prefetch(self.prefetch) if self.prefetch else dataset
 
     def close(self) -> None:
+        """Stop the reader processes, free the shared memory and close the store."""
         if self._pool is not None:
             self._pool.shutdown(cancel_futures=True)
             self._pool = None

@@ -75,9 +75,9 @@ def setup_replicas(config) -> Replicas:
     """The strategy ``config.train`` asks for (call right after importing TensorFlow)."""
     from bigmem.config.options import Strategy
 
-    if config.train.strategy is Strategy.MULTIWORKER:
+    if config.distribute.strategy is Strategy.MULTIWORKER:
         return multiworker()
-    return mirrored(simulate_replicas=config.train.simulate_replicas, gpus=config.train.gpus)
+    return mirrored(simulate_replicas=config.distribute.simulate_replicas, gpus=config.distribute.gpus)
 
 
 def scaled_learning_rate(reference_lr: float, reference_batch: int, global_batch: int) -> float:

@@ -155,7 +155,7 @@ def estimate(config: ExperimentConfig, counts: NetworkCounts, spatial_shape: Seq
     batch = train.batch_size
     precision = train.precision
     if recompute_stages is None:
-        recompute_stages = mode_stages(train.recompute, counts)
+        recompute_stages = mode_stages(config.memory.recompute, counts)
     recompute_key = "stages" if recompute_stages else "none"
     calibration = calibration or lookup_calibration(config.model.name, precision.value, recompute_key)
     voxels = math.prod(spatial_shape)

@@ -19,6 +19,8 @@ PROBE_MODULE = "bigmem.train.probe"
 
 @dataclass
 class Measurement:
+    """What one ``measure`` run saw in its child process (bytes, seconds)."""
+
     peak_bytes: int  # VmHWM of the child: the kernel's peak resident set
     baseline_bytes: int  # RSS after importing TensorFlow and Keras, before training
     node_bytes: dict[str, int]  # resident bytes per NUMA node after the steps (numa_maps)
@@ -29,19 +31,40 @@ def measure(config: ExperimentConfig, *, steps: int = 3, recompute_stages: list[
             timeout_s: float = 3600.0, force: bool = False) -> Measurement:
     """Train ``config`` for ``steps`` steps on synthetic volumes of its shape in a fresh process.
 
-    ``force`` skips the training pre-flight's refusal (exit 3) when the *estimate* exceeds the free
-    memory: a benchmark that checks the estimate must be able to measure where it is too high.
-
     The values of the voxels do not change the footprint, so the measurement uses phantoms of
-    ``config.data.volume`` (cached) rather than the user's store.
+    ``config.data.volume`` (cached) rather than the user's store. The child
+    (``python -m bigmem.train.probe``) applies ``config.numa`` before TensorFlow starts, so its
+    peak is that of a real run of the configuration, framework included.
+
+    Args:
+        config: the run to measure (model, ``data.volume``, ``train.batch_size``, precision,
+            placement); not changed.
+        steps: training steps (default 3; the first, which traces, is left out of ``step_s``).
+        recompute_stages: stage names to recompute in the backward pass (``UNet3D.stage_names``);
+            default None: the trainer's own choice for ``config``.
+        timeout_s: the most seconds the child may run (default 3600).
+        force: skip the training pre-flight's refusal (exit 3) when the *estimate* exceeds the
+            free memory (default False): a benchmark that checks the estimate must be able to
+            measure where it is too high.
+
+    Returns:
+        A ``Measurement``: the child's peak resident set (VmHWM) and its baseline after importing
+        TensorFlow and Keras, in bytes; resident bytes per NUMA node; the median step time in s.
+
+    Raises:
+        BigmemError: the child failed (including the pre-flight's refusal without ``force``);
+            the message ends with its last line of stderr.
+        subprocess.TimeoutExpired: the child ran past ``timeout_s``.
+
+    Example:
+        >>> result = measure(ExperimentConfig.from_dict({"model": {"depth": 2}, "data": {"volume": 32}}))
+        >>> result.peak_bytes - result.baseline_bytes  # bytes the training itself added
     """
-    config = ExperimentConfig.from_dict(config.to_dict())
     volume, batch = config.data.volume, config.train.batch_size
-    config.data.store = str(cached_synthetic_store(num_cases=max(2, batch), volume=volume,
-                                                   num_classes=config.model.num_classes))
-    config.train.steps, config.train.epochs = steps, None
-    config.train.checkpoint_every = steps
-    config.train.warmup_steps = min(config.train.warmup_steps, steps)
+    store = str(cached_synthetic_store(num_cases=max(2, batch), volume=volume, num_classes=config.model.num_classes))
+    config = config.updated({"data": {"store": store}, "train": {
+        "steps": steps, "epochs": None, "checkpoint_every": steps,
+        "warmup_steps": min(config.train.warmup_steps, steps)}})
     with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="bigmem-probe-") as request:
         json.dump({"config": config.to_dict(), "recompute_stages": recompute_stages, "force": force}, request)
         request.flush()

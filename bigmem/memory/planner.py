@@ -121,8 +121,8 @@ class Planner:
 
     def evaluate(self, volume: int, batch: int, precision: Precision, recompute: Recompute,
                  stages: Sequence[str] | None = None) -> Candidate:
-        config = dataclasses.replace(self.config, train=dataclasses.replace(
-            self.config.train, batch_size=batch, precision=precision, recompute=recompute))
+        config = self.config.updated({"train": {"batch_size": batch, "precision": precision},
+                                      "memory": {"recompute": recompute}})
         counts = self.counts_for((volume,) * 3)
         if stages is None:
             stages = mode_stages(recompute, counts)
@@ -253,8 +253,8 @@ def check_fits(estimated: Estimate, config: ExperimentConfig, counts_for, budget
     if required <= budget_bytes:
         return
     fix = cheapest_fix(config, counts_for, budget_bytes, volume, config.train.batch_size)
-    mode = config.train.precision.value + (f", recompute {config.train.recompute.value}"
-                                           if config.train.recompute is not Recompute.NONE else "")
+    mode = config.train.precision.value + (f", recompute {config.memory.recompute.value}"
+                                           if config.memory.recompute is not Recompute.NONE else "")
     raise InsufficientMemoryError(
         f"Predicted peak {format_bytes(required)} for {config.model.name} at {volume}^3 x batch "
         f"{config.train.batch_size} ({mode}) exceeds the memory budget {format_bytes(budget_bytes)} "

@@ -26,7 +26,7 @@ from typing import Callable, Sequence
 
 from bigmem.config.options import Recompute
 from bigmem.config.schema import ExperimentConfig
-from bigmem.errors import InsufficientMemoryError, UsageError
+from bigmem.errors import ConfigError, InsufficientMemoryError
 from bigmem.memory.estimate import NetworkCounts, estimate, mode_stages
 from bigmem.memory.planner import Plan, Planner, available_memory_bytes, check_fits, make_plan
 from bigmem.numa.capacity import check_nodes_fit, placement_budget
@@ -105,7 +105,7 @@ def recompute_stages(config: ExperimentConfig, counts_for: CountsFor, shape: Seq
     """The stages a job recomputes in backward: the one place ``--recompute`` becomes stage names.
 
     Args:
-        config: the job (``train.recompute``, ``train.precision``, ``train.batch_size``).
+        config: the job (``memory.recompute``, ``train.precision``, ``train.batch_size``).
         counts_for: ``memory.profile.counts_function(config)``.
         shape: the spatial shape ``(D, H, W)``; ``auto`` needs a cube.
         budget_bytes: the budget ``auto`` fits (``resolve_budget``); unused by none and stages.
@@ -123,14 +123,15 @@ def recompute_stages(config: ExperimentConfig, counts_for: CountsFor, shape: Seq
         >>> recompute_stages(config, counts_for, (128, 128, 128), 8 * 2**30)
         ['dec0', 'enc0']
     """
-    recompute = config.train.recompute
+    recompute = config.memory.recompute
     if recompute is not Recompute.AUTO:
         return mode_stages(recompute, counts_for(tuple(shape)))
     if len(set(shape)) != 1:
-        raise UsageError("--recompute auto needs a cubic --volume.")
+        raise ConfigError("memory.recompute", f"{{field}} auto needs a cubic volume, not {tuple(shape)}.")
     if planner is None:
         if budget_bytes is None:
-            raise UsageError("--recompute auto needs a memory budget to fit; give --memory-budget SIZE.")
+            raise ConfigError("memory.recompute", "{field} auto needs a memory budget to fit; "
+                              "give {memory.budget_bytes}.")
         planner = Planner(config, counts_for, budget_bytes)
     chosen = planner.fewest_recomputed_stages(shape[0], config.train.batch_size, config.train.precision)
     return chosen.recompute_stages
@@ -166,10 +167,10 @@ def job_plan(config: ExperimentConfig, counts_for: CountsFor, budget: Budget, *,
     shape = (volume,) * 3
     planner = Planner(config, counts_for, budget.budget_bytes)
     stages = list(recompute_stages(config, counts_for, shape, planner=planner) if stages is None else stages)
-    mode = (volume, batch, config.train.precision.value, config.train.recompute.value, stages)
+    mode = (volume, batch, config.train.precision.value, config.memory.recompute.value, stages)
     candidate = next((c for c in planner.candidates  # auto's last try is the job itself
                       if (c.volume, c.batch_size, c.precision, c.recompute, c.recompute_stages) == mode), None)
-    candidate = candidate or planner.evaluate(volume, batch, config.train.precision, config.train.recompute, stages)
+    candidate = candidate or planner.evaluate(volume, batch, config.train.precision, config.memory.recompute, stages)
     predicted = estimate(config, counts_for(shape), shape, recompute_stages=stages)
     fits = predicted.predicted_peak_bytes <= budget.budget_bytes
     if check and not force and not fits:

@@ -34,7 +34,7 @@ def stages_for(config: ExperimentConfig, counts: NetworkCounts) -> list[str]:
 
     bigmem's own code asks ``memory.preflight.recompute_stages``, which also chooses ``auto``'s.
     """
-    return mode_stages(config.train.recompute, counts)
+    return mode_stages(config.memory.recompute, counts)
 
 
 @dataclass
@@ -69,9 +69,7 @@ def profile(config: ExperimentConfig, shape: Sequence[int], counts_for, *, do_me
 
 
 def _with_volume(config: ExperimentConfig, volume: int) -> ExperimentConfig:
-    again = ExperimentConfig.from_dict(config.to_dict())
-    again.data.volume = volume
-    return again
+    return config.updated({"data": {"volume": volume}})
 
 
 @dataclass
@@ -139,7 +137,7 @@ def calibrate(config: ExperimentConfig, volumes: Sequence[int], counts_for, *, s
         stages = choose_stages(sized, counts_for, (volume,) * 3)
         measured = measure(sized, steps=steps, recompute_stages=stages)
         points.append(calibration_point(sized, counts_for, measured.peak_bytes))
-    recompute = "stages" if config.train.recompute is Recompute.STAGES else "none"
+    recompute = "stages" if config.memory.recompute is Recompute.STAGES else "none"
     calibration = fit_calibration(config.model.name, config.train.precision.value, recompute, points)
     if save:
         save_calibration(calibration)

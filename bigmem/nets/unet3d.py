@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Mapping, Sequence
 
 import keras
@@ -16,19 +15,40 @@ from bigmem.nets.blocks import DecoderStage, EncoderStage, Shape3D, _voxels
 
 def _model_config(config: ModelConfig | Mapping[str, Any]) -> ModelConfig:
     if isinstance(config, ModelConfig):
-        return dataclasses.replace(config)
-    resolved = ExperimentConfig().model
-    update(resolved, config, source="UNet3D config")
+        return config  # frozen: shared safely
+    resolved = update(ExperimentConfig().model, config, source="UNet3D config")
     resolved.validate()
     return resolved
 
 
 @keras.saving.register_keras_serializable(package="bigmem")
 class UNet3D(keras.Model):
-    """3D U-Net on channels-last volumes ``(batch, D, H, W, C)``; returns float32 logits.
+    """3D U-Net on channels-last volumes: ``(batch, D, H, W, in_channels)`` -> float32 logits.
 
-    ``depth`` encoder downsamplings (max pool or strided conv), mirrored by transposed-conv
-    decoder stages with skip connections, and a 1x1x1 conv head with ``num_classes`` outputs.
+    ``depth`` encoder downsamplings (2x2x2 max pool, or a stride-2 first conv), each level with
+    ``blocks_per_level`` 3x3x3 conv -> norm -> activation blocks (residual if ``residual``);
+    mirrored by 2x2x2 stride-2 transposed-conv decoder stages joined to the encoder's skip
+    tensors, and a 1x1x1 conv head with ``num_classes`` outputs. Level ``l`` has
+    ``min(base_filters * 2**l, max_filters)`` channels.
+
+    Size contract: every spatial size must be a multiple of ``2**depth`` (``D % 16 == 0`` at the
+    default ``depth=4``) so that each pooled size is even and each decoder output matches its
+    skip; ``check_spatial_shape`` raises a ``UsageError`` naming the nearest valid sizes. The
+    network does not check this in ``call``.
+
+    Args:
+        config: a ``ModelConfig``, or a mapping of some of its fields (the rest take
+            ``ModelConfig``'s defaults: ``depth=4``, ``base_filters=16``, ``max_filters=320``,
+            ``blocks_per_level=2``, ``norm="instance"``, ``activation="relu"``,
+            ``downsampling="maxpool"``, ``in_channels=1``, ``num_classes=3``).
+        **kwargs: passed to ``keras.Model`` (``name``, ``dtype`` such as ``"mixed_bfloat16"``).
+
+    Raises:
+        UsageError: ``config`` is a mapping with an unknown field or an invalid value.
+
+    Example:
+        >>> net = UNet3D({"depth": 2, "base_filters": 8, "num_classes": 3})
+        >>> net(keras.ops.zeros((1, 32, 32, 32, 1))).shape  # (1, 32, 32, 32, 3)
     """
 
     def __init__(self, config: ModelConfig | Mapping[str, Any], **kwargs):
@@ -58,9 +78,21 @@ class UNet3D(keras.Model):
 
     @property
     def stage_names(self) -> list[str]:
+        """Names of the encoder then decoder stages, in forward order (``enc0``..``encN``, ``decN-1``..``dec0``)."""
         return [stage.name for stage in (*self.encoder, *self.decoder)]
 
     def set_recompute(self, stage_names) -> None:
+        """Recompute these stages' activations in the backward pass instead of keeping them.
+
+        Gradient checkpointing (``tf.recompute_grad``), applied only when ``training`` is true;
+        an empty list turns it off. A training-time choice: not saved by ``get_config``.
+
+        Args:
+            stage_names: names from ``stage_names``, e.g. ``["enc0", "dec0"]``.
+
+        Raises:
+            ValueError: a name is not one of ``stage_names``.
+        """
         unknown = set(stage_names) - set(self.stage_names)
         if unknown:
             raise ValueError(f"unknown stages {sorted(unknown)}; the stages are {self.stage_names}")
@@ -85,6 +117,17 @@ class UNet3D(keras.Model):
         self.compute_output_spec(keras.KerasTensor((1, *spatial, input_shape[-1])))
 
     def call(self, x, training=None):
+        """The forward pass.
+
+        Args:
+            x: ``(batch, D, H, W, in_channels)``, each of D, H, W a multiple of ``2**depth``;
+                cast to the layer's compute dtype.
+            training: passed to the norms; also enables the ``set_recompute`` stages.
+
+        Returns:
+            Logits ``(batch, D, H, W, num_classes)``, float32 whatever the compute dtype (no
+            softmax).
+        """
         skips = []
         for stage in self.encoder:
             x = self._run_stage(stage, x, training)
@@ -97,7 +140,16 @@ class UNet3D(keras.Model):
     # ---- shapes and accounting -------------------------------------------------------------
 
     def check_spatial_shape(self, spatial_shape: Shape3D, *, flag: str = "--volume") -> None:
-        """Raise a UsageError unless every spatial size is a multiple of 2**depth."""
+        """Check the size contract: every spatial size a positive multiple of ``2**depth``.
+
+        Args:
+            spatial_shape: ``(D, H, W)`` in voxels.
+            flag: how the message names the size (default ``"--volume"``).
+
+        Raises:
+            UsageError: a size is not a positive multiple of ``2**depth``; the message gives the
+                nearest multiples to try.
+        """
         divisor = self.model_config.divisor
         bad = [s for s in spatial_shape if s % divisor or s <= 0]
         if bad:
@@ -110,7 +162,18 @@ class UNet3D(keras.Model):
             )
 
     def block_feature_map_elements(self, spatial_shape: Shape3D) -> dict[str, int]:
-        """Per-sample feature-map elements of each block (in forward order) for one input shape."""
+        """Per-sample feature-map elements of each block, for the memory estimate.
+
+        Args:
+            spatial_shape: the input's ``(D, H, W)`` in voxels.
+
+        Returns:
+            ``{stage name: elements}`` in forward order, then the head (its output and the
+            float32 cast); elements, not bytes.
+
+        Raises:
+            UsageError: ``spatial_shape`` breaks the size contract.
+        """
         self.check_spatial_shape(spatial_shape, flag="spatial shape")
         counts: dict[str, int] = {}
         shapes = []
@@ -127,7 +190,17 @@ class UNet3D(keras.Model):
         return counts
 
     def forward_macs(self, spatial_shape: Shape3D) -> int:
-        """Multiply-adds of one forward pass of one sample (convolutions; the 1x1x1 head included)."""
+        """Multiply-adds of one forward pass of one sample (convolutions; the 1x1x1 head included).
+
+        Args:
+            spatial_shape: the input's ``(D, H, W)`` in voxels.
+
+        Returns:
+            Multiply-adds (norms, activations and pooling are not counted).
+
+        Raises:
+            UsageError: ``spatial_shape`` breaks the size contract.
+        """
         self.check_spatial_shape(spatial_shape, flag="spatial shape")
         total, shape = 0, tuple(spatial_shape)
         for stage in self.encoder:
@@ -139,26 +212,57 @@ class UNet3D(keras.Model):
         return total + self.model_config.filters[0] * self.model_config.num_classes * _voxels(shape)
 
     def train_flops(self, spatial_shape: Shape3D, batch_size: int = 1) -> int:
-        """FLOPs of one training step: 2 FLOPs per multiply-add, backward = 2x forward."""
+        """FLOPs of one training step: 2 FLOPs per multiply-add, backward = 2x forward.
+
+        Args:
+            spatial_shape: the input's ``(D, H, W)`` in voxels.
+            batch_size: samples per step (default 1).
+
+        Returns:
+            ``6 * forward_macs(spatial_shape) * batch_size``.
+
+        Raises:
+            UsageError: ``spatial_shape`` breaks the size contract.
+        """
         return 3 * 2 * self.forward_macs(spatial_shape) * batch_size
 
     def feature_map_elements(self, spatial_shape: Shape3D) -> int:
-        """Per-sample feature-map elements of the whole network for one input shape."""
+        """Per-sample feature-map elements of the whole network for one input shape.
+
+        Args:
+            spatial_shape: the input's ``(D, H, W)`` in voxels.
+
+        Returns:
+            The sum of ``block_feature_map_elements`` (elements, not bytes).
+
+        Raises:
+            UsageError: ``spatial_shape`` breaks the size contract.
+        """
         return sum(self.block_feature_map_elements(spatial_shape).values())
 
     def build_for(self, spatial_shape: Sequence[int] | None = None) -> "UNet3D":
-        """Create the weights (for a fully convolutional net the spatial size does not matter)."""
+        """Create the weights if not yet built, without computing a tensor.
+
+        Args:
+            spatial_shape: ``(D, H, W)`` to trace with (default ``2**depth`` on every axis); the
+                weights of a fully convolutional net do not depend on it.
+
+        Returns:
+            ``self``, built.
+        """
         if not self.built:
             shape = tuple(spatial_shape) if spatial_shape else (self.model_config.divisor,) * 3
             self.build((None, *shape, self.model_config.in_channels))
         return self
 
     def get_config(self):
+        """Keras's config plus ``"config"``: the model fields as plain values (``recompute`` is not saved)."""
         config = super().get_config()
         config["config"] = {k: v for k, v in ExperimentConfig(model=self.model_config).to_dict()["model"].items()}
         return config
 
     @classmethod
     def from_config(cls, config):
+        """The ``UNet3D`` that ``get_config`` describes (unbuilt)."""
         config = dict(config)
         return cls(config.pop("config"), **config)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from bigmem.config import (
     ExperimentConfig, Norm, OptimizerName, Precision, look_up_option, preset_names, resolve_config,
 )
-from bigmem.errors import UsageError
+from bigmem.cli.common import flag_for
+from bigmem.errors import ConfigError, UsageError
 
 
 def test_presets_ship_with_the_package():
@@ -60,13 +63,53 @@ def test_preset_from_a_file(tmp_path):
     ("small", {"train": {"batch_size": 0}}, "Invalid --batch-size 0: expected a positive integer."),
     ("small", {"train": {"lr": -1.0}}, "Invalid --lr -1.0: expected a positive number."),
     ("small", {"train": {"batch_size": "2"}}, "Invalid --batch-size '2': expected an integer."),
-    ("small", {"trian": {"lr": 1.0}}, "Unknown setting 'trian' in flags: expected one of model, data, train, numa. "
-                                      "Did you mean 'train'?"),
+    ("small", {"trian": {"lr": 1.0}}, "Unknown setting 'trian' in flags: expected one of model, data, train, "
+                                      "memory, distribute, numa. Did you mean 'train'?"),
+    ("small", {"distribute": {"patch": 0}}, "Invalid --patch 0: expected a positive integer."),
 ])
 def test_resolution_errors(preset, overrides, message):
+    """The messages as the command line prints them: each config field as its flag."""
     with pytest.raises(UsageError) as info:
         resolve_config(preset, overrides)
-    assert str(info.value) == message
+    shown = info.value.render(flag_for) if isinstance(info.value, ConfigError) else str(info.value)
+    assert shown == message
+
+
+def test_library_errors_name_config_fields():
+    """A Python caller never typed a flag: the same errors name the fields it set."""
+    with pytest.raises(ConfigError) as info:
+        resolve_config("small", {"data": {"volume": 50}})
+    assert info.value.field == "data.volume"
+    assert str(info.value) == ("Invalid data.volume 50: expected a multiple of 8 (the network downsamples 3 times). "
+                               "Try data.volume 48 or 56.")
+    with pytest.raises(ConfigError, match=r"^Give either train.steps or train.epochs, not both\.$"):
+        ExperimentConfig().updated({"train": {"steps": 3, "epochs": 1}}).validate()
+
+
+@pytest.mark.parametrize("field, flag", [
+    ("train.batch_size", "--batch-size"), ("data.volume", "--volume"), ("memory.budget_bytes", "--memory-budget"),
+    ("distribute.gpu_memory_bytes", "--gpu-memory"), ("train.time_budget_s", "--time-budget"),
+    ("train.monitor_interval_s", "--monitor-interval"), ("numa.policy", "--numa"), ("data.store", "--data"),
+])
+def test_every_field_has_its_flag(field, flag):
+    assert flag_for(field) == flag
+
+
+def test_config_is_frozen_and_copied():
+    config = resolve_config("small")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.data.volume = 64  # type: ignore[misc]
+    bigger = config.updated({"data": {"volume": 64}})
+    assert (config.data.volume, bigger.data.volume) == (48, 64)
+    assert bigger.model is config.model  # unchanged sections are shared, safely
+
+
+def test_runs_saved_before_the_memory_and_distribute_sections_still_resolve():
+    saved = {"train": {"recompute": "stages", "memory_budget_bytes": 2**30, "strategy": "mirrored", "gpus": 2},
+             "data": {"patch": 32}}
+    config = resolve_config("small", base=saved)
+    assert (config.memory.recompute.value, config.memory.budget_bytes) == ("stages", 2**30)
+    assert (config.distribute.strategy.value, config.distribute.gpus, config.distribute.patch) == ("mirrored", 2, 32)
 
 
 def test_bad_preset_file_names_the_key(tmp_path):

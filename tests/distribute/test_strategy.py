@@ -117,5 +117,5 @@ def test_simulated_replicas_need_gpu_memory(tmp_path, tiny_store):
                              "--strategy", "mirrored", "--simulate-replicas", "2", "--out", str(tmp_path / "r")],
                             capture_output=True, text=True)
     assert result.returncode == 2
-    assert result.stderr.strip() == ("bigmem train: error: Give --gpu-memory SIZE (e.g. 80GiB): the patch size is "
-                                     "chosen to fit one GPU's memory, and these replicas are simulated on CPU.")
+    assert result.stderr.strip() == ("bigmem train: error: Give --gpu-memory SIZE (e.g. 80GiB) or --patch N: the patch "
+                                     "size is chosen to fit one GPU's memory, and these replicas are simulated on CPU.")

@@ -21,8 +21,8 @@ def model():
     return UNet3D(resolve_config("tiny").model).build_for()
 
 
-def _config(**train):
-    return resolve_config("tiny", {"train": train})
+def _config(recompute="none", **train):
+    return resolve_config("tiny", {"train": train, "memory": {"recompute": recompute}})
 
 
 def test_exact_components(model):

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from bigmem.config import resolve_config
-from bigmem.errors import EXIT_NO_FIT, InsufficientMemoryError, UsageError
+from bigmem.cli.common import flag_for
+from bigmem.errors import EXIT_NO_FIT, ConfigError, InsufficientMemoryError
 from bigmem.memory.calibration import Calibration
 from bigmem.memory.estimate import NetworkCounts, estimate
 from bigmem.memory.preflight import Budget, job_plan, recompute_stages, require_fit, resolve_budget, search_plan
@@ -105,8 +106,9 @@ def counts_for():
     return lambda shape: NetworkCounts.from_model(model, shape)
 
 
-def _config(**train):
-    return resolve_config("small", {"data": {"volume": 128}, "train": {"batch_size": 1, **train}})
+def _config(recompute="none"):
+    return resolve_config("small", {"data": {"volume": 128}, "train": {"batch_size": 1},
+                                    "memory": {"recompute": recompute}})
 
 
 def _peak(config, counts_for, stages):
@@ -129,9 +131,12 @@ def test_auto_recomputes_the_fewest_stages_that_fit(counts_for):
 
 
 def test_auto_needs_a_budget_and_a_cube(counts_for):
-    with pytest.raises(UsageError, match=r"^--recompute auto needs a memory budget to fit; give --memory-budget"):
+    # A Python caller reads config fields; the command line shows the flags (ConfigError.render).
+    with pytest.raises(ConfigError, match=r"^memory.recompute auto needs a memory budget to fit; give "
+                                          r"memory.budget_bytes\.$") as raised:
         recompute_stages(_config(recompute="auto"), counts_for, (128,) * 3)
-    with pytest.raises(UsageError, match=r"^--recompute auto needs a cubic --volume\.$"):
+    assert raised.value.render(flag_for) == ("--recompute auto needs a memory budget to fit; give --memory-budget.")
+    with pytest.raises(ConfigError, match=r"^memory.recompute auto needs a cubic volume, not \(128, 128, 64\)\.$"):
         recompute_stages(_config(recompute="auto"), counts_for, (128, 128, 64), GIB)
 
 

@@ -1,0 +1,56 @@
+"""The config fields the data decides, filled in one place.
+
+nnU-Net's planner reads the dataset before it fixes the network; so does bigmem: the store
+(or, without ``--data``, the embedded synthetic dataset) decides ``data.store``,
+``model.in_channels`` and ``model.num_classes``. Every command that builds a network from a
+store asks ``with_data_fields`` rather than setting those fields itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, ContextManager
+
+from bigmem.config.schema import ExperimentConfig
+from bigmem.data.store import HDF5VolumeStore
+from bigmem.data.synth import cached_synthetic_store
+
+
+def synthetic_store_path(config: ExperimentConfig) -> str:
+    """The embedded synthetic dataset of ``config.data`` (generated once, then read from the cache)."""
+    data = config.data
+    return str(cached_synthetic_store(num_cases=data.synth_cases, volume=data.synth_volume,
+                                      num_classes=data.synth_classes))
+
+
+def with_data_fields(config: ExperimentConfig, *,
+                     generating: Callable[[], ContextManager] | None = None) -> ExperimentConfig:
+    """``config`` with the fields its data decides filled in.
+
+    Args:
+        config: a resolved config; ``data.store`` None means the embedded synthetic dataset.
+        generating: a context manager factory wrapped around generating the synthetic dataset
+            (e.g. a console status line), when it is not cached yet.
+
+    Returns:
+        A new config whose ``data.store`` is a path and whose ``model.in_channels`` and
+        ``model.num_classes`` are the store's, validated.
+
+    Raises:
+        DataError: the store cannot be opened or is not a bigmem store.
+        ConfigError: the store's classes do not suit the model (e.g. ``model.groups``).
+
+    Example:
+        >>> with_data_fields(resolve_config("tiny")).model.num_classes  # the synthetic dataset's
+        3
+    """
+    store = config.data.store
+    if store is None:
+        with (generating or contextlib.nullcontext)():
+            store = synthetic_store_path(config)
+    with HDF5VolumeStore(store) as opened:
+        channels, classes = opened.num_channels, opened.num_classes
+    filled = config.updated({"data": {"store": str(store)},
+                             "model": {"in_channels": channels, "num_classes": classes}})
+    filled.validate()
+    return filled

@@ -1,0 +1,170 @@
+"""How a data-parallel job runs: the one decision the trainer asks of this package.
+
+``data_parallel(config, replicas, counts_for)`` chooses, once, everything that differs from the
+single-process whole-volume path: whole volumes or a patch that fits one GPU, the per-replica
+and global batch, each process's share of the data, what one host must hold (for the memory
+pre-flight), the learning rate (linear scaling), the compiled step and the distributed batches.
+
+Two shapes of job:
+
+- **Patches on GPUs** (``mirrored``, or ``multiworker`` with ``distribute.gpu_memory_bytes`` or
+  ``distribute.patch``): the baseline bigmem compares itself with; the patch is the largest that
+  fits one GPU's memory.
+- **Whole volumes on several CPU hosts** (``multiworker`` without them): each worker loads only
+  its slice of every global batch of whole volumes, applies its own NUMA placement and memory
+  pre-flight, and the gradients are all-reduced as for GPUs. One server not being enough is
+  what this path is for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from bigmem.config.options import Strategy
+from bigmem.config.schema import ExperimentConfig
+from bigmem.distribute.planning import gpu_footprint_bytes, largest_edge
+from bigmem.distribute.strategy import Replicas, make_distributed_step, scaled_learning_rate
+from bigmem.errors import ConfigError, InsufficientMemoryError
+from bigmem.units import format_bytes
+
+
+@dataclass(frozen=True)
+class DataParallel:
+    """The data-parallel decisions of one job (``data_parallel`` makes them).
+
+    Attributes:
+        replicas: the strategy and its devices.
+        patch: the patch edge, or None for whole volumes (``config.data.volume``).
+        per_replica_batch: samples per replica per step (``train.batch_size``).
+        global_batch: samples per step over every replica of every worker.
+        num_workers: processes (hosts) taking part; 1 for ``mirrored``.
+        worker_index: this process's index among them.
+        gpu_memory_bytes: the per-GPU memory the patch was sized for (None: not sized).
+        per_gpu_predicted_bytes: the predicted footprint of one replica (patches only).
+    """
+
+    replicas: Replicas
+    patch: int | None
+    per_replica_batch: int
+    global_batch: int
+    num_workers: int = 1
+    worker_index: int = 0
+    gpu_memory_bytes: int | None = None
+    per_gpu_predicted_bytes: int | None = None
+
+    @property
+    def whole_volumes(self) -> bool:
+        return self.patch is None
+
+    @property
+    def worker_batch(self) -> int:
+        """Samples this process loads per step: its slice of the global batch."""
+        return self.global_batch // self.num_workers
+
+    def loader_settings(self) -> dict:
+        """Keyword arguments for this process's ``WholeVolumeLoader``: its batch, patch and shard."""
+        return {"batch_size": self.worker_batch, "patch": self.patch, "shard": (self.worker_index, self.num_workers)}
+
+    def host_config(self, config: ExperimentConfig) -> ExperimentConfig:
+        """The job one host runs, for its memory pre-flight: its samples per step at the input shape."""
+        return config.updated({"data": {"volume": self.patch or config.data.volume},
+                               "train": {"batch_size": self.worker_batch}})
+
+    @property
+    def host_checked(self) -> bool:
+        """Whether the host holds the model's activations: not on real GPUs, where it holds the input."""
+        return self.replicas.simulated or self.whole_volumes
+
+    def learning_rate(self, lr: float, reference_batch: int | None) -> float:
+        """``lr`` scaled linearly from the batch it was meant for (default: one replica's) to the global batch."""
+        return scaled_learning_rate(lr, reference_batch or self.per_replica_batch, self.global_batch)
+
+    def make_step(self, model, optimizer, *, loss_per_sample, metric_counts, metric_from_counts) -> Callable:
+        """The compiled data-parallel step: ``step(images, labels) -> (loss, metric)`` (``make_distributed_step``)."""
+        return make_distributed_step(self.replicas, model, optimizer, self.global_batch,
+                                     loss_per_sample=loss_per_sample, metric_counts=metric_counts,
+                                     metric_from_counts=metric_from_counts)
+
+    def batches(self, loader, start_step: int):
+        """This process's batches from ``loader`` (built with ``loader_settings``), split over its replicas."""
+        import tensorflow as tf
+
+        strategy = self.replicas.strategy
+        if self.num_workers > 1 or isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+            local = max(1, strategy.num_replicas_in_sync // self.num_workers)
+
+            def dataset_fn(context):  # each worker already holds only its slice of the global batch
+                return loader.dataset(start_step).unbatch().batch(self.worker_batch // local)
+
+            return iter(strategy.distribute_datasets_from_function(dataset_fn))
+        options = tf.data.Options()
+        options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+        return iter(strategy.experimental_distribute_dataset(loader.dataset(start_step).with_options(options)))
+
+    def describe(self, volume: int, lr: float) -> str:
+        where = "logical CPU devices (simulated on CPU)" if self.replicas.simulated else (
+            "CPU hosts" if self.whole_volumes and self.num_workers > 1 else "GPUs")
+        what = f"whole {volume}^3 volumes" if self.whole_volumes else f"{self.patch}^3 patches"
+        hosts = f" on {self.num_workers} workers" if self.num_workers > 1 else ""
+        return (f"{self.global_batch} x {what} over {self.replicas.num_replicas} {where}{hosts}, lr {lr:g}")
+
+    def to_dict(self) -> dict:
+        """plan.json's ``data_parallel`` section."""
+        return {"replicas": self.replicas.num_replicas, "simulated": self.replicas.simulated,
+                "devices": list(self.replicas.devices), "workers": self.num_workers, "worker_index": self.worker_index,
+                "whole_volumes": self.whole_volumes, "gpu_memory_bytes": self.gpu_memory_bytes, "patch": self.patch,
+                "per_replica_batch": self.per_replica_batch, "global_batch": self.global_batch,
+                "per_gpu_predicted_bytes": self.per_gpu_predicted_bytes}
+
+
+def data_parallel(config: ExperimentConfig, replicas: Replicas, counts_for) -> DataParallel:
+    """Decide how ``config`` runs over ``replicas``: whole volumes or the patch that fits one GPU.
+
+    Args:
+        config: the resolved job (``distribute`` section; ``train.batch_size`` is per replica).
+        replicas: the strategy and devices (``strategy.setup_replicas``).
+        counts_for: ``(D, H, W) -> NetworkCounts`` of the model, for the per-GPU footprint.
+
+    Returns:
+        The ``DataParallel`` decisions; ``config`` is not changed.
+
+    Raises:
+        ConfigError: ``mirrored`` without ``distribute.gpu_memory_bytes`` or ``distribute.patch``
+            (a GPU cannot hold whole volumes; ``multiworker`` without them trains whole volumes).
+        InsufficientMemoryError: not even the smallest patch fits ``distribute.gpu_memory_bytes``.
+
+    Example:
+        >>> parallel = data_parallel(config, mirrored(simulate_replicas=2), counts_function(config))
+        >>> parallel.global_batch == 2 * config.train.batch_size
+        True
+    """
+    settings = config.distribute
+    per_replica = config.train.batch_size
+    workers, index = _workers(replicas)
+    global_batch = per_replica * replicas.num_replicas
+    whole = settings.strategy is Strategy.MULTIWORKER and settings.gpu_memory_bytes is None and settings.patch is None
+    if whole:
+        return DataParallel(replicas, None, per_replica, global_batch, workers, index)
+    gpu_memory = settings.gpu_memory_bytes
+    if gpu_memory is None and settings.patch is None:
+        raise ConfigError("distribute.gpu_memory_bytes", "Give {field} SIZE (e.g. 80GiB) or {distribute.patch} N: "
+                          "the patch size is chosen to fit one GPU's memory"
+                          + (", and these replicas are simulated on CPU." if replicas.simulated else "."))
+    patch = settings.patch or largest_edge(config, counts_for, gpu_memory, per_replica, config.data.volume)
+    if patch is None:
+        need = gpu_footprint_bytes(config, counts_for, config.model.divisor, per_replica)
+        raise InsufficientMemoryError(
+            f"Not even a {config.model.divisor}^3 patch at batch {per_replica} fits one GPU's "
+            f"{format_bytes(gpu_memory)} (needs {format_bytes(need)}).", need, gpu_memory)
+    return DataParallel(replicas, patch, per_replica, global_batch, workers, index, gpu_memory,
+                        gpu_footprint_bytes(config, counts_for, patch, per_replica))
+
+
+def _workers(replicas: Replicas) -> tuple[int, int]:
+    """(number of workers, this worker's index) of a multi-worker strategy; (1, 0) otherwise."""
+    resolver = getattr(replicas.strategy, "cluster_resolver", None)
+    if resolver is None or not resolver.cluster_spec().as_dict():
+        return 1, 0
+    return resolver.cluster_spec().num_tasks("worker"), int(resolver.task_id or 0)
+

@@ -1,0 +1,220 @@
+"""A training job, prepared once: everything decided before the first step.
+
+``prepare_job`` makes each decision of a run in one place and in the order the machine needs
+them: the run directory (new, or the checkpoint to resume), the data-derived config fields, the
+NUMA placement (before TensorFlow starts threads), the replicas (before TensorFlow initialises
+devices), the data-parallel shape (``distribute.data_parallel``), the loader, the memory
+pre-flight (``memory.preflight``: budget, recomputed stages, the ``Plan`` written as plan.json)
+and the learning rate. The loop and its callbacks only read the ``Job``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.console import Console
+
+from bigmem.config.options import Precision, Strategy
+from bigmem.config.schema import ExperimentConfig
+from bigmem.data.derived import with_data_fields
+from bigmem.data.pipeline import WholeVolumeLoader
+from bigmem.errors import TrainingError, UsageError
+from bigmem.memory.planner import Plan
+from bigmem.rundir import RunDir
+from bigmem.tfenv import import_tensorflow
+from bigmem.train.checkpoints import CheckpointManager
+
+# DESIGN.md / the AVX2 measurement of the `make demo` configuration: 0.016 Mvox/s in bf16 against
+# 0.33 in fp32 with oneDNN on (AMD EPYC Zen 3, 2 cores, TF 2.21).
+EMULATED_BF16_WARNING = ("warning: this CPU has no native bfloat16 (avx512_bf16, AMX or AVX-NE-CONVERT): --precision "
+                         "bf16 is emulated, about 20x slower than fp32 here; it only saves memory")
+
+
+@dataclass(frozen=True)
+class Job:
+    """A prepared training job.
+
+    Attributes:
+        config: the resolved config, with the data-derived fields filled (never changed later).
+        run: the run directory.
+        checkpoints: its checkpoint manager.
+        resume_from: the checkpoint to restore, or None for a new run.
+        loader: this process's batches (whole volumes, or patches for the GPU baseline).
+        placement: the NUMA placement in force (``numa.policy.Placement``), or None.
+        parallel: the data-parallel decisions (``distribute.execution.DataParallel``), or None
+            for single-process whole volumes.
+        plan: the memory pre-flight's ``Plan`` (plan.json).
+        recompute_stages: the stages whose activations backward recomputes.
+        total_steps: the step the run ends at.
+        learning_rate: the peak learning rate (scaled to the global batch when data-parallel).
+    """
+
+    config: ExperimentConfig
+    run: RunDir
+    checkpoints: CheckpointManager
+    resume_from: Path | None
+    loader: WholeVolumeLoader
+    placement: object | None
+    parallel: object | None
+    plan: Plan
+    recompute_stages: list[str]
+    total_steps: int
+    learning_rate: float
+
+    @property
+    def voxels_per_step(self) -> int:
+        return self.loader.batch_size * self.loader.volume**3
+
+    def close(self) -> None:
+        self.loader.close()
+
+
+def total_steps_for(config: ExperimentConfig, steps_per_epoch: int) -> int:
+    """``train.steps``, else ``train.epochs`` (default 1) passes of ``steps_per_epoch``."""
+    if config.train.steps is not None:
+        return config.train.steps
+    return (config.train.epochs or 1) * steps_per_epoch
+
+
+def resume_point(run: RunDir, manager: CheckpointManager, resume: bool) -> Path | None:
+    """The checkpoint to resume from (None for a new run).
+
+    Raises:
+        TrainingError: ``resume`` without a complete checkpoint, or a new run into a directory
+            that already holds one.
+    """
+    if resume:
+        latest = manager.latest()
+        if latest is None:
+            raise TrainingError(f"Cannot resume {str(run.path)!r}: it has no complete checkpoint "
+                                f"(looked in {run.checkpoints}). Start a new run without --resume.")
+        return latest
+    if run.holds_run():
+        raise TrainingError(f"Run directory {str(run.path)!r} already holds a run: pass --resume to continue it, "
+                            "or choose another --out.")
+    return None
+
+
+def current_placement(config: ExperimentConfig):
+    """The NUMA placement in force: the one the CLI applied, else ``config.numa`` applied now.
+
+    Raises:
+        UsageError: this process already runs under another policy (threads would not follow a
+            new one), or the policy cannot be applied.
+    """
+    from bigmem.numa.apply import current, place
+    from bigmem.numa.policy import PolicyKind
+
+    placement = current()
+    wanted = (config.numa.policy or "none").strip().lower()
+    if placement is not None and placement.text.strip().lower() == wanted:
+        return placement
+    if placement is not None and placement.kind is not PolicyKind.NONE:
+        raise UsageError(f"This process already runs under --numa {placement.text}; it cannot switch to "
+                         f"{config.numa.policy!r}. Start a new process.")
+    return place(config.numa.policy, config.numa.cpus, config.numa.threads)
+
+
+def prepare_job(config: ExperimentConfig, run_dir, *, resume: bool = False, force: bool = False,
+                console: Console | None = None, verbose: bool = False,
+                recompute_stages: list[str] | None = None) -> Job:
+    """Make every decision of a training run, in the order the machine needs them.
+
+    Args:
+        config: the resolved config (``config.presets.resolve_config``).
+        run_dir: the run directory (created when the run starts).
+        resume: continue ``run_dir`` from its newest checkpoint.
+        force: run even if the predicted peak exceeds the memory budget.
+        console: where the pre-flight's lines go.
+        verbose: show TensorFlow's logs.
+        recompute_stages: the stages to recompute, overriding ``memory.recompute`` (the probe).
+
+    Returns:
+        The ``Job``; call ``job.close()`` when done with it (it holds the loader's readers).
+
+    Raises:
+        TrainingError: the run directory is in the way, or there is nothing to resume.
+        DataError: the store cannot be read.
+        ConfigError: a setting bigmem cannot use.
+        InsufficientMemoryError: (exit 3) the job does not fit its memory budget, unless ``force``.
+    """
+    console = console or Console(soft_wrap=True)
+    run = RunDir(run_dir)
+    manager = CheckpointManager(run.checkpoints, keep=config.train.keep_checkpoints)
+    resume_from = resume_point(run, manager, resume)
+    config = with_data_fields(config, generating=lambda: console.status(
+        "Generating the synthetic dataset (cached for later runs) ..."))
+    placement = current_placement(config)
+    import_tensorflow(verbose=verbose)
+    from bigmem.memory.profile import counts_function
+
+    parallel = None
+    if config.distribute.strategy is not Strategy.NONE:
+        from bigmem.distribute.execution import data_parallel
+        from bigmem.distribute.strategy import setup_replicas
+
+        replicas = setup_replicas(config)  # before any TensorFlow operation initialises devices
+        parallel = data_parallel(config, replicas, counts_function(config))
+    shape = parallel.loader_settings() if parallel else {"batch_size": config.train.batch_size}
+    data = config.data
+    loader = WholeVolumeLoader(data.store, volume=data.volume, seed=config.train.seed, flip=data.flip,
+                               num_workers=data.num_workers, prefetch=data.prefetch, cold_cache=data.cold_cache,
+                               holdout=data.holdout, **shape)
+    try:
+        plan, stages = preflight(config, parallel, recompute_stages, force=force, console=console,
+                                 placement=placement)
+        lr = parallel.learning_rate(config.train.lr, config.train.reference_batch) if parallel else config.train.lr
+        return Job(config, run, manager, resume_from, loader, placement, parallel, plan, stages,
+                   total_steps_for(config, loader.steps_per_epoch), lr)
+    except BaseException:
+        loader.close()
+        raise
+
+
+def preflight(config: ExperimentConfig, parallel, recompute_stages: list[str] | None, *, force: bool,
+              console: Console, placement=None) -> tuple[Plan, list[str]]:
+    """The run's memory pre-flight (``memory.preflight``), printed; refuses a job that cannot fit.
+
+    Args:
+        config: the job.
+        parallel: its ``DataParallel`` decisions, or None: the host is checked for what it holds
+            (one worker's batch at the input shape; on real GPUs only the input, not checked).
+        recompute_stages: stages to recompute instead of ``memory.recompute``'s choice.
+        force: keep a job that does not fit (plan.json says so).
+        console: where the one-line summary (and any note or warning) goes.
+        placement: the NUMA placement, whose nodes may set the budget.
+
+    Returns:
+        ``(plan, recompute_stages)``: the ``Plan`` written as plan.json (with the data-parallel
+        section when ``parallel``), and the stages to recompute.
+
+    Raises:
+        InsufficientMemoryError: (exit 3) the predicted peak exceeds the budget, unless ``force``.
+    """
+    from bigmem.memory.preflight import job_plan, resolve_budget
+    from bigmem.memory.profile import counts_function
+    from bigmem.nets.limits import max_kernel_elements
+    from bigmem.units import format_bytes
+
+    counts_for = counts_function(config)
+    host = parallel.host_config(config) if parallel else config
+    budget = resolve_budget(config.memory.budget_bytes, placement=placement)
+    if budget.note:
+        console.print(budget.note, style="yellow")
+    plan = job_plan(host, counts_for, budget, stages=recompute_stages, force=force,
+                    check=parallel is None or parallel.host_checked)
+    plan.data_parallel = parallel.to_dict() if parallel else None
+    chosen = plan.chosen
+    if config.train.precision is Precision.BF16:
+        from bigmem.sysinfo import native_bf16
+
+        if not native_bf16():
+            console.print(EMULATED_BF16_WARNING, style="yellow")
+    console.print(f"Memory: predicted peak {format_bytes(plan.predicted_peak_bytes)} of a "
+                  f"{format_bytes(plan.budget_bytes)} budget ({plan.budget_source})"
+                  + ("" if plan.fits else " - over budget, forced")
+                  + (f"; recomputing {len(chosen.recompute_stages)} stages" if chosen.recompute_stages else "")
+                  + (f"; {len(chosen.partitioned_stages)} stages run in depth slabs (tensors past "
+                     f"{max_kernel_elements():,} elements)" if chosen.partitioned_stages else ""))
+    return plan, list(chosen.recompute_stages)

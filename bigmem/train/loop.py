@@ -1,0 +1,121 @@
+"""The training loop: a step, then the callbacks (Keras's ``fit`` loop is the model).
+
+Everything a run does besides stepping (metrics, checkpoints, the NUMA report, the time budget,
+the non-finite guard, progress, the resource monitor, signals) is a callback
+(``train/callbacks.py``); a new feature is a new callback, not a branch here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Sequence
+
+import psutil
+
+from bigmem.errors import TrainingError
+
+
+@dataclass
+class LoopState:
+    """What the loop and its callbacks share.
+
+    Attributes:
+        step: the last completed step (the resume step before the first).
+        start_step: the step this session started from.
+        total_steps: the step the run ends at.
+        loss, dice: the last step's loss and foreground Dice.
+        row: the last step's metrics row (metrics.jsonl's fields).
+        stop: why the loop stopped early ("signal", "time budget"), or None.
+        interrupted_by: the signal that stopped it, if any.
+        waited_s, stepped_s: this session's input wait and whole step time (the stall share).
+    """
+
+    start_step: int
+    total_steps: int
+    step: int = 0
+    loss: float = float("nan")
+    dice: float = float("nan")
+    row: dict = field(default_factory=dict)
+    stop: str | None = None
+    interrupted_by: int | None = None
+    waited_s: float = 0.0
+    stepped_s: float = 0.0
+    started_s: float = field(default_factory=time.monotonic)
+
+    def __post_init__(self) -> None:
+        self.step = self.start_step
+
+    @property
+    def done(self) -> bool:
+        return self.step >= self.total_steps or self.stop is not None
+
+
+class Callback:
+    """A hook into the loop; override what you need (all default to nothing)."""
+
+    def context(self) -> contextlib.AbstractContextManager:
+        """A context held for the whole loop (a progress bar, a sampler thread, signal handlers)."""
+        return contextlib.nullcontext()
+
+    def on_train_begin(self, state: LoopState) -> None:
+        pass
+
+    def on_step_end(self, state: LoopState) -> None:
+        pass
+
+    def on_train_end(self, state: LoopState) -> None:
+        pass
+
+
+def run_loop(state: LoopState, step: Callable, batches: Iterator, callbacks: Sequence[Callback], *,
+             learning_rate: Callable[[int], float], voxels_per_step: int, input_error: Callable[[], Exception | None]
+             ) -> LoopState:
+    """Step until ``state.total_steps`` or a callback sets ``state.stop``; callbacks after each step.
+
+    Args:
+        state: the loop's state (``start_step`` is where it resumes).
+        step: ``step(images, labels) -> (loss, dice)``, compiled.
+        batches: the input, one ``(images, labels)`` per step.
+        callbacks: in order; a callback may stop the loop (``state.stop``) or raise.
+        learning_rate: ``step -> lr`` of the schedule, for the metrics row.
+        voxels_per_step: for the throughput column.
+        input_error: the reader's own error, if the input pipeline failed (tf.data blurs it).
+
+    Returns:
+        ``state`` after the last step.
+
+    Raises:
+        TrainingError: the input pipeline failed; anything a callback raises.
+    """
+    import tensorflow as tf
+
+    process = psutil.Process()
+    with contextlib.ExitStack() as stack:
+        for callback in callbacks:
+            stack.enter_context(callback.context())
+        for callback in callbacks:
+            callback.on_train_begin(state)
+        while not state.done:
+            started = time.perf_counter()
+            try:
+                images, labels = next(batches)
+            except tf.errors.OpError as exc:  # a reader error surfaces through tf.data
+                raise input_error() or TrainingError(f"The input pipeline failed: {exc.message}") from None
+            fetched = time.perf_counter()
+            loss, dice = step(images, labels)
+            state.loss, state.dice = float(loss), float(dice)
+            elapsed = time.perf_counter() - started
+            state.step += 1
+            state.waited_s += fetched - started
+            state.stepped_s += elapsed
+            state.row = {"step": state.step, "loss": state.loss, "dice": state.dice,
+                         "lr": float(learning_rate(state.step - 1)), "voxels_per_s": voxels_per_step / elapsed,
+                         "rss_bytes": process.memory_info().rss, "input_wait_s": fetched - started,
+                         "step_s": elapsed}
+            for callback in callbacks:
+                callback.on_step_end(state)
+        for callback in callbacks:
+            callback.on_train_end(state)
+    return state
