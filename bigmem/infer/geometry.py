@@ -310,7 +310,7 @@ def labels_to_source(scores_or_labels: np.ndarray, geometry: CaseGeometry) -> np
         raise DataError(f"Case {geometry.case_id!r}: {scores_or_labels.shape[3]} classes do not fit a uint8 label "
                         "map (at most 256).")
     mapped = _score_channels(scores_or_labels, geometry)
-    best = np.ascontiguousarray(next(mapped), dtype=np.float32)
+    best = np.array(next(mapped), dtype=np.float32)  # a copy: it is updated in place, and may view the input
     labels = np.zeros(geometry.source_shape, np.uint8)
     for c, channel in enumerate(mapped, start=1):
         better = channel > best
