@@ -1,0 +1,109 @@
+"""``bigmem evaluate``: Dice, IoU, volumes and HD95 of predicted label maps against references."""
+
+from __future__ import annotations
+
+import argparse
+
+from bigmem.errors import UsageError
+
+HELP = "score predicted label maps against references: Dice, IoU, TP/FP/FN, volumes, HD95"
+
+# The empty rule is bigmem.infer.metrics.EMPTY_RULE; it is restated here so that --help does not
+# import numpy (tests/cli/test_evaluate.py checks the two say the same).
+DESCRIPTION = """\
+Compare each predicted label map in PRED (a folder of <case>.nii.gz or .nii) with its reference
+in REF (a folder of NIfTI label maps with the same case ids, or a bigmem store, whose labels are
+mapped back to the source geometry), voxel for voxel, with the reference's voxel spacing. Per case
+and per class: Dice, IoU, TP/FP/FN voxel counts, reference and predicted volumes in mL, and the
+95th percentile Hausdorff distance (HD95) in mm between the two surfaces (MONAI's definition).
+Writes summary.json (nnU-Net v2's layout: metric_per_case, mean per class, foreground_mean) and
+prints the means.
+
+empty classes: A class absent from both reference and prediction has Dice, IoU and HD95 undefined
+(NaN in the API, null in summary.json) and is left out of the means, as nnU-Net v2 does; absent from
+one side only, Dice and IoU are 0 and HD95 is undefined (no surface to measure from). Means count the
+cases left out (num_undefined). MONAI's ignore_empty=True also leaves out a class whose reference
+is empty even when the prediction is not; bigmem scores that false positive 0, as nnU-Net does.
+
+A case on one side only (a reference without prediction, or a prediction without reference) is an
+error unless --allow-missing; so are shapes that differ, non-integer labels and labels >= the
+number of classes. Affines that differ by more than 1e-3 are a warning.
+
+examples:
+  bigmem evaluate runs/kits19/predictions Task05/labelsTr
+  bigmem evaluate predictions/ brats.h5 --allow-missing --classes 1,2,3 -o eval/summary.json
+"""
+
+
+def register(subparsers, parents) -> None:
+    parser = subparsers.add_parser("evaluate", help=HELP, description=DESCRIPTION, parents=parents,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("pred", metavar="PRED", help="folder of predicted label maps (<case>.nii.gz or .nii)")
+    parser.add_argument("ref", metavar="REF", help="folder of reference label maps, or a bigmem store (.h5)")
+    parser.add_argument("-o", "--out", metavar="SUMMARY.json", help="where to write the summary "
+                                                                    "(default: PRED/summary.json)")
+    parser.add_argument("--classes", metavar="C[,C...]",
+                        help="foreground labels to score, e.g. 1,2 (default: 1..num_classes-1 for a store or "
+                             "--num-classes, else 1..the largest label seen)")
+    parser.add_argument("--num-classes", type=int, metavar="K",
+                        help="labels are 0..K-1; a larger one is an error (default: the store's; unchecked "
+                             "for a folder)")
+    parser.add_argument("--allow-missing", action="store_true",
+                        help="score the cases found in both PRED and REF instead of failing on the others")
+    parser.add_argument("--no-hausdorff", action="store_true", help="skip HD95 (the slow part on large volumes)")
+    parser.set_defaults(run=run)
+
+
+def parse_classes(text: str) -> list[int]:
+    """'1,2,3' -> [1, 2, 3]; a UsageError naming the flag otherwise.
+
+    Example:
+        >>> parse_classes("3, 1")
+        [3, 1]
+    """
+    try:
+        classes = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        classes = []
+    if not classes:
+        raise UsageError(f"Invalid --classes {text!r}: expected comma-separated labels such as 1,2,3.")
+    return classes
+
+
+def run(args) -> int:
+    from pathlib import Path
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from bigmem.infer.evaluate import evaluate
+
+    classes = parse_classes(args.classes) if args.classes else None
+    if args.num_classes is not None and args.num_classes < 2:
+        raise UsageError(f"Invalid --num-classes {args.num_classes}: expected at least 2 (background and one class).")
+    out = Path(args.out) if args.out else Path(args.pred) / "summary.json"
+    console = Console(soft_wrap=True)
+    with console.status("evaluating", spinner="dots") as status:
+        summary = evaluate(args.pred, args.ref, classes=classes, num_classes=args.num_classes,
+                           allow_missing=args.allow_missing, out=out, hausdorff=not args.no_hausdorff,
+                           warn=lambda m: console.print(f"warning: {m}", style="yellow"),
+                           progress=lambda case_id: status.update(f"evaluating: {case_id} done"))
+    table = Table(title=f"{summary['num_cases']} cases; means over the cases where defined")
+    for column in ("class", "Dice", "IoU", "HD95 mm", "undefined Dice/HD95"):
+        table.add_column(column, justify="left" if column == "class" else "right")
+    for c in summary["classes"]:
+        key = str(c)
+        name = summary["label_names"].get(key)
+        mean, undefined = summary["mean"][key], summary["num_undefined"][key]
+        table.add_row(f"{c} {name}" if name else key, _number(mean["Dice"]), _number(mean["IoU"]),
+                      _number(mean["HD95_mm"], 2), f"{undefined['Dice']}/{undefined['HD95_mm']}")
+    foreground = summary["foreground_mean"]
+    table.add_row("foreground mean", _number(foreground["Dice"]), _number(foreground["IoU"]),
+                  _number(foreground["HD95_mm"], 2), "", style="bold")
+    console.print(table)
+    console.print(f"wrote {out}")
+    return 0
+
+
+def _number(value: float | None, digits: int = 4) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
