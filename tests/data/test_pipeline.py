@@ -147,3 +147,18 @@ def test_the_pipeline_catches_non_finite_values_in_normalisation(corrupt_store):
         assert loader.store.check_finite is False
         with pytest.raises(DataError, match=r"^Case 'synth_0002': image has 1 non-finite values \(NaN/Inf\) "):
             next(loader.batches())
+
+
+def test_shards_split_every_global_batch_in_the_order_of_one_process(tiny_store):
+    """Two workers' loaders together load exactly one process's batches of twice their size."""
+    with WholeVolumeLoader(tiny_store, volume=16, batch_size=4, seed=5) as one:
+        whole = [next(one.batches(step)) for step in range(3)]
+    for index in range(2):
+        with WholeVolumeLoader(tiny_store, volume=16, batch_size=2, seed=5, shard=(index, 2)) as worker:
+            assert worker.steps_per_epoch == one.steps_per_epoch
+            for step in range(3):
+                images, labels = next(worker.batches(step))
+                np.testing.assert_array_equal(images, whole[step][0][2 * index:2 * index + 2])
+                np.testing.assert_array_equal(labels, whole[step][1][2 * index:2 * index + 2])
+    with pytest.raises(ValueError, match=r"shard \(2, 2\)"):
+        WholeVolumeLoader(tiny_store, volume=16, batch_size=2, shard=(2, 2))
