@@ -175,7 +175,42 @@ def convert(dataset: SourceDataset, out: str | Path, *, force: bool = False, app
             shape: Sequence[int] | None = None, progress: Callable[[str], None] | None = None,
             warn: Callable[[str], None] | None = None, max_write_rate: float | None = None,
             block_bytes: int | None = None, spacing: Sequence[float] | None = None) -> ConvertReport:
-    """Write ``dataset``'s cases to the store ``out`` (atomically) and its manifest beside it."""
+    """Write ``dataset``'s cases to the store ``out`` (atomically) and its manifest beside it.
+
+    Each case is loaded in canonical (RAS) orientation and checked, resampled to ``spacing`` if
+    given, centre-cropped/padded to ``shape`` if given, and written with its source geometry and
+    per-channel intensity statistics. The store and the manifest (``OUT.manifest.json``) are
+    written under temporary names and renamed, so neither is ever left half-written.
+
+    Args:
+        dataset: the cases (``read_msd`` or ``read_globs``).
+        out: the store to write.
+        force: overwrite an existing ``out`` (default False).
+        append: add ``dataset``'s new cases to the existing ``out`` (default False).
+        skip_bad: skip a case that fails a check, with a message in the report, instead of
+            raising (default False).
+        compression: an h5py filter such as ``"gzip"`` (default None: uncompressed).
+        chunk_edge: chunk edge in voxels (default 64); None: contiguous datasets (fastest whole
+            reads; chunked anyway when compressed).
+        shape: ``(D, H, W)`` in voxels to centre-crop/pad every case to (default None: keep).
+        progress: called with each case id once it is handled.
+        warn: called with the message of each skipped case.
+        max_write_rate: the most bytes per second written (default None: no limit).
+        block_bytes: bytes per write and flush (default None: whole datasets).
+        spacing: voxel spacing ``(x, y, z)`` in mm to resample to (default None: keep).
+
+    Returns:
+        A ``ConvertReport``: the store and manifest paths, the converted case ids and one
+        message per skipped case.
+
+    Raises:
+        DataError: ``out`` exists without ``force``/``append``; ``append`` to a missing store; a
+            case fails a check (without ``skip_bad``); or no case could be converted.
+
+    Example:
+        >>> report = convert(read_msd("Task01_BrainTumour"), "brats.h5", shape=(160, 192, 160))
+        >>> report.converted, report.manifest  # the case ids written, PosixPath('brats.manifest.json')
+    """
     out = Path(out)
     if out.exists() and not (force or append):
         raise DataError(f"{str(out)!r} exists: pass --force to overwrite it or --append to add cases.")
