@@ -24,8 +24,8 @@ Shape3D = Sequence[int]
 # uses 1e-5; Keras BatchNormalization keeps its own default (1e-3), as IntelAI/unet did.
 INSTANCE_NORM_EPSILON = 1e-5
 LEAKY_RELU_SLOPE = 0.01  # nnU-Net's LeakyReLU negative slope
-# Two C -> C convolutions beat one 2C -> C on oneDNN from C = 16 up, and lose below (dev machine,
-# 96^3 fp32 forward + backward: C = 8 203 vs 245 GFLOP/s, C = 16 430 vs 351, C = 32 486 vs 409).
+# Two C -> C convolutions beat one 2C -> C on oneDNN from C = 16 up, and lose below (timings:
+# benchmarks/results/kernels.md).
 SPLIT_SKIP_MIN_FILTERS = 16
 
 
@@ -45,6 +45,18 @@ def make_norm(norm: Norm, groups: int, *, zero_init: bool, dtype, name: str, act
     ``activation`` (fused, see norm_act.py); with ``fused=False`` they are Keras's own
     ``GroupNormalization`` (what a plain Keras model uses; the speed benchmark's baseline).
     Batch norm is Keras's layer, always linear.
+
+    Args:
+        norm: which normalisation.
+        groups: channel groups of a group norm (ignored by the others).
+        zero_init: start the scale (gamma) at 0 instead of 1.
+        dtype: the layer's dtype policy.
+        name: the layer's name.
+        activation: the activation a fused norm applies (default ``"linear"``: none).
+        fused: ``NormActivation`` (default) rather than Keras's ``GroupNormalization``.
+
+    Returns:
+        A Keras layer mapping ``(batch, D, H, W, C)`` to the same shape, or None for Norm.NONE.
     """
     if norm in (Norm.INSTANCE, Norm.GROUP) and not fused:
         return keras.layers.GroupNormalization(groups=-1 if norm is Norm.INSTANCE else groups,
@@ -62,11 +74,29 @@ def make_norm(norm: Norm, groups: int, *, zero_init: bool, dtype, name: str, act
 
 
 def fuses_activation(norm: Norm, fused: bool = True) -> bool:
-    """Whether ``norm``'s layer can apply the activation itself (keeping fewer tensors)."""
+    """Whether ``norm``'s layer can apply the activation itself (keeping fewer tensors).
+
+    Args:
+        norm: which normalisation.
+        fused: whether bigmem's fused layers are used (False: ``stock_layers``).
+
+    Returns:
+        True for instance and group norm when ``fused``.
+    """
     return fused and norm in (Norm.INSTANCE, Norm.GROUP)
 
 
 def make_activation(activation: Activation, *, dtype, name: str):
+    """The Keras activation layer: ``LeakyReLU`` (slope LEAKY_RELU_SLOPE) or ``ReLU``.
+
+    Args:
+        activation: which activation.
+        dtype: the layer's dtype policy.
+        name: the layer's name.
+
+    Returns:
+        A shape-preserving Keras layer.
+    """
     if activation is Activation.LEAKY_RELU:
         return keras.layers.LeakyReLU(negative_slope=LEAKY_RELU_SLOPE, dtype=dtype, name=name)
     return keras.layers.ReLU(dtype=dtype, name=name)
@@ -139,9 +169,24 @@ class ConvNormAct(_Block):
 
     With ``num_inputs=2`` the block takes ``[x, skip]`` and convolves each with its own kernel
     and adds the results: the same function as one convolution of their concatenation (whose
-    kernel is the two stacked), without the concatenated copy, and faster on CPU (oneDNN's
-    weight gradient for 2C -> C channels runs at ~300 GFLOP/s where two C -> C run at ~420,
-    timed alone on the dev machine; see SPLIT_SKIP_MIN_FILTERS for where it pays).
+    kernel is the two stacked), without the concatenated copy, and faster on CPU from
+    SPLIT_SKIP_MIN_FILTERS channels (oneDNN's 2C -> C weight gradient is the slow part; timings:
+    benchmarks/results/kernels.md).
+
+    Args:
+        filters: output channels.
+        zero_init_scale: start the norm's scale at 0 (default False).
+        num_inputs: 1 (default), or 2 for ``[x, skip]`` of the same spatial shape.
+        **kwargs: the block options (``strides=1``, ``norm="instance"``, ``groups=8``,
+            ``activation="relu"``, ``use_bias=False``, ``stock_layers=False``) and Keras layer
+            arguments (``name``, ``dtype``).
+
+    Raises:
+        ValueError: ``num_inputs`` is not 1 or 2.
+
+    Example:
+        >>> block = ConvNormAct(16, strides=2)
+        >>> block(keras.ops.zeros((1, 32, 32, 32, 8))).shape  # (1, 16, 16, 16, 16)
     """
 
     def __init__(self, filters: int, *, zero_init_scale: bool = False, num_inputs: int = 1, **kwargs):
@@ -160,6 +205,7 @@ class ConvNormAct(_Block):
         self.act = None if fused else make_activation(self.activation, dtype=self.dtype_policy, name="act")
 
     def call(self, x, training=None):
+        """``(batch, D, H, W, C_in)`` (or ``[x, skip]``) -> ``(batch, D/s, H/s, W/s, filters)``, strides s."""
         if self.conv_skip is not None:
             x, skip = x
             x = self.conv(x) + self.conv_skip(skip)
@@ -170,15 +216,20 @@ class ConvNormAct(_Block):
         return x if self.act is None else self.act(x)
 
     def feature_map_elements(self, spatial_shape: Shape3D) -> int:
+        """Per-sample elements of the tensors the block creates for an input of ``(D, H, W)`` voxels."""
         convs = 1 if self.conv_skip is None else 3  # one conv output; or two and their sum
         tensors = convs + (self.norm_layer is not None) + (self.act is not None)  # + norm(+act), separate act
         return tensors * self.filters * _voxels(self._out_shape(spatial_shape))
 
     def forward_macs(self, spatial_shape: Shape3D, in_channels: int) -> int:
-        """``in_channels`` counts every input's channels (both halves of a skip connection)."""
+        """Multiply-adds of the convolution for an input of ``(D, H, W)`` voxels.
+
+        ``in_channels`` counts every input's channels (both halves of a skip connection).
+        """
         return self._conv_macs(self.conv, in_channels, _voxels(self._out_shape(spatial_shape)))
 
     def get_config(self):
+        """The constructor's arguments, for ``from_config`` and saving."""
         return {**super().get_config(), "zero_init_scale": self.zero_init_scale, "num_inputs": self.num_inputs}
 
 
@@ -187,6 +238,15 @@ class ResidualBlock(_Block):
     """conv-norm-act, conv-norm (scale zero-initialised, Goyal et al. 2017), + shortcut, act.
 
     The shortcut is the identity when shapes match, else a 1x1x1 (strided) conv and norm.
+
+    Args:
+        filters: output channels.
+        in_filters: input channels (a projection shortcut when they differ from ``filters``).
+        **kwargs: the block options and Keras layer arguments, as ``ConvNormAct``.
+
+    Example:
+        >>> block = ResidualBlock(16, in_filters=8)
+        >>> block(keras.ops.zeros((1, 32, 32, 32, 8))).shape  # (1, 32, 32, 32, 16)
     """
 
     def __init__(self, filters: int, *, in_filters: int, **kwargs):
@@ -203,6 +263,7 @@ class ResidualBlock(_Block):
         self.act = make_activation(self.activation, dtype=self.dtype_policy, name="act")
 
     def call(self, x, training=None):
+        """``(batch, D, H, W, in_filters)`` -> ``(batch, D/s, H/s, W/s, filters)``, strides s."""
         shortcut = x
         if self.needs_projection:
             shortcut = self.proj(x)
@@ -214,6 +275,7 @@ class ResidualBlock(_Block):
         return self.act(self.add([y, shortcut]))
 
     def feature_map_elements(self, spatial_shape: Shape3D) -> int:
+        """Per-sample elements of the tensors the block creates for an input of ``(D, H, W)`` voxels."""
         out = self.filters * _voxels(self._out_shape(spatial_shape))
         has_norm = self.norm_layer is not None
         second = (1 + has_norm) * out  # conv, norm
@@ -221,12 +283,14 @@ class ResidualBlock(_Block):
         return self.first.feature_map_elements(spatial_shape) + second + projection + 2 * out  # add, act
 
     def forward_macs(self, spatial_shape: Shape3D, in_channels: int) -> int:
+        """Multiply-adds of the block's convolutions (projection included) for an input of ``(D, H, W)``."""
         out_voxels = _voxels(self._out_shape(spatial_shape))
         macs = self.first.forward_macs(spatial_shape, in_channels)
         macs += self._conv_macs(self.conv, self.filters, out_voxels)
         return macs + (self._conv_macs(self.proj, in_channels, out_voxels) if self.needs_projection else 0)
 
     def get_config(self):
+        """The constructor's arguments, for ``from_config`` and saving."""
         return {**super().get_config(), "in_filters": self.in_filters}
 
 
@@ -247,7 +311,20 @@ def _make_blocks(owner: _Block, count: int, in_filters: int, first_strides: int,
 
 @keras.saving.register_keras_serializable(package="bigmem")
 class EncoderStage(_Block):
-    """One encoder level: optional downsampling (max pool, or a strided first conv), then blocks."""
+    """One encoder level: optional downsampling (max pool, or a strided first conv), then blocks.
+
+    Args:
+        filters: output channels.
+        in_filters: input channels.
+        num_blocks: blocks in the level (default 2).
+        downsampling: ``"maxpool"``, ``"strided"`` or None (default: the full-resolution level).
+        residual: ``ResidualBlock`` instead of ``ConvNormAct`` (default False).
+        **kwargs: the block options and Keras layer arguments, as ``ConvNormAct``.
+
+    Example:
+        >>> stage = EncoderStage(32, in_filters=16, downsampling="maxpool")
+        >>> stage(keras.ops.zeros((1, 32, 32, 32, 16))).shape  # (1, 16, 16, 16, 32)
+    """
 
     def __init__(self, filters: int, *, in_filters: int, num_blocks: int = 2, downsampling: str | None = None,
                  residual: bool = False, **kwargs):
@@ -264,6 +341,7 @@ class EncoderStage(_Block):
         self.blocks = _make_blocks(self, self.num_blocks, self.in_filters, first_strides, self.residual)
 
     def call(self, x, training=None):
+        """``(batch, D, H, W, in_filters)`` -> ``(batch, D', H', W', filters)``, halved if downsampling."""
         if self.pool is not None:
             x = self.pool(x)
         for block in self.blocks:
@@ -271,9 +349,11 @@ class EncoderStage(_Block):
         return x
 
     def output_spatial_shape(self, spatial_shape: Shape3D) -> tuple[int, ...]:
+        """The output's ``(D, H, W)`` for an input of ``spatial_shape``."""
         return _halved(spatial_shape) if self.downsampling else tuple(spatial_shape)
 
     def feature_map_elements(self, spatial_shape: Shape3D) -> int:
+        """Per-sample elements of the tensors the stage creates for an input of ``(D, H, W)`` voxels."""
         total = 0
         if self.pool is not None:
             spatial_shape = _halved(spatial_shape)
@@ -294,6 +374,7 @@ class EncoderStage(_Block):
         return total
 
     def get_config(self):
+        """The constructor's arguments, for ``from_config`` and saving."""
         return {**super().get_config(), "in_filters": self.in_filters, "num_blocks": self.num_blocks,
                 "downsampling": self.downsampling.value if self.downsampling else None,
                 "residual": self.residual}
@@ -307,6 +388,18 @@ class DecoderStage(_Block):
     convolution (ConvNormAct with ``num_inputs=2``: no concatenated copy); residual blocks
     (whose shortcut needs the joined tensor), ``stock_layers`` models and levels narrower than
     SPLIT_SKIP_MIN_FILTERS take their concatenation.
+
+    Args:
+        filters: output channels (and the skip's channels).
+        in_filters: channels of the input from the level below.
+        num_blocks: blocks in the level (default 2).
+        residual: ``ResidualBlock`` instead of ``ConvNormAct`` (default False).
+        **kwargs: the block options and Keras layer arguments, as ``ConvNormAct``.
+
+    Example:
+        >>> stage = DecoderStage(16, in_filters=32)
+        >>> stage([keras.ops.zeros((1, 16, 16, 16, 32)), keras.ops.zeros((1, 32, 32, 32, 16))]).shape
+        (1, 32, 32, 32, 16)
     """
 
     def __init__(self, filters: int, *, in_filters: int, num_blocks: int = 2, residual: bool = False, **kwargs):
@@ -323,6 +416,15 @@ class DecoderStage(_Block):
                                    first_inputs=1 if joined else 2)
 
     def call(self, inputs, training=None):
+        """Upsample ``x`` 2x, join ``skip``, run the blocks.
+
+        Args:
+            inputs: ``[x (batch, D, H, W, in_filters), skip (batch, 2D, 2H, 2W, filters)]``.
+            training: passed to the norms.
+
+        Returns:
+            ``(batch, 2D, 2H, 2W, filters)``.
+        """
         x, skip = inputs
         x = [self.up(x), skip]
         if self.concat is not None:
@@ -332,6 +434,7 @@ class DecoderStage(_Block):
         return x
 
     def output_spatial_shape(self, spatial_shape: Shape3D) -> tuple[int, ...]:
+        """The output's ``(D, H, W)``: twice the input's."""
         return tuple(2 * s for s in spatial_shape)
 
     def feature_map_elements(self, spatial_shape: Shape3D) -> int:
@@ -356,5 +459,6 @@ class DecoderStage(_Block):
         return total
 
     def get_config(self):
+        """The constructor's arguments, for ``from_config`` and saving."""
         return {**super().get_config(), "in_filters": self.in_filters, "num_blocks": self.num_blocks,
                 "residual": self.residual}

@@ -41,17 +41,16 @@ class KernelChoices:
 # smaller CPU's, TensorFlow's own Eigen kernels are not.
 MEASURED = "benchmarks/results/kernel_choices-vm-20261130-195005.json"
 CHOICES: dict[str, KernelChoices] = {
-    # bf16: planes 1.1-2x faster from 16 channels (stride 1) and 8 (stride 2: 5.2 vs 10.8 ms at
-    # 96^3, 8 -> 16). fp32: only stride 2 from 64 in-channels (64 -> 128: 355 vs 602 ms at 96^3);
-    # at 32 -> 64 oneDNN's own is 5-10% faster.
+    # bf16: planes faster from 16 channels (stride 1) and 8 (stride 2). fp32: only stride 2 from
+    # 64 in-channels; at 32 -> 64 oneDNN's own is faster (timings: benchmarks/results/kernels.md).
     "avx512_bf16": KernelChoices(
         planewise={("bf16", 1): (16, 64), ("bf16", 2): (8, 64), ("fp32", 2): (64, 64)},
         source=f"measured on avx512_bf16: {MEASURED}"),
     # fp32 only (bf16 is emulated here and never chosen): stride 2 from 32 in-channels.
     "avx512": KernelChoices(planewise={("fp32", 2): (32, 64)},
                             source=f"measured with oneDNN capped at AVX512_CORE: {MEASURED}"),
-    # oneDNN's AVX2 weight gradients are its weakest: planes 1.3-2.9x faster up to 32 channels
-    # (stride 1; 64 -> 64 is 4-11% slower) and up to 64 (stride 2).
+    # oneDNN's AVX2 weight gradients are its weakest: planes faster up to 32 channels (stride 1;
+    # 64 -> 64 is slower) and up to 64 (stride 2) (timings: benchmarks/results/kernels.md).
     "avx2": KernelChoices(planewise={("fp32", 1): (8, 32), ("fp32", 2): (8, 64)},
                           source=f"measured with oneDNN capped at AVX2: {MEASURED}"),
     "baseline": KernelChoices(planewise={}, source="no oneDNN fast path to beat: TF's own kernels"),
@@ -64,6 +63,13 @@ CHOICES["amx"] = KernelChoices(planewise=dict(CHOICES["avx512_bf16"].planewise),
 
 def effective_isa_class(detected: str, environ: dict | None = None) -> str:
     """The ISA class oneDNN runs at: the CPU's, or lower where ONEDNN_MAX_CPU_ISA caps it.
+
+    Args:
+        detected: the CPU's class, one of CLASS_ORDER (``bigmem.cpu.isa_class``).
+        environ: the environment to read ONEDNN_MAX_CPU_ISA from (default ``os.environ``).
+
+    Returns:
+        One of CLASS_ORDER; ``detected`` itself when there is no known cap or it is unknown.
 
     Example:
         >>> effective_isa_class("avx512_bf16", {"ONEDNN_MAX_CPU_ISA": "AVX2"})
@@ -78,7 +84,11 @@ def effective_isa_class(detected: str, environ: dict | None = None) -> str:
 
 @functools.lru_cache(maxsize=1)
 def kernel_choices() -> tuple[str, KernelChoices]:
-    """(ISA class, its choices) for this process: read once, from the CPU and ONEDNN_MAX_CPU_ISA."""
+    """(ISA class, its choices) for this process: read once, from the CPU and ONEDNN_MAX_CPU_ISA.
+
+    Returns:
+        ``(class name, KernelChoices)``; an unknown class gets the baseline's choices.
+    """
     from bigmem.cpu import cpu_description, isa_class
 
     name = effective_isa_class(isa_class(cpu_description()["isa"]))
@@ -86,5 +96,13 @@ def kernel_choices() -> tuple[str, KernelChoices]:
 
 
 def planewise_channels(precision: str, stride: int) -> tuple[int, int] | None:
-    """The input-channel range of the planewise weight gradient for this process's ISA class, else None."""
+    """The input-channel range of the planewise weight gradient for this process's ISA class, else None.
+
+    Args:
+        precision: ``"fp32"`` or ``"bf16"``.
+        stride: 1 or 2.
+
+    Returns:
+        ``(fewest, most)`` input channels (inclusive), or None: never planewise.
+    """
     return kernel_choices()[1].planewise.get((precision, stride))

@@ -14,26 +14,9 @@ depth planes as the batch:
   ones, kd = 2 the even planes from the second on against the output planes but the last. The
   even and odd plane stacks are copies, made one after the other (half the input each).
 
-Timed alone on the dev machine (2 cores, avx512_bf16, TF 2.21), weight gradient only:
-
-| conv                     | fp32 oneDNN -> planes | bf16 oneDNN -> planes |
-|--------------------------|-----------------------|-----------------------|
-| 128^3, 32 -> 32, stride 1| 298 -> 338 ms         | 213 -> 174 ms         |
-| 96^3, 32 -> 32, stride 1 | 108 -> 127            | 92 -> 74              |
-| 64^3, 64 -> 64, stride 1 | 150 -> 157            | 97 -> 83              |
-| 32^3, 128 -> 128, str. 1 |                       | 39 -> 37              |
-| 128^3, 32 -> 64, stride 2| 117 -> 110            | 158 -> 74             |
-| 96^3, 32 -> 64, stride 2 | 51 -> 51              | 70 -> 33              |
-| 64^3, 64 -> 128, stride 2| 102 -> 50             | 51 -> 33              |
-| 32^3, 128 -> 256, str. 2 | 27 -> 24              | 17 -> 17              |
-| 128^3, 8 -> 8, stride 1  |                       | 28 -> 34              |
-| 64^3, 16 -> 16, stride 1 |                       | 11.3 -> 6.7           |
-| 128^3, 8 -> 16, stride 2 | 6.7 -> 8.1            | 19 -> 9               |
-| 64^3, 16 -> 32, stride 2 | 3.4 -> 3.9            | 3.8 -> 4.1            |
-
-So on that ISA class the planes are used for stride 2 in both precisions and for stride 1 under
-bfloat16, within a range of input channels; nets/choices.py holds the ranges per ISA class.
-Forward and input gradient are TF's own kernels either way.
+Which is faster depends on the ISA class oneDNN runs at, the precision, the stride and the
+channel count; nets/choices.py holds that decision per ISA class (timings:
+benchmarks/results/kernels.md). Forward and input gradient are TF's own kernels either way.
 """
 
 from __future__ import annotations
@@ -55,7 +38,19 @@ def planewise_weight_grad(x: tf.Tensor, dy: tf.Tensor, kernel_shape, stride: int
     """The weight gradient of a 3x3x3 "same" conv3d (stride 1 or 2), as three batched conv2d gradients.
 
     Every slice taken is a range of whole planes of one sample, which TF's Slice returns without
-    copying. ``stride=2`` needs even depth, height and width.
+    copying.
+
+    Args:
+        x: the conv's input ``(batch, D, H, W, C_in)``, static batch and depth; with
+            ``stride=2``, D, H and W must be even.
+        dy: the gradient of its output ``(batch, D / stride, H / stride, W / stride, C_out)``,
+            same dtype as ``x``.
+        kernel_shape: ``(3, 3, 3, C_in, C_out)``.
+        stride: 1 or 2 on every spatial axis (default 1).
+
+    Returns:
+        ``dkernel`` of shape ``(3, 3, 3, C_in, C_out)`` in ``x``'s dtype, equal (to float
+        rounding) to ``Conv3DBackpropFilterV2``'s.
     """
     batch, depth = x.shape[0], x.shape[1]
     out_depth = depth // stride
@@ -88,7 +83,17 @@ def planewise_weight_grad(x: tf.Tensor, dy: tf.Tensor, kernel_shape, stride: int
 
 
 def conv3d_planewise_grad(x: tf.Tensor, kernel: tf.Tensor, stride: int = 1) -> tf.Tensor:
-    """tf.nn.conv3d(x, kernel, stride, "SAME") with the weight gradient of planewise_weight_grad."""
+    """``tf.nn.conv3d(x, kernel, stride, "SAME")`` with the weight gradient of ``planewise_weight_grad``.
+
+    Args:
+        x: ``(batch, D, H, W, C_in)``, static batch and depth (even sizes for ``stride=2``).
+        kernel: ``(3, 3, 3, C_in, C_out)``, ``x``'s dtype.
+        stride: 1 or 2 on every spatial axis (default 1).
+
+    Returns:
+        ``(batch, D / stride, H / stride, W / stride, C_out)``; its input gradient is TF's
+        ``Conv3DBackpropInputV2``.
+    """
     strides = [1, stride, stride, stride, 1]
 
     @tf.custom_gradient
@@ -107,7 +112,18 @@ def conv3d_planewise_grad(x: tf.Tensor, kernel: tf.Tensor, stride: int = 1) -> t
 
 @keras.saving.register_keras_serializable(package="bigmem")
 class Conv3D(keras.layers.Conv3D):
-    """``keras.layers.Conv3D`` (channels last), with the planewise weight gradient where it pays."""
+    """``keras.layers.Conv3D`` (channels last), with the planewise weight gradient where it pays.
+
+    Same arguments, weights and outputs as ``keras.layers.Conv3D``. Two paths replace its
+    convolution for inputs of static shape: past the kernel element limit (nets/limits.py) the
+    conv runs in depth slabs (``conv3d_slabs``, "same" padding, equal strides, no dilation or
+    groups); and a 3x3x3 "same" conv with stride 1 or 2 takes ``planewise_weight_grad`` for its
+    weight gradient where nets/choices.py chooses it for this CPU, precision and channel count.
+
+    Example:
+        >>> conv = Conv3D(16, 3, padding="same")
+        >>> conv(keras.ops.zeros((1, 32, 32, 32, 8))).shape  # (1, 32, 32, 32, 16)
+    """
 
     def _planewise(self, inputs) -> bool:
         strides = tuple(self.strides)
@@ -136,6 +152,7 @@ class Conv3D(keras.layers.Conv3D):
                 and len(set(self.strides)) == 1 and exceeds_limit(shape, self._output_shape(shape)))
 
     def convolution_op(self, inputs, kernel):
+        """Keras's hook: the convolution of ``inputs`` with ``kernel``, by the path that applies."""
         if self._partitioned(inputs):
             kernel = tf.cast(tf.convert_to_tensor(kernel), inputs.dtype)
             stride = self.strides[0]
@@ -159,11 +176,17 @@ class Conv3D(keras.layers.Conv3D):
 class Conv3DTranspose(keras.layers.Conv3DTranspose):
     """``keras.layers.Conv3DTranspose`` that runs in depth slabs past the kernel limit (nets/slabs.py).
 
-    Only the decoder's upsampling form is partitioned (kernel == strides, "same", channels
-    last): each input plane then writes its own output planes.
+    Same arguments, weights and outputs as ``keras.layers.Conv3DTranspose``. Only the decoder's
+    upsampling form is partitioned (kernel == strides, "same", channels last, static shape):
+    each input plane then writes its own output planes.
+
+    Example:
+        >>> up = Conv3DTranspose(8, 2, strides=2, padding="same")
+        >>> up(keras.ops.zeros((1, 16, 16, 16, 16))).shape  # (1, 32, 32, 32, 8)
     """
 
     def call(self, inputs):
+        """``(batch, D, H, W, C_in)`` -> ``(batch, s*D, s*H, s*W, filters)`` for strides ``s``."""
         shape = tuple(inputs.shape)
         out_shape = (shape[0], *(self.strides[i] * shape[i + 1] for i in range(3)), self.filters) \
             if len(shape) == 5 and None not in shape else shape

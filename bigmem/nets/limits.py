@@ -10,13 +10,11 @@ import math
 import os
 from typing import Iterator, Sequence
 
-# The most elements any one tensor handed to a TF CPU kernel may have. Measured with TF 2.21.0 on
-# x86, oneDNN on (benchmarks/bench_kernel_limits.py, results in benchmarks/results/kernel_limits-*):
-# conv3d and Conv3DBackpropInputV2 ran correctly on (1, 1020, 1024, 1024, 2) = 2.139e9 elements and
-# crashed (SIGSEGV) on (1, 1032, 1024, 1024, 2) = 2.164e9; Conv3DBackpropFilterV2 was already
-# WRONG at 2.139e9 (relative error 0.5, no crash) and right at 1.07e9 (5.6e-4, fp32 summation).
-# So the limit is 2^30, the largest size every op was verified correct at, not 2^31: a silent
-# wrong gradient is worse than a crash, and other CPUs' oneDNN kernels may fail earlier.
+# The most elements any one tensor handed to a TF CPU kernel may have: 2^30, the largest size
+# every op was verified correct at with TF 2.21.0 (oneDNN on, x86). Convolutions crash just past
+# 2^31 and the weight gradient is silently wrong below that, so not 2^31: a silent wrong gradient
+# is worse than a crash, and other CPUs' oneDNN kernels may fail earlier (measurements:
+# benchmarks/results/kernels.md; benchmarks/bench_kernel_limits.py).
 MAX_KERNEL_ELEMENTS = 2**30
 # The most elements of one slab once an op is partitioned: 2 GiB in float32. Each slab's
 # temporaries (its conv output, a zero-padded gradient slab) are the extra memory of the slab
@@ -33,7 +31,14 @@ _limit_override: list[int] = []
 
 
 def max_kernel_elements() -> int:
-    """The element limit in force: ``kernel_element_limit``'s, else the environment's, else the constant."""
+    """The element limit in force: ``kernel_element_limit``'s, else the environment's, else the constant.
+
+    Returns:
+        Elements per tensor (MAX_KERNEL_ELEMENTS unless lowered for a test or benchmark).
+
+    Raises:
+        ValueError: ``BIGMEM_MAX_KERNEL_ELEMENTS`` is set but not a positive whole number.
+    """
     if _limit_override:
         return _limit_override[-1]
     value = os.environ.get(LIMIT_ENVIRONMENT_VARIABLE)
@@ -47,6 +52,15 @@ def max_kernel_elements() -> int:
 @contextlib.contextmanager
 def kernel_element_limit(elements: int) -> Iterator[int]:
     """Lower (or raise) the limit while tracing/running the ops inside the block.
+
+    Args:
+        elements: the limit, in elements per tensor.
+
+    Yields:
+        ``elements``.
+
+    Raises:
+        ValueError: ``elements`` is below 1.
 
     Example:
         >>> with kernel_element_limit(4096):
@@ -65,11 +79,24 @@ def slab_elements(plane_elements: int = 0) -> int:
     """The most elements a slab's tensors may have, for depth planes of ``plane_elements`` elements.
 
     MAX_SLAB_ELEMENTS, or MIN_SLAB_PLANES planes where that is more, never past the kernel limit.
+
+    Args:
+        plane_elements: elements of one depth plane, ``H * W * C`` (default 0).
+
+    Returns:
+        Elements per slab tensor.
     """
     return min(max_kernel_elements(), max(MAX_SLAB_ELEMENTS, MIN_SLAB_PLANES * plane_elements))
 
 
 def exceeds_limit(*shapes: Sequence[int | None]) -> bool:
-    """Whether any of the (static) shapes has more elements than the limit; unknown sizes never do."""
+    """Whether any of the (static) shapes has more elements than the limit; unknown sizes never do.
+
+    Args:
+        *shapes: tensor shapes such as ``(batch, D, H, W, C)``; a shape with a None is skipped.
+
+    Returns:
+        True when one of them is past ``max_kernel_elements()``.
+    """
     limit = max_kernel_elements()
     return any(None not in tuple(shape) and math.prod(shape) > limit for shape in shapes)

@@ -9,9 +9,7 @@ elementwise passes each way. ``NormActivation`` computes the same function two w
   viewed as 4-D (1, D, H*W, C) (a sample's "batch" statistics are its instance statistics),
   then the activation. TF's oneDNN pass runs the 4-D op as oneDNN's batch normalisation and its
   remapper fuses a following ReLU into it. It keeps the input and the output, in the compute
-  dtype. Timed alone on the dev machine (2 cores, TF 2.21), a 96^3 x 32 instance norm + ReLU
-  runs forward+backward in ~28 ms (fp32) and ~21 ms (bf16), against ~76 / ~65 ms for the 5-D
-  op and ~90 ms for the custom gradient below (whole-step effect: benchmarks/bench_train.py).
+  dtype, and is the fastest of the three forms (timings: benchmarks/results/kernels.md).
 - group norm: a custom gradient that keeps only the input (in the compute dtype) and the
   per-(sample, group) mean and reciprocal standard deviation, and recomputes the rest in
   backward.
@@ -32,16 +30,14 @@ ACTIVATIONS = ("relu", "leaky_relu", "linear")
 # float32 kernel also has an AVX2 form with 8), by dtype; checked with ONEDNN_VERBOSE.
 ONEDNN_NORM_CHANNEL_MULTIPLE = {"float32": 8, "bfloat16": 16}
 # The most voxels per sample FusedBatchNormV3 (oneDNN, TF 2.21) normalises correctly: its float32
-# statistics accumulate linearly per channel, so at (1, 2^25 / 1024, 1024, 8) with values in [3, 4)
-# it returned mean 3.857 and variance 0.207 (true: 3.500, 0.083; normalised outputs off by 1.4),
-# while at 2^23 voxels the mean was within 1e-4. Larger volumes (kits19 from 224^3) use the slab
-# norm, whose sums run one spatial axis at a time in float32 (nets/reduce.py).
+# statistics accumulate linearly per channel and drift past this (measurement:
+# benchmarks/results/kernels.md). Larger samples (kits19 from 224^3) use norm_activation_large,
+# whose sums run over small slabs, one spatial axis at a time, in float32 (nets/reduce.py).
 FUSED_NORM_MAX_VOXELS = 2**23
-# The slab norm's slabs: its temporaries are float32 and several live at once, so a conv-sized
-# slab (2^29 elements, 2 GiB in float32) put kits19 at 224^3 (batch 2, bf16 + stages; 1.34 GiB
-# temporaries) past its plan, out of memory, and 2^25-element slabs still cost 1.2 GiB over the
-# fused norm at 128^3. It needs no halo, so its slabs are small, run as a tf.while_loop:
-# 2^22 elements (16 MiB in float32), one plane where a plane is more.
+# The slab norm's slabs: its temporaries are float32 and several live at once, so conv-sized
+# slabs (2^29 elements) ran past the memory plan (benchmarks/results/kernels.md). It needs no
+# halo, so its slabs are small, run as a tf.while_loop: 2^22 elements (16 MiB in float32), one
+# plane where a plane is more.
 NORM_SLAB_ELEMENTS = 2**22
 
 
@@ -120,7 +116,18 @@ def fused_norm_activation(x, gamma, beta, *, groups: int, epsilon: float, activa
     Statistics and every reduction are float32; the full-size elementwise work runs in x's dtype
     (bfloat16 under mixed precision), written as an affine map per (sample, channel): forward
     y = act(x * scale + shift); backward dx = k1 * dz + k2 * x + k3, so only a few tensors of
-    x's size and dtype are ever live.
+    x's size and dtype are ever live (a custom gradient that keeps only x).
+
+    Args:
+        x: ``(batch, D, H, W, C)``, C static and divisible by ``groups``; any float dtype.
+        gamma, beta: ``(C,)`` float32 scale and offset.
+        groups: channel groups (C for instance norm, 1 for layer norm).
+        epsilon: added to the variance.
+        activation: one of ``ACTIVATIONS``.
+        negative_slope: the leaky ReLU's slope for negative inputs (ignored otherwise).
+
+    Returns:
+        ``(batch, D, H, W, C)`` in x's dtype.
     """
     channels = x.shape[-1]
     per_group = channels // groups
@@ -202,9 +209,13 @@ def norm_activation_slabs(x, gamma, beta, *, groups: int, epsilon: float, activa
         x: (batch, D, H, W, C), static shape, any float dtype (the work runs in it).
         gamma, beta: (C,) float32.
         groups: channel groups (C for instance norm).
+        epsilon, activation, negative_slope: as ``fused_norm_activation``.
 
     Returns:
         (batch, D, H, W, C) in x's dtype, equal to ``fused_norm_activation`` (to float rounding).
+
+    Raises:
+        SlabTooLargeError: one depth plane of ``x`` is already past the kernel limit.
     """
     batch, depth, height, width, channels = x.shape
     per_group = channels // groups
@@ -300,9 +311,15 @@ def norm_activation_large(x, gamma, beta, *, groups: int, epsilon: float, activa
     gradient (ReluGrad), and dx = k1 dz + k2 (x - mean) + k3 as two inference-mode norms and an
     add. Those kernels may reuse their input's buffer, as the fused training-mode norm's gradient
     does; the slab loop's written-in-place outputs cannot, and held one more full-size tensor
-    per norm layer (kits19 bf16 at 128^3: +0.54 GiB over four norms, 288^3 out of memory).
+    per norm layer (enough to put kits19 at 288^3 out of memory; benchmarks/results/kernels.md).
 
-    Args and Returns: as ``norm_activation_slabs``.
+    Args:
+        x: ``(batch, D, H, W, C)``, static shape, under the kernel limit; any float dtype.
+        gamma, beta: ``(C,)`` float32.
+        groups, epsilon, activation, negative_slope: as ``fused_norm_activation``.
+
+    Returns:
+        ``(batch, D, H, W, C)`` in x's dtype, equal to ``fused_norm_activation`` (to float rounding).
     """
     batch, depth, height, width, channels = x.shape
     per_group = channels // groups
@@ -421,21 +438,30 @@ def instance_norm_activation(x, gamma, beta, *, epsilon: float, activation: str,
     """act(instance_norm(x)) as one FusedBatchNormV3 per sample; needs a static batch size.
 
     The kernel normalises with the biased variance in training mode, as instance norm does;
-    its variance output (Bessel-corrected, for moving averages) is not used.
+    its variance output (Bessel-corrected, for moving averages) is not used. Meant for samples
+    of at most FUSED_NORM_MAX_VOXELS voxels, whose statistics the kernel gets right.
+
+    Args:
+        x: ``(batch, D, H, W, C)`` with a static batch size and C; any float dtype.
+        gamma, beta: ``(C,)`` float32.
+        epsilon, activation, negative_slope: as ``fused_norm_activation``.
+
+    Returns:
+        ``(batch, D, H, W, C)`` in x's dtype.
     """
     samples = tf.split(x, x.shape[0]) if x.shape[0] > 1 else [x]
     shape = tf.shape(x)
     channels = x.shape[-1]
     # (1, D, H*W, C) in NHWC: the same per-channel statistics over space, and a 4-D
     # FusedBatchNormV3, which TF's oneDNN graph pass rewrites to oneDNN's batch normalisation
-    # (it leaves the 5-D form on the generic Eigen kernel, ~2.7x slower forward+backward).
+    # (it leaves the 5-D form on the generic Eigen kernel, which is slower).
     # oneDNN's vectorised kernel needs whole vectors of channels; otherwise it falls back to a
-    # reference kernel 3x slower than Eigen's (bf16, 8 channels at 128^3: 302 vs 90 ms), so
-    # such channel counts stay 5-D. The activation follows the norm directly, so TF's remapper
-    # can fuse a ReLU into it.
+    # reference kernel slower than Eigen's, so such channel counts stay 5-D. The activation
+    # follows the norm directly, so TF's remapper can fuse a ReLU into it. Timings of each
+    # choice: benchmarks/results/kernels.md.
     onednn = channels % ONEDNN_NORM_CHANNEL_MULTIPLE.get(x.dtype.name, 16) == 0
     # bfloat16 with a channel count only oneDNN's float32 kernel vectorises (8): that kernel,
-    # between casts, beats the 5-D one 2-3x (benchmarks/results/kernel_choices-*.json).
+    # between casts, beats the 5-D one (benchmarks/results/kernels.md).
     via_float32 = (not onednn and x.dtype == tf.bfloat16
                    and channels % ONEDNN_NORM_CHANNEL_MULTIPLE["float32"] == 0)
     as_4d = tf.stack([1, shape[1], -1, channels])
@@ -460,7 +486,32 @@ def instance_norm_activation(x, gamma, beta, *, epsilon: float, activation: str,
 
 @keras.saving.register_keras_serializable(package="bigmem")
 class NormActivation(keras.layers.Layer):
-    """Group normalisation (``groups=-1``: instance normalisation) fused with an activation."""
+    """Group normalisation (``groups=-1``: instance normalisation) fused with an activation.
+
+    Normalises each sample over space and each group of channels, then scales by ``gamma`` and
+    shifts by ``beta`` (one each per channel, float32 variables), then applies the activation.
+    Statistics are float32; the output has the layer's compute dtype. The kernel is chosen by
+    size: one fused batch norm per sample (instance norm), a custom gradient (group norm),
+    small-slab statistics past FUSED_NORM_MAX_VOXELS voxels per sample, depth slabs past the
+    kernel element limit (nets/slabs.py).
+
+    Args:
+        groups: channel groups; -1 (default) for one per channel (instance norm). The channel
+            count must be divisible by it.
+        epsilon: added to the variance (default 1e-5).
+        activation: ``"relu"`` (default), ``"leaky_relu"`` or ``"linear"``.
+        negative_slope: the leaky ReLU's slope for negative inputs (default 0.01).
+        zero_init: start ``gamma`` at 0 instead of 1 (the last norm of a residual branch).
+        **kwargs: passed to ``keras.layers.Layer`` (``name``, ``dtype``).
+
+    Raises:
+        ValueError: ``activation`` is not one of ``ACTIVATIONS``; on build, the channel count is
+            not divisible by ``groups``.
+
+    Example:
+        >>> norm = NormActivation(groups=-1, activation="leaky_relu")
+        >>> norm(keras.ops.ones((2, 16, 16, 16, 8))).shape  # (2, 16, 16, 16, 8)
+    """
 
     def __init__(self, groups: int = -1, epsilon: float = 1e-5, activation: str = "relu",
                  negative_slope: float = 0.01, zero_init: bool = False, **kwargs):
@@ -474,6 +525,7 @@ class NormActivation(keras.layers.Layer):
         self.zero_init = bool(zero_init)
 
     def build(self, input_shape):
+        """Create ``gamma`` and ``beta``, ``(C,)`` each, for ``input_shape`` ``(batch, D, H, W, C)``."""
         channels = int(input_shape[-1])
         groups = channels if self.groups == -1 else self.groups
         if channels % groups:
@@ -487,6 +539,7 @@ class NormActivation(keras.layers.Layer):
                                     initializer="zeros")
 
     def call(self, x):
+        """``(batch, D, H, W, C)`` -> normalised and activated, same shape, the compute dtype."""
         gamma = tf.cast(tf.convert_to_tensor(self.gamma), tf.float32)
         beta = tf.cast(tf.convert_to_tensor(self.beta), tf.float32)
         x = tf.cast(x, self.compute_dtype)
@@ -504,8 +557,10 @@ class NormActivation(keras.layers.Layer):
                                      activation=self.activation, negative_slope=self.negative_slope)
 
     def compute_output_shape(self, input_shape):
+        """The input's shape."""
         return input_shape
 
     def get_config(self):
+        """The constructor's arguments, for ``from_config`` and saving."""
         return {**super().get_config(), "groups": self.groups, "epsilon": self.epsilon,
                 "activation": self.activation, "negative_slope": self.negative_slope, "zero_init": self.zero_init}

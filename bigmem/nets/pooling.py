@@ -9,9 +9,19 @@ from bigmem.nets.slabs import exceeds_limit, max_pool3d_slabs
 
 @keras.saving.register_keras_serializable(package="bigmem")
 class MaxPooling3D(keras.layers.MaxPooling3D):
-    """``keras.layers.MaxPooling3D``; a cubic, non-overlapping "valid" pool past the limit runs in depth slabs."""
+    """``keras.layers.MaxPooling3D``; a cubic, non-overlapping "valid" pool past the limit runs in depth slabs.
+
+    Same arguments and outputs as ``keras.layers.MaxPooling3D``; the slab path
+    (``max_pool3d_slabs``) applies to channels-last inputs of static shape past the kernel
+    element limit (nets/limits.py).
+
+    Example:
+        >>> pool = MaxPooling3D(2)
+        >>> pool(keras.ops.zeros((1, 32, 32, 32, 8))).shape  # (1, 16, 16, 16, 8)
+    """
 
     def call(self, inputs):
+        """``(batch, D, H, W, C)`` -> ``(batch, D // p, H // p, W // p, C)`` for pool size ``p``."""
         shape = tuple(inputs.shape)
         if (len(shape) == 5 and None not in shape and exceeds_limit(shape) and self.padding == "valid"
                 and len(set(self.pool_size)) == 1 and tuple(self.strides) == tuple(self.pool_size)

@@ -44,7 +44,16 @@ class SlabTooLargeError(ValueError):
 
 
 def same_padding(length: int, kernel: int, stride: int) -> tuple[int, int]:
-    """(output length, padding before) of TF's "SAME" padding along one axis."""
+    """(output length, padding before) of TF's "SAME" padding along one axis.
+
+    Args:
+        length: the input's length in planes.
+        kernel: the kernel's length.
+        stride: the stride.
+
+    Returns:
+        ``(ceil(length / stride), padding before)``; TF puts the odd plane of padding after.
+    """
     out = -(-length // stride)
     total = max((out - 1) * stride + kernel - length, 0)
     return out, total // 2
@@ -68,7 +77,19 @@ class ConvFrame:
 
 
 def conv_frame(depth: int, kernel: int, stride: int, o0: int, o1: int) -> ConvFrame:
-    """The ``ConvFrame`` of output planes [o0, o1) of a "SAME" conv over ``depth`` input planes."""
+    """The ``ConvFrame`` of output planes [o0, o1) of a "SAME" conv over ``depth`` input planes.
+
+    Args:
+        depth: input planes of the whole volume.
+        kernel, stride: the conv's kernel length and stride along depth.
+        o0, o1: the wanted output planes, ``[o0, o1)``.
+
+    Returns:
+        The input range [a, b) to convolve and where the wanted planes sit in its output.
+
+    Raises:
+        ValueError: no input range lines up (not reached for ``kernel <= stride + 2``).
+    """
     _, pad = same_padding(depth, kernel, stride)
     window_start, window_stop = o0 * stride - pad, (o1 - 1) * stride - pad + kernel
     starts = [0] if window_start <= 0 else range(window_start, max(window_start - stride, 0) - 1, -1)
@@ -84,7 +105,15 @@ def conv_frame(depth: int, kernel: int, stride: int, o0: int, o1: int) -> ConvFr
 
 
 def split_evenly(length: int, parts: int) -> list[tuple[int, int]]:
-    """[start, stop) ranges of ``parts`` near-equal pieces of ``length``."""
+    """[start, stop) ranges of ``parts`` near-equal pieces of ``length``.
+
+    Args:
+        length: what to split (planes).
+        parts: how many pieces (empty pieces, when ``parts > length``, are left out).
+
+    Returns:
+        ``[(start, stop), ...]`` covering ``[0, length)`` in order.
+    """
     bounds = [round(i * length / parts) for i in range(parts + 1)]
     return [(bounds[i], bounds[i + 1]) for i in range(parts) if bounds[i + 1] > bounds[i]]
 
@@ -92,8 +121,16 @@ def split_evenly(length: int, parts: int) -> list[tuple[int, int]]:
 def plan_slabs(length: int, fits: Callable[[int, int], bool], *, what: str) -> list[tuple[int, int]]:
     """The fewest near-equal ranges of ``length`` planes for which ``fits(start, stop)`` holds for all.
 
+    Args:
+        length: planes to partition.
+        fits: whether the slab ``[start, stop)`` stays under the limit.
+        what: the op and shape, for the error message.
+
+    Returns:
+        ``[(start, stop), ...]`` covering ``[0, length)`` in order.
+
     Raises:
-        SlabTooLargeError: if even one plane per slab does not fit.
+        SlabTooLargeError: if even one plane per slab does not fit, or no partition does.
     """
     if not all(fits(p, p + 1) for p in (0, length // 2, length - 1)):
         raise SlabTooLargeError(f"{what}: a single depth plane with its halo exceeds the kernel limit of "
@@ -125,6 +162,14 @@ class PlaneWriter:
 
     Each write waits for the previous one (``after`` gives the dependency to put on the next
     slab's work), so slabs never run side by side.
+
+    Args:
+        shape: the full tensor's static shape ``(B, D, H, W, C)``.
+        dtype: its dtype.
+
+    Example:
+        >>> writer = PlaneWriter((1, 4, 8, 8, 2), tf.float32)
+        >>> writer.write(0, 0, tf.ones((1, 4, 8, 8, 2)))  # then writer.result(): (1, 4, 8, 8, 2)
     """
 
     def __init__(self, shape: Sequence[int], dtype):
@@ -135,6 +180,7 @@ class PlaneWriter:
 
     @property
     def after(self) -> list[tf.Tensor]:
+        """Control dependencies that make the next slab's work wait for the last write."""
         return [self.rows]
 
     def write(self, sample: int, start: int, values: tf.Tensor) -> None:
@@ -146,6 +192,11 @@ class PlaneWriter:
         self.written += count
 
     def result(self) -> tf.Tensor:
+        """The filled tensor, ``shape``.
+
+        Raises:
+            RuntimeError: not every plane was written (a bug in the caller).
+        """
         if self.written != self.shape[0] * self.depth:  # a bug in a caller, never a user error
             raise RuntimeError(f"PlaneWriter: {self.written} of {self.shape[0] * self.depth} planes written")
         return tf.reshape(self.rows, self.shape)
@@ -255,8 +306,8 @@ def conv3d_slabs(x: tf.Tensor, kernel: tf.Tensor, stride: int = 1,
                         piece = tf.zeros((1, i1 - i0, height, width, in_channels), x.dtype)
                     dx.write(sample, i0, piece)
             dx = dx.result()
-            # Summed in float32: a bfloat16 running sum rounds at every slab (past 2^31 elements, 17
-            # slabs put a block's kernel gradient 2.7% off, against 0.6% for one unpartitioned call).
+            # Summed in float32: a bfloat16 running sum rounds at every slab, and over many slabs
+            # drifts well past one unpartitioned call's error (benchmarks/results/kernels.md).
             dkernel = tf.zeros(kernel_shape, tf.float32)
             for sample in range(batch):
                 for frame in frames:
@@ -284,6 +335,10 @@ def conv3d_transpose_slabs(x: tf.Tensor, kernel: tf.Tensor, stride: int) -> tf.T
 
     Returns:
         (batch, k*D, k*H, k*W, C_out), without bias.
+
+    Raises:
+        ValueError: the kernel is not ``stride`` on every axis.
+        SlabTooLargeError: if one depth plane is already past the limit.
     """
     batch, depth, height, width, in_channels = x.shape
     k = kernel.shape[0]
@@ -336,6 +391,16 @@ def max_pool3d_slabs(x: tf.Tensor, pool: int) -> tf.Tensor:
 
     Output planes [o0, o1) read input planes [pool*o0, pool*o1) alone; input planes past the last
     whole window (odd sizes) get a zero gradient, as in TF's own gradient.
+
+    Args:
+        x: ``(batch, D, H, W, C)``, static shape.
+        pool: the window and stride on every spatial axis.
+
+    Returns:
+        ``(batch, D // pool, H // pool, W // pool, C)``.
+
+    Raises:
+        SlabTooLargeError: if ``pool`` depth planes are already past the limit.
     """
     batch, depth, height, width, channels = x.shape
     out_depth = depth // pool
@@ -359,7 +424,8 @@ def max_pool3d_slabs(x: tf.Tensor, pool: int) -> tf.Tensor:
 
         def grad(dy):
             # TF's own gradient of each slab's pool (the forward recomputed under a tape): a bare
-            # MaxPool3DGrad cannot use oneDNN's forward workspace and ran 40x slower here.
+            # MaxPool3DGrad cannot use oneDNN's forward workspace and is far slower
+            # (benchmarks/results/kernels.md).
             dy_planes = as_planes(dy)
             dx = PlaneWriter(x.shape, x.dtype)
             for sample in range(batch):
