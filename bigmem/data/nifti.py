@@ -24,6 +24,8 @@ _NIFTI_SUFFIX = re.compile(r"(_\d{4})?\.nii(\.gz)?$")  # nnU-Net names channel f
 
 @dataclass
 class SourceCase:
+    """One case to convert: its id and its image and label files."""
+
     case_id: str
     image: Path
     label: Path
@@ -31,6 +33,8 @@ class SourceCase:
 
 @dataclass
 class SourceDataset:
+    """The cases of a source folder (or of two globs), with its channel and class names."""
+
     cases: list[SourceCase]
     channel_names: list[str]
     label_names: list[str]  # index = label value; values are 0..K-1
@@ -40,6 +44,7 @@ class SourceDataset:
 
 
 def case_id_of(path: Path) -> str:
+    """The case id of a NIfTI file: its name without ``.nii[.gz]`` and nnU-Net's ``_0000`` channel suffix."""
     return _NIFTI_SUFFIX.sub("", path.name)
 
 
@@ -58,7 +63,23 @@ def _label_table(labels: dict, where: str) -> list[str]:
 
 
 def read_msd(src: str | Path) -> SourceDataset:
-    """The training cases listed by an MSD folder's dataset.json (or that file itself)."""
+    """The training cases listed by an MSD folder's dataset.json (or that file itself).
+
+    Args:
+        src: the folder holding dataset.json, imagesTr/ and labelsTr/, or dataset.json itself.
+
+    Returns:
+        A ``SourceDataset`` with declared channel and label names; a case id listed twice is
+        kept once and reported in ``problems``.
+
+    Raises:
+        DataError: no or unreadable dataset.json, labels that are not 0..K-1, a training entry
+            without image or label, or no training cases.
+
+    Example:
+        >>> dataset = read_msd("Task01_BrainTumour")
+        >>> dataset.channel_names, len(dataset.cases)  # (['FLAIR', 'T1w', 't1gd', 'T2w'], 484)
+    """
     src = Path(src)
     json_path = src / "dataset.json" if src.is_dir() else src
     if not json_path.is_file():
@@ -90,7 +111,19 @@ def read_msd(src: str | Path) -> SourceDataset:
 
 
 def read_globs(images: str, labels: str) -> SourceDataset:
-    """Cases from two globs, paired by case id (the file name without .nii[.gz] and _0000)."""
+    """Cases from two globs, paired by case id (the file name without .nii[.gz] and _0000).
+
+    Args:
+        images: a glob of image files, e.g. ``"imagesTr/*.nii.gz"``.
+        labels: a glob of label files.
+
+    Returns:
+        A ``SourceDataset`` whose classes come from the data (``declared_labels=False``); an
+        image without a label, or a case id matched twice, is reported in ``problems``.
+
+    Raises:
+        DataError: ``images`` matches no file.
+    """
     image_paths = sorted(Path(p) for p in glob.glob(images))
     label_paths = {case_id_of(Path(p)): Path(p) for p in glob.glob(labels)}
     if not image_paths:
@@ -110,6 +143,7 @@ def read_globs(images: str, labels: str) -> SourceDataset:
 
 
 def sha256(path: Path) -> str:
+    """The SHA-256 of a file's bytes, as hex (read in 1 MiB blocks)."""
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
         for block in iter(lambda: handle.read(1 << 20), b""):
@@ -119,6 +153,8 @@ def sha256(path: Path) -> str:
 
 @dataclass
 class LoadedCase:
+    """One case in memory, in canonical orientation, checked: image, label and geometry."""
+
     case_id: str
     image: np.ndarray  # (D, H, W, C) float32, canonical (RAS) orientation
     label: np.ndarray  # (D, H, W) uint8, canonical
@@ -145,6 +181,8 @@ def _load(path: Path, case_id: str, what: str):
 
 @dataclass
 class LoadedImage:
+    """One image in memory, in canonical orientation, checked, with its geometry (no label)."""
+
     image: np.ndarray  # (D, H, W, C) float32, canonical (RAS) orientation
     affine: np.ndarray  # canonical affine
     source_affine: np.ndarray
@@ -190,7 +228,23 @@ def load_image(path: Path, case_id: str, *, num_channels: int | None = None) -> 
 
 
 def load_case(case: SourceCase, *, num_channels: int | None, label_values: int | None) -> LoadedCase:
-    """Load one case in canonical orientation, checking what can be checked."""
+    """Load one case in canonical orientation, checking what can be checked.
+
+    Args:
+        case: the case's files.
+        num_channels: the channels expected, or None to accept any.
+        label_values: the number of classes expected (values 0..N-1), or None for any uint8.
+
+    Returns:
+        A ``LoadedCase``: image ``(D, H, W, C)`` float32 and label ``(D, H, W)`` uint8 in the
+        closest canonical (RAS) orientation, the canonical and source affines, the source
+        shape and the voxel spacing in mm.
+
+    Raises:
+        DataError: a file is missing or unreadable; the image is not 3D/4D or has the wrong
+            channel count or NaN/Inf; the label is not 3D, has another shape or grid than the
+            image, or holds non-integer, negative, undeclared or > 255 values.
+    """
     loaded = load_image(case.image, case.case_id, num_channels=num_channels)
     image = loaded.image
     label_img, _, label = _load(case.label, case.case_id, "label")

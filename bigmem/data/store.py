@@ -30,6 +30,8 @@ DEFAULT_CHUNK_EDGE = 64
 
 @dataclass(frozen=True)
 class CaseInfo:
+    """One case of a store as its layout describes it: id, ``(D, H, W)``, channels, image dtype."""
+
     case_id: str
     shape: tuple[int, int, int]
     num_channels: int
@@ -37,16 +39,35 @@ class CaseInfo:
 
 
 class HDF5VolumeStore:
-    """Read-only access to a bigmem store; checks the layout when opened, the values when read."""
+    """Read-only access to a bigmem store; checks the layout when opened, the values when read.
+
+    Opening reads the root attributes and every case's shapes (not its voxels). Images read as
+    ``(D, H, W, C)`` float32, labels as ``(D, H, W)`` uint8. A handle is opened per process and
+    reopened after a fork, so a store may be passed to reader processes.
+
+    Args:
+        path: the store's file.
+        cold_cache: drop the store's pages from the page cache after every read
+            (posix_fadvise DONTNEED), to behave as a dataset larger than RAM would (default False).
+        direct_read: read contiguous, uncompressed datasets with one pread at their file offset
+            straight into the array, with no HDF5 layer or intermediate copy (default True).
+        check_finite: check every read image for NaN/Inf here (default True); the input pipeline
+            turns it off and checks the mean it computes for normalisation anyway, saving a pass
+            over the data.
+        holdout: keep the last N cases (sorted ids) out of ``cases``, in ``held_out`` (default 0).
+
+    Raises:
+        DataError: the file is missing, not HDF5, not a bigmem store, of a newer store version,
+            has no cases or a case with a missing dataset or inconsistent shapes or channels; or
+            ``holdout`` would leave no case.
+
+    Example:
+        >>> with HDF5VolumeStore("synth.h5") as store:
+        ...     image, label = store.read_case(store.case_ids[0])  # (D, H, W, C) float32, (D, H, W) uint8
+    """
 
     def __init__(self, path: str | os.PathLike, *, cold_cache: bool = False, direct_read: bool = True,
                  check_finite: bool = True, holdout: int = 0):
-        """``cold_cache``: drop the store's pages from the page cache after every read
-        (posix_fadvise DONTNEED), to behave as a dataset larger than RAM would.
-        ``direct_read``: read contiguous, uncompressed datasets with one pread at their file
-        offset straight into the array (no HDF5 layer, no intermediate copy).
-        ``check_finite``: check every read image for NaN/Inf here; the input pipeline turns it off
-        and checks the mean it computes for normalisation anyway, saving a pass over the data."""
         self.path = Path(path)
         self.check_finite = check_finite
         self.cold_cache = cold_cache
@@ -162,10 +183,12 @@ class HDF5VolumeStore:
 
     @property
     def case_ids(self) -> list[str]:
+        """The training cases' ids, sorted (held-out cases excluded)."""
         return [c.case_id for c in self.cases]
 
     @property
     def num_channels(self) -> int:
+        """Image channels C (the same for every case)."""
         return self.cases[0].num_channels
 
     @property
@@ -174,10 +197,21 @@ class HDF5VolumeStore:
         return sum(int(np.prod(c.shape)) * (4 * c.num_channels + 1) for c in self.cases)
 
     def read_case(self, case_id: str) -> tuple[np.ndarray, np.ndarray]:
-        """The image (float32, D,H,W,C) and label (uint8, D,H,W) of one case, checked."""
+        """The image and label of one case, checked.
+
+        Args:
+            case_id: a case of the store (held-out cases too).
+
+        Returns:
+            ``(image (D, H, W, C) float32, label (D, H, W) uint8)``.
+
+        Raises:
+            DataError: no such case, a read error (truncated or corrupt file), NaN/Inf image
+                values (when ``check_finite``), or a label value >= ``num_classes``.
+        """
         handle = self._handle()
         try:
-            if case_id not in self._layout:  # looked up once: h5py object access costs ~1 ms a case
+            if case_id not in self._layout:  # looked up once: h5py object access is slow per case
                 case = handle["cases"][case_id]
                 parts = (self._contiguous(case["image"]), self._contiguous(case["label"]))
                 self._layout[case_id] = parts if self.direct_read and None not in parts else None
@@ -197,7 +231,17 @@ class HDF5VolumeStore:
         return self._checked(case_id, image, label)
 
     def read_label(self, case_id: str) -> np.ndarray:
-        """The label map of one case (uint8, D,H,W), e.g. to find foreground for patch sampling."""
+        """The label map of one case, e.g. to find foreground for patch sampling.
+
+        Args:
+            case_id: a case of the store.
+
+        Returns:
+            ``(D, H, W)`` uint8 (values not checked).
+
+        Raises:
+            DataError: no such case, or a read error.
+        """
         try:
             label = np.asarray(self._read(self._handle()["cases"][case_id]["label"]))
             self._drop_cache()
@@ -206,7 +250,19 @@ class HDF5VolumeStore:
             raise DataError(f"Case {case_id!r}: cannot read its label from {str(self.path)!r} ({exc}).") from None
 
     def read_patch(self, case_id: str, start: tuple[int, int, int], size: tuple[int, int, int]):
-        """A patch (image, label) starting at ``start``; only the chunks it overlaps are read."""
+        """A patch starting at ``start``; only the chunks it overlaps are read.
+
+        Args:
+            case_id: a case of the store.
+            start: the patch's first voxel ``(d, h, w)``.
+            size: its extent ``(d, h, w)`` in voxels; cut off at the case's edge.
+
+        Returns:
+            ``(image (d, h, w, C) float32, label (d, h, w) uint8)``, checked as ``read_case``'s.
+
+        Raises:
+            DataError: as ``read_case``.
+        """
         region = tuple(slice(s, s + n) for s, n in zip(start, size))
         try:
             case = self._handle()["cases"][case_id]
@@ -219,8 +275,8 @@ class HDF5VolumeStore:
 
     def _checked(self, case_id: str, image: np.ndarray, label: np.ndarray):
         # One pass, no temporary: the sum is finite unless a value is NaN/Inf (or finite values
-        # overflow float32, which the exact count below then clears). Measured on 192^3: 1.2 ms,
-        # against 3.0 ms for a float64 sum and 1.1 ms + a 7 MB temporary for isfinite.
+        # overflow float32, which the exact count below then clears). As fast as isfinite without
+        # its full-size temporary (timings: benchmarks/results/input_pipeline.md).
         if not self.check_finite or np.isfinite(np.sum(image)):
             bad = 0
         else:
@@ -234,6 +290,7 @@ class HDF5VolumeStore:
         return image, label.astype(np.uint8, copy=False)
 
     def close(self) -> None:
+        """Close this process's file handles (the store reopens on the next read)."""
         if self._file is not None and self._pid == os.getpid():
             self._file.close()
             if self._fd is not None:
@@ -269,6 +326,10 @@ class WriteThrottle:
     A storage study of MLPerf training found that ingest running beside training slowed it by up
     to ~30%, and that larger write blocks or a rate limit removed most of the loss. After each
     block the file is flushed, so the kernel sees writes of about that size at about that rate.
+
+    Args:
+        rate_bytes_per_s: the most bytes per second on average (default None: no limit).
+        block_bytes: bytes per write and flush (default None: each array at once).
     """
 
     def __init__(self, rate_bytes_per_s: float | None = None, block_bytes: int | None = None):
@@ -279,10 +340,17 @@ class WriteThrottle:
 
     @property
     def active(self) -> bool:
+        """Whether a rate or block size is set (otherwise arrays are written directly)."""
         return bool(self.rate or self.block_bytes)
 
     def write(self, handle: h5py.File, dataset: h5py.Dataset, array: np.ndarray) -> None:
-        """Write ``array`` into ``dataset`` along axis 0 in blocks (whole chunks when chunked)."""
+        """Write ``array`` into ``dataset`` along axis 0 in blocks (whole chunks when chunked).
+
+        Args:
+            handle: the open file, flushed after each block.
+            dataset: the dataset to fill, of ``array``'s shape.
+            array: the values.
+        """
         import time
 
         plane = array[0].nbytes if array.shape[0] else 1
@@ -307,6 +375,23 @@ class StoreWriter:
 
     Used as a context manager: an exception (or a missing commit) removes the temporary file,
     so a half-written store never stays behind.
+
+    Args:
+        path: the store to write.
+        num_classes: label values are ``0..num_classes - 1``.
+        channel_names: one name per image channel (their number is the channel count).
+        label_names: one name per class (default ``class0``, ``class1``, ...).
+        compression: an h5py filter such as ``"gzip"`` (default None: uncompressed).
+        chunk_edge: chunk edge in voxels (default DEFAULT_CHUNK_EDGE, 64); None: contiguous
+            datasets, which ``HDF5VolumeStore`` reads with one pread (chunks are still used when
+            compressed).
+        append: add cases to the existing store at ``path`` (worked on as a copy until commit).
+        throttle: how writes are paced (default: unthrottled).
+
+    Example:
+        >>> with StoreWriter("out.h5", num_classes=2, channel_names=["CT"]) as writer:
+        ...     writer.add_case("case_000", np.zeros((32, 32, 32, 1), np.float32), np.zeros((32, 32, 32), np.uint8))
+        ...     writer.commit()  # out.h5 now holds one case
     """
 
     def __init__(self, path: str | os.PathLike, *, num_classes: int, channel_names: Sequence[str],
@@ -335,15 +420,32 @@ class StoreWriter:
 
     @property
     def case_ids(self) -> list[str]:
+        """The cases written so far (with ``append``, the existing ones too)."""
         return list(self._cases)
 
     def set_root_attr(self, name: str, value) -> None:
+        """Set the root attribute ``name`` (e.g. ``num_classes``) to ``value``."""
         self._file.attrs[name] = value
 
     def add_case(self, case_id: str, image: np.ndarray, label: np.ndarray, *,
                  spacing: Sequence[float] = (1.0, 1.0, 1.0), affine: np.ndarray | None = None,
                  source_affine: np.ndarray | None = None, source_image: str = "", source_label: str = "",
                  attrs: dict | None = None) -> None:
+        """Write one case under ``/cases/<case_id>``.
+
+        Args:
+            case_id: the case's id (unique in the store).
+            image: ``(D, H, W)`` or ``(D, H, W, C)``, stored in its own dtype.
+            label: ``(D, H, W)``, stored as uint8.
+            spacing: voxel spacing in mm (default 1 mm on each axis).
+            affine: the 4x4 voxel-to-world affine (default identity).
+            source_affine: the source file's affine (default ``affine``).
+            source_image, source_label: the source files' paths.
+            attrs: more case attributes.
+
+        Raises:
+            DataError: the shapes or channel count do not match, or ``case_id`` is already there.
+        """
         if image.ndim == 3:
             image = image[..., np.newaxis]
         if image.shape[:3] != label.shape or image.shape[3] != self.num_channels:
@@ -377,11 +479,13 @@ class StoreWriter:
         group.attrs["source_label"] = source_label
 
     def commit(self) -> Path:
+        """Close the temporary file and rename it to ``path``; returns ``path``."""
         self._file.close()
         os.replace(self.tmp_path, self.path)
         return self.path
 
     def abort(self) -> None:
+        """Close and remove the temporary file; ``path`` is left as it was."""
         if self._file.id.valid:
             self._file.close()
         self.tmp_path.unlink(missing_ok=True)
