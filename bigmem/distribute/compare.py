@@ -42,7 +42,18 @@ def _run_train(argv: list[str], out: Path) -> dict:
 
 
 def evaluate(model_path: Path, store_path: str, case_ids: list[str], volume: int) -> float:
-    """Mean foreground Dice of the model on whole held-out volumes (crop/pad to ``volume``)."""
+    """Mean foreground Dice of the model on whole held-out volumes (crop/pad to ``volume``).
+
+    Args:
+        model_path: a saved Keras model (a run's ``model.keras``).
+        store_path: the store holding the cases.
+        case_ids: the held-out cases.
+        volume: the cube edge in voxels each case is cropped/padded to.
+
+    Returns:
+        The mean over cases of the mean Dice over the foreground classes (a class absent from
+        both prediction and label counts 1).
+    """
     import keras
 
     import bigmem.nets.unet3d  # noqa: F401  (registers UNet3D for loading)
@@ -95,6 +106,41 @@ def largest_whole_volumes(config: ExperimentConfig, gpu_memory_bytes: int,
 def compare(config: ExperimentConfig, out: Path, *, replicas: int, simulate: bool, gpu_memory_bytes: int,
             steps: int | None, time_budget_s: float | None, common: list[str], progress=print,
             memory_budget_bytes: int | None = None) -> dict:
+    """Train the big-memory CPU path and the data-parallel baseline alike, then compare them.
+
+    Each path is a ``bigmem train`` run in its own process under ``out`` (``cpu_bigmem/``: whole
+    volumes; ``data_parallel/``: the mirrored strategy on patches). Both are evaluated on the
+    store's held-out whole volumes, and the planner gives the largest whole volume each could
+    train. Writes ``compare.json``, ``compare.md`` and ``compare.png`` to ``out``.
+
+    Args:
+        config: the compared configuration (for the planner's largest volumes).
+        out: the output folder (created).
+        replicas: data-parallel replicas (GPUs, or simulated CPU devices).
+        simulate: simulate the replicas as logical CPU devices instead of using GPUs.
+        gpu_memory_bytes: one GPU's memory, for the patch size and the largest whole volume.
+        steps: training steps of each run, when ``time_budget_s`` is None.
+        time_budget_s: seconds of training for each run instead of a step count.
+        common: ``bigmem train`` flags both runs share (model, data, seed, ...).
+        progress: called with one line per phase (default ``print``).
+        memory_budget_bytes: the host's budget for the largest whole volume (default: as
+            ``memory.preflight.resolve_budget`` decides without one).
+
+    Returns:
+        The report (``compare.json``): ``simulated``, ``replicas``, ``gpu_memory_bytes``,
+        ``model``, ``volume``, ``held_out_cases``, ``patch_size`` and ``paths``: for each of
+        ``cpu_bigmem`` and ``data_parallel``, throughput (``voxels_per_s``, ``samples_per_s``,
+        ``step_s``), ``peak_host_bytes``, ``train_s``, ``steps``, Dice (``final_train_dice``,
+        held-out ``dice``), ``max_whole_volume`` (edge in voxels), the training ``curve`` and
+        ``run_dir``.
+
+    Raises:
+        BigmemError: a training run failed (the message ends with its last line of stderr).
+
+    Example:
+        >>> report = compare(config, Path("cmp"), replicas=2, simulate=True, gpu_memory_bytes=16 * 2**30,
+        ...                  steps=20, time_budget_s=None, common=["--model", "tiny", "--holdout", "2"])
+    """
     out.mkdir(parents=True, exist_ok=True)
     budget = ["--time-budget", str(time_budget_s), "--steps", "1000000"] if time_budget_s else ["--steps", str(steps)]
     base = [*common, *budget, "--checkpoint-every", "1000000"]
@@ -135,6 +181,7 @@ def _held_out(store_path: str, holdout: int) -> list[str]:
 
 
 def rows(report: dict) -> list[tuple[str, str, str]]:
+    """The comparison table of ``report``: (quantity, big-memory CPU, data parallel), formatted."""
     cpu, dp = report["paths"]["cpu_bigmem"], report["paths"]["data_parallel"]
     return [
         ("voxels/s", f"{cpu['voxels_per_s'] / 1e6:.2f} M", f"{dp['voxels_per_s'] / 1e6:.2f} M"),
@@ -151,6 +198,7 @@ def rows(report: dict) -> list[tuple[str, str, str]]:
 
 
 def markdown(report: dict) -> str:
+    """``compare.md``: what was compared (SIMULATED when it was) and the ``rows`` table."""
     where = (f"{report['replicas']} logical CPU devices — SIMULATED ON CPU, not a GPU result" if report["simulated"]
              else f"{report['replicas']} GPUs")
     lines = [f"# bigmem compare: {report['model']}", "",
@@ -161,6 +209,7 @@ def markdown(report: dict) -> str:
 
 
 def plot(report: dict, path: Path) -> None:
+    """Write ``compare.png`` to ``path`` (atomically): throughput, peak host memory, Dice over time."""
     import matplotlib
 
     matplotlib.use("Agg")
