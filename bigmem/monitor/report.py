@@ -38,13 +38,16 @@ class RunData:
 
     @property
     def finished(self) -> bool:
+        """Whether the run wrote its summary.json."""
         return self.summary is not None
 
     def column(self, name: str) -> list[float]:
+        """One monitor.csv column by name ([] when the run has no such column)."""
         return self.monitor.get(name, [])
 
     @property
     def node_columns(self) -> list[str]:
+        """monitor.csv's per-NUMA-node columns (``node<N>_used_bytes``), by node number."""
         return sorted((c for c in self.monitor if c.startswith("node") and c.endswith("_used_bytes")),
                       key=lambda c: int(c[4:-len("_used_bytes")]))
 
@@ -69,6 +72,18 @@ def read_monitor(path: Path) -> dict[str, list[float]]:
 
 
 def read_run(path: str | os.PathLike) -> RunData:
+    """Read a run directory, finished or still running.
+
+    Args:
+        path: the run directory.
+
+    Returns:
+        Its ``RunData`` (files the run has not written yet are empty or None).
+
+    Raises:
+        DataError: no such directory, neither metrics.jsonl nor monitor.csv, or a JSON file that
+            does not parse.
+    """
     run = RunDir(path)
     if not run.path.is_dir():
         raise DataError(f"Cannot report on {str(path)!r}: no such directory.")
@@ -168,6 +183,15 @@ def _label(run: RunData, what: str, runs: list[RunData]) -> str:
 
 
 def make_plots(runs: list[RunData], out: Path) -> dict[str, Path]:
+    """Write one PNG per name in PLOTS to ``out``, the runs overlaid.
+
+    Args:
+        runs: one or two runs.
+        out: an existing folder.
+
+    Returns:
+        ``{plot name: PNG path}``.
+    """
     steps_x = "step"
     time_x = "time (s)"
     paths: dict[str, Path] = {}
@@ -232,6 +256,15 @@ def _num(value, spec: str, suffix: str = "") -> str:
 
 
 def markdown(summaries: list[dict], plots: dict[str, Path]) -> str:
+    """report.md: a table with one column per run (``summarise``'s figures) and the plots.
+
+    Args:
+        summaries: ``summarise`` of each run.
+        plots: ``make_plots``' result.
+
+    Returns:
+        The Markdown text.
+    """
     heads = [Path(s["run_dir"]).name for s in summaries]
     lines = ["# bigmem report", "", "| | " + " | ".join(heads) + " |", "|---|" + "---|" * len(heads)]
 

@@ -55,6 +55,7 @@ def block_device_of(path: str | os.PathLike | None, sys_root: str = "/") -> str 
 
 
 def gpu_columns(num_gpus: int) -> tuple[str, ...]:
+    """monitor.csv's GPU columns: ``gpu<i>_util_percent`` and ``gpu<i>_memory_used_bytes`` per GPU."""
     return tuple(column for index in range(num_gpus)
                  for column in (f"gpu{index}_util_percent", f"gpu{index}_memory_used_bytes"))
 

@@ -80,6 +80,7 @@ class NodePeakSampler:
         self._thread = threading.Thread(target=self._loop, name="bigmem-numa-sampler", daemon=True)
 
     def sample(self) -> None:
+        """Read the per-node resident bytes once, raise ``peak_bytes`` where higher, and set the next wait."""
         start = self._clock()
         for node, value in node_resident_bytes(self.pid).items():
             self.peak_bytes[node] = max(self.peak_bytes.get(node, 0), value)

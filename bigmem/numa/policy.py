@@ -22,6 +22,8 @@ POLICY_FORMS = "interleave[:NODES], local, bind:NODES, preferred:N or none (NODE
 
 
 class PolicyKind(str, Enum):
+    """The memory policies ``--numa`` accepts (see the module docstring)."""
+
     INTERLEAVE = "interleave"
     LOCAL = "local"
     BIND = "bind"
@@ -49,6 +51,11 @@ class Placement:
                 PolicyKind.NONE: "default"}[self.kind]
 
     def to_dict(self) -> dict:
+        """The placement as JSON values (``numa.json``'s ``requested``).
+
+        Returns:
+            ``{policy, text, nodes, cpus, intra_op_threads, inter_op_threads}``.
+        """
         return {"policy": self.kind.value, "text": self.text, "nodes": list(self.nodes), "cpus": list(self.cpus),
                 "intra_op_threads": self.intra_op_threads, "inter_op_threads": self.inter_op_threads}
 

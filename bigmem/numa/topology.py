@@ -30,6 +30,8 @@ def parse_cpulist(text: str) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class NUMANode:
+    """One NUMA node: its CPUs, its memory (total, and free including reclaimable page cache) and distances."""
+
     node_id: int
     cpus: tuple[int, ...]
     total_bytes: int
@@ -39,18 +41,33 @@ class NUMANode:
 
 @dataclass(frozen=True)
 class NUMATopology:
+    """The machine's NUMA nodes, as read by ``from_sysfs``."""
+
     nodes: tuple[NUMANode, ...]
     source: str  # where it was read from
 
     @property
     def num_nodes(self) -> int:
+        """The number of nodes."""
         return len(self.nodes)
 
     @property
     def total_bytes(self) -> int:
+        """Memory of all nodes together, in bytes."""
         return sum(n.total_bytes for n in self.nodes)
 
     def node(self, node_id: int) -> NUMANode:
+        """The node with id ``node_id``.
+
+        Args:
+            node_id: the kernel's node number.
+
+        Returns:
+            That ``NUMANode``.
+
+        Raises:
+            KeyError: no such node.
+        """
         for node in self.nodes:
             if node.node_id == node_id:
                 return node
@@ -80,6 +97,7 @@ class NUMATopology:
         return cls(tuple(nodes), source=str(base))
 
     def to_dict(self) -> dict:
+        """The topology as JSON values: ``{source, nodes: [{node, cpus, total_bytes, free_bytes, distances}]}``."""
         return {"source": self.source, "nodes": [
             {"node": n.node_id, "cpus": list(n.cpus), "total_bytes": n.total_bytes, "free_bytes": n.free_bytes,
              "distances": list(n.distances)} for n in self.nodes]}
