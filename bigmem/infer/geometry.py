@@ -138,9 +138,11 @@ class CaseGeometry:
         Returns:
             The case's ``CaseGeometry``.
 
+        A case not written by ``bigmem convert`` (a ``bigmem synth`` phantom) has no source file:
+        its geometry is its own grid (no crop, pad, resampling or reorientation; its ``affine``).
+
         Raises:
-            DataError: the case is not in the store, or lacks convert's attributes (a ``bigmem synth``
-                store has no source file to map back to).
+            DataError: the case is not in the store, or has only some of convert's attributes.
 
         Example:
             >>> geometry = CaseGeometry.from_store("brats.h5", "BRATS_001")
@@ -158,6 +160,12 @@ class CaseGeometry:
                 store_shape = case["label"].shape
         except OSError as exc:
             raise DataError(f"Cannot read case {case_id!r} from store {str(path)!r} ({exc}).") from None
+        if not any(name in attrs for name in ("source_shape", "canonical_shape", "crop_pad")):
+            # Not written by convert (``bigmem synth``): the store grid is the source grid.
+            affine = np.asarray(attrs.get("affine", np.diag([*attrs.get("spacing", (1.0, 1.0, 1.0)), 1.0])))
+            spacing = tuple(float(s) for s in attrs.get("spacing", np.linalg.norm(affine[:3, :3], axis=0)))
+            return cls(case_id, tuple(store_shape), affine, tuple(store_shape), affine, tuple(store_shape),
+                       ((0, 0),) * 3, spacing)
         missing = [name for name in ("source_shape", "source_affine", "canonical_shape", "affine", "crop_pad",
                                      "spacing") if name not in attrs]
         if missing:

@@ -240,10 +240,28 @@ def test_prepare_nifti_needs_a_store_that_records_its_conversion(tmp_path, tiny_
 # ---- errors ------------------------------------------------------------------------------------------
 
 
+def test_a_synthetic_case_is_its_own_source(tiny_store):
+    """A phantom has no source file: predictions are written in its store grid, its labels are the reference."""
+    geometry = CaseGeometry.from_store(tiny_store, "synth_0000")
+    assert geometry.source_shape == geometry.store_shape == (16, 16, 16) and not geometry.resampled
+    with HDF5VolumeStore(tiny_store) as store:
+        label = store.read_label("synth_0000")
+    mapped, affine, spacing = source_label_from_store(tiny_store, "synth_0000")
+    np.testing.assert_array_equal(mapped, label)
+    np.testing.assert_allclose(affine, np.eye(4))
+    assert spacing == (1.0, 1.0, 1.0)
+    one_hot = np.eye(3, dtype=np.float32)[label]
+    np.testing.assert_array_equal(labels_to_source(one_hot, geometry), label)
+
+
 def test_geometry_errors(tmp_path, tiny_store):
+    partial = tmp_path / "partial.h5"
+    partial.write_bytes(tiny_store.read_bytes())
+    with h5py.File(partial, "r+") as handle:
+        handle["cases/synth_0000"].attrs["crop_pad"] = np.zeros((3, 2), np.int64)
     with pytest.raises(DataError, match=r"Case 'synth_0000': no source_shape, .* attribute\(s\) in .*expected a "
                                         r"store written by 'bigmem convert'"):
-        CaseGeometry.from_store(tiny_store, "synth_0000")
+        CaseGeometry.from_store(partial, "synth_0000")
     case = _write_case(tmp_path / "src", "e", (17, 18, 19), PLAIN)
     store = _convert(tmp_path, [case])
     with pytest.raises(DataError, match=r"Case 'nope' is not in store"):
