@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 
 import keras
@@ -218,8 +220,7 @@ def test_stock_layers_build_the_same_network_from_keras_layers():
     """The plain-Keras baseline of bench_train.py: same parameters, Keras's own norm and concatenation."""
     config = resolve_config("tiny", {"model": {"base_filters": 16}}).model  # wide enough for two-input skips
     ours = UNet3D(config).build_for()
-    config.stock_layers = True
-    stock = UNet3D(config).build_for()
+    stock = UNet3D(dataclasses.replace(config, stock_layers=True)).build_for()
     assert stock.count_params() == ours.count_params()
     kinds = {type(layer).__name__ for layer in stock._flatten_layers()}
     assert {"GroupNormalization", "Concatenate", "ReLU"} <= kinds and "NormActivation" not in kinds
