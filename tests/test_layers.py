@@ -20,7 +20,8 @@ LAYERS = (
     # Low-level utilities that need no other bigmem code but errors: byte sizes; the run
     # directory's files and atomic writes; the one place TensorFlow is imported (tfenv is told
     # the thread-pool sizes by numa.apply, it never reads numa).
-    ("units", "rundir", "tfenv", "cpu"),  # cpu: /proc/cpuinfo, read by nets' kernel choices
+    # checkpoints: the run directory's checkpoints, read by training (resume) and prediction.
+    ("units", "rundir", "tfenv", "cpu", "checkpoints"),  # cpu: /proc/cpuinfo, read by nets' kernel choices
     ("config",),
     ("nets", "data", "numa"),
     # sysinfo describes the machine: it reads numa's topology and tfenv's oneDNN reason, and

@@ -16,7 +16,7 @@ from rich.console import Console
 
 from bigmem.errors import TrainingError
 from bigmem.rundir import RunDir
-from bigmem.train.checkpoints import CheckpointManager
+from bigmem.checkpoints import CheckpointManager
 from bigmem.train.loop import Callback, LoopState
 from bigmem.train.progress import TrainProgress
 

@@ -23,7 +23,7 @@ from bigmem.errors import TrainingError, UsageError
 from bigmem.memory.planner import Plan
 from bigmem.rundir import RunDir
 from bigmem.tfenv import import_tensorflow
-from bigmem.train.checkpoints import CheckpointManager
+from bigmem.checkpoints import CheckpointManager
 
 # DESIGN.md / the AVX2 measurement of the `make demo` configuration: 0.016 Mvox/s in bf16 against
 # 0.33 in fp32 with oneDNN on (AMD EPYC Zen 3, 2 cores, TF 2.21).

@@ -198,7 +198,7 @@ def test_sigkill_then_resume_continues_from_the_checkpoint(tmp_path, tiny_store)
     _wait_for_checkpoint(process, out)
     process.send_signal(signal.SIGKILL)
     process.wait()
-    from bigmem.train.checkpoints import CheckpointManager
+    from bigmem.checkpoints import CheckpointManager
 
     latest = CheckpointManager(out / "checkpoints").latest()
     assert latest is not None
@@ -224,7 +224,7 @@ def test_sigterm_writes_a_checkpoint_and_exits(tmp_path, tiny_store):
     assert process.returncode == 128 + signal.SIGTERM, stderr
     assert "Stopped by signal 15 at step" in stdout
     stopped_at = int(stdout.split("Stopped by signal 15 at step ")[1].split(";")[0])
-    from bigmem.train.checkpoints import CheckpointManager
+    from bigmem.checkpoints import CheckpointManager
 
     assert CheckpointManager(out / "checkpoints").latest().name == f"ckpt-{stopped_at:08d}"
     assert read_jsonl(out / "metrics.jsonl")[-1]["step"] == stopped_at

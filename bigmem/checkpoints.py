@@ -3,6 +3,9 @@
 A checkpoint is a directory ``ckpt-<step>`` holding ``variables.h5`` (every model weight and
 optimizer variable, in order, with its path) and ``state.json``. It is written under a
 temporary name, flushed to disk, and renamed into place; readers ignore temporary names.
+``best`` (the model weights at the best validation Dice, ``--val-every``) is written the same
+way and never pruned. Both training (resume) and prediction (``--checkpoint``) read them, so
+this module sits below both.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from bigmem.errors import DataError
 
 PREFIX = "ckpt-"
 TMP_PREFIX = ".tmp-"
+BEST = "best"
 
 
 def _fsync_dir(path: Path) -> None:
@@ -49,14 +53,47 @@ class CheckpointManager:
         complete = self.all()
         return complete[-1] if complete else None
 
+    @property
+    def best(self) -> Path | None:
+        """The best-validation checkpoint, if one was written."""
+        path = self.directory / BEST
+        return path if (path / "state.json").is_file() and (path / "variables.h5").is_file() else None
+
+    def find(self, name: str) -> Path:
+        """A checkpoint by name: 'latest', 'best', 'ckpt-N' or 'N' (a step).
+
+        Raises:
+            DataError: no such complete checkpoint (the message lists the ones there are).
+        """
+        if name == "latest":
+            found = self.latest()
+        elif name == BEST:
+            found = self.best
+        else:
+            step = name[len(PREFIX):] if name.startswith(PREFIX) else name
+            found = next((p for p in self.all() if step.isdigit() and int(p.name[len(PREFIX):]) == int(step)), None)
+        if found is None:
+            there = [p.name for p in self.all()] + ([BEST] if self.best else [])
+            raise DataError(f"No checkpoint {name!r} in {self.directory}: expected latest, best or one of "
+                            f"{', '.join(there) or 'none (no complete checkpoint was written)'}.")
+        return found
+
     def save(self, step: int, model, optimizer, state: dict[str, Any]) -> Path:
+        return self._write(f"{PREFIX}{step:08d}", step, (("model", model.weights), ("optimizer", optimizer.variables)),
+                           state, prune=True)
+
+    def save_best(self, step: int, model, state: dict[str, Any]) -> Path:
+        """Replace ``best`` with ``model``'s weights at ``step`` (no optimizer: it is for prediction)."""
+        return self._write(BEST, step, (("model", model.weights),), state, prune=False)
+
+    def _write(self, name: str, step: int, groups, state: dict[str, Any], *, prune: bool) -> Path:
         self.directory.mkdir(parents=True, exist_ok=True)
-        final = self.directory / f"{PREFIX}{step:08d}"
-        tmp = self.directory / f"{TMP_PREFIX}{PREFIX}{step:08d}-{os.getpid()}"
+        final = self.directory / name
+        tmp = self.directory / f"{TMP_PREFIX}{name}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         with h5py.File(tmp / "variables.h5", "w") as handle:
-            for group_name, variables in (("model", model.weights), ("optimizer", optimizer.variables)):
+            for group_name, variables in groups:
                 group = handle.create_group(group_name)
                 for index, variable in enumerate(variables):
                     dataset = group.create_dataset(f"{index:05d}", data=np.asarray(variable.numpy()))
@@ -67,11 +104,12 @@ class CheckpointManager:
             json.dump({**state, "step": int(step)}, handle, indent=2)
             handle.flush()
             os.fsync(handle.fileno())
-        if final.exists():  # a re-save of the same step (e.g. final == periodic): replace it
+        if final.exists():  # a re-save of the same step (e.g. final == periodic), or a new best: replace it
             shutil.rmtree(final)
         os.replace(tmp, final)
         _fsync_dir(self.directory)
-        self._prune()
+        if prune:
+            self._prune()
         return final
 
     def _prune(self) -> None:
@@ -81,11 +119,16 @@ class CheckpointManager:
             if not stale.name.endswith(f"-{os.getpid()}"):
                 shutil.rmtree(stale, ignore_errors=True)
 
-    def restore(self, path: Path, model, optimizer) -> dict[str, Any]:
-        """Load ``path`` into ``model`` and ``optimizer`` (both built); return its state."""
+    def restore(self, path: Path, model, optimizer=None) -> dict[str, Any]:
+        """Load ``path`` into ``model`` and ``optimizer`` (both built; None: the weights only); return its state.
+
+        Raises:
+            DataError: the checkpoint is unreadable or was written by another model.
+        """
+        groups = (("model", model.weights),) + ((("optimizer", optimizer.variables),) if optimizer else ())
         try:
             with h5py.File(path / "variables.h5", "r") as handle:
-                for group_name, variables in (("model", model.weights), ("optimizer", optimizer.variables)):
+                for group_name, variables in groups:
                     group = handle[group_name]
                     if len(group) != len(variables):
                         raise DataError(f"Checkpoint {str(path)!r} holds {len(group)} {group_name} variables; "

@@ -1,4 +1,4 @@
-"""Atomic checkpoints: round trip, newest complete wins, temporaries ignored, pruning."""
+"""Atomic checkpoints: round trip, newest complete wins, temporaries ignored, pruning, the best kept apart."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from bigmem.config import resolve_config
 from bigmem.errors import DataError
 from bigmem.nets.unet3d import UNet3D
-from bigmem.train.checkpoints import CheckpointManager
+from bigmem.checkpoints import CheckpointManager
 
 
 def _model_and_optimizer(seed: int, **model_overrides):
@@ -72,3 +72,25 @@ def test_corrupt_checkpoint_is_a_clear_error(tmp_path):
     (saved / "state.json").write_text("{not json")
     with pytest.raises(DataError, match=r"^Cannot read checkpoint '.*ckpt-00000001'"):
         CheckpointManager(tmp_path).restore(saved, model, optimizer)
+
+
+def test_best_is_kept_apart_and_found_by_name(tmp_path):
+    model, optimizer = _model_and_optimizer(0)
+    manager = CheckpointManager(tmp_path, keep=1)
+    assert manager.best is None
+    manager.save(2, model, optimizer, {})
+    best = manager.save_best(2, model, {"val_dice": 0.5})
+    other, _ = _model_and_optimizer(1)
+    manager.save(4, other, optimizer, {})
+    manager.save(6, other, optimizer, {})  # pruning keeps one periodic checkpoint, never best
+    assert [p.name for p in manager.all()] == ["ckpt-00000006"] and manager.best == best
+    assert manager.find("best") == best and manager.find("latest").name == "ckpt-00000006"
+    assert manager.find("ckpt-6") == manager.find("6") == manager.find("ckpt-00000006")
+    restored, _ = _model_and_optimizer(2)
+    assert manager.restore(best, restored) == {"val_dice": 0.5, "step": 2}  # the weights only
+    for a, b in zip(model.weights, restored.weights):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(DataError, match=r"^No checkpoint 'ckpt-4' in .*: expected latest, best or one of "
+                                        r"ckpt-00000006, best\.$"):
+        manager.find("ckpt-4")
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
