@@ -119,6 +119,18 @@ class CheckpointManager:
             if not stale.name.endswith(f"-{os.getpid()}"):
                 shutil.rmtree(stale, ignore_errors=True)
 
+    @staticmethod
+    def read_state(path: Path) -> dict[str, Any]:
+        """A checkpoint's state.json (its step, loss, Dice, ...).
+
+        Raises:
+            DataError: it cannot be read.
+        """
+        try:
+            return json.loads((path / "state.json").read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise DataError(f"Cannot read checkpoint {str(path)!r}: {exc}") from None
+
     def restore(self, path: Path, model, optimizer=None) -> dict[str, Any]:
         """Load ``path`` into ``model`` and ``optimizer`` (both built; None: the weights only); return its state.
 

@@ -62,7 +62,8 @@ class RunDir:
     metrics.jsonl           one JSON row per logged step (appended; a kill tears the last line)
     monitor.csv             resource samples (``ResourceMonitor``), described by monitor.json
     summary.json            written once, when the run ends (its presence means "finished")
-    checkpoints/            ``CheckpointManager``'s atomic checkpoints
+    checkpoints/            ``CheckpointManager``'s atomic checkpoints (and ``best``, with validation)
+    tensorboard/            TensorBoard event files: train/ and validation/ scalars
     model.keras             the final model
     report/                 ``bigmem report``'s default output folder
     ======================  ==================================================================
@@ -120,6 +121,10 @@ class RunDir:
         return self.path / "checkpoints"
 
     @property
+    def tensorboard(self) -> Path:
+        return self.path / "tensorboard"
+
+    @property
     def model(self) -> Path:
         return self.path / "model.keras"
 
@@ -146,7 +151,8 @@ class RunDir:
         return atomic_write_json(self.numa, report)
 
     def write_summary(self, *, steps: int, train_s: float, peak_rss_bytes: int, loss: float, dice: float,
-                      input_wait_s: float, step_time_s: float, input_stall_share: float) -> Path:
+                      input_wait_s: float, step_time_s: float, input_stall_share: float,
+                      validation: dict[str, Any] | None = None) -> Path:
         """summary.json, the last file a run writes.
 
         Args:
@@ -158,10 +164,13 @@ class RunDir:
             input_wait_s: seconds this session's steps waited for their batch.
             step_time_s: seconds of this session's whole steps, waits included.
             input_stall_share: ``input_wait_s / step_time_s`` (0 without steps).
+            validation: with ``--val-every``: the final ``val_dice`` and ``val_dice_per_class`` and
+                the best (``best_val_dice``, ``best_step``), merged in.
         """
         return atomic_write_json(self.summary, {"steps": steps, "train_s": train_s, "peak_rss_bytes": peak_rss_bytes,
                                                 "loss": loss, "dice": dice, "input_wait_s": input_wait_s,
-                                                "step_time_s": step_time_s, "input_stall_share": input_stall_share})
+                                                "step_time_s": step_time_s, "input_stall_share": input_stall_share,
+                                                **(validation or {})})
 
     def truncate_metrics(self, last_step: int) -> None:
         """Keep only the metric rows up to ``last_step`` (the step a resumed run restarts from)."""

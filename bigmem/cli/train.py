@@ -76,6 +76,11 @@ def register(subparsers, parents) -> None:
                                 "(default: runs/<preset>-<date>-<time>)")
     run_group.add_argument("--resume", action="store_true", help="continue RUN_DIR from its newest checkpoint")
     run_group.add_argument("--checkpoint-every", type=int, metavar="K", help="steps between checkpoints")
+    run_group.add_argument("--val-every", type=int, metavar="K",
+                           help="every K steps and at the end, segment the --holdout cases whole (as bigmem predict "
+                                "does) and log their Dice (val_dice, per class) to metrics.jsonl, summary.json and "
+                                "TensorBoard; the best model is kept as checkpoints/best (bigmem predict --checkpoint "
+                                "best)")
     run_group.add_argument("--monitor-interval", type=float, metavar="S",
                            help="seconds between rows of RUN_DIR/monitor.csv (CPU, memory, page cache, disk, NUMA "
                                 "nodes, GPUs; default 1; 0 turns the monitor off)")
@@ -95,7 +100,7 @@ def _overrides(args) -> dict:
                                   gpu_memory_bytes=gpu_memory, patch=args.patch)
     sections["memory"].update(budget_bytes=budget)
     sections["train"].update(steps=args.steps, epochs=args.epochs, lr=args.lr, warmup_steps=args.warmup_steps,
-                             seed=args.seed, checkpoint_every=args.checkpoint_every,
+                             seed=args.seed, checkpoint_every=args.checkpoint_every, val_every=args.val_every,
                              reference_batch=args.reference_batch, time_budget_s=args.time_budget,
                              monitor_interval_s=args.monitor_interval)
     return {name: {k: v for k, v in values.items() if v is not None} for name, values in sections.items()}

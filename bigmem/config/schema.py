@@ -121,6 +121,7 @@ class TrainConfig:
     checkpoint_every: int = 50
     keep_checkpoints: int = 3
     log_every: int = 1
+    val_every: int = 0  # validate the held-out cases (data.holdout) every K steps and at the end; 0: off
     monitor_interval_s: float = 1.0  # --monitor-interval: seconds between monitor.csv rows; 0 turns it off
 
     def validate(self) -> None:
@@ -130,6 +131,8 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"train.{name}", f"Invalid {{field}} {value}: expected a positive integer.")
+        if self.val_every < 0:
+            raise ConfigError("train.val_every", f"Invalid {{field}} {self.val_every}: expected steps >= 0 (0: off).")
         if not self.lr > 0:
             raise ConfigError("train.lr", f"Invalid {{field}} {self.lr}: expected a positive number.")
         if self.monitor_interval_s < 0:
@@ -195,6 +198,9 @@ class ExperimentConfig:
         self.train.validate()
         self.distribute.validate()
         check_multiple("data.volume", self.data.volume, self.model)
+        if self.train.val_every and not self.data.holdout:
+            raise ConfigError("train.val_every", "{field} needs held-out cases to validate on: give {data.holdout} N "
+                              "(the last N cases are kept out of training).")
 
     def to_dict(self) -> dict[str, Any]:
         """The config as JSON-able data (enums as their strings): config.json's sections."""

@@ -178,3 +178,92 @@ class Monitor(Callback):
 
     def context(self):
         return self.monitor
+
+
+class Validation(Callback):
+    """Every ``every`` steps and at the last: the held-out cases' Dice through the prediction path.
+
+    ``val_dice`` (the foreground mean) and ``val_dice_per_class`` join the step's metrics row;
+    a better ``val_dice`` than any before (a resumed run remembers it) replaces
+    ``checkpoints/best``. A run ended by its time budget is validated once more at its last step.
+    """
+
+    def __init__(self, every: int, predictor, store_path: str, case_ids: list[str],
+                 checkpoints: CheckpointManager, console: Console):
+        self.every, self.predictor, self.store_path, self.case_ids = every, predictor, store_path, case_ids
+        self.checkpoints, self.console = checkpoints, console
+        self.last: dict | None = None
+        self.validated_step: int | None = None
+        kept = checkpoints.best
+        state = checkpoints.read_state(kept) if kept else {}
+        self.best_dice = float(state.get("val_dice", -math.inf))
+        self.best_step = state.get("step")
+
+    def _validate(self, state: LoopState) -> dict:
+        from bigmem.infer.validate import validate
+
+        result = validate(self.predictor, self.store_path, self.case_ids)
+        self.last, self.validated_step = result, state.step
+        dice = result["val_dice"]
+        if math.isfinite(dice) and dice > self.best_dice:
+            self.best_dice, self.best_step = dice, state.step
+            self.checkpoints.save_best(state.step, self.predictor.model, dict(result))
+        per_class = ", ".join(f"{c}: {d:.3f}" for c, d in result["val_dice_per_class"].items())
+        self.console.print(f"validation at step {state.step}: Dice {dice:.3f} ({per_class}); best {self.best_dice:.3f} "
+                           f"at step {self.best_step}", highlight=False)
+        return result
+
+    def on_step_end(self, state: LoopState) -> None:
+        if state.step % self.every == 0 or state.step == state.total_steps:
+            state.row.update(self._validate(state))
+
+    def on_train_end(self, state: LoopState) -> None:
+        if state.stop == "time budget" and self.validated_step != state.step:
+            self._validate(state)
+
+    def summary(self) -> dict:
+        """summary.json's validation fields."""
+        if self.last is None:
+            return {}
+        return {**self.last, "best_val_dice": self.best_dice if self.best_step is not None else None,
+                "best_step": self.best_step}
+
+
+class TensorBoard(Callback):
+    """TensorBoard event files: train/ (loss, dice, lr, voxels/s per logged step) and validation/ (Dice)."""
+
+    def __init__(self, directory, log_every: int):
+        self.directory, self.log_every = directory, log_every
+        self.writers: dict = {}
+
+    def context(self):
+        import contextlib
+
+        def close():
+            for writer in self.writers.values():
+                writer.close()
+
+        stack = contextlib.ExitStack()
+        stack.callback(close)
+        return stack
+
+    def _writer(self, name: str):
+        import tensorflow as tf
+
+        if name not in self.writers:
+            self.writers[name] = tf.summary.create_file_writer(str(self.directory / name))
+        return self.writers[name]
+
+    def on_step_end(self, state: LoopState) -> None:
+        import tensorflow as tf
+
+        row = state.row
+        if state.step % self.log_every == 0 or state.step == state.total_steps:
+            with self._writer("train").as_default(step=state.step):
+                for name in ("loss", "dice", "lr", "voxels_per_s"):
+                    tf.summary.scalar(name, row[name])
+        if "val_dice" in row:
+            with self._writer("validation").as_default(step=state.step):
+                tf.summary.scalar("dice", row["val_dice"])
+                for label, dice in row["val_dice_per_class"].items():
+                    tf.summary.scalar(f"dice/class_{label}", dice)

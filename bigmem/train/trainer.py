@@ -153,10 +153,12 @@ def step_and_batches(job: Job, model, optimizer, start_step: int):
     return step, job.parallel.batches(job.loader, start_step)
 
 
-def default_callbacks(job: Job, console: Console, model, optimizer, start_step: int, numa: cb.NUMAReport) -> list:
+def default_callbacks(job: Job, console: Console, model, optimizer, start_step: int, numa: cb.NUMAReport,
+                      validation: cb.Validation | None = None) -> list:
     """The run's callbacks, in the order they must run after each step."""
     train = job.config.train
-    callbacks = [cb.NonFiniteGuard(job.checkpoints), cb.MetricsLog(job.run, train.log_every),
+    callbacks = [cb.NonFiniteGuard(job.checkpoints), *([validation] if validation else []),
+                 cb.MetricsLog(job.run, train.log_every), cb.TensorBoard(job.run.tensorboard, train.log_every),
                  cb.Progress(console, job.total_steps, start_step),
                  cb.Checkpoints(job.checkpoints, train.checkpoint_every, model, optimizer),
                  cb.StopOnSignal(), numa]
@@ -165,6 +167,18 @@ def default_callbacks(job: Job, console: Console, model, optimizer, start_step: 
     if train.monitor_interval_s > 0:
         callbacks.append(cb.Monitor(job.run, train.monitor_interval_s, job.config.data.store))
     return callbacks
+
+
+def validation_callback(job: Job, model, console: Console) -> cb.Validation | None:
+    """``--val-every``: the held-out cases, validated through the prediction path (None when off)."""
+    config = job.config
+    if not config.train.val_every:
+        return None
+    from bigmem.infer.predict import Predictor
+
+    held_out = list(job.loader.store.held_out)
+    return cb.Validation(config.train.val_every, Predictor(model, config, "training"), config.data.store, held_out,
+                         job.checkpoints, console)
 
 
 def _numa_summary(report: dict) -> str:
@@ -206,8 +220,9 @@ def _run(job: Job, console: Console, verbose: bool) -> TrainResult:
     console.print(f"bigmem train: {job.config.model.name} ({model.count_params():,} parameters), {what}, "
                   f"{job.config.train.precision.value}, {job.total_steps} steps -> {job.run.path}")
     step, batches = step_and_batches(job, model, optimizer, start_step)
+    validation = validation_callback(job, model, console)
     state = run_loop(LoopState(start_step, job.total_steps), step, batches,
-                     default_callbacks(job, console, model, optimizer, start_step, numa),
+                     default_callbacks(job, console, model, optimizer, start_step, numa, validation),
                      learning_rate=schedule, voxels_per_step=job.voxels_per_step, input_error=lambda: loader.error)
     result = TrainResult(job.run.path, start_step, state.step, job.total_steps, state.loss, state.dice,
                          state.interrupted_by)
@@ -218,11 +233,11 @@ def _run(job: Job, console: Console, verbose: bool) -> TrainResult:
     if state.stop == "time budget":
         console.print(f"Time budget of {job.config.train.time_budget_s:g} s reached at step {state.step}.")
     numa.write()
-    _finish(job, model, state, console)
+    _finish(job, model, state, console, validation.summary() if validation else None)
     return result
 
 
-def _finish(job: Job, model, state: LoopState, console: Console) -> None:
+def _finish(job: Job, model, state: LoopState, console: Console, validation: dict | None) -> None:
     """summary.json, then model.keras: a run is complete when both are there."""
     import time
 
@@ -231,7 +246,8 @@ def _finish(job: Job, model, state: LoopState, console: Console) -> None:
     stall_share = state.waited_s / state.stepped_s if state.stepped_s else 0.0
     job.run.write_summary(steps=state.step, train_s=time.monotonic() - state.started_s,
                           peak_rss_bytes=peak_rss_bytes(), loss=state.loss, dice=state.dice,
-                          input_wait_s=state.waited_s, step_time_s=state.stepped_s, input_stall_share=stall_share)
+                          input_wait_s=state.waited_s, step_time_s=state.stepped_s, input_stall_share=stall_share,
+                          validation=validation)
     _save_model(model, job.run.model)
     console.print(f"Done: step {state.step}, loss {state.loss:.4f}, Dice {state.dice:.3f}; input stalls "
                   f"{100 * stall_share:.1f}% of step time. Model: {job.run.model}")

@@ -1,0 +1,49 @@
+"""Validation while training: the held-out cases through the prediction path, scored as evaluate scores.
+
+``validate`` predicts each held-out case whole, exactly as ``bigmem predict --mode whole`` does
+(normalise, pad to the size contract, one forward pass, probabilities mapped to the source
+geometry, argmax), and scores it against the store's labels in that geometry with
+``infer/metrics.py`` (the empty rule of ``bigmem evaluate``). So the final ``val_dice`` of a
+run equals ``bigmem predict`` + ``bigmem evaluate`` on the same cases with the final model.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+from bigmem.data.store import HDF5VolumeStore
+from bigmem.infer.geometry import CaseGeometry, labels_to_source, source_label_from_store
+from bigmem.infer.metrics import aggregate, case_metrics
+from bigmem.infer.predict import Mode, Predictor, predict_probabilities
+
+
+def validate(predictor: Predictor, store_path: str | os.PathLike, case_ids: Sequence[str]) -> dict:
+    """Dice of ``predictor`` on ``case_ids`` of a store, per class and its foreground mean.
+
+    Args:
+        predictor: the network being trained (``Predictor(model, config, "training")``).
+        store_path: the store holding the cases (their labels are the reference).
+        case_ids: the held-out cases.
+
+    Returns:
+        ``{"val_dice": foreground mean, "val_dice_per_class": {"1": mean Dice, ...}}``; a class
+        absent from every case's reference and prediction is NaN and left out of the mean.
+
+    Example:
+        >>> validate(Predictor(model, config, "training"), "kits19.h5", ["case_00209"])["val_dice"]
+    """
+    classes = list(range(1, predictor.num_classes))
+    per_case = []
+    for case_id in case_ids:
+        with HDF5VolumeStore(store_path) as store:
+            image = store.read_case(case_id)[0]
+        probabilities = predict_probabilities(predictor, image, mode=Mode.WHOLE)
+        del image
+        predicted = labels_to_source(probabilities, CaseGeometry.from_store(store_path, case_id))
+        del probabilities
+        reference, _, spacing = source_label_from_store(store_path, case_id)
+        per_case.append(case_metrics(reference, predicted, classes, spacing, hausdorff=False))
+    summary = aggregate(per_case, classes)
+    return {"val_dice": float(summary["foreground_mean"]["Dice"]),
+            "val_dice_per_class": {str(c): float(summary["mean"][c]["Dice"]) for c in classes}}
