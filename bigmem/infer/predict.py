@@ -1,0 +1,361 @@
+"""``bigmem predict``'s API: segment new scans with a trained run, in the source file's geometry.
+
+The model and its preprocessing come from the run directory: the network from config.json and
+``model.keras`` (or a checkpoint), the preprocessing from the store it was trained on (canonical
+orientation, ``--spacing`` resampling, ``--shape`` crop/pad: ``infer/geometry.py``) and the
+trainer's per-case z-score (``data.pipeline.normalize``). Each case then goes through the network
+whole (one pass, padded to the size contract) or window by window (``infer/sliding.py``), and
+the class probabilities are mapped back to the source grid before the argmax.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+import numpy as np
+
+from bigmem.checkpoints import CheckpointManager
+from bigmem.config.options import Precision, StrOption, look_up_option
+from bigmem.config.schema import ExperimentConfig
+from bigmem.errors import DataError, UsageError
+from bigmem.infer.forward import forward_probabilities, normalize_image
+from bigmem.infer.geometry import CaseGeometry, crop_padding, labels_to_source, pad_to_multiple, scores_to_source
+from bigmem.rundir import RunDir
+
+NIFTI_SUFFIXES = (".nii.gz", ".nii")
+DEFAULT_OVERLAP = 0.5  # nnU-Net's sliding-window overlap
+
+
+class Mode(StrOption):
+    AUTO = "auto"  # whole where the inference plan fits the memory budget, else sliding
+    WHOLE = "whole"
+    SLIDING = "sliding"
+
+
+@dataclass(frozen=True)
+class Predictor:
+    """A trained network and what it needs to segment a case as training saw it.
+
+    Attributes:
+        model: the built ``UNet3D``.
+        config: the run's config (``data.store`` is the store it was trained on).
+        source: what the weights came from ('model.keras', 'checkpoints/best', ...).
+    """
+
+    model: object
+    config: ExperimentConfig
+    source: str
+
+    @property
+    def num_classes(self) -> int:
+        return self.config.model.num_classes
+
+    @property
+    def divisor(self) -> int:
+        return self.config.model.divisor
+
+
+def run_config(run_dir: str | os.PathLike) -> ExperimentConfig:
+    """The config a run was trained with (its config.json's sections).
+
+    Raises:
+        DataError: not a bigmem run directory.
+    """
+    run = RunDir(run_dir)
+    saved = run.read_config() if run.config.is_file() else None
+    if saved is None:
+        raise DataError(f"{str(run_dir)!r} is not a bigmem run directory: no config.json there.")
+    return ExperimentConfig.from_dict({k: v for k, v in saved.items() if isinstance(v, dict)}, source=str(run.config))
+
+
+def load_predictor(run_dir: str | os.PathLike, checkpoint: str = "final", *, verbose: bool = False) -> Predictor:
+    """The trained network of a run directory.
+
+    Args:
+        run_dir: a ``bigmem train`` run directory.
+        checkpoint: 'final' (``model.keras``), 'best' (best validation Dice, ``--val-every``),
+            'latest', or 'ckpt-N' / 'N' (the checkpoint of step N).
+
+    Returns:
+        The ``Predictor``.
+
+    Raises:
+        DataError: no such run, model or checkpoint, or one that does not fit the config.
+
+    Example:
+        >>> predictor = load_predictor("runs/kits19-1", "best")
+    """
+    from bigmem.tfenv import import_tensorflow
+
+    config = run_config(run_dir)
+    run = RunDir(run_dir)
+    import_tensorflow(verbose=verbose)
+    import keras
+
+    from bigmem.nets.unet3d import UNet3D
+
+    if checkpoint == "final":
+        if not run.model.is_file():
+            raise DataError(f"No model.keras in {str(run.path)!r}: the run has not finished. Use --checkpoint latest "
+                            "(or best) to predict with a checkpoint.")
+        try:
+            model = keras.models.load_model(run.model)
+        except Exception as exc:  # Keras raises many types for a damaged archive
+            raise DataError(f"Cannot load {run.model}: {type(exc).__name__}: {exc}") from None
+        return Predictor(model, config, "model.keras")
+    path = CheckpointManager(run.checkpoints).find(checkpoint)
+    policy = "mixed_bfloat16" if config.train.precision is Precision.BF16 else "float32"
+    model = UNet3D(config.model, dtype=policy, name="unet3d").build_for()
+    CheckpointManager(run.checkpoints).restore(path, model)
+    return Predictor(model, config, f"checkpoints/{path.name}")
+
+
+# ---- inputs ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CaseInput:
+    """One case to segment: its id and how to read it onto the network's grid."""
+
+    case_id: str
+    where: str
+    load: Callable[[], tuple[np.ndarray, CaseGeometry]]  # -> (image (D,H,W,C) float32, geometry)
+
+
+def _nifti_name(path: Path) -> bool:
+    return path.is_file() and path.name.endswith(NIFTI_SUFFIXES)
+
+
+def find_inputs(source: str | os.PathLike, training_store: str | None, *,
+                cases: Sequence[str] | None = None) -> list[CaseInput]:
+    """The cases of INPUT: a NIfTI file, a folder of them, an MSD folder, or a bigmem store.
+
+    Args:
+        source: the input path.
+        training_store: the store the model was trained on; NIfTI inputs are preprocessed as
+            ``bigmem convert`` prepared it.
+        cases: only these case ids (a store or folder); None: all.
+
+    Returns:
+        One ``CaseInput`` per case, sorted by id.
+
+    Raises:
+        DataError: nothing to read, an unknown case, or NIfTI input for a run trained on a store
+            that does not record how it was converted.
+    """
+    from bigmem.data.nifti import case_id_of
+
+    path = Path(source)
+    if not path.exists():
+        raise DataError(f"Cannot read INPUT {str(path)!r}: no such file or folder.")
+    if path.suffix == ".h5":
+        return _pick(_store_inputs(path), cases, str(path))
+    if path.is_file():
+        if not _nifti_name(path):
+            raise DataError(f"INPUT {str(path)!r} is not a NIfTI file (.nii, .nii.gz) or a bigmem store (.h5).")
+        files = {case_id_of(path): [path]}
+    else:
+        files = _folder_cases(path)
+    if training_store is None or not Path(training_store).is_file():
+        raise DataError(f"The run's training store {training_store!r} is gone: it is needed to preprocess NIfTI input "
+                        "as training did (its spacing and shape). Predict on a store instead.")
+    inputs = [_nifti_input(case_id, paths, training_store) for case_id, paths in sorted(files.items())]
+    return _pick(inputs, cases, str(path))
+
+
+def _folder_cases(folder: Path) -> dict[str, list[Path]]:
+    """Case id -> its channel files (nnU-Net's ``_0000`` suffixes, in order) of a folder or an MSD folder."""
+    from bigmem.data.nifti import case_id_of
+
+    if (folder / "dataset.json").is_file():  # MSD: the test images, else imagesTs/, else imagesTr/
+        try:
+            listed = json.loads((folder / "dataset.json").read_text()).get("test") or []
+        except ValueError as exc:
+            raise DataError(f"Cannot read {folder / 'dataset.json'}: {exc}") from None
+        files = [folder / (entry if isinstance(entry, str) else entry.get("image", "")) for entry in listed]
+        files = [f for f in files if _nifti_name(f)]
+        if not files:
+            sub = folder / "imagesTs" if (folder / "imagesTs").is_dir() else folder / "imagesTr"
+            files = [f for f in sorted(sub.glob("*")) if _nifti_name(f)]
+    else:
+        files = [f for f in sorted(folder.iterdir()) if _nifti_name(f) and not f.name.startswith(".")]
+    if not files:
+        raise DataError(f"No NIfTI files (.nii, .nii.gz) in {str(folder)!r}.")
+    grouped: dict[str, list[Path]] = {}
+    for file in sorted(files):
+        grouped.setdefault(case_id_of(file), []).append(file)
+    return grouped
+
+
+def _nifti_input(case_id: str, paths: list[Path], training_store: str) -> CaseInput:
+    from bigmem.infer.geometry import prepare_nifti
+
+    return CaseInput(case_id, ", ".join(map(str, paths)), lambda: prepare_nifti(paths, training_store))
+
+
+def _store_inputs(path: Path) -> list[CaseInput]:
+    from bigmem.data.store import HDF5VolumeStore
+
+    def loader(case_id: str):
+        def load():
+            with HDF5VolumeStore(path) as store:
+                image = store.read_case(case_id)[0]
+            return image, CaseGeometry.from_store(path, case_id)
+        return load
+
+    with HDF5VolumeStore(path) as store:
+        ids = list(store.case_ids)
+    return [CaseInput(case_id, f"{path}:{case_id}", loader(case_id)) for case_id in ids]
+
+
+def _pick(inputs: list[CaseInput], cases: Sequence[str] | None, where: str) -> list[CaseInput]:
+    if not cases:
+        return inputs
+    by_id = {item.case_id: item for item in inputs}
+    unknown = [c for c in cases if c not in by_id]
+    if unknown:
+        raise DataError(f"--cases: {', '.join(map(repr, unknown))} not in {where!r} "
+                        f"(it has {len(by_id)} cases, e.g. {', '.join(list(by_id)[:3])}).")
+    return [by_id[c] for c in cases]
+
+
+# ---- one case -------------------------------------------------------------------------------
+
+
+def predict_probabilities(predictor: Predictor, image: np.ndarray, *, mode: Mode = Mode.WHOLE,
+                          window: int | None = None, overlap: float = DEFAULT_OVERLAP, accumulate: str = "float32",
+                          tta: bool = False, progress=None) -> np.ndarray:
+    """Class probabilities of one case on the network's grid.
+
+    Args:
+        predictor: the trained network.
+        image: ``(D, H, W, C)`` float32 on the store grid, not yet normalised.
+        mode: ``whole`` (one pass, padded to a multiple of ``2**depth``) or ``sliding``.
+        window: the sliding window's edge (default: the training volume).
+        overlap: the sliding windows' overlap fraction.
+        accumulate: 'float32' or 'float16' sliding-window accumulators.
+        tta: average the 8 mirrored passes.
+        progress: ``(windows_done, windows_total)`` for sliding.
+
+    Returns:
+        ``(D, H, W, num_classes)`` float32 probabilities.
+    """
+    normalized = normalize_image(image)
+    if mode is Mode.WHOLE:
+        padded, slices = pad_to_multiple(normalized, predictor.divisor)
+        del normalized
+        probabilities = forward_probabilities(predictor.model, padded[None], tta=tta)[0]
+        return np.ascontiguousarray(crop_padding(probabilities, slices))
+    from bigmem.infer.sliding import sliding_window
+
+    window = window or predictor.config.data.volume
+    return sliding_window(normalized, lambda batch: forward_probabilities(predictor.model, batch, tta=tta), window,
+                          num_classes=predictor.num_classes, overlap=overlap, accumulate=accumulate, progress=progress)
+
+
+def write_nifti(array: np.ndarray, affine: np.ndarray, path: Path) -> Path:
+    """Write ``array`` as a NIfTI file atomically: a temporary name in the same folder, then renamed."""
+    import nibabel as nib
+
+    suffix = ".nii.gz" if path.name.endswith(".nii.gz") else ".nii"
+    tmp = path.with_name(f".{path.name[:-len(suffix)]}.tmp-{os.getpid()}{suffix}")
+    image = nib.Nifti1Image(array, np.asarray(affine, np.float64))
+    image.set_qform(affine, code=1)
+    image.set_sform(affine, code=1)
+    try:
+        nib.save(image, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+@dataclass(frozen=True)
+class CaseResult:
+    case_id: str
+    mode: str
+    shape: tuple[int, ...]
+    seconds: float
+    labels_path: Path
+    probabilities_path: Path | None
+
+
+def predict_case(predictor: Predictor, item: CaseInput, out_dir: Path, *, mode: Mode | Callable,
+                 window: int | None = None, overlap: float = DEFAULT_OVERLAP, accumulate: str = "float32",
+                 tta: bool = False, save_probabilities: bool = False) -> CaseResult:
+    """Segment one case and write ``<case>.nii.gz`` (uint8 labels in the source geometry).
+
+    Args:
+        predictor: the trained network.
+        item: the case.
+        out_dir: the output folder.
+        mode: a ``Mode``, or ``(predictor, spatial_shape) -> Mode`` to choose once the case's
+            shape is known ('auto').
+        window, overlap, accumulate, tta: as ``predict_probabilities``.
+        save_probabilities: also write ``<case>_probabilities.nii.gz``, ``(*source_shape, K)`` float16.
+
+    Returns:
+        The ``CaseResult`` (mode used, source shape, seconds, paths written).
+    """
+    started = time.perf_counter()
+    image, geometry = item.load()
+    if not isinstance(mode, Mode):
+        mode = mode(predictor, image.shape[:3])
+    probabilities = predict_probabilities(predictor, image, mode=mode, window=window, overlap=overlap,
+                                          accumulate=accumulate, tta=tta)
+    del image
+    labels_path = write_nifti(labels_to_source(probabilities, geometry), geometry.source_affine,
+                              out_dir / f"{item.case_id}.nii.gz")
+    probabilities_path = None
+    if save_probabilities:
+        mapped = scores_to_source(probabilities, geometry).astype(np.float16)
+        probabilities_path = write_nifti(mapped, geometry.source_affine,
+                                         out_dir / f"{item.case_id}_probabilities.nii.gz")
+    return CaseResult(item.case_id, mode.value, tuple(geometry.source_shape), time.perf_counter() - started,
+                      labels_path, probabilities_path)
+
+
+def predict(run_dir: str | os.PathLike, source: str | os.PathLike, out_dir: str | os.PathLike, *,
+            checkpoint: str = "final", cases: Sequence[str] | None = None, mode: str = "auto",
+            window: int | None = None, overlap: float = DEFAULT_OVERLAP, accumulate: str = "float32",
+            tta: bool = False, save_probabilities: bool = False, choose_mode=None,
+            verbose: bool = False) -> Iterator[CaseResult]:
+    """Segment every case of ``source`` with the run in ``run_dir``; yields each case's result as it is written.
+
+    Args:
+        run_dir: a ``bigmem train`` run directory.
+        source: a NIfTI file, a folder of them, an MSD folder, or a bigmem store.
+        out_dir: where ``<case>.nii.gz`` go (created).
+        checkpoint: 'final', 'best', 'latest' or 'ckpt-N'.
+        cases: only these case ids.
+        mode: 'whole', 'sliding' or 'auto' (``choose_mode(predictor, spatial_shape) -> Mode``
+            decides per case, e.g. by the inference memory plan).
+        window, overlap, accumulate, tta: as ``predict_probabilities``.
+        save_probabilities: also write the class probabilities (float16) in the source geometry.
+
+    Raises:
+        DataError: bad run directory, input or checkpoint.
+        UsageError: a bad mode, window or overlap.
+    """
+    chosen = look_up_option(mode, Mode, flag="--mode")
+    if chosen is Mode.AUTO and choose_mode is None:
+        raise UsageError("--mode auto needs a way to choose (the inference plan); give --mode whole or sliding.")
+    if not 0 <= overlap < 1:
+        raise UsageError(f"Invalid --overlap {overlap:g}: expected a fraction in [0, 1).")
+    predictor = load_predictor(run_dir, checkpoint, verbose=verbose)
+    if window is not None and (window < 1 or window % predictor.divisor):
+        raise UsageError(f"Invalid --window {window}: expected a positive multiple of {predictor.divisor} "
+                         f"(the network downsamples {predictor.config.model.depth} times).")
+    inputs = find_inputs(source, predictor.config.data.store, cases=cases)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for item in inputs:
+        yield predict_case(predictor, item, out, mode=chosen if chosen is not Mode.AUTO else choose_mode,
+                           window=window, overlap=overlap, accumulate=accumulate, tta=tta,
+                           save_probabilities=save_probabilities)
