@@ -276,12 +276,32 @@ def write_nifti(array: np.ndarray, affine: np.ndarray, path: Path) -> Path:
     return path
 
 
+def write_probabilities(probabilities: np.ndarray, affine: np.ndarray, path: Path) -> Path:
+    """``probabilities`` (float16, ``(X, Y, Z, K)``) and the affine as a compressed .npz, atomically.
+
+    NIfTI-1 has no float16 type, so the probabilities go where nnU-Net v2 puts its own: an .npz
+    (``probabilities``, ``affine``), read with ``np.load``.
+    """
+    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}.npz")
+    try:
+        with open(tmp, "wb") as handle:
+            np.savez_compressed(handle, probabilities=probabilities, affine=np.asarray(affine, np.float64))
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
 @dataclass(frozen=True)
 class CaseResult:
+    """One segmented case: the mode used, its source shape, seconds, this case's peak RSS, the files written."""
+
     case_id: str
     mode: str
     shape: tuple[int, ...]
     seconds: float
+    peak_rss_bytes: int
     labels_path: Path
     probabilities_path: Path | None
 
@@ -298,11 +318,15 @@ def predict_case(predictor: Predictor, item: CaseInput, out_dir: Path, *, mode: 
         mode: a ``Mode``, or ``(predictor, spatial_shape) -> Mode`` to choose once the case's
             shape is known ('auto').
         window, overlap, accumulate, tta: as ``predict_probabilities``.
-        save_probabilities: also write ``<case>_probabilities.nii.gz``, ``(*source_shape, K)`` float16.
+        save_probabilities: also write ``<case>_probabilities.npz``: ``probabilities`` ``(*source_shape, K)``
+            float16 and ``affine`` (NIfTI-1 has no float16).
 
     Returns:
         The ``CaseResult`` (mode used, source shape, seconds, paths written).
     """
+    from bigmem.memory.procfs import peak_rss_bytes, reset_peak_rss
+
+    reset_peak_rss()  # this case's peak, not the largest so far (where the kernel allows the reset)
     started = time.perf_counter()
     image, geometry = item.load()
     if not isinstance(mode, Mode):
@@ -315,10 +339,10 @@ def predict_case(predictor: Predictor, item: CaseInput, out_dir: Path, *, mode: 
     probabilities_path = None
     if save_probabilities:
         mapped = scores_to_source(probabilities, geometry).astype(np.float16)
-        probabilities_path = write_nifti(mapped, geometry.source_affine,
-                                         out_dir / f"{item.case_id}_probabilities.nii.gz")
+        probabilities_path = write_probabilities(mapped, geometry.source_affine,
+                                                 out_dir / f"{item.case_id}_probabilities.npz")
     return CaseResult(item.case_id, mode.value, tuple(geometry.source_shape), time.perf_counter() - started,
-                      labels_path, probabilities_path)
+                      peak_rss_bytes(), labels_path, probabilities_path)
 
 
 def predict(run_dir: str | os.PathLike, source: str | os.PathLike, out_dir: str | os.PathLike, *,

@@ -1,0 +1,90 @@
+"""``bigmem predict``: segment new scans with a trained run, in the source files' geometry."""
+
+from __future__ import annotations
+
+import argparse
+
+from bigmem.cli.common import add_budget_flag, budget_arguments
+from bigmem.errors import UsageError
+
+HELP = "segment new scans with a trained run (whole volume in one pass where RAM allows)"
+
+DESCRIPTION = """\
+Segment every case of INPUT with the network trained in RUN_DIR and write OUT/<case>.nii.gz: a
+uint8 label map in the source file's geometry (its shape, affine and orientation), with the
+preprocessing of training applied and undone: canonical orientation, --spacing resampling (the
+class probabilities are resampled back, then the argmax taken), --shape crop/pad, per-case z-score.
+
+INPUT is a NIfTI file, a folder of them (one case per file, or nnU-Net's <case>_0000.nii.gz per
+channel), a Medical Segmentation Decathlon folder (its test images), or a bigmem store (all its
+cases, or --cases). NIfTI input is prepared as bigmem convert prepared the run's training store.
+
+modes: whole (default where the inference memory plan fits the budget) sends the whole volume
+through the network in one pass: no tiles, no seams. sliding predicts Gaussian-weighted windows
+(sigma 1/8 of the window, --overlap, default 0.5; the window is the training volume or --window)
+and blends them, as MONAI's sliding_window_inference and nnU-Net do. auto chooses per case and
+says which. --tta averages the 8 mirrored passes.
+
+examples:
+  bigmem predict runs/kits19 kits19/imagesTs -o predictions/
+  bigmem predict runs/small data/brats.h5 --cases BRATS_480,BRATS_481 -o out --checkpoint best
+  bigmem predict runs/small scan.nii.gz -o out --mode sliding --overlap 0.5 --tta --save-probabilities
+"""
+
+
+def register(subparsers, parents) -> None:
+    parser = subparsers.add_parser("predict", help=HELP, description=DESCRIPTION, parents=parents,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="a bigmem train run directory")
+    parser.add_argument("input", metavar="INPUT", help="NIfTI file, folder of NIfTI files, MSD folder, or store (.h5)")
+    parser.add_argument("-o", "--out", metavar="OUT_DIR", required=True, help="where <case>.nii.gz are written")
+    parser.add_argument("--checkpoint", default="final", metavar="WHICH",
+                        help="final (model.keras, default), best (best validation Dice, --val-every), latest, or "
+                             "ckpt-N")
+    parser.add_argument("--cases", metavar="IDS", help="comma-separated case ids to segment (default: all)")
+    parser.add_argument("--mode", default="auto", choices=["auto", "whole", "sliding"],
+                        help="whole volume in one pass, Gaussian-weighted sliding windows, or auto (whole where "
+                             "the inference plan fits the memory budget; default)")
+    parser.add_argument("--window", type=int, metavar="N", help="sliding window edge (default: the training volume)")
+    parser.add_argument("--overlap", type=float, default=0.5, metavar="F",
+                        help="sliding windows' overlap fraction in [0, 1) (default 0.5)")
+    parser.add_argument("--accumulate", default="float32", choices=["float32", "float16"],
+                        help="sliding-window accumulators: float32 (default) or float16 (half the memory; an "
+                             "overflow stops with an error)")
+    parser.add_argument("--tta", action="store_true", help="average the 8 mirrored passes (test-time augmentation)")
+    parser.add_argument("--save-probabilities", action="store_true",
+                        help="also write <case>_probabilities.npz: the class probabilities (float16, X,Y,Z,K) in the "
+                             "same geometry, with its affine (NIfTI-1 has no float16; nnU-Net also uses .npz)")
+    parser.add_argument("--force", action="store_true",
+                        help="--mode whole even where the inference plan says the volume does not fit")
+    add_budget_flag(parser, help_text="memory the inference plan may use (default: what the NUMA placement can "
+                                      "use, else MemAvailable)")
+    parser.set_defaults(run=run)
+
+
+def run(args) -> int:
+    from rich.console import Console
+
+    from bigmem.infer.plan import mode_chooser
+    from bigmem.infer.predict import predict
+    from bigmem.units import format_bytes
+
+    cases = [c.strip() for c in args.cases.split(",") if c.strip()] if args.cases else None
+    if args.cases is not None and not cases:
+        raise UsageError(f"Invalid --cases {args.cases!r}: expected comma-separated case ids.")
+    console = Console(soft_wrap=True)
+    budget_bytes, flag = budget_arguments(args)
+    choose = mode_chooser(args.mode, budget_bytes, flag=flag, force=args.force, console=console)
+    done = 0
+    for result in predict(args.run_dir, args.input, args.out, checkpoint=args.checkpoint, cases=cases,
+                          mode="auto", window=args.window, overlap=args.overlap, accumulate=args.accumulate,
+                          tta=args.tta, save_probabilities=args.save_probabilities, choose_mode=choose,
+                          verbose=getattr(args, "verbose", False)):
+        done += 1
+        shape = "x".join(map(str, result.shape))
+        extra = f" and {result.probabilities_path.name}" if result.probabilities_path else ""
+        console.print(f"{result.case_id}: {result.mode}{' +tta' if args.tta else ''}, {shape}, "
+                      f"{result.seconds:.1f} s, peak RSS {format_bytes(result.peak_rss_bytes)} -> "
+                      f"{result.labels_path}{extra}", highlight=False)
+    console.print(f"Segmented {done} case{'s' if done != 1 else ''} into {args.out}.")
+    return 0

@@ -1,0 +1,78 @@
+"""Whole or sliding: the inference memory plan decides, before a case's volume goes through the network.
+
+``bigmem predict --mode auto`` asks, per case, whether the whole (padded) volume's inference
+footprint (``memory.inference.estimate_inference``: weights, input copies, the forward pass's
+live activations, probabilities, the source mapping) fits the memory budget (the one rule,
+``memory.preflight.resolve_budget``); if not, it slides windows of the training volume.
+``--mode whole`` on a volume that does not fit is refused (exit 3), as training refuses a job.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+from rich.console import Console
+
+from bigmem.errors import InsufficientMemoryError
+from bigmem.infer.predict import Mode, Predictor
+from bigmem.units import format_bytes
+
+
+def padded_shape(shape: Sequence[int], divisor: int) -> tuple[int, int, int]:
+    """``shape`` rounded up to the network's size contract (what a whole-volume pass runs on)."""
+    return tuple(-(-int(s) // divisor) * divisor for s in shape[:3])
+
+
+def whole_volume_estimate(predictor: Predictor, shape: Sequence[int]):
+    """The inference ``Estimate`` of one whole case of spatial ``shape`` (padded to the size contract)."""
+    from bigmem.memory.inference import estimate_inference
+    from bigmem.memory.profile import counts_function
+
+    padded = padded_shape(shape, predictor.divisor)
+    return estimate_inference(predictor.config, counts_function(predictor.config)(padded), padded)
+
+
+def mode_chooser(mode: str, budget_bytes: int | None = None, *, flag: str = "--memory-budget", force: bool = False,
+                 console: Console | None = None) -> Callable[[Predictor, Sequence[int]], Mode]:
+    """``(predictor, spatial_shape) -> Mode`` for ``--mode``: fixed, checked (whole) or chosen (auto).
+
+    Args:
+        mode: 'auto', 'whole' or 'sliding'.
+        budget_bytes: an explicit budget (``--memory-budget``), else the placement's or MemAvailable.
+        flag: how the budget was spelled, for messages.
+        force: run ``whole`` even where it does not fit.
+        console: where auto's choice and its reason are printed.
+
+    Returns:
+        The chooser ``bigmem.infer.predict.predict`` calls once per case, when its shape is known.
+
+    Raises:
+        InsufficientMemoryError: (from the chooser; exit 3) ``whole`` does not fit, unless ``force``.
+    """
+    from bigmem.config.options import look_up_option
+    from bigmem.memory.preflight import resolve_budget
+
+    chosen = look_up_option(mode, Mode, flag="--mode")
+    if chosen is Mode.SLIDING or (chosen is Mode.WHOLE and force):
+        return lambda predictor, shape: chosen
+    budget = resolve_budget(budget_bytes, flag=flag)
+
+    def choose(predictor: Predictor, shape: Sequence[int]) -> Mode:
+        predicted = whole_volume_estimate(predictor, shape).predicted_peak_bytes
+        fits = predicted <= budget.budget_bytes
+        what = (f"whole {'x'.join(map(str, padded_shape(shape, predictor.divisor)))} needs "
+                f"{format_bytes(predicted)} of a {format_bytes(budget.budget_bytes)} budget ({budget.source})")
+        if chosen is Mode.WHOLE:
+            if not fits and not force:
+                raise InsufficientMemoryError(
+                    f"Predicted peak {format_bytes(predicted)} for {predictor.config.model.name} at "
+                    f"{'x'.join(map(str, padded_shape(shape, predictor.divisor)))} (inference, "
+                    f"{predictor.config.train.precision.value}) exceeds the memory budget "
+                    f"{format_bytes(budget.budget_bytes)} ({budget.source}): use --mode sliding (or auto), or pass "
+                    "--force to try anyway.", predicted, budget.budget_bytes)
+            return Mode.WHOLE
+        if console is not None:
+            console.print(f"auto: {'whole' if fits else 'sliding'} ({what})", highlight=False)
+        return Mode.WHOLE if fits else Mode.SLIDING
+
+    return choose

@@ -1,0 +1,157 @@
+"""bigmem predict: a trained tiny run segments stores and NIfTI files in their source geometry."""
+
+from __future__ import annotations
+
+import json
+
+import nibabel as nib
+import numpy as np
+import pytest
+
+from bigmem.data.convert import convert
+from bigmem.data.nifti import SourceCase, SourceDataset
+from bigmem.infer.evaluate import evaluate
+from helpers import run_cli
+
+# Voxel axes point along world (-y, z, -x): the source grid is a permutation and flip of the store's.
+PERMUTED_LPS = np.array([[0.0, 0.0, -2.0, 90.0], [-1.5, 0.0, 0.0, 120.0], [0.0, 1.2, 0.0, -60.0], [0, 0, 0, 1]])
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A tiny run on the tiny phantoms (4 cases, the last held out), validated at its last step."""
+    import io
+    import sys
+
+    from bigmem.cli.main import main
+    from bigmem.data.synth import write_synthetic_store
+
+    root = tmp_path_factory.mktemp("predict")
+    store = write_synthetic_store(root / "tiny.h5", num_cases=4, volume=16, num_classes=3, seed=0)
+    run = root / "run"
+    out, sys.stdout = sys.stdout, io.StringIO()
+    try:
+        code = main(["train", "--model", "tiny", "--data", str(store), "--steps", "4", "--holdout", "1",
+                     "--val-every", "2", "--lr", "1e-2", "--checkpoint-every", "2", "--out", str(run)])
+    finally:
+        sys.stdout = out
+    assert code == 0
+    return run, store
+
+
+def _labels(path):
+    image = nib.load(str(path))
+    return np.asanyarray(image.dataobj), image.affine
+
+
+def test_held_out_dice_from_predict_and_evaluate_equals_val_dice(trained, tmp_path, capsys):
+    run, store = trained
+    code, stdout, err = run_cli(["predict", run, store, "--cases", "synth_0003", "-o", tmp_path / "pred",
+                                 "--mode", "whole", "--force"], capsys)
+    assert code == 0, err
+    assert stdout.startswith("synth_0003: whole, 16x16x16, ") and "Segmented 1 case into" in stdout
+    labels, affine = _labels(tmp_path / "pred" / "synth_0003.nii.gz")
+    assert labels.dtype == np.uint8 and labels.shape == (16, 16, 16) and set(np.unique(labels)) <= {0, 1, 2}
+    summary = evaluate(tmp_path / "pred", store, allow_missing=True)
+    val = json.loads((run / "summary.json").read_text())
+    assert summary["foreground_mean"]["Dice"] == pytest.approx(val["val_dice"], abs=1e-12)
+    for label, dice in val["val_dice_per_class"].items():
+        assert summary["mean"][label]["Dice"] == pytest.approx(dice, abs=1e-12)
+    assert not [p for p in (tmp_path / "pred").iterdir() if p.name.startswith(".")]  # no temporaries
+
+
+def test_one_window_over_the_whole_volume_is_the_whole_pass(trained, tmp_path, capsys):
+    """Sliding with the window = the volume is one window: its Gaussian weights cancel exactly."""
+    run, store = trained
+    whole = ["predict", run, store, "--cases", "synth_0000", "--save-probabilities"]
+    assert run_cli([*whole, "-o", tmp_path / "w", "--mode", "whole", "--force"], capsys)[0] == 0
+    assert run_cli([*whole, "-o", tmp_path / "s", "--mode", "sliding", "--window", "16"], capsys)[0] == 0
+    a = np.load(tmp_path / "w" / "synth_0000_probabilities.npz")
+    b = np.load(tmp_path / "s" / "synth_0000_probabilities.npz")
+    assert a["probabilities"].dtype == np.float16 and a["probabilities"].shape == (16, 16, 16, 3)
+    np.testing.assert_allclose(a["probabilities"].astype(np.float32), b["probabilities"].astype(np.float32),
+                               atol=2e-3)
+    np.testing.assert_allclose(a["probabilities"].astype(np.float32).sum(-1), 1.0, atol=5e-3)
+    labels, _ = _labels(tmp_path / "w" / "synth_0000.nii.gz")  # the argmax of the float32 probabilities
+    ranked = np.sort(a["probabilities"].astype(np.float32), -1)
+    clear = ranked[..., -1] - ranked[..., -2] > 2e-3  # float16 can tie where the top two are close
+    np.testing.assert_array_equal(np.argmax(a["probabilities"], -1)[clear], labels[clear])
+    assert clear.mean() > 0.95
+
+
+def test_sliding_with_tta_over_a_smaller_window(trained, tmp_path, capsys):
+    run, store = trained
+    code, stdout, err = run_cli(["predict", run, store, "-o", tmp_path / "s", "--mode", "sliding", "--window", "8",
+                                 "--overlap", "0.5", "--tta", "--accumulate", "float16"], capsys)
+    assert code == 0, err
+    assert sorted(p.name for p in (tmp_path / "s").iterdir()) == [f"synth_000{i}.nii.gz" for i in range(4)]
+    assert stdout.count(": sliding +tta, 16x16x16, ") == 4
+
+
+def test_checkpoints_by_name(trained, tmp_path, capsys):
+    run, store = trained
+    for name in ("best", "latest", "ckpt-2", "4"):
+        code, _, err = run_cli(["predict", run, store, "--cases", "synth_0001", "-o", tmp_path / name,
+                                "--mode", "sliding", "--checkpoint", name], capsys)
+        assert code == 0, (name, err)
+    latest, _ = _labels(tmp_path / "latest" / "synth_0001.nii.gz")
+    four, _ = _labels(tmp_path / "4" / "synth_0001.nii.gz")
+    np.testing.assert_array_equal(latest, four)
+    code, _, err = run_cli(["predict", run, store, "-o", tmp_path / "x", "--checkpoint", "ckpt-3"], capsys)
+    assert code == 1
+    assert err.strip() == (f"bigmem predict: error: No checkpoint 'ckpt-3' in {run / 'checkpoints'}: expected latest, "
+                           "best or one of ckpt-00000002, ckpt-00000004, best.")
+
+
+def test_nifti_input_comes_back_in_its_own_geometry(tmp_path, capsys):
+    """Trained on a converted store with a permuted LPS affine, crop and pad; a NIfTI file is segmented on its grid."""
+    rng = np.random.default_rng(0)
+    source = tmp_path / "src"
+    (source / "imagesTr").mkdir(parents=True)
+    (source / "labelsTr").mkdir()
+    cases = []
+    for index, shape in enumerate([(19, 14, 13), (17, 15, 12)]):
+        label = np.zeros(shape, np.uint8)
+        label[4:12, 3:10, 3:9] = 1
+        label[6:9, 5:8, 4:7] = 2
+        image = (rng.normal(0, 1, shape) + 3 * label).astype(np.float32)
+        image_path, label_path = source / "imagesTr" / f"c{index}.nii.gz", source / "labelsTr" / f"c{index}.nii.gz"
+        nib.save(nib.Nifti1Image(image, PERMUTED_LPS), str(image_path))
+        nib.save(nib.Nifti1Image(label, PERMUTED_LPS), str(label_path))
+        cases.append(SourceCase(f"c{index}", image_path, label_path))
+    store = tmp_path / "store.h5"
+    convert(SourceDataset(cases, ["image"], ["background", "a", "b"], str(source)), store, shape=(16, 16, 16))
+    run = tmp_path / "run"
+    assert run_cli(["train", "--model", "tiny", "--data", store, "--steps", 2, "--volume", 16, "--out", run],
+                   capsys)[0] == 0
+    code, stdout, err = run_cli(["predict", run, source / "imagesTr" / "c0.nii.gz", "-o", tmp_path / "out",
+                                 "--mode", "sliding"], capsys)
+    assert code == 0, err
+    labels, affine = _labels(tmp_path / "out" / "c0.nii.gz")
+    assert labels.shape == (19, 14, 13) and labels.dtype == np.uint8
+    np.testing.assert_allclose(affine, PERMUTED_LPS, atol=1e-6)
+    code, _, err = run_cli(["predict", run, source / "imagesTr", "-o", tmp_path / "all", "--mode", "sliding"], capsys)
+    assert code == 0, err
+    assert sorted(p.name for p in (tmp_path / "all").iterdir()) == ["c0.nii.gz", "c1.nii.gz"]
+    assert _labels(tmp_path / "all" / "c1.nii.gz")[0].shape == (17, 15, 12)
+
+
+@pytest.mark.parametrize("argv, code, message", [
+    (["predict", "{tmp}/nothing", "{store}", "-o", "{tmp}/o"], 1,
+     "bigmem predict: error: '{tmp}/nothing' is not a bigmem run directory: no config.json there."),
+    (["predict", "{run}", "{tmp}/missing.nii.gz", "-o", "{tmp}/o", "--mode", "sliding"], 1,
+     "bigmem predict: error: Cannot read INPUT '{tmp}/missing.nii.gz': no such file or folder."),
+    (["predict", "{run}", "{store}", "-o", "{tmp}/o", "--cases", "nope", "--mode", "sliding"], 1,
+     "bigmem predict: error: --cases: 'nope' not in '{store}' (it has 4 cases, e.g. synth_0000, synth_0001, "
+     "synth_0002)."),
+    (["predict", "{run}", "{store}", "-o", "{tmp}/o", "--overlap", "1"], 2,
+     "bigmem predict: error: Invalid --overlap 1: expected a fraction in [0, 1)."),
+    (["predict", "{run}", "{store}", "-o", "{tmp}/o", "--mode", "sliding", "--window", "6"], 2,
+     "bigmem predict: error: Invalid --window 6: expected a positive multiple of 4 (the network downsamples 2 "
+     "times)."),
+])
+def test_bad_input_is_one_line(trained, tmp_path, capsys, argv, code, message):
+    run, store = trained
+    fill = {"tmp": str(tmp_path), "store": str(store), "run": str(run)}
+    got, _, err = run_cli([a.format(**fill) for a in argv], capsys)
+    assert (got, err.strip()) == (code, message.format(**fill))
