@@ -123,12 +123,15 @@ def summarise(run: RunData) -> dict:
     predicted = (run.plan or {}).get("predicted_peak_bytes")
     reads = run.column("disk_read_bytes_per_s")
     writes = run.column("disk_write_bytes_per_s")
+    validated = [r for r in run.metrics if r.get("val_dice") is not None and not math.isnan(r["val_dice"])]
     return {
         "run_dir": str(run.path),
         "state": "finished" if run.finished else "running or stopped",
         "steps": run.metrics[-1]["step"] if run.metrics else 0,
         "last_loss": run.metrics[-1]["loss"] if run.metrics else None,
         "last_dice": run.metrics[-1]["dice"] if run.metrics else None,
+        "last_val_dice": validated[-1]["val_dice"] if validated else None,
+        "best_val_dice": max((r["val_dice"] for r in validated), default=None),
         "median_voxels_per_s": statistics.median(r["voxels_per_s"] for r in steps) if steps else None,
         "median_step_s": statistics.median(r["step_s"] for r in steps) if steps else None,
         "input_stall_share": wait_s / step_s if step_s else None,
@@ -200,6 +203,10 @@ def make_plots(runs: list[RunData], out: Path) -> dict[str, Path]:
         steps = [r["step"] for r in run.metrics]
         axes[0].plot(steps, [r["loss"] for r in run.metrics], label=_label(run, "loss", runs))
         axes[1].plot(steps, [r["dice"] for r in run.metrics], label=_label(run, "Dice", runs))
+        validated = [r for r in run.metrics if "val_dice" in r]
+        if validated:  # --val-every: the held-out cases' Dice
+            axes[1].plot([r["step"] for r in validated], [r["val_dice"] for r in validated], marker="o",
+                         label=_label(run, "validation Dice", runs))
 
     def throughput(axes, run):
         axes[0].plot([r["step"] for r in run.metrics], [r["voxels_per_s"] / 1e6 for r in run.metrics],
@@ -274,6 +281,8 @@ def markdown(summaries: list[dict], plots: dict[str, Path]) -> str:
     row("state", lambda s: s["state"])
     row("steps", lambda s: str(s["steps"]))
     row("last loss / Dice", lambda s: f"{_num(s['last_loss'], '.4f')} / {_num(s['last_dice'], '.3f')}")
+    row("validation Dice last / best", lambda s: f"{_num(s['last_val_dice'], '.3f')} / "
+                                                 f"{_num(s['best_val_dice'], '.3f')}")
     row("throughput (median)", lambda s: _num(s["median_voxels_per_s"] and s["median_voxels_per_s"] / 1e6, ".3f",
                                               " Mvoxels/s"))
     row("step time (median)", lambda s: _num(s["median_step_s"], ".3f", " s"))

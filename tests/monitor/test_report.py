@@ -29,14 +29,14 @@ def _png_size(path):
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, tiny_store):
-    """Two short runs of the tiny preset, monitored every 0.1 s."""
+    """Two short runs of the tiny preset, monitored every 0.1 s; b validates a held-out case every 4 steps."""
     from bigmem.cli.main import main
 
     runs = []
-    for name, seed in (("a", 0), ("b", 1)):
+    for name, seed, extra in (("a", 0, []), ("b", 1, ["--holdout", "1", "--val-every", "4"])):
         out = tmp_path_factory.mktemp("runs") / name
         code = main(["train", "--model", "tiny", "--data", str(tiny_store), "--steps", "8", "--seed", str(seed),
-                     "--monitor-interval", "0.1", "--out", str(out)])
+                     "--monitor-interval", "0.1", "--out", str(out), *extra])
         assert code == 0
         runs.append(out)
     return runs
@@ -86,6 +86,13 @@ def test_two_runs_side_by_side(trained, tmp_path, capsys):
     assert [r["run_dir"] for r in report["runs"]] == [str(p) for p in trained]
     header = (out / "report.md").read_text().splitlines()[2]
     assert header == "| | a | b |"
+    a, b = report["runs"]
+    validated = [json.loads(line) for line in (trained[1] / "metrics.jsonl").read_text().splitlines()]
+    validated = [r["val_dice"] for r in validated if "val_dice" in r]
+    assert len(validated) == 2 and a["last_val_dice"] is None
+    assert (b["last_val_dice"], b["best_val_dice"]) == (validated[-1], max(validated))
+    assert f"| validation Dice last / best | - / - | {validated[-1]:.3f} / {max(validated):.3f} |" in (
+        out / "report.md").read_text()
 
 
 def test_a_running_run_with_a_torn_row(trained, tmp_path, capsys):
