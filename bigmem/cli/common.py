@@ -22,6 +22,8 @@ def flag_for(field: str) -> str:
     """
     if field in FLAG_NAMES:
         return FLAG_NAMES[field]
+    if field.count(".") != 1 or " " in field or field.startswith("-"):
+        return field  # not a config field: a flag already ('--shape') or a plain name ('spatial shape')
     name = field.split(".")[-1]
     for suffix in UNIT_SUFFIXES:
         name = name.removesuffix(suffix)

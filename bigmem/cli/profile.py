@@ -84,7 +84,7 @@ def run(args) -> int:
                                   set(os.sched_getaffinity(0)))
     shape = parse_shape(args.shape) if args.shape else (config.data.volume,) * 3
     counts_for = api.counts_function(config)
-    UNet3D(config.model).check_spatial_shape(shape, flag="--shape" if args.shape else "--volume")
+    UNet3D(config.model).check_spatial_shape(shape, field="--shape" if args.shape else "data.volume")
     console = Console(soft_wrap=True)
     status = Console(soft_wrap=True, stderr=True)  # progress goes to stderr: stdout may be --json
     show = _Printer(console, config)
@@ -92,7 +92,7 @@ def run(args) -> int:
     if args.calibrate:
         volumes = _volumes(args.calibrate, "--calibrate")
         for v in volumes:
-            UNet3D(config.model).check_spatial_shape((v,) * 3)
+            UNet3D(config.model).check_spatial_shape((v,) * 3, field="data.volume")
         calibration, points = api.calibrate(config, volumes, counts_for, steps=args.steps,
                                             progress=lambda v: status.print(f"measuring {v}^3 ...", style="dim"))
         if args.json:
@@ -103,7 +103,7 @@ def run(args) -> int:
     if args.sweep:
         volumes = _volumes(args.sweep, "--sweep")
         for v in volumes:
-            UNet3D(config.model).check_spatial_shape((v,) * 3, flag="--sweep")
+            UNet3D(config.model).check_spatial_shape((v,) * 3, field="--sweep")
         results, law = api.sweep(config, volumes, counts_for, steps=args.steps,
                                  progress=lambda v: status.print(f"measuring {v}^3 ...", style="dim"))
         if args.json:

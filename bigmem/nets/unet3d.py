@@ -7,8 +7,7 @@ from typing import Any, Mapping, Sequence
 import keras
 import tensorflow as tf
 
-from bigmem.config.schema import ExperimentConfig, ModelConfig, update
-from bigmem.errors import UsageError
+from bigmem.config.schema import ExperimentConfig, ModelConfig, check_multiple, update
 from bigmem.nets.conv import Conv3D
 from bigmem.nets.blocks import DecoderStage, EncoderStage, Shape3D, _voxels
 
@@ -33,7 +32,7 @@ class UNet3D(keras.Model):
 
     Size contract: every spatial size must be a multiple of ``2**depth`` (``D % 16 == 0`` at the
     default ``depth=4``) so that each pooled size is even and each decoder output matches its
-    skip; ``check_spatial_shape`` raises a ``UsageError`` naming the nearest valid sizes. The
+    skip; ``check_spatial_shape`` raises a ``ConfigError`` naming the nearest valid sizes. The
     network does not check this in ``call``.
 
     Args:
@@ -139,27 +138,20 @@ class UNet3D(keras.Model):
 
     # ---- shapes and accounting -------------------------------------------------------------
 
-    def check_spatial_shape(self, spatial_shape: Shape3D, *, flag: str = "--volume") -> None:
+    def check_spatial_shape(self, spatial_shape: Shape3D, *, field: str = "spatial shape") -> None:
         """Check the size contract: every spatial size a positive multiple of ``2**depth``.
 
         Args:
             spatial_shape: ``(D, H, W)`` in voxels.
-            flag: how the message names the size (default ``"--volume"``).
+            field: what the message calls the size: a config field (``"data.volume"``, shown as
+                its flag on the command line) or a plain name (default ``"spatial shape"``).
 
         Raises:
-            UsageError: a size is not a positive multiple of ``2**depth``; the message gives the
+            ConfigError: a size is not a positive multiple of ``2**depth``; the message gives the
                 nearest multiples to try.
         """
-        divisor = self.model_config.divisor
-        bad = [s for s in spatial_shape if s % divisor or s <= 0]
-        if bad:
-            size = bad[0]
-            lower = max(divisor, size // divisor * divisor)
-            raise UsageError(
-                f"Invalid {flag} {size}: expected a multiple of {divisor} "
-                f"(the network downsamples {self.model_config.depth} times). "
-                f"Try {flag} {lower} or {lower + divisor}."
-            )
+        for size in spatial_shape:
+            check_multiple(field, size, self.model_config)
 
     def block_feature_map_elements(self, spatial_shape: Shape3D) -> dict[str, int]:
         """Per-sample feature-map elements of each block, for the memory estimate.
@@ -174,7 +166,7 @@ class UNet3D(keras.Model):
         Raises:
             UsageError: ``spatial_shape`` breaks the size contract.
         """
-        self.check_spatial_shape(spatial_shape, flag="spatial shape")
+        self.check_spatial_shape(spatial_shape)
         counts: dict[str, int] = {}
         shapes = []
         shape = tuple(spatial_shape)
@@ -201,7 +193,7 @@ class UNet3D(keras.Model):
         Raises:
             UsageError: ``spatial_shape`` breaks the size contract.
         """
-        self.check_spatial_shape(spatial_shape, flag="spatial shape")
+        self.check_spatial_shape(spatial_shape)
         total, shape = 0, tuple(spatial_shape)
         for stage in self.encoder:
             total += stage.forward_macs(shape)

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from bigmem.config import resolve_config
-from bigmem.errors import UsageError
+from bigmem.cli.common import flag_for
+from bigmem.errors import ConfigError
 from bigmem.nets.blocks import ConvNormAct, DecoderStage, EncoderStage, ResidualBlock
 from bigmem.nets.unet3d import UNet3D
 
@@ -62,11 +63,14 @@ def test_output_shape_and_dtype(overrides, shape):
 @pytest.mark.parametrize("size", [33, 34, 35, 2])
 def test_odd_sizes_are_refused_with_a_suggestion(size):
     model = tiny_model()
-    with pytest.raises(UsageError) as info:
-        model.check_spatial_shape((size, 16, 16))
+    with pytest.raises(ConfigError) as info:
+        model.check_spatial_shape((size, 16, 16), field="data.volume")
     lower = max(4, size // 4 * 4)
-    assert str(info.value) == (f"Invalid --volume {size}: expected a multiple of 4 (the network downsamples 2 "
-                               f"times). Try --volume {lower} or {lower + 4}.")
+    assert str(info.value) == (f"Invalid data.volume {size}: expected a multiple of 4 (the network downsamples 2 "
+                               f"times). Try data.volume {lower} or {lower + 4}.")
+    assert info.value.render(flag_for).startswith(f"Invalid --volume {size}: ")  # as the command line shows it
+    with pytest.raises(ConfigError, match=rf"^Invalid spatial shape {size}: "):
+        model.check_spatial_shape((16, 16, size))
 
 
 @pytest.mark.parametrize("overrides", VARIANTS[:5], ids=str)
