@@ -33,6 +33,17 @@ DOCUMENTED: list[str | tuple[str, tuple[str, ...]]] = [
     "bigmem.data.store.HDF5VolumeStore",
     "bigmem.memory.measure.measure",
     "bigmem.distribute.compare.compare",
+    ("bigmem.train.trainer.train", ("Args:", "Returns:", "Raises:", "Example:")),
+    ("bigmem.memory.estimate.estimate", ("Args:", "Returns:", "Example:")),
+    ("bigmem.memory.planner.make_plan", ("Args:", "Returns:", "Example:")),
+    ("bigmem.config.presets.resolve_config", ("Args:", "Returns:", "Raises:", "Example:")),
+    ("bigmem.distribute.execution.data_parallel", ("Args:", "Returns:", "Raises:", "Example:")),
+    ("bigmem.infer.predict.load_predictor", ("Args:", "Returns:", "Raises:", "Example:")),
+    ("bigmem.infer.sliding.sliding_window", ("Args:", "Returns:")),
+    ("bigmem.infer.evaluate.evaluate", ("Args:", "Returns:")),
+    *((f"bigmem.config.schema.{name}", ("Attributes:", "Example:")) for name in (
+        "ModelConfig", "DataConfig", "TrainConfig", "MemoryConfig", "DistributeConfig", "NUMAConfig",
+        "ExperimentConfig")),
 ]
 
 # Modules whose every public function, class and method has a docstring (paths under bigmem/).
@@ -41,7 +52,9 @@ MODULES = [
     "nets/unet3d.py", "nets/conv.py", "nets/norm_act.py", "nets/slabs.py", "nets/blocks.py", "nets/pooling.py",
     "nets/reduce.py", "nets/limits.py", "nets/choices.py",
     "data/pipeline.py", "data/store.py", "data/nifti.py",
-    "memory/measure.py", "distribute/compare.py",
+    "memory/measure.py", "distribute/compare.py", "distribute/execution.py",
+    "train/trainer.py", "train/loop.py", "train/callbacks.py", "train/job.py",
+    "infer/predict.py", "infer/plan.py", "infer/validate.py", "infer/forward.py", "infer/metrics.py",
     "numa/apply.py", "numa/capacity.py", "numa/observe.py", "numa/policy.py", "numa/topology.py",
     "monitor/report.py", "monitor/sampler.py",
 ]

@@ -34,7 +34,22 @@ from bigmem.errors import ConfigError, UsageError
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """A 3D U-Net: ``depth`` downsamplings, filters doubling per level up to ``max_filters``."""
+    """A 3D U-Net: ``depth`` downsamplings, filters doubling per level up to ``max_filters``.
+
+    Attributes:
+        name: the preset's name (set by ``resolve_config``).
+        depth: downsamplings; every spatial size must be a multiple of ``2**depth`` (``divisor``).
+        base_filters, max_filters: channels at full resolution, doubling per level up to the cap.
+        blocks_per_level: conv -> norm -> activation blocks per stage.
+        norm, groups: instance, group (``groups`` per level), batch or none.
+        activation, downsampling, upsampling, residual, conv_bias: the block's parts.
+        stock_layers: build from Keras's stock layers only (the speed benchmark's baseline).
+        in_channels, num_classes: filled from the store (``data.derived.with_data_fields``).
+
+    Example:
+        >>> ModelConfig(depth=3).divisor, ModelConfig(base_filters=8, depth=2).filters
+        (8, [8, 16, 32])
+    """
 
     name: str = "custom"
     depth: int = 4
@@ -80,7 +95,22 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    """Where cases come from and how they are shaped for the network."""
+    """Where cases come from and how they are shaped for the network.
+
+    Attributes:
+        store: the HDF5 store (``--data``); None: the embedded synthetic dataset.
+        volume: whole volumes are cropped/padded to ``volume``^3 for training.
+        prefetch: batches prepared ahead of the step.
+        num_workers: reader processes (0: read in the training process).
+        flip: random flips along each axis.
+        cold_cache: drop the store's pages after each read (a dataset larger than RAM).
+        holdout: the last N cases (sorted ids) kept out of training, for validation.
+        synth_cases, synth_volume, synth_classes: the synthetic dataset's shape.
+
+    Example:
+        >>> DataConfig(volume=64, holdout=2).holdout
+        2
+    """
 
     store: str | None = None  # --data; None: the embedded synthetic dataset
     volume: int = 48  # whole volumes are cropped/padded to volume^3
@@ -103,7 +133,24 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """The optimisation recipe (DESIGN.md: Dice+CE, SGD Nesterov or Adam, warmup + poly decay)."""
+    """The optimisation recipe (DESIGN.md: Dice+CE, SGD Nesterov or Adam, warmup + poly decay).
+
+    Attributes:
+        batch_size: volumes per step (per replica when data-parallel).
+        steps, epochs: the run's length (one of them; default one epoch).
+        lr, optimizer, momentum, warmup_steps, lr_decay_power, end_lr: the schedule and update.
+        precision: fp32, or bf16 mixed precision (weights stay fp32).
+        reference_batch: the global batch ``lr`` is meant for (data-parallel linear scaling).
+        time_budget_s: stop (and save the model) after this many seconds of training.
+        seed: weights, case order and augmentation.
+        checkpoint_every, keep_checkpoints, log_every: the run directory's cadence.
+        val_every: validate the held-out cases every K steps (0: off; needs ``data.holdout``).
+        monitor_interval_s: seconds between monitor.csv rows (0: off).
+
+    Example:
+        >>> TrainConfig(steps=100, lr=1e-2).optimizer.value
+        'adam'
+    """
 
     batch_size: int = 2
     steps: int | None = None
@@ -142,7 +189,18 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class MemoryConfig:
-    """How the job fits its memory (bigmem/memory/preflight.py decides the budget from these)."""
+    """How the job fits its memory (bigmem/memory/preflight.py decides the budget from these).
+
+    Attributes:
+        budget_bytes: the most the predicted peak may be; None: what the NUMA placement can use,
+            else MemAvailable at start (``memory.preflight.resolve_budget``).
+        recompute: none, stages (recompute every stage's activations in backward) or auto (the
+            fewest stages that fit the budget).
+
+    Example:
+        >>> MemoryConfig(budget_bytes=2**40).recompute.value
+        'none'
+    """
 
     budget_bytes: int | None = None  # None: what the NUMA placement can use, else MemAvailable at start
     recompute: Recompute = Recompute.NONE  # stages: recompute every stage's activations in backward
@@ -154,6 +212,17 @@ class DistributeConfig:
 
     With ``strategy`` none, training is single-process whole volumes; ``multiworker`` without
     ``gpu_memory_bytes`` or ``patch`` trains whole volumes on several CPU hosts.
+
+    Attributes:
+        strategy: none, mirrored (one host) or multiworker (TF_CONFIG).
+        simulate_replicas: N logical CPU devices instead of GPUs.
+        gpus: GPUs to use (default: every one found).
+        gpu_memory_bytes: the per-GPU memory the patch must fit.
+        patch: the patch edge (default: the largest that fits ``gpu_memory_bytes``).
+
+    Example:
+        >>> DistributeConfig(strategy=Strategy.MIRRORED, gpu_memory_bytes=80 * 2**30).patch is None
+        True
     """
 
     strategy: Strategy = Strategy.NONE  # none (whole volumes) | mirrored | multiworker
@@ -171,7 +240,17 @@ class DistributeConfig:
 
 @dataclass(frozen=True)
 class NUMAConfig:
-    """Placement of memory and threads (bigmem/numa/policy.py has the forms)."""
+    """Placement of memory and threads (bigmem/numa/policy.py has the forms).
+
+    Attributes:
+        policy: none, local, interleave[:NODES], bind:NODES or preferred:N (``--numa``).
+        cpus: the CPUs to run on, e.g. '0-15,32-47' (default: the policy's nodes' CPUs).
+        threads: TensorFlow's intra-op threads (default: the CPUs used).
+
+    Example:
+        >>> NUMAConfig(policy="interleave").threads is None
+        True
+    """
 
     policy: str = "none"  # --numa
     cpus: str | None = None  # --cpus, e.g. 0-15,32-47
@@ -180,6 +259,17 @@ class NUMAConfig:
 
 @dataclass(frozen=True)
 class ExperimentConfig:
+    """A whole job's settings, in sections; resolved once (``config.presets.resolve_config``) and frozen.
+
+    Attributes:
+        model, data, train, memory, distribute, numa: the sections (each documented above).
+
+    Example:
+        >>> config = ExperimentConfig().updated({"data": {"volume": 64}}, source="code")
+        >>> config.data.volume, config.to_dict()["memory"]["recompute"]
+        (64, 'none')
+    """
+
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)

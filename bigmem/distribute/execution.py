@@ -55,6 +55,7 @@ class DataParallel:
 
     @property
     def whole_volumes(self) -> bool:
+        """True: whole volumes (no patch)."""
         return self.patch is None
 
     @property
@@ -103,6 +104,7 @@ class DataParallel:
         return iter(strategy.experimental_distribute_dataset(loader.dataset(start_step).with_options(options)))
 
     def describe(self, volume: int, lr: float) -> str:
+        """One line for the run's opening message: what trains on what, at which lr."""
         where = "logical CPU devices (simulated on CPU)" if self.replicas.simulated else (
             "CPU hosts" if self.whole_volumes and self.num_workers > 1 else "GPUs")
         what = f"whole {volume}^3 volumes" if self.whole_volumes else f"{self.patch}^3 patches"

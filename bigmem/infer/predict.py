@@ -32,6 +32,8 @@ DEFAULT_OVERLAP = 0.5  # nnU-Net's sliding-window overlap
 
 
 class Mode(StrOption):
+    """``--mode``: how a case goes through the network."""
+
     AUTO = "auto"  # whole where the inference plan fits the memory budget, else sliding
     WHOLE = "whole"
     SLIDING = "sliding"
@@ -53,10 +55,12 @@ class Predictor:
 
     @property
     def num_classes(self) -> int:
+        """The network's output classes (background included)."""
         return self.config.model.num_classes
 
     @property
     def divisor(self) -> int:
+        """The size contract: whole-volume input is padded to a multiple of this."""
         return self.config.model.divisor
 
 

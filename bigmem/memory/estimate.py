@@ -90,6 +90,10 @@ class NetworkCounts:
     # Per stage, its largest single tensor (elements per sample): what decides whether its ops
     # run in depth slabs (nets/slabs.py).
     stage_largest: dict[str, int] = field(default_factory=dict)
+    # Per stage, the elements live at its peak in an inference pass (nothing kept for backward):
+    # its own (the stage reports them), its inputs and the encoder outputs held for later decoder
+    # stages; the network's input is not included (memory/inference.py counts it).
+    stage_inference_live: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def from_model(cls, model, spatial_shape: Sequence[int]) -> "NetworkCounts":
@@ -107,13 +111,24 @@ class NetworkCounts:
             shape = stage.output_spatial_shape(shape)
             outputs[stage.name] = stage.filters * math.prod(shape)
             largest_in[stage.name] = 2 * stage.filters * math.prod(shape)  # the joined skip and upsampled input
+        inference, shape, encoder_outputs = {}, tuple(spatial_shape), []
+        for stage in model.encoder:  # every earlier encoder output is still held: skips, and this stage's input
+            inference[stage.name] = sum(encoder_outputs) + stage.inference_live_elements(shape)
+            shape = stage.output_spatial_shape(shape)
+            encoder_outputs.append(stage.filters * math.prod(shape))
+        below, skips = encoder_outputs[-1], encoder_outputs[:-1]
+        for stage in model.decoder:  # the skips not yet taken, the input from below and this stage's skip
+            skip = skips.pop()
+            inference[stage.name] = sum(skips) + below + skip + stage.inference_live_elements(shape)
+            shape = stage.output_spatial_shape(shape)
+            below = stage.filters * math.prod(shape)
         cfg = model.model_config
         # The widest full-resolution tensor: a decoder concat (2 x level-0 filters) or the input.
         largest = max(2 * cfg.filters[0], cfg.in_channels) * voxels
         trainable = sum(math.prod(v.shape) for v in model.trainable_weights)
         return cls(model.count_params(), int(trainable), {k: v for k, v in elements.items() if k != "head"},
                    outputs, int(largest), int(elements["head"]), int(model.forward_macs(spatial_shape)),
-                   {name: int(n) for name, n in largest_in.items()})
+                   {name: int(n) for name, n in largest_in.items()}, {name: int(n) for name, n in inference.items()})
 
 
 def partitioned_stages(counts: NetworkCounts, batch_size: int) -> list[str]:
@@ -150,7 +165,31 @@ def recompute_order(counts: NetworkCounts) -> list[str]:
 
 def estimate(config: ExperimentConfig, counts: NetworkCounts, spatial_shape: Sequence[int], *,
              recompute_stages: Sequence[str] | None = None, calibration: Calibration | None = None) -> Estimate:
-    """The predicted peak of training ``config`` on ``spatial_shape`` volumes (per component)."""
+    """The predicted peak resident memory of training ``config`` on ``spatial_shape`` volumes.
+
+    Each block's feature maps (``NetworkCounts``), the weights, gradients and optimizer slots,
+    the input pipeline's batches, the HDF5 chunk cache, a backward workspace and the framework,
+    with the calibrated multiplier and fixed overhead of this machine class (calibration.py).
+
+    Args:
+        config: the job (``train.batch_size``, ``train.precision``, ``train.optimizer``,
+            ``memory.recompute``, ``data.prefetch``).
+        counts: the model's per-block element counts at ``spatial_shape``
+            (``NetworkCounts.from_model``).
+        spatial_shape: ``(D, H, W)`` of one input volume, in voxels.
+        recompute_stages: the stages whose activations backward recomputes; None: those
+            ``memory.recompute`` implies.
+        calibration: the multiplier and overhead to use; None: the shipped one for this preset,
+            precision and machine class.
+
+    Returns:
+        An ``Estimate``: bytes per component (``predicted_peak_bytes`` is their sum), the stages
+        that run in depth slabs, and whether it can run at all.
+
+    Example:
+        >>> counts = NetworkCounts.from_model(UNet3D(config.model).build_for(), (128, 128, 128))
+        >>> estimate(config, counts, (128, 128, 128)).predicted_peak_bytes  # bytes
+    """
     train, data = config.train, config.data
     batch = train.batch_size
     precision = train.precision

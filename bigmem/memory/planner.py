@@ -183,8 +183,25 @@ def make_plan(config: ExperimentConfig, counts_for, budget_bytes: int, *, budget
               volume: int | None = None, batch_size: int | None = None, allow_bf16: bool | None = None) -> Plan:
     """The largest volume (unless fixed) and then batch (unless fixed) that fit, over the allowed modes.
 
+    The modes are precision x recompute (fp32/bf16, none/stages); the chosen candidate is the
+    largest volume, then batch, ties going to the earlier (cheaper in compute) mode.
+
     Args:
+        config: the model and optimizer to plan for.
+        counts_for: ``(D, H, W) -> NetworkCounts`` of the model.
+        budget_bytes: the most the predicted peak may be.
+        budget_source: what set the budget, for plan.json and messages ('MemAvailable', a flag).
+        volume: fix the cubic volume edge instead of searching it.
+        batch_size: fix the batch instead of searching it.
         allow_bf16: consider bf16 modes; default: only where the CPU has native bf16.
+
+    Returns:
+        A ``Plan`` (plan.json's schema): the best candidate of each mode and the chosen one
+        (None where nothing fits).
+
+    Example:
+        >>> plan = make_plan(config, counts_function(config), 512 * 2**30, budget_source="--memory-budget")
+        >>> plan.chosen.volume, plan.chosen.batch_size
     """
     planner = Planner(config, counts_for, budget_bytes)
     best_per_mode: list[Candidate] = []

@@ -32,6 +32,7 @@ class NonFiniteGuard(Callback):
         self.checkpoints = checkpoints
 
     def on_step_end(self, state: LoopState) -> None:
+        """Raise at a non-finite loss (before later callbacks record the step)."""
         if math.isfinite(state.loss):
             return
         kept = self.checkpoints.latest()
@@ -47,6 +48,7 @@ class MetricsLog(Callback):
         self.run, self.log_every = run, log_every
 
     def on_step_end(self, state: LoopState) -> None:
+        """Append the step's row on every ``log_every``-th step and the last."""
         if state.step % self.log_every == 0 or state.step == state.total_steps:
             self.run.append_metrics([state.row])
 
@@ -58,9 +60,11 @@ class Progress(Callback):
         self.bar = TrainProgress(console, total_steps, start_step)
 
     def context(self):
+        """The progress display, open for the whole loop."""
         return self.bar
 
     def on_step_end(self, state: LoopState) -> None:
+        """Show the step's row."""
         self.bar.update(state.row)
 
 
@@ -73,15 +77,18 @@ class Checkpoints(Callback):
         self.saved_step: int | None = None
 
     def save(self, state: LoopState):
+        """Write the checkpoint of ``state.step``; returns its path."""
         self.saved_step = state.step
         return self.checkpoints.save(state.step, self.model, self.optimizer,
                                      {"total_steps": state.total_steps, "loss": state.loss, "dice": state.dice})
 
     def on_step_end(self, state: LoopState) -> None:
+        """Save every ``every`` steps and at the last step."""
         if state.step % self.every == 0 or state.step == state.total_steps:
             self.save(state)
 
     def on_train_end(self, state: LoopState) -> None:
+        """Save the step a stopped run ended at, unless it was just saved."""
         if state.stop is not None and self.saved_step != state.step:
             self.save(state)
 
@@ -116,9 +123,11 @@ class StopOnSignal(Callback):
         self.signals = StopSignals()
 
     def context(self):
+        """SIGINT/SIGTERM handlers, installed for the loop and then restored."""
         return self.signals
 
     def on_step_end(self, state: LoopState) -> None:
+        """Stop after this step if a signal came."""
         if self.signals.signum is not None:
             state.stop, state.interrupted_by = "signal", self.signals.signum
 
@@ -131,11 +140,13 @@ class TimeBudget(Callback):
         self.started_s = clock()
 
     def on_train_begin(self, state: LoopState) -> None:
+        """Start the clock (a zero budget stops before the first step)."""
         self.started_s = self.clock()
         if self.budget_s <= 0:
             state.stop = "time budget"
 
     def on_step_end(self, state: LoopState) -> None:
+        """Stop once the budget has passed."""
         if self.clock() - self.started_s >= self.budget_s:
             state.stop = "time budget"
 
@@ -154,9 +165,11 @@ class NUMAReport(Callback):
         self.sampler = NodePeakSampler()
 
     def context(self):
+        """The per-node peak sampler, running for the whole loop."""
         return self.sampler
 
     def write(self) -> dict:
+        """Write numa.json as observed now; returns the report."""
         from bigmem.numa.observe import observed
 
         report = observed(self.requested, self.sampler)
@@ -164,6 +177,7 @@ class NUMAReport(Callback):
         return report
 
     def on_step_end(self, state: LoopState) -> None:
+        """Rewrite numa.json after the first step and when the run stops."""
         if state.step == state.start_step + 1 or state.stop is not None:
             self.write()
 
@@ -177,6 +191,7 @@ class Monitor(Callback):
         self.monitor = ResourceMonitor(run.monitor, interval_s=interval_s, store_path=store_path)
 
     def context(self):
+        """The resource monitor's sampling thread, running for the whole loop."""
         return self.monitor
 
 
@@ -214,10 +229,12 @@ class Validation(Callback):
         return result
 
     def on_step_end(self, state: LoopState) -> None:
+        """Validate every ``every`` steps and at the last; add the result to the row."""
         if state.step % self.every == 0 or state.step == state.total_steps:
             state.row.update(self._validate(state))
 
     def on_train_end(self, state: LoopState) -> None:
+        """Validate the last step of a run its time budget ended."""
         if state.stop == "time budget" and self.validated_step != state.step:
             self._validate(state)
 
@@ -237,6 +254,7 @@ class TensorBoard(Callback):
         self.writers: dict = {}
 
     def context(self):
+        """Closes (flushes) the event writers when the loop ends."""
         import contextlib
 
         def close():
@@ -255,6 +273,7 @@ class TensorBoard(Callback):
         return self.writers[name]
 
     def on_step_end(self, state: LoopState) -> None:
+        """Write the logged step's training scalars and any validation Dice."""
         import tensorflow as tf
 
         row = state.row

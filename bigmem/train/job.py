@@ -64,9 +64,11 @@ class Job:
 
     @property
     def voxels_per_step(self) -> int:
+        """Voxels this process feeds the network per step (for the throughput column)."""
         return self.loader.batch_size * self.loader.volume**3
 
     def close(self) -> None:
+        """Release the loader's readers and the store."""
         self.loader.close()
 
 

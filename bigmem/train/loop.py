@@ -49,6 +49,7 @@ class LoopState:
 
     @property
     def done(self) -> bool:
+        """Whether the loop ends now: the last step was reached or a callback stopped it."""
         return self.step >= self.total_steps or self.stop is not None
 
 
@@ -60,12 +61,15 @@ class Callback:
         return contextlib.nullcontext()
 
     def on_train_begin(self, state: LoopState) -> None:
+        """Before the first step (``state.step`` is the start step)."""
         pass
 
     def on_step_end(self, state: LoopState) -> None:
+        """After each step; ``state.row`` holds its metrics. May set ``state.stop`` or raise."""
         pass
 
     def on_train_end(self, state: LoopState) -> None:
+        """After the last step, or after a callback stopped the loop (not after an exception)."""
         pass
 
 
