@@ -15,6 +15,7 @@ import keras
 
 from bigmem.config.options import Activation, Downsampling, Norm
 from bigmem.nets.conv import Conv3D, Conv3DTranspose
+from bigmem.nets.limits import exceeds_limit, slab_elements
 from bigmem.nets.norm_act import NormActivation
 from bigmem.nets.pooling import MaxPooling3D
 
@@ -35,6 +36,36 @@ def _voxels(spatial_shape: Shape3D) -> int:
 
 def _halved(spatial_shape: Shape3D) -> tuple[int, ...]:
     return tuple(s // 2 for s in spatial_shape)
+
+
+def _slab_temporaries(in_shape: Sequence[int], out_shape: Sequence[int], stock_layers: bool) -> int:
+    """Elements of one depth slab's result where an op on these one-sample shapes runs in slabs, else 0.
+
+    Past the kernel limit bigmem's conv, transposed conv and pool write each slab's result into
+    the full output and free it before the next (nets/slabs.py); a slab has at most
+    ``slab_elements`` of the wider plane. Keras's stock layers have no slab path.
+    """
+    if stock_layers or not exceeds_limit(in_shape, out_shape):
+        return 0
+    return slab_elements(max(math.prod(in_shape[2:]), math.prod(out_shape[2:])))
+
+
+def _norm_inference_elements(norm_layer, out_shape: Sequence[int]) -> int:
+    """Elements live while a norm layer runs at inference: its input, its output and any temporary.
+
+    Three tensors of the output's size (the input, a temporary: the normalised tensor before the
+    activation or ``x * scale`` before ``+ shift``, the output), except two where there is no
+    temporary: bigmem's norm past the kernel limit (slabs activate in place) and its instance norm
+    without an activation (one fused batch norm). ``out_shape`` is one sample's ``(1, D, H, W, C)``.
+    """
+    if norm_layer is None:
+        return 0
+    out = math.prod(out_shape)
+    if isinstance(norm_layer, NormActivation):
+        instance_linear = norm_layer.groups in (-1, out_shape[-1]) and norm_layer.activation == "linear"
+        if exceeds_limit(out_shape) or instance_linear:
+            return 2 * out
+    return 3 * out
 
 
 def make_norm(norm: Norm, groups: int, *, zero_init: bool, dtype, name: str, activation: str = "linear",
@@ -221,6 +252,29 @@ class ConvNormAct(_Block):
         tensors = convs + (self.norm_layer is not None) + (self.act is not None)  # + norm(+act), separate act
         return tensors * self.filters * _voxels(self._out_shape(spatial_shape))
 
+    def inference_live_elements(self, spatial_shape: Shape3D, in_channels: int) -> int:
+        """Elements live at once at the block's peak in an inference pass of one sample, its inputs excepted.
+
+        An inference pass (``training=False``, eager) keeps nothing for backward: each tensor is
+        freed after its last use. The peak is the largest of the convolutions (one output; or, with
+        two inputs, both outputs and their sum) plus one depth slab where they run in slabs, the
+        norm (its input, a temporary, its output: ``_norm_inference_elements``) and a separate
+        activation (its input and output). The inputs are the caller's and counted by it.
+
+        Args:
+            spatial_shape: the input's ``(D, H, W)`` in voxels.
+            in_channels: every input's channels (both halves of a skip connection).
+
+        Returns:
+            Elements, not bytes.
+        """
+        out_shape = (1, *self._out_shape(spatial_shape), self.filters)
+        out = math.prod(out_shape)
+        in_shape = (1, *spatial_shape, in_channels // self.num_inputs)
+        convs = (1 if self.conv_skip is None else 3) * out + _slab_temporaries(in_shape, out_shape, self.stock_layers)
+        act = 2 * out if self.act is not None else 0
+        return max(convs, _norm_inference_elements(self.norm_layer, out_shape), act)
+
     def forward_macs(self, spatial_shape: Shape3D, in_channels: int) -> int:
         """Multiply-adds of the convolution for an input of ``(D, H, W)`` voxels.
 
@@ -281,6 +335,34 @@ class ResidualBlock(_Block):
         second = (1 + has_norm) * out  # conv, norm
         projection = (1 + has_norm) * out if self.needs_projection else 0
         return self.first.feature_map_elements(spatial_shape) + second + projection + 2 * out  # add, act
+
+    def inference_live_elements(self, spatial_shape: Shape3D, in_channels: int) -> int:
+        """Elements live at once at the block's peak in an inference pass of one sample, its input excepted.
+
+        In call order: the projected shortcut (its conv, then its norm), then held while the first
+        block, the conv (with the first block's output), the norm, the add (with the norm's output)
+        and the activation (with the norm's output and the sum, still referenced) run.
+
+        Args:
+            spatial_shape: the input's ``(D, H, W)`` in voxels.
+            in_channels: the input's channels.
+
+        Returns:
+            Elements, not bytes.
+        """
+        out_shape = (1, *self._out_shape(spatial_shape), self.filters)
+        out = math.prod(out_shape)
+        in_shape = (1, *spatial_shape, in_channels)
+        shortcut, phases = 0, []
+        if self.needs_projection:
+            phases.append(out + _slab_temporaries(in_shape, out_shape, self.stock_layers))
+            phases.append(_norm_inference_elements(self.proj_norm, out_shape))
+            shortcut = out
+        phases.append(self.first.inference_live_elements(spatial_shape, in_channels))
+        phases.append(2 * out + _slab_temporaries(out_shape, out_shape, self.stock_layers))  # first's output, conv
+        phases.append(max(_norm_inference_elements(self.norm_layer, out_shape), out))
+        phases.append(3 * out)  # the norm's output, the sum, the activation
+        return shortcut + max(phases)
 
     def forward_macs(self, spatial_shape: Shape3D, in_channels: int) -> int:
         """Multiply-adds of the block's convolutions (projection included) for an input of ``(D, H, W)``."""
@@ -362,6 +444,31 @@ class EncoderStage(_Block):
             total += block.feature_map_elements(spatial_shape)
             spatial_shape = block._out_shape(spatial_shape)
         return total
+
+    def inference_live_elements(self, spatial_shape: Shape3D) -> int:
+        """Elements live at once at the stage's peak in an inference pass of one sample, its input excepted.
+
+        The pooled tensor (plus one depth slab where the pool runs in slabs), then each block's
+        peak with the tensor it reads (the pooled one, or the previous block's output); the
+        stage's input is the caller's (an encoder output it keeps as a skip) and counted by it.
+
+        Args:
+            spatial_shape: the input's ``(D, H, W)`` in voxels.
+
+        Returns:
+            Elements, not bytes.
+        """
+        phases, held, channels = [], 0, self.in_filters
+        if self.pool is not None:
+            in_shape = (1, *spatial_shape, channels)
+            spatial_shape = _halved(spatial_shape)
+            held = channels * _voxels(spatial_shape)
+            phases.append(held + _slab_temporaries(in_shape, (1, *spatial_shape, channels), self.stock_layers))
+        for block in self.blocks:
+            phases.append(held + block.inference_live_elements(spatial_shape, channels))
+            spatial_shape, channels = block._out_shape(spatial_shape), self.filters
+            held = channels * _voxels(spatial_shape)
+        return max(phases)
 
     def forward_macs(self, spatial_shape: Shape3D) -> int:
         """Multiply-adds of the stage's convolutions (pooling, norms and activations are not MACs)."""
@@ -447,6 +554,34 @@ class DecoderStage(_Block):
         for block in self.blocks:
             total += block.feature_map_elements(out_shape)
         return total
+
+    def inference_live_elements(self, spatial_shape: Shape3D) -> int:
+        """Elements live at once at the stage's peak in an inference pass of one sample, its inputs excepted.
+
+        The upsampled tensor (plus one depth slab where the transposed conv runs in slabs); their
+        concatenation where the stage joins them (the upsampled tensor alone is then freed); then
+        each block's peak with the tensor(s) it reads. The input from below and the skip are the
+        caller's and counted by it.
+
+        Args:
+            spatial_shape: the (smaller) shape of the input from the level below.
+
+        Returns:
+            Elements, not bytes.
+        """
+        out_shape = self.output_spatial_shape(spatial_shape)
+        out = self.filters * _voxels(out_shape)
+        phases = [out + _slab_temporaries((1, *spatial_shape, self.in_filters), (1, *out_shape, self.filters),
+                                          self.stock_layers)]
+        held = out  # the upsampled tensor, read by the first block beside the skip
+        if self.concat is not None:
+            phases.append(3 * out)  # the upsampled tensor and the concatenation
+            held = 2 * out
+        channels = 2 * self.filters
+        for block in self.blocks:
+            phases.append(held + block.inference_live_elements(out_shape, channels))
+            held, channels = out, self.filters
+        return max(phases)
 
     def forward_macs(self, spatial_shape: Shape3D) -> int:
         """``spatial_shape`` is the input's; a 2x2x2 stride-2 transposed conv does in x out MACs per output voxel."""
