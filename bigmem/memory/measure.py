@@ -1,4 +1,4 @@
-"""Measured peak memory: K real training steps of a configuration in a child process."""
+"""Measured peak memory in a child process: K real training steps, or one whole-volume prediction."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
+from typing import Sequence
 
 from bigmem.config.schema import ExperimentConfig
 from bigmem.data.synth import cached_synthetic_store
@@ -15,6 +16,9 @@ from bigmem.errors import BigmemError
 # The child program that trains and prints its peak (``bigmem/train/probe.py``). It is started as
 # a separate process, never imported: the trainer is a layer above this one.
 PROBE_MODULE = "bigmem.train.probe"
+# The child program that segments a random volume by predict's path (``bigmem/infer/probe.py``);
+# prediction is a layer above this one too.
+INFERENCE_PROBE_MODULE = "bigmem.infer.probe"
 
 
 @dataclass
@@ -77,3 +81,57 @@ def measure(config: ExperimentConfig, *, steps: int = 3, recompute_stages: list[
     values = json.loads(result.stdout.strip().splitlines()[-1])
     return Measurement(int(values["peak_bytes"]), int(values["baseline_bytes"]),
                        {str(k): int(v) for k, v in values["node_bytes"].items()}, float(values["step_s"]))
+
+
+@dataclass
+class InferenceMeasurement:
+    """What one ``measure_inference`` run saw in its child process (bytes, seconds)."""
+
+    peak_bytes: int  # VmHWM of the child: the kernel's peak resident set
+    baseline_bytes: int  # RSS after importing TensorFlow and Keras, before the model is built
+    model_bytes: int  # RSS the model's construction added
+    seconds: float  # the prediction path, model building excluded
+
+
+def measure_inference(config: ExperimentConfig, shape: Sequence[int], *, timeout_s: float = 3600.0,
+                      env: dict[str, str] | None = None) -> InferenceMeasurement:
+    """Segment one random whole volume of ``shape`` by ``bigmem predict``'s path in a fresh process.
+
+    The child (``python -m bigmem.infer.probe``) applies ``config.numa``, builds ``config.model``
+    with random weights in ``config.train.precision``, and runs predict's whole-volume path
+    (normalise, pad to the size contract, the forward pass and softmax, the source mapping's
+    running argmax) on a random image; its peak is that of segmenting one case, framework
+    included.
+
+    Args:
+        config: the network (``model``, ``train.precision``) and placement (``numa``); not changed.
+        shape: the case's spatial shape ``(D, H, W)`` (padded to a multiple of ``2**depth`` as
+            predict pads it).
+        timeout_s: the most seconds the child may run (default 3600).
+        env: the child's environment (default: this process's), e.g. with
+            ``BIGMEM_MAX_KERNEL_ELEMENTS`` lowered to run the depth-slab paths on small volumes.
+
+    Returns:
+        An ``InferenceMeasurement``: the child's peak resident set (VmHWM), its RSS after importing
+        TensorFlow and Keras and what building the model added, in bytes; the path's seconds.
+
+    Raises:
+        BigmemError: the child failed; the message ends with its last line of stderr.
+        subprocess.TimeoutExpired: the child ran past ``timeout_s``.
+
+    Example:
+        >>> measure_inference(resolve_config("tiny"), (32, 32, 32)).peak_bytes
+    """
+    shape = [int(s) for s in shape]
+    with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="bigmem-inference-probe-") as request:
+        json.dump({"config": config.to_dict(), "shape": shape}, request)
+        request.flush()
+        result = subprocess.run([sys.executable, "-m", INFERENCE_PROBE_MODULE, request.name],
+                                capture_output=True, text=True, timeout=timeout_s, env=env)
+    if result.returncode != 0:
+        tail = (result.stderr.strip().splitlines() or ["no output"])[-1]
+        raise BigmemError(f"Measuring inference of {config.model.name} at {'x'.join(map(str, shape))} failed in the "
+                          f"child process (exit {result.returncode}): {tail}")
+    values = json.loads(result.stdout.strip().splitlines()[-1])
+    return InferenceMeasurement(int(values["peak_bytes"]), int(values["baseline_bytes"]), int(values["model_bytes"]),
+                                float(values["seconds"]))

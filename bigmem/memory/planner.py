@@ -50,6 +50,9 @@ class Candidate:
     predicted_step_s: float | None = None  # memory/speed.py: FLOPs over this CPU's measured rate
     step_rate_source: str = ""
     partitioned_stages: list[str] = field(default_factory=list)  # stages run in depth slabs
+    # An inference candidate's (D, H, W) (memory.preflight.inference_plan), which need not be a cube:
+    # then ``volume`` is its largest edge. None for training's cubes.
+    spatial_shape: list[int] | None = None
 
     def flags(self) -> str:
         parts = []
@@ -79,6 +82,7 @@ class Plan:
     forced: bool = False  # a fixed job run past its budget (--force)
     calibration: dict | None = None  # the calibration behind the chosen (or closest) candidate's estimate
     data_parallel: dict | None = None  # the data-parallel run's patch and replicas (train --strategy)
+    kind: str = "train"  # "inference": whole-volume segmentation at batch 1 (memory.preflight.inference_plan)
 
     @property
     def predicted_peak_bytes(self) -> int:
@@ -88,6 +92,7 @@ class Plan:
         """plan.json. ``components`` and ``predicted_peak_bytes`` are the chosen (else closest) candidate's."""
         chosen = self.chosen
         return {
+            "kind": self.kind,
             "fits": self.fits,
             "forced": self.forced,
             "budget_bytes": self.budget_bytes,
@@ -98,7 +103,8 @@ class Plan:
             "chosen": {"volume": chosen.volume, "batch_size": chosen.batch_size, "precision": chosen.precision,
                        "recompute": chosen.recompute, "recompute_stages": chosen.recompute_stages,
                        "components": dict(chosen.components), "partitioned_stages": chosen.partitioned_stages,
-                       "predicted_step_s": chosen.predicted_step_s, "step_rate_source": chosen.step_rate_source}
+                       "predicted_step_s": chosen.predicted_step_s, "step_rate_source": chosen.step_rate_source,
+                       "spatial_shape": chosen.spatial_shape}
             if chosen is not None else None,
             "data_parallel": self.data_parallel,
             "closest": dataclasses.asdict(self.closest),

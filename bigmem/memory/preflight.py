@@ -2,7 +2,9 @@
 
 Every command that asks "does this fit?" asks here: ``bigmem train`` before anything large is
 allocated, ``bigmem plan`` for the largest volume and batch, ``bigmem profile --recompute auto``
-for its stages, and ``bigmem compare`` for the largest whole volume in host RAM. What they get
+for its stages, ``bigmem compare`` for the largest whole volume in host RAM, and ``bigmem plan
+--inference`` for the largest whole volume one forward pass can segment (``inference_plan``,
+``search_inference_plan``: batch 1, no gradients, no optimizer; ``memory.inference``'s estimate). What they get
 back is a ``memory.planner.Plan``, whose ``to_dict`` is plan.json's one schema.
 
 The budget, in one rule (``resolve_budget``):
@@ -28,7 +30,8 @@ from bigmem.config.options import Recompute
 from bigmem.config.schema import ExperimentConfig
 from bigmem.errors import ConfigError, InsufficientMemoryError
 from bigmem.memory.estimate import NetworkCounts, estimate, mode_stages
-from bigmem.memory.planner import Plan, Planner, available_memory_bytes, check_fits, make_plan
+from bigmem.memory.inference import estimate_inference, inference_calibration
+from bigmem.memory.planner import MAX_VOLUME, Candidate, Plan, Planner, available_memory_bytes, check_fits, make_plan
 from bigmem.numa.capacity import check_nodes_fit, placement_budget
 from bigmem.numa.policy import Placement, PolicyKind
 from bigmem.numa.topology import NUMATopology
@@ -209,10 +212,128 @@ def require_fit(plan: Plan) -> None:
     if plan.fits:
         return
     c = plan.closest
+    if plan.kind == "inference":
+        raise InsufficientMemoryError(
+            f"Nothing fits {format_bytes(plan.budget_bytes)} ({plan.budget_source}): the smallest whole volume, "
+            f"{_shape_text(c)} (inference, {c.precision}), needs {format_bytes(c.predicted_peak_bytes)}.",
+            c.predicted_peak_bytes, plan.budget_bytes)
     raise InsufficientMemoryError(
         f"Nothing fits {format_bytes(plan.budget_bytes)} ({plan.budget_source}): the closest candidate, "
         f"{c.volume}^3 x batch {c.batch_size} {c.precision} recompute {c.recompute}, needs "
         f"{format_bytes(c.predicted_peak_bytes)}.", c.predicted_peak_bytes, plan.budget_bytes)
 
 
-__all__ = ["Budget", "job_plan", "recompute_stages", "require_fit", "resolve_budget", "search_plan"]
+# ---- inference: one whole volume at batch 1, no gradients, no optimizer -------------------------
+
+
+def _shape_text(candidate: Candidate) -> str:
+    shape = candidate.spatial_shape or [candidate.volume] * 3
+    return f"{shape[0]}^3" if len(set(shape)) == 1 else "x".join(map(str, shape))
+
+
+def inference_candidate(config: ExperimentConfig, counts_for: CountsFor, budget_bytes: int,
+                        shape: Sequence[int]) -> Candidate:
+    """Whole-volume inference of ``shape`` as a plan ``Candidate`` (batch 1, ``memory.inference`` estimate).
+
+    Args:
+        config: the network and its precision (``train.precision``).
+        counts_for: ``memory.profile.counts_function(config)``.
+        budget_bytes: what ``fits`` is judged against.
+        shape: ``(D, H, W)``, each a multiple of ``2**depth``.
+
+    Returns:
+        The ``Candidate``: ``volume`` the largest edge, ``spatial_shape`` the shape, ``fits`` whether
+        the prediction is within the budget and runnable, ``components`` the estimate's.
+    """
+    shape = tuple(int(s) for s in shape)
+    result = estimate_inference(config, counts_for(shape), shape)
+    return Candidate(max(shape), 1, result.precision, "none", result.predicted_peak_bytes,
+                     result.predicted_peak_bytes <= budget_bytes and result.runnable, [],
+                     components=dict(result.components), partitioned_stages=list(result.partitioned_stages),
+                     spatial_shape=list(shape))
+
+
+def _largest_inference_volume(config: ExperimentConfig, counts_for: CountsFor, budget_bytes: int,
+                              candidates: list[Candidate]) -> Candidate | None:
+    """Binary search of the largest cube (a multiple of ``2**depth``) that fits; every try kept in ``candidates``."""
+    divisor = config.model.divisor
+    best, lo, hi = None, 1, MAX_VOLUME // divisor
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        candidate = inference_candidate(config, counts_for, budget_bytes, (mid * divisor,) * 3)
+        candidates.append(candidate)
+        if candidate.fits:
+            best, lo = candidate, mid + 1
+        else:
+            hi = mid - 1
+    return best
+
+
+def inference_plan(config: ExperimentConfig, counts_for: CountsFor, budget: Budget, shape: Sequence[int], *,
+                   force: bool = False, check: bool = True) -> Plan:
+    """The plan of segmenting one whole volume of ``shape`` (``bigmem predict``), refused unless it fits.
+
+    Args:
+        config: the network and its precision (``train.precision``).
+        counts_for: ``memory.profile.counts_function(config)``.
+        budget: ``resolve_budget(...)``.
+        shape: the padded ``(D, H, W)``, each a multiple of ``2**depth``.
+        force: run past the budget: no refusal, and the plan says ``forced``.
+        check: refuse at all.
+
+    Returns:
+        A ``Plan`` with ``kind`` "inference" whose ``chosen`` is the volume.
+
+    Raises:
+        InsufficientMemoryError: (exit 3) the predicted peak exceeds the budget, unless ``force`` or
+            not ``check``; the message names the largest whole volume that fits (a cube), or the
+            placement's nodes when they set the budget.
+
+    Example:
+        >>> inference_plan(config, counts_for, resolve_budget(20 * 2**30), (256, 256, 256)).fits
+        True
+    """
+    candidate = inference_candidate(config, counts_for, budget.budget_bytes, shape)
+    calibration = inference_calibration(config.model.name, config.train.precision.value).to_dict()
+    if check and not force and not candidate.fits:
+        if budget.placement is not None:
+            check_nodes_fit(candidate.predicted_peak_bytes, budget.placement, budget.topology)
+        largest = _largest_inference_volume(config, counts_for, budget.budget_bytes, [])
+        fix = (f"the largest whole volume that fits is {largest.volume}^3 (est. "
+               f"{format_bytes(largest.predicted_peak_bytes)})" if largest is not None
+               else f"not even {config.model.divisor}^3 fits")
+        raise InsufficientMemoryError(
+            f"Predicted peak {format_bytes(candidate.predicted_peak_bytes)} for {config.model.name} at "
+            f"{_shape_text(candidate)} (inference, {candidate.precision}) exceeds the memory budget "
+            f"{format_bytes(budget.budget_bytes)} ({budget.source}): {fix}; segment it in sliding windows, "
+            "or pass --force to try anyway.", candidate.predicted_peak_bytes, budget.budget_bytes)
+    return Plan(candidate.fits, budget.budget_bytes, budget.source, candidate, candidate, [candidate], [candidate],
+                forced=force and not candidate.fits, calibration=calibration, kind="inference")
+
+
+def search_inference_plan(config: ExperimentConfig, counts_for: CountsFor, budget: Budget) -> Plan:
+    """The largest whole cubic volume one pass can segment within ``budget`` (batch 1, ``config``'s precision).
+
+    Args:
+        config: the network and its precision (``train.precision``).
+        counts_for: ``memory.profile.counts_function(config)``.
+        budget: ``resolve_budget(...)``.
+
+    Returns:
+        A ``Plan`` with ``kind`` "inference": ``chosen`` the largest cube that fits (None when not
+        even ``2**depth`` does; ``require_fit`` refuses it), ``candidates`` every size tried.
+
+    Example:
+        >>> search_inference_plan(config, counts_for, resolve_budget(20 * 2**30)).chosen.volume
+        288
+    """
+    candidates: list[Candidate] = []
+    chosen = _largest_inference_volume(config, counts_for, budget.budget_bytes, candidates)
+    closest = chosen or min(candidates, key=lambda c: c.predicted_peak_bytes)
+    calibration = inference_calibration(config.model.name, config.train.precision.value).to_dict()
+    return Plan(chosen is not None, budget.budget_bytes, budget.source, chosen, closest, candidates,
+                [chosen] if chosen is not None else [], calibration=calibration, kind="inference")
+
+
+__all__ = ["Budget", "inference_candidate", "inference_plan", "job_plan", "recompute_stages", "require_fit",
+           "resolve_budget", "search_inference_plan", "search_plan"]
