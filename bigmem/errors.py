@@ -55,6 +55,20 @@ class TrainingError(BigmemError):
     """Training cannot go on (non-finite loss, a run directory in the way, ...)."""
 
 
+class DiskFullError(BigmemError):
+    """A write failed for lack of space (ENOSPC/EDQUOT) or the device failed (EIO): exit 1.
+
+    Carries the path written, the bytes the write needed (an estimate where the writer knows
+    one, else 0) and the bytes free on that filesystem when it failed.
+    """
+
+    def __init__(self, message: str, path: str, needed_bytes: int, free_bytes: int):
+        super().__init__(message)
+        self.path = str(path)
+        self.needed_bytes = int(needed_bytes)
+        self.free_bytes = int(free_bytes)
+
+
 class InsufficientMemoryError(BigmemError):
     """The job's predicted footprint does not fit the memory available to it."""
 
