@@ -15,6 +15,9 @@ _UNITS = {
 }
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 _BINARY = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"]
+# The largest size accepted: 2^63 - 1 bytes (8 EiB), the most a signed 64-bit byte count (the
+# kernel's, HDF5's, numpy's int64) holds; anything larger is a typo, not a machine.
+MAX_BYTES = 2**63 - 1
 
 
 def parse_bytes(text: str | int, *, flag: str = "size") -> int:
@@ -22,10 +25,26 @@ def parse_bytes(text: str | int, *, flag: str = "size") -> int:
 
     Decimal suffixes (KB, MB, GB, TB) are powers of 1000, binary ones (KiB, ...) powers of 1024,
     as in IEC 80000-13.
+
+    Args:
+        text: the size as typed, or an integer number of bytes.
+        flag: the flag or setting it came from, for the message (default 'size').
+
+    Returns:
+        The size in integer bytes, 0 to ``MAX_BYTES``.
+
+    Raises:
+        UsageError: not a size, negative, or larger than ``MAX_BYTES`` (8 EiB), e.g. ``1e999``.
+
+    Example:
+        >>> parse_bytes("1.5GiB"), parse_bytes("200MB")
+        (1610612736, 200000000)
     """
     if isinstance(text, int):
         if text < 0:
             raise UsageError(f"Invalid {flag} {text}: expected a non-negative size.")
+        if text > MAX_BYTES:
+            raise UsageError(f"Invalid {flag} {text}: expected a size below 8 EiB (2^63 bytes).")
         return text
     match = _SIZE_RE.match(str(text))
     unit = match.group(2).lower() if match else None
@@ -33,7 +52,10 @@ def parse_bytes(text: str | int, *, flag: str = "size") -> int:
         raise UsageError(
             f"Invalid {flag} {text!r}: expected a size such as 512GiB, 1.5TiB, 200MB or 1048576."
         )
-    return int(round(float(match.group(1)) * _UNITS[unit]))
+    value = float(match.group(1)) * _UNITS[unit]  # inf for '1e999': never rounded to an int
+    if not value < MAX_BYTES:
+        raise UsageError(f"Invalid {flag} {text!r}: expected a size below 8 EiB (2^63 bytes).")
+    return int(round(value))
 
 
 def format_bytes(num_bytes: int | float) -> str:

@@ -12,6 +12,7 @@ Errors name config fields (``data.volume``), never flags: a Python caller never 
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -129,6 +130,13 @@ class DataConfig:
         for name in ("prefetch", "num_workers", "holdout"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"data.{name}", f"Invalid {{field}} {getattr(self, name)}: expected an integer >= 0.")
+        for name in ("synth_cases", "synth_volume"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"data.{name}",
+                                  f"Invalid {{field}} {getattr(self, name)}: expected a positive integer.")
+        if not 2 <= self.synth_classes <= 255:
+            raise ConfigError("data.synth_classes", f"Invalid {{field}} {self.synth_classes}: expected 2..255 "
+                              "(background + foreground classes).")
 
 
 @dataclass(frozen=True)
@@ -180,9 +188,24 @@ class TrainConfig:
                 raise ConfigError(f"train.{name}", f"Invalid {{field}} {value}: expected a positive integer.")
         if self.val_every < 0:
             raise ConfigError("train.val_every", f"Invalid {{field}} {self.val_every}: expected steps >= 0 (0: off).")
-        if not self.lr > 0:
+        if self.warmup_steps < 0:
+            raise ConfigError("train.warmup_steps", f"Invalid {{field}} {self.warmup_steps}: expected steps >= 0.")
+        if self.reference_batch is not None and self.reference_batch < 1:
+            raise ConfigError("train.reference_batch", f"Invalid {{field}} {self.reference_batch}: expected a positive "
+                              "integer.")
+        if not 0 < self.lr < math.inf:  # also refuses NaN, which compares false
             raise ConfigError("train.lr", f"Invalid {{field}} {self.lr}: expected a positive number.")
-        if self.monitor_interval_s < 0:
+        if not 0 <= self.end_lr < math.inf:
+            raise ConfigError("train.end_lr", f"Invalid {{field}} {self.end_lr}: expected a number >= 0.")
+        if not 0 <= self.momentum < 1:
+            raise ConfigError("train.momentum", f"Invalid {{field}} {self.momentum}: expected 0 <= momentum < 1.")
+        if not 0 < self.lr_decay_power < math.inf:
+            raise ConfigError("train.lr_decay_power", f"Invalid {{field}} {self.lr_decay_power}: expected a positive "
+                              "number.")
+        if self.time_budget_s is not None and not 0 < self.time_budget_s < math.inf:
+            raise ConfigError("train.time_budget_s", f"Invalid {{field}} {self.time_budget_s:g}: expected a positive, "
+                              "finite number of seconds.")
+        if not 0 <= self.monitor_interval_s < math.inf:
             raise ConfigError("train.monitor_interval_s", f"Invalid {{field}} {self.monitor_interval_s:g}: expected "
                               "seconds >= 0 (0 turns the monitor off).")
 
@@ -288,6 +311,8 @@ class ExperimentConfig:
         self.train.validate()
         self.distribute.validate()
         check_multiple("data.volume", self.data.volume, self.model)
+        if self.distribute.patch is not None:  # a patch goes through the same network as a whole volume
+            check_multiple("distribute.patch", self.distribute.patch, self.model)
         if self.train.val_every and not self.data.holdout:
             raise ConfigError("train.val_every", "{field} needs held-out cases to validate on: give {data.holdout} N "
                               "(the last N cases are kept out of training).")

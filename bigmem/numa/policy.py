@@ -114,6 +114,38 @@ def parse_policy(text: str, topology: NUMATopology) -> tuple[PolicyKind, tuple[i
     return kind, nodes
 
 
+def _check_cpu_ranges(text: str, allowed_cpus: set[int]) -> None:
+    """Raise ``UsageError`` unless every CPU of the list ``text`` ('0-15,32-47') is in ``allowed_cpus``.
+
+    Reads each range's bounds without expanding it, so a list such as '0-99999999' is refused at
+    once, naming its first CPU outside the allowed ones.
+    """
+    invalid = UsageError(f"Invalid --cpus {text!r}: expected a CPU list such as 0-15,32-47.")
+    ranges = []
+    for part in text.strip().split(","):
+        if not part.strip():
+            continue
+        low, dash, high = part.partition("-")
+        try:
+            bounds = (int(low), int(high) if dash else int(low))
+        except ValueError:
+            raise invalid from None
+        if bounds[0] < 0 or bounds[0] > bounds[1]:
+            raise invalid
+        ranges.append(bounds)
+    if not ranges:
+        raise invalid
+    top = max(allowed_cpus, default=-1)
+    for low, high in sorted(ranges):
+        # the first CPU of [low, high] outside the allowed set: at most top + 2 - low candidates
+        outside = next((c for c in range(low, min(high, top + 1) + 1) if c not in allowed_cpus), None)
+        if outside is None and high > top:
+            outside = max(low, top + 1)
+        if outside is not None:
+            raise UsageError(f"Invalid --cpus {text!r}: CPU {outside} is outside the CPUs this process may use "
+                             f"({_format_nodes(sorted(allowed_cpus))}).")
+
+
 # Intel's guide for TensorFlow on Xeon says inter = sockets, written for MKL builds whose ops each
 # start their own OpenMP team. Stock TF's oneDNN ops share the one intra-op pool, so two ops in
 # flight do not oversubscribe it, and a U-Net's backward has independent pairs (a conv's input
@@ -133,16 +165,8 @@ def resolve_placement(policy: str | None, cpus: str | None, threads: int | None,
     kind, nodes = parse_policy(policy or "none", topology)
     node_of = {cpu: n.node_id for n in topology.nodes for cpu in n.cpus}
     if cpus:
-        try:
-            chosen = parse_cpulist(cpus)
-        except Exception:
-            chosen = ()
-        if not chosen:
-            raise UsageError(f"Invalid --cpus {cpus!r}: expected a CPU list such as 0-15,32-47.")
-        outside = [c for c in chosen if c not in allowed_cpus]
-        if outside:
-            raise UsageError(f"Invalid --cpus {cpus!r}: CPU {outside[0]} is outside the CPUs this process may use "
-                             f"({_format_nodes(sorted(allowed_cpus))}).")
+        _check_cpu_ranges(cpus, allowed_cpus)  # before expanding: '0-99999999' is 10^8 CPUs
+        chosen = parse_cpulist(cpus)
     elif kind is PolicyKind.BIND:
         chosen = tuple(c for c in sorted(allowed_cpus) if node_of.get(c) in nodes)
         if not chosen:
