@@ -1,11 +1,18 @@
-"""Flags shared by train, profile and plan: the same names map to the same config fields."""
+"""Flags shared by train, profile and plan (the same names map to the same config fields), and
+the checks every command makes on its arguments before anything heavy is imported or allocated:
+output paths (``check_output_file``, ``check_output_dir``) and sizes that cannot fit in memory
+(``check_allocation``)."""
 
 from __future__ import annotations
 
 import argparse
+import math
+import os
+import tempfile
+from pathlib import Path
 
-from bigmem.errors import UsageError
-from bigmem.units import parse_bytes
+from bigmem.errors import DataError, DiskFullError, InsufficientMemoryError, UsageError
+from bigmem.units import format_bytes, parse_bytes
 
 # Flags whose name is not the kebab-case of their field's (STYLE.md: flags are the field names).
 FLAG_NAMES = {"data.store": "--data", "model.name": "--model", "numa.policy": "--numa",
@@ -119,3 +126,131 @@ def parse_shape(text: str) -> tuple[int, int, int]:
     if len(shape) != 3 or min(shape) < 1:
         raise UsageError(f"Invalid --shape {text!r}: expected three positive integers D,H,W such as 240,240,144.")
     return shape  # type: ignore[return-value]
+
+
+def parse_spacing(text: str, flag: str = "--spacing") -> tuple[float, float, float]:
+    """'1,1,1.5' -> (1.0, 1.0, 1.5): three positive, finite numbers (mm; NaN and inf are refused)."""
+    try:
+        spacing = tuple(float(part) for part in text.split(","))
+    except ValueError:
+        spacing = ()
+    if len(spacing) != 3 or not all(0 < value < math.inf for value in spacing):
+        raise UsageError(f"Invalid {flag} {text!r}: expected three positive numbers (mm) such as 1,1,1.5.")
+    return spacing  # type: ignore[return-value]
+
+
+def check_positive(flag: str, value: int | float | None, *, zero_ok: bool = False) -> None:
+    """Raise ``UsageError`` unless ``value`` (when given) is a finite number > 0 (>= 0 with ``zero_ok``)."""
+    if value is None:
+        return
+    low_ok = value >= 0 if zero_ok else value > 0
+    if not (low_ok and value < math.inf):
+        integer = isinstance(value, int)
+        what = (("an integer >= 0" if integer else "a number >= 0") if zero_ok else
+                ("a positive integer" if integer else "a positive, finite number"))
+        raise UsageError(f"Invalid {flag} {value:g}: expected {what}.")
+
+
+def _existing_ancestor(path: Path) -> Path:
+    """``path`` itself if it exists, else its nearest existing parent."""
+    path = Path(os.path.abspath(path))
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _probe_writable(directory: Path, flag: str, target: Path) -> None:
+    """Create and remove a file in ``directory``: the one test that also holds for root and read-only mounts."""
+    if not directory.is_dir():
+        raise DataError(f"Cannot write {flag} {str(target)!r}: {str(directory)!r} is a file, not a directory.")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".bigmem-probe-", dir=directory)
+    except OSError as exc:
+        raise DataError(f"Cannot write {flag} {str(target)!r}: directory {str(directory)!r} is not writable "
+                        f"({exc.strerror or exc}).") from None
+    os.close(fd)
+    os.unlink(probe)
+
+
+def _check_free(directory: Path, flag: str, target: Path, needed_bytes: int | None) -> None:
+    if not needed_bytes:
+        return
+    import shutil
+
+    free = shutil.disk_usage(directory).free
+    if needed_bytes > free:
+        raise DiskFullError(f"Cannot write {flag} {str(target)!r}: it needs about {format_bytes(needed_bytes)}, and "
+                            f"{str(directory)!r} has {format_bytes(free)} free.", str(target), needed_bytes, free)
+
+
+def check_output_file(path: str | os.PathLike, flag: str, *, needed_bytes: int | None = None) -> Path:
+    """Check, before any work, that the file ``path`` (and any missing parent folders) can be written.
+
+    Args:
+        path: the output file (it may exist: overwriting is the command's decision).
+        flag: the flag that named it, for messages ('-o', '--out').
+        needed_bytes: the output's expected size, checked against the free space (default: not checked).
+
+    Returns:
+        ``path`` as a ``Path``.
+
+    Raises:
+        DataError: ``path`` is a directory, a parent is a file, or the folder it goes in is not
+            writable (permissions, a read-only mount).
+        DiskFullError: ``needed_bytes`` exceeds the free space there.
+
+    Example:
+        >>> check_output_file("runs/plan.json", "--out")
+        PosixPath('runs/plan.json')
+    """
+    path = Path(path)
+    if path.is_dir():
+        raise DataError(f"Cannot write {flag} {str(path)!r}: it is a directory; expected a file name.")
+    folder = _existing_ancestor(path.parent)
+    _probe_writable(folder, flag, path)
+    _check_free(folder, flag, path, needed_bytes)
+    return path
+
+
+def check_output_dir(path: str | os.PathLike, flag: str, *, needed_bytes: int | None = None) -> Path:
+    """Check, before any work, that the folder ``path`` exists and is writable or can be created.
+
+    Args:
+        path: the output folder (it may exist).
+        flag: the flag that named it, for messages ('--out').
+        needed_bytes: the outputs' expected size, checked against the free space (default: not checked).
+
+    Returns:
+        ``path`` as a ``Path``.
+
+    Raises:
+        DataError: ``path`` (or a parent) is a file, or it (or the nearest existing parent) is not
+            writable.
+        DiskFullError: ``needed_bytes`` exceeds the free space there.
+
+    Example:
+        >>> check_output_dir("runs/small-1", "--out")  # bigmem train's run directory, before TensorFlow starts
+        PosixPath('runs/small-1')
+    """
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise DataError(f"Cannot write {flag} {str(path)!r}: it is a file; expected a directory.")
+    folder = _existing_ancestor(path)
+    _probe_writable(folder, flag, path)
+    _check_free(folder, flag, path, needed_bytes)
+    return path
+
+
+def check_allocation(needed_bytes: int, what: str, hint: str) -> None:
+    """Raise ``InsufficientMemoryError`` (exit 3) when ``needed_bytes`` exceed MemAvailable.
+
+    For sizes a command would allocate before any pre-flight of its own (a phantom, a case):
+    ``what`` says what needs them ('one 100000^3 phantom'), ``hint`` the way out ('a smaller --volume').
+    """
+    import psutil
+
+    available = int(psutil.virtual_memory().available)
+    if needed_bytes > available:
+        raise InsufficientMemoryError(f"{what[:1].upper()}{what[1:]} needs about {format_bytes(needed_bytes)} of "
+                                      f"memory, more than the {format_bytes(available)} available (MemAvailable); "
+                                      f"try {hint}.", needed_bytes, available)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from bigmem.cli.common import parse_shape
+from bigmem.cli.common import check_output_file, check_positive, parse_shape, parse_spacing
 from bigmem.errors import UsageError
+from bigmem.units import parse_bytes
 
 HELP = "convert NIfTI / Medical Segmentation Decathlon data to an HDF5 store"
 
@@ -50,12 +51,6 @@ def register(subparsers, parents) -> None:
 
 
 def run(args) -> int:
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-    from bigmem.data.convert import convert
-    from bigmem.data.nifti import read_globs, read_msd
-
     if args.src and (args.images or args.labels):
         raise UsageError("Give either SRC or --images/--labels, not both.")
     if not args.src and not (args.images and args.labels):
@@ -74,25 +69,22 @@ def run(args) -> int:
             chunk_edge = 0
         if chunk_edge < 1:
             raise UsageError(f"Invalid --chunks {args.chunks!r}: expected a chunk edge in voxels (e.g. 64) or none.")
-    from bigmem.units import parse_bytes
-
     rate = parse_bytes(args.max_write_rate.removesuffix("/s"), flag="--max-write-rate") if args.max_write_rate \
         else None
     block = parse_bytes(args.block_size, flag="--block-size") if args.block_size else None
     if rate == 0 or block == 0:
         raise UsageError("--max-write-rate and --block-size must be positive.")
-    shape = (args.volume,) * 3 if args.volume else (parse_shape(args.shape) if args.shape else None)
-    spacing = None
-    if args.spacing:
-        try:
-            spacing = tuple(float(v) for v in args.spacing.split(","))
-        except ValueError:
-            spacing = ()
-        if len(spacing) != 3 or min(spacing) <= 0:
-            raise UsageError(f"Invalid --spacing {args.spacing!r}: expected three positive numbers (mm) "
-                             "such as 1,1,1.5.")
-    if shape is not None and min(shape) < 1:
-        raise UsageError(f"Invalid --volume {args.volume}: expected a positive integer.")
+    check_positive("--volume", args.volume)
+    shape = (args.volume,) * 3 if args.volume is not None else (parse_shape(args.shape) if args.shape else None)
+    spacing = parse_spacing(args.spacing) if args.spacing else None
+    check_output_file(args.out, "-o")
+
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from bigmem.data.convert import convert
+    from bigmem.data.nifti import read_globs, read_msd
+
     dataset = read_msd(args.src) if args.src else read_globs(args.images, args.labels)
     console = Console(soft_wrap=True, stderr=False)
     with Progress(TextColumn("[bold]convert"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),

@@ -11,6 +11,7 @@ The store is written under a temporary name and renamed; the manifest
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
@@ -19,8 +20,9 @@ import numpy as np
 
 from bigmem.data.nifti import LoadedCase, SourceDataset, load_case, sha256
 from bigmem.data.store import HDF5VolumeStore, StoreWriter, WriteThrottle
-from bigmem.errors import DataError
+from bigmem.errors import DataError, InsufficientMemoryError, UsageError
 from bigmem.rundir import atomic_write_json
+from bigmem.units import format_bytes
 
 PERCENTILES = (0.5, 99.5)  # nnU-Net's CT clipping percentiles
 # Root attribute: JSON {"spacing": [x, y, z] | null, "shape": [d, h, w] | null}, convert's --spacing and --shape.
@@ -129,6 +131,8 @@ class _Conversion:
         self.shape = shape
         self.entries: dict[str, dict] = {}
         self.seen_values: set[int] = set()
+        # who expects num_channels and label_values, for a case's message (set by convert for --append)
+        self.channels_from, self.labels_from = "dataset.json names", "dataset.json's labels"
 
     def problem(self, message: str) -> None:
         if not self.skip_bad:
@@ -143,12 +147,14 @@ class _Conversion:
             self.problem(f"Case {case.case_id!r}: already in {self.report.store} (--append adds new cases only).")
             return
         try:
-            loaded = load_case(case, num_channels=self.num_channels, label_values=self.label_values)
+            loaded = load_case(case, num_channels=self.num_channels, label_values=self.label_values,
+                               channels_from=self.channels_from, labels_from=self.labels_from)
         except DataError as exc:
             self.problem(str(exc))
             return
         if self.num_channels is None:
             self.num_channels = loaded.image.shape[3]  # the first case fixes it for --images/--labels
+            self.channels_from = f"the first case ({case.case_id!r}) has"
         if self.spacing is not None:
             loaded = resample(loaded, self.spacing)
         image, label, offsets = loaded.image, loaded.label, [(0, 0)] * 3
@@ -168,6 +174,80 @@ class _Conversion:
             "source_sha256": {"image": sha256(case.image), "label": sha256(case.label)},
         }
         self.report.converted.append(case.case_id)
+
+
+# The arrays one case holds at once while converted, per voxel: the image as float32 twice (the
+# resampled channels and their stack; or the loaded and the centre-fitted copy), channel_stats'
+# float64 copy and np.percentile's sorted float64 copy, per channel; the label uint8 twice.
+CASE_BYTES_PER_CHANNEL_VOXEL = 4 + 4 + 8 + 8
+CASE_BYTES_PER_LABEL_VOXEL = 2
+
+
+def check_arguments(*, shape: Sequence[int] | None = None, spacing: Sequence[float] | None = None,
+                    chunk_edge: int | None = None) -> None:
+    """Raise ``UsageError`` (naming ``convert``'s parameter) for a shape, spacing or chunk edge it cannot use.
+
+    Example:
+        >>> check_arguments(shape=(64, 64, 64), spacing=(1.0, 1.0, 1.5), chunk_edge=64)  # no error
+    """
+    if shape is not None and (len(shape) != 3 or any(isinstance(s, bool) or int(s) != s or s < 1 for s in shape)):
+        raise UsageError(f"Invalid shape {tuple(shape)}: expected three positive integers (D, H, W).")
+    if spacing is not None and (len(spacing) != 3 or not all(0 < float(s) < math.inf for s in spacing)):
+        raise UsageError(f"Invalid spacing {tuple(spacing)}: expected three positive, finite numbers (mm).")
+    if chunk_edge is not None and chunk_edge < 1:
+        raise UsageError(f"Invalid chunk_edge {chunk_edge}: expected a positive edge in voxels, or None.")
+
+
+def check_append(dataset: SourceDataset, out: Path, num_channels: int, num_classes: int) -> None:
+    """Refuse appending a dataset whose dataset.json names other channels or more classes than the store has."""
+    if not dataset.declared_labels:
+        return  # --images/--labels: each case is checked against the store as it loads
+    channels = len(dataset.channel_names)
+    if channels != num_channels:
+        raise DataError(f"Cannot --append {dataset.origin}'s {channels} channel{'s' if channels != 1 else ''} "
+                        f"({', '.join(dataset.channel_names)}) to {str(out)!r}, whose cases have {num_channels}.")
+    if len(dataset.label_names) > num_classes:
+        raise DataError(f"Cannot --append {dataset.origin}'s {len(dataset.label_names)} classes to {str(out)!r}, "
+                        f"which has {num_classes}.")
+
+
+def preflight(dataset: SourceDataset, *, shape: Sequence[int] | None, spacing: Sequence[float] | None,
+              num_channels: int) -> None:
+    """Refuse, before any case is read, a conversion whose largest case cannot fit in available memory.
+
+    With ``spacing``, each case's resampled size comes from its header (shape x voxel size /
+    spacing; unreadable headers are left to the case's own checks); ``shape`` fixes the written
+    size. Per voxel a case holds ``CASE_BYTES_PER_CHANNEL_VOXEL`` bytes per channel and
+    ``CASE_BYTES_PER_LABEL_VOXEL`` for its label.
+
+    Raises:
+        InsufficientMemoryError: (exit 3) the largest case needs more than MemAvailable.
+    """
+    import psutil
+
+    per_voxel = CASE_BYTES_PER_CHANNEL_VOXEL * num_channels + CASE_BYTES_PER_LABEL_VOXEL
+    fitted = int(np.prod(shape, dtype=object)) if shape is not None else 0
+    largest, what = fitted * per_voxel, (f"a case cropped/padded to {'x'.join(map(str, shape))}" if shape else "")
+    if spacing is not None:
+        import nibabel as nib
+
+        target = float(np.prod(np.asarray(spacing, np.float64)))
+        for case in dataset.cases:
+            try:
+                header = nib.load(str(case.image)).header
+                voxels = float(np.prod(header.get_data_shape()[:3], dtype=np.float64))
+                extent = float(np.prod(np.asarray(header.get_zooms()[:3], np.float64)))
+            except Exception:  # noqa: BLE001  (reported, with the case, when the case is loaded)
+                continue
+            needed = int(voxels * extent / target) * per_voxel + fitted * per_voxel
+            if needed > largest:
+                largest, what = needed, f"case {case.case_id!r} at --spacing {','.join(f'{s:g}' for s in spacing)}"
+    available = int(psutil.virtual_memory().available)
+    if largest > available:
+        raise InsufficientMemoryError(
+            f"Converting {what} needs about {format_bytes(largest)} of memory for one case, more than the "
+            f"{format_bytes(available)} available (MemAvailable); choose a "
+            f"{'coarser --spacing' if 'spacing' in what else 'smaller --volume or --shape'}.", largest, available)
 
 
 def convert(dataset: SourceDataset, out: str | Path, *, force: bool = False, append: bool = False,
@@ -204,14 +284,22 @@ def convert(dataset: SourceDataset, out: str | Path, *, force: bool = False, app
         message per skipped case.
 
     Raises:
-        DataError: ``out`` exists without ``force``/``append``; ``append`` to a missing store; a
-            case fails a check (without ``skip_bad``); or no case could be converted.
+        UsageError: a ``shape``, ``spacing`` or ``chunk_edge`` it cannot use (``check_arguments``).
+        DataError: ``out`` is a directory, or exists without ``force``/``append``; ``append`` to a
+            missing store, or of a dataset with other channels or more classes; a case fails a
+            check (without ``skip_bad``); or no case could be converted.
+        InsufficientMemoryError: a case at ``spacing``/``shape`` cannot fit in available memory
+            (``preflight``).
 
     Example:
         >>> report = convert(read_msd("Task01_BrainTumour"), "brats.h5", shape=(160, 192, 160))
         >>> report.converted, report.manifest  # the case ids written, PosixPath('brats.manifest.json')
     """
     out = Path(out)
+    check_arguments(shape=shape, spacing=spacing, chunk_edge=chunk_edge)
+    if out.is_dir():
+        raise DataError(f"Cannot write the store {str(out)!r}: it is a directory; give a file name such as "
+                        f"{str(out / 'store.h5')!r}.")
     if out.exists() and not (force or append):
         raise DataError(f"{str(out)!r} exists: pass --force to overwrite it or --append to add cases.")
     if append and not out.exists():
@@ -227,10 +315,14 @@ def convert(dataset: SourceDataset, out: str | Path, *, force: bool = False, app
             existing = set(store.case_ids)
             num_channels, label_values = store.num_channels, store.num_classes
             channel_names, label_names = store.channel_names, store.label_names
+        check_append(dataset, out, num_channels, label_values)
         if report.manifest.exists():
             old_entries = json.loads(report.manifest.read_text()).get("cases", {})
+    preflight(dataset, shape=shape, spacing=spacing, num_channels=num_channels or 1)
     state = _Conversion(report, skip_bad=skip_bad, warn=warn, existing=existing, num_channels=num_channels,
                         label_values=label_values, shape=shape, spacing=spacing)
+    if append:
+        state.channels_from, state.labels_from = f"the store {out.name!r} has", f"the store {out.name!r}'s classes"
     for message in dataset.problems:
         state.problem(message)
     with StoreWriter(out, num_classes=max(label_values or 2, 2), channel_names=channel_names or ["image"],

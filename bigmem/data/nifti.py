@@ -48,18 +48,122 @@ def case_id_of(path: Path) -> str:
     return _NIFTI_SUFFIX.sub("", path.name)
 
 
-def _label_table(labels: dict, where: str) -> list[str]:
+def _label_table(labels, where: str) -> list[str]:
+    example = '{"0": "background", "1": "tumour"} (MSD) or {"background": 0, "tumour": 1} (nnU-Net v2)'
+    if not isinstance(labels, dict):
+        raise DataError(f"{where}: 'labels' must map label values to names, such as {example}; got "
+                        f"{_kind(labels)}.")
     try:
         if all(str(k).lstrip("-").isdigit() for k in labels):  # MSD: {"0": "background"}
-            table = {int(k): str(v) for k, v in labels.items()}
+            table = {int(k): _name(v) for k, v in labels.items()}
         else:  # nnU-Net v2: {"background": 0}
-            table = {int(v): str(k) for k, v in labels.items()}
+            table = {_value(v): str(k) for k, v in labels.items()}
     except (TypeError, ValueError):
-        raise DataError(f"{where}: 'labels' must map label values to names.") from None
+        raise DataError(f"{where}: 'labels' must map label values to names, such as {example}.") from None
+    if len(table) < 2:
+        raise DataError(f"{where}: 'labels' names {len(table)} class{'' if len(table) == 1 else 'es'}; expected "
+                        f"background and at least one more, such as {example}.")
     if sorted(table) != list(range(len(table))):
         raise DataError(f"{where}: label values {sorted(table)} are not 0..{len(table) - 1}; bigmem needs consecutive "
                         "labels (remap them, e.g. BraTS 4 -> 3, before converting).")
     return [table[v] for v in range(len(table))]
+
+
+def _kind(value) -> str:
+    """'a list', 'a string', ... for messages about a JSON value of the wrong type."""
+    names = {list: "a list", str: "a string", int: "a number", float: "a number", bool: "true/false",
+             type(None): "null", dict: "an object"}
+    return names.get(type(value), type(value).__name__)
+
+
+def _name(value) -> str:
+    if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+        raise TypeError(value)
+    return str(value)
+
+
+def _value(value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):  # nnU-Net's regions ([1, 2, 3]) are not classes
+        raise TypeError(value)
+    return value
+
+
+def _channel_table(channels, where: str, key: str) -> list[str]:
+    """``key`` ('modality' or 'channel_names': {"0": "FLAIR", "1": "T1w"}) -> names in channel order."""
+    example = '{"0": "FLAIR", "1": "T1w"}'
+    if not isinstance(channels, dict) or not channels:
+        raise DataError(f"{where}: '{key}' must map channel indices to names, such as {example}; got "
+                        f"{_kind(channels) if channels != {} else 'an empty object'}.")
+    if not all(isinstance(k, str) and k.isdigit() for k in channels):
+        keys = ", ".join(repr(k) for k in list(channels)[:3])
+        raise DataError(f"{where}: '{key}' must be keyed by channel index (\"0\", \"1\", ...), such as {example}; "
+                        f"got keys {keys}.")
+    table = {int(k): v for k, v in channels.items()}
+    if sorted(table) != list(range(len(table))):
+        raise DataError(f"{where}: '{key}' channel indices {sorted(table)} are not 0..{len(table) - 1}.")
+    if not all(isinstance(v, str) for v in table.values()):
+        raise DataError(f"{where}: '{key}' must map channel indices to names (strings), such as {example}.")
+    return [table[i] for i in range(len(table))]
+
+
+def read_dataset_json(json_path: str | Path) -> dict:
+    """Read and check an MSD / nnU-Net v2 dataset.json: the one loader every reader of it uses.
+
+    Args:
+        json_path: the dataset.json file.
+
+    Returns:
+        ``{"channel_names": [...], "label_names": [...], "training": [(image, label), ...]}``:
+        names in channel and label-value order, and each training entry's two paths as written
+        (relative to the file's folder).
+
+    Raises:
+        DataError: the file is unreadable, not UTF-8 JSON (a NIfTI file given by mistake is named
+            as one), not a JSON object, or its ``modality``/``channel_names``, ``labels`` or
+            ``training`` are not of the documented form.
+
+    Example:
+        >>> read_dataset_json("Task01_BrainTumour/dataset.json")["channel_names"]  # ['FLAIR', 'T1w', ...]
+    """
+    json_path = Path(json_path)
+    where = str(json_path)
+    try:
+        raw = json_path.read_bytes()
+    except OSError as exc:
+        raise DataError(f"Cannot read {where}: {exc.strerror or exc}.") from None
+    if raw[:2] == b"\x1f\x8b" or json_path.name.endswith((".nii", ".nii.gz")):
+        raise DataError(f"{where} is a NIfTI (or gzip) file, not a dataset.json: give the MSD folder (dataset.json, "
+                        "imagesTr/, labelsTr/) or its dataset.json, or --images/--labels globs for loose files.")
+    try:
+        meta = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise DataError(f"Cannot read {where}: not UTF-8 text; expected a dataset.json (JSON).") from None
+    except ValueError as exc:
+        raise DataError(f"Cannot read {where}: not valid JSON ({exc}).") from None
+    if not isinstance(meta, dict):
+        raise DataError(f"{where}: expected a JSON object with 'modality' (or 'channel_names'), 'labels' and "
+                        f"'training'; got {_kind(meta)}.")
+    if meta.get("channel_names") is not None:
+        channel_names = _channel_table(meta["channel_names"], where, "channel_names")
+    elif meta.get("modality") is not None:
+        channel_names = _channel_table(meta["modality"], where, "modality")
+    else:
+        channel_names = ["image"]
+    label_names = _label_table(meta.get("labels"), where) if "labels" in meta else None
+    if label_names is None:
+        raise DataError(f"{where} has no 'labels': expected label values mapped to names, such as "
+                        '{"0": "background", "1": "tumour"}.')
+    training = meta.get("training", [])
+    if not isinstance(training, list):
+        raise DataError(f"{where}: 'training' must be a list of {{\"image\": ..., \"label\": ...}} entries; got "
+                        f"{_kind(training)}.")
+    pairs = []
+    for number, entry in enumerate(training, 1):
+        if not (isinstance(entry, dict) and all(isinstance(entry.get(k), str) for k in ("image", "label"))):
+            raise DataError(f"{where}: each 'training' entry needs 'image' and 'label' paths (entry {number}: "
+                            f"{json.dumps(entry)[:80]}).")
+        pairs.append((entry["image"], entry["label"]))
+    return {"channel_names": channel_names, "label_names": label_names, "training": pairs}
 
 
 def read_msd(src: str | Path) -> SourceDataset:
@@ -73,8 +177,9 @@ def read_msd(src: str | Path) -> SourceDataset:
         kept once and reported in ``problems``.
 
     Raises:
-        DataError: no or unreadable dataset.json, labels that are not 0..K-1, a training entry
-            without image or label, or no training cases.
+        DataError: no dataset.json, or one ``read_dataset_json`` refuses (unreadable, not a JSON
+            object, channels, labels or training entries not of the documented form, labels that
+            are not 0..K-1), or no training cases.
 
     Example:
         >>> dataset = read_msd("Task01_BrainTumour")
@@ -85,20 +190,11 @@ def read_msd(src: str | Path) -> SourceDataset:
     if not json_path.is_file():
         raise DataError(f"No dataset.json in {str(src)!r}: expected a Medical Segmentation Decathlon folder "
                         "(dataset.json, imagesTr/, labelsTr/) or --images/--labels globs.")
-    try:
-        meta = json.loads(json_path.read_text())
-    except (OSError, ValueError) as exc:
-        raise DataError(f"Cannot read {json_path}: {exc}") from None
+    meta = read_dataset_json(json_path)
     root = json_path.parent
-    channels = meta.get("channel_names") or meta.get("modality") or {"0": "image"}
-    channel_names = [str(channels[k]) for k in sorted(channels, key=lambda k: int(k))]
-    label_names = _label_table(meta.get("labels") or {}, str(json_path))
     cases, seen, problems = [], set(), []
-    for entry in meta.get("training", []):
-        try:
-            image, label = root / entry["image"], root / entry["label"]
-        except (TypeError, KeyError):
-            raise DataError(f"{json_path}: each 'training' entry needs 'image' and 'label'.") from None
+    for image_name, label_name in meta["training"]:
+        image, label = root / image_name, root / label_name
         case_id = case_id_of(image)
         if case_id in seen:
             problems.append(f"Case {case_id!r}: listed twice in {json_path}.")
@@ -107,7 +203,7 @@ def read_msd(src: str | Path) -> SourceDataset:
         cases.append(SourceCase(case_id, image, label))
     if not cases and not problems:
         raise DataError(f"{json_path} lists no training cases.")
-    return SourceDataset(cases, channel_names, label_names, str(json_path), True, problems)
+    return SourceDataset(cases, meta["channel_names"], meta["label_names"], str(json_path), True, problems)
 
 
 def read_globs(images: str, labels: str) -> SourceDataset:
@@ -170,13 +266,39 @@ def _load(path: Path, case_id: str, what: str):
     if not path.is_file():
         raise DataError(f"Case {case_id!r}: {what} file {str(path)!r} does not exist.")
     try:
-        img = nib.load(str(path))
+        img = nib.load(str(path))  # the header only: the voxels are read below
+    except Exception as exc:  # nibabel raises many types for a truncated or corrupt file
+        raise DataError(f"Case {case_id!r}: cannot read {what} {str(path)!r} ({type(exc).__name__}: {exc}); the file "
+                        "may be truncated or not NIfTI.") from None
+    _check_header_size(img, case_id, what, path)
+    try:
         canonical = nib.as_closest_canonical(img)
         data = np.asanyarray(canonical.dataobj)
+    except MemoryError:
+        raise DataError(f"Case {case_id!r}: ran out of memory reading {what} {str(path)!r} (shape "
+                        f"{tuple(img.shape)}).") from None
     except Exception as exc:  # nibabel raises many types for a truncated or corrupt file
         raise DataError(f"Case {case_id!r}: cannot read {what} {str(path)!r} ({type(exc).__name__}: {exc}); the file "
                         "may be truncated or not NIfTI.") from None
     return img, canonical, data
+
+
+def _check_header_size(img, case_id: str, what: str, path: Path) -> None:
+    """Refuse a file whose header claims more voxels than this machine could hold, before reading them."""
+    import psutil
+
+    from bigmem.units import format_bytes
+
+    shape = tuple(int(s) for s in img.shape)
+    voxels = int(np.prod(shape, dtype=object))  # exact: a corrupt header's product can pass 2^63
+    # the smallest array loading makes: the file's dtype, or float32 (load_image's copy) if smaller
+    needed = voxels * max(np.dtype(img.get_data_dtype()).itemsize, 4)
+    available = int(psutil.virtual_memory().available)
+    if needed > available:
+        raise DataError(f"Case {case_id!r}: {what} header claims shape {shape} ({voxels:.3g} voxels, "
+                        f"{format_bytes(needed)} in memory), more than this machine's available memory "
+                        f"({format_bytes(available)}) ({path}); the header may be corrupt, or the case is too "
+                        "large to load here.")
 
 
 @dataclass
@@ -190,13 +312,16 @@ class LoadedImage:
     spacing: tuple[float, float, float]
 
 
-def load_image(path: Path, case_id: str, *, num_channels: int | None = None) -> LoadedImage:
+def load_image(path: Path, case_id: str, *, num_channels: int | None = None,
+               channels_from: str = "dataset.json names") -> LoadedImage:
     """Load one image file (3D, or 4D with channels last) in canonical orientation, checked.
 
     Args:
         path: a NIfTI file.
         case_id: the case's id, for messages.
         num_channels: the number of channels expected, or None to accept any.
+        channels_from: who expects ``num_channels``, for the message: "Case 'x': image has 2
+            channels; {channels_from} 1" (default "dataset.json names").
 
     Returns:
         A ``LoadedImage`` whose ``image`` is ``(D, H, W, C)`` float32 in the closest canonical (RAS)
@@ -216,7 +341,7 @@ def load_image(path: Path, case_id: str, *, num_channels: int | None = None) -> 
     if image.ndim != 4:
         raise DataError(f"Case {case_id!r}: image has {image.ndim} dimensions ({path}); expected 3 or 4.")
     if num_channels is not None and image.shape[3] != num_channels:
-        raise DataError(f"Case {case_id!r}: image has {image.shape[3]} channels; dataset.json names "
+        raise DataError(f"Case {case_id!r}: image has {image.shape[3]} channels; {channels_from} "
                         f"{num_channels} ({path}).")
     image = np.asarray(image, dtype=np.float32)
     bad = int(np.count_nonzero(~np.isfinite(image)))
@@ -227,13 +352,16 @@ def load_image(path: Path, case_id: str, *, num_channels: int | None = None) -> 
                        tuple(int(s) for s in image_img.shape), zooms)
 
 
-def load_case(case: SourceCase, *, num_channels: int | None, label_values: int | None) -> LoadedCase:
+def load_case(case: SourceCase, *, num_channels: int | None, label_values: int | None,
+              channels_from: str = "dataset.json names", labels_from: str = "dataset.json's labels") -> LoadedCase:
     """Load one case in canonical orientation, checking what can be checked.
 
     Args:
         case: the case's files.
         num_channels: the channels expected, or None to accept any.
         label_values: the number of classes expected (values 0..N-1), or None for any uint8.
+        channels_from, labels_from: who expects them, for messages (default: dataset.json; an
+            --append names the store).
 
     Returns:
         A ``LoadedCase``: image ``(D, H, W, C)`` float32 and label ``(D, H, W)`` uint8 in the
@@ -245,7 +373,7 @@ def load_case(case: SourceCase, *, num_channels: int | None, label_values: int |
             channel count or NaN/Inf; the label is not 3D, has another shape or grid than the
             image, or holds non-integer, negative, undeclared or > 255 values.
     """
-    loaded = load_image(case.image, case.case_id, num_channels=num_channels)
+    loaded = load_image(case.image, case.case_id, num_channels=num_channels, channels_from=channels_from)
     image = loaded.image
     label_img, _, label = _load(case.label, case.case_id, "label")
     if label.ndim == 4 and label.shape[3] == 1:
@@ -266,7 +394,7 @@ def load_case(case: SourceCase, *, num_channels: int | None, label_values: int |
     if values.min() < 0 or (label_values is not None and values.max() >= label_values):
         allowed = f"0..{label_values - 1}" if label_values is not None else "0..255"
         wrong = [int(v) for v in values if v < 0 or (label_values is not None and v >= label_values)]
-        raise DataError(f"Case {case.case_id!r}: label values {wrong} are not in dataset.json's labels ({allowed}) "
+        raise DataError(f"Case {case.case_id!r}: label values {wrong} are not in {labels_from} ({allowed}) "
                         f"({case.label}).")
     if values.max() > 255:
         raise DataError(f"Case {case.case_id!r}: label value {int(values.max())} does not fit uint8 ({case.label}).")
