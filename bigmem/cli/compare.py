@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from bigmem.cli.common import add_budget_flag, budget_arguments
+from bigmem.cli.common import add_budget_flag, budget_arguments, check_output_dir, check_positive
 from bigmem.errors import UsageError
+from bigmem.units import parse_bytes
 
 HELP = "compare whole-volume CPU training with a data-parallel GPU baseline"
 
@@ -45,28 +46,44 @@ def register(subparsers, parents) -> None:
 
 
 def run(args) -> int:
+    for flag, value in (("--steps", args.steps), ("--batch-size", args.batch_size), ("--volume", args.volume),
+                        ("--gpus", args.gpus), ("--simulate-replicas", args.simulate_replicas),
+                        ("--time-budget", args.time_budget)):
+        check_positive(flag, value)
+    check_positive("--holdout", args.holdout, zero_ok=True)
+    if args.monitor_interval is not None and not 0 <= args.monitor_interval < float("inf"):
+        raise UsageError(f"Invalid --monitor-interval {args.monitor_interval:g}: expected seconds >= 0 "
+                         "(0 turns the monitor off).")
+    gpu_memory = parse_bytes(args.gpu_memory, flag="--gpu-memory")
+    if gpu_memory == 0:
+        raise UsageError(f"Invalid --gpu-memory {args.gpu_memory!r}: expected a positive size such as 80GiB.")
+    memory_budget = budget_arguments(args)[0]
+    check_output_dir(args.out, "--out")
+
     from rich.console import Console
     from rich.table import Table
 
     from bigmem.config.presets import resolve_config
-    from bigmem.data.store import HDF5VolumeStore
     from bigmem.data.derived import with_data_fields
+    from bigmem.data.store import HDF5VolumeStore
     from bigmem.distribute.compare import compare, rows
     from bigmem.tfenv import import_tensorflow
-    from bigmem.units import parse_bytes
 
-    if args.steps is not None and args.steps < 1:
-        raise UsageError(f"Invalid --steps {args.steps}: expected a positive integer.")
-    gpu_memory = parse_bytes(args.gpu_memory, flag="--gpu-memory")
-    memory_budget = budget_arguments(args)[0]
     overrides = {"data": {k: v for k, v in (("volume", args.volume),) if v is not None},
                  "train": {k: v for k, v in (("batch_size", args.batch_size),) if v is not None}}
     config = resolve_config(args.model or "small", overrides)
     config = with_data_fields(config.updated({"data": {"store": args.data}}))
     store = config.data.store
-    with HDF5VolumeStore(store) as opened:
+    holdout = args.holdout
+    with HDF5VolumeStore(store) as opened:  # a --holdout that leaves no training case is refused here
         num_cases = len(opened)
-    holdout = args.holdout if args.holdout is not None else max(1, num_cases // 5)
+        if holdout is None:
+            holdout = max(1, num_cases // 5)
+        if holdout >= num_cases:
+            given = f"--holdout {holdout}" if args.holdout is not None else f"the default --holdout ({holdout})"
+            cases = f"{num_cases} case{'s' if num_cases > 1 else ''}"
+            raise UsageError(f"Invalid {given}: the store {store!r} has {cases}, and training needs at least one "
+                             "besides the held-out ones.")
     tf = import_tensorflow(verbose=getattr(args, "verbose", False))
     gpus = len(tf.config.list_physical_devices("GPU"))
     simulate = args.simulate_replicas is not None or gpus == 0
@@ -79,9 +96,6 @@ def run(args) -> int:
     if memory_budget is not None:
         common += ["--memory-budget", str(memory_budget)]
     if args.monitor_interval is not None:
-        if args.monitor_interval < 0:
-            raise UsageError(f"Invalid --monitor-interval {args.monitor_interval:g}: expected seconds >= 0 "
-                             "(0 turns the monitor off).")
         common += ["--monitor-interval", str(args.monitor_interval)]
     console = Console(soft_wrap=True)
     status = Console(soft_wrap=True, stderr=True)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
+from bigmem.cli.common import check_allocation, check_output_file
 from bigmem.errors import DataError, UsageError
 
 HELP = "write synthetic 3D phantoms to an HDF5 store"
+# data/synth.make_phantom's peak RSS growth per voxel (its grids, radii, ripple and float64 noise),
+# measured on the dev machine: 95 B/voxel at 64^3, 82 at 128^3; the larger figure, rounded up.
+PHANTOM_BYTES_PER_VOXEL = 96
+STORE_BYTES_PER_VOXEL = 5  # one float32 image channel and a uint8 label, uncompressed
 
 
 def register(subparsers, parents) -> None:
@@ -36,7 +39,9 @@ def run(args) -> int:
         raise UsageError(f"Invalid --volume {args.volume}: expected an integer >= 4.")
     if not 2 <= args.classes <= 255:
         raise UsageError(f"Invalid --classes {args.classes}: expected 2..255 (background + foreground classes).")
-    out = Path(args.out)
+    voxels = args.volume**3
+    check_allocation(voxels * PHANTOM_BYTES_PER_VOXEL, f"one {args.volume}^3 phantom", "a smaller --volume")
+    out = check_output_file(args.out, "OUT.h5", needed_bytes=args.cases * voxels * STORE_BYTES_PER_VOXEL)
     if out.exists() and not args.force:
         raise DataError(f"{str(out)!r} exists: pass --force to overwrite it.")
     console = Console(soft_wrap=True)

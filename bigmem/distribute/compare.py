@@ -8,6 +8,7 @@ large a whole volume each path could train: host RAM against one GPU's memory.
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from bigmem.config.schema import ExperimentConfig
-from bigmem.errors import BigmemError
+from bigmem.errors import BigmemError, UsageError
 from bigmem.rundir import RunDir, atomic_write_json, atomic_write_text
 from bigmem.units import format_bytes
 
@@ -135,12 +136,20 @@ def compare(config: ExperimentConfig, out: Path, *, replicas: int, simulate: boo
         ``run_dir``.
 
     Raises:
+        UsageError: ``replicas`` < 1, or neither a positive ``steps`` nor a positive, finite
+            ``time_budget_s``.
         BigmemError: a training run failed (the message ends with its last line of stderr).
 
     Example:
         >>> report = compare(config, Path("cmp"), replicas=2, simulate=True, gpu_memory_bytes=16 * 2**30,
         ...                  steps=20, time_budget_s=None, common=["--model", "tiny", "--holdout", "2"])
     """
+    if replicas < 1:
+        raise UsageError(f"Invalid replicas {replicas}: expected at least 1 data-parallel replica.")
+    if time_budget_s is not None and not 0 < time_budget_s < math.inf:
+        raise UsageError(f"Invalid time_budget_s {time_budget_s:g}: expected a positive, finite number of seconds.")
+    if time_budget_s is None and (steps is None or steps < 1):
+        raise UsageError(f"Invalid steps {steps}: expected a positive number of steps (or a time_budget_s).")
     out.mkdir(parents=True, exist_ok=True)
     budget = ["--time-budget", str(time_budget_s), "--steps", "1000000"] if time_budget_s else ["--steps", str(steps)]
     base = [*common, *budget, "--checkpoint-every", "1000000"]
