@@ -28,15 +28,28 @@ def register(subparsers, parents) -> None:
 
 
 def run(args) -> int:
-    from rich.console import Console
+    from pathlib import Path
 
+    from bigmem.cli.common import check_output_dir
     from bigmem.errors import UsageError
-    from bigmem.monitor.report import make_report
-    from bigmem.units import format_bytes
 
     if len(args.run_dirs) > 2:
         raise UsageError(f"bigmem report takes one or two RUN_DIRs, got {len(args.run_dirs)}.")
+    if args.out is not None:
+        check_output_dir(args.out, "--out")
+    elif Path(args.run_dirs[0]).is_dir():  # else make_report says there is no such directory
+        check_output_dir(Path(args.run_dirs[0]) / "report", "--out (default RUN_DIR/report)")
+
+    from rich.console import Console
+
+    from bigmem.monitor.report import make_report
+    from bigmem.units import format_bytes
+
     folder, report = make_report(args.run_dirs, args.out)
+    status = Console(soft_wrap=True, stderr=True)
+    for summary in report["runs"]:
+        for note in summary["notes"]:
+            status.print(f"note: {note}", style="yellow", markup=False, highlight=False)
     console = Console(soft_wrap=True)
     for summary in report["runs"]:
         stall = summary["input_stall_share"]

@@ -35,6 +35,7 @@ class RunData:
     plan: dict | None = None
     config: dict | None = None
     monitor_info: dict | None = None  # monitor.json: the disk device and nodes the columns describe
+    notes: list[str] = field(default_factory=list)  # what was left out while reading, one line each
 
     @property
     def finished(self) -> bool:
@@ -52,23 +53,79 @@ class RunData:
                       key=lambda c: int(c[4:-len("_used_bytes")]))
 
 
+# The fields every metrics.jsonl step row has (train/loop.py writes them); others are optional.
+METRIC_FIELDS = ("step", "loss", "dice", "voxels_per_s", "step_s")
+
+
+def _step_row(row) -> bool:
+    """Whether ``row`` is a metrics.jsonl step row: an object with an integer step and numeric METRIC_FIELDS."""
+    if not isinstance(row, dict):
+        return False
+    step = row.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        return False
+    return all(isinstance(row.get(name), (int, float)) and not isinstance(row.get(name), bool)
+               for name in METRIC_FIELDS[1:])
+
+
+def read_metrics(path: Path) -> tuple[list[dict], list[int]]:
+    """metrics.jsonl's step rows, and the numbers of the lines that are not step rows.
+
+    A line that is not UTF-8, not JSON, not an object or lacks one of ``METRIC_FIELDS`` is left
+    out and its number returned; a torn last line (a running or killed run) is left out silently.
+
+    Returns:
+        (rows, bad line numbers, 1-based); ([], []) when the file does not exist.
+    """
+    rows: list[dict] = []
+    bad: list[int] = []
+    if not path.exists():
+        return rows, bad
+    try:
+        lines = path.read_bytes().split(b"\n")
+    except OSError as exc:
+        raise DataError(f"Cannot read {str(path)!r}: {exc.strerror or exc}.") from None
+    torn = len(lines) - 1 if lines[-1].strip() else None  # no newline after the last line: being written
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError):
+            row = None
+        if _step_row(row):
+            rows.append(row)
+        elif number - 1 != torn:
+            bad.append(number)
+    return rows, bad
+
+
 def read_monitor(path: Path) -> dict[str, list[float]]:
-    """monitor.csv as columns of floats; a torn last row (a running or killed run) is skipped."""
+    """monitor.csv as columns of floats; a torn last row (a running or killed run) is skipped.
+
+    A file that is not monitor.csv (no ``time_s`` column, undecodable bytes, NUL bytes) or has no
+    complete row reads as no columns ({}).
+    """
     if not path.exists():
         return {}
-    with open(path, newline="") as handle:
-        reader = csv.DictReader(handle)
-        columns: dict[str, list[float]] = {name: [] for name in reader.fieldnames or ()}
-        for row in reader:
-            if None in row or None in row.values():
-                continue  # a torn row: fewer (or more) fields than the header
-            try:
-                values = {k: float(v) if v != "" else math.nan for k, v in row.items()}
-            except ValueError:
-                continue  # a torn last field
-            for name, value in values.items():
-                columns[name].append(value)
-    return columns
+    try:
+        with open(path, newline="", encoding="utf-8", errors="replace") as handle:
+            reader = csv.DictReader(handle)
+            columns: dict[str, list[float]] = {name: [] for name in reader.fieldnames or ()}
+            if "time_s" not in columns:
+                return {}
+            for row in reader:
+                if None in row or None in row.values():
+                    continue  # a torn row: fewer (or more) fields than the header
+                try:
+                    values = {k: float(v) if v != "" else math.nan for k, v in row.items()}
+                except ValueError:
+                    continue  # a torn last field
+                for name, value in values.items():
+                    columns[name].append(value)
+    except csv.Error:  # NUL bytes, an unterminated quote: not a CSV bigmem wrote
+        return {}
+    return columns if columns["time_s"] else {}
 
 
 def read_run(path: str | os.PathLike) -> RunData:
@@ -78,30 +135,50 @@ def read_run(path: str | os.PathLike) -> RunData:
         path: the run directory.
 
     Returns:
-        Its ``RunData`` (files the run has not written yet are empty or None).
+        Its ``RunData`` (files the run has not written yet are empty or None; lines of
+        metrics.jsonl that are not step rows are left out and counted in ``notes``).
 
     Raises:
-        DataError: no such directory, neither metrics.jsonl nor monitor.csv, or a JSON file that
-            does not parse.
+        DataError: no such directory; neither step rows in metrics.jsonl nor rows in monitor.csv
+            (saying which file holds what instead); or a JSON file that does not parse or is not
+            an object.
     """
     run = RunDir(path)
     if not run.path.is_dir():
         raise DataError(f"Cannot report on {str(path)!r}: no such directory.")
-    metrics = run.read_metrics()
+    metrics, bad = read_metrics(run.metrics)
     monitor = read_monitor(run.monitor)
+    notes = []
+    if bad:
+        notes.append(f"{run.metrics}: left out {len(bad)} line{'s' if len(bad) > 1 else ''} that "
+                     f"{'are' if len(bad) > 1 else 'is'} not a step row (line{'s' if len(bad) > 1 else ''} "
+                     f"{', '.join(map(str, bad[:5]))}{', ...' if len(bad) > 5 else ''})")
+    if run.monitor.exists() and not monitor:
+        notes.append(f"{run.monitor}: no readable rows (not a bigmem monitor.csv, or no sample yet); left out")
     if not metrics and not monitor:
-        raise DataError(f"Cannot report on {str(path)!r}: it has neither metrics.jsonl nor monitor.csv "
-                        "(is it a bigmem run directory, and has its first step finished?).")
+        fields = ", ".join(METRIC_FIELDS[:-1]) + f" and {METRIC_FIELDS[-1]}"
+        found = [f"metrics.jsonl has no step rows ({len(bad)} other line{'s' if len(bad) != 1 else ''}; a step row "
+                 f"is a JSON object with {fields})" if run.metrics.exists() else "",
+                 "monitor.csv has no readable rows (expected a time_s column and numeric rows)"
+                 if run.monitor.exists() else ""]
+        found = [f for f in found if f]
+        if not found:
+            raise DataError(f"Cannot report on {str(path)!r}: it has neither metrics.jsonl nor monitor.csv "
+                            "(is it a bigmem run directory, and has its first step finished?).")
+        raise DataError(f"Cannot report on {str(path)!r}: {' and '.join(found)}.")
 
     def load(read, file: Path) -> dict | None:
         try:
-            return read()
-        except json.JSONDecodeError:
+            value = read()
+        except (json.JSONDecodeError, UnicodeDecodeError):
             raise DataError(f"Cannot report on {str(path)!r}: {file.name} is not valid JSON.") from None
+        if value is not None and not isinstance(value, dict):
+            raise DataError(f"Cannot report on {str(path)!r}: {file.name} is not a JSON object.")
+        return value
 
     return RunData(run.path, run.path.name or str(run.path), metrics, monitor, load(run.read_summary, run.summary),
                    load(run.read_plan, run.plan), load(run.read_config, run.config),
-                   load(run.read_monitor_info, run.monitor_info))
+                   load(run.read_monitor_info, run.monitor_info), notes)
 
 
 def _max(values: list[float]) -> float | None:
@@ -148,6 +225,7 @@ def summarise(run: RunData) -> dict:
         "node_peak_used_bytes": {c[:-len("_used_bytes")]: _max(run.column(c)) for c in run.node_columns},
         "monitor_samples": len(run.column("time_s")),
         "disk_device": (run.monitor_info or {}).get("disk_device"),
+        "notes": list(run.notes),
     }
 
 
@@ -301,6 +379,8 @@ def markdown(summaries: list[dict], plots: dict[str, Path]) -> str:
     row("NUMA node peak used (system)", lambda s: ", ".join(f"{k} {_bytes(v)}" for k, v in
                                                             s["node_peak_used_bytes"].items()) or "-")
     row("monitor samples", lambda s: str(s["monitor_samples"]))
+    if any(s["notes"] for s in summaries):
+        row("left out while reading", lambda s: "; ".join(s["notes"]) or "-")
     lines += ["", "## Plots", ""]
     lines += [f"![{name}]({path.name})" for name, path in plots.items()]
     return "\n".join(lines) + "\n"
