@@ -94,3 +94,103 @@ def test_best_is_kept_apart_and_found_by_name(tmp_path):
                                         r"ckpt-00000006, best\.$"):
         manager.find("ckpt-4")
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_restore_newest_skips_damaged_checkpoints_and_keeps_them_aside(tmp_path):
+    model, optimizer = _model_and_optimizer(0)
+    manager = CheckpointManager(tmp_path, keep=5)
+    for step in (1, 2, 3, 4):
+        manager.save(step, model, optimizer, {"loss": float(step)})
+    (tmp_path / "ckpt-00000004" / "state.json").write_text('{"loss": 4.0}')  # parses, but no step
+    (tmp_path / "ckpt-00000003" / "variables.h5").write_bytes(b"\0" * 4096)  # zeroed
+    (tmp_path / "ckpt-00000002" / "state.json").unlink()  # half removed
+    (tmp_path / ".damaged-ckpt-00000003").mkdir()  # kept aside by an earlier resume
+    other, other_opt = _model_and_optimizer(1)
+    path, state, skipped = manager.restore_newest(other, other_opt)
+    assert path.name == "ckpt-00000001" and state == {"loss": 1.0, "step": 1}
+    assert [(s.name, s.reason, s.kept_as.name) for s in skipped] == [
+        ("ckpt-00000004", "state.json: expected a JSON object with an integer 'step'", ".damaged-ckpt-00000004"),
+        ("ckpt-00000003", "variables.h5: Unable to synchronously open file (file signature not found)",
+         ".damaged-ckpt-00000003.1"),
+        ("ckpt-00000002", "state.json missing", ".damaged-ckpt-00000002")]
+    assert [p.name for p in manager.all()] == ["ckpt-00000001"]
+    assert [p.name for p in manager.damaged()] == [".damaged-ckpt-00000002", ".damaged-ckpt-00000003",
+                                                   ".damaged-ckpt-00000003.1", ".damaged-ckpt-00000004"]
+    for a, b in zip(model.weights, other.weights):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    manager.save(5, model, optimizer, {})  # pruning never touches what was kept aside
+    assert len(manager.damaged()) == 4
+
+
+def test_a_flipped_byte_fails_the_crc_check(tmp_path):
+    import h5py
+
+    model, optimizer = _model_and_optimizer(0)
+    manager = CheckpointManager(tmp_path)
+    manager.save(1, model, optimizer, {})
+    saved = manager.save(2, model, optimizer, {})
+    with h5py.File(saved / "variables.h5", "r+") as handle:  # silent corruption: the file still opens
+        data = handle["model/00000"]
+        value = data[...]
+        value.reshape(-1)[0] += 1.0
+        data[...] = value
+        path = data.attrs["path"]
+    with pytest.raises(DataError, match=rf"^Cannot read checkpoint '.*ckpt-00000002': variables.h5: model variable "
+                                        rf"{path} fails its CRC-32 check$"):
+        manager.restore(saved, model, optimizer)
+    path, _, skipped = manager.restore_newest(model, optimizer)
+    assert path.name == "ckpt-00000001" and [s.name for s in skipped] == ["ckpt-00000002"]
+
+
+def test_a_checkpoint_of_another_model_is_refused_not_kept_aside(tmp_path):
+    model, optimizer = _model_and_optimizer(0)
+    manager = CheckpointManager(tmp_path)
+    manager.save(1, model, optimizer, {})
+    residual, residual_opt = _model_and_optimizer(0, residual=True)
+    with pytest.raises(DataError, match=r"Was it written by another model\?$"):
+        manager.restore_newest(residual, residual_opt)
+    assert [p.name for p in manager.all()] == ["ckpt-00000001"] and manager.damaged() == []
+
+
+def test_none_loads(tmp_path):
+    model, optimizer = _model_and_optimizer(0)
+    manager = CheckpointManager(tmp_path)
+    (manager.save(1, model, optimizer, {}) / "state.json").write_text("[]")
+    with pytest.raises(DataError, match=r"^No checkpoint in .* loads: ckpt-00000001: state.json: expected a JSON "
+                                        r"object with an integer 'step' \(kept aside as \.damaged-ckpt-00000001\)\. "
+                                        r"Start a new run with another --out\.$"):
+        manager.restore_newest(model, optimizer)
+    with pytest.raises(DataError, match=r"loads: there is none\."):
+        CheckpointManager(tmp_path / "missing").restore_newest(model, optimizer)
+
+
+def test_a_checkpoint_its_directory_and_their_parents_are_fsynced(tmp_path, monkeypatch):
+    import os
+
+    import bigmem.checkpoints as checkpoints
+
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return real_fsync(fd)
+
+    monkeypatch.setattr(checkpoints.os, "fsync", fsync)
+    model, optimizer = _model_and_optimizer(0)
+    run = tmp_path / "run"
+    run.mkdir()
+    saved = CheckpointManager(run / "checkpoints").save(3, model, optimizer, {})
+    tmp = run / "checkpoints" / f".tmp-ckpt-00000003-{os.getpid()}"
+    assert synced == [str(tmp / "variables.h5"), str(tmp / "state.json"), str(tmp),  # contents, then names
+                      str(run / "checkpoints"), str(run)]  # the rename into place, and checkpoints/ itself
+    assert saved == run / "checkpoints" / "ckpt-00000003"
+
+
+def test_a_re_save_of_the_same_step_replaces_it_whole(tmp_path):
+    model, optimizer = _model_and_optimizer(0)
+    manager = CheckpointManager(tmp_path)
+    manager.save(1, model, optimizer, {"loss": 1.0})
+    manager.save(1, model, optimizer, {"loss": 0.5})
+    assert manager.read_state(manager.latest()) == {"loss": 0.5, "step": 1}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-00000001"]
