@@ -39,7 +39,8 @@ class Job:
         config: the resolved config, with the data-derived fields filled (never changed later).
         run: the run directory.
         checkpoints: its checkpoint manager.
-        resume_from: the checkpoint to restore, or None for a new run.
+        resume_from: the newest complete checkpoint, or None for a run that starts at step 0 (the
+            trainer restores it, or the newest older one that loads: ``restore_newest``).
         loader: this process's batches (whole volumes, or patches for the GPU baseline).
         placement: the NUMA placement in force (``numa.policy.Placement``), or None.
         parallel: the data-parallel decisions (``distribute.execution.DataParallel``), or None
@@ -79,23 +80,95 @@ def total_steps_for(config: ExperimentConfig, steps_per_epoch: int) -> int:
     return (config.train.epochs or 1) * steps_per_epoch
 
 
-def resume_point(run: RunDir, manager: CheckpointManager, resume: bool) -> Path | None:
-    """The checkpoint to resume from (None for a new run).
+class NothingToDo(Exception):
+    """A resume whose run is already where it was asked to end: nothing is run, nothing written.
+
+    Args:
+        message: what to tell the user (the step reached and how to train longer).
+        step: the step the run is at (its newest checkpoint's).
+        total_steps: the step the resume was asked to end at.
+        summary: the finished run's summary.json, if it has one.
+    """
+
+    def __init__(self, message: str, step: int, total_steps: int, summary: dict | None):
+        super().__init__(message)
+        self.step, self.total_steps, self.summary = step, total_steps, summary
+
+
+def resume_point(run: RunDir, manager: CheckpointManager, resume: bool, console: Console | None = None
+                 ) -> Path | None:
+    """The newest complete checkpoint to resume from, or None to start at step 0.
+
+    A run that stopped before its first checkpoint (a data error at step 2, a kill during
+    start-up) holds nothing worth keeping: the same command starts it over, with or without
+    ``resume``. So does ``resume`` of a directory where no run was started yet.
+
+    Args:
+        run: the run directory.
+        manager: its checkpoints.
+        resume: continue the run (``--resume``).
+        console: where the line saying a run starts over goes.
+
+    Returns:
+        The newest complete checkpoint (``_run`` falls back to an older one if it does not load),
+        or None: start at step 0.
 
     Raises:
-        TrainingError: ``resume`` without a complete checkpoint, or a new run into a directory
-            that already holds one.
+        TrainingError: a new run into a directory that holds a checkpoint or a finished model, or
+            ``resume`` of a run that has one but no checkpoint to continue from.
     """
-    if resume:
-        latest = manager.latest()
-        if latest is None:
-            raise TrainingError(f"Cannot resume {str(run.path)!r}: it has no complete checkpoint "
-                                f"(looked in {run.checkpoints}). Start a new run without --resume.")
+    console = console or Console(soft_wrap=True)
+    latest = manager.latest()
+    if resume and latest is not None:
         return latest
-    if run.holds_run():
+    kept = _kept(run, manager)
+    if kept and resume:
+        raise TrainingError(f"Cannot resume {str(run.path)!r}: it has no complete checkpoint (looked in "
+                            f"{run.checkpoints}) but holds {kept}. Start a new run with another --out.")
+    if kept:
         raise TrainingError(f"Run directory {str(run.path)!r} already holds a run: pass --resume to continue it, "
                             "or choose another --out.")
+    if run.holds_run():
+        console.print(f"{run.path} holds a run that stopped before its first checkpoint: starting it over "
+                      "from step 0.")
+    elif resume:
+        console.print(f"No run was started in {run.path} yet: starting it.")
     return None
+
+
+def _kept(run: RunDir, manager: CheckpointManager) -> str:
+    """What a run directory holds that starting it over would lose ('' when nothing)."""
+    kept = [p.name for p in manager.all()] or [f"checkpoints/{p.name}" for p in manager.damaged()]
+    kept += [p.name for p in (run.model, run.summary) if p.exists()]
+    return ", ".join(kept)
+
+
+def check_something_to_do(run: RunDir, checkpoint: Path, total_steps: int) -> None:
+    """Raise ``NothingToDo`` when resuming from ``checkpoint`` would train nothing and change nothing.
+
+    That is a checkpoint past ``total_steps``, or at it in a run that finished there (its
+    summary.json, the last file a run writes, says that step). A run that reached its last
+    checkpoint but was killed before summary.json is not finished: resuming it writes model.keras
+    and summary.json.
+
+    Raises:
+        NothingToDo: with the line to print.
+    """
+    step = int(checkpoint.name.split("-")[-1])
+    if step < total_steps:
+        return
+    try:
+        summary = run.read_summary()
+    except (OSError, ValueError):
+        summary = None
+    summary = summary if isinstance(summary, dict) else None
+    finished = summary is not None and summary.get("steps") == step and run.model.exists()
+    if step == total_steps and not finished:
+        return
+    where = (f"finished at step {step} of {total_steps}" if step == total_steps
+             else f"is at step {step} ({checkpoint.name}), past the {total_steps} steps asked for")
+    raise NothingToDo(f"Nothing to do: {run.path} {where}; nothing was changed. To train longer, resume with "
+                      f"--steps N, N > {step}.", step, total_steps, summary if finished else None)
 
 
 def current_placement(config: ExperimentConfig):
@@ -136,6 +209,7 @@ def prepare_job(config: ExperimentConfig, run_dir, *, resume: bool = False, forc
         The ``Job``; call ``job.close()`` when done with it (it holds the loader's readers).
 
     Raises:
+        NothingToDo: ``resume`` of a run already at (or past) its last step; nothing was written.
         TrainingError: the run directory is in the way, or there is nothing to resume.
         DataError: the store cannot be read.
         ConfigError: a setting bigmem cannot use.
@@ -144,7 +218,9 @@ def prepare_job(config: ExperimentConfig, run_dir, *, resume: bool = False, forc
     console = console or Console(soft_wrap=True)
     run = RunDir(run_dir)
     manager = CheckpointManager(run.checkpoints, keep=config.train.keep_checkpoints)
-    resume_from = resume_point(run, manager, resume)
+    resume_from = resume_point(run, manager, resume, console)
+    if resume_from is not None and config.train.steps is not None:  # known before the data is read
+        check_something_to_do(run, resume_from, config.train.steps)
     config = with_data_fields(config, generating=lambda: console.status(
         "Generating the synthetic dataset (cached for later runs) ..."))
     placement = current_placement(config)
@@ -164,11 +240,13 @@ def prepare_job(config: ExperimentConfig, run_dir, *, resume: bool = False, forc
                                num_workers=data.num_workers, prefetch=data.prefetch, cold_cache=data.cold_cache,
                                holdout=data.holdout, **shape)
     try:
+        total_steps = total_steps_for(config, loader.steps_per_epoch)
+        if resume_from is not None:
+            check_something_to_do(run, resume_from, total_steps)
         plan, stages = preflight(config, parallel, recompute_stages, force=force, console=console,
                                  placement=placement)
         lr = parallel.learning_rate(config.train.lr, config.train.reference_batch) if parallel else config.train.lr
-        return Job(config, run, manager, resume_from, loader, placement, parallel, plan, stages,
-                   total_steps_for(config, loader.steps_per_epoch), lr)
+        return Job(config, run, manager, resume_from, loader, placement, parallel, plan, stages, total_steps, lr)
     except BaseException:
         loader.close()
         raise

@@ -11,6 +11,7 @@ summary.json.
 from __future__ import annotations
 
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from bigmem.config.schema import ExperimentConfig
 from bigmem.sysinfo import collect_sysinfo
 from bigmem.tfenv import import_tensorflow
 from bigmem.train import callbacks as cb
-from bigmem.train.job import Job, prepare_job
+from bigmem.train.job import Job, NothingToDo, prepare_job
 from bigmem.train.loop import LoopState, run_loop
 
 
@@ -110,8 +111,14 @@ def train(config: ExperimentConfig, run_dir: str | os.PathLike, *, resume: bool 
         4
     """
     console = console or Console(soft_wrap=True)
-    job = prepare_job(config, run_dir, resume=resume, force=force, console=console, verbose=verbose,
-                      recompute_stages=recompute_stages)
+    try:
+        job = prepare_job(config, run_dir, resume=resume, force=force, console=console, verbose=verbose,
+                          recompute_stages=recompute_stages)
+    except NothingToDo as done:
+        console.print(str(done))
+        summary = done.summary or {}
+        return TrainResult(Path(run_dir), done.step, done.step, done.total_steps,
+                           float(summary.get("loss", "nan")), float(summary.get("dice", "nan")))
     try:
         return _run(job, console, verbose)
     finally:
@@ -191,24 +198,45 @@ def _numa_summary(report: dict) -> str:
             f"/ inter {requested['inter_op_threads']}; observed policy per thread: {observed}")
 
 
-def _start(job: Job, model, optimizer, console: Console) -> int:
-    """Restore the checkpoint to resume (if any) and write the run's opening files; the start step."""
-    run, start_step = job.run, 0
+def _start(job: Job, model, optimizer, console: Console) -> tuple[int, dict]:
+    """Restore the newest checkpoint that loads (if resuming) and write the run's opening files.
+
+    Returns:
+        ``(start step, the checkpoint's state)``: its loss and Dice are the run's last if no
+        step is left (a run killed before its summary.json); ``{}`` for a run at step 0.
+    """
+    run, start_step, state = job.run, 0, {}
     if job.resume_from is not None:
-        state = job.checkpoints.restore(job.resume_from, model, optimizer)
+        path, state, skipped = job.checkpoints.restore_newest(model, optimizer)
+        for passed in skipped:
+            console.print(f"Skipped checkpoint {passed.name}: {passed.reason}; kept aside as "
+                          f"{passed.kept_as}.", style="yellow", highlight=False)
         start_step = int(state["step"])
+        console.print(f"Resuming {run.path} from {path.name} (step {start_step} of {job.total_steps}).")
+    if run.metrics.exists():  # rows past the start step (or, starting over, every row) are redone
         run.truncate_metrics(start_step)
-        console.print(f"Resuming {run.path} from {job.resume_from.name} (step {start_step} of {job.total_steps}).")
+    _remove_temporaries(run.path)
     run.path.mkdir(parents=True, exist_ok=True)
     run.write_config({**job.config.to_dict(), "total_steps": job.total_steps, "effective_lr": job.learning_rate})
     run.write_sysinfo(collect_sysinfo())
     run.write_plan(job.plan.to_dict())
-    return start_step
+    return start_step, state
+
+
+def _remove_temporaries(path: Path) -> None:
+    """Remove the temporary files a killed run left beside its outputs (this process has none open yet)."""
+    if not path.is_dir():
+        return
+    for stale in path.glob(".*.tmp*"):  # the atomic writers' hidden temporaries: .<name>.tmp-<pid>...
+        if stale.is_dir() and not stale.is_symlink():
+            shutil.rmtree(stale, ignore_errors=True)
+        else:
+            stale.unlink(missing_ok=True)
 
 
 def _run(job: Job, console: Console, verbose: bool) -> TrainResult:
     model, optimizer, schedule = build(job, verbose)
-    start_step = _start(job, model, optimizer, console)
+    start_step, resumed = _start(job, model, optimizer, console)
     requested = job.placement.to_dict() if job.placement is not None else {"policy": "none", "text": "none"}
     numa = cb.NUMAReport(job.run, requested)
     opening = numa.write()
@@ -221,7 +249,9 @@ def _run(job: Job, console: Console, verbose: bool) -> TrainResult:
                   f"{job.config.train.precision.value}, {job.total_steps} steps -> {job.run.path}")
     step, batches = step_and_batches(job, model, optimizer, start_step)
     validation = validation_callback(job, model, console)
-    state = run_loop(LoopState(start_step, job.total_steps), step, batches,
+    start = LoopState(start_step, job.total_steps, loss=float(resumed.get("loss", "nan")),
+                      dice=float(resumed.get("dice", "nan")))
+    state = run_loop(start, step, batches,
                      default_callbacks(job, console, model, optimizer, start_step, numa, validation),
                      learning_rate=schedule, voxels_per_step=job.voxels_per_step, input_error=lambda: loader.error)
     result = TrainResult(job.run.path, start_step, state.step, job.total_steps, state.loss, state.dice,
@@ -238,17 +268,17 @@ def _run(job: Job, console: Console, verbose: bool) -> TrainResult:
 
 
 def _finish(job: Job, model, state: LoopState, console: Console, validation: dict | None) -> None:
-    """summary.json, then model.keras: a run is complete when both are there."""
+    """model.keras, then summary.json: a run is complete when its summary.json names its last step."""
     import time
 
     from bigmem.memory.procfs import peak_rss_bytes
 
     stall_share = state.waited_s / state.stepped_s if state.stepped_s else 0.0
+    _save_model(model, job.run.model)
     job.run.write_summary(steps=state.step, train_s=time.monotonic() - state.started_s,
                           peak_rss_bytes=peak_rss_bytes(), loss=state.loss, dice=state.dice,
                           input_wait_s=state.waited_s, step_time_s=state.stepped_s, input_stall_share=stall_share,
                           validation=validation)
-    _save_model(model, job.run.model)
     console.print(f"Done: step {state.step}, loss {state.loss:.4f}, Dice {state.dice:.3f}; input stalls "
                   f"{100 * stall_share:.1f}% of step time. Model: {job.run.model}")
 

@@ -152,16 +152,6 @@ def test_existing_run_needs_resume(tmp_path, tiny_store, capsys):
                            "continue it, or choose another --out.")
 
 
-def test_resume_without_checkpoint(tmp_path, capsys):
-    out = tmp_path / "run"
-    out.mkdir()
-    (out / "config.json").write_text(json.dumps({"model": {"name": "tiny"}}))
-    code, _, err = run_cli(["train", "--out", out, "--resume"], capsys)
-    assert code == 1
-    assert err.strip() == (f"bigmem train: error: Cannot resume {str(out)!r}: it has no complete checkpoint (looked "
-                           f"in {out / 'checkpoints'}). Start a new run without --resume.")
-
-
 def test_bad_case_is_named_and_nothing_is_half_written(tmp_path, corrupt_store, capsys):
     from helpers import poison_labels
 

@@ -56,7 +56,7 @@ def test_a_resumed_run_remembers_its_best(tmp_path, tiny_store, capsys):
     common = ["train", "--model", "tiny", "--data", tiny_store, "--holdout", 1, "--val-every", 2, "--out", out]
     assert run_cli([*common, "--steps", 2], capsys)[0] == 0
     first = json.loads((out / "checkpoints" / "best" / "state.json").read_text())
-    code, _, err = run_cli(["train", "--out", out, "--resume", "--steps", 4, "--lr", "1e-9"], capsys)
+    code, _, err = run_cli(["train", "--out", out, "--resume", "--steps", 4], capsys)
     assert code == 0, err
     summary = json.loads((out / "summary.json").read_text())
     assert summary["best_val_dice"] >= first["val_dice"]
