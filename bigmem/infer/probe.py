@@ -72,6 +72,7 @@ def probe(request: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m bigmem.infer.probe REQUEST.json``: run ``probe`` and print its result as one JSON line."""
     argv = sys.argv[1:] if argv is None else argv
     with open(argv[0]) as handle:
         request = json.load(handle)

@@ -94,6 +94,10 @@ class NetworkCounts:
     # its own (the stage reports them), its inputs and the encoder outputs held for later decoder
     # stages; the network's input is not included (memory/inference.py counts it).
     stage_inference_live: dict[str, int] = field(default_factory=dict)
+    # Per stage, the largest tensor it reads or creates (the stage reports it): its ops that touch it
+    # run in depth slabs past the kernel limit. Unlike stage_largest, a decoder stage whose blocks
+    # take the skip as a second input (nets/blocks.py) counts no concatenation.
+    stage_largest_tensor: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def from_model(cls, model, spatial_shape: Sequence[int]) -> "NetworkCounts":
@@ -111,24 +115,34 @@ class NetworkCounts:
             shape = stage.output_spatial_shape(shape)
             outputs[stage.name] = stage.filters * math.prod(shape)
             largest_in[stage.name] = 2 * stage.filters * math.prod(shape)  # the joined skip and upsampled input
-        inference, shape, encoder_outputs = {}, tuple(spatial_shape), []
-        for stage in model.encoder:  # every earlier encoder output is still held: skips, and this stage's input
-            inference[stage.name] = sum(encoder_outputs) + stage.inference_live_elements(shape)
+        inference, tensors, shape = _inference_live(model, spatial_shape), {}, tuple(spatial_shape)
+        for stage in (*model.encoder, *model.decoder):
+            tensors[stage.name] = stage.largest_tensor_elements(shape)
             shape = stage.output_spatial_shape(shape)
-            encoder_outputs.append(stage.filters * math.prod(shape))
-        below, skips = encoder_outputs[-1], encoder_outputs[:-1]
-        for stage in model.decoder:  # the skips not yet taken, the input from below and this stage's skip
-            skip = skips.pop()
-            inference[stage.name] = sum(skips) + below + skip + stage.inference_live_elements(shape)
-            shape = stage.output_spatial_shape(shape)
-            below = stage.filters * math.prod(shape)
         cfg = model.model_config
         # The widest full-resolution tensor: a decoder concat (2 x level-0 filters) or the input.
         largest = max(2 * cfg.filters[0], cfg.in_channels) * voxels
         trainable = sum(math.prod(v.shape) for v in model.trainable_weights)
         return cls(model.count_params(), int(trainable), {k: v for k, v in elements.items() if k != "head"},
                    outputs, int(largest), int(elements["head"]), int(model.forward_macs(spatial_shape)),
-                   {name: int(n) for name, n in largest_in.items()}, {name: int(n) for name, n in inference.items()})
+                   {name: int(n) for name, n in largest_in.items()}, {name: int(n) for name, n in inference.items()},
+                   {name: int(n) for name, n in tensors.items()})
+
+
+def _inference_live(model, spatial_shape: Sequence[int]) -> dict[str, int]:
+    """Per stage, the elements live at its peak in an inference pass (``NetworkCounts.stage_inference_live``)."""
+    inference, shape, encoder_outputs = {}, tuple(spatial_shape), []
+    for stage in model.encoder:  # every earlier encoder output is still held: skips, and this stage's input
+        inference[stage.name] = sum(encoder_outputs) + stage.inference_live_elements(shape)
+        shape = stage.output_spatial_shape(shape)
+        encoder_outputs.append(stage.filters * math.prod(shape))
+    below, skips = encoder_outputs[-1], encoder_outputs[:-1]
+    for stage in model.decoder:  # the skips not yet taken, the input from below and this stage's skip
+        skip = skips.pop()
+        inference[stage.name] = sum(skips) + below + skip + stage.inference_live_elements(shape)
+        shape = stage.output_spatial_shape(shape)
+        below = stage.filters * math.prod(shape)
+    return inference
 
 
 def partitioned_stages(counts: NetworkCounts, batch_size: int) -> list[str]:

@@ -9,13 +9,15 @@ inputs, the encoder outputs kept as skips). ``bigmem predict``'s whole-volume pa
 (infer/predict.py) adds host arrays around the forward pass: the case's image, its normalised
 (or padded) copy, the probabilities copied out of TensorFlow, the source mapping's arrays.
 
-What TensorFlow adds is calibrated, not guessed. Its CPU allocator (oneDNN's, a best-fit
-allocator) keeps every buffer it ever held and reuses freed ones: the resident set never shrinks
-during the pass, and the buffers left free at a stage are not always where the next stage's
-tensors fit, so the peak is the live set plus fragmentation, which depends on the sizes. So the
-counted bytes (the live set inside TensorFlow) become resident bytes through a measured line per
-(ISA class, preset, precision), ``INFERENCE_DEFAULTS``, interpolated between measured sizes as
-the training estimate's calibration is (memory/calibration.py). Host arrays are numpy's,
+What TensorFlow adds is calibrated, not guessed. Its CPU allocator (with oneDNN on, a caching
+best-fit allocator) keeps the buffers it has held and reuses freed ones: the resident set never
+shrank during a pass (kits19, fp32, 128^3-256^3, RSS read after every stage), and the buffers
+left free at a stage are not always where the next stage's tensors fit (at 256^3 the last
+decoder stage grew the resident set by one full-resolution tensor more than its new tensors
+needed), so the peak is the live set plus fragmentation, which varies with the size. So the
+counted bytes (the live set inside TensorFlow) become resident bytes through measured knots per
+(ISA class, preset, precision), ``INFERENCE_DEFAULTS``, interpolated between the measured sizes
+as the training estimate's calibration is (memory/calibration.py). Host arrays are numpy's,
 allocated and returned to the kernel outside that allocator, and are added on top of its peak.
 """
 
@@ -31,29 +33,60 @@ from bigmem.memory.calibration import (
     EMULATED_BF16_MARGIN_FRACTION, UNMEASURED_MARGIN_FRACTION, Calibration, machine_isa_class,
 )
 from bigmem.memory.estimate import (
-    BFLOAT16_BYTES, FLOAT32_BYTES, SLAB_FRAME_PLANES, Estimate, NetworkCounts, partitioned_stages,
+    BFLOAT16_BYTES, FLOAT32_BYTES, SLAB_FRAME_PLANES, Estimate, NetworkCounts,
 )
+from bigmem.memory.measure import InferenceMeasurement, measure_inference
 from bigmem.nets.limits import exceeds_limit, max_kernel_elements, slab_elements
 from bigmem.sysinfo import NATIVE_BF16_ISA_CLASSES
 
 LABEL_BYTES = 1  # predict's labels are uint8
 BOOL_BYTES = 1  # numpy's bool: the running argmax's "better" mask
 # Knots (volume edge, counted bytes, overhead bytes = VmHWM - the estimate's exact parts) per
-# (ISA class, preset, precision), as the training calibration's DEFAULTS. Measured by
-#   python benchmarks/bench_inference_memory.py (every point one whole-volume prediction in a fresh
-#   child process, bigmem/infer/probe.py; its printed "defaults_fit")
-# on the development machine: AMD EPYC, 2 vCPUs, avx512_bf16 without AMX, 24 GiB, TensorFlow
-# 2.21.0 with oneDNN on, Keras 3.15.1, 2026-12-01; results in
-# benchmarks/results/inference_memory-vm-*.json. tiny uses small's (INFERENCE_PRESET_FOR).
-INFERENCE_DEFAULTS_MACHINE = "AMD EPYC 2 vCPU avx512_bf16, TF 2.21.0, 2026-12-01"
-INFERENCE_DEFAULTS: dict[tuple[str, str, str], tuple[tuple[int, int, int], ...]] = {}
+# (ISA class, preset, precision), as the training calibration's DEFAULTS: the "defaults_fit" of
+#   flock /tmp/bigmem-heavy.lock python benchmarks/bench_inference_memory.py [--model small ...]
+# (every point one whole-volume prediction in a fresh child process, bigmem/infer/probe.py) on
+# the development machine: AMD EPYC, 2 vCPUs, avx512_bf16 without AMX, 24 GiB, TensorFlow 2.21.0
+# with oneDNN on, Keras 3.15.1, 2026-11-30: kits19 from
+# benchmarks/results/inference_memory-vm-20261130-233727.json, small from -234450.json. An earlier
+# run of each (-232056, -232406) measured every size within 1% of these (the "shipped" column of
+# the later files). Between knots the error is that of the "left out" column: kits19 fp32 -12% to
+# +11% up to 128^3 (the allocator's fragmentation jumps at 128^3), within 6.3% from 160^3; bf16
+# and small within 7.5%. tiny uses small's (INFERENCE_PRESET_FOR).
+INFERENCE_DEFAULTS_MACHINE = "AMD EPYC 2 vCPU avx512_bf16, TF 2.21.0, 2026-11-30"
+INFERENCE_DEFAULTS: dict[tuple[str, str, str], tuple[tuple[int, int, int], ...]] = {
+    ("avx512_bf16", "kits19", "fp32"): (
+        (32, 22_151_168, 704_740_468),
+        (64, 177_209_344, 905_059_444),
+        (96, 598_081_536, 1_358_437_492),
+        (128, 1_417_674_752, 2_728_709_236),
+        (160, 2_768_896_000, 4_060_232_820),
+        (192, 4_784_652_288, 6_716_914_804),
+        (224, 7_597_850_624, 9_607_507_060),
+        (256, 11_341_398_016, 14_192_655_476),
+    ),
+    ("avx512_bf16", "kits19", "bf16"): (
+        (32, 11_206_656, 691_686_516),
+        (64, 89_653_248, 790_350_964),
+        (128, 717_225_984, 1_619_291_252),
+        (192, 2_420_637_696, 3_750_161_524),
+        (256, 5_737_807_872, 7_711_091_828),
+    ),
+    ("avx512_bf16", "small", "fp32"): (
+        (32, 6_684_672, 642_352_724),
+        (48, 22_560_768, 663_443_028),
+        (64, 53_477_376, 702_563_924),
+        (96, 180_486_144, 876_963_412),
+        (128, 427_819_008, 1_195_968_084),
+        (192, 1_443_889_152, 2_660_341_332),
+    ),
+    ("avx512_bf16", "small", "bf16"): (
+        (32, 3_473_408, 646_633_044),
+        (64, 27_787_264, 690_161_236),
+        (128, 222_298_112, 968_562_260),
+    ),
+}
 # Presets without knots of their own that use another's (tiny has small's blocks at a quarter of its width).
 INFERENCE_PRESET_FOR = {"tiny": "small"}
-# With no knots at all (a new ISA class and no measured one to borrow): the training default's
-# fixed cost is TF + Keras after import, 606 MB measured here; counted bytes times 1.3, the
-# largest resident/counted ratio measured for kits19 (benchmarks/results/inference_memory-*.json).
-FALLBACK_FRAMEWORK_BYTES = 700 * 2**20
-FALLBACK_SCALE = 1.3
 
 
 @dataclass
@@ -69,6 +102,7 @@ class InferenceEstimate(Estimate):
     source_shape: tuple[int, int, int] | None = None
 
     def to_dict(self) -> dict:
+        """``Estimate.to_dict`` plus ``kind`` ("inference"), ``host_phases``, ``forward_flops``, ``source_shape``."""
         data = super().to_dict()
         data.update(kind="inference", host_phases=dict(self.host_phases), forward_flops=self.forward_flops,
                     source_shape=list(self.source_shape or self.spatial_shape))
@@ -95,10 +129,6 @@ def inference_calibration(preset: str, precision: str, *, isa: str | None = None
     isa = isa or machine_isa_class()
     key = {"isa": isa, "preset": preset, "precision": precision, "mode": "inference"}
     measured_isas = sorted({k[0] for k in INFERENCE_DEFAULTS})
-    if not measured_isas:
-        return Calibration(FALLBACK_SCALE, FALLBACK_FRAMEWORK_BYTES, "no inference calibration measured: fallback "
-                           f"(+{100 * UNMEASURED_MARGIN_FRACTION:.0f}% safety margin)", key,
-                           margin_fraction=UNMEASURED_MARGIN_FRACTION)
     reasons = []
     source_isa = isa if isa in measured_isas else measured_isas[0]
     if source_isa != isa:
@@ -253,8 +283,8 @@ def estimate_inference(config: ExperimentConfig, counts: NetworkCounts, spatial_
     if calibration.margin_fraction:
         components["safety_margin"] = int(round(calibration.margin_fraction * sum(components.values())))
         notes.append(f"calibration: {calibration.source}")
-    sliced = partitioned_stages(counts, 1)
-    widest_plane = counts.largest_tensor // spatial_shape[0]
+    sliced = [name for name, n in counts.stage_largest_tensor.items() if n > max_kernel_elements()]  # batch 1
+    widest_plane = max(counts.stage_largest_tensor.values(), default=counts.largest_tensor) // spatial_shape[0]
     runnable = widest_plane * SLAB_FRAME_PLANES <= max_kernel_elements()
     if not runnable:
         notes.append(f"not runnable: a depth plane of {widest_plane:,} elements is too wide for any slab under the "
@@ -268,5 +298,63 @@ def estimate_inference(config: ExperimentConfig, counts: NetworkCounts, spatial_
                              host_phases=phases, forward_flops=2 * counts.forward_macs, source_shape=source_shape)
 
 
-__all__ = ["INFERENCE_DEFAULTS", "InferenceEstimate", "estimate_inference", "forward_live_bytes",
-           "inference_calibration"]
+def padded_shape(shape: Sequence[int], divisor: int) -> tuple[int, int, int]:
+    """``shape`` rounded up to the size contract, as predict pads a case (``infer.geometry.pad_to_multiple``)."""
+    return tuple(-(-int(s) // divisor) * divisor for s in shape[:3])
+
+
+@dataclass
+class InferenceProfile:
+    """``bigmem profile --inference``'s result: the estimate, and the measured peak when asked for."""
+
+    estimate: InferenceEstimate
+    measurement: InferenceMeasurement | None
+
+    @property
+    def error_pct(self) -> float | None:
+        """(predicted - measured) / measured in percent; None without a measurement."""
+        if self.measurement is None:
+            return None
+        measured = self.measurement.peak_bytes
+        return 100.0 * (self.estimate.predicted_peak_bytes - measured) / measured
+
+    def to_dict(self) -> dict:
+        """``bigmem profile --json``'s fields (``kind`` "inference"), ``measured_seconds`` with a measurement."""
+        data = self.estimate.to_dict()
+        data["measured_peak_bytes"] = self.measurement.peak_bytes if self.measurement else None
+        data["error_pct"] = None if self.error_pct is None else round(self.error_pct, 2)
+        if self.measurement:
+            data["measured_seconds"] = self.measurement.seconds
+        return data
+
+
+def profile_inference(config: ExperimentConfig, shape: Sequence[int], counts_for, *,
+                      do_measure: bool = False) -> InferenceProfile:
+    """Predict (and optionally measure) segmenting one whole case of ``shape`` by ``bigmem predict``'s path.
+
+    Args:
+        config: the network and its precision (``train.precision``) and placement (``numa``, for
+            the measurement).
+        shape: the case's ``(D, H, W)``; padded to a multiple of ``2**depth`` as predict pads it.
+        counts_for: ``memory.profile.counts_function(config)``.
+        do_measure: also segment a random volume of ``shape`` in a child process
+            (``measure.measure_inference``) and read its peak.
+
+    Returns:
+        The ``InferenceProfile``.
+
+    Raises:
+        BigmemError: the measuring child failed.
+
+    Example:
+        >>> profile_inference(config, (240, 240, 155), counts_function(config)).estimate.spatial_shape
+        (240, 240, 160)
+    """
+    padded = padded_shape(shape, config.model.divisor)
+    predicted = estimate_inference(config, counts_for(padded), padded, source_shape=tuple(shape))
+    measured = measure_inference(config, shape) if do_measure else None
+    return InferenceProfile(predicted, measured)
+
+
+__all__ = ["INFERENCE_DEFAULTS", "InferenceEstimate", "InferenceProfile", "estimate_inference", "forward_live_bytes",
+           "inference_calibration", "padded_shape", "profile_inference"]

@@ -470,6 +470,20 @@ class EncoderStage(_Block):
             held = channels * _voxels(spatial_shape)
         return max(phases)
 
+    def largest_tensor_elements(self, spatial_shape: Shape3D) -> int:
+        """Elements of the largest tensor the stage reads or creates for one sample: its input or its output.
+
+        Past the kernel limit the stage's ops that touch it run in depth slabs (nets/slabs.py).
+
+        Args:
+            spatial_shape: the input's ``(D, H, W)`` in voxels.
+
+        Returns:
+            Elements.
+        """
+        return max(self.in_filters * _voxels(spatial_shape),
+                   self.filters * _voxels(self.output_spatial_shape(spatial_shape)))
+
     def forward_macs(self, spatial_shape: Shape3D) -> int:
         """Multiply-adds of the stage's convolutions (pooling, norms and activations are not MACs)."""
         total, channels = 0, self.in_filters
@@ -582,6 +596,23 @@ class DecoderStage(_Block):
             phases.append(held + block.inference_live_elements(out_shape, channels))
             held, channels = out, self.filters
         return max(phases)
+
+    def largest_tensor_elements(self, spatial_shape: Shape3D) -> int:
+        """Elements of the largest tensor the stage reads or creates for one sample.
+
+        The input from below, or a tensor at the output's size: the skip and the upsampled
+        tensor, or their concatenation where the stage joins them (two-input blocks never form it).
+        Past the kernel limit the stage's ops that touch it run in depth slabs (nets/slabs.py).
+
+        Args:
+            spatial_shape: the (smaller) shape of the input from the level below.
+
+        Returns:
+            Elements.
+        """
+        joined = 2 if self.concat is not None else 1
+        return max(self.in_filters * _voxels(spatial_shape),
+                   joined * self.filters * _voxels(self.output_spatial_shape(spatial_shape)))
 
     def forward_macs(self, spatial_shape: Shape3D) -> int:
         """``spatial_shape`` is the input's; a 2x2x2 stride-2 transposed conv does in x out MACs per output voxel."""
