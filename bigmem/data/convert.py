@@ -18,7 +18,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from bigmem.data.nifti import LoadedCase, SourceDataset, load_case, sha256
+from bigmem.data.nifti import LoadedCase, SourceDataset, check_header_size, load_case, sha256
 from bigmem.data.store import HDF5VolumeStore, StoreWriter, WriteThrottle
 from bigmem.errors import DataError, InsufficientMemoryError, UsageError
 from bigmem.rundir import atomic_write_json
@@ -212,36 +212,49 @@ def check_append(dataset: SourceDataset, out: Path, num_channels: int, num_class
 
 
 def preflight(dataset: SourceDataset, *, shape: Sequence[int] | None, spacing: Sequence[float] | None,
-              num_channels: int) -> None:
+              num_channels: int, skip_bad: bool = False) -> None:
     """Refuse, before any case is read, a conversion whose largest case cannot fit in available memory.
 
-    With ``spacing``, each case's resampled size comes from its header (shape x voxel size /
-    spacing; unreadable headers are left to the case's own checks); ``shape`` fixes the written
-    size. Per voxel a case holds ``CASE_BYTES_PER_CHANNEL_VOXEL`` bytes per channel and
+    Reads every case's headers (not its voxels): a file whose header claims more voxels than the
+    machine could hold is refused here as it would be when loaded (``nifti.check_header_size``;
+    left to the case's own checks with ``skip_bad``, as are unreadable headers). With
+    ``spacing``, a case's resampled size is shape x voxel size / spacing; ``shape`` fixes the
+    written size. Per voxel a case holds ``CASE_BYTES_PER_CHANNEL_VOXEL`` bytes per channel and
     ``CASE_BYTES_PER_LABEL_VOXEL`` for its label.
 
     Raises:
-        InsufficientMemoryError: (exit 3) the largest case needs more than MemAvailable.
+        DataError: a header claims more than the available memory (without ``skip_bad``).
+        InsufficientMemoryError: (exit 3) the largest case at ``spacing``/``shape`` needs more
+            than MemAvailable.
     """
+    import nibabel as nib
     import psutil
 
     per_voxel = CASE_BYTES_PER_CHANNEL_VOXEL * num_channels + CASE_BYTES_PER_LABEL_VOXEL
     fitted = int(np.prod(shape, dtype=object)) if shape is not None else 0
     largest, what = fitted * per_voxel, (f"a case cropped/padded to {'x'.join(map(str, shape))}" if shape else "")
-    if spacing is not None:
-        import nibabel as nib
-
-        target = float(np.prod(np.asarray(spacing, np.float64)))
-        for case in dataset.cases:
-            try:
-                header = nib.load(str(case.image)).header
-                voxels = float(np.prod(header.get_data_shape()[:3], dtype=np.float64))
-                extent = float(np.prod(np.asarray(header.get_zooms()[:3], np.float64)))
-            except Exception:  # noqa: BLE001  (reported, with the case, when the case is loaded)
+    target = float(np.prod(np.asarray(spacing, np.float64))) if spacing is not None else None
+    for case in dataset.cases:
+        try:
+            images = [(nib.load(str(path)), what_file, path) for what_file, path in
+                      (("image", case.image), ("label", case.label))]
+        except Exception:  # noqa: BLE001  (reported, with the case, when the case is loaded)
+            continue
+        try:
+            for img, what_file, path in images:
+                check_header_size(img, case.case_id, what_file, path)
+        except DataError:
+            if skip_bad:
                 continue
-            needed = int(voxels * extent / target) * per_voxel + fitted * per_voxel
-            if needed > largest:
-                largest, what = needed, f"case {case.case_id!r} at --spacing {','.join(f'{s:g}' for s in spacing)}"
+            raise
+        if target is None:
+            continue
+        header = images[0][0].header
+        voxels = float(np.prod(header.get_data_shape()[:3], dtype=np.float64))
+        extent = float(np.prod(np.asarray(header.get_zooms()[:3], np.float64)))
+        needed = int(voxels * extent / target) * per_voxel + fitted * per_voxel
+        if needed > largest:
+            largest, what = needed, f"case {case.case_id!r} at --spacing {','.join(f'{s:g}' for s in spacing)}"
     available = int(psutil.virtual_memory().available)
     if largest > available:
         raise InsufficientMemoryError(
@@ -318,7 +331,7 @@ def convert(dataset: SourceDataset, out: str | Path, *, force: bool = False, app
         check_append(dataset, out, num_channels, label_values)
         if report.manifest.exists():
             old_entries = json.loads(report.manifest.read_text()).get("cases", {})
-    preflight(dataset, shape=shape, spacing=spacing, num_channels=num_channels or 1)
+    preflight(dataset, shape=shape, spacing=spacing, num_channels=num_channels or 1, skip_bad=skip_bad)
     state = _Conversion(report, skip_bad=skip_bad, warn=warn, existing=existing, num_channels=num_channels,
                         label_values=label_values, shape=shape, spacing=spacing)
     if append:

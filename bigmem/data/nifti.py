@@ -270,7 +270,7 @@ def _load(path: Path, case_id: str, what: str):
     except Exception as exc:  # nibabel raises many types for a truncated or corrupt file
         raise DataError(f"Case {case_id!r}: cannot read {what} {str(path)!r} ({type(exc).__name__}: {exc}); the file "
                         "may be truncated or not NIfTI.") from None
-    _check_header_size(img, case_id, what, path)
+    check_header_size(img, case_id, what, path)
     try:
         canonical = nib.as_closest_canonical(img)
         data = np.asanyarray(canonical.dataobj)
@@ -283,8 +283,12 @@ def _load(path: Path, case_id: str, what: str):
     return img, canonical, data
 
 
-def _check_header_size(img, case_id: str, what: str, path: Path) -> None:
-    """Refuse a file whose header claims more voxels than this machine could hold, before reading them."""
+def check_header_size(img, case_id: str, what: str, path: Path) -> None:
+    """Raise ``DataError`` when ``img``'s header claims more voxels than this machine could hold.
+
+    Called before the voxels are read (a corrupt header claiming 30000^3 would otherwise end in
+    a MemoryError). ``img`` is a ``nibabel`` image as ``nib.load`` returns it (header only).
+    """
     import psutil
 
     from bigmem.units import format_bytes
