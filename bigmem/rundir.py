@@ -6,7 +6,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
@@ -38,17 +38,50 @@ def atomic_write_json(path: str | os.PathLike, data: Any) -> Path:
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """The complete JSON lines of ``path`` (a torn last line, from a kill, is skipped)."""
-    rows = []
+    """The JSON-object lines of ``path`` (a torn last line, from a kill, and lines that are not
+    UTF-8 JSON objects are skipped; ``read_jsonl_checked`` says which); [] when it does not exist."""
+    return read_jsonl_checked(path)[0]
+
+
+def read_jsonl_checked(path: str | os.PathLike,
+                       keep: Callable[[dict[str, Any]], bool] | None = None) -> tuple[list[dict[str, Any]], list[int]]:
+    """The JSON-object lines of ``path``, and the numbers (1-based) of the lines that are not.
+
+    A line that is not UTF-8, not JSON, not an object, or an object ``keep`` refuses, is left
+    out and its number returned; a last line without its newline that does not parse (a run
+    killed mid-write, or writing now) is left out silently. Blank lines are ignored.
+
+    Args:
+        path: a JSON-lines file (metrics.jsonl).
+        keep: which objects are rows (default: every object).
+
+    Returns:
+        (rows, other line numbers); ([], []) when ``path`` does not exist.
+
+    Example:
+        >>> rows, bad = read_jsonl_checked("runs/small-1/metrics.jsonl")
+        >>> bad  # [] for a file bigmem wrote
+        []
+    """
     path = Path(path)
     if not path.exists():
-        return rows
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
+        return [], []
+    lines = path.read_bytes().split(b"\n")
+    torn = len(lines) if lines[-1].strip() else None  # no newline after the last line: being written
+    # (a torn line that happens to parse, such as a number cut short, is still not an object)
+    rows, bad = [], []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
             continue
-    return rows
+        try:
+            row = json.loads(line.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError):
+            row = None
+        if isinstance(row, dict) and (keep is None or keep(row)):
+            rows.append(row)
+        elif number != torn:
+            bad.append(number)
+    return rows, bad
 
 
 class RunDir:

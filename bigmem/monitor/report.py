@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bigmem.errors import DataError
-from bigmem.rundir import RunDir, atomic_write_json, atomic_write_text
+from bigmem.rundir import RunDir, atomic_write_json, atomic_write_text, read_jsonl_checked
 from bigmem.units import format_bytes
 
 MIB = 2**20
@@ -71,33 +71,17 @@ def _step_row(row) -> bool:
 def read_metrics(path: Path) -> tuple[list[dict], list[int]]:
     """metrics.jsonl's step rows, and the numbers of the lines that are not step rows.
 
-    A line that is not UTF-8, not JSON, not an object or lacks one of ``METRIC_FIELDS`` is left
-    out and its number returned; a torn last line (a running or killed run) is left out silently.
+    Read by ``rundir.read_jsonl_checked``: a line that is not UTF-8, not JSON, not an object or
+    lacks one of ``METRIC_FIELDS`` is left out and its number returned; a torn last line (a
+    running or killed run) is left out silently.
 
     Returns:
         (rows, bad line numbers, 1-based); ([], []) when the file does not exist.
     """
-    rows: list[dict] = []
-    bad: list[int] = []
-    if not path.exists():
-        return rows, bad
     try:
-        lines = path.read_bytes().split(b"\n")
+        return read_jsonl_checked(path, keep=_step_row)
     except OSError as exc:
         raise DataError(f"Cannot read {str(path)!r}: {exc.strerror or exc}.") from None
-    torn = len(lines) - 1 if lines[-1].strip() else None  # no newline after the last line: being written
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError):
-            row = None
-        if _step_row(row):
-            rows.append(row)
-        elif number - 1 != torn:
-            bad.append(number)
-    return rows, bad
 
 
 def read_monitor(path: Path) -> dict[str, list[float]]:
