@@ -77,7 +77,7 @@ class HDF5VolumeStore:
         self._layout: dict[str, tuple | None] = {}  # case -> contiguous (offset, shape, dtype) x 2, or None
         self._pid = -1
         handle = self._handle()
-        self.num_classes = int(handle.attrs["num_classes"])
+        self.num_classes = self._num_classes(handle)
         self.channel_names = [str(n) for n in handle.attrs.get("channel_names", [])]
         self.label_names = [str(n) for n in handle.attrs.get("label_names", [])]
         self.cases = self._check_layout(handle)
@@ -132,14 +132,31 @@ class HDF5VolumeStore:
         if self.cold_cache and hasattr(os, "posix_fadvise"):
             os.posix_fadvise(self._raw_fd(), 0, 0, os.POSIX_FADV_DONTNEED)
 
+    def _num_classes(self, handle: h5py.File) -> int:
+        value = handle.attrs["num_classes"]
+        try:
+            num_classes = int(value)
+        except (TypeError, ValueError):
+            num_classes = None
+        if num_classes is None or not 2 <= num_classes <= 256:
+            shown = value.item() if isinstance(value, np.generic) else value
+            raise DataError(f"Cannot open store {str(self.path)!r}: its num_classes (root attribute) is {shown!r}; "
+                            "expected 2..256 (background + at least one class). The store is damaged or was not "
+                            "written by bigmem: write it again with 'bigmem convert' or 'bigmem synth'.")
+        return num_classes
+
     def _open(self) -> h5py.File:
         if not self.path.exists():
             raise DataError(f"Cannot open store {str(self.path)!r}: no such file. Create one with "
                             "'bigmem synth' or 'bigmem convert'.")
+        if self.path.is_dir():
+            raise DataError(f"Cannot open store {str(self.path)!r}: it is a directory; expected a store file "
+                            "(.h5) written by 'bigmem synth' or 'bigmem convert'.")
         try:
             handle = h5py.File(self.path, "r")
-        except OSError as exc:
-            raise DataError(f"Cannot open store {str(self.path)!r}: not a readable HDF5 file ({exc}).") from None
+        except OSError as exc:  # HDF5's text spans lines: its first says what failed
+            reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise DataError(f"Cannot open store {str(self.path)!r}: not a readable HDF5 file ({reason}).") from None
         version = handle.attrs.get("bigmem_store_version")
         if version is None or "num_classes" not in handle.attrs:
             handle.close()
