@@ -6,7 +6,9 @@ import argparse
 import json
 from pathlib import Path
 
-from bigmem.cli.common import add_budget_flag, add_model_flags, budget_arguments, model_overrides
+from bigmem.cli.common import (
+    add_budget_flag, add_model_flags, budget_arguments, check_output_file, check_positive, model_overrides,
+)
 
 HELP = "find the largest volume and batch that fit a memory budget"
 
@@ -21,6 +23,11 @@ code 3 when nothing fits.
 
 The budget: --memory-budget (or --budget) if given; else what the --numa placement can use;
 else MemAvailable. A budget above what a bind or interleave placement can use is capped to it.
+
+--inference plans segmenting one whole volume instead (bigmem predict: batch 1, no gradients, no
+optimizer): the largest cube, a multiple of 2^depth, whose predicted inference peak fits, in the
+model's precision (the preset's, or --precision fp32/bf16); with --volume, whether that one fits
+(exit code 3 with the largest that does when not).
 """
 
 
@@ -38,30 +45,24 @@ def register(subparsers, parents) -> None:
     parser.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto", dest="plan_precision",
                         help="auto: fp32, and bf16 where the CPU has it natively; fp32: fp32 only; bf16: try bf16 "
                              "even where it is emulated (~20x slower) (default: auto)")
+    parser.add_argument("--inference", action="store_true",
+                        help="the largest whole volume one prediction can segment (bigmem predict), not training")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.set_defaults(run=run)
 
 
 def run(args) -> int:
-    from bigmem.tfenv import import_tensorflow
-
-    import_tensorflow(verbose=getattr(args, "verbose", False))  # quietly, before anything imports Keras
-    from rich.console import Console
-    from rich.table import Table
-
+    # Every flag is checked before TensorFlow is imported (seconds) or anything is computed.
     from bigmem.config.presets import resolve_config
-    from bigmem.memory.preflight import require_fit, resolve_budget, search_plan
-    from bigmem.memory.profile import counts_function
-    from bigmem.nets.limits import max_kernel_elements
-    from bigmem.sysinfo import native_bf16
-    from bigmem.train.job import EMULATED_BF16_WARNING
-    from bigmem.rundir import atomic_write_json
-    from bigmem.units import format_bytes
+    from bigmem.memory.preflight import resolve_budget
 
+    check_positive("--volume", args.volume)
+    check_positive("--batch-size", args.batch_size)
+    explicit, flag = budget_arguments(args)
+    out = check_output_file(args.out, "--out")
     overrides = model_overrides(args)
     fixed_batch = overrides["train"].get("batch_size")
     config = resolve_config(args.model or "small", overrides)
-    explicit, flag = budget_arguments(args)
     placement = topology = None
     if args.numa:
         import os
@@ -72,12 +73,28 @@ def run(args) -> int:
         topology = NUMATopology.from_sysfs()
         placement = resolve_placement(args.numa, None, None, topology, set(os.sched_getaffinity(0)))
     budget = resolve_budget(explicit, flag=flag, placement=placement, topology=topology)
+
+    from bigmem.tfenv import import_tensorflow
+
+    import_tensorflow(verbose=getattr(args, "verbose", False))  # quietly, before anything imports Keras
+    from rich.console import Console
+    from rich.table import Table
+
+    from bigmem.memory.preflight import search_plan
+    from bigmem.memory.profile import counts_function
+    from bigmem.nets.limits import max_kernel_elements
+    from bigmem.sysinfo import native_bf16
+    from bigmem.train.job import EMULATED_BF16_WARNING
+    from bigmem.units import format_bytes
+
     counts_for = counts_function(config)
+    if getattr(args, "inference", False):
+        return _inference(args, config, counts_for, budget, fixed_batch)
     allow_bf16 = {"auto": None, "fp32": False, "bf16": True}[args.plan_precision]
     if budget.note:  # on stderr: stdout may be --json
         Console(soft_wrap=True, stderr=True).print(budget.note, style="yellow")
     plan = search_plan(config, counts_for, budget, volume=args.volume, batch_size=fixed_batch, allow_bf16=allow_bf16)
-    atomic_write_json(Path(args.out), plan.to_dict())
+    kept = write_plan(out, plan)
     if args.json:
         print(json.dumps(plan.to_dict(), indent=2))
     else:
@@ -110,5 +127,86 @@ def run(args) -> int:
                 console.print(f"depth slabs: {', '.join(chosen.partitioned_stages)} hold tensors past "
                               f"{max_kernel_elements():,} elements (the limit bigmem keeps TF's CPU kernels under) and "
                               "run in depth slabs")
-    require_fit(plan)
+    require_plan(plan, out, kept)
+    return 0
+
+
+def write_plan(path: Path, plan) -> bool:
+    """Write ``plan`` to ``path`` unless nothing fits and ``path`` already exists; True when it was kept.
+
+    A plan in which nothing fits (exit 3) never replaces an existing file: the plan there was
+    made for another budget or model and is still the one to use (issue 18).
+    """
+    from bigmem.rundir import atomic_write_json
+
+    if not plan.fits and path.exists():
+        return True
+    atomic_write_json(path, plan.to_dict())
+    return False
+
+
+def require_plan(plan, path: Path, kept: bool, check=None) -> None:
+    """``require_fit(plan)`` (or ``check()``), saying in its message whether ``path`` was left as it was."""
+    from bigmem.errors import InsufficientMemoryError
+    from bigmem.memory.preflight import require_fit
+
+    try:
+        check() if check is not None else require_fit(plan)
+    except InsufficientMemoryError as exc:
+        where = (f"The plan already in {path} was kept (a failed plan replaces no file)." if kept
+                 else f"Every candidate is in {path}.")
+        raise InsufficientMemoryError(f"{exc} {where}", exc.required_bytes, exc.available_bytes) from None
+
+
+def _inference(args, config, counts_for, budget, fixed_batch) -> int:
+    """``--inference``: the largest whole volume a prediction can segment (or whether ``--volume`` fits)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from bigmem.errors import UsageError
+    from bigmem.memory.preflight import inference_plan, search_inference_plan
+    from bigmem.nets.limits import max_kernel_elements
+    from bigmem.units import format_bytes
+
+    if fixed_batch is not None:
+        raise UsageError("--inference segments one volume at a time: --batch-size does not apply.")
+    if args.plan_precision != "auto":  # auto: the model's own precision (the preset's, as predict loads a run)
+        config = config.updated({"train": {"precision": args.plan_precision}})
+    if budget.note:
+        Console(soft_wrap=True, stderr=True).print(budget.note, style="yellow")
+    if args.volume is not None:
+        plan = inference_plan(config, counts_for, budget, (args.volume,) * 3, check=False)
+    else:
+        plan = search_inference_plan(config, counts_for, budget)
+    out = Path(args.out)
+    kept = write_plan(out, plan)
+    if args.json:
+        print(json.dumps(plan.to_dict(), indent=2))
+    else:
+        console = Console(soft_wrap=True)
+        table = Table(title=f"{config.model.name} inference ({config.train.precision.value}, one whole volume) within "
+                            f"{format_bytes(budget.budget_bytes)} ({budget.source})")
+        for column in ("volume", "predicted peak", "fits"):
+            table.add_column(column, justify="right")
+        for c in sorted(plan.candidates, key=lambda c: c.volume):
+            mark = " *" if c is plan.chosen else ""
+            table.add_row(f"{c.volume}^3{mark}", format_bytes(c.predicted_peak_bytes), "yes" if c.fits else "no")
+        console.print(table)
+        if plan.chosen is not None:
+            chosen = plan.chosen
+            what = (f"{chosen.volume}^3 {'fits' if plan.fits else 'does not fit'}" if args.volume is not None
+                    else f"largest whole volume: {chosen.volume}^3")
+            console.print(f"{what} (est. {format_bytes(chosen.predicted_peak_bytes)}); {len(plan.candidates)} "
+                          f"candidates in {args.out}")
+            console.print(f"calibration: {plan.calibration['source']}", style="dim")
+            breakdown = ", ".join(f"{name} {format_bytes(size)}" for name, size in
+                                  sorted(chosen.components.items(), key=lambda item: -item[1]) if size)
+            console.print(f"breakdown: {breakdown}")
+            if chosen.partitioned_stages:
+                console.print(f"depth slabs: {', '.join(chosen.partitioned_stages)} hold tensors past "
+                              f"{max_kernel_elements():,} elements (the limit bigmem keeps TF's CPU kernels under) and "
+                              "run in depth slabs")
+    if args.volume is not None:  # exit 3, naming what fits, unless it fits
+        require_plan(plan, out, kept, lambda: inference_plan(config, counts_for, budget, (args.volume,) * 3))
+    require_plan(plan, out, kept)
     return 0

@@ -7,8 +7,8 @@ import json
 import os
 
 from bigmem.cli.common import (
-    add_budget_flag, add_memory_flags, add_model_flags, add_numa_flags, budget_arguments, model_overrides,
-    numa_overrides, parse_shape,
+    add_budget_flag, add_memory_flags, add_model_flags, add_numa_flags, budget_arguments, check_positive,
+    model_overrides, numa_overrides, parse_shape,
 )
 from bigmem.errors import UsageError
 
@@ -24,6 +24,12 @@ shipped defaults for this CPU's ISA class are used, or, where there are none, an
 plus a stated safety margin (the breakdown shows it as its own component).
 
 Measurements use synthetic volumes of the same shape (voxel values do not change the footprint).
+
+--inference profiles segmenting one whole volume instead (bigmem predict's whole-volume path:
+batch 1, no gradients, no optimizer): the weights, the input's copies, the forward pass's live
+tensors, the probabilities and the source mapping's arrays; --volume or --shape need not be a
+multiple of 2^depth (predict pads them). --measure then segments a random volume of that shape in
+a child process.
 """
 
 
@@ -42,6 +48,8 @@ def register(subparsers, parents) -> None:
     measure.add_argument("--calibrate", nargs="?", const="32,64,96", metavar="N,N,...",
                          help="fit this machine's calibration from measured volumes (default 32,64,96)")
     add_numa_flags(parser)
+    parser.add_argument("--inference", action="store_true",
+                        help="the footprint of segmenting one whole volume (bigmem predict), not of a training step")
     parser.add_argument("--json", action="store_true", help="print JSON")
     parser.set_defaults(run=run)
 
@@ -57,42 +65,61 @@ def _volumes(text: str, flag: str) -> list[int]:
 
 
 def run(args) -> int:
-    from bigmem.tfenv import import_tensorflow
-
-    import_tensorflow(verbose=getattr(args, "verbose", False))  # quietly, before anything imports Keras
-    from rich.console import Console
-
+    # Every flag is checked before TensorFlow is imported (seconds) or anything is computed.
     from bigmem.config.presets import resolve_config
-    from bigmem.memory import profile as api
-    from bigmem.nets.unet3d import UNet3D
+    from bigmem.config.schema import check_multiple
 
+    inference = getattr(args, "inference", False)
     if args.shape and args.volume:
         raise UsageError("Give either --volume or --shape, not both.")
-    if args.shape and (args.measure or args.sweep or args.calibrate):
+    if inference and (args.sweep or args.calibrate or args.recompute or args.batch_size):
+        raise UsageError("--inference profiles one whole-volume prediction (batch 1, nothing recomputed): "
+                         "--sweep, --calibrate, --recompute and --batch-size do not apply.")
+    if args.shape and not inference and (args.measure or args.sweep or args.calibrate):
         raise UsageError("--measure, --sweep and --calibrate need a cubic --volume (the measured run trains on cubes).")
     if args.steps < 1:
         raise UsageError(f"Invalid --steps {args.steps}: expected a positive integer.")
     if args.recompute == "auto" and (args.sweep or args.calibrate):
         raise UsageError("--recompute auto chooses stages per size and budget; --sweep and --calibrate take "
                          "--recompute none or stages.")
+    check_positive("--volume", args.volume)
+    check_positive("--batch-size", args.batch_size)
+    budget_arguments(args)  # a size it cannot read is a usage error now, not after TensorFlow starts
     config = resolve_config(args.model or "small", {**model_overrides(args), "numa": numa_overrides(args)})
+    shape = parse_shape(args.shape) if args.shape else (config.data.volume,) * 3
+    if not inference:  # predict pads any shape; a training step takes multiples of 2^depth
+        for size in shape:
+            check_multiple("--shape" if args.shape else "data.volume", size, config.model)
+    volumes = []
+    if args.calibrate or args.sweep:
+        volumes = _volumes(args.calibrate or args.sweep, "--calibrate" if args.calibrate else "--sweep")
+        for v in volumes:
+            check_multiple("data.volume" if args.calibrate else "--sweep", v, config.model)
     from bigmem.numa.policy import resolve_placement  # validate here; the measuring child applies it
     from bigmem.numa.topology import NUMATopology
 
     topology = NUMATopology.from_sysfs()
     placement = resolve_placement(config.numa.policy, config.numa.cpus, config.numa.threads, topology,
                                   set(os.sched_getaffinity(0)))
-    shape = parse_shape(args.shape) if args.shape else (config.data.volume,) * 3
+
+    from bigmem.tfenv import import_tensorflow
+
+    import_tensorflow(verbose=getattr(args, "verbose", False))  # quietly, before anything imports Keras
+    from rich.console import Console
+
+    from bigmem.memory import profile as api
+
     counts_for = api.counts_function(config)
-    UNet3D(config.model).check_spatial_shape(shape, field="--shape" if args.shape else "data.volume")
+    if inference:
+        return _inference(args, config, shape, counts_for)
     console = Console(soft_wrap=True)
     status = Console(soft_wrap=True, stderr=True)  # progress goes to stderr: stdout may be --json
     show = _Printer(console, config)
+    if volumes:  # the measured runs train for real: refuse one that cannot fit first
+        _preflight(config, counts_for, max(volumes), None, budget_arguments(args), placement, topology,
+                   "--calibrate" if args.calibrate else "--sweep")
 
     if args.calibrate:
-        volumes = _volumes(args.calibrate, "--calibrate")
-        for v in volumes:
-            UNet3D(config.model).check_spatial_shape((v,) * 3, field="data.volume")
         calibration, points = api.calibrate(config, volumes, counts_for, steps=args.steps,
                                             progress=lambda v: status.print(f"measuring {v}^3 ...", style="dim"))
         if args.json:
@@ -101,9 +128,6 @@ def run(args) -> int:
             show.calibration(calibration, points)
         return 0
     if args.sweep:
-        volumes = _volumes(args.sweep, "--sweep")
-        for v in volumes:
-            UNet3D(config.model).check_spatial_shape((v,) * 3, field="--sweep")
         results, law = api.sweep(config, volumes, counts_for, steps=args.steps,
                                  progress=lambda v: status.print(f"measuring {v}^3 ...", style="dim"))
         if args.json:
@@ -112,6 +136,8 @@ def run(args) -> int:
             show.sweep(results, law)
         return 0
     stages = _stages(args, config, counts_for, placement, topology, shape, status)
+    if args.measure:
+        _preflight(config, counts_for, shape[0], stages, budget_arguments(args), placement, topology, "--measure")
     result = api.profile(config, shape, counts_for, do_measure=args.measure, steps=args.steps,
                          recompute_stages=stages)
     if args.json:
@@ -119,6 +145,48 @@ def run(args) -> int:
     else:
         show.breakdown(result)
     return 0
+
+
+def _inference(args, config, shape, counts_for) -> int:
+    """``--inference``: the whole-volume prediction's breakdown (and its measured peak)."""
+    from rich.console import Console
+
+    from bigmem.memory.inference import profile_inference
+
+    if args.measure:
+        Console(soft_wrap=True, stderr=True).print(f"measuring inference at {'x'.join(map(str, shape))} ...",
+                                                   style="dim")
+    result = profile_inference(config, shape, counts_for, do_measure=args.measure)
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        _Printer(Console(soft_wrap=True), config).inference(result)
+    return 0
+
+
+def _preflight(config, counts_for, volume, stages, budget_flag, placement, topology, what) -> None:
+    """Refuse (exit 3) measuring a ``volume``^3 whose predicted training peak exceeds the memory budget.
+
+    The measured run trains real steps in a child process; without this, ``--measure`` at 1024^3
+    started synthesising its store and training until it ran out of memory (issue 18).
+    """
+    from bigmem.errors import InsufficientMemoryError
+    from bigmem.memory import profile as api
+    from bigmem.memory.preflight import resolve_budget
+    from bigmem.units import format_bytes
+
+    explicit, flag = budget_flag
+    budget = resolve_budget(explicit, flag=flag, placement=placement, topology=topology)
+    sized = config.updated({"data": {"volume": volume}})
+    estimate = api.profile(sized, (volume,) * 3, counts_for, recompute_stages=stages).estimate
+    peak = estimate.predicted_peak_bytes
+    if peak > budget.budget_bytes:
+        raise InsufficientMemoryError(
+            f"{what} would train {config.model.name} at {volume}^3 x batch {estimate.batch_size} "
+            f"({estimate.precision}): predicted peak {format_bytes(peak)} exceeds the memory budget "
+            f"{format_bytes(budget.budget_bytes)} ({budget.source}). Drop {what} for the estimate alone, or "
+            f"{'measure a smaller --volume' if what == '--measure' else f'give {what} smaller sizes'}.",
+            peak, budget.budget_bytes)
 
 
 def _stages(args, config, counts_for, placement, topology, shape, status) -> list[str]:
@@ -173,6 +241,34 @@ class _Printer:
             self.console.print(f"measured peak (VmHWM): {format_bytes(m.peak_bytes)}; predicted "
                                f"{format_bytes(total)}; error {result.error_pct:+.1f}%  ({nodes}; "
                                f"{m.step_s:.2f} s/step)")
+
+    def inference(self, result) -> None:
+        from rich.table import Table
+
+        from bigmem.units import format_bytes
+
+        est = result.estimate
+        shape = "x".join(map(str, est.spatial_shape))
+        source = "x".join(map(str, est.source_shape))
+        padded = "" if est.source_shape == est.spatial_shape else f" (padded from {source})"
+        table = Table(title=f"{self.config.model.name}: segmenting one whole {shape} volume{padded}, inference, "
+                            f"{est.precision}, {est.param_count:,} parameters")
+        table.add_column("component")
+        table.add_column("bytes", justify="right")
+        table.add_column("share", justify="right")
+        total = est.predicted_peak_bytes
+        for name, value in sorted(est.components.items(), key=lambda kv: -kv[1]):
+            table.add_row(name, format_bytes(value), f"{100 * value / total:.1f}%")
+        table.add_row("[bold]predicted peak", f"[bold]{format_bytes(total)}", "100.0%")
+        self.console.print(table)
+        self.console.print(f"{est.forward_flops / 1e9:,.1f} GFLOP per forward pass; calibration: "
+                           f"{est.calibration.source}", style="dim")
+        for note in est.notes:
+            self.console.print(f"note: {note}", style="dim")
+        if result.measurement is not None:
+            m = result.measurement
+            self.console.print(f"measured peak (VmHWM): {format_bytes(m.peak_bytes)}; predicted {format_bytes(total)}; "
+                               f"error {result.error_pct:+.1f}%  ({m.seconds:.1f} s)")
 
     def sweep(self, results, law) -> None:
         from rich.table import Table
