@@ -5,7 +5,9 @@ optionally centre-cropped/padded to a fixed shape, and written with what a later
 needs to map back to the source grid (``source_affine``, ``source_shape``, ``crop_pad``).
 Per-channel intensity statistics (mean, std, 0.5 and 99.5 percentiles) are stored per case.
 The store is written under a temporary name and renamed; the manifest
-(``STORE.manifest.json``) is written the same way, after the store.
+(``STORE.manifest.json``) is written the same way, after the store. A conversion whose
+(uncompressed) store cannot fit in the free space is refused before it starts; a disk that fills
+during it raises ``DiskFullError`` and leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -14,14 +16,14 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
-from bigmem.data.nifti import LoadedCase, SourceDataset, check_header_size, load_case, sha256
+from bigmem.data.nifti import LoadedCase, SourceCase, SourceDataset, check_header_size, load_case, sha256
 from bigmem.data.store import HDF5VolumeStore, StoreWriter, WriteThrottle
 from bigmem.errors import DataError, InsufficientMemoryError, UsageError
-from bigmem.rundir import atomic_write_json
+from bigmem.rundir import atomic_output, require_free_space
 from bigmem.units import format_bytes
 
 PERCENTILES = (0.5, 99.5)  # nnU-Net's CT clipping percentiles
@@ -263,6 +265,58 @@ def preflight(dataset: SourceDataset, *, shape: Sequence[int] | None, spacing: S
             f"{'coarser --spacing' if 'spacing' in what else 'smaller --volume or --shape'}.", largest, available)
 
 
+# A case's bytes beyond its voxels: HDF5's object headers, attributes (affines, intensity
+# statistics) and chunk index, and its manifest entry. Measured on tests/data/test_convert.py's
+# three ~35^3 cases: 5.0 KiB (contiguous) to 11.5 KiB (64^3 chunks) per case in the store, plus
+# 1.0 KiB in the manifest; rounded up. (The chunk index grows by tens of bytes per chunk.)
+STORE_BYTES_PER_CASE = 16 * 1024
+
+
+def estimate_store_bytes(cases: Iterable[SourceCase], *, shape: Sequence[int] | None = None,
+                         spacing: Sequence[float] | None = None) -> int:
+    """About the bytes ``cases`` take in an uncompressed store: images float32, labels uint8.
+
+    Read from the NIfTI headers only (no voxels): each case's voxels after resampling to
+    ``spacing`` and fitting to ``shape``, times 4 bytes per channel + 1 for the label, plus
+    ``STORE_BYTES_PER_CASE`` of metadata. A case whose header cannot be read counts 0 (its own
+    checks report it when it is loaded).
+
+    Args:
+        cases: the cases (a ``SourceDataset``'s ``cases``).
+        shape: ``(D, H, W)`` every case is fitted to (default None: its own).
+        spacing: the spacing ``(x, y, z)`` in mm the cases are resampled to (default None: their own).
+
+    Returns:
+        The estimate in bytes.
+
+    Example:
+        >>> estimate_store_bytes(read_msd("Task04_Hippocampus").cases, shape=(32, 48, 32))  # cases x 49152 x 5 B
+    """
+    import nibabel as nib
+
+    total = 0
+    for case in cases:
+        try:
+            header = nib.load(str(case.image)).header  # the header only
+            file_shape = header.get_data_shape()
+            channels = int(np.prod(file_shape[3:])) if len(file_shape) > 3 else 1
+            if shape is not None:
+                voxels = int(np.prod(shape))
+            elif spacing is not None:  # resample_zoom works on the canonical (RAS) axes
+                to_canonical = nib.io_orientation(header.get_best_affine())[:, 0].astype(int)
+                canonical_shape, canonical_spacing = np.zeros(3), np.zeros(3)
+                canonical_shape[to_canonical] = file_shape[:3]
+                canonical_spacing[to_canonical] = header.get_zooms()[:3]
+                zoom = resample_zoom(canonical_shape, canonical_spacing, spacing)
+                voxels = int(np.prod(np.round(zoom * canonical_shape)))
+            else:
+                voxels = int(np.prod(file_shape[:3]))
+        except Exception:  # noqa: BLE001  (reported, with the case, when the case is loaded)
+            continue
+        total += voxels * (4 * channels + 1) + STORE_BYTES_PER_CASE
+    return total
+
+
 def convert(dataset: SourceDataset, out: str | Path, *, force: bool = False, append: bool = False,
             skip_bad: bool = False, compression: str | None = None, chunk_edge: int | None = 64,
             shape: Sequence[int] | None = None, progress: Callable[[str], None] | None = None,
@@ -303,6 +357,8 @@ def convert(dataset: SourceDataset, out: str | Path, *, force: bool = False, app
             check (without ``skip_bad``); or no case could be converted.
         InsufficientMemoryError: a case at ``spacing``/``shape`` cannot fit in available memory
             (``preflight``).
+        DiskFullError: the store (uncompressed, as ``estimate_store_bytes`` expects it) cannot fit in
+            the free space, or the disk filled or failed while writing; nothing is left behind.
 
     Example:
         >>> report = convert(read_msd("Task01_BrainTumour"), "brats.h5", shape=(160, 192, 160))
@@ -338,9 +394,16 @@ def convert(dataset: SourceDataset, out: str | Path, *, force: bool = False, app
         state.channels_from, state.labels_from = f"the store {out.name!r} has", f"the store {out.name!r}'s classes"
     for message in dataset.problems:
         state.problem(message)
+    # The new store is written beside the old one (with --append, beside a copy of it): all of it must
+    # fit. Compressed, the estimate is only an upper bound: nothing is refused before trying then.
+    expected = estimate_store_bytes([c for c in dataset.cases if c.case_id not in existing], shape=shape,
+                                    spacing=spacing) + (out.stat().st_size if append else 0)
+    if compression is None:
+        require_free_space(out, expected)
     with StoreWriter(out, num_classes=max(label_values or 2, 2), channel_names=channel_names or ["image"],
                      label_names=label_names or None, compression=compression, chunk_edge=chunk_edge,
-                     append=append, throttle=WriteThrottle(max_write_rate, block_bytes)) as writer:
+                     append=append, throttle=WriteThrottle(max_write_rate, block_bytes),
+                     expected_bytes=expected if compression is None else None) as writer:
         for case in dataset.cases:
             state.add(case, writer)
             if progress:
@@ -357,10 +420,14 @@ def convert(dataset: SourceDataset, out: str | Path, *, force: bool = False, app
             writer.set_root_attr(CONVERT_OPTIONS_ATTR, json.dumps(
                 {"spacing": None if spacing is None else [float(s) for s in spacing],
                  "shape": None if shape is None else [int(s) for s in shape]}))
-        writer.commit()
-    with HDF5VolumeStore(out) as store:
-        manifest = {"store": out.name, "source": dataset.origin, "num_classes": store.num_classes,
-                    "channel_names": store.channel_names, "label_names": store.label_names,
+        manifest = {"store": out.name, "source": dataset.origin, "num_classes": int(writer.root_attr("num_classes")),
+                    "channel_names": [str(n) for n in writer.root_attr("channel_names")],
+                    "label_names": [str(n) for n in writer.root_attr("label_names")],
                     "cases": {**old_entries, **state.entries}}
-    atomic_write_json(report.manifest, manifest)
+        text = json.dumps(manifest, indent=2, default=str) + "\n"
+        # The manifest is written first and renamed last: a failure of either removes both temporaries,
+        # and leaves any existing store and manifest as they were.
+        with atomic_output(report.manifest, needed_bytes=writer.tmp_path.stat().st_size + len(text)) as tmp:
+            tmp.write_text(text)
+            writer.commit()
     return report

@@ -11,7 +11,7 @@ a store is opened in the process that reads it, and reopened if the process id c
 from __future__ import annotations
 
 import os
-import shutil
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -20,6 +20,7 @@ import h5py
 import numpy as np
 
 from bigmem.errors import DataError
+from bigmem.rundir import atomic_hdf5
 from bigmem.units import format_bytes
 
 STORE_VERSION = 1
@@ -391,7 +392,9 @@ class StoreWriter:
     """Writes a store under a temporary name and renames it into place on ``commit``.
 
     Used as a context manager: an exception (or a missing commit) removes the temporary file,
-    so a half-written store never stays behind.
+    so a half-written store never stays behind. The file is written through
+    ``bigmem.rundir.atomic_hdf5``: a full disk or failing device raises ``DiskFullError`` from
+    the call that hit it, after the temporary file is gone (never a crash in HDF5's close).
 
     Args:
         path: the store to write.
@@ -404,6 +407,11 @@ class StoreWriter:
             compressed).
         append: add cases to the existing store at ``path`` (worked on as a copy until commit).
         throttle: how writes are paced (default: unthrottled).
+        expected_bytes: the store's expected size, named if the disk fills (default None: unknown;
+            the message then names the bytes written before the failure).
+
+    Raises:
+        DiskFullError: (any method) the filesystem is full or failing; the writer is then closed.
 
     Example:
         >>> with StoreWriter("out.h5", num_classes=2, channel_names=["CT"]) as writer:
@@ -414,35 +422,62 @@ class StoreWriter:
     def __init__(self, path: str | os.PathLike, *, num_classes: int, channel_names: Sequence[str],
                  label_names: Sequence[str] | None = None, compression: str | None = None,
                  chunk_edge: int | None = DEFAULT_CHUNK_EDGE, append: bool = False,
-                 throttle: WriteThrottle | None = None):
+                 throttle: WriteThrottle | None = None, expected_bytes: int | None = None):
         self.path = Path(path)
-        self.tmp_path = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
         self.compression = compression
         self.chunk_edge = chunk_edge  # None: contiguous datasets (readable at their file offset)
         self.num_channels = len(channel_names)
         self.throttle = throttle or WriteThrottle()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        if append:  # work on a copy: the original stays intact until the rename
-            shutil.copyfile(self.path, self.tmp_path)
-            self._file = h5py.File(self.tmp_path, "r+")
-            self._cases = self._file.require_group("cases")
+        self.expected_bytes = expected_bytes
+        # append: work on a copy, the original stays intact until the rename
+        self._output = atomic_hdf5(self.path, needed_bytes=expected_bytes or 0, copy_of=self.path if append else None)
+        self._file = self._output.__enter__()
+        self.tmp_path = Path(self._file.filename)
+        with self._writing():
+            if append:
+                self._cases = self._file.require_group("cases")
+                return
+            self._file.attrs["bigmem_store_version"] = STORE_VERSION
+            self._file.attrs["num_classes"] = int(num_classes)
+            self._file.attrs["channel_names"] = [str(n) for n in channel_names]
+            self._file.attrs["label_names"] = [str(n) for n in (label_names or
+                                                                [f"class{i}" for i in range(num_classes)])]
+            self._cases = self._file.create_group("cases")
+
+    @contextmanager
+    def _writing(self) -> Iterator[None]:
+        """Run a write; on a failure close and remove the temporary file, then raise (DiskFullError if the disk)."""
+        if self._output is None:
+            raise DataError(f"The writer of {str(self.path)!r} is closed (committed, aborted or failed).")
+        try:
+            yield
+        except BaseException as exc:
+            self._close(exc)
+            raise
+
+    def _close(self, exc: BaseException | None) -> None:
+        """Leave ``atomic_hdf5``'s block: normally (commit) or with ``exc`` (abort; may raise DiskFullError)."""
+        output, self._output = self._output, None
+        if output is None:
             return
-        self._file = h5py.File(self.tmp_path, "w")
-        self._file.attrs["bigmem_store_version"] = STORE_VERSION
-        self._file.attrs["num_classes"] = int(num_classes)
-        self._file.attrs["channel_names"] = [str(n) for n in channel_names]
-        self._file.attrs["label_names"] = [str(n) for n in (label_names or
-                                                            [f"class{i}" for i in range(num_classes)])]
-        self._cases = self._file.create_group("cases")
+        if exc is None:
+            output.__exit__(None, None, None)
+        else:
+            output.__exit__(type(exc), exc, exc.__traceback__)
 
     @property
     def case_ids(self) -> list[str]:
         """The cases written so far (with ``append``, the existing ones too)."""
         return list(self._cases)
 
+    def root_attr(self, name: str):
+        """The root attribute ``name`` as written so far (e.g. ``num_classes``, ``label_names``)."""
+        return self._file.attrs[name]
+
     def set_root_attr(self, name: str, value) -> None:
         """Set the root attribute ``name`` (e.g. ``num_classes``) to ``value``."""
-        self._file.attrs[name] = value
+        with self._writing():
+            self._file.attrs[name] = value
 
     def add_case(self, case_id: str, image: np.ndarray, label: np.ndarray, *,
                  spacing: Sequence[float] = (1.0, 1.0, 1.0), affine: np.ndarray | None = None,
@@ -462,6 +497,7 @@ class StoreWriter:
 
         Raises:
             DataError: the shapes or channel count do not match, or ``case_id`` is already there.
+            DiskFullError: the filesystem is full or failing (the temporary file is removed).
         """
         if image.ndim == 3:
             image = image[..., np.newaxis]
@@ -470,14 +506,27 @@ class StoreWriter:
                             f"{label.shape} with {self.num_channels} channels.")
         if case_id in self._cases:
             raise DataError(f"Case {case_id!r} appears twice.")
-        group = self._cases.create_group(case_id)
+        label = label.astype(np.uint8)
+        with self._writing():
+            group = self._cases.create_group(case_id)
+            self._write_case(group, image, label)
+            for name, value in (attrs or {}).items():
+                group.attrs[name] = value
+            affine = np.eye(4) if affine is None else np.asarray(affine, dtype=np.float64)
+            group.attrs["spacing"] = np.asarray(spacing, dtype=np.float64)
+            group.attrs["affine"] = affine
+            group.attrs["source_affine"] = affine if source_affine is None else np.asarray(source_affine, np.float64)
+            group.attrs["source_image"] = source_image
+            group.attrs["source_label"] = source_label
+            self._file.flush()  # a failed metadata write surfaces here, with this case, not at commit
+
+    def _write_case(self, group: h5py.Group, image: np.ndarray, label: np.ndarray) -> None:
         if self.chunk_edge is None and self.compression is None:
             image_chunks = label_chunks = None  # contiguous
         else:
             edge = self.chunk_edge or DEFAULT_CHUNK_EDGE  # HDF5 compresses chunked datasets only
             label_chunks = tuple(min(s, edge) for s in label.shape)
             image_chunks = label_chunks + (image.shape[3],)
-        label = label.astype(np.uint8)
         if self.throttle.active:
             for name, array, chunks in (("image", image, image_chunks), ("label", label, label_chunks)):
                 dataset = group.create_dataset(name, shape=array.shape, dtype=array.dtype, chunks=chunks,
@@ -486,30 +535,27 @@ class StoreWriter:
         else:
             group.create_dataset("image", data=image, chunks=image_chunks, compression=self.compression)
             group.create_dataset("label", data=label, chunks=label_chunks, compression=self.compression)
-        for name, value in (attrs or {}).items():
-            group.attrs[name] = value
-        affine = np.eye(4) if affine is None else np.asarray(affine, dtype=np.float64)
-        group.attrs["spacing"] = np.asarray(spacing, dtype=np.float64)
-        group.attrs["affine"] = affine
-        group.attrs["source_affine"] = affine if source_affine is None else np.asarray(source_affine, np.float64)
-        group.attrs["source_image"] = source_image
-        group.attrs["source_label"] = source_label
 
     def commit(self) -> Path:
-        """Close the temporary file and rename it to ``path``; returns ``path``."""
-        self._file.close()
-        os.replace(self.tmp_path, self.path)
+        """Flush and close the temporary file, sync it to disk and rename it to ``path``; returns ``path``.
+
+        Raises:
+            DiskFullError: the filesystem is full or failing (the temporary file is removed).
+        """
+        with self._writing():
+            self._close(None)
         return self.path
 
     def abort(self) -> None:
         """Close and remove the temporary file; ``path`` is left as it was."""
-        if self._file.id.valid:
-            self._file.close()
-        self.tmp_path.unlink(missing_ok=True)
+        self._close(_Aborted())
 
     def __enter__(self) -> "StoreWriter":
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is not None or self.tmp_path.exists():
-            self.abort()
+        self.abort()  # after commit: nothing to do; the writer's own failures were handled where they happened
+
+
+class _Aborted(Exception):
+    """Thrown into ``atomic_hdf5`` to leave it without committing."""
