@@ -153,8 +153,36 @@ class CheckpointManager:
         final = self.directory / name
         tmp = self.directory / f"{TMP_PREFIX}{name}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        with h5py.File(tmp / "variables.h5", "w") as handle:
+        try:
+            tmp.mkdir()
+            self._write_files(tmp, step, groups, state)
+        except BaseException:  # a failed write (a full disk, say) leaves nothing behind
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        old = None
+        if final.exists():  # a re-save of the same step (e.g. final == periodic), or a new best: swap it out
+            old = self.directory / f"{TMP_PREFIX}old-{name}-{os.getpid()}"
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+        try:
+            os.replace(tmp, final)
+        except BaseException:
+            if old is not None:
+                os.replace(old, final)
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        _fsync_dir(self.directory)  # the rename
+        _fsync_dir(self.directory.parent)  # checkpoints/ itself, when this write created it
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        if prune:
+            self._prune()
+        return final
+
+    @staticmethod
+    def _write_files(folder: Path, step: int, groups, state: dict[str, Any]) -> None:
+        """variables.h5 and state.json in ``folder``, each flushed to disk, then the folder's entries."""
+        with h5py.File(folder / "variables.h5", "w") as handle:
             for group_name, variables in groups:
                 group = handle.create_group(group_name)
                 for index, variable in enumerate(variables):
@@ -164,24 +192,11 @@ class CheckpointManager:
                     dataset.attrs["crc32"] = _crc32(value)
             handle.flush()
             os.fsync(handle.id.get_vfd_handle())
-        with open(tmp / "state.json", "w") as handle:
+        with open(folder / "state.json", "w") as handle:
             json.dump({**state, "step": int(step)}, handle, indent=2)
             handle.flush()
             os.fsync(handle.fileno())
-        _fsync_dir(tmp)  # the two files' names, before the directory is renamed into place
-        old = None
-        if final.exists():  # a re-save of the same step (e.g. final == periodic), or a new best: swap it out
-            old = self.directory / f"{TMP_PREFIX}old-{name}-{os.getpid()}"
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-        os.replace(tmp, final)
-        _fsync_dir(self.directory)  # the rename
-        _fsync_dir(self.directory.parent)  # checkpoints/ itself, when this write created it
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-        if prune:
-            self._prune()
-        return final
+        _fsync_dir(folder)  # the two files' names, before the folder is renamed into place
 
     def _prune(self) -> None:
         for old in self.all()[:-self.keep]:

@@ -194,3 +194,25 @@ def test_a_re_save_of_the_same_step_replaces_it_whole(tmp_path):
     manager.save(1, model, optimizer, {"loss": 0.5})
     assert manager.read_state(manager.latest()) == {"loss": 0.5, "step": 1}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-00000001"]
+
+
+def test_a_failed_write_leaves_nothing_behind_and_the_last_checkpoint_whole(tmp_path, monkeypatch):
+    import errno
+
+    import bigmem.checkpoints as checkpoints
+
+    model, optimizer = _model_and_optimizer(0)
+    manager = CheckpointManager(tmp_path)
+    manager.save(1, model, optimizer, {"loss": 1.0})
+    manager.save_best(1, model, {"val_dice": 0.5})
+
+    def full(array):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoints, "_crc32", full)
+    for write in (lambda: manager.save(2, model, optimizer, {}), lambda: manager.save_best(2, model, {})):
+        with pytest.raises(OSError, match="No space left on device"):
+            write()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best", "ckpt-00000001"]
+    assert manager.read_state(manager.latest()) == {"loss": 1.0, "step": 1}
+    assert manager.read_state(manager.best) == {"val_dice": 0.5, "step": 1}
