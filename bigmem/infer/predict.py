@@ -25,7 +25,7 @@ from bigmem.config.schema import ExperimentConfig
 from bigmem.errors import DataError, UsageError
 from bigmem.infer.forward import forward_probabilities, normalize_image
 from bigmem.infer.geometry import CaseGeometry, crop_padding, labels_to_source, pad_to_multiple, scores_to_source
-from bigmem.rundir import RunDir
+from bigmem.rundir import RunDir, atomic_output
 
 NIFTI_SUFFIXES = (".nii.gz", ".nii")
 DEFAULT_OVERLAP = 0.5  # nnU-Net's sliding-window overlap
@@ -263,20 +263,19 @@ def predict_probabilities(predictor: Predictor, image: np.ndarray, *, mode: Mode
 
 
 def write_nifti(array: np.ndarray, affine: np.ndarray, path: Path) -> Path:
-    """Write ``array`` as a NIfTI file atomically: a temporary name in the same folder, then renamed."""
+    """Write ``array`` as a NIfTI file through ``atomic_output``: whole under its name, or not at all.
+
+    Raises:
+        DiskFullError: the filesystem is full or failing (nothing is left behind).
+    """
     import nibabel as nib
 
-    suffix = ".nii.gz" if path.name.endswith(".nii.gz") else ".nii"
-    tmp = path.with_name(f".{path.name[:-len(suffix)]}.tmp-{os.getpid()}{suffix}")
     image = nib.Nifti1Image(array, np.asarray(affine, np.float64))
     image.set_qform(affine, code=1)
     image.set_sform(affine, code=1)
-    try:
-        nib.save(image, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    # needed: the voxels and NIfTI-1's 352-byte header (vox_offset); compressed (.nii.gz), an upper bound
+    with atomic_output(path, needed_bytes=array.nbytes + 352) as tmp:
+        nib.save(image, tmp)  # the temporary keeps the .nii.gz suffix nibabel picks the format by
     return path
 
 
@@ -285,15 +284,13 @@ def write_probabilities(probabilities: np.ndarray, affine: np.ndarray, path: Pat
 
     NIfTI-1 has no float16 type, so the probabilities go where nnU-Net v2 puts its own: an .npz
     (``probabilities``, ``affine``), read with ``np.load``.
+
+    Raises:
+        DiskFullError: the filesystem is full or failing (nothing is left behind).
     """
-    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}.npz")
-    try:
+    with atomic_output(path, needed_bytes=probabilities.nbytes + 4 * 4 * 8) as tmp:  # compressed: an upper bound
         with open(tmp, "wb") as handle:
             np.savez_compressed(handle, probabilities=probabilities, affine=np.asarray(affine, np.float64))
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
     return path
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bigmem.errors import DataError
-from bigmem.rundir import RunDir, atomic_write_json, atomic_write_text, read_jsonl_checked
+from bigmem.rundir import RunDir, atomic_output, atomic_write_json, atomic_write_text, read_jsonl_checked
 from bigmem.units import format_bytes
 
 MIB = 2**20
@@ -233,13 +233,11 @@ def _plot(path: Path, runs: list[RunData], draw, title: str, *, rows: int = 1, y
     axes[-1].set_xlabel(xlabel)
     axes[0].set_title(title)
     figure.tight_layout()
-    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}.png")
     try:
-        figure.savefig(tmp, dpi=100)
-        os.replace(tmp, path)
+        with atomic_output(path) as tmp:
+            figure.savefig(tmp, dpi=100)
     finally:
         plt.close(figure)
-        tmp.unlink(missing_ok=True)
     return path
 
 
