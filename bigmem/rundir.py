@@ -123,7 +123,9 @@ def atomic_output(path: str | os.PathLike, *, needed_bytes: int | Callable[[], i
 
     Raises:
         DiskFullError: a write failed with ENOSPC, EDQUOT or EIO (any exception the block raises is
-            translated; other exceptions pass through unchanged).
+            translated; other exceptions pass through unchanged). With ``directory``, the
+            ``DiskFullError`` of a file written in the folder (``atomic_hdf5``, ``atomic_write_json``)
+            is given again naming ``path``.
 
     Example:
         >>> with atomic_output("out/labels.nii.gz", needed_bytes=array.nbytes) as tmp:
@@ -145,7 +147,10 @@ def atomic_output(path: str | os.PathLike, *, needed_bytes: int | Callable[[], i
         written = _size(tmp)
         _remove(tmp)
         code = disk_errno(exc)
-        if code is None or isinstance(exc, DiskFullError):
+        if isinstance(exc, DiskFullError) and directory and Path(exc.path).is_relative_to(tmp):
+            code = disk_errno(exc.__cause__) if exc.__cause__ is not None else None  # a file written in the folder:
+            code = errno.ENOSPC if code is None else code  # named as the folder's output, not its temporary
+        elif code is None or isinstance(exc, DiskFullError):
             raise
         needed = needed_bytes() if callable(needed_bytes) else int(needed_bytes)
         raise disk_full_error(path, max(needed, written), code=code, at_least=needed <= 0) from exc

@@ -12,8 +12,8 @@ import pytest
 
 from bigmem import rundir
 from bigmem.errors import DiskFullError
-from bigmem.rundir import (RunDir, atomic_hdf5, atomic_output, atomic_write_json, close_hdf5, disk_errno,
-                           open_hdf5_for_writing, require_free_space)
+from bigmem.rundir import (RunDir, atomic_hdf5, atomic_output, atomic_write_json, atomic_write_text, close_hdf5,
+                           disk_errno, open_hdf5_for_writing, require_free_space)
 
 SUMMARY = {"steps": 12, "train_s": 3.5, "peak_rss_bytes": 2**30, "loss": 0.25, "dice": 0.75, "input_wait_s": 0.5,
            "step_time_s": 3.0, "input_stall_share": 0.5 / 3.0}
@@ -307,3 +307,17 @@ def test_close_hdf5_discard_closes_every_object(tmp_path):
     close_hdf5(handle, discard=True)
     assert not handle.id.valid and not dataset.id.valid
     close_hdf5(handle, discard=True)  # closing twice is a no-op, never a second HDF5 close
+
+
+def test_a_full_disk_inside_a_folder_output_names_the_folder(tmp_path, one_mib_free):
+    target = tmp_path / "checkpoints" / "ckpt-00000010"
+    with pytest.raises(DiskFullError) as caught:
+        with atomic_output(target, directory=True, needed_bytes=3 * 2**20) as tmp:
+            with atomic_hdf5(tmp / "variables.h5", fsync=False) as handle:
+                handle["a"] = np.zeros(10)
+            atomic_write_text(tmp / "state.json", "{}")
+            with atomic_output(tmp / "more.bin"):
+                raise OSError(errno.EDQUOT, "Disk quota exceeded")
+    assert str(caught.value) == (f"Disk quota exceeded writing '{target}' (needed about 3.00 MiB, 1.00 MiB free). "
+                                 "Free space or choose another --out.")
+    assert list((tmp_path / "checkpoints").iterdir()) == []
