@@ -134,9 +134,9 @@ def read_run(path: str | os.PathLike) -> RunData:
     monitor = read_monitor(run.monitor)
     notes = []
     if bad:
-        notes.append(f"{run.metrics}: left out {len(bad)} line{'s' if len(bad) > 1 else ''} that "
-                     f"{'are' if len(bad) > 1 else 'is'} not a step row (line{'s' if len(bad) > 1 else ''} "
-                     f"{', '.join(map(str, bad[:5]))}{', ...' if len(bad) > 5 else ''})")
+        listed = ", ".join(map(str, bad[:5])) + (", ..." if len(bad) > 5 else "")
+        notes.append(f"{run.metrics}: left out line {listed} (not a step row)" if len(bad) == 1 else
+                     f"{run.metrics}: left out {len(bad)} lines that are not step rows (lines {listed})")
     if run.monitor.exists() and not monitor:
         notes.append(f"{run.monitor}: no readable rows (not a bigmem monitor.csv, or no sample yet); left out")
     if not metrics and not monitor:
