@@ -10,6 +10,7 @@ summary.json.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from rich.console import Console
 
 from bigmem.config.options import OptimizerName, Precision
 from bigmem.config.schema import ExperimentConfig
+from bigmem.errors import TrainingError
 from bigmem.sysinfo import collect_sysinfo
 from bigmem.tfenv import import_tensorflow
 from bigmem.train import callbacks as cb
@@ -111,18 +113,55 @@ def train(config: ExperimentConfig, run_dir: str | os.PathLike, *, resume: bool 
         4
     """
     console = console or Console(soft_wrap=True)
+    with exclusive_run_dir(Path(run_dir)):  # every decision about the directory is made holding it
+        try:
+            job = prepare_job(config, run_dir, resume=resume, force=force, console=console, verbose=verbose,
+                              recompute_stages=recompute_stages)
+        except NothingToDo as done:
+            console.print(str(done))
+            summary = done.summary or {}
+            return TrainResult(Path(run_dir), done.step, done.step, done.total_steps,
+                               float(summary.get("loss", "nan")), float(summary.get("dice", "nan")))
+        try:
+            return _run(job, console, verbose)
+        finally:
+            job.close()
+
+
+@contextlib.contextmanager
+def exclusive_run_dir(path: Path):
+    """Hold ``path`` for this process: a second ``train`` into it is refused while this one runs.
+
+    The lock is ``flock`` on the directory itself (no lock file), so the kernel releases it when
+    the process ends, even by SIGKILL. Folders created for it are removed again if the run wrote
+    nothing (a refused pre-flight leaves nothing behind).
+
+    Raises:
+        TrainingError: another process holds it, or it cannot be a run directory (a file, no permission).
+    """
+    import fcntl
+
+    missing = [folder for folder in (path, *path.parents) if not folder.exists()]  # the run directory first
     try:
-        job = prepare_job(config, run_dir, resume=resume, force=force, console=console, verbose=verbose,
-                          recompute_stages=recompute_stages)
-    except NothingToDo as done:
-        console.print(str(done))
-        summary = done.summary or {}
-        return TrainResult(Path(run_dir), done.step, done.step, done.total_steps,
-                           float(summary.get("loss", "nan")), float(summary.get("dice", "nan")))
+        path.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as exc:
+        what = "is a file, not a folder" if path.is_file() else f"cannot be created or opened ({exc.strerror})"
+        raise TrainingError(f"Run directory {str(path)!r} {what}: choose another --out.") from None
     try:
-        return _run(job, console, verbose)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise TrainingError(f"Run directory {str(path)!r} is in use by another bigmem train process: wait for "
+                                "it to end, or choose another --out.") from None
+        yield
     finally:
-        job.close()
+        os.close(fd)
+        for folder in missing:
+            try:
+                folder.rmdir()  # only while empty
+            except OSError:
+                break
 
 
 def build(job: Job, verbose: bool = False):

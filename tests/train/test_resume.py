@@ -252,3 +252,28 @@ def test_a_torn_config_is_named(finished, capsys):
     assert code == 1
     assert err.strip() == (f"bigmem train: error: Cannot resume {str(finished)!r}: its config.json cannot be read "
                            "(Unterminated string starting at: line 1 column 20 (char 19)).")
+
+
+def test_a_run_directory_in_use_is_refused(finished, tiny_store, capsys):
+    from bigmem.train.trainer import exclusive_run_dir
+
+    forget_after(finished, 4)
+    before = snapshot(finished)
+    with exclusive_run_dir(finished):  # as another process running it holds it
+        code, _, err = run_cli(command(finished, tiny_store, "--steps", 6, "--resume"), capsys)
+    assert code == 1
+    assert err.strip() == (f"bigmem train: error: Run directory {str(finished)!r} is in use by another bigmem train "
+                           "process: wait for it to end, or choose another --out.")
+    assert snapshot(finished) == before
+
+
+def test_a_refused_run_leaves_no_folder_behind(tmp_path, tiny_store, capsys):
+    out = tmp_path / "new" / "run"
+    code, _, err = run_cli(command(out, tiny_store, "--memory-budget", "1KiB"), capsys)
+    assert code == 3, err
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "file").write_text("not a folder")
+    code, _, err = run_cli(command(tmp_path / "file", tiny_store), capsys)
+    assert code == 1
+    assert err.strip() == (f"bigmem train: error: Run directory {str(tmp_path / 'file')!r} is a file, not a folder: "
+                           "choose another --out.")
