@@ -154,6 +154,8 @@ def exclusive_run_dir(path: Path):
         except BlockingIOError:
             raise TrainingError(f"Run directory {str(path)!r} is in use by another bigmem train process: wait for "
                                 "it to end, or choose another --out.") from None
+        except OSError:  # a filesystem without locks (ENOLCK, EOPNOTSUPP): run unguarded, as before locks
+            pass
         yield
     finally:
         os.close(fd)
