@@ -1,15 +1,16 @@
 """Kill ``bigmem train`` with SIGKILL at random moments, resume each time, and compare the finished
 run with an uninterrupted one of the same seed (issue 18).
 
-    python benchmarks/bench_chaos.py [--kills 20] [--steps 60] [--checkpoint-every 4] [--volume 32]
+    python benchmarks/bench_chaos.py [--kills 20] [--steps 200] [--checkpoint-every 4] [--volume 32]
         [--seed 0] [--out DIR]
 
 One uninterrupted run (the reference, which also times start-up and a step), then ``--kills``
 launches of the same command (``--resume`` added from the second on), each killed in one of four
-phases in turn: during start-up (before the first step), mid-step (after a random logged step,
-a random fraction of a step later), during a checkpoint write (as soon as the launch's
-``.tmp-ckpt-*`` appears) and at any moment of a whole run's time. After every kill: every JSON
-file of the run directory must parse (temporaries, hidden names, are not outputs) and
+phases in turn: during start-up (before the first step); mid-step (at a random step inside the
+interval after the next checkpoint past the last logged step, a random fraction of a step
+later); during a checkpoint write (as soon as the launch's ``.tmp-ckpt-*`` appears); and at any
+moment of the time the launch needs (start-up, the steps left, the end). After every kill: every
+JSON file of the run directory must parse (temporaries, hidden names, are not outputs) and
 metrics.jsonl may only have its last line torn; the steps lost are the last logged step less the
 newest complete checkpoint's. A last launch resumes to the end; its metrics and final loss are
 compared with the reference. Prints a table and writes JSON keyed by machine (never run by
@@ -32,6 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
+from bigmem.checkpoints import CheckpointManager
+
 PHASES = ("start-up", "mid-step", "checkpoint write", "any moment")
 POLL_S = 0.0005
 
@@ -41,7 +44,7 @@ class Settings:
     """The run every launch repeats: the tiny preset on ``store``."""
 
     store: Path
-    steps: int = 60
+    steps: int = 200
     checkpoint_every: int = 4
     volume: int = 32
     seed: int = 0
@@ -62,6 +65,7 @@ class Timing:
     first_row_s: float  # launch to the first metrics row (start-up and the first, traced step)
     step_s: float  # median step
     wall_s: float  # launch to exit
+    per_step_wall_s: float  # after the first row, wall seconds per step (checkpoints and the end included)
 
 
 @dataclass
@@ -109,8 +113,6 @@ def _hidden(path: Path, run: Path) -> bool:
 
 def check_run_dir(run: Path) -> dict:
     """What a kill left: JSON files that do not parse, torn metrics lines, the newest checkpoint."""
-    from bigmem.checkpoints import CheckpointManager
-
     files = [p for p in run.rglob("*.json") if p.is_file() and not _hidden(p, run)] if run.exists() else []
     errors = []
     for path in files:
@@ -153,7 +155,9 @@ def reference_run(settings: Settings, out: Path, log: Path) -> Timing:
     if process.returncode != 0:
         raise RuntimeError(f"the reference run failed (exit {process.returncode}): {log.read_text()[-2000:]}")
     rows, _ = metrics_rows(out)
-    return Timing(first_row_s or wall_s, float(np.median([r["step_s"] for r in rows[1:]] or [0.05])), wall_s)
+    first_row_s = first_row_s or wall_s
+    return Timing(first_row_s, float(np.median([r["step_s"] for r in rows[1:]] or [0.05])), wall_s,
+                  (wall_s - first_row_s) / max(1, settings.steps - 1))
 
 
 def _wait_for_kill(process: subprocess.Popen, phase: str, run: Path, settings: Settings, timing: Timing,
@@ -170,9 +174,9 @@ def _wait_for_kill(process: subprocess.Popen, phase: str, run: Path, settings: S
     if phase == "start-up":
         at = rng.uniform(0.2, timing.first_row_s)
         alive_until(lambda: time.monotonic() - started >= at)
-    elif phase == "mid-step":  # a step past any logged so far (so this launch logs it), then part of a step
-        logged = last_step(run)
-        target = min(settings.steps, logged + int(rng.integers(1, settings.checkpoint_every + 2)))
+    elif phase == "mid-step":  # inside the interval after this launch's first checkpoint, part of a step later
+        every = settings.checkpoint_every
+        target = min(settings.steps, (last_step(run) // every + 1) * every + int(rng.integers(1, every)))
         if alive_until(lambda: last_step(run) >= target):
             deadline = time.monotonic() + rng.uniform(0, timing.step_s)
             alive_until(lambda: time.monotonic() >= deadline)
@@ -187,8 +191,10 @@ def _wait_for_kill(process: subprocess.Popen, phase: str, run: Path, settings: S
                 return False
 
         alive_until(writing)
-    else:
-        at = rng.uniform(0, timing.wall_s)
+    else:  # uniform over the time this launch needs: start-up, the steps left (from the newest checkpoint), the end
+        latest = CheckpointManager(run / "checkpoints").latest()
+        left = settings.steps - (int(latest.name.split("-")[1]) if latest else 0)
+        at = rng.uniform(0, timing.first_row_s + left * timing.per_step_wall_s)
         alive_until(lambda: time.monotonic() - started >= at)
 
 
@@ -269,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kills", type=int, default=20)
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--checkpoint-every", type=int, default=4)
     parser.add_argument("--volume", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0, help="seed of the kill moments (the runs use --seed 1)")

@@ -39,8 +39,9 @@ def test_sigkill_at_random_moments_then_resume_equals_an_uninterrupted_run(tmp_p
         assert kill["json_errors"] == [] and kill["misplaced_torn_lines"] == 0, kill
         assert 0 <= kill["lost_steps"] <= CHECKPOINT_EVERY, kill
     assert kills[0]["last_logged_step"] == 0  # killed before its first step
-    assert kills[1]["last_logged_step"] > 0
-    assert kills[2]["in_checkpoint_write"], kills[2]
+    assert kills[1]["checkpoint_step"] == CHECKPOINT_EVERY < kills[1]["last_logged_step"]  # between checkpoints
+    assert kills[2]["started"] == f"from ckpt-{CHECKPOINT_EVERY:08d}" and kills[2]["in_checkpoint_write"], kills[2]
+    assert final["started"] == f"from ckpt-{CHECKPOINT_EVERY:08d}"  # the write killed did not count
     # every launch went on from the checkpoint the kill before it left (or started the run, before any)
     launches = [*(k["started"] for k in kills[1:]), final["started"]]
     for before, started in zip(kills, launches):
