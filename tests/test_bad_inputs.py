@@ -157,7 +157,6 @@ class Case:
     message: str
     setup: Callable[[Path, dict], None] | None = None
     no_tensorflow: bool = False  # run in a fresh interpreter and assert TensorFlow was never imported
-    pending: str = ""  # why the case still fails (a strict xfail: it fails loudly once fixed, to be unmarked)
 
     @property
     def command(self) -> str:
@@ -224,14 +223,13 @@ CASES = [
          "Cannot open store '{tmp}/nc0.h5': its num_classes (root attribute) is 0; expected 2..256 (background + at "
          "least one class). The store is damaged or was not written by bigmem: write it again with 'bigmem "
          "convert' or 'bigmem synth'.", _store_copy("nc0.h5", _set_num_classes(0))),
+    # train/trainer.py's exclusive_run_dir refuses these before TensorFlow starts (the resume and chaos work)
     Case("out-is-a-file", 4, ("train", "--data", "{store}", "--model", "tiny", "--steps", "1", "--out",
                               "{tmp}/afile"), 1,
-         "Cannot write --out '{tmp}/afile': it is a file; expected a directory.", _a_file,
-         pending="bigmem/cli/train.py must call check_output_dir(out, '--out') before place()"),
+         "Run directory '{tmp}/afile' is a file, not a folder: choose another --out.", _a_file),
     Case("out-in-unwritable-directory", 4, ("train", "--data", "{store}", "--model", "tiny", "--steps", "1", "--out",
                                             "{ro}/run"), 1,
-         "Cannot write --out '{ro}/run': directory '{ro}' is not writable (<*>).",
-         pending="bigmem/cli/train.py must call check_output_dir(out, '--out') before place()"),
+         "Run directory '{ro}/run' cannot be created or opened (<*>): choose another --out."),
     # profile
     Case("usage-error-before-tensorflow", 6, ("profile", "--volume", "50"), 2,
          "Invalid --volume 50: expected a multiple of 8 (the network downsamples 3 times). Try --volume 48 or 56.",
@@ -326,9 +324,7 @@ def _run_fresh(argv: list[str], cwd: Path) -> tuple[int, str, str, bool]:
     return result.returncode, result.stdout, result.stderr, imported
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.xfail(strict=True, reason=c.pending))
-                                  if c.pending else c for c in CASES],
-                         ids=[f"{c.command}-class{c.issue_class}-{c.name}" for c in CASES])
+@pytest.mark.parametrize("case", CASES, ids=[f"{c.command}-class{c.issue_class}-{c.name}" for c in CASES])
 def test_bad_input(case: Case, sources, tmp_path, capsys, monkeypatch):
     paths = {"tmp": str(tmp_path), **{k: str(v) for k, v in sources.items() if k != "root"}}
     if "{ro}" in " ".join(case.argv):
