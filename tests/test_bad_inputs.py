@@ -360,6 +360,23 @@ def test_the_suite_covers_every_class_and_command():
     assert len(names) == len(set(names))
 
 
+def test_skip_bad_skips_a_corrupt_header_instead_of_calling_the_disk_full(sources, tmp_path, capsys):
+    """--skip-bad with a 30000^3 header among good cases: the case is skipped, not counted as a 123 TiB store."""
+    import shutil
+
+    src = tmp_path / "mixed"
+    shutil.copytree(sources["msd"], src)
+    shutil.copy(sources["huge"] / "imagesTr" / "h.nii", src / "imagesTr")
+    shutil.copy(sources["huge"] / "labelsTr" / "h.nii.gz", src / "labelsTr")
+    meta = json.loads((src / "dataset.json").read_text())
+    meta["training"].append({"image": "./imagesTr/h.nii", "label": "./labelsTr/h.nii.gz"})
+    (src / "dataset.json").write_text(json.dumps(meta))
+    code, out, err = run_cli(["convert", src, "-o", tmp_path / "s.h5", "--skip-bad"], capsys)
+    assert code == 0, err
+    assert "skipped: Case 'h': image header claims shape (30000, 30000, 30000)" in out
+    assert f"Wrote 2 cases to {tmp_path / 's.h5'}; 1 skipped" in out
+
+
 def test_read_jsonl_checked_names_the_lines_it_leaves_out(tmp_path):
     """The one JSON-lines reader: binary bytes, non-objects and refused rows are numbered; a torn last line is not."""
     from bigmem.rundir import read_jsonl, read_jsonl_checked

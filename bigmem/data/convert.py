@@ -278,8 +278,9 @@ def estimate_store_bytes(cases: Iterable[SourceCase], *, shape: Sequence[int] | 
 
     Read from the NIfTI headers only (no voxels): each case's voxels after resampling to
     ``spacing`` and fitting to ``shape``, times 4 bytes per channel + 1 for the label, plus
-    ``STORE_BYTES_PER_CASE`` of metadata. A case whose header cannot be read counts 0 (its own
-    checks report it when it is loaded).
+    ``STORE_BYTES_PER_CASE`` of metadata. A case whose header cannot be read, or claims more
+    voxels than memory could hold (``nifti.check_header_size``), counts 0 (its own checks report
+    it when it is loaded, or skip it with ``skip_bad``).
 
     Args:
         cases: the cases (a ``SourceDataset``'s ``cases``).
@@ -297,7 +298,9 @@ def estimate_store_bytes(cases: Iterable[SourceCase], *, shape: Sequence[int] | 
     total = 0
     for case in cases:
         try:
-            header = nib.load(str(case.image)).header  # the header only
+            image = nib.load(str(case.image))  # the header only
+            check_header_size(image, case.case_id, "image", case.image)  # a corrupt header is the case's problem
+            header = image.header
             file_shape = header.get_data_shape()
             channels = int(np.prod(file_shape[3:])) if len(file_shape) > 3 else 1
             if shape is not None:
