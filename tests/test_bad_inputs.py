@@ -243,7 +243,7 @@ CASES = [
          "(MemAvailable). Drop --measure for the estimate alone, or measure a smaller --volume."),
     # plan
     Case("failing-plan-keeps-plan-json", 2, ("plan", "--budget", "1KiB", "--model", "tiny"), 3,
-         "Nothing fits 1.00 KiB (--budget): the closest candidate, 4^3 x batch 1 fp32 recompute none, needs <*>. "
+         "Nothing fits 1.00 KiB (--budget): the closest candidate, 4^3 x batch 1 fp32 recompute <*>, needs <*>. "
          "The plan already in plan.json was kept (a failed plan replaces no file).", _good_plan),
     Case("budget-1e999", 4, ("plan", "--budget", "1e999"), 2,
          "Invalid --budget '1e999': expected a size below 8 EiB (2^63 bytes).", no_tensorflow=True),

@@ -17,11 +17,13 @@ import bigmem
 # Lowest first. Units in one layer are independent of each other.
 LAYERS = (
     ("", "errors"),  # "": bigmem/__init__.py (__version__); exceptions every layer raises
-    # Low-level utilities that need no other bigmem code but errors: byte sizes; the run
-    # directory's files and atomic writes; the one place TensorFlow is imported (tfenv is told
-    # the thread-pool sizes by numa.apply, it never reads numa).
-    # checkpoints: the run directory's checkpoints, read by training (resume) and prediction.
-    ("units", "rundir", "tfenv", "cpu", "checkpoints"),  # cpu: /proc/cpuinfo, read by nets' kernel choices
+    ("units",),  # byte sizes and their parsing: the messages of every layer above name sizes
+    # Low-level utilities that need no other bigmem code but errors and units: the run
+    # directory's files and atomic writes (disk-full messages name sizes); the one place
+    # TensorFlow is imported (tfenv is told the thread-pool sizes by numa.apply, it never reads
+    # numa); cpu: /proc/cpuinfo, read by nets' kernel choices.
+    ("rundir", "tfenv", "cpu"),
+    ("checkpoints",),  # the run directory's checkpoints (written atomically), read by training and prediction
     ("config",),
     ("nets", "data", "numa"),
     # sysinfo describes the machine: it reads numa's topology and tfenv's oneDNN reason, and
