@@ -24,6 +24,7 @@ import h5py
 import numpy as np
 
 from bigmem.errors import DataError
+from bigmem.rundir import close_hdf5, disk_errno, disk_full_error, open_hdf5_for_writing, require_free_space
 
 PREFIX = "ckpt-"
 TMP_PREFIX = ".tmp-"
@@ -149,15 +150,27 @@ class CheckpointManager:
         return self._write(BEST, step, (("model", model.weights),), state, prune=False)
 
     def _write(self, name: str, step: int, groups, state: dict[str, Any], *, prune: bool) -> Path:
+        """Write checkpoint ``name`` under its temporary name and rename it into place.
+
+        Raises:
+            DiskFullError: the disk has too little space for the variables (checked before
+                writing), or filled or failed while writing; nothing is left behind and the
+                checkpoints already there are untouched.
+        """
         self.directory.mkdir(parents=True, exist_ok=True)
         final = self.directory / name
+        needed = sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for _, vs in groups for v in vs)
+        require_free_space(final, needed)
         tmp = self.directory / f"{TMP_PREFIX}{name}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         try:
             tmp.mkdir()
             self._write_files(tmp, step, groups, state)
-        except BaseException:  # a failed write (a full disk, say) leaves nothing behind
+        except BaseException as exc:  # a failed write (a full disk, say) leaves nothing behind
             shutil.rmtree(tmp, ignore_errors=True)
+            code = disk_errno(exc)
+            if code is not None:
+                raise disk_full_error(final, needed, code=code) from exc
             raise
         old = None
         if final.exists():  # a re-save of the same step (e.g. final == periodic), or a new best: swap it out
@@ -182,7 +195,10 @@ class CheckpointManager:
     @staticmethod
     def _write_files(folder: Path, step: int, groups, state: dict[str, Any]) -> None:
         """variables.h5 and state.json in ``folder``, each flushed to disk, then the folder's entries."""
-        with h5py.File(folder / "variables.h5", "w") as handle:
+        # Written as rundir writes HDF5 (no deferred raw-data writes, discarded without a second
+        # close after a failure): a full disk is an error here, not a crash at garbage collection.
+        handle = open_hdf5_for_writing(folder / "variables.h5")
+        try:
             for group_name, variables in groups:
                 group = handle.create_group(group_name)
                 for index, variable in enumerate(variables):
@@ -192,6 +208,10 @@ class CheckpointManager:
                     dataset.attrs["crc32"] = _crc32(value)
             handle.flush()
             os.fsync(handle.id.get_vfd_handle())
+        except BaseException:
+            close_hdf5(handle, discard=True)
+            raise
+        close_hdf5(handle)
         with open(folder / "state.json", "w") as handle:
             json.dump({**state, "step": int(step)}, handle, indent=2)
             handle.flush()

@@ -271,3 +271,58 @@ def test_an_io_error_names_the_device_not_the_space(tmp_path, monkeypatch):
                                             r".* free\)\. Check the device \(dmesg\) or choose another --out\.$"):
         write_nifti(np.zeros((0, 0, 0), np.uint8), np.eye(4), tmp_path / "x.nii.gz")
     assert list(tmp_path.iterdir()) == []
+
+
+CHECKPOINTS = textwrap.dedent("""
+    import os, shutil, sys
+    import numpy as np
+    from bigmem.checkpoints import CheckpointManager
+    from bigmem.errors import DiskFullError
+
+    class Variable:  # what CheckpointManager reads of a Keras variable
+        def __init__(self, i, size):
+            self.value = np.random.default_rng(i).random(size).astype(np.float32)
+            self.shape, self.dtype, self.path = self.value.shape, self.value.dtype, f"layer_{i}/kernel"
+
+        def numpy(self):
+            return self.value
+
+    class Model:
+        weights = [Variable(i, 100 + 37 * i) for i in range(60)]  # 280 KiB
+
+    class Optimizer:
+        variables = [Variable(1000 + i, 50) for i in range(20)]
+
+    root = sys.argv[1]
+    outcomes = []
+    for leave_pages in range(0, 120, 5):  # a full disk before the write, during the data, at the end
+        shutil.rmtree(os.path.join(root, "checkpoints"), ignore_errors=True)
+        for name in os.listdir(root):
+            os.unlink(os.path.join(root, name))
+        manager = CheckpointManager(os.path.join(root, "checkpoints"))
+        manager.save(1, Model, Optimizer, {"loss": 1.0})
+        stat = os.statvfs(root)
+        with open(os.path.join(root, "ballast"), "wb") as ballast:
+            ballast.write(bytes(max(0, stat.f_bavail - leave_pages) * stat.f_frsize))
+        try:
+            manager.save(2, Model, Optimizer, {"loss": 0.5})
+            outcomes.append("ok")
+        except DiskFullError as exc:
+            final = os.path.join(root, "checkpoints", "ckpt-00000002")
+            assert str(exc).startswith(f"No space left on device writing {final!r} (needed ") and "\\n" not in str(exc)
+            outcomes.append("full")
+        left = sorted(os.listdir(os.path.join(root, "checkpoints")))
+        assert left in (["ckpt-00000001"], ["ckpt-00000001", "ckpt-00000002"]), left
+        assert manager.read_state(manager.latest())["step"] == (2 if outcomes[-1] == "ok" else 1)
+    print(" ".join(outcomes))
+""")
+
+
+def test_a_checkpoint_on_a_full_disk_is_refused_and_the_last_one_kept(small_fs):
+    fs = small_fs(1024 * 1024)
+    result = subprocess.run([sys.executable, "-c", CHECKPOINTS, str(fs)], capture_output=True, text=True,
+                            timeout=300, env={**os.environ, "PYTHONFAULTHANDLER": "1"})
+    assert result.returncode == 0, f"exit {result.returncode} (-11: a segmentation fault):\n{result.stderr[-3000:]}"
+    assert result.stderr == ""
+    outcomes = result.stdout.split()
+    assert outcomes[0] == "full" and outcomes[-1] == "ok", outcomes  # full at first; fits with room enough
