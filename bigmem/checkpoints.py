@@ -132,8 +132,11 @@ class CheckpointManager:
             found = next((p for p in self.all() if step.isdigit() and _step_of(p) == int(step)), None)
         if found is None:
             there = [p.name for p in self.all()] + ([BEST] if self.best else [])
-            raise DataError(f"No checkpoint {name!r} in {self.directory}: expected latest, best or one of "
-                            f"{', '.join(there) or 'none (no complete checkpoint was written)'}.")
+            if not there:
+                raise DataError(f"No checkpoint {name!r} in {self.directory}: the run has written no complete "
+                                "checkpoint.")
+            raise DataError(f"No checkpoint {name!r} in {self.directory}: expected "
+                            f"{'latest or ' if self.all() else ''}one of {', '.join(there)}.")
         return found
 
     def save(self, step: int, model, optimizer, state: dict[str, Any]) -> Path:

@@ -133,6 +133,19 @@ def _run_dir(metrics: bytes | None = None, monitor: bytes | None = None) -> Call
     return setup
 
 
+def _unfinished_run(tmp: Path, sources: dict) -> None:
+    """A run directory whose training stopped before model.keras or any checkpoint was written."""
+    (tmp / "run").mkdir()
+    (tmp / "run" / "config.json").write_text(json.dumps({"preset": "tiny"}))
+
+
+def _label_folders(tmp: Path, sources: dict) -> None:
+    """pred/ and ref/ with one case each, on grids that differ."""
+    for name, shape in (("pred", (8, 6, 4)), ("ref", (8, 6, 5))):
+        (tmp / name).mkdir()
+        nib.save(nib.Nifti1Image(np.zeros(shape, np.uint8), np.eye(4)), str(tmp / name / "case_a.nii.gz"))
+
+
 def _set_num_classes(value: int):
     def mutate(handle) -> None:
         handle.attrs["num_classes"] = value
@@ -280,6 +293,32 @@ CASES = [
          "Cannot write --out '{tmp}/afile': it is a file; expected a directory.", _a_file),
     Case("out-in-unwritable-directory", 4, ("compare", "--out", "{ro}/cmp"), 1,
          "Cannot write --out '{ro}/cmp': directory '{ro}' is not writable (<*>)."),
+    # predict: refused before TensorFlow starts
+    Case("not-a-run-directory", 8, ("predict", "{tmp}", "{store}", "-o", "{tmp}/o"), 1,
+         "'{tmp}' is not a bigmem run directory: no config.json there.", no_tensorflow=True),
+    Case("unfinished-run", 6, ("predict", "{tmp}/run", "{store}", "-o", "{tmp}/o"), 1,
+         "No model.keras in '{tmp}/run': the run has not finished. Use --checkpoint latest (or best) to predict with "
+         "a checkpoint.", _unfinished_run, no_tensorflow=True),
+    Case("no-checkpoint-written", 8, ("predict", "{tmp}/run", "{store}", "-o", "{tmp}/o", "--checkpoint", "best"), 1,
+         "No checkpoint 'best' in {tmp}/run/checkpoints: the run has written no complete checkpoint.",
+         _unfinished_run, no_tensorflow=True),
+    Case("input-missing", 6, ("predict", "{tmp}/run", "{tmp}/scan.nii.gz", "-o", "{tmp}/o"), 1,
+         "Cannot read INPUT '{tmp}/scan.nii.gz': no such file or folder.", _unfinished_run, no_tensorflow=True),
+    Case("out-is-a-file", 4, ("predict", "{tmp}/run", "{store}", "-o", "{tmp}/afile"), 1,
+         "Cannot write -o '{tmp}/afile': it is a file; expected a directory.",
+         lambda tmp, sources: (_unfinished_run(tmp, sources), _a_file(tmp, sources)), no_tensorflow=True),
+    Case("overlap-one", 5, ("predict", "{tmp}", "{store}", "-o", "{tmp}/o", "--overlap", "1"), 2,
+         "Invalid --overlap 1: expected a fraction in [0, 1).", no_tensorflow=True),
+    Case("window-zero", 5, ("predict", "{tmp}/run", "{store}", "-o", "{tmp}/o", "--window", "0"), 2,
+         "Invalid --window 0: expected a positive integer.", _unfinished_run, no_tensorflow=True),
+    # evaluate
+    Case("pred-not-a-folder", 8, ("evaluate", "{tmp}/nothing", "{tmp}"), 1,
+         "PRED '{tmp}/nothing' is not a folder: expected a folder of NIfTI label maps (<case>.nii.gz).",
+         no_tensorflow=True),
+    Case("classes-not-labels", 5, ("evaluate", "{tmp}", "{tmp}", "--classes", "0,x"), 2,
+         "Invalid --classes '0,x': expected comma-separated labels such as 1,2,3.", no_tensorflow=True),
+    Case("grids-differ", 5, ("evaluate", "{tmp}/pred", "{tmp}/ref"), 1,
+         "Case 'case_a': prediction shape (8, 6, 4) != reference shape (8, 6, 5) <*>", _label_folders),
     # synth
     Case("out-is-a-directory", 4, ("synth", "{tmp}/adir", "--force"), 1,
          "Cannot write OUT.h5 '{tmp}/adir': it is a directory; expected a file name.", _a_dir),
@@ -355,7 +394,8 @@ def test_bad_input(case: Case, sources, tmp_path, capsys, monkeypatch):
 def test_the_suite_covers_every_class_and_command():
     """Issue 18's classes 2, 4, 5, 6 and 8 each have cases; every command with a bad input in them is here."""
     assert {c.issue_class for c in CASES} == {2, 4, 5, 6, 8}
-    assert {c.command for c in CASES} == {"convert", "train", "profile", "plan", "report", "compare", "synth"}
+    assert {c.command for c in CASES} == {"convert", "train", "profile", "plan", "report", "compare", "synth",
+                                              "predict", "evaluate"}
     names = [(c.command, c.name) for c in CASES]
     assert len(names) == len(set(names))
 

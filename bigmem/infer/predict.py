@@ -98,21 +98,22 @@ def load_predictor(run_dir: str | os.PathLike, checkpoint: str = "final", *, ver
 
     config = run_config(run_dir)
     run = RunDir(run_dir)
+    # Which file is read is settled before TensorFlow starts: a missing one is refused in a moment.
+    if checkpoint == "final" and not run.model.is_file():
+        raise DataError(f"No model.keras in {str(run.path)!r}: the run has not finished. Use --checkpoint latest "
+                        "(or best) to predict with a checkpoint.")
+    path = None if checkpoint == "final" else CheckpointManager(run.checkpoints).find(checkpoint)
     import_tensorflow(verbose=verbose)
     import keras
 
     from bigmem.nets.unet3d import UNet3D
 
     if checkpoint == "final":
-        if not run.model.is_file():
-            raise DataError(f"No model.keras in {str(run.path)!r}: the run has not finished. Use --checkpoint latest "
-                            "(or best) to predict with a checkpoint.")
         try:
             model = keras.models.load_model(run.model)
         except Exception as exc:  # Keras raises many types for a damaged archive
             raise DataError(f"Cannot load {run.model}: {type(exc).__name__}: {exc}") from None
         return Predictor(model, config, "model.keras")
-    path = CheckpointManager(run.checkpoints).find(checkpoint)
     policy = "mixed_bfloat16" if config.train.precision is Precision.BF16 else "float32"
     model = UNet3D(config.model, dtype=policy, name="unet3d").build_for()
     CheckpointManager(run.checkpoints).restore(path, model)

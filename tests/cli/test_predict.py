@@ -99,8 +99,8 @@ def test_checkpoints_by_name(trained, tmp_path, capsys):
     np.testing.assert_array_equal(latest, four)
     code, _, err = run_cli(["predict", run, store, "-o", tmp_path / "x", "--checkpoint", "ckpt-3"], capsys)
     assert code == 1
-    assert err.strip() == (f"bigmem predict: error: No checkpoint 'ckpt-3' in {run / 'checkpoints'}: expected latest, "
-                           "best or one of ckpt-00000002, ckpt-00000004, best.")
+    assert err.strip() == (f"bigmem predict: error: No checkpoint 'ckpt-3' in {run / 'checkpoints'}: expected latest "
+                           "or one of ckpt-00000002, ckpt-00000004, best.")
 
 
 def test_nifti_input_comes_back_in_its_own_geometry(tmp_path, capsys):
