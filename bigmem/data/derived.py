@@ -9,6 +9,7 @@ store asks ``with_data_fields`` rather than setting those fields itself.
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Callable, ContextManager
 
 from bigmem.config.schema import ExperimentConfig
@@ -33,7 +34,7 @@ def with_data_fields(config: ExperimentConfig, *,
             (e.g. a console status line), when it is not cached yet.
 
     Returns:
-        A new config whose ``data.store`` is a path and whose ``model.in_channels`` and
+        A new config whose ``data.store`` is an absolute path and whose ``model.in_channels`` and
         ``model.num_classes`` are the store's, validated.
 
     Raises:
@@ -50,7 +51,8 @@ def with_data_fields(config: ExperimentConfig, *,
             store = synthetic_store_path(config)
     with HDF5VolumeStore(store) as opened:
         channels, classes = opened.num_channels, opened.num_classes
-    filled = config.updated({"data": {"store": str(store)},
+    # Saved absolute: a run resumed, or predicted with, from another folder finds the same file.
+    filled = config.updated({"data": {"store": os.path.abspath(store)},
                              "model": {"in_channels": channels, "num_classes": classes}})
     filled.validate()
     return filled

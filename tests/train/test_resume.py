@@ -100,6 +100,21 @@ def test_a_store_spelled_another_way_is_the_same_store(finished, tiny_store, cap
     assert (code, err) == (0, "") and stdout.startswith("Nothing to do:")
 
 
+def test_a_run_started_with_a_relative_store_resumes_from_another_folder(tmp_path, tiny_store, capsys, monkeypatch):
+    (tmp_path / "data").mkdir()
+    copy_store(tiny_store, tmp_path / "data" / "s.h5")
+    monkeypatch.chdir(tmp_path / "data")
+    code, _, err = run_cli(command(tmp_path / "run", Path("s.h5"), "--steps", 2), capsys)
+    assert code == 0, err
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())["data"]["store"]
+    assert saved == str(tmp_path / "data" / "s.h5")  # absolute: it names the file from anywhere
+    monkeypatch.chdir(tmp_path)  # the same store spelled from here, then not given at all
+    code, stdout, err = run_cli(command(tmp_path / "run", Path("data") / "s.h5", "--steps", 3, "--resume"), capsys)
+    assert (code, err) == (0, "") and "from ckpt-00000002 (step 2 of 3)" in stdout
+    code, stdout, err = run_cli(["train", "--out", tmp_path / "run", "--steps", 4, "--resume"], capsys)
+    assert (code, err) == (0, "") and "from ckpt-00000003 (step 3 of 4)" in stdout
+
+
 def test_flags_that_differ_from_the_saved_run_are_refused_each_named(finished, tiny_store, tmp_path, capsys):
     before = snapshot(finished)
     other = copy_store(tiny_store, tmp_path / "other.h5")
