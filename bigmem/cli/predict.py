@@ -22,7 +22,8 @@ cases, or --cases). NIfTI input is prepared as bigmem convert prepared the run's
 
 modes: whole (default where the inference memory plan fits the budget) sends the whole volume
 through the network in one pass: no tiles, no seams. sliding predicts Gaussian-weighted windows
-(sigma 1/8 of the window, --overlap, default 0.5; the window is the training volume or --window)
+(sigma 1/8 of the window, --overlap, default 0.5; the window is what the network trained on —
+the training volume, or the patch of a data-parallel run on patches — or --window)
 and blends them, as MONAI's sliding_window_inference and nnU-Net do. auto chooses per case and
 says which. --tta averages the 8 mirrored passes.
 
@@ -46,7 +47,7 @@ def register(subparsers, parents) -> None:
     parser.add_argument("--mode", default="auto", choices=["auto", "whole", "sliding"],
                         help="whole volume in one pass, Gaussian-weighted sliding windows, or auto (whole where "
                              "the inference plan fits the memory budget; default)")
-    parser.add_argument("--window", type=int, metavar="N", help="sliding window edge (default: the training volume)")
+    parser.add_argument("--window", type=int, metavar="N", help="sliding window edge (default: the training volume, or the patch of a run trained on patches)")
     parser.add_argument("--overlap", type=float, default=0.5, metavar="F",
                         help="sliding windows' overlap fraction in [0, 1) (default 0.5)")
     parser.add_argument("--accumulate", default="float32", choices=["float32", "float16"],

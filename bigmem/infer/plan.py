@@ -3,7 +3,7 @@
 ``bigmem predict --mode auto`` asks, per case, whether the whole (padded) volume's inference
 footprint (``memory.inference.estimate_inference``: weights, input copies, the forward pass's
 live activations, probabilities, the source mapping) fits the memory budget (the one rule,
-``memory.preflight.resolve_budget``); if not, it slides windows of the training volume.
+``memory.preflight.resolve_budget``); if not, it slides windows of what the network trained on (``Predictor.window``).
 ``--mode whole`` on a volume that does not fit is refused (exit 3), as training refuses a job.
 """
 

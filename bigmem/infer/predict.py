@@ -47,11 +47,19 @@ class Predictor:
         model: the built ``UNet3D``.
         config: the run's config (``data.store`` is the store it was trained on).
         source: what the weights came from ('model.keras', 'checkpoints/best', ...).
+        training_edge: the patch edge the network was trained on (a data-parallel run on
+            patches), or None: it was trained on whole volumes of ``config.data.volume``.
     """
 
     model: object
     config: ExperimentConfig
     source: str
+    training_edge: int | None = None
+
+    @property
+    def window(self) -> int:
+        """The sliding window's default edge: what the network saw in training (its patch, or volume)."""
+        return self.training_edge or self.config.data.volume
 
     @property
     def num_classes(self) -> int:
@@ -103,6 +111,10 @@ def load_predictor(run_dir: str | os.PathLike, checkpoint: str = "final", *, ver
         raise DataError(f"No model.keras in {str(run.path)!r}: the run has not finished. Use --checkpoint latest "
                         "(or best) to predict with a checkpoint.")
     path = None if checkpoint == "final" else CheckpointManager(run.checkpoints).find(checkpoint)
+    plan = run.read_plan() if run.plan.is_file() else None
+    parallel = plan.get("data_parallel") if isinstance(plan, dict) else None
+    patch = parallel.get("patch") if isinstance(parallel, dict) else None
+    edge = int(patch) if isinstance(patch, int) and patch > 0 else None
     import_tensorflow(verbose=verbose)
     import keras
 
@@ -113,11 +125,11 @@ def load_predictor(run_dir: str | os.PathLike, checkpoint: str = "final", *, ver
             model = keras.models.load_model(run.model)
         except Exception as exc:  # Keras raises many types for a damaged archive
             raise DataError(f"Cannot load {run.model}: {type(exc).__name__}: {exc}") from None
-        return Predictor(model, config, "model.keras")
+        return Predictor(model, config, "model.keras", edge)
     policy = "mixed_bfloat16" if config.train.precision is Precision.BF16 else "float32"
     model = UNet3D(config.model, dtype=policy, name="unet3d").build_for()
     CheckpointManager(run.checkpoints).restore(path, model)
-    return Predictor(model, config, f"checkpoints/{path.name}")
+    return Predictor(model, config, f"checkpoints/{path.name}", edge)
 
 
 # ---- inputs ---------------------------------------------------------------------------------
@@ -241,7 +253,7 @@ def predict_probabilities(predictor: Predictor, image: np.ndarray, *, mode: Mode
         predictor: the trained network.
         image: ``(D, H, W, C)`` float32 on the store grid, not yet normalised.
         mode: ``whole`` (one pass, padded to a multiple of ``2**depth``) or ``sliding``.
-        window: the sliding window's edge (default: the training volume).
+        window: the sliding window's edge (default: ``predictor.window``, the training patch or volume).
         overlap: the sliding windows' overlap fraction.
         accumulate: 'float32' or 'float16' sliding-window accumulators.
         tta: average the 8 mirrored passes.
@@ -258,7 +270,7 @@ def predict_probabilities(predictor: Predictor, image: np.ndarray, *, mode: Mode
         return np.ascontiguousarray(crop_padding(probabilities, slices))
     from bigmem.infer.sliding import sliding_window
 
-    window = window or predictor.config.data.volume
+    window = window or predictor.window
     return sliding_window(normalized, lambda batch: forward_probabilities(predictor.model, batch, tta=tta), window,
                           num_classes=predictor.num_classes, overlap=overlap, accumulate=accumulate, progress=progress)
 

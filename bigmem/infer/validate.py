@@ -1,8 +1,8 @@
 """Validation while training: the held-out cases through the prediction path, scored as evaluate scores.
 
-``validate`` predicts each held-out case whole, exactly as ``bigmem predict --mode whole`` does
-(normalise, pad to the size contract, one forward pass, probabilities mapped to the source
-geometry, argmax), and scores it against the store's labels in that geometry with
+``validate`` predicts each held-out case exactly as ``bigmem predict`` does: whole (normalise,
+pad to the size contract, one forward pass, probabilities mapped to the source geometry, argmax),
+or, for a run trained on patches, in sliding windows of its patch, and scores it against the store's labels in that geometry with
 ``infer/metrics.py`` (the empty rule of ``bigmem evaluate``). So the final ``val_dice`` of a
 run equals ``bigmem predict`` + ``bigmem evaluate`` on the same cases with the final model.
 """
@@ -15,16 +15,20 @@ from typing import Sequence
 from bigmem.data.store import HDF5VolumeStore
 from bigmem.infer.geometry import CaseGeometry, labels_to_source, source_label_from_store
 from bigmem.infer.metrics import aggregate, case_metrics
-from bigmem.infer.predict import Mode, Predictor, predict_probabilities
+from bigmem.infer.predict import DEFAULT_OVERLAP, Mode, Predictor, predict_probabilities
 
 
-def validate(predictor: Predictor, store_path: str | os.PathLike, case_ids: Sequence[str]) -> dict:
+def validate(predictor: Predictor, store_path: str | os.PathLike, case_ids: Sequence[str], *,
+             mode: Mode = Mode.WHOLE, overlap: float = DEFAULT_OVERLAP) -> dict:
     """Dice of ``predictor`` on ``case_ids`` of a store, per class and its foreground mean.
 
     Args:
         predictor: the network being trained (``Predictor(model, config, "training")``).
         store_path: the store holding the cases (their labels are the reference).
         case_ids: the held-out cases.
+        mode: ``Mode.WHOLE`` (default: one pass, as a whole-volume run is used) or
+            ``Mode.SLIDING`` (windows of ``predictor.window``, as a run trained on patches is used).
+        overlap: the sliding windows' overlap fraction (default 0.5).
 
     Returns:
         ``{"val_dice": foreground mean, "val_dice_per_class": {"1": mean Dice, ...}}``; a class
@@ -38,7 +42,7 @@ def validate(predictor: Predictor, store_path: str | os.PathLike, case_ids: Sequ
     for case_id in case_ids:
         with HDF5VolumeStore(store_path) as store:
             image = store.read_case(case_id)[0]
-        probabilities = predict_probabilities(predictor, image, mode=Mode.WHOLE)
+        probabilities = predict_probabilities(predictor, image, mode=mode, overlap=overlap)
         del image
         predicted = labels_to_source(probabilities, CaseGeometry.from_store(store_path, case_id))
         del probabilities

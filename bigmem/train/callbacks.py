@@ -133,7 +133,11 @@ class StopOnSignal(Callback):
 
 
 class TimeBudget(Callback):
-    """Ends the run once ``budget_s`` seconds of this session have passed (``--time-budget``)."""
+    """Ends the run once ``budget_s`` seconds of this session's training have passed (``--time-budget``).
+
+    Training is the session's time less what callbacks spent on other work (``LoopState.excluded_s``:
+    validation), so two runs given one budget train for the same time however they validate.
+    """
 
     def __init__(self, budget_s: float, clock=time.monotonic):
         self.budget_s, self.clock = budget_s, clock
@@ -147,7 +151,7 @@ class TimeBudget(Callback):
 
     def on_step_end(self, state: LoopState) -> None:
         """Stop once the budget has passed."""
-        if self.clock() - self.started_s >= self.budget_s:
+        if self.clock() - self.started_s - state.excluded_s >= self.budget_s:
             state.stop = "time budget"
 
 
@@ -201,12 +205,18 @@ class Validation(Callback):
     ``val_dice`` (the foreground mean) and ``val_dice_per_class`` join the step's metrics row;
     a better ``val_dice`` than any before (a resumed run remembers it) replaces
     ``checkpoints/best``. A run ended by its time budget is validated once more at its last step.
+    The cases go through the network as the run's model is used (``mode``: whole volumes, or
+    sliding windows of the patch a run on patches trained on); the time it takes is left out of
+    the time budget (``LoopState.excluded_s``).
     """
 
     def __init__(self, every: int, predictor, store_path: str, case_ids: list[str],
-                 checkpoints: CheckpointManager, console: Console):
+                 checkpoints: CheckpointManager, console: Console, mode=None, clock=time.monotonic):
+        from bigmem.infer.predict import Mode
+
         self.every, self.predictor, self.store_path, self.case_ids = every, predictor, store_path, case_ids
         self.checkpoints, self.console = checkpoints, console
+        self.mode, self.clock = mode or Mode.WHOLE, clock
         self.last: dict | None = None
         self.validated_step: int | None = None
         kept = checkpoints.best
@@ -217,7 +227,8 @@ class Validation(Callback):
     def _validate(self, state: LoopState) -> dict:
         from bigmem.infer.validate import validate
 
-        result = validate(self.predictor, self.store_path, self.case_ids)
+        started = self.clock()
+        result = validate(self.predictor, self.store_path, self.case_ids, mode=self.mode)
         self.last, self.validated_step = result, state.step
         dice = result["val_dice"]
         if math.isfinite(dice) and dice > self.best_dice:
@@ -226,6 +237,7 @@ class Validation(Callback):
         per_class = ", ".join(f"{c}: {d:.3f}" for c, d in result["val_dice_per_class"].items())
         self.console.print(f"validation at step {state.step}: Dice {dice:.3f} ({per_class}); best {self.best_dice:.3f} "
                            f"at step {self.best_step}", highlight=False)
+        state.excluded_s += self.clock() - started
         return result
 
     def on_step_end(self, state: LoopState) -> None:

@@ -30,6 +30,8 @@ class LoopState:
         stop: why the loop stopped early ("signal", "time budget"), or None.
         interrupted_by: the signal that stopped it, if any.
         waited_s, stepped_s: this session's input wait and whole step time (the stall share).
+        excluded_s: this session's time in work that is not training (validation), which the
+            time budget does not count.
     """
 
     start_step: int
@@ -42,6 +44,7 @@ class LoopState:
     interrupted_by: int | None = None
     waited_s: float = 0.0
     stepped_s: float = 0.0
+    excluded_s: float = 0.0
     started_s: float = field(default_factory=time.monotonic)
 
     def __post_init__(self) -> None:

@@ -222,11 +222,12 @@ def validation_callback(job: Job, model, console: Console) -> cb.Validation | No
     config = job.config
     if not config.train.val_every:
         return None
-    from bigmem.infer.predict import Predictor
+    from bigmem.infer.predict import Mode, Predictor
 
     held_out = list(job.loader.store.held_out)
-    return cb.Validation(config.train.val_every, Predictor(model, config, "training"), config.data.store, held_out,
-                         job.checkpoints, console)
+    patch = job.parallel.patch if job.parallel else None  # a run on patches is validated as it will be used: windows of its patch
+    return cb.Validation(config.train.val_every, Predictor(model, config, "training", patch), config.data.store,
+                         held_out, job.checkpoints, console, mode=Mode.SLIDING if patch else Mode.WHOLE)
 
 
 def _numa_summary(report: dict) -> str:

@@ -102,6 +102,21 @@ def test_time_budget_ends_the_run_after_the_step_that_reaches_it():
     assert _loop(LoopState(0, 50), [cb.TimeBudget(0.0)]).step == 0
 
 
+def test_time_spent_validating_is_not_training_time():
+    class SlowValidation(Callback):  # 10 s of other work after every step, as Validation records it
+        def on_step_end(self, state):
+            state.excluded_s += 10.0
+
+    now = [0.0]
+
+    def clock():
+        now[0] += 1.0 + (10.0 if now[0] > 1 else 0.0)  # each step: 1 s training + 10 s validation
+        return now[0]
+
+    state = _loop(LoopState(0, 50), [SlowValidation(), cb.TimeBudget(2.5, clock=clock)])
+    assert (state.step, state.stop, state.excluded_s) == (3, "time budget", 30.0)
+
+
 def test_a_signal_stops_after_the_current_step_and_restores_the_handler():
     class SendSigterm(Callback):
         def on_step_end(self, state):

@@ -69,3 +69,29 @@ def test_validation_needs_held_out_cases(tmp_path, tiny_store, capsys):
     assert code == 2
     assert err.strip() == ("bigmem train: error: --val-every needs held-out cases to validate on: give --holdout N "
                            "(the last N cases are kept out of training).")
+
+
+@pytest.mark.slow
+def test_a_run_on_patches_is_validated_in_windows_of_its_patch(tmp_path, tiny_store, capsys):
+    """A data-parallel run on 8^3 patches: val_dice is predict's sliding windows of 8^3 (its default window) + evaluate."""
+    import subprocess
+    import sys
+
+    from bigmem.infer.evaluate import evaluate
+
+    out = tmp_path / "run"
+    result = subprocess.run([sys.executable, "-m", "bigmem", "train", "--model", "tiny", "--data", str(tiny_store),
+                             "--steps", "4", "--holdout", "1", "--val-every", "2", "--strategy", "mirrored",
+                             "--simulate-replicas", "2", "--patch", "8", "--out", str(out)],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert json.loads((out / "plan.json").read_text())["data_parallel"]["patch"] == 8
+    code, stdout, err = run_cli(["predict", out, tiny_store, "--cases", "synth_0003", "-o", tmp_path / "pred",
+                                 "--mode", "sliding"], capsys)
+    assert code == 0, err
+    val = json.loads((out / "summary.json").read_text())
+    summary = evaluate(tmp_path / "pred", tiny_store, allow_missing=True)
+    assert summary["foreground_mean"]["Dice"] == pytest.approx(val["val_dice"], abs=1e-12)
+    from bigmem.infer.predict import load_predictor
+
+    assert load_predictor(out).window == 8  # predict's default window: the patch, from plan.json
