@@ -198,15 +198,20 @@ def norm_activation_slabs(x, gamma, beta, *, groups: int, epsilon: float, activa
                           negative_slope: float):
     """``fused_norm_activation`` over depth slabs, for tensors past the kernel limit (nets/slabs.py).
 
-    Forward: each sample's statistics are combined from per-slab means and sums of squared
-    deviations (Chan, Golub and LeVeque's pairwise update, float32), then each slab is
-    normalised and activated and written in place. Backward: a first pass over the slabs sums
-    dz and dz * (x - mean), a second writes dx = k1 * dz + k2 * (x - mean) + k3 slab by slab.
-    Only x and the statistics are kept; every temporary is one slab, in float32, and the slabs
-    run as tf.while_loops (NORM_SLAB_ELEMENTS).
+    ``norm_activation_large`` slab by slab: the statistics are combined from per-slab means and
+    sums of squared deviations (Chan, Golub and LeVeque's pairwise update, float32); then each
+    slab goes through TF's fused kernels and is written in place: FusedBatchNormV3 in inference
+    mode with those statistics (oneDNN, float32 inside the kernel) and the activation. Backward:
+    a first pass sums dz and dz * (x - mean) per channel with FusedBatchNormGradV3 in inference
+    mode (one kernel per slab; dz = the activation's gradient at the slab's pre-activation, made
+    again from x, so only x is kept), a second
+    writes dx = k1 dz + k2 (x - mean) + k3 as two inference-mode norms and an add. Every
+    temporary is one slab and the slabs run as tf.while_loops (NORM_SLAB_ELEMENTS). Fused kernels
+    in place of chains of elementwise ops: the slab loop of one op each read and wrote the slab
+    about 20 times forward and backward (benchmarks/results/kernels.md has both speeds).
 
     Args:
-        x: (batch, D, H, W, C), static shape, any float dtype (the work runs in it).
+        x: (batch, D, H, W, C), static shape, any float dtype.
         gamma, beta: (C,) float32.
         groups: channel groups (C for instance norm).
         epsilon, activation, negative_slope: as ``fused_norm_activation``.
@@ -227,73 +232,98 @@ def norm_activation_slabs(x, gamma, beta, *, groups: int, epsilon: float, activa
                                 f"of {limit} elements; depth slabs cannot bring it under")
     planes = max(1, min(depth, limit // plane))
     g = tf.reshape(gamma, (1, 1, groups, per_group))
-    b = tf.reshape(beta, (1, 1, groups, per_group))
     count = depth * height * width * per_group  # elements per (sample, group)
+    zero = tf.zeros((channels,))
+    ones = tf.ones((channels,)) - epsilon  # a variance that makes the norm's divisor 1
+    empty = tf.constant([], tf.float32)
 
-    def grouped(t):
-        return tf.reshape(t, (1, -1, groups, per_group))
+    def per_channel(t):  # (1, 1, G, 1 or Cg) -> (C,)
+        return tf.reshape(tf.broadcast_to(t, (1, 1, groups, per_group)), (channels,))
+
+    def view(t):  # (1 or n, ...) slab -> the 4-D view oneDNN's kernel takes
+        return tf.reshape(t, (1, -1, height * width, channels))
+
+    def affine(t, scale, offset, mean, variance):
+        """scale * (t - mean) / sqrt(variance + epsilon) + offset per channel, as (n, H, W, C) rows."""
+        return tf.reshape(tf.raw_ops.FusedBatchNormV3(
+            x=view(t), scale=scale, offset=offset, mean=mean, variance=variance, epsilon=epsilon,
+            data_format="NHWC", is_training=False)[0], (-1, height, width, channels))
+
+    def rows_of(planes_t, row, n):
+        return tf.slice(planes_t, tf.stack([row, 0, 0, 0]), [n, -1, -1, -1])
+
+    def write(rows_out, row, values):
+        n = values.shape[0]
+        return tf.raw_ops.InplaceUpdate(x=rows_out, i=tf.range(row, row + n), v=tf.cast(values, dtype))
 
     @tf.custom_gradient
     def forward(x, gamma, beta):
         x_planes = as_planes(x)
-        means, rstds = [], []
-        for sample in range(batch):
-            mean, variance = _slab_statistics(x_planes, depth, planes, sample, groups, per_group, count)
-            means.append(mean)
-            rstds.append(tf.math.rsqrt(variance + epsilon))
-        mean, rstd = tf.concat(means, axis=0), tf.concat(rstds, axis=0)  # (B, 1, G, 1)
-        scale = g * rstd
-
-        # Every elementwise step runs in float32 on the centred slab: in bfloat16, x * scale + shift
-        # and dz * k1 + x * k2 + k3 cancel catastrophically when the mean is large against the
-        # spread (a conv -> norm block's input gradient came out 15-25% off).
-        def centred(slab, sample):
-            return grouped(tf.cast(slab, tf.float32)) - mean[sample:sample + 1]
-
-        def write(rows_out, row, values, n):
-            return tf.raw_ops.InplaceUpdate(x=rows_out, i=tf.range(row, row + n),
-                                            v=tf.reshape(tf.cast(values, dtype), (n, height, width, channels)))
-
+        stats = [_slab_statistics(x_planes, depth, planes, sample, groups, per_group, count)
+                 for sample in range(batch)]  # (mean, variance) per sample, (1, 1, G, 1) each
+        means = [per_channel(mean) for mean, _ in stats]
+        variances = [per_channel(variance) for _, variance in stats]
         y_rows = tf.raw_ops.Empty(shape=x_planes.shape, dtype=dtype, init=False)
         for sample in range(batch):
             def normalise(row, slab, state, sample=sample):
-                z = _activate(centred(slab, sample) * scale[sample:sample + 1] + b, activation, negative_slope)
-                return (write(state[0], row, z, slab.shape[1]),)
+                z = affine(slab, gamma, beta, means[sample], variances[sample])
+                return (write(state[0], row, _activate(z, activation, negative_slope)),)
 
             (y_rows,) = _over_slabs(x_planes, depth, planes, sample, normalise, (y_rows,))
 
         def backward(dy):
             dy_planes = as_planes(dy)
 
-            def gated(row, slab, sample):
-                xc = centred(slab, sample)
-                dy_slab = tf.slice(dy_planes, tf.stack([row, 0, 0, 0]), [slab.shape[1], -1, -1, -1])
-                return xc, _gate(grouped(tf.cast(dy_slab, tf.float32)), xc * scale[sample:sample + 1] + b,
-                                 activation, negative_slope)
+            def dz_of(row, slab, sample):
+                # The pre-activation is made again from the slab rather than read from the
+                # output: keeping y for backward would add a tensor of x's size to the op
+                # (block_bf16 of bench_slabs --proof then ran out of 24 GiB).
+                dy_slab = rows_of(dy_planes, row, slab.shape[1])
+                if activation == "linear":
+                    return dy_slab
+                z = tf.cast(affine(slab, gamma, beta, means[sample], variances[sample]), dy_slab.dtype)
+                return _activation_grad(dy_slab, z, activation, negative_slope)
 
-            sums = []
-            for sample in range(batch):
-                def accumulate(row, slab, state, sample=sample):
-                    xc, dz = gated(row, slab, sample)
-                    shape5 = (1, slab.shape[1], height, width, channels)
-                    return (state[0] + _channel_sums(tf.reshape(dz, shape5), None, groups),
-                            state[1] + _channel_sums(tf.reshape(dz * xc, shape5), None, groups))
-
-                zeros = tf.zeros((1, 1, groups, per_group))
-                sums.append(_over_slabs(x_planes, depth, planes, sample, accumulate, (zeros, zeros)))
-            # The sums are of dz * (x - mean): the coefficients of the centred x (mean 0).
-            dgamma, dbeta, (k1, k2, k3) = _input_grad_coefficients(
-                g, 0.0, rstd, tf.concat([s[0] for s in sums], axis=0), tf.concat([s[1] for s in sums], axis=0), count)
+            dgammas, dbetas = [], []
             dx_rows = tf.raw_ops.Empty(shape=x_planes.shape, dtype=dtype, init=False)
             for sample in range(batch):
-                k = [c[sample:sample + 1] for c in (k1, k2, k3)]
+                mean_g, variance_g = stats[sample]
 
-                def input_grad(row, slab, state, sample=sample, k=k):
-                    xc, dz = gated(row, slab, sample)
-                    return (write(state[0], row, dz * k[0] + xc * k[1] + k[2], slab.shape[1]),)
+                def accumulate(row, slab, state, sample=sample):
+                    # Inference-mode gradient: offset_backprop = sum dz, scale_backprop =
+                    # sum dz * (x - mean) / sqrt(variance + epsilon), per channel, float32.
+                    grads = tf.raw_ops.FusedBatchNormGradV3(
+                        y_backprop=view(dz_of(row, slab, sample)), x=view(slab), scale=gamma,
+                        reserve_space_1=means[sample], reserve_space_2=variances[sample], reserve_space_3=empty,
+                        epsilon=epsilon, data_format="NHWC", is_training=False)
+                    return state[0] + grads[2], state[1] + grads[1]
+
+                sum_dz, sum_dz_xhat = _over_slabs(x_planes, depth, planes, sample, accumulate, (zero, zero))
+                rstd = tf.math.rsqrt(variance_g + epsilon)
+                grouped = (1, 1, groups, per_group)
+                dgamma, dbeta, (k1, k2, k3) = _input_grad_coefficients(
+                    g, 0.0, rstd, tf.reshape(sum_dz, grouped),
+                    tf.reshape(sum_dz_xhat, grouped) / rstd, count)  # sums of dz * (x - mean): centred
+                # dx = k1 dz + k2 (x - mean) + k3: k1 dz as a norm of dz with mean 0 and variance
+                # 1 - epsilon, k2 (x - mean) + k3 as one of x with scale k2 sqrt(var + eps).
+                # In bfloat16 the two terms are made and added in float32: rounded to bfloat16 first,
+                # they cancel where the mean is large against the spread (a conv -> norm block's
+                # input gradient came out 12% off).
+                scale_dz, scale_x, offset_x = per_channel(k1), per_channel(k2 / rstd), per_channel(k3)
+
+                def input_grad(row, slab, state, sample=sample, scale_dz=scale_dz, scale_x=scale_x,
+                               offset_x=offset_x):
+                    dz, xs = dz_of(row, slab, sample), slab
+                    if dtype != tf.float32:
+                        dz, xs = tf.cast(dz, tf.float32), tf.cast(xs, tf.float32)
+                    dx = (affine(dz, scale_dz, zero, zero, ones)
+                          + affine(xs, scale_x, offset_x, means[sample], variances[sample]))
+                    return (write(state[0], row, dx),)
 
                 (dx_rows,) = _over_slabs(x_planes, depth, planes, sample, input_grad, (dx_rows,))
-            return tf.reshape(dx_rows, x.shape), dgamma, dbeta
+                dgammas.append(dgamma)
+                dbetas.append(dbeta)
+            return tf.reshape(dx_rows, x.shape), tf.add_n(dgammas), tf.add_n(dbetas)
 
         return tf.reshape(y_rows, x.shape), backward
 
