@@ -33,7 +33,7 @@ LAYERS = (
     # monitor reads memory's /proc readers; infer (predict, evaluate, sliding windows, the source
     # geometry) reads memory's inference plan; the trainer runs both.
     ("distribute", "monitor", "infer"),
-    ("train",),
+    ("train", "compare"),  # compare runs train as processes, predicts and evaluates both paths (infer)
     ("cli",),
     ("__main__",),  # python -m bigmem: the command line
 )

@@ -6,41 +6,65 @@ import argparse
 from pathlib import Path
 
 from bigmem.cli.common import add_budget_flag, budget_arguments, check_output_dir, check_positive
+from bigmem.compare import DEFAULT_PHANTOM_VOLUME, DEFAULT_TIME_BUDGET_S, DEFAULT_VAL_EVERY
 from bigmem.errors import UsageError
 from bigmem.units import parse_bytes
 
 HELP = "compare whole-volume CPU training with a data-parallel GPU baseline"
 
 DESCRIPTION = """\
-Train the same model on the same data for the same budget (a) bigmem's way, whole volumes in
-this host's RAM, and (b) data parallel with tf.distribute.MirroredStrategy on patches that fit
-one GPU (--gpu-memory). Without GPUs, (b) runs on N logical CPU devices (--simulate-replicas N)
-and everything it reports is labelled "simulated on CPU". Both models are then evaluated on
-held-out whole volumes. Writes compare.json, compare.md and compare.png (and both run
-directories) to --out, and prints the table.
+What does training on whole volumes in RAM buy over the usual GPU recipe, and at what cost?
+compare trains the same model on the same data (a) bigmem's way, whole volumes in this host's
+RAM, evaluated with one whole-volume pass, and (b) data parallel with tf.distribute's
+MirroredStrategy on the largest patch that fits one GPU (--gpu-memory), evaluated in Gaussian
+sliding windows of that patch (overlap 0.5, as nnU-Net and MLPerf do). Both are pre-flighted
+before either trains, trained for the same budget (--budget: equal training time, the default,
+or equal training FLOPs; validation time is not counted), validated every --val-every steps for
+the time-to-Dice curves, and scored on the same held-out cases by bigmem predict's and bigmem
+evaluate's code (per-class Dice and HD95). With --seeds N each path trains N times and the
+conclusion says whether the difference exceeds the seed-to-seed spread.
+
+Defaults keep the proportion of the real case: synthetic phantoms of 64^3 and a GPU memory scaled
+so that the planner's patch is the same fraction of their edge as an 80 GiB GPU's patch is of a
+512^3 kits19 volume (about half); the output states the stand-in. --data and --gpu-memory override
+both. Without GPUs, (b) runs on N logical CPU devices (--simulate-replicas N) and everything it
+reports is labelled "simulated on CPU". Writes compare.json, compare.md and compare.png (and every
+run directory and its predictions) to --out, and prints the table and the conclusion.
 """
 
 
 def register(subparsers, parents) -> None:
     parser = subparsers.add_parser("compare", help=HELP, description=DESCRIPTION, parents=parents,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data", metavar="STORE.h5", help="HDF5 store (default: the synthetic phantoms)")
+    parser.add_argument("--data", metavar="STORE.h5",
+                        help=f"HDF5 store (default: synthetic phantoms of --volume, default {DEFAULT_PHANTOM_VOLUME}^3)")
     parser.add_argument("--model", metavar="PRESET", help="preset (default: small)")
-    parser.add_argument("--volume", type=int, metavar="N", help="whole-volume edge (default: the preset's)")
-    parser.add_argument("--batch-size", type=int, metavar="B", help="per replica, and for the CPU path")
+    parser.add_argument("--volume", type=int, metavar="N",
+                        help="whole-volume edge (default: the phantoms' edge, or the preset's with --data)")
+    parser.add_argument("--batch-size", type=int, metavar="B", help="per replica, and for the whole-volume path")
     parser.add_argument("--gpus", type=int, metavar="N", help="GPUs for the data-parallel path")
     parser.add_argument("--simulate-replicas", type=int, metavar="N",
                         help="run the data-parallel path on N logical CPU devices (default when no GPU: 2)")
-    parser.add_argument("--gpu-memory", metavar="SIZE", default="80GiB",
-                        help="memory of one GPU for the patch size and the largest-volume figure (default 80GiB)")
-    budget = parser.add_mutually_exclusive_group()
-    budget.add_argument("--steps", type=int, metavar="K", help="training steps for each path (default 5)")
-    budget.add_argument("--time-budget", type=float, metavar="S", help="seconds of training for each path")
+    parser.add_argument("--gpu-memory", metavar="SIZE",
+                        help="memory of one GPU, which sizes the patch (default: the scaled stand-in above)")
+    parser.add_argument("--budget", choices=("time", "flops"), default="time",
+                        help="equal training time (default) or equal training FLOPs for the two paths")
+    length = parser.add_mutually_exclusive_group()
+    length.add_argument("--time-budget", type=float, metavar="S",
+                        help=f"seconds of training for the whole-volume path (default {DEFAULT_TIME_BUDGET_S:g}); "
+                             "the data-parallel path gets the same seconds, or the same FLOPs")
+    length.add_argument("--steps", type=int, metavar="K", help="steps for the whole-volume path instead of seconds")
+    parser.add_argument("--seeds", type=int, metavar="N", default=1,
+                        help="train each path N times (seeds 0..N-1) and compare the difference with the spread "
+                             "(default 1)")
+    parser.add_argument("--val-every", type=int, metavar="K", default=DEFAULT_VAL_EVERY,
+                        help=f"validate the whole-volume path every K steps, the data-parallel path at the same "
+                             f"training FLOPs (default {DEFAULT_VAL_EVERY})")
     add_budget_flag(parser, help_text="host memory budget of both training runs and of the largest-volume figure "
                                       "(default: MemAvailable)")
     parser.add_argument("--holdout", type=int, metavar="N", help="held-out cases for the Dice (default: 1 in 5)")
     parser.add_argument("--monitor-interval", type=float, metavar="S",
-                        help="seconds between monitor.csv rows in each path's run directory (default 1; 0: off)")
+                        help="seconds between monitor.csv rows in each run directory (default 1; 0: off)")
     parser.add_argument("--out", metavar="DIR", default="compare", help="output folder (default: ./compare)")
     parser.set_defaults(run=run)
 
@@ -48,13 +72,13 @@ def register(subparsers, parents) -> None:
 def run(args) -> int:
     for flag, value in (("--steps", args.steps), ("--batch-size", args.batch_size), ("--volume", args.volume),
                         ("--gpus", args.gpus), ("--simulate-replicas", args.simulate_replicas),
-                        ("--time-budget", args.time_budget)):
+                        ("--time-budget", args.time_budget), ("--seeds", args.seeds), ("--val-every", args.val_every)):
         check_positive(flag, value)
     check_positive("--holdout", args.holdout, zero_ok=True)
     if args.monitor_interval is not None and not 0 <= args.monitor_interval < float("inf"):
         raise UsageError(f"Invalid --monitor-interval {args.monitor_interval:g}: expected seconds >= 0 "
                          "(0 turns the monitor off).")
-    gpu_memory = parse_bytes(args.gpu_memory, flag="--gpu-memory")
+    gpu_memory = parse_bytes(args.gpu_memory, flag="--gpu-memory") if args.gpu_memory is not None else None
     if gpu_memory == 0:
         raise UsageError(f"Invalid --gpu-memory {args.gpu_memory!r}: expected a positive size such as 80GiB.")
     memory_budget = budget_arguments(args)[0]
@@ -63,52 +87,56 @@ def run(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from bigmem.compare import GpuMemory, Settings, compare, rows, scaled_gpu_memory
     from bigmem.config.presets import resolve_config
     from bigmem.data.derived import with_data_fields
     from bigmem.data.store import HDF5VolumeStore
-    from bigmem.distribute.compare import compare, rows
-    from bigmem.tfenv import import_tensorflow
+    from bigmem.memory.profile import counts_function
 
-    overrides = {"data": {k: v for k, v in (("volume", args.volume),) if v is not None},
-                 "train": {k: v for k, v in (("batch_size", args.batch_size),) if v is not None}}
-    config = resolve_config(args.model or "small", overrides)
-    config = with_data_fields(config.updated({"data": {"store": args.data}}))
+    volume = args.volume or (None if args.data else DEFAULT_PHANTOM_VOLUME)
+    data = {"store": args.data, **({"volume": volume} if volume else {})}
+    if args.data is None:
+        data["synth_volume"] = volume
+    overrides = {"data": data, "train": {k: v for k, v in (("batch_size", args.batch_size),) if v is not None}}
+    status = Console(soft_wrap=True, stderr=True)
+    config = with_data_fields(resolve_config(args.model or "small", overrides),
+                              generating=lambda: status.status("generating the synthetic phantoms ..."))
     store = config.data.store
     holdout = args.holdout
     with HDF5VolumeStore(store) as opened:  # a --holdout that leaves no training case is refused here
         num_cases = len(opened)
         if holdout is None:
             holdout = max(1, num_cases // 5)
-        if holdout >= num_cases:
+        if holdout >= num_cases or holdout == 0:
             given = f"--holdout {holdout}" if args.holdout is not None else f"the default --holdout ({holdout})"
             cases = f"{num_cases} case{'s' if num_cases > 1 else ''}"
-            raise UsageError(f"Invalid {given}: the store {store!r} has {cases}, and training needs at least one "
-                             "besides the held-out ones.")
+            need = ("at least one held-out case to score" if holdout == 0
+                    else "at least one besides the held-out ones to train on")
+            raise UsageError(f"Invalid {given}: the store {store!r} has {cases}; compare needs {need}.")
+    memory = (GpuMemory(gpu_memory) if gpu_memory is not None
+              else scaled_gpu_memory(config, counts_function(config)))
+    from bigmem.tfenv import import_tensorflow
+
     tf = import_tensorflow(verbose=getattr(args, "verbose", False))
     gpus = len(tf.config.list_physical_devices("GPU"))
     simulate = args.simulate_replicas is not None or gpus == 0
     replicas = args.simulate_replicas or (2 if simulate else (args.gpus or gpus))
-    common = ["--model", args.model or "small", "--data", store, "--holdout", str(holdout)]
-    if args.volume:
-        common += ["--volume", str(args.volume)]
-    if args.batch_size:
-        common += ["--batch-size", str(args.batch_size)]
-    if memory_budget is not None:
-        common += ["--memory-budget", str(memory_budget)]
-    if args.monitor_interval is not None:
-        common += ["--monitor-interval", str(args.monitor_interval)]
+    settings = Settings(replicas=replicas, simulate=simulate, gpu_memory=memory, budget=args.budget,
+                        time_budget_s=args.time_budget, steps=args.steps, seeds=args.seeds, holdout=holdout,
+                        val_every=args.val_every, memory_budget_bytes=memory_budget,
+                        monitor_interval_s=args.monitor_interval)
     console = Console(soft_wrap=True)
-    status = Console(soft_wrap=True, stderr=True)
-    report = compare(config, Path(args.out), replicas=replicas, simulate=simulate, gpu_memory_bytes=gpu_memory,
-                     steps=args.steps or (None if args.time_budget else 5), time_budget_s=args.time_budget,
-                     common=common, progress=lambda m: status.print(m, style="dim"), memory_budget_bytes=memory_budget)
+    if memory.stand_in:
+        status.print(f"GPU memory: {memory.stand_in}.", style="dim", highlight=False)
+    report = compare(config, Path(args.out), settings, progress=lambda m: status.print(m, style="dim", highlight=False))
     title = "bigmem compare" + (" — data-parallel path SIMULATED ON CPU" if simulate else "")
     table = Table(title=title)
     table.add_column("")
-    table.add_column("big-memory CPU (bigmem)")
-    table.add_column(f"data parallel ({replicas} {'simulated replicas' if simulate else 'GPUs'})")
+    table.add_column("whole volumes in RAM (bigmem)")
+    table.add_column(f"data parallel on patches ({replicas} {'simulated replicas' if simulate else 'GPUs'})")
     for row in rows(report):
         table.add_row(*row)
     console.print(table)
+    console.print(report["conclusion"]["text"], highlight=False)
     console.print(f"wrote {args.out}/compare.json, compare.md, compare.png")
     return 0

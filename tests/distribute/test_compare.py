@@ -1,4 +1,4 @@
-"""bigmem compare: both paths run, four outputs, marked simulated, figures from the run directories."""
+"""bigmem compare: the GPU path tiles, both paths scored as their users would, budgets stated, a computed conclusion."""
 
 from __future__ import annotations
 
@@ -9,36 +9,102 @@ import sys
 import numpy as np
 import pytest
 
+from bigmem.compare import Settings, conclude, scaled_gpu_memory
+from bigmem.config.presets import resolve_config
+from bigmem.infer.evaluate import evaluate
+from bigmem.memory.profile import counts_function
 from bigmem.rundir import read_jsonl
 
-PATH_FIELDS = {"voxels_per_s", "samples_per_s", "step_s", "peak_host_bytes", "max_whole_volume", "dice"}
+
+def test_the_scaled_stand_in_keeps_the_real_proportion():
+    from bigmem.distribute.planning import gpu_footprint_bytes, largest_edge
+
+    config = resolve_config("small", {"data": {"volume": 64}})
+    counts_for = counts_function(config)
+    memory = scaled_gpu_memory(config, counts_for)
+    kits19 = resolve_config("kits19", {"train": {"batch_size": 2}})
+    real = largest_edge(kits19, counts_function(kits19), 80 * 2**30, 2, 512)
+    assert real == 256  # the planner's patch for the headline case: half the edge
+    assert largest_edge(config, counts_for, memory.bytes, 2, 64) == 32  # so, half of 64
+    assert memory.bytes == gpu_footprint_bytes(config, counts_for, 32, 2)
+    assert "scaled stand-in" in memory.stand_in and "256^3 of a 512^3 kits19" in memory.stand_in
+
+
+def test_settings_refuse_what_no_run_could_use():
+    from bigmem.compare import GpuMemory
+    from bigmem.errors import UsageError
+
+    good = dict(replicas=2, simulate=True, gpu_memory=GpuMemory(2**30))
+    for bad, message in ((dict(seeds=0), "seeds 0"), (dict(budget="energy"), "budget 'energy'"),
+                         (dict(time_budget_s=float("inf")), "time_budget_s inf"), (dict(replicas=0), "replicas 0")):
+        with pytest.raises(UsageError, match=message):
+            Settings(**{**good, **bad}).check()
+    assert Settings(**good).cpu_time_budget_s == 120.0 and Settings(**good, steps=5).cpu_time_budget_s is None
+
+
+def _report(cpu: list[float], dp: list[float]) -> dict:
+    def path(dice):
+        return {"dice": float(np.mean(dice)), "dice_range": max(dice) - min(dice)}
+
+    return {"seeds": len(cpu), "budget": "equal training time (120 s of training each)",
+            "paths": {"cpu_bigmem": path(cpu), "data_parallel": path(dp)}}
+
+
+def test_the_conclusion_is_computed_from_the_numbers():
+    one = conclude(_report([0.9], [0.8]))
+    assert (one["higher"], one["difference"], one["spread"], one["exceeds_spread"]) == (
+        "cpu_bigmem", pytest.approx(0.1), None, None)
+    assert one["text"] == ("Whole volumes in RAM (bigmem) reached the higher held-out Dice within equal training time "
+                           "(120 s of training each): 0.900 against 0.800 (+0.100); one seed, so the seed-to-seed "
+                           "spread is unknown (--seeds 3 measures it).")
+    clear = conclude(_report([0.90, 0.91, 0.92], [0.80, 0.82, 0.81]))
+    assert clear["exceeds_spread"] is True and clear["spread"] == pytest.approx(0.02)
+    assert clear["text"].endswith("(+0.100), more than the spread over 3 seeds (0.020).")
+    noise = conclude(_report([0.80, 0.90, 0.85], [0.86, 0.84, 0.88]))
+    assert (noise["higher"], noise["exceeds_spread"]) == ("data_parallel", False)
+    assert noise["text"].startswith("GPU data parallel on patches reached the higher held-out Dice")
+    assert noise["text"].endswith("no more than the spread over 3 seeds (0.100): the difference is not established.")
 
 
 @pytest.mark.slow
-def test_compare_simulated(tmp_path, tiny_store):
+def test_compare_tiles_and_scores_both_paths_as_their_users_would(tmp_path, tiny_store):
     out = tmp_path / "cmp"
     result = subprocess.run([sys.executable, "-m", "bigmem", "compare", "--model", "tiny", "--data", str(tiny_store),
-                             "--volume", "16", "--steps", "5", "--simulate-replicas", "2", "--gpu-memory", "2GiB",
-                             "--out", str(out)], capture_output=True, text=True)
+                             "--volume", "16", "--steps", "4", "--budget", "flops", "--val-every", "2",
+                             "--simulate-replicas", "2", "--holdout", "1", "--out", str(out)],
+                            capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
-    assert "SIMULATED ON CPU" in result.stdout
-    assert {p.name for p in out.iterdir()} >= {"compare.json", "compare.md", "compare.png", "cpu_bigmem",
-                                              "data_parallel"}
+    assert "SIMULATED ON CPU" in result.stdout and "scaled stand-in" in result.stderr
     assert (out / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "SIMULATED ON CPU" in (out / "compare.md").read_text()
     report = json.loads((out / "compare.json").read_text())
-    assert report["simulated"] is True and report["replicas"] == 2 and report["held_out_cases"] == ["synth_0003"]
-    for name in ("cpu_bigmem", "data_parallel"):
-        path = report["paths"][name]
-        assert PATH_FIELDS <= set(path)
-        rows = read_jsonl(out / name / "metrics.jsonl")
-        assert path["steps"] == len(rows) == 5
-        assert path["voxels_per_s"] == pytest.approx(np.median([r["voxels_per_s"] for r in rows[1:]]))
-        assert path["step_s"] == pytest.approx(np.median([r["step_s"] for r in rows[1:]]))
-        summary = json.loads((out / name / "summary.json").read_text())
-        assert path["peak_host_bytes"] == summary["peak_rss_bytes"]
-        assert 0.0 <= path["dice"] <= 1.0
-    dp_plan = json.loads((out / "data_parallel" / "plan.json").read_text())["data_parallel"]
-    assert dp_plan["simulated"] and dp_plan["global_batch"] == 2 and report["patch_size"] == dp_plan["patch"]
-    assert report["paths"]["data_parallel"]["samples_per_s"] == pytest.approx(2 / report["paths"]["data_parallel"][
-        "step_s"])
+    assert report["patch_size"] == 8 and report["volume"] == 16  # the GPU path tiles
+    assert report["held_out_cases"] == ["synth_0003"] and report["seeds"] == 1
+    assert report["conclusion"]["text"] in result.stdout and report["conclusion"]["text"] in (
+        out / "compare.md").read_text()
+    cpu, dp = report["paths"]["cpu_bigmem"], report["paths"]["data_parallel"]
+    # equal FLOPs: 4 steps of 1 x 16^3 against 2 x 8^3 per step: 4 x 16^3 / (2 x 8^3) = 16 steps
+    assert (cpu["steps"], dp["steps"]) == (4, 16) and cpu["train_flops"] == dp["train_flops"]
+    for name, path, mode in (("cpu_bigmem", cpu, "whole"), ("data_parallel", dp, "sliding 8^3, overlap 0.5")):
+        run = path["runs"][0]
+        assert path["inference_mode"] == mode and run["held_out"]["mode"] == mode
+        rows = read_jsonl(out / name / "seed-0" / "metrics.jsonl")
+        assert len(rows) == run["steps"] and run["train_s"] == pytest.approx(sum(r["step_s"] for r in rows))
+        assert [p["step"] for p in run["curve"] if "val_dice" in p] == [r["step"] for r in rows if "val_dice" in r]
+        # scored by evaluate's code on predict's files: the same numbers again from the files left behind
+        scored = evaluate(out / name / "seed-0-predictions", tiny_store, allow_missing=True)
+        assert path["dice"] == pytest.approx(scored["foreground_mean"]["Dice"], abs=1e-12)
+        assert set(path["per_class"]) == {"1", "2"}
+    # the data-parallel path validates at the whole-volume path's FLOPs spacing: every 2 x 4 = 8 steps
+    assert [r["step"] for r in read_jsonl(out / "data_parallel" / "seed-0" / "metrics.jsonl")
+            if "val_dice" in r] == [8, 16]
+
+
+def test_a_refusal_comes_before_any_training(tmp_path, tiny_store, capsys):
+    from helpers import run_cli
+
+    code, _, err = run_cli(["compare", "--model", "tiny", "--data", tiny_store, "--volume", "16", "--steps", "2",
+                            "--gpu-memory", "1MiB", "--out", tmp_path / "cmp"], capsys)
+    assert code == 3
+    assert err.strip().splitlines()[-1].startswith(
+        "bigmem compare: error: Not even a 4^3 patch at batch 1 fits one GPU's 1.00 MiB")
+    assert not (tmp_path / "cmp" / "cpu_bigmem").exists()

@@ -1,0 +1,500 @@
+"""``bigmem compare``'s API: whole volumes in host RAM against the usual GPU recipe, on the same task.
+
+The question a user brings: what does training on whole volumes in RAM buy over data parallel
+on patches that fit one GPU, and at what cost? Both paths train the same model on the same
+data, each as a real ``bigmem train`` run in its own process (its own peak memory; simulated
+devices stay in that process):
+
+- ``cpu_bigmem``: whole volumes; evaluated with one whole-volume pass per case;
+- ``data_parallel``: ``tf.distribute.MirroredStrategy`` on the largest patch that fits one GPU
+  (the planner's choice for ``gpu_memory_bytes``); evaluated as nnU-Net and MLPerf evaluate a
+  patch-trained network: Gaussian sliding windows of its patch, overlap 0.5.
+
+Both are pre-flighted before either trains. The budget is equal training time (validation is
+not counted) or equal training FLOPs. Both are scored on the same held-out cases by
+``bigmem predict``'s and ``bigmem evaluate``'s code, over one or more seeds, and the conclusion
+(which path reached the higher held-out Dice, by how much, and whether that exceeds the
+seed-to-seed spread) is computed from those numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from bigmem.config.schema import ExperimentConfig
+from bigmem.errors import BigmemError, UsageError
+from bigmem.rundir import RunDir, atomic_output, atomic_write_json, atomic_write_text
+from bigmem.units import format_bytes
+
+PATHS = ("cpu_bigmem", "data_parallel")
+LABELS = {"cpu_bigmem": "whole volumes in RAM (bigmem)", "data_parallel": "GPU data parallel on patches"}
+# The proportion the default GPU memory keeps: the headline case, a 512^3 kits19 volume against
+# one 80 GiB GPU. The planner's patch there (about half the edge at batch 2) sets the fraction.
+REAL_CASE = {"model": "kits19", "volume": 512, "gpu_memory_bytes": 80 * 2**30}
+DEFAULT_PHANTOM_VOLUME = 64  # the default dataset: synthetic phantoms of this edge (a 32^3 patch)
+DEFAULT_TIME_BUDGET_S = 120.0
+DEFAULT_VAL_EVERY = 10
+OVERLAP = 0.5  # nnU-Net's and MLPerf's sliding-window overlap
+NO_CHECKPOINTS = "1000000"  # compare's runs are never resumed: no periodic checkpoints
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuMemory:
+    """One GPU's memory for the data-parallel path, and, for the scaled stand-in, how it was derived.
+
+    Attributes:
+        bytes: the memory the patch is sized for.
+        stand_in: None when given (``--gpu-memory``); else the sentence that states the scaling.
+    """
+
+    bytes: int
+    stand_in: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """How ``compare`` runs: replicas, GPU memory, budget, seeds, validation cadence.
+
+    Attributes:
+        replicas: data-parallel replicas (GPUs, or logical CPU devices when ``simulate``).
+        simulate: the replicas are logical CPU devices standing in for GPUs.
+        gpu_memory: one GPU's memory (``GpuMemory``).
+        budget: "time" (equal training time, default) or "flops" (equal training FLOPs).
+        time_budget_s: the cpu_bigmem path's training seconds (default 120 without ``steps``).
+        steps: the cpu_bigmem path's steps instead of a time budget.
+        seeds: runs per path (seeds 0..N-1); the conclusion compares the difference with their spread.
+        holdout: the held-out cases (the store's last ``holdout``).
+        val_every: the cpu_bigmem path validates every this many steps; the data-parallel path
+            at the same training FLOPs (its steps scaled by the FLOPs per step).
+        memory_budget_bytes: the host's budget (default: ``memory.preflight.resolve_budget``'s).
+        monitor_interval_s: each run's monitor.csv interval (None: train's default).
+    """
+
+    replicas: int
+    simulate: bool
+    gpu_memory: GpuMemory
+    budget: str = "time"
+    time_budget_s: float | None = None
+    steps: int | None = None
+    seeds: int = 1
+    holdout: int = 1
+    val_every: int = DEFAULT_VAL_EVERY
+    memory_budget_bytes: int | None = None
+    monitor_interval_s: float | None = None
+
+    def check(self) -> None:
+        """Raise ``UsageError`` for a setting no run could use."""
+        if self.replicas < 1:
+            raise UsageError(f"Invalid replicas {self.replicas}: expected at least 1 data-parallel replica.")
+        if self.budget not in ("time", "flops"):
+            raise UsageError(f"Invalid budget {self.budget!r}: expected time or flops.")
+        if self.time_budget_s is not None and not 0 < self.time_budget_s < math.inf:
+            raise UsageError(f"Invalid time_budget_s {self.time_budget_s:g}: expected a positive, finite number.")
+        if self.steps is not None and self.steps < 1:
+            raise UsageError(f"Invalid steps {self.steps}: expected a positive number of steps.")
+        for name in ("seeds", "holdout", "val_every"):
+            if getattr(self, name) < 1:
+                raise UsageError(f"Invalid {name} {getattr(self, name)}: expected a positive integer.")
+
+    @property
+    def cpu_time_budget_s(self) -> float | None:
+        """The cpu_bigmem path's time budget: given, or the default when no steps are."""
+        if self.steps is not None:
+            return self.time_budget_s
+        return self.time_budget_s or DEFAULT_TIME_BUDGET_S
+
+
+def scaled_gpu_memory(config: ExperimentConfig, counts_for) -> GpuMemory:
+    """One GPU's memory in the proportion of the real case, for ``config``'s volume.
+
+    The planner's patch for a 512^3 kits19 volume on an 80 GiB GPU (at ``config``'s batch) is a
+    fraction of its edge; the stand-in is the memory in which the planner's patch for
+    ``config.data.volume`` is the same fraction (rounded down to the size contract).
+
+    Returns:
+        ``GpuMemory`` with the sentence that states the scaling.
+    """
+    from bigmem.config.presets import resolve_config
+    from bigmem.distribute.planning import gpu_footprint_bytes, largest_edge
+    from bigmem.memory.profile import counts_function
+
+    batch = config.train.batch_size
+    real = resolve_config(REAL_CASE["model"], {"train": {"batch_size": batch}})
+    real_patch = largest_edge(real, counts_function(real), REAL_CASE["gpu_memory_bytes"], batch, REAL_CASE["volume"])
+    fraction = (real_patch or real.model.divisor) / REAL_CASE["volume"]
+    divisor, volume = config.model.divisor, config.data.volume
+    edge = max(divisor, int(fraction * volume) // divisor * divisor)
+    memory = gpu_footprint_bytes(config, counts_for, edge, batch)
+    return GpuMemory(memory, f"a scaled stand-in: {format_bytes(memory)}, in which the planner's patch is {edge}^3 "
+                             f"of the {volume}^3 volumes, as {format_bytes(REAL_CASE['gpu_memory_bytes'])} holds "
+                             f"{real_patch}^3 of a {REAL_CASE['volume']}^3 {REAL_CASE['model']} volume (batch {batch})")
+
+
+def preflight(config: ExperimentConfig, counts_for, settings: Settings):
+    """Both paths' memory pre-flight, before either trains: (cpu_bigmem's Plan, the data-parallel decisions).
+
+    Raises:
+        InsufficientMemoryError: (exit 3) the whole volumes do not fit the host's budget, or not
+            even the smallest patch fits one GPU, or the data-parallel host's batch does not fit.
+    """
+    from bigmem.distribute.execution import data_parallel
+    from bigmem.distribute.strategy import Replicas
+    from bigmem.memory.preflight import job_plan, resolve_budget
+
+    budget = resolve_budget(settings.memory_budget_bytes)
+    cpu_plan = job_plan(config, counts_for, budget)
+    parallel = data_parallel(_dp_config(config, settings), Replicas(None, settings.replicas, settings.simulate, ()),
+                             counts_for)
+    if parallel.host_checked:
+        job_plan(parallel.host_config(config), counts_for, budget)
+    return cpu_plan, parallel
+
+
+def _dp_config(config: ExperimentConfig, settings: Settings) -> ExperimentConfig:
+    return config.updated({"distribute": {"strategy": "mirrored", "gpu_memory_bytes": settings.gpu_memory.bytes}})
+
+
+def train_flops(config: ExperimentConfig, edge: int, samples: int) -> int:
+    """FLOPs of one training step on ``samples`` cubes of ``edge`` (``UNet3D.train_flops``)."""
+    from bigmem.nets.unet3d import UNet3D
+
+    return UNet3D(config.model).train_flops((edge,) * 3, samples)
+
+
+def _train_argv(config: ExperimentConfig, settings: Settings, seed: int) -> list[str]:
+    argv = ["--model", config.model.name, "--data", str(config.data.store), "--volume", str(config.data.volume),
+            "--batch-size", str(config.train.batch_size), "--holdout", str(settings.holdout), "--seed", str(seed),
+            "--checkpoint-every", NO_CHECKPOINTS]
+    if settings.memory_budget_bytes is not None:
+        argv += ["--memory-budget", str(settings.memory_budget_bytes)]
+    if settings.monitor_interval_s is not None:
+        argv += ["--monitor-interval", str(settings.monitor_interval_s)]
+    return argv
+
+
+def _length_argv(steps: int | None, time_budget_s: float | None) -> list[str]:
+    if time_budget_s is not None:
+        return ["--time-budget", f"{time_budget_s:.6g}", "--steps", str(steps or 10**7)]
+    return ["--steps", str(steps)]
+
+
+def _run_train(argv: list[str], out: Path) -> dict:
+    """Run ``bigmem train argv --out out`` in its own process; its metrics, summary and plan."""
+    result = subprocess.run([sys.executable, "-m", "bigmem", "train", *argv, "--out", str(out)],
+                            capture_output=True, text=True)
+    if result.returncode != 0:
+        tail = (result.stderr.strip().splitlines() or ["no output"])[-1]
+        raise BigmemError(f"The {out.parent.name}/{out.name} run failed (exit {result.returncode}): {tail}")
+    run = RunDir(out)
+    rows, summary = run.read_metrics(), run.read_summary()
+    steady = rows[1:] or rows  # the first step includes tracing
+    elapsed = np.cumsum([r["step_s"] for r in rows])
+    return {"run_dir": str(out), "steps": summary["steps"], "train_s": float(elapsed[-1]),
+            "step_s": float(np.median([r["step_s"] for r in steady])),
+            "voxels_per_s": float(np.median([r["voxels_per_s"] for r in steady])),
+            "peak_host_bytes": summary["peak_rss_bytes"], "final_train_dice": summary["dice"],
+            "curve": [{"step": r["step"], "time_s": float(t), "train_dice": r["dice"],
+                       **({"val_dice": r["val_dice"]} if "val_dice" in r else {})} for r, t in zip(rows, elapsed)]}
+
+
+def _evaluate_run(run_dir: str, store: str, held_out: list[str], *, sliding_window: int | None, out: Path) -> dict:
+    """``bigmem predict`` (whole, or sliding windows) then ``bigmem evaluate`` on the held-out cases."""
+    from bigmem.infer.evaluate import evaluate
+    from bigmem.infer.predict import predict
+
+    mode = "sliding" if sliding_window else "whole"
+    results = list(predict(run_dir, store, out, cases=held_out, mode=mode, window=sliding_window, overlap=OVERLAP))
+    summary = evaluate(out, store, allow_missing=True, out=out / "summary.json")
+    classes = [str(c) for c in summary["classes"]]
+    return {"mode": mode if not sliding_window else f"sliding {sliding_window}^3, overlap {OVERLAP:g}",
+            "dice": summary["foreground_mean"]["Dice"], "hd95_mm": summary["foreground_mean"]["HD95_mm"],
+            "per_class": {c: {"dice": summary["mean"][c]["Dice"], "hd95_mm": summary["mean"][c]["HD95_mm"]}
+                          for c in classes},
+            "inference_s_per_case": float(np.mean([r.seconds for r in results])),
+            "inference_peak_bytes": max(r.peak_rss_bytes for r in results), "predictions": str(out)}
+
+
+def compare(config: ExperimentConfig, out: Path, settings: Settings, *,
+            progress: Callable[[str], None] = print) -> dict:
+    """Pre-flight both paths, train each for the same budget over ``settings.seeds`` seeds, score both.
+
+    Each run is a ``bigmem train`` process under ``out/<path>/seed-<k>``; its predictions and
+    their ``summary.json`` are in ``out/<path>/seed-<k>-predictions``. Writes ``compare.json``,
+    ``compare.md`` and ``compare.png`` to ``out``.
+
+    Args:
+        config: the compared job: model, data (``data.store`` set, ``with_data_fields``), whole
+            volume edge and per-replica batch.
+        out: the output folder (created).
+        settings: replicas, GPU memory, budget, seeds, validation cadence (``Settings``).
+        progress: called with one line per phase (default ``print``).
+
+    Returns:
+        The report (``compare.json``): ``simulated``, ``replicas``, ``gpu_memory_bytes``,
+        ``gpu_memory_stand_in``, ``model``, ``volume``, ``patch_size``, ``held_out_cases``,
+        ``budget``, ``seeds``, ``paths`` (per path: per-seed runs with throughput, peak host
+        memory, training FLOPs, curves and held-out scores; their means and spread;
+        ``max_whole_volume`` from the planner) and ``conclusion`` (``conclude``).
+
+    Raises:
+        UsageError: a setting no run could use.
+        InsufficientMemoryError: (exit 3) a path's pre-flight, before anything trains.
+        BigmemError: a training run failed (the message ends with its last line of stderr).
+
+    Example:
+        >>> settings = Settings(replicas=2, simulate=True, gpu_memory=scaled_gpu_memory(config, counts_for),
+        ...                     steps=20, budget="flops", holdout=2)
+        >>> compare(config, Path("cmp"), settings)["conclusion"]["text"]
+    """
+    from bigmem.memory.profile import counts_function
+
+    settings.check()
+    counts_for = counts_function(config)
+    progress("pre-flight of both paths ...")
+    _, parallel = preflight(config, counts_for, settings)
+    patch, volume = parallel.patch, config.data.volume
+    cpu_step_flops = train_flops(config, volume, config.train.batch_size)
+    dp_step_flops = train_flops(config, patch, parallel.global_batch)
+    ratio = cpu_step_flops / dp_step_flops
+    dp_val_every = max(1, round(settings.val_every * ratio))
+    held_out = _held_out(str(config.data.store), settings.holdout)
+    out.mkdir(parents=True, exist_ok=True)
+    where = f"{settings.replicas} {'simulated replicas' if settings.simulate else 'GPUs'}"
+    runs: dict[str, list[dict]] = {name: [] for name in PATHS}
+    for seed in range(settings.seeds):
+        common = _train_argv(config, settings, seed)
+        progress(f"seed {seed}: training on whole {volume}^3 volumes ...")
+        cpu_dir = out / "cpu_bigmem" / f"seed-{seed}"
+        cpu = _run_train([*common, *_length_argv(settings.steps, settings.cpu_time_budget_s),
+                          "--val-every", str(settings.val_every)], cpu_dir)
+        cpu.update(train_flops=cpu["steps"] * cpu_step_flops, samples_per_s=config.train.batch_size / cpu["step_s"])
+        if settings.budget == "flops":
+            length = _length_argv(max(1, round(cpu["train_flops"] / dp_step_flops)), None)
+        else:
+            length = _length_argv(None, settings.cpu_time_budget_s or cpu["train_s"])
+        progress(f"seed {seed}: training data parallel on {patch}^3 patches ({where}) ...")
+        dp_dir = out / "data_parallel" / f"seed-{seed}"
+        dp = _run_train([*common, *length, "--val-every", str(dp_val_every), "--strategy", "mirrored",
+                         "--gpu-memory", str(settings.gpu_memory.bytes),
+                         "--simulate-replicas" if settings.simulate else "--gpus", str(settings.replicas)], dp_dir)
+        dp.update(train_flops=dp["steps"] * dp_step_flops, samples_per_s=parallel.global_batch / dp["step_s"])
+        progress(f"seed {seed}: predicting and scoring {len(held_out)} held-out cases ...")
+        for name, run, window in (("cpu_bigmem", cpu, None), ("data_parallel", dp, patch)):
+            run["held_out"] = _evaluate_run(run["run_dir"], str(config.data.store), held_out, sliding_window=window,
+                                            out=Path(run["run_dir"]).with_name(f"seed-{seed}-predictions"))
+            runs[name].append({"seed": seed, **run})
+    volumes = largest_whole_volumes(config, settings.gpu_memory.bytes, settings.memory_budget_bytes)
+    report = {"simulated": settings.simulate, "replicas": settings.replicas,
+              "gpu_memory_bytes": settings.gpu_memory.bytes, "gpu_memory_stand_in": settings.gpu_memory.stand_in,
+              "model": config.model.name, "volume": volume, "patch_size": patch,
+              "batch": {"cpu_bigmem": config.train.batch_size, "data_parallel": parallel.global_batch},
+              "held_out_cases": held_out, "budget": _budget_text(settings), "seeds": settings.seeds,
+              "paths": {name: _aggregate(runs[name]) for name in PATHS}}
+    report["paths"]["cpu_bigmem"].update(max_whole_volume=volumes["host"], max_whole_volume_mode=volumes["host_mode"])
+    report["paths"]["data_parallel"]["max_whole_volume"] = volumes["gpu"]
+    report["conclusion"] = conclude(report)
+    atomic_write_json(out / "compare.json", report)
+    atomic_write_text(out / "compare.md", markdown(report))
+    plot(report, out / "compare.png")
+    return report
+
+
+def _budget_text(settings: Settings) -> str:
+    length = (f"{settings.cpu_time_budget_s:g} s" if settings.cpu_time_budget_s is not None
+              else f"{settings.steps} steps")
+    if settings.budget == "flops":
+        return f"equal training FLOPs ({length} on whole volumes, the same FLOPs on patches)"
+    if settings.cpu_time_budget_s is None:
+        return f"equal training time ({length} on whole volumes, the same seconds on patches)"
+    return f"equal training time ({length} of training each)"
+
+
+def _held_out(store_path: str, holdout: int) -> list[str]:
+    from bigmem.data.store import HDF5VolumeStore
+
+    with HDF5VolumeStore(store_path, holdout=holdout) as store:
+        return list(store.held_out)
+
+
+def _aggregate(runs: list[dict]) -> dict:
+    """A path's runs, and over seeds: mean throughput and peaks, held-out Dice mean, std and range."""
+    dice = [r["held_out"]["dice"] for r in runs]
+    classes = list(runs[0]["held_out"]["per_class"])
+
+    def mean_of(values):
+        values = [v for v in values if v is not None and v == v]
+        return float(np.mean(values)) if values else None
+
+    return {
+        "runs": runs,
+        "dice": float(np.mean(dice)), "dice_std": float(np.std(dice, ddof=1)) if len(dice) > 1 else None,
+        "dice_range": float(max(dice) - min(dice)),
+        "per_class": {c: {"dice": mean_of(r["held_out"]["per_class"][c]["dice"] for r in runs),
+                          "hd95_mm": mean_of(r["held_out"]["per_class"][c]["hd95_mm"] for r in runs)} for c in classes},
+        "hd95_mm": mean_of(r["held_out"]["hd95_mm"] for r in runs),
+        **{k: float(np.mean([r[k] for r in runs])) for k in ("steps", "train_s", "step_s", "voxels_per_s",
+                                                               "samples_per_s", "train_flops", "peak_host_bytes")},
+        "inference_mode": runs[0]["held_out"]["mode"],
+        "inference_s_per_case": float(np.mean([r["held_out"]["inference_s_per_case"] for r in runs])),
+    }
+
+
+def conclude(report: dict) -> dict:
+    """Which path reached the higher held-out Dice, by how much, and whether that exceeds the seed spread.
+
+    The spread is the larger of the two paths' ranges (max - min) of held-out Dice over seeds;
+    with one seed it is unknown and the conclusion says so.
+
+    Returns:
+        ``{"higher", "difference", "spread", "exceeds_spread", "text"}``; ``exceeds_spread`` is
+        None with one seed.
+    """
+    cpu, dp = report["paths"]["cpu_bigmem"]["dice"], report["paths"]["data_parallel"]["dice"]
+    higher = "cpu_bigmem" if cpu >= dp else "data_parallel"
+    difference = abs(cpu - dp)
+    seeds = report["seeds"]
+    spread = (max(report["paths"][name]["dice_range"] for name in PATHS) if seeds > 1 else None)
+    exceeds = None if spread is None else difference > spread
+    first, second = (cpu, dp) if higher == "cpu_bigmem" else (dp, cpu)
+    label = LABELS[higher]
+    text = (f"{label[0].upper() + label[1:]} reached the higher held-out Dice within {report['budget']}: "
+            f"{first:.3f} against {second:.3f} ({difference:+.3f}")
+    if spread is None:
+        text += "); one seed, so the seed-to-seed spread is unknown (--seeds 3 measures it)."
+    else:
+        text += (f"), {'more' if exceeds else 'no more'} than the spread over {seeds} seeds ({spread:.3f})"
+                 + ("." if exceeds else ": the difference is not established."))
+    return {"higher": higher, "difference": difference, "spread": spread, "exceeds_spread": exceeds, "text": text}
+
+
+def largest_whole_volumes(config: ExperimentConfig, gpu_memory_bytes: int,
+                          memory_budget_bytes: int | None = None) -> dict:
+    """From the planner: the largest whole volume (batch 1) on one GPU and in this host's RAM.
+
+    Args:
+        config: the compared model.
+        gpu_memory_bytes: one GPU's memory.
+        memory_budget_bytes: the host's budget (``--memory-budget``); default as
+            ``memory.preflight.resolve_budget`` decides without one (this process runs no placement:
+            MemAvailable).
+
+    Returns:
+        ``{gpu, host, host_mode, host_budget_bytes}``: edges (None when none fits), the host's mode.
+    """
+    from bigmem.distribute.planning import largest_edge
+    from bigmem.memory.preflight import resolve_budget, search_plan
+    from bigmem.memory.profile import counts_function
+
+    counts_for = counts_function(config)
+    host = search_plan(config, counts_for, resolve_budget(memory_budget_bytes), batch_size=1)
+    gpu = largest_edge(config, counts_for, gpu_memory_bytes, 1, 4096)
+    return {"gpu": gpu, "host": host.chosen.volume if host.chosen else None,
+            "host_mode": (f"{host.chosen.precision}, recompute {host.chosen.recompute}" if host.chosen else None),
+            "host_budget_bytes": host.budget_bytes}
+
+
+def _dice_text(path: dict) -> str:
+    spread = f" ± {path['dice_std']:.3f}" if path["dice_std"] is not None else ""
+    return f"{path['dice']:.3f}{spread}"
+
+
+def _number(value, digits: int = 3, unit: str = "") -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}{unit}"
+
+
+def _flops(value: float) -> str:
+    return f"{value / 1e12:.2f} TFLOP" if value >= 1e12 else f"{value / 1e9:.2f} GFLOP"
+
+
+def rows(report: dict) -> list[tuple[str, str, str]]:
+    """The comparison table of ``report``: (quantity, whole volumes, data parallel), formatted."""
+    cpu, dp = report["paths"]["cpu_bigmem"], report["paths"]["data_parallel"]
+    seeds = report["seeds"]
+    table = [
+        ("training input", f"whole {report['volume']}^3 volumes, batch {report['batch']['cpu_bigmem']}",
+         f"{report['patch_size']}^3 patches, global batch {report['batch']['data_parallel']}"),
+        ("held-out Dice" + (f" (mean ± sd, {seeds} seeds)" if seeds > 1 else ""), _dice_text(cpu), _dice_text(dp)),
+    ]
+    for c in cpu["per_class"]:
+        table.append((f"  class {c}: Dice / HD95",
+                      f"{_number(cpu['per_class'][c]['dice'])} / {_number(cpu['per_class'][c]['hd95_mm'], 1, ' mm')}",
+                      f"{_number(dp['per_class'][c]['dice'])} / {_number(dp['per_class'][c]['hd95_mm'], 1, ' mm')}"))
+    table += [
+        ("inference", f"{cpu['inference_mode']}, {cpu['inference_s_per_case']:.2f} s/case",
+         f"{dp['inference_mode']}, {dp['inference_s_per_case']:.2f} s/case"),
+        ("training time / steps", f"{cpu['train_s']:.0f} s / {cpu['steps']:.0f}", f"{dp['train_s']:.0f} s / {dp['steps']:.0f}"),
+        ("training FLOPs", _flops(cpu["train_flops"]), _flops(dp["train_flops"])),
+        ("voxels/s, time per step", f"{cpu['voxels_per_s'] / 1e6:.2f} M, {cpu['step_s']:.3f} s",
+         f"{dp['voxels_per_s'] / 1e6:.2f} M, {dp['step_s']:.3f} s"),
+        ("peak host memory", format_bytes(cpu["peak_host_bytes"]), format_bytes(dp["peak_host_bytes"])),
+        ("largest whole volume (planner)", f"{cpu['max_whole_volume']}^3 ({cpu['max_whole_volume_mode']})",
+         f"{dp['max_whole_volume']}^3 per GPU ({format_bytes(report['gpu_memory_bytes'])})"
+         if dp["max_whole_volume"] else "none fits"),
+    ]
+    return table
+
+
+def markdown(report: dict) -> str:
+    """``compare.md``: what was compared (SIMULATED when it was), the ``rows`` table and the conclusion."""
+    where = (f"{report['replicas']} logical CPU devices — SIMULATED ON CPU, not a GPU result" if report["simulated"]
+             else f"{report['replicas']} GPUs")
+    memory = (f"GPU memory: {report['gpu_memory_stand_in']}." if report["gpu_memory_stand_in"]
+              else f"GPU memory: {format_bytes(report['gpu_memory_bytes'])}.")
+    lines = [f"# bigmem compare: {report['model']}", "",
+             f"Data-parallel path: {where}. {memory} Budget: {report['budget']}. "
+             f"Held-out cases: {', '.join(report['held_out_cases'])}.", "",
+             "| | whole volumes in RAM (bigmem) | GPU data parallel on patches |", "|---|---|---|"]
+    lines += [f"| {a.strip()} | {b} | {c} |" for a, b, c in rows(report)]
+    lines += ["", f"**Conclusion:** {report['conclusion']['text']}"]
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict, path: Path) -> None:
+    """Write ``compare.png`` (atomically): held-out Dice against training time, per-class Dice, inference time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"cpu_bigmem": "tab:blue", "data_parallel": "tab:orange"}
+    names = {name: LABELS[name] + (" (simulated)" if report["simulated"] and name == "data_parallel" else "")
+             for name in PATHS}
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for name in PATHS:
+        for index, run in enumerate(report["paths"][name]["runs"]):
+            points = [(p["time_s"], p["val_dice"]) for p in run["curve"] if "val_dice" in p]
+            if points:
+                axes[0].plot(*zip(*points), marker="o", markersize=3, color=colors[name], alpha=0.8,
+                             label=names[name] if index == 0 else None)
+    axes[0].set_xlabel("training time (s, validation not counted)")
+    axes[0].set_ylabel("held-out Dice")
+    axes[0].set_title("time to Dice")
+    axes[0].legend(fontsize=8)
+    classes = list(report["paths"]["cpu_bigmem"]["per_class"])
+    width = 0.38
+    for offset, name in ((-width / 2, "cpu_bigmem"), (width / 2, "data_parallel")):
+        per_class = report["paths"][name]["per_class"]
+        axes[1].bar([i + offset for i in range(len(classes))], [per_class[c]["dice"] or 0 for c in classes], width,
+                    color=colors[name], label=names[name])
+    axes[1].set_xticks(range(len(classes)), [f"class {c}" for c in classes])
+    axes[1].set_ylim(0, 1)
+    axes[1].set_ylabel("held-out Dice (final model)")
+    axes[1].set_title("per class")
+    times = [report["paths"][name]["inference_s_per_case"] for name in PATHS]
+    axes[2].bar([report["paths"][name]["inference_mode"] for name in PATHS], times,
+                color=[colors[name] for name in PATHS])
+    axes[2].set_ylabel("seconds per case")
+    axes[2].set_title("inference")
+    fig.suptitle(f"bigmem compare: {report['model']}, {report['budget']}"
+                 + (" — data parallel SIMULATED ON CPU" if report["simulated"] else ""), fontsize=10)
+    fig.tight_layout()
+    with atomic_output(path) as tmp:
+        fig.savefig(tmp, dpi=100, format="png")
+    plt.close(fig)
