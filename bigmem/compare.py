@@ -473,6 +473,9 @@ def plot(report: dict, path: Path) -> None:
             if points:
                 axes[0].plot(*zip(*points), marker="o", markersize=3, color=colors[name], alpha=0.8,
                              label=names[name] if index == 0 else None)
+            axes[0].plot([run["train_s"]], [run["held_out"]["dice"]], marker="*", markersize=12, color=colors[name],
+                         markeredgecolor="black", label="final model (predict + evaluate)" if index == 0 and
+                         name == "data_parallel" else None)
     axes[0].set_xlabel("training time (s, validation not counted)")
     axes[0].set_ylabel("held-out Dice")
     axes[0].set_title("time to Dice")
@@ -487,6 +490,7 @@ def plot(report: dict, path: Path) -> None:
     axes[1].set_ylim(0, 1)
     axes[1].set_ylabel("held-out Dice (final model)")
     axes[1].set_title("per class")
+    axes[1].legend(fontsize=8)
     times = [report["paths"][name]["inference_s_per_case"] for name in PATHS]
     axes[2].bar([report["paths"][name]["inference_mode"] for name in PATHS], times,
                 color=[colors[name] for name in PATHS])
