@@ -487,7 +487,8 @@ def plot(report: dict, path: Path) -> None:
         axes[1].bar([i + offset for i in range(len(classes))], [per_class[c]["dice"] or 0 for c in classes], width,
                     color=colors[name], label=names[name])
     axes[1].set_xticks(range(len(classes)), [f"class {c}" for c in classes])
-    axes[1].set_ylim(0, 1)
+    axes[1].set_ylim(0, 1.2)  # room above the bars for the legend
+    axes[1].set_yticks([0, 0.2, 0.4, 0.6, 0.8, 1.0])
     axes[1].set_ylabel("held-out Dice (final model)")
     axes[1].set_title("per class")
     axes[1].legend(fontsize=8)
