@@ -429,7 +429,8 @@ def rows(report: dict) -> list[tuple[str, str, str]]:
     table += [
         ("inference", f"{cpu['inference_mode']}, {cpu['inference_s_per_case']:.2f} s/case",
          f"{dp['inference_mode']}, {dp['inference_s_per_case']:.2f} s/case"),
-        ("training time / steps", f"{cpu['train_s']:.0f} s / {cpu['steps']:.0f}", f"{dp['train_s']:.0f} s / {dp['steps']:.0f}"),
+        ("training time / steps", f"{cpu['train_s']:.0f} s / {cpu['steps']:.0f}",
+         f"{dp['train_s']:.0f} s / {dp['steps']:.0f}"),
         ("training FLOPs", _flops(cpu["train_flops"]), _flops(dp["train_flops"])),
         ("voxels/s, time per step", f"{cpu['voxels_per_s'] / 1e6:.2f} M, {cpu['step_s']:.3f} s",
          f"{dp['voxels_per_s'] / 1e6:.2f} M, {dp['step_s']:.3f} s"),

@@ -37,7 +37,8 @@ def register(subparsers, parents) -> None:
     parser = subparsers.add_parser("compare", help=HELP, description=DESCRIPTION, parents=parents,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", metavar="STORE.h5",
-                        help=f"HDF5 store (default: synthetic phantoms of --volume, default {DEFAULT_PHANTOM_VOLUME}^3)")
+                        help="HDF5 store (default: synthetic phantoms of --volume, default "
+                             f"{DEFAULT_PHANTOM_VOLUME}^3)")
     parser.add_argument("--model", metavar="PRESET", help="preset (default: small)")
     parser.add_argument("--volume", type=int, metavar="N",
                         help="whole-volume edge (default: the phantoms' edge, or the preset's with --data)")

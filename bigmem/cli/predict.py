@@ -47,7 +47,9 @@ def register(subparsers, parents) -> None:
     parser.add_argument("--mode", default="auto", choices=["auto", "whole", "sliding"],
                         help="whole volume in one pass, Gaussian-weighted sliding windows, or auto (whole where "
                              "the inference plan fits the memory budget; default)")
-    parser.add_argument("--window", type=int, metavar="N", help="sliding window edge (default: the training volume, or the patch of a run trained on patches)")
+    parser.add_argument("--window", type=int, metavar="N",
+                        help="sliding window edge (default: the training volume, or the patch of a run trained on "
+                             "patches)")
     parser.add_argument("--overlap", type=float, default=0.5, metavar="F",
                         help="sliding windows' overlap fraction in [0, 1) (default 0.5)")
     parser.add_argument("--accumulate", default="float32", choices=["float32", "float16"],

@@ -2,9 +2,10 @@
 
 ``validate`` predicts each held-out case exactly as ``bigmem predict`` does: whole (normalise,
 pad to the size contract, one forward pass, probabilities mapped to the source geometry, argmax),
-or, for a run trained on patches, in sliding windows of its patch, and scores it against the store's labels in that geometry with
-``infer/metrics.py`` (the empty rule of ``bigmem evaluate``). So the final ``val_dice`` of a
-run equals ``bigmem predict`` + ``bigmem evaluate`` on the same cases with the final model.
+or, for a run trained on patches, in sliding windows of its patch; and scores it against the
+store's labels in that geometry with ``infer/metrics.py`` (the empty rule of ``bigmem evaluate``).
+So the final ``val_dice`` of a run equals ``bigmem predict`` + ``bigmem evaluate`` on the same
+cases with the final model.
 """
 
 from __future__ import annotations

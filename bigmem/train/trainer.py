@@ -225,7 +225,8 @@ def validation_callback(job: Job, model, console: Console) -> cb.Validation | No
     from bigmem.infer.predict import Mode, Predictor
 
     held_out = list(job.loader.store.held_out)
-    patch = job.parallel.patch if job.parallel else None  # a run on patches is validated as it will be used: windows of its patch
+    # A run on patches is validated as it will be used: in sliding windows of its patch.
+    patch = job.parallel.patch if job.parallel else None
     return cb.Validation(config.train.val_every, Predictor(model, config, "training", patch), config.data.store,
                          held_out, job.checkpoints, console, mode=Mode.SLIDING if patch else Mode.WHOLE)
 

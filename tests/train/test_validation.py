@@ -73,7 +73,7 @@ def test_validation_needs_held_out_cases(tmp_path, tiny_store, capsys):
 
 @pytest.mark.slow
 def test_a_run_on_patches_is_validated_in_windows_of_its_patch(tmp_path, tiny_store, capsys):
-    """A data-parallel run on 8^3 patches: val_dice is predict's sliding windows of 8^3 (its default window) + evaluate."""
+    """A data-parallel run on 8^3 patches: val_dice is predict's sliding windows of 8^3 (its default) + evaluate."""
     import subprocess
     import sys
 
