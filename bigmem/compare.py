@@ -26,8 +26,6 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
-
 from bigmem.config.schema import ExperimentConfig
 from bigmem.errors import BigmemError, UsageError
 from bigmem.rundir import RunDir, atomic_output, atomic_write_json, atomic_write_text
@@ -187,6 +185,8 @@ def _length_argv(steps: int | None, time_budget_s: float | None) -> list[str]:
 
 def _run_train(argv: list[str], out: Path) -> dict:
     """Run ``bigmem train argv --out out`` in its own process; its metrics, summary and plan."""
+    import numpy as np  # not at import: the CLI imports this module before a NUMA placement applies
+
     result = subprocess.run([sys.executable, "-m", "bigmem", "train", *argv, "--out", str(out)],
                             capture_output=True, text=True)
     if result.returncode != 0:
@@ -206,6 +206,8 @@ def _run_train(argv: list[str], out: Path) -> dict:
 
 def _evaluate_run(run_dir: str, store: str, held_out: list[str], *, sliding_window: int | None, out: Path) -> dict:
     """``bigmem predict`` (whole, or sliding windows) then ``bigmem evaluate`` on the held-out cases."""
+    import numpy as np  # not at import: the CLI imports this module before a NUMA placement applies
+
     from bigmem.infer.evaluate import evaluate
     from bigmem.infer.predict import predict
 
@@ -325,6 +327,8 @@ def _held_out(store_path: str, holdout: int) -> list[str]:
 
 def _aggregate(runs: list[dict]) -> dict:
     """A path's runs, and over seeds: mean throughput and peaks, held-out Dice mean, std and range."""
+    import numpy as np  # not at import: the CLI imports this module before a NUMA placement applies
+
     dice = [r["held_out"]["dice"] for r in runs]
     classes = list(runs[0]["held_out"]["per_class"])
 

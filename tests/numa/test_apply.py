@@ -61,6 +61,13 @@ def test_this_process_observed():
     assert sum(thread_cpus().values()) == sum(policies.values())
 
 
+def test_the_command_line_starts_no_thread_pool_before_the_placement():
+    """numpy (OpenBLAS starts its threads at import) and TensorFlow load only after --numa is applied."""
+    code = "import sys\nimport bigmem.cli.main\nprint(sorted(m for m in ('numpy', 'tensorflow') if m in sys.modules))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("policy, expected", [("interleave", "interleave:0"), ("bind:0", "bind:0")])
 def test_training_threads_checked_from_outside(tmp_path, tiny_store, policy, expected):
