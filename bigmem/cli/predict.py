@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import os
 
 from bigmem.cli.common import add_budget_flag, budget_arguments, check_output_dir
-from bigmem.errors import DataError, UsageError
+from bigmem.errors import UsageError
 
 HELP = "segment new scans with a trained run (whole volume in one pass where RAM allows)"
 
@@ -76,12 +75,7 @@ def run(args) -> int:
     cases = [c.strip() for c in args.cases.split(",") if c.strip()] if args.cases else None
     if args.cases is not None and not cases:
         raise UsageError(f"Invalid --cases {args.cases!r}: expected comma-separated case ids.")
-    # Everything checkable without the model is checked before TensorFlow starts.
-    if args.window is not None and args.window < 1:
-        raise UsageError(f"Invalid --window {args.window}: expected a positive integer.")
-    if not os.path.exists(args.input):
-        raise DataError(f"Cannot read INPUT {str(args.input)!r}: no such file or folder.")
-    check_output_dir(args.out, "-o")
+    check_output_dir(args.out, "-o")  # before TensorFlow starts, as predict checks its own arguments
     console = Console(soft_wrap=True)
     budget_bytes, flag = budget_arguments(args)
     choose = mode_chooser(args.mode, budget_bytes, flag=flag, force=args.force, console=console)

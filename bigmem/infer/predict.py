@@ -148,6 +148,13 @@ def _nifti_name(path: Path) -> bool:
     return path.is_file() and path.name.endswith(NIFTI_SUFFIXES)
 
 
+def _existing_input(source: str | os.PathLike) -> Path:
+    path = Path(source)
+    if not path.exists():
+        raise DataError(f"Cannot read INPUT {str(path)!r}: no such file or folder.")
+    return path
+
+
 def find_inputs(source: str | os.PathLike, training_store: str | None, *,
                 cases: Sequence[str] | None = None) -> list[CaseInput]:
     """The cases of INPUT: a NIfTI file, a folder of them, an MSD folder, or a bigmem store.
@@ -167,9 +174,7 @@ def find_inputs(source: str | os.PathLike, training_store: str | None, *,
     """
     from bigmem.data.nifti import case_id_of
 
-    path = Path(source)
-    if not path.exists():
-        raise DataError(f"Cannot read INPUT {str(path)!r}: no such file or folder.")
+    path = _existing_input(source)
     if path.suffix == ".h5":
         return _pick(_store_inputs(path), cases, str(path))
     if path.is_file():
@@ -386,8 +391,11 @@ def predict(run_dir: str | os.PathLike, source: str | os.PathLike, out_dir: str 
         raise UsageError("--mode auto needs a way to choose (the inference plan); give --mode whole or sliding.")
     if not 0 <= overlap < 1:
         raise UsageError(f"Invalid --overlap {overlap:g}: expected a fraction in [0, 1).")
+    if window is not None and window < 1:  # this and INPUT are refused before TensorFlow starts
+        raise UsageError(f"Invalid --window {window}: expected a positive integer.")
+    _existing_input(source)
     predictor = load_predictor(run_dir, checkpoint, verbose=verbose)
-    if window is not None and (window < 1 or window % predictor.divisor):
+    if window is not None and window % predictor.divisor:
         raise UsageError(f"Invalid --window {window}: expected a positive multiple of {predictor.divisor} "
                          f"(the network downsamples {predictor.config.model.depth} times).")
     inputs = find_inputs(source, predictor.config.data.store, cases=cases)

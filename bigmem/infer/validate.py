@@ -20,16 +20,16 @@ from bigmem.infer.predict import DEFAULT_OVERLAP, Mode, Predictor, predict_proba
 
 
 def validate(predictor: Predictor, store_path: str | os.PathLike, case_ids: Sequence[str], *,
-             mode: Mode = Mode.WHOLE, overlap: float = DEFAULT_OVERLAP) -> dict:
+             overlap: float = DEFAULT_OVERLAP) -> dict:
     """Dice of ``predictor`` on ``case_ids`` of a store, per class and its foreground mean.
 
     Args:
         predictor: the network being trained (``Predictor(model, config, "training")``).
         store_path: the store holding the cases (their labels are the reference).
         case_ids: the held-out cases.
-        mode: ``Mode.WHOLE`` (default: one pass, as a whole-volume run is used) or
-            ``Mode.SLIDING`` (windows of ``predictor.window``, as a run trained on patches is used).
-        overlap: the sliding windows' overlap fraction (default 0.5).
+        overlap: the sliding windows' overlap fraction (default 0.5), for a network trained on
+            patches (``predictor.training_edge``), which is used, and so validated, in sliding
+            windows of its patch; any other goes through whole.
 
     Returns:
         ``{"val_dice": foreground mean, "val_dice_per_class": {"1": mean Dice, ...}}``; a class
@@ -39,6 +39,7 @@ def validate(predictor: Predictor, store_path: str | os.PathLike, case_ids: Sequ
         >>> validate(Predictor(model, config, "training"), "kits19.h5", ["case_00209"])["val_dice"]
     """
     classes = list(range(1, predictor.num_classes))
+    mode = Mode.SLIDING if predictor.training_edge else Mode.WHOLE
     per_case = []
     for case_id in case_ids:
         with HDF5VolumeStore(store_path) as store:

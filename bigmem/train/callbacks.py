@@ -205,18 +205,16 @@ class Validation(Callback):
     ``val_dice`` (the foreground mean) and ``val_dice_per_class`` join the step's metrics row;
     a better ``val_dice`` than any before (a resumed run remembers it) replaces
     ``checkpoints/best``. A run ended by its time budget is validated once more at its last step.
-    The cases go through the network as the run's model is used (``mode``: whole volumes, or
-    sliding windows of the patch a run on patches trained on); the time it takes is left out of
-    the time budget (``LoopState.excluded_s``).
+    The cases go through the network as the run's model is used (``infer.validate``: whole
+    volumes, or sliding windows of the patch a run on patches trained on); the time it takes is
+    left out of the time budget (``LoopState.excluded_s``).
     """
 
     def __init__(self, every: int, predictor, store_path: str, case_ids: list[str],
-                 checkpoints: CheckpointManager, console: Console, mode=None, clock=time.monotonic):
-        from bigmem.infer.predict import Mode
-
+                 checkpoints: CheckpointManager, console: Console, clock=time.monotonic):
         self.every, self.predictor, self.store_path, self.case_ids = every, predictor, store_path, case_ids
         self.checkpoints, self.console = checkpoints, console
-        self.mode, self.clock = mode or Mode.WHOLE, clock
+        self.clock = clock
         self.last: dict | None = None
         self.validated_step: int | None = None
         kept = checkpoints.best
@@ -228,7 +226,7 @@ class Validation(Callback):
         from bigmem.infer.validate import validate
 
         started = self.clock()
-        result = validate(self.predictor, self.store_path, self.case_ids, mode=self.mode)
+        result = validate(self.predictor, self.store_path, self.case_ids)
         self.last, self.validated_step = result, state.step
         dice = result["val_dice"]
         if math.isfinite(dice) and dice > self.best_dice:

@@ -222,13 +222,12 @@ def validation_callback(job: Job, model, console: Console) -> cb.Validation | No
     config = job.config
     if not config.train.val_every:
         return None
-    from bigmem.infer.predict import Mode, Predictor
+    from bigmem.infer.predict import Predictor
 
     held_out = list(job.loader.store.held_out)
-    # A run on patches is validated as it will be used: in sliding windows of its patch.
-    patch = job.parallel.patch if job.parallel else None
+    patch = job.parallel.patch if job.parallel else None  # a run on patches is validated in windows of it
     return cb.Validation(config.train.val_every, Predictor(model, config, "training", patch), config.data.store,
-                         held_out, job.checkpoints, console, mode=Mode.SLIDING if patch else Mode.WHOLE)
+                         held_out, job.checkpoints, console)
 
 
 def _numa_summary(report: dict) -> str:
