@@ -3,11 +3,14 @@
     python benchmarks/bench_memory_model.py [--model small,intelai-brats,kits19] [--calibrate-sizes 32,64,96]
         [--check-sizes auto | N,N,...] [--checks-per-mode 2] [--max-peak 20GiB]
         [--modes fp32/none,bf16/none,fp32/stages,bf16/stages] [--reuse RESULTS.json,...] [--no-measure]
+        [--fresh-checks]
         [--lock PATH] [--budget 20GiB] [--out DIR]
 
 For each preset and mode it measures the calibration sizes (all <= 96^3 by default), fits a
-calibration from them in the run (as ``bigmem profile --calibrate`` does), then predicts and
-measures the check sizes: by default (``auto``) the largest ones whose in-run prediction stays
+calibration from them in the run (as ``bigmem profile --calibrate`` does: past its sizes it
+follows the shipped curve, calibration.follow_shape; at each check size only the shipped knots
+below that size are followed, so a check never predicts a size the defaults measured), then
+predicts and measures the check sizes: by default (``auto``) the largest ones whose in-run prediction stays
 under --max-peak (a size whose run fails, e.g. killed by the kernel, is reported and the next
 smaller one tried). Every point is reported with two predictions: the shipped defaults' and the
 in-run calibration's; at the check sizes the latter is the extrapolation error a user gets from
@@ -45,7 +48,8 @@ from rich.table import Table
 from bigmem.config import resolve_config
 from bigmem.errors import BigmemError
 from bigmem.memory.calibration import (
-    Calibration, default_calibration, fit_calibration, knots_from, machine_isa_class, cpu_model, tensorflow_version,
+    Calibration, default_calibration, fit_calibration, knots_from, machine_isa_class, cpu_model, shipped_shape,
+    tensorflow_version,
 )
 from bigmem.memory.estimate import estimate
 from bigmem.memory.measure import measure
@@ -88,6 +92,7 @@ def load_reused(paths: str | None) -> dict[tuple, dict]:
             if row.get("measured_peak_bytes"):
                 origin = row.get("measurement", "")
                 row = {**row, "measurement": origin if origin.startswith("reused") else f"reused from {path}"}
+                row.setdefault("model", report.get("model"))  # early files name the model once, at the top
                 found[_point_key(row["model"], row["precision"], row["recompute"], row["volume"], batch)] = row
     return found
 
@@ -106,12 +111,12 @@ class Campaign:
         return resolve_config(model, {"data": {"volume": volume}, "train": {
             "batch_size": self.args.batch_size, "precision": precision}, "memory": {"recompute": recompute}})
 
-    def measured(self, config, counts_for) -> tuple[int | None, float | None, str]:
+    def measured(self, config, counts_for, *, reuse: bool = True) -> tuple[int | None, float | None, str]:
         """(peak bytes, s/step, where it came from); (None, None, error) if the run failed."""
         train = config.train
         key = _point_key(config.model.name, train.precision.value, config.memory.recompute.value, config.data.volume,
                          train.batch_size)
-        if key in self.reused:
+        if reuse and key in self.reused:
             row = self.reused[key]
             return row["measured_peak_bytes"], row.get("step_s"), row["measurement"]
         if self.args.no_measure:
@@ -147,7 +152,8 @@ class Campaign:
         if len(points) < 2:
             self.console.print(f"{model} {precision}/{recompute}: fewer than two calibration sizes, skipped")
             return
-        fitted = fit_calibration(model, precision, recompute, points)
+        shape = shipped_shape(model, precision, recompute, self.isa)
+        fitted = fit_calibration(model, precision, recompute, points, shape)
         for size, (peak, step_s, origin) in measured.items():
             self.add(model, precision, recompute, size, "calibration", peak, step_s, origin, counts_for,
                      shipped, fitted)
@@ -156,10 +162,14 @@ class Campaign:
             if done >= args.checks_per_mode:
                 break
             config = self.config(model, precision, recompute, size)
+            # As `profile --calibrate` fits it, but following only the shipped knots below this size:
+            # the check extrapolates past every measurement it is judged against.
+            below = calibration_point(config, counts_for, 0)["counted_activation_bytes"]
+            fitted = fit_calibration(model, precision, recompute, points, [k for k in shape if k[0] < below])
             self.console.print(f"{model} {precision}/{recompute} {size}^3: predicted "
                                f"{format_bytes(self.predict(config, counts_for, fitted))} (in-run fit) ...",
                                style="dim")
-            peak, step_s, origin = self.measured(config, counts_for)
+            peak, step_s, origin = self.measured(config, counts_for, reuse=not args.fresh_checks)
             if peak is None:
                 self.fail(model, precision, recompute, size, origin)
                 continue
@@ -226,6 +236,9 @@ def main(argv: list[str] | None = None) -> int:
                                         "not measured again")
     parser.add_argument("--no-measure", action="store_true",
                         help="only re-analyse: a point that --reuse does not hold is reported missing, not measured")
+    parser.add_argument("--fresh-checks", action="store_true",
+                        help="measure the check sizes even where --reuse holds them (only the calibration sizes "
+                             "are reused)")
     parser.add_argument("--lock", help="hold an flock on this file around each measurement")
     parser.add_argument("--budget", help="also check the planner (first --model) at this budget, e.g. 20GiB")
     parser.add_argument("--out", default="benchmarks/results")

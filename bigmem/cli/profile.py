@@ -290,8 +290,12 @@ class _Printer:
     def calibration(self, calibration, points) -> None:
         from bigmem.units import format_bytes
 
-        sizes = ", ".join(f"{p['volume']}^3: {format_bytes(p['measured_peak_bytes'])}" for p in points)
+        sizes = ", ".join(f"{p['volume']}^3: {format_bytes(p['measured_peak_bytes'])}"
+                          + (f" at {p['step_s']:.3g} s/step" if "step_s" in p else "") for p in points)
         self.console.print(f"measured {sizes}")
+        if calibration.step_gflops_per_core:
+            self.console.print(f"step rate at {calibration.fitted_on[-1]}^3: {calibration.step_gflops_per_core:.1f} "
+                               "GFLOP/s per core (bigmem plan predicts step times from it)")
         self.console.print(f"calibration ({calibration.key['preset']}, {calibration.key['precision']}, recompute "
                            f"{calibration.key['recompute']}): "
                            f"activation scale {calibration.activation_scale:.3f}, framework "

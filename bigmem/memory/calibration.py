@@ -137,6 +137,9 @@ class Calibration:
     # Added to the whole prediction (a fraction of it) where the values were not measured here.
     margin_fraction: float = 0.0
     knots: list = field(default_factory=list)
+    # The training step's rate measured with the fit (GFLOP/s per core, memory/speed.py's count)
+    # at its largest volume, fitted_on[-1]; None where no step was timed (the shipped defaults).
+    step_gflops_per_core: float | None = None
 
     def line_for(self, counted_activation_bytes: float) -> tuple[float, float]:
         """(activation_scale, framework_bytes) of the segment that holds ``counted_activation_bytes``.
@@ -343,7 +346,52 @@ def fit_line(xs: Sequence[float], ys: Sequence[float], weights: Sequence[float] 
     return slope, mean_y - slope * mean_x
 
 
-def fit_calibration(preset: str, precision: str, recompute: str, points: Sequence[dict]) -> Calibration:
+def shipped_shape(preset: str, precision: str, recompute: str, isa: str) -> list[list[int]]:
+    """The shipped knots of ``preset`` in this mode, for ``isa`` or else the measured ISA class; [] if none.
+
+    A calibration measured on small volumes follows these beyond its own sizes (``follow_shape``).
+    Another preset's knots are never used: the curve belongs to one network's tensors.
+    """
+    base = DEFAULT_PRESET_FOR.get(preset, preset)
+    for source_isa in (isa, *sorted({k[0] for k in DEFAULTS})):
+        knots = DEFAULTS.get((source_isa, base, precision, recompute))
+        if knots:
+            return [[x, y] for _, x, y in knots]
+    return []
+
+
+def follow_shape(knots: list[list[int]], shape: Sequence[Sequence[int]]) -> list[list[int]]:
+    """``knots`` (measured on small volumes) continued past their last one along the shipped ``shape``.
+
+    The overhead per counted byte is not constant (kits19, fp32: 0.79 up to 96^3, 0.66 from 160^3,
+    benchmarks/results/memory_model-*.json), so a line through small volumes over-predicts large
+    ones (+14% at 192^3). Beyond the last measured knot the shipped curve is used instead, moved
+    to meet it: shifted by the same bytes where this machine measured less than the curve there
+    (at small sizes that difference is mostly the framework's run-to-run noise, and does not grow:
+    kits19 fp32 measured 112 MB under the shipped knot at 96^3 and within 22 MB of it at 128^3 and
+    160^3, 2026-12-01), and scaled by the same ratio where it measured more (never under-predict).
+
+    Args:
+        knots: ``[[counted, overhead], ...]`` ascending, from this machine.
+        shape: the shipped ``[[counted, overhead], ...]`` for the same preset and mode.
+
+    Returns:
+        ``knots`` plus the transformed shipped knots past the last of them.
+    """
+    if not knots or len(shape) < 2 or shape[-1][0] <= knots[-1][0]:
+        return knots
+    x_last, y_last = knots[-1]
+    slope, intercept = Calibration(0.0, 0, "", knots=[list(k) for k in shape]).line_for(x_last)
+    expected = intercept + slope * x_last
+    if y_last >= expected:
+        moved = [[x, int(round(y * y_last / expected))] for x, y in shape if x > x_last]
+    else:
+        moved = [[x, int(round(y + y_last - expected))] for x, y in shape if x > x_last]
+    return [list(k) for k in knots] + moved
+
+
+def fit_calibration(preset: str, precision: str, recompute: str, points: Sequence[dict],
+                    shape: Sequence[Sequence[int]] = ()) -> Calibration:
     """Fit ``measured - exact = framework_bytes + activation_scale * counted`` to measured points.
 
     With three or more volumes the result interpolates between them (``knots``; its scalars are
@@ -354,19 +402,26 @@ def fit_calibration(preset: str, precision: str, recompute: str, points: Sequenc
     Args:
         preset, precision, recompute: what the points measured (the stored key).
         points: ``{volume, counted_activation_bytes, exact_bytes, measured_peak_bytes}`` each,
-            at least two different volumes (``bigmem.memory.profile.calibration_point``).
+            at least two different volumes (``bigmem.memory.profile.calibration_point``), and
+            optionally ``step_gflops_per_core``, the rate its timed steps reached.
+
+        shape: the shipped knots to follow past the measured volumes (``shipped_shape``; default
+            none: the line through the measured knots continues).
 
     Returns:
-        The Calibration, keyed by this machine, ``fitted_on`` the volumes.
+        The Calibration, keyed by this machine, ``fitted_on`` the volumes; its step rate is the
+        largest timed volume's (the one closest to the sizes a plan chooses).
     """
+    timed = [p for p in points if p.get("step_gflops_per_core")]
+    rate = max(timed, key=lambda p: p["volume"])["step_gflops_per_core"] if timed else None
     xs = [p["counted_activation_bytes"] for p in points]
     ys = [p["measured_peak_bytes"] - p["exact_bytes"] for p in points]
     weights = [1.0 / p["measured_peak_bytes"] ** 2 for p in points]
     scale, framework = fit_line(xs, ys, weights)
-    knots = knots_from(points) if len({p["volume"] for p in points}) > 2 else []
+    knots = follow_shape(knots_from(points), shape) if len({p["volume"] for p in points}) > 2 else []
     calibration = Calibration(round(scale, 4), int(framework), f"this machine, fitted {time.strftime('%Y-%m-%d')}",
                               machine_key(preset, precision, recompute), sorted(p["volume"] for p in points),
-                              knots=knots)
+                              knots=knots, step_gflops_per_core=rate)
     if knots:
         calibration.activation_scale, calibration.framework_bytes = calibration.line_for(knots[-1][0] + 1)
         calibration.activation_scale = round(calibration.activation_scale, 4)

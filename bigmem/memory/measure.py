@@ -29,6 +29,7 @@ class Measurement:
     baseline_bytes: int  # RSS after importing TensorFlow and Keras, before training
     node_bytes: dict[str, int]  # resident bytes per NUMA node after the steps (numa_maps)
     step_s: float  # median step time (first, tracing step excluded)
+    cores: int = 1  # CPUs the child's training ran on (its affinity after the placement)
 
 
 def measure(config: ExperimentConfig, *, steps: int = 3, recompute_stages: list[str] | None = None,
@@ -53,7 +54,8 @@ def measure(config: ExperimentConfig, *, steps: int = 3, recompute_stages: list[
 
     Returns:
         A ``Measurement``: the child's peak resident set (VmHWM) and its baseline after importing
-        TensorFlow and Keras, in bytes; resident bytes per NUMA node; the median step time in s.
+        TensorFlow and Keras, in bytes; resident bytes per NUMA node; the median step time in s
+        and the CPUs it ran on.
 
     Raises:
         BigmemError: the child failed (including the pre-flight's refusal without ``force``);
@@ -80,7 +82,8 @@ def measure(config: ExperimentConfig, *, steps: int = 3, recompute_stages: list[
                           f"(exit {result.returncode}): {tail}")
     values = json.loads(result.stdout.strip().splitlines()[-1])
     return Measurement(int(values["peak_bytes"]), int(values["baseline_bytes"]),
-                       {str(k): int(v) for k, v in values["node_bytes"].items()}, float(values["step_s"]))
+                       {str(k): int(v) for k, v in values["node_bytes"].items()}, float(values["step_s"]),
+                       int(values["cores"]))
 
 
 @dataclass

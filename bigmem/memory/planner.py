@@ -15,9 +15,9 @@ import psutil
 from bigmem.config.options import Precision, Recompute
 from bigmem.config.schema import ExperimentConfig
 from bigmem.errors import InsufficientMemoryError
-from bigmem.memory.calibration import lookup_calibration
+from bigmem.memory.calibration import Calibration, lookup_calibration
 from bigmem.memory.estimate import Estimate, NetworkCounts, estimate, mode_stages, recompute_order
-from bigmem.memory.speed import MachineSpeed, predicted_step_s, step_rate
+from bigmem.memory.speed import MachineSpeed, StepRate, predicted_step_s, recomputed_share, step_rate
 from bigmem.units import format_bytes
 
 # Modes in order of preference: on a tie the earlier (less recomputation, full precision) wins.
@@ -133,9 +133,8 @@ class Planner:
         if stages is None:
             stages = mode_stages(recompute, counts)
         result = estimate(config, counts, (volume,) * 3, recompute_stages=stages)
-        rate = step_rate(self.machine.isa_class, precision.value, config.model.filters[0], self.machine.native_bf16)
-        # The recomputed stages' share of the forward work, by their share of the feature maps.
-        recomputed = sum(counts.block_elements[name] for name in stages) / max(1, sum(counts.block_elements.values()))
+        rate = self._rate(result.calibration, precision, config.model.filters[0])
+        recomputed = recomputed_share(counts.block_elements, stages)
         candidate = Candidate(volume, batch, precision.value, recompute.value, result.predicted_peak_bytes,
                               result.predicted_peak_bytes <= self.budget_bytes and result.runnable, list(stages),
                               components=dict(result.components),
@@ -145,6 +144,14 @@ class Planner:
                               step_rate_source=rate.source)
         self.candidates.append(candidate)
         return candidate
+
+    def _rate(self, calibration: Calibration, precision: Precision, base_filters: int) -> StepRate:
+        """This machine's calibrated step rate for the mode where it has one, else the ISA class's table."""
+        if calibration.step_gflops_per_core:
+            return StepRate(calibration.step_gflops_per_core,
+                            f"calibrated on this machine at {calibration.fitted_on[-1]}^3 ({calibration.source}; "
+                            f"bigmem profile --calibrate)")
+        return step_rate(self.machine.isa_class, precision.value, base_filters, self.machine.native_bf16)
 
     def _largest(self, fits: Callable[[int], Candidate], upper: int) -> Candidate | None:
         """Binary search the largest k in [1, upper] whose candidate fits (fits is monotone)."""

@@ -8,10 +8,13 @@ from typing import Callable, Sequence
 
 from bigmem.config.options import Recompute
 from bigmem.config.schema import ExperimentConfig
-from bigmem.memory.calibration import Calibration, fit_calibration, fit_line, save_calibration
+from bigmem.memory.calibration import (
+    Calibration, fit_calibration, fit_line, machine_isa_class, save_calibration, shipped_shape,
+)
 from bigmem.memory.estimate import Estimate, NetworkCounts, estimate, mode_stages
 from bigmem.memory.measure import Measurement, measure
 from bigmem.memory.preflight import recompute_stages as choose_stages
+from bigmem.memory.speed import measured_rate, recomputed_share
 
 TEBIBYTE = 2**40
 # No multiplier and no overhead: the estimate's own parts, as a calibration fit takes them.
@@ -104,26 +107,35 @@ def sweep(config: ExperimentConfig, volumes: Sequence[int], counts_for, *, steps
     return results, ScalingLaw(intercept, slope)
 
 
-def calibration_point(config: ExperimentConfig, counts_for, measured_peak_bytes: int) -> dict:
+def calibration_point(config: ExperimentConfig, counts_for, measured_peak_bytes: int,
+                      measurement: Measurement | None = None) -> dict:
     """One measured point as ``fit_calibration`` takes it: the estimate's parts at unit calibration.
 
     Args:
         config: the measured configuration (its ``data.volume`` is the cube edge).
         counts_for: ``counts_function(config)``.
         measured_peak_bytes: the measured VmHWM of that configuration.
+        measurement: the run that measured it, if its step time should calibrate the step rate
+            (default None: memory only).
 
     Returns:
         ``{volume, counted_activation_bytes, exact_bytes, measured_peak_bytes}``; the counted bytes
         are the activations' and the workspace's (what the calibration scales), the exact ones
-        the rest of the estimate.
+        the rest of the estimate. With ``measurement``, also ``step_s`` and
+        ``step_gflops_per_core`` (``memory.speed.measured_rate`` on the cores the run had).
     """
     volume = config.data.volume
     counts = counts_for((volume,) * 3)
     stages = choose_stages(config, counts_for, (volume,) * 3)
     raw = estimate(config, counts, (volume,) * 3, recompute_stages=stages, calibration=UNIT_CALIBRATION)
     counted = raw.components["activations"] + raw.components["workspace"]  # what the calibration scales
-    return {"volume": volume, "counted_activation_bytes": counted, "exact_bytes": raw.predicted_peak_bytes - counted,
-            "measured_peak_bytes": int(measured_peak_bytes)}
+    point = {"volume": volume, "counted_activation_bytes": counted, "exact_bytes": raw.predicted_peak_bytes - counted,
+             "measured_peak_bytes": int(measured_peak_bytes)}
+    if measurement is not None and measurement.step_s > 0:
+        rate = measured_rate(raw.train_flops_per_step, recomputed_share(counts.block_elements, stages),
+                             measurement.step_s, measurement.cores)
+        point.update(step_s=round(measurement.step_s, 4), step_gflops_per_core=round(rate, 2))
+    return point
 
 
 def calibrate(config: ExperimentConfig, volumes: Sequence[int], counts_for, *, steps: int = 3,
@@ -136,9 +148,11 @@ def calibrate(config: ExperimentConfig, volumes: Sequence[int], counts_for, *, s
         sized = _with_volume(config, volume)
         stages = choose_stages(sized, counts_for, (volume,) * 3)
         measured = measure(sized, steps=steps, recompute_stages=stages)
-        points.append(calibration_point(sized, counts_for, measured.peak_bytes))
+        points.append(calibration_point(sized, counts_for, measured.peak_bytes, measured))
     recompute = "stages" if config.memory.recompute is Recompute.STAGES else "none"
-    calibration = fit_calibration(config.model.name, config.train.precision.value, recompute, points)
+    precision = config.train.precision.value
+    shape = shipped_shape(config.model.name, precision, recompute, machine_isa_class())
+    calibration = fit_calibration(config.model.name, precision, recompute, points, shape)
     if save:
         save_calibration(calibration)
     return calibration, points

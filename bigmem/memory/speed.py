@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
+from typing import Sequence
 
 # bigmem's own training step (benchmarks/bench_train.py, batch 1, median of 5 after 2 warm-up steps),
 # GFLOP/s per core by base filters, on 2 cores:
@@ -111,6 +112,25 @@ class MachineSpeed:
 def usable_cores() -> int:
     """CPUs this process may run on (its affinity), as a count of cores for the rate above."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def recomputed_share(block_elements: dict[str, int], stages: Sequence[str]) -> float:
+    """The recomputed stages' share of the forward work, by their share of the feature maps (0..1).
+
+    Args:
+        block_elements: feature-map elements per stage (``NetworkCounts.block_elements``).
+        stages: the recomputed stages' names.
+    """
+    return sum(block_elements[name] for name in stages) / max(1, sum(block_elements.values()))
+
+
+def measured_rate(train_flops: int, recomputed: float, step_s: float, cores: int) -> float:
+    """GFLOP/s per core that a measured step reached, counted as ``predicted_step_s`` counts them.
+
+    The inverse of ``predicted_step_s``: a rate measured here and fed back predicts ``step_s``.
+    """
+    flops = train_flops * (1.0 + RECOMPUTE_EXTRA_SHARE * recomputed)
+    return flops / (step_s * 1e9 * max(1, cores))
 
 
 def predicted_step_s(train_flops: int, recomputed_share: float, rate: StepRate, cores: int) -> float:

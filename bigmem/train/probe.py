@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -45,6 +46,7 @@ def probe(request: dict) -> dict:
         "node_bytes": {str(k): v for k, v in node_resident_bytes().items()},
         "steps": len(rows),
         "step_s": statistics.median(step_s),
+        "cores": len(os.sched_getaffinity(0)),  # after the placement: what the steps ran on
     }
 
 

@@ -9,7 +9,7 @@ import pytest
 from bigmem.memory import calibration as calibration_module
 from bigmem.memory.calibration import (
     DEFAULTS, EMULATED_BF16_MARGIN_FRACTION, UNMEASURED_MARGIN_FRACTION, Calibration, default_calibration,
-    fit_calibration, fit_line, knots_from, lookup_calibration, machine_key, save_calibration,
+    fit_calibration, fit_line, knots_from, lookup_calibration, machine_key, save_calibration, shipped_shape,
 )
 from bigmem.sysinfo import isa_class
 
@@ -77,6 +77,14 @@ def test_fit_recovers_scale_and_overhead():
     assert calibration.fitted_on == [32, 64, 96]
     assert calibration.key == machine_key("kits19", "bf16", "stages")
     assert calibration.key["preset"] == "kits19" and calibration.margin_fraction == 0.0
+
+
+def test_the_step_rate_is_the_largest_timed_volumes():
+    points = [dict(_point(v, a, o), step_gflops_per_core=r)
+              for v, a, o, r in ((32, 100, 1000, 40.0), (96, 700, 2000, 61.5), (64, 300, 1400, 55.0))]
+    assert fit_calibration("small", "fp32", "none", points).step_gflops_per_core == 61.5
+    untimed = fit_calibration("small", "fp32", "none", [_point(32, 100, 1000), _point(64, 300, 1400)])
+    assert untimed.step_gflops_per_core is None
 
 
 @pytest.fixture
@@ -172,3 +180,28 @@ def test_calibration_round_trips_through_its_dict():
     calibration = Calibration(0.5, 7, "test", {"preset": "small"}, [32, 64], margin_fraction=0.15,
                               knots=[[1, 2], [3, 4]])
     assert Calibration(**calibration.to_dict()) == calibration
+
+
+SHAPE = [[100, 1000], [300, 1400], [700, 2000], [1500, 3000], [3100, 4600]]  # slope falls: 2, 1.5, 1.25, 1
+
+
+def test_a_small_calibration_follows_the_shipped_curve_past_its_sizes():
+    measured = [_point(32, 100, 1000), _point(64, 300, 1300), _point(96, 700, 1900)]  # 100 under the curve at 700
+    shifted = fit_calibration("kits19", "fp32", "none", measured, SHAPE)
+    assert shifted.knots == [[100, 1000], [300, 1300], [700, 1900], [1500, 2900], [3100, 4500]]
+    assert shifted.line_for(3100) == pytest.approx((1.0, 1400), abs=1e-9)  # the last segment's slope, not 1.5's
+    line = fit_calibration("kits19", "fp32", "none", measured)  # without the shape: the line over-predicts
+    assert line.line_for(3100)[0] * 3100 + line.line_for(3100)[1] > 4500 * 1.15
+    higher = [_point(32, 100, 1000), _point(64, 300, 1500), _point(96, 700, 2200)]  # 10% over at 700: scaled
+    assert fit_calibration("kits19", "fp32", "none", higher, SHAPE).knots[3:] == [[1500, 3300], [3100, 5060]]
+    beyond = [_point(32, 100, 1000), _point(64, 300, 1300), _point(96, 4000, 5000)]  # past the shape's end
+    assert fit_calibration("kits19", "fp32", "none", beyond, SHAPE).knots == knots_from(beyond)
+
+
+def test_the_shipped_shape_is_the_presets_own():
+    kits = shipped_shape("kits19", "fp32", "none", "avx512_bf16")
+    assert kits == [[x, y] for _, x, y in DEFAULTS[("avx512_bf16", "kits19", "fp32", "none")]]
+    assert shipped_shape("kits19", "fp32", "none", "avx2") == kits  # an unmeasured ISA: the measured class's
+    assert shipped_shape("tiny", "fp32", "none", "avx512_bf16") == shipped_shape("small", "fp32", "none",
+                                                                                 "avx512_bf16")
+    assert shipped_shape("my-net", "fp32", "none", "avx512_bf16") == []

@@ -3,7 +3,8 @@
 import pytest
 
 from bigmem.memory.speed import (
-    EMULATED_BF16_SLOWDOWN, MEASURED_RATES, MachineSpeed, predicted_step_s, step_rate,
+    EMULATED_BF16_SLOWDOWN, MEASURED_RATES, MachineSpeed, StepRate, measured_rate, predicted_step_s,
+    recomputed_share, step_rate,
 )
 
 
@@ -44,6 +45,14 @@ def test_step_seconds():
     assert predicted_step_s(flops, 0.0, rate, cores=8) == pytest.approx(plain / 4)
 
 
+def test_a_measured_rate_fed_back_predicts_the_measured_step():
+    flops, share = 7 * 10**12, recomputed_share({"enc0": 300, "enc1": 100, "dec0": 600}, ["enc0", "dec0"])
+    assert share == pytest.approx(0.9)
+    rate = measured_rate(flops, share, step_s=12.5, cores=4)
+    assert rate == pytest.approx(flops * (1 + 0.9 / 3) / 12.5 / 4 / 1e9)
+    assert predicted_step_s(flops, share, StepRate(rate, "here"), cores=4) == pytest.approx(12.5)
+
+
 def test_plan_candidates_carry_a_step_time():
     from bigmem.config import resolve_config
     from bigmem.memory.estimate import NetworkCounts
@@ -60,3 +69,32 @@ def test_plan_candidates_carry_a_step_time():
     assert fp32.predicted_step_s > 0 and "avx2" in fp32.step_rate_source
     assert stages.predicted_step_s == pytest.approx(fp32.predicted_step_s * 4 / 3, rel=1e-2)
     assert bf16.predicted_step_s > 15 * fp32.predicted_step_s  # emulated
+
+
+def test_a_calibrated_rate_replaces_the_isa_table_for_its_mode(monkeypatch):
+    from bigmem.config import resolve_config
+    from bigmem.config.options import Precision, Recompute
+    from bigmem.memory import estimate as estimate_module
+    from bigmem.memory.calibration import Calibration, default_calibration
+    from bigmem.memory.estimate import NetworkCounts
+    from bigmem.memory.planner import Planner
+    from bigmem.nets.unet3d import UNet3D
+
+    def lookup(preset, precision, recompute):
+        found = default_calibration(preset, precision, recompute, isa="avx512_bf16")
+        if precision == "fp32":  # as `bigmem profile --calibrate` leaves it: timed at 96^3
+            return Calibration(found.activation_scale, found.framework_bytes, "this machine, fitted 2026-12-01",
+                               found.key, [32, 64, 96], knots=found.knots, step_gflops_per_core=25.0)
+        return found
+
+    monkeypatch.setattr(estimate_module, "lookup_calibration", lookup)
+    model = UNet3D(resolve_config("small").model).build_for()
+    planner = Planner(resolve_config("small"), lambda shape: NetworkCounts.from_model(model, shape), 2**40,
+                      machine=MachineSpeed("avx512_bf16", native_bf16=True, cores=2))
+    fp32 = planner.evaluate(64, 1, Precision.FP32, Recompute.NONE)
+    bf16 = planner.evaluate(64, 1, Precision.BF16, Recompute.NONE)
+    assert fp32.step_rate_source.startswith("calibrated on this machine at 96^3")
+    assert "measured (bench_train" in bf16.step_rate_source  # no calibration for bf16: the ISA table
+    # the same FLOPs, so the step times are in the inverse ratio of the rates (25 per core for fp32)
+    assert fp32.predicted_step_s / bf16.predicted_step_s == pytest.approx(
+        step_rate("avx512_bf16", "bf16", 8, True).gflops_per_core / 25.0, rel=1e-2)
