@@ -152,7 +152,7 @@ class Campaign:
         if len(points) < 2:
             self.console.print(f"{model} {precision}/{recompute}: fewer than two calibration sizes, skipped")
             return
-        shape = shipped_shape(model, precision, recompute, self.isa)
+        shape = shipped_shape(model, precision, recompute, self.isa, args.batch_size)
         fitted = fit_calibration(model, precision, recompute, points, shape)
         for size, (peak, step_s, origin) in measured.items():
             self.add(model, precision, recompute, size, "calibration", peak, step_s, origin, counts_for,

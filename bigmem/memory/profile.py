@@ -151,7 +151,7 @@ def calibrate(config: ExperimentConfig, volumes: Sequence[int], counts_for, *, s
         points.append(calibration_point(sized, counts_for, measured.peak_bytes, measured))
     recompute = "stages" if config.memory.recompute is Recompute.STAGES else "none"
     precision = config.train.precision.value
-    shape = shipped_shape(config.model.name, precision, recompute, machine_isa_class())
+    shape = shipped_shape(config.model.name, precision, recompute, machine_isa_class(), config.train.batch_size)
     calibration = fit_calibration(config.model.name, precision, recompute, points, shape)
     if save:
         save_calibration(calibration)
