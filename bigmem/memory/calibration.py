@@ -39,8 +39,10 @@ from bigmem.sysinfo import NATIVE_BF16_ISA_CLASSES, cpu_description, isa_class
 # intelai-brats fp32 at 256^3 (none) and 288^3 (stages) were killed by the kernel at 22.80 and
 # 22.76 GiB resident, against 18.10 and 18.42 GiB predicted from the knots below them: their
 # knots are those lower bounds (the peak was at least that), so a plan does not start them in
-# 24 GiB. Why the peak jumps past 240^3 / 272^3 there is not known yet. tiny uses small's
-# (DEFAULT_PRESET_FOR).
+# 24 GiB. Run alone, 256^3 held 18.0 GiB after its first step and grew to 23.15 GiB in its second;
+# with TF_ONEDNN_USE_SYSTEM_ALLOCATOR=1 (malloc instead of TF's oneDNN BFC pool, which never
+# returns memory and fragments) it peaked at 16.4 GiB. The defaults are measured with the pool,
+# as bigmem runs today. tiny uses small's (DEFAULT_PRESET_FOR).
 DEFAULTS_MACHINE = "AMD EPYC 2 vCPU avx512_bf16, TF 2.21.0, 2026-11-30/12-01"
 # The batch the DEFAULTS were measured at. Their curve is followed only by calibrations at the
 # same batch: at equal counted bytes, batch 2 left more overhead than batch 1 (kits19 bf16 +
