@@ -437,7 +437,6 @@ def fit_calibration(preset: str, precision: str, recompute: str, points: Sequenc
         points: ``{volume, counted_activation_bytes, exact_bytes, measured_peak_bytes}`` each,
             at least two different volumes (``bigmem.memory.profile.calibration_point``), and
             optionally ``step_gflops_per_core``, the rate its timed steps reached.
-
         shape: the shipped knots to follow past the measured volumes (``shipped_shape``; default
             none: the line through the measured knots continues).
 
