@@ -17,8 +17,8 @@ from typing import Iterator, Sequence
 # benchmarks/results/kernels.md; benchmarks/bench_kernel_limits.py).
 MAX_KERNEL_ELEMENTS = 2**30
 # The most elements of one slab once an op is partitioned: 2 GiB in float32. Each slab's
-# temporaries (its conv output, a zero-padded gradient slab) are the extra memory of the slab
-# path, so slabs are kept well under the limit; the halo planes this adds are 2 of 64 at 512^2
+# temporaries (its conv output; for strided convs also a zero-padded gradient slab) are the extra
+# memory of the slab path, so slabs are kept well under the limit; the halo planes this adds are 2 of 64 at 512^2
 # x 32 channels (about 3% more convolution work; benchmarks/bench_slabs.py measures it).
 MAX_SLAB_ELEMENTS = 2**29
 # ... unless that is fewer than this many depth planes (wide planes of very large volumes): then

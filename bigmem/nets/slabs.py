@@ -12,7 +12,10 @@ materialise a full-size zero tensor per slab).
 Slabs run one after another (each waits for the previous slab's write), so at most one slab's
 temporaries are alive at once: the peak is the unpartitioned op's plus about one slab. Slices
 of whole depth planes of one sample are views (TF's Slice aliases a range of the first axis), so
-taking a slab copies nothing.
+taking a slab copies nothing. Every slab of an op but the last is as long as the limit allows
+(``plan_slabs``), so TensorFlow's pooled allocator hands each slab the buffer the one before it
+freed, and the full-size output is allocated only once the first slab's result exists
+(``PlaneWriter``), as an unpartitioned kernel allocates its output when it runs.
 
 Shapes are channels-last ``(batch, D, H, W, C)`` with static sizes; every function here works on
 any size, so tests lower the limit (``kernel_element_limit``) to run the slab path on small
@@ -119,27 +122,40 @@ def split_evenly(length: int, parts: int) -> list[tuple[int, int]]:
 
 
 def plan_slabs(length: int, fits: Callable[[int, int], bool], *, what: str) -> list[tuple[int, int]]:
-    """The fewest near-equal ranges of ``length`` planes for which ``fits(start, stop)`` holds for all.
+    """The fewest ranges of ``length`` planes for which ``fits(start, stop)`` holds: each as long as fits, in order.
+
+    Every slab but the last is as long as the limit allows, and the last is the rest, so all slabs
+    of an op allocate the same temporaries but the last, which are smaller: TensorFlow's CPU
+    allocator (a best-fit pool) reuses a freed slab's buffer for the next one. Near-equal slabs
+    differ by a plane or by the halo the first slab lacks, and a slab one plane larger than the
+    freed one takes fresh memory (a stride-1 conv at 128^3 x 32 in 5 slabs: about one slab more).
 
     Args:
         length: planes to partition.
-        fits: whether the slab ``[start, stop)`` stays under the limit.
+        fits: whether the slab ``[start, stop)`` stays under the limit; a range inside one that
+            fits must fit too.
         what: the op and shape, for the error message.
 
     Returns:
         ``[(start, stop), ...]`` covering ``[0, length)`` in order.
 
     Raises:
-        SlabTooLargeError: if even one plane per slab does not fit, or no partition does.
+        SlabTooLargeError: if even one plane per slab does not fit.
     """
     if not all(fits(p, p + 1) for p in (0, length // 2, length - 1)):
         raise SlabTooLargeError(f"{what}: a single depth plane with its halo exceeds the kernel limit of "
                                 f"{max_kernel_elements()} elements; depth slabs cannot bring it under")
-    for parts in range(1, length + 1):
-        slabs = split_evenly(length, parts)
-        if all(fits(start, stop) for start, stop in slabs):
-            return slabs
-    raise SlabTooLargeError(f"{what}: no depth partition fits the kernel limit of {max_kernel_elements()} elements")
+    slabs, start = [], 0
+    while start < length:
+        if not fits(start, start + 1):
+            raise SlabTooLargeError(f"{what}: depth plane {start} with its halo exceeds the kernel limit of "
+                                    f"{max_kernel_elements()} elements")
+        stop = start + 1
+        while stop < length and fits(start, stop + 1):
+            stop += 1
+        slabs.append((start, stop))
+        start = stop
+    return slabs
 
 
 # ---- reading and writing rows of depth planes ---------------------------------------------------
@@ -161,7 +177,11 @@ class PlaneWriter:
     """Fills an uninitialised (B, D, H, W, C) tensor plane range by plane range, in place, in order.
 
     Each write waits for the previous one (``after`` gives the dependency to put on the next
-    slab's work), so slabs never run side by side.
+    slab's work), so slabs never run side by side. The full-size buffer is allocated only once
+    the first slab's values exist, as a TF kernel allocates its output when it runs: an
+    uninitialised buffer has no inputs, and TensorFlow's executor would otherwise allocate it as
+    soon as the step starts, beside tensors that are freed before an unpartitioned op's output
+    exists (a stride-1 conv's input gradient at 128^3 x 32: +256 MiB, one whole tensor).
 
     Args:
         shape: the full tensor's static shape ``(B, D, H, W, C)``.
@@ -174,19 +194,24 @@ class PlaneWriter:
 
     def __init__(self, shape: Sequence[int], dtype):
         self.shape = tuple(int(s) for s in shape)
+        self.dtype = dtype
         self.depth = self.shape[1]
-        self.rows = tf.raw_ops.Empty(shape=(self.shape[0] * self.depth, *self.shape[2:]), dtype=dtype, init=False)
+        self.rows: tf.Tensor | None = None
         self.written = 0
 
     @property
     def after(self) -> list[tf.Tensor]:
         """Control dependencies that make the next slab's work wait for the last write."""
-        return [self.rows]
+        return [] if self.rows is None else [self.rows]
 
     def write(self, sample: int, start: int, values: tf.Tensor) -> None:
         """Planes [start, start + n) of ``sample`` := values (1, n, H, W, C)."""
         count = values.shape[1]
         first = sample * self.depth + start
+        if self.rows is None:
+            with tf.control_dependencies([values]):
+                self.rows = tf.raw_ops.Empty(shape=(self.shape[0] * self.depth, *self.shape[2:]), dtype=self.dtype,
+                                             init=False)
         self.rows = tf.raw_ops.InplaceUpdate(x=self.rows, i=tf.range(first, first + count),
                                              v=tf.reshape(values, (count, *self.shape[2:])))
         self.written += count
@@ -224,16 +249,73 @@ def _filter_grad_3d(x, dy, kernel_shape, strides):
                                             out_backprop=dy, strides=strides, padding="SAME")
 
 
+def _conv_frames_into(source: tf.Tensor, kernel: tf.Tensor, frames: Sequence[ConvFrame], out_shape: Sequence[int],
+                      strides: list[int]) -> tf.Tensor:
+    """A "SAME" conv of ``source`` computed frame by frame, each frame's wanted planes written in place.
+
+    Every slab's input is a view of ``source`` and its wanted output planes a view of the slab's
+    result, so per slab only the result (the frame's output planes) is allocated.
+    """
+    batch, depth = source.shape[0], source.shape[1]
+    planes = as_planes(source)
+    writer = PlaneWriter(out_shape, source.dtype)
+    for sample in range(batch):
+        for frame in frames:
+            with tf.control_dependencies(writer.after):
+                y = tf.nn.conv3d(take_planes(planes, depth, sample, frame.a, frame.b), kernel, strides=strides,
+                                 padding="SAME")
+            writer.write(sample, frame.o0, crop_planes(y, frame.j0, frame.j0 + frame.o1 - frame.o0))
+    return writer.result()
+
+
+def _tapwise_weight_grad(x_planes: tf.Tensor, dy_planes: tf.Tensor, depth: int, sample: int, o0: int, o1: int,
+                         kernel_shape: Sequence[int]) -> tf.Tensor:
+    """The weight gradient of output planes [o0, o1) of a stride-1 "SAME" conv with an odd cubic kernel.
+
+    Depth tap ``kd`` pairs output plane ``o`` with input plane ``o + kd - k // 2``, so
+    ``dW[kd] = conv2d_weight_grad(x planes [o0 + kd - k//2, o1 + kd - k//2), dy planes [o0, o1))``,
+    the depth planes as the batch ("SAME" in height and width, as the 3-D conv pads them; taps
+    past the volume's first or last plane read its zero padding and are left out). Both stacks
+    are views of whole planes: unlike a 3-D weight gradient over the slab, no zero-padded copy of
+    dy is made.
+
+    Returns:
+        float32 ``(k, k, k, C_in, C_out)``.
+    """
+    k = kernel_shape[0]
+    taps = []
+    for kd in range(k):
+        shift = kd - k // 2
+        lo, hi = max(o0, -shift), min(o1, depth - shift)  # outputs whose tap reads a plane of the volume
+        if hi <= lo:
+            taps.append(tf.zeros(kernel_shape[1:], tf.float32))
+            continue
+        rows_x = tf.slice(x_planes, [sample * depth + lo + shift, 0, 0, 0], [hi - lo, -1, -1, -1])
+        rows_dy = tf.slice(dy_planes, [sample * depth + lo, 0, 0, 0], [hi - lo, -1, -1, -1])
+        taps.append(tf.cast(tf.raw_ops.Conv2DBackpropFilter(
+            input=rows_x, filter_sizes=tf.constant(kernel_shape[1:], tf.int32), out_backprop=rows_dy,
+            strides=[1, 1, 1, 1], padding="SAME"), tf.float32))
+    return tf.stack(taps)
+
+
 def conv3d_slabs(x: tf.Tensor, kernel: tf.Tensor, stride: int = 1,
                  filter_grad: Callable[[tf.Tensor, tf.Tensor], tf.Tensor] | None = None) -> tf.Tensor:
     """``tf.nn.conv3d(x, kernel, stride, "SAME")`` computed in depth slabs, with a slab-wise gradient.
+
+    Stride 1 with an odd cubic kernel (the U-Net's 3x3x3 and 1x1x1 convs) takes every slab's
+    input as a view: the input gradient is the forward conv of dy with the kernel flipped and its
+    channels swapped (exact for symmetric "SAME" padding), in the forward's frames, and the
+    weight gradient is summed tap by tap over whole planes (``_tapwise_weight_grad``), so each
+    slab allocates only its own result. Other kernels and strides take TF's backprop kernels on
+    a zero-padded dy slab.
 
     Args:
         x: (batch, D, H, W, C_in), static shape.
         kernel: (k, k, k, C_in, C_out) (any k; equal strides on every axis).
         stride: the stride on every spatial axis.
         filter_grad: ``f(x_slab, dy_slab) -> dkernel`` for one slab's "SAME" conv (e.g. the
-            planewise weight gradient); default TF's Conv3DBackpropFilterV2.
+            planewise weight gradient) where dy is padded per slab (not stride 1 with an odd
+            cubic kernel); default TF's Conv3DBackpropFilterV2.
 
     Returns:
         (batch, ceil(D/stride), ceil(H/stride), ceil(W/stride), C_out), equal to the unpartitioned conv.
@@ -249,8 +331,10 @@ def conv3d_slabs(x: tf.Tensor, kernel: tf.Tensor, stride: int = 1,
     in_plane = height * width * in_channels
     strides = [1, stride, stride, stride, 1]
     kernel_shape = [int(s) for s in kernel.shape]
+    out_shape = (batch, out_depth, out_height, out_width, kernel_shape[-1])
     filter_grad = filter_grad or (lambda xs, dys: _filter_grad_3d(xs, dys, kernel_shape, strides))
     limit = slab_elements(max(in_plane, out_plane))
+    by_views = stride == 1 and len(set(kernel_shape[:3])) == 1 and k % 2 == 1
 
     def frame_fits(frame: ConvFrame) -> bool:
         return (frame.b - frame.a) * in_plane <= limit and frame.out_len * out_plane <= limit
@@ -266,56 +350,65 @@ def conv3d_slabs(x: tf.Tensor, kernel: tf.Tensor, stride: int = 1,
         o_hi = min(out_depth, (i1 - 1 + pad) // stride + 1)
         return conv_frame(depth, k, stride, o_lo, max(o_hi, o_lo + 1))
 
-    in_slabs = plan_slabs(depth, lambda i0, i1: frame_fits(input_frame(i0, i1)) and (i1 - i0) * in_plane <= limit,
-                          what=f"conv3d input gradient on {tuple(x.shape)}")
+    in_slabs = [] if by_views else plan_slabs(
+        depth, lambda i0, i1: frame_fits(input_frame(i0, i1)) and (i1 - i0) * in_plane <= limit,
+        what=f"conv3d input gradient on {tuple(x.shape)}")
 
     def dy_for(dy_planes, sample, frame: ConvFrame):
         """dy of the frame's outputs, zero-padded to the slab conv's out_len planes."""
         dy = take_planes(dy_planes, out_depth, sample, frame.o0, frame.o1)
         return _pad_depth(dy, frame.j0, frame.out_len - frame.j0 - (frame.o1 - frame.o0))
 
-    @tf.custom_gradient
-    def conv(x, kernel):
-        x_planes = as_planes(x)
-        writer = PlaneWriter((batch, out_depth, out_height, out_width, kernel_shape[-1]), x.dtype)
+    def grad_by_views(x, dy, kernel):
+        # Stride 1, odd k: input and output planes pair up one to one, so the forward's frames
+        # (which fit both ways: out_len == b - a) serve the input gradient too.
+        flipped = tf.transpose(tf.reverse(kernel, [0, 1, 2]), [0, 1, 2, 4, 3])
+        dx = _conv_frames_into(dy, flipped, frames, x.shape, strides)
+        x_planes, dy_planes = as_planes(x), as_planes(dy)
+        # Summed in float32: a bfloat16 running sum rounds at every slab, and over many slabs
+        # drifts well past one unpartitioned call's error (benchmarks/results/kernels.md).
+        dkernel = tf.zeros(kernel_shape, tf.float32)
         for sample in range(batch):
             for frame in frames:
-                with tf.control_dependencies(writer.after):
-                    y = tf.nn.conv3d(take_planes(x_planes, depth, sample, frame.a, frame.b), kernel,
-                                     strides=strides, padding="SAME")
-                writer.write(sample, frame.o0, crop_planes(y, frame.j0, frame.j0 + frame.o1 - frame.o0))
-        y = writer.result()
+                with tf.control_dependencies([dx, dkernel]):  # one slab at a time, after the input gradient
+                    dkernel = dkernel + _tapwise_weight_grad(x_planes, dy_planes, depth, sample, frame.o0, frame.o1,
+                                                             kernel_shape)
+        return dx, tf.cast(dkernel, kernel.dtype)
+
+    def grad_padded(x, dy, kernel):
+        x_planes, dy_planes = as_planes(x), as_planes(dy)
+        dx = PlaneWriter(x.shape, x.dtype)
+        for sample in range(batch):
+            for i0, i1 in in_slabs:
+                frame = input_frame(i0, i1)
+                with tf.control_dependencies(dx.after):
+                    dx_frame = tf.raw_ops.Conv3DBackpropInputV2(
+                        input_sizes=tf.constant([1, frame.b - frame.a, height, width, in_channels], tf.int32),
+                        filter=kernel, out_backprop=dy_for(dy_planes, sample, frame), strides=strides,
+                        padding="SAME")
+                # Planes of [i0, i1) outside the frame are read by no output (a 1x1x1 kernel
+                # with stride 2 skips planes): their gradient is 0.
+                lo, hi = max(i0, frame.a), min(i1, frame.b)
+                if hi > lo:
+                    piece = _pad_depth(crop_planes(dx_frame, lo - frame.a, hi - frame.a), lo - i0, i1 - hi)
+                else:
+                    piece = tf.zeros((1, i1 - i0, height, width, in_channels), x.dtype)
+                dx.write(sample, i0, piece)
+        dx = dx.result()
+        dkernel = tf.zeros(kernel_shape, tf.float32)  # float32, as in grad_by_views
+        for sample in range(batch):
+            for frame in frames:
+                with tf.control_dependencies([dx, dkernel]):  # one slab at a time, after the input gradient
+                    dkernel = dkernel + tf.cast(filter_grad(take_planes(x_planes, depth, sample, frame.a, frame.b),
+                                                            dy_for(dy_planes, sample, frame)), tf.float32)
+        return dx, tf.cast(dkernel, kernel.dtype)
+
+    @tf.custom_gradient
+    def conv(x, kernel):
+        y = _conv_frames_into(x, kernel, frames, out_shape, strides)
 
         def grad(dy):
-            dy_planes = as_planes(dy)
-            dx = PlaneWriter(x.shape, x.dtype)
-            for sample in range(batch):
-                for i0, i1 in in_slabs:
-                    frame = input_frame(i0, i1)
-                    with tf.control_dependencies(dx.after):
-                        dx_frame = tf.raw_ops.Conv3DBackpropInputV2(
-                            input_sizes=tf.constant([1, frame.b - frame.a, height, width, in_channels], tf.int32),
-                            filter=kernel, out_backprop=dy_for(dy_planes, sample, frame), strides=strides,
-                            padding="SAME")
-                    # Planes of [i0, i1) outside the frame are read by no output (a 1x1x1 kernel
-                    # with stride 2 skips planes): their gradient is 0.
-                    lo, hi = max(i0, frame.a), min(i1, frame.b)
-                    if hi > lo:
-                        piece = _pad_depth(crop_planes(dx_frame, lo - frame.a, hi - frame.a), lo - i0, i1 - hi)
-                    else:
-                        piece = tf.zeros((1, i1 - i0, height, width, in_channels), x.dtype)
-                    dx.write(sample, i0, piece)
-            dx = dx.result()
-            # Summed in float32: a bfloat16 running sum rounds at every slab, and over many slabs
-            # drifts well past one unpartitioned call's error (benchmarks/results/kernels.md).
-            dkernel = tf.zeros(kernel_shape, tf.float32)
-            for sample in range(batch):
-                for frame in frames:
-                    # One slab at a time, after the input gradient.
-                    with tf.control_dependencies([dx, dkernel]):
-                        dkernel = dkernel + tf.cast(filter_grad(take_planes(x_planes, depth, sample, frame.a, frame.b),
-                                                                dy_for(dy_planes, sample, frame)), tf.float32)
-            return dx, tf.cast(dkernel, kernel.dtype)
+            return (grad_by_views if by_views else grad_padded)(x, dy, kernel)
 
         return y, grad
 

@@ -110,7 +110,7 @@ def test_conv3d_slabs_equal_conv3d(shape, kernel, stride, out_channels, planes, 
 
 
 def test_conv3d_slabs_use_the_given_filter_gradient():
-    """The planewise weight gradient (bf16, stride 1) is used per slab and gives TF's result."""
+    """A padded-dy slab path (stride 2) uses the given weight gradient per slab; TF's result."""
     from bigmem.nets.conv import planewise_weight_grad
 
     x = tf.cast(_random((1, 20, 8, 8, 16), 3), tf.bfloat16)
@@ -119,13 +119,37 @@ def test_conv3d_slabs_use_the_given_filter_gradient():
 
     def filter_grad(xs, dys):
         calls.append(xs.shape)
-        return planewise_weight_grad(xs, dys, w.shape, 1)
+        return planewise_weight_grad(xs, dys, w.shape, 2)
 
-    with kernel_element_limit(8 * 8 * 16 * 7):
-        _, (_, dw) = _value_and_grads(lambda x, w: conv3d_slabs(x, w, 1, filter_grad=filter_grad), x, w)
-    _, (_, dw_ref) = _value_and_grads(lambda x, w: tf.nn.conv3d(x, w, [1] * 5, "SAME"), x, w)
+    strides = [1, 2, 2, 2, 1]
+    with kernel_element_limit(8 * 8 * 16 * 6):
+        _, (_, dw) = _value_and_grads(lambda x, w: conv3d_slabs(x, w, 2, filter_grad=filter_grad), x, w)
+    _, (_, dw_ref) = _value_and_grads(lambda x, w: tf.nn.conv3d(x, w, strides, "SAME"), x, w)
     assert len(calls) >= 4
     _close(tf.cast(dw, tf.float32), tf.cast(dw_ref, tf.float32), tol=2e-2)
+
+
+def test_stride1_slabs_take_views_and_no_padded_copies():
+    """Stride 1, 3x3x3: no Pad op in the gradient (dy slabs are views), every slab but the last of one size."""
+    x, w = _random((1, 23, 6, 6, 4), 1), _random((3, 3, 3, 4, 4), 2)
+    limit = 6 * 6 * 4 * 7
+
+    @tf.function
+    def step(x, w):
+        with tf.GradientTape() as tape:
+            tape.watch([x, w])
+            with kernel_element_limit(limit):
+                y = conv3d_slabs(x, w, 1)
+        return tape.gradient(y, [x, w])
+
+    graph = step.get_concrete_function(x, w).graph
+    ops = [op.type for op in graph.get_operations()]
+    assert "Pad" not in ops and "PadV2" not in ops
+    convs = [op for op in graph.get_operations() if op.type == "Conv3D"]
+    depths = [op.inputs[0].shape[1] for op in convs]
+    # Forward, then the input gradient in the same frames: outputs 0-5, 6-10, 11-15, 16-20 from
+    # 7 input planes each, 21-22 from the last 3.
+    assert depths == [7, 7, 7, 7, 3] * 2
 
 
 @pytest.mark.parametrize("shape", [(1, 9, 3, 4, 4), (2, 5, 2, 2, 3)])
