@@ -12,17 +12,19 @@ follows the shipped curve, calibration.follow_shape; at each check size only the
 below that size are followed, so a check never predicts a size the defaults measured), then
 predicts and measures the check sizes: by default (``auto``) the largest ones whose in-run prediction stays
 under --max-peak (a size whose run fails, e.g. killed by the kernel, is reported and the next
-smaller one tried). Every point is reported with two predictions: the shipped defaults' and the
-in-run calibration's; at the check sizes the latter is the extrapolation error a user gets from
-calibrating on small volumes. Each point trains a few steps in a fresh child process and reads
-its VmHWM (bigmem.memory.measure).
+smaller one tried). Every point is reported with three predictions: the shipped defaults'; the
+in-run calibration's, which at the check sizes is the extrapolation error from small volumes
+alone; and, at the check sizes, the in-run calibration following every shipped knot, which is
+what ``bigmem profile --calibrate`` gives a user on this machine (on the machine the defaults
+were measured on it only repeats them; on another CPU it is the error a user there gets). Each
+point trains a few steps in a fresh child process and reads its VmHWM (bigmem.memory.measure).
 
 --reuse takes the measured peaks of matching points (model, precision, recompute, volume, batch)
 from earlier results files instead of measuring again, and says so per point: the estimate can
 be re-analysed against measurements without repeating them (--no-measure: nothing else is run).
 --lock holds an flock on PATH around each measurement (for a machine shared with other
 memory-heavy jobs). With --budget, it asks the planner for the largest volume per mode within
-that budget (first --model) and measures a run at the bf16+stages size. The printed
+that budget (first --model) and measures a --steps run at the bf16+stages size. The printed
 "defaults_fit" is what calibration.DEFAULTS holds. Writes JSON keyed by machine (never run by pytest).
 
 Run it on a quiet machine: the peak depends on how many ops TensorFlow's executor runs at once,
@@ -153,11 +155,12 @@ class Campaign:
             self.console.print(f"{model} {precision}/{recompute}: fewer than two calibration sizes, skipped")
             return
         shape = shipped_shape(model, precision, recompute, self.isa, args.batch_size)
-        fitted = fit_calibration(model, precision, recompute, points, shape)
+        as_a_user = fit_calibration(model, precision, recompute, points, shape)  # profile --calibrate's fit
         for size, (peak, step_s, origin) in measured.items():
             self.add(model, precision, recompute, size, "calibration", peak, step_s, origin, counts_for,
-                     shipped, fitted)
-        done, candidates = 0, self.check_candidates(model, precision, recompute, counts_for, divisor, fitted)
+                     shipped, as_a_user)
+        done, candidates = 0, self.check_candidates(model, precision, recompute, counts_for, divisor,
+                                                                 as_a_user)
         for size in candidates:
             if done >= args.checks_per_mode:
                 break
@@ -173,7 +176,8 @@ class Campaign:
             if peak is None:
                 self.fail(model, precision, recompute, size, origin)
                 continue
-            self.add(model, precision, recompute, size, "check", peak, step_s, origin, counts_for, shipped, fitted)
+            self.add(model, precision, recompute, size, "check", peak, step_s, origin, counts_for, shipped, fitted,
+                     as_a_user)
             done += 1
         self.rows[-1]["fitted_calibration"] = fitted.to_dict()
 
@@ -196,7 +200,8 @@ class Campaign:
         self.failures.append({"model": model, "precision": precision, "recompute": recompute, "volume": size,
                               "error": error})
 
-    def add(self, model, precision, recompute, size, role, peak, step_s, origin, counts_for, shipped, fitted):
+    def add(self, model, precision, recompute, size, role, peak, step_s, origin, counts_for, shipped, fitted,
+            as_a_user=None):
         config = self.config(model, precision, recompute, size)
         by_default = self.predict(config, counts_for, shipped)
         by_fit = self.predict(config, counts_for, fitted)
@@ -205,9 +210,14 @@ class Campaign:
                "predicted_peak_bytes": by_default, "error_pct": _error_pct(by_default, peak),
                "fitted_predicted_peak_bytes": by_fit, "fitted_error_pct": _error_pct(by_fit, peak),
                "calibration": shipped.source}
+        if as_a_user is not None:
+            by_user = self.predict(config, counts_for, as_a_user)
+            row.update(calibrated_predicted_peak_bytes=by_user, calibrated_error_pct=_error_pct(by_user, peak))
         self.rows.append(row)
         self.console.print(f"{model} {precision}/{recompute} {size}^3 ({role}): measured {format_bytes(peak)}; "
-                           f"shipped {row['error_pct']:+.1f}%, in-run fit {row['fitted_error_pct']:+.1f}%", style="dim")
+                           f"shipped {row['error_pct']:+.1f}%, in-run fit {row['fitted_error_pct']:+.1f}%"
+                           + (f", calibrated as a user {row['calibrated_error_pct']:+.1f}%" if as_a_user else ""),
+                           style="dim")
 
 
 def _error_pct(predicted: int, measured: int) -> float:
@@ -270,18 +280,22 @@ def main(argv: list[str] | None = None) -> int:
 def print_summary(rows: list[dict], console, report: dict) -> None:
     table = Table(title=f"Predicted vs measured peak (VmHWM), batch {report['batch_size']}")
     for column in ("model", "precision", "recompute", "volume", "role", "measured", "shipped", "error",
-                   "in-run fit", "error"):
+                   "in-run fit", "error", "as a user", "error"):
         table.add_column(column, justify="right")
     for r in rows:
+        user = r.get("calibrated_predicted_peak_bytes")
         table.add_row(r["model"], r["precision"], r["recompute"], f"{r['volume']}^3", r["role"],
                       format_bytes(r["measured_peak_bytes"]), format_bytes(r["predicted_peak_bytes"]),
                       f"{r['error_pct']:+.1f}%", format_bytes(r["fitted_predicted_peak_bytes"]),
-                      f"{r['fitted_error_pct']:+.1f}%")
+                      f"{r['fitted_error_pct']:+.1f}%", format_bytes(user) if user else "-",
+                      f"{r['calibrated_error_pct']:+.1f}%" if user else "-")
     console.print(table)
     checks = [r for r in rows if r["role"] == "check"]
     for label, field, subset in (("shipped defaults, all points", "error_pct", rows),
                                  ("in-run calibration, all points", "fitted_error_pct", rows),
-                                 ("extrapolation (in-run fit, check sizes)", "fitted_error_pct", checks)):
+                                 ("extrapolation (in-run fit, check sizes)", "fitted_error_pct", checks),
+                                 ("calibrated on <= the calibration sizes as a user (check sizes)",
+                                  "calibrated_error_pct", [r for r in checks if "calibrated_error_pct" in r])):
         worst = _worst(subset, field)
         if worst:
             console.print(f"worst error, {label}: {worst[field]:+.1f}% ({worst['model']} {worst['precision']}/"
@@ -335,7 +349,7 @@ def budget_check(args, model: str, console) -> dict:
         "batch_size": args.batch_size, "precision": "bf16"}, "memory": {"recompute": "stages"}})
     try:
         with held(args.lock):
-            measured = measure(run_config, steps=2)
+            measured = measure(run_config, steps=args.steps)
     except BigmemError as error:  # e.g. killed by the kernel: the plan did not fit after all
         console.print(f"measuring bf16+stages at {saver.volume}^3 FAILED: {error}")
         return {"budget_bytes": budget, "fp32_volume": fp32.volume, "bf16_stages_volume": saver.volume,
@@ -346,8 +360,8 @@ def budget_check(args, model: str, console) -> dict:
                   f"({'under' if under else 'OVER'} the {format_bytes(budget)} budget; predicted "
                   f"{format_bytes(saver.predicted_peak_bytes)})")
     return {"budget_bytes": budget, "fp32_volume": fp32.volume, "bf16_stages_volume": saver.volume,
-            "voxel_ratio": round(ratio, 3), "measured_peak_bytes": measured.peak_bytes,
-            "predicted_peak_bytes": saver.predicted_peak_bytes, "under_budget": under}
+            "voxel_ratio": round(ratio, 3), "measured_peak_bytes": measured.peak_bytes, "steps": args.steps,
+            "step_s": measured.step_s, "predicted_peak_bytes": saver.predicted_peak_bytes, "under_budget": under}
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from typing import Sequence
 from bigmem.data.synth import default_cache_dir
 from bigmem.rundir import atomic_write_json
 from bigmem.sysinfo import NATIVE_BF16_ISA_CLASSES, cpu_description, isa_class
+from bigmem.units import format_bytes
 
 # Defaults per (ISA class, preset, precision, recompute): knots (volume edge, counted activation
 # bytes, measured overhead bytes = VmHWM - the estimate's exact parts) at batch 1, see
@@ -144,6 +145,12 @@ DEFAULT_PRESET_FOR = {"tiny": "small"}
 # emulated with float32 temporaries and was predicted 45.7% below (x1.84 needed), rounded up to 100%.
 UNMEASURED_MARGIN_FRACTION = 0.15
 EMULATED_BF16_MARGIN_FRACTION = 1.0
+# ... plus a fixed part, for the framework's own overhead, which differs between CPUs by an offset
+# that the fraction does not cover at small sizes: on an Intel Xeon with AMX (not measured for
+# the defaults; TF 2.21, 2026-12-01) every preset and mode measured 10-205 MiB above the AMD
+# curve at 32-96^3, and small bf16 + stages at 96^3 came out 5.2% under the prediction with the
+# 15% alone (benchmarks/results/memory_model-vm-20261201-100537.json); 205 MiB rounded up.
+UNMEASURED_MARGIN_BYTES = 256 * 2**20
 
 
 @dataclass
@@ -164,8 +171,9 @@ class Calibration:
     source: str
     key: dict = field(default_factory=dict)
     fitted_on: list = field(default_factory=list)
-    # Added to the whole prediction (a fraction of it) where the values were not measured here.
+    # Added to the whole prediction (a fraction of it, and fixed bytes) where the values were not measured here.
     margin_fraction: float = 0.0
+    margin_bytes: int = 0
     knots: list = field(default_factory=list)
     # The training step's rate measured with the fit (GFLOP/s per core, memory/speed.py's count)
     # at its largest volume, fitted_on[-1]; None where no step was timed (the shipped defaults).
@@ -334,9 +342,9 @@ def default_calibration(preset: str, precision: str, recompute: str, *, isa: str
         fallback = max(mode_defaults, key=lambda name: _last_slope(mode_defaults[name]))
         reasons.append(f"no default for model {preset!r} in {precision}/{recompute}; using {fallback}'s")
         base = fallback
-    margin = 0.0
+    margin, margin_bytes = 0.0, 0
     if reasons:
-        margin = UNMEASURED_MARGIN_FRACTION
+        margin, margin_bytes = UNMEASURED_MARGIN_FRACTION, UNMEASURED_MARGIN_BYTES
         if precision == "bf16" and isa not in NATIVE_BF16_ISA_CLASSES:
             margin = EMULATED_BF16_MARGIN_FRACTION
             reasons.append("bf16 is emulated on this ISA (float32 temporaries)")
@@ -344,9 +352,9 @@ def default_calibration(preset: str, precision: str, recompute: str, *, isa: str
     scale, framework = Calibration(0.0, 0, "", knots=knots).line_for(knots[-1][0] + 1)
     source = f"default for {base} on {source_isa} ({DEFAULTS_MACHINE})"
     if reasons:
-        source += f"; {'; '.join(reasons)}: +{100 * margin:.0f}% safety margin"
+        source += f"; {'; '.join(reasons)}: +{100 * margin:.0f}% + {format_bytes(margin_bytes)} safety margin"
     return Calibration(round(scale, 4), framework, source, key, [v for v, _, _ in mode_defaults[base]],
-                       margin_fraction=margin, knots=knots)
+                       margin_fraction=margin, margin_bytes=margin_bytes, knots=knots)
 
 
 def fit_line(xs: Sequence[float], ys: Sequence[float], weights: Sequence[float] | None = None) -> tuple[float, float]:
@@ -398,29 +406,29 @@ def follow_shape(knots: list[list[int]], shape: Sequence[Sequence[int]]) -> list
 
     The overhead per counted byte is not constant (kits19, fp32: 0.79 up to 96^3, 0.66 from 160^3,
     benchmarks/results/memory_model-*.json), so a line through small volumes over-predicts large
-    ones (+14% at 192^3). Beyond the last measured knot the shipped curve is used instead, moved
-    to meet it: shifted by the same bytes where this machine measured less than the curve there
-    (at small sizes that difference is mostly the framework's run-to-run noise, and does not grow:
-    kits19 fp32 measured 112 MB under the shipped knot at 96^3 and within 22 MB of it at 128^3 and
-    160^3, 2026-12-01), and scaled by the same ratio where it measured more (never under-predict).
+    ones (+14% at 192^3). Beyond the last measured knot the shipped curve is used instead, shifted
+    by the bytes this machine measured above or below it there: what differs between machines is
+    an offset that does not grow with the volume. On the development machine kits19 fp32 measured
+    112 MB under the shipped knot at 96^3 and within 22 MB of it at 128^3 and 160^3 (2026-12-01);
+    on an Intel Xeon with AMX (TF 2.21, 2026-12-01) every preset and mode measured 10-205 MiB
+    above the shipped (AMD) curve at 32-96^3, and from -1.1 to +0.8 GiB off it at 192-400^3 (the
+    largest size of each mode), with no growth in the excess. Scaling the curve by the ratio
+    measured at 96^3 instead put those largest sizes 8-19% high; shifting it, -1.4 to +6.6%
+    (benchmarks/results/memory_model-*.json).
 
     Args:
         knots: ``[[counted, overhead], ...]`` ascending, from this machine.
         shape: the shipped ``[[counted, overhead], ...]`` for the same preset and mode.
 
     Returns:
-        ``knots`` plus the transformed shipped knots past the last of them.
+        ``knots`` plus the shifted shipped knots past the last of them.
     """
     if not knots or len(shape) < 2 or shape[-1][0] <= knots[-1][0]:
         return knots
     x_last, y_last = knots[-1]
     slope, intercept = Calibration(0.0, 0, "", knots=[list(k) for k in shape]).line_for(x_last)
-    expected = intercept + slope * x_last
-    if y_last >= expected:
-        moved = [[x, int(round(y * y_last / expected))] for x, y in shape if x > x_last]
-    else:
-        moved = [[x, int(round(y + y_last - expected))] for x, y in shape if x > x_last]
-    return [list(k) for k in knots] + moved
+    offset = y_last - (intercept + slope * x_last)
+    return [list(k) for k in knots] + [[x, int(round(y + offset))] for x, y in shape if x > x_last]
 
 
 def fit_calibration(preset: str, precision: str, recompute: str, points: Sequence[dict],

@@ -8,8 +8,9 @@ import pytest
 
 from bigmem.memory import calibration as calibration_module
 from bigmem.memory.calibration import (
-    DEFAULTS, EMULATED_BF16_MARGIN_FRACTION, UNMEASURED_MARGIN_FRACTION, Calibration, default_calibration,
-    fit_calibration, fit_line, knots_from, lookup_calibration, machine_key, save_calibration, shipped_shape,
+    DEFAULTS, EMULATED_BF16_MARGIN_FRACTION, UNMEASURED_MARGIN_BYTES, UNMEASURED_MARGIN_FRACTION, Calibration,
+    default_calibration, fit_calibration, fit_line, knots_from, lookup_calibration, machine_key, save_calibration,
+    shipped_shape,
 )
 from bigmem.sysinfo import isa_class
 
@@ -147,7 +148,8 @@ def test_an_unmeasured_isa_gets_the_stated_margin_and_says_so(isa, precision, ma
     assert (UNMEASURED_MARGIN_FRACTION, EMULATED_BF16_MARGIN_FRACTION) == (0.15, 1.0)
     assert found.knots == default_calibration("small", precision, "none", isa="avx512_bf16").knots
     assert f"no default for ISA class {isa}" in found.source
-    assert f"+{round(100 * margin)}% safety margin" in found.source
+    assert found.margin_bytes == UNMEASURED_MARGIN_BYTES == 256 * 2**20
+    assert f"+{round(100 * margin)}% + 256.00 MiB safety margin" in found.source
     assert ("bf16 is emulated" in found.source) == (margin == 1.0)
 
 
@@ -186,8 +188,8 @@ def test_a_small_calibration_follows_the_shipped_curve_past_its_sizes():
     assert shifted.line_for(3100) == pytest.approx((1.0, 1400), abs=1e-9)  # the last segment's slope, not 1.5's
     line = fit_calibration("kits19", "fp32", "none", measured)  # without the shape: the line over-predicts
     assert line.line_for(3100)[0] * 3100 + line.line_for(3100)[1] > 4500 * 1.15
-    higher = [_point(32, 100, 1000), _point(64, 300, 1500), _point(96, 700, 2200)]  # 10% over at 700: scaled
-    assert fit_calibration("kits19", "fp32", "none", higher, SHAPE).knots[3:] == [[1500, 3300], [3100, 5060]]
+    higher = [_point(32, 100, 1000), _point(64, 300, 1500), _point(96, 700, 2200)]  # 200 over at 700: shifted too
+    assert fit_calibration("kits19", "fp32", "none", higher, SHAPE).knots[3:] == [[1500, 3200], [3100, 4800]]
     beyond = [_point(32, 100, 1000), _point(64, 300, 1300), _point(96, 4000, 5000)]  # past the shape's end
     assert fit_calibration("kits19", "fp32", "none", beyond, SHAPE).knots == knots_from(beyond)
 

@@ -103,6 +103,9 @@ def test_a_margin_is_its_own_component_and_a_note(model):
     assert result.predicted_peak_bytes == plain.predicted_peak_bytes + result.components["safety_margin"]
     assert "safety_margin" not in plain.components and not plain.notes
     assert any("no default for ISA class avx2" in note and "--calibrate --model tiny" in note for note in result.notes)
+    margined.margin_bytes = 256 * 2**20  # the fixed part (calibration.UNMEASURED_MARGIN_BYTES) adds to the fraction
+    fixed = estimate(_config(), counts, (16,) * 3, calibration=margined)
+    assert fixed.components["safety_margin"] == result.components["safety_margin"] + 256 * 2**20
 
 
 def test_the_calibration_scales_activations_and_workspace_alike(model):
