@@ -55,10 +55,16 @@ CHOICES: dict[str, KernelChoices] = {
                           source=f"measured with oneDNN capped at AVX2: {MEASURED}"),
     "baseline": KernelChoices(planewise={}, source="no oneDNN fast path to beat: TF's own kernels"),
 }
-# AMX CPUs run oneDNN's AMX kernels for bf16 convolutions, which none of the measurements covered:
-# they keep avx512_bf16's choices, on paper (no AMX machine was available).
-CHOICES["amx"] = KernelChoices(planewise=dict(CHOICES["avx512_bf16"].planewise),
-                               source="on paper: avx512_bf16's choices; no AMX CPU was measured")
+# AMX: bf16 weight gradients of 3x3x3 convs are always planewise, for correctness, not speed: on an
+# Intel Xeon with AMX (2 vCPU VM, TF 2.21, oneDNN on, 2026-12-01) TF's bf16 Conv3DBackpropFilterV2
+# killed the process (SIGSEGV, or SIGILL) at planes of 512^2 for every channel count tried (1-16
+# in, 2 out, 2-8 planes; stride 2 32 -> 64 too), and ran at 384^2 and below; fp32 ran, and the 2-D
+# bf16 weight gradient ran at 512^2 and 1024^2 (benchmarks/results/kernels.md). fp32 keeps
+# avx512_bf16's choices, on paper (not timed on AMX).
+CHOICES["amx"] = KernelChoices(
+    planewise={**CHOICES["avx512_bf16"].planewise, ("bf16", 1): (1, 4096), ("bf16", 2): (1, 4096)},
+    source="bf16: always planewise (oneDNN's AMX 3-D bf16 weight gradient crashed at 512^2 planes); "
+           "fp32 on paper: avx512_bf16's choices")
 
 
 def effective_isa_class(detected: str, environ: dict | None = None) -> str:

@@ -42,3 +42,17 @@ def test_conv_layer_follows_the_class_choices(monkeypatch):
     for name, want in (("avx2", True), ("avx512", False), ("avx512_bf16", False)):
         monkeypatch.setattr(choices, "kernel_choices", lambda name=name: (name, choices.CHOICES[name]))
         assert layer._planewise(x) is want, name  # fp32 stride 1: planewise on AVX2 only
+
+
+def test_amx_takes_every_bf16_weight_gradient_planewise(monkeypatch):
+    """oneDNN's AMX 3-D bf16 weight gradient crashed at 512^2 planes: on amx no channel count reaches it."""
+    import tensorflow as tf
+
+    from bigmem.nets.conv import Conv3D
+
+    monkeypatch.setattr(choices, "kernel_choices", lambda: ("amx", choices.CHOICES["amx"]))
+    for channels, strides in ((1, 1), (2, 1), (8, 1), (320, 1), (1, 2), (32, 2)):
+        layer = Conv3D(4, 3, strides=strides, padding="same", dtype="mixed_bfloat16")
+        x = tf.zeros((1, 4, 4, 4, channels), tf.bfloat16)
+        assert layer._planewise(x), (channels, strides)
+    assert choices.CHOICES["amx"].planewise[("fp32", 2)] == choices.CHOICES["avx512_bf16"].planewise[("fp32", 2)]
