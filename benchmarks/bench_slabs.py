@@ -255,8 +255,13 @@ def conv_window(x_block, depth: int, kernel, stride: int, o0: int, o1: int, dy=N
     TF's conv3d on the input planes those outputs read (window [lo, hi)); with ``dy`` (o1 - o0
     output planes), also autodiff of sum(y * dy) with dy zero-padded to the window's other outputs.
 
+    The gradients are taken in float32 of the values rounded to ``dtype`` (so the reference is at
+    least as exact as the op under test): TF's bfloat16 3-D weight gradient crashes on an Intel
+    Xeon with AMX at planes of 512^2 and wider (SIGSEGV or SIGILL, TF 2.21, 2026-12-01), and the
+    proof's planes are 1024^2.
+
     Returns:
-        (y planes [o0, o1), lo, dx over input planes [lo, hi) or None, dkernel or None), in ``dtype``.
+        (y planes [o0, o1) in ``dtype``, lo, dx over input planes [lo, hi) or None, dkernel or None).
     """
     import tensorflow as tf
 
@@ -267,14 +272,16 @@ def conv_window(x_block, depth: int, kernel, stride: int, o0: int, o1: int, dy=N
         lo, hi = 2 * o0, min(2 * o1 + 2, depth)
         first = 0
     x, kernel = tf.cast(tiled_planes(x_block, lo, hi), dtype), tf.cast(kernel, dtype)
+    y = tf.nn.conv3d(x, kernel, [1, stride, stride, stride, 1], "SAME")
+    wanted = y[:, first:first + o1 - o0]
+    if dy is None:
+        return wanted, lo, None, None
+    x, kernel = tf.cast(x, tf.float32), tf.cast(kernel, tf.float32)
     with tf.GradientTape() as tape:
         tape.watch([x, kernel])
         y = tf.nn.conv3d(x, kernel, [1, stride, stride, stride, 1], "SAME")
-        wanted = y[:, first:first + o1 - o0]
-        if dy is None:
-            return wanted, lo, None, None
-        padded = tf.pad(tf.cast(dy, dtype), [[0, 0], [first, y.shape[1] - first - (o1 - o0)], [0, 0], [0, 0],
-                                                  [0, 0]])
+        padded = tf.pad(tf.cast(tf.cast(dy, dtype), tf.float32),
+                        [[0, 0], [first, y.shape[1] - first - (o1 - o0)], [0, 0], [0, 0], [0, 0]])
         loss = tf.reduce_sum(y * padded)
     dx, dkernel = tape.gradient(loss, [x, kernel])
     return wanted, lo, dx, dkernel
