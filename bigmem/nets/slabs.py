@@ -302,20 +302,21 @@ def conv3d_slabs(x: tf.Tensor, kernel: tf.Tensor, stride: int = 1,
                  filter_grad: Callable[[tf.Tensor, tf.Tensor], tf.Tensor] | None = None) -> tf.Tensor:
     """``tf.nn.conv3d(x, kernel, stride, "SAME")`` computed in depth slabs, with a slab-wise gradient.
 
-    Stride 1 with an odd cubic kernel (the U-Net's 3x3x3 and 1x1x1 convs) takes every slab's
-    input as a view: the input gradient is the forward conv of dy with the kernel flipped and its
-    channels swapped (exact for symmetric "SAME" padding), in the forward's frames, and the
-    weight gradient is summed tap by tap over whole planes (``_tapwise_weight_grad``), so each
-    slab allocates only its own result. Other kernels and strides take TF's backprop kernels on
-    a zero-padded dy slab.
+    Stride 1 with an odd cubic kernel (the U-Net's 3x3x3 and 1x1x1 convs) sums the weight gradient
+    tap by tap over whole planes (``_tapwise_weight_grad``: views, no zero-padded dy copy, and no
+    3-D bf16 weight-gradient kernel, which crashed on an AMX CPU at 512^2 planes). The input
+    gradient is TF's backprop kernel on a zero-padded dy slab. (Taking it as the forward conv of dy
+    with the flipped kernel, all views, saved no memory, and TF's bf16 forward conv with one output
+    channel died with SIGFPE on (1, 64, 1024, 1024, 2) on that CPU; benchmarks/results/kernels.md.)
 
     Args:
         x: (batch, D, H, W, C_in), static shape.
         kernel: (k, k, k, C_in, C_out) (any k; equal strides on every axis).
         stride: the stride on every spatial axis.
         filter_grad: ``f(x_slab, dy_slab) -> dkernel`` for one slab's "SAME" conv (e.g. the
-            planewise weight gradient) where dy is padded per slab (not stride 1 with an odd
-            cubic kernel); default TF's Conv3DBackpropFilterV2.
+            planewise weight gradient), used where the weight gradient is not tapwise (strides
+            or kernels other than stride 1 with an odd cubic kernel); default TF's
+            Conv3DBackpropFilterV2.
 
     Returns:
         (batch, ceil(D/stride), ceil(H/stride), ceil(W/stride), C_out), equal to the unpartitioned conv.
@@ -334,7 +335,7 @@ def conv3d_slabs(x: tf.Tensor, kernel: tf.Tensor, stride: int = 1,
     out_shape = (batch, out_depth, out_height, out_width, kernel_shape[-1])
     filter_grad = filter_grad or (lambda xs, dys: _filter_grad_3d(xs, dys, kernel_shape, strides))
     limit = slab_elements(max(in_plane, out_plane))
-    by_views = stride == 1 and len(set(kernel_shape[:3])) == 1 and k % 2 == 1
+    tapwise = stride == 1 and len(set(kernel_shape[:3])) == 1 and k % 2 == 1
 
     def frame_fits(frame: ConvFrame) -> bool:
         return (frame.b - frame.a) * in_plane <= limit and frame.out_len * out_plane <= limit
@@ -350,32 +351,15 @@ def conv3d_slabs(x: tf.Tensor, kernel: tf.Tensor, stride: int = 1,
         o_hi = min(out_depth, (i1 - 1 + pad) // stride + 1)
         return conv_frame(depth, k, stride, o_lo, max(o_hi, o_lo + 1))
 
-    in_slabs = [] if by_views else plan_slabs(
-        depth, lambda i0, i1: frame_fits(input_frame(i0, i1)) and (i1 - i0) * in_plane <= limit,
-        what=f"conv3d input gradient on {tuple(x.shape)}")
+    in_slabs = plan_slabs(depth, lambda i0, i1: frame_fits(input_frame(i0, i1)) and (i1 - i0) * in_plane <= limit,
+                          what=f"conv3d input gradient on {tuple(x.shape)}")
 
     def dy_for(dy_planes, sample, frame: ConvFrame):
         """dy of the frame's outputs, zero-padded to the slab conv's out_len planes."""
         dy = take_planes(dy_planes, out_depth, sample, frame.o0, frame.o1)
         return _pad_depth(dy, frame.j0, frame.out_len - frame.j0 - (frame.o1 - frame.o0))
 
-    def grad_by_views(x, dy, kernel):
-        # Stride 1, odd k: input and output planes pair up one to one, so the forward's frames
-        # (which fit both ways: out_len == b - a) serve the input gradient too.
-        flipped = tf.transpose(tf.reverse(kernel, [0, 1, 2]), [0, 1, 2, 4, 3])
-        dx = _conv_frames_into(dy, flipped, frames, x.shape, strides)
-        x_planes, dy_planes = as_planes(x), as_planes(dy)
-        # Summed in float32: a bfloat16 running sum rounds at every slab, and over many slabs
-        # drifts well past one unpartitioned call's error (benchmarks/results/kernels.md).
-        dkernel = tf.zeros(kernel_shape, tf.float32)
-        for sample in range(batch):
-            for frame in frames:
-                with tf.control_dependencies([dx, dkernel]):  # one slab at a time, after the input gradient
-                    dkernel = dkernel + _tapwise_weight_grad(x_planes, dy_planes, depth, sample, frame.o0, frame.o1,
-                                                             kernel_shape)
-        return dx, tf.cast(dkernel, kernel.dtype)
-
-    def grad_padded(x, dy, kernel):
+    def gradients(x, dy, kernel):
         x_planes, dy_planes = as_planes(x), as_planes(dy)
         dx = PlaneWriter(x.shape, x.dtype)
         for sample in range(batch):
@@ -395,12 +379,19 @@ def conv3d_slabs(x: tf.Tensor, kernel: tf.Tensor, stride: int = 1,
                     piece = tf.zeros((1, i1 - i0, height, width, in_channels), x.dtype)
                 dx.write(sample, i0, piece)
         dx = dx.result()
-        dkernel = tf.zeros(kernel_shape, tf.float32)  # float32, as in grad_by_views
+        # Summed in float32: a bfloat16 running sum rounds at every slab, and over many slabs
+        # drifts well past one unpartitioned call's error (benchmarks/results/kernels.md).
+        dkernel = tf.zeros(kernel_shape, tf.float32)
         for sample in range(batch):
             for frame in frames:
                 with tf.control_dependencies([dx, dkernel]):  # one slab at a time, after the input gradient
-                    dkernel = dkernel + tf.cast(filter_grad(take_planes(x_planes, depth, sample, frame.a, frame.b),
-                                                            dy_for(dy_planes, sample, frame)), tf.float32)
+                    if tapwise:
+                        piece = _tapwise_weight_grad(x_planes, dy_planes, depth, sample, frame.o0, frame.o1,
+                                                     kernel_shape)
+                    else:
+                        piece = tf.cast(filter_grad(take_planes(x_planes, depth, sample, frame.a, frame.b),
+                                                    dy_for(dy_planes, sample, frame)), tf.float32)
+                    dkernel = dkernel + piece
         return dx, tf.cast(dkernel, kernel.dtype)
 
     @tf.custom_gradient
@@ -408,7 +399,7 @@ def conv3d_slabs(x: tf.Tensor, kernel: tf.Tensor, stride: int = 1,
         y = _conv_frames_into(x, kernel, frames, out_shape, strides)
 
         def grad(dy):
-            return (grad_by_views if by_views else grad_padded)(x, dy, kernel)
+            return gradients(x, dy, kernel)
 
         return y, grad
 
