@@ -8,6 +8,8 @@ import pytest
 
 from helpers import run_cli
 
+from bigmem.memory.inference import inference_calibration
+
 INFERENCE_COMPONENTS = {"framework", "weights", "input_tensor", "forward_activations", "allocator_slack",
                         "input_image", "network_input", "probabilities", "output_mapping"}
 
@@ -17,7 +19,9 @@ def test_profile_inference_json(capsys):
     assert code == 0, err
     data = json.loads(out)
     assert data["kind"] == "inference" and data["batch_size"] == 1 and data["recompute_stages"] == []
-    assert set(data["components"]) == INFERENCE_COMPONENTS  # measured defaults: no safety margin
+    # No safety margin where the defaults were measured for this CPU class; a stated one elsewhere.
+    margin = {"safety_margin"} if inference_calibration("tiny", "fp32").margin_fraction else set()
+    assert set(data["components"]) == INFERENCE_COMPONENTS | margin
     assert data["predicted_peak_bytes"] == sum(data["components"].values())
     assert data["spatial_shape"] == data["source_shape"] == [32, 32, 32]
     assert data["measured_peak_bytes"] is None and data["error_pct"] is None
@@ -115,4 +119,10 @@ def test_profile_inference_measure(capsys):
     assert data["measured_peak_bytes"] > 300 * 2**20 and data["measured_seconds"] > 0
     assert data["error_pct"] == pytest.approx(
         100 * (data["predicted_peak_bytes"] - data["measured_peak_bytes"]) / data["measured_peak_bytes"], abs=0.01)
-    assert abs(data["error_pct"]) < 15  # framework-dominated at 32^3; the benchmark checks the large sizes
+    # Framework-dominated at 32^3; the benchmark checks the large sizes. Where the defaults were not
+    # measured for this CPU class, the estimate without its stated margin is judged, and the margin
+    # must keep the prediction above the measurement.
+    margin = data["components"].get("safety_margin", 0)
+    unmargined = data["predicted_peak_bytes"] - margin
+    assert abs(100 * (unmargined - data["measured_peak_bytes"]) / data["measured_peak_bytes"]) < 15
+    assert not margin or data["predicted_peak_bytes"] > data["measured_peak_bytes"]

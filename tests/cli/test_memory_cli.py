@@ -8,6 +8,8 @@ import pytest
 
 from helpers import run_cli
 
+from bigmem.memory.calibration import lookup_calibration
+
 
 def test_profile_json_fields(capsys):
     code, out, err = run_cli(["profile", "--model", "tiny", "--volume", 32, "--json"], capsys)
@@ -15,8 +17,10 @@ def test_profile_json_fields(capsys):
     data = json.loads(out)
     assert data["param_count"] == 10_135
     assert data["predicted_peak_bytes"] == sum(data["components"].values())
+    # A CPU class the defaults were not measured on adds a stated margin (calibration.default_calibration).
+    margin = {"safety_margin"} if lookup_calibration("tiny", "fp32", "none").margin_fraction else set()
     assert set(data["components"]) == {"framework", "weights", "gradients", "optimizer_slots", "activations",
-                                       "workspace", "input_pipeline", "hdf5_chunk_cache"}
+                                       "workspace", "input_pipeline", "hdf5_chunk_cache"} | margin
     assert data["measured_peak_bytes"] is None and data["error_pct"] is None
     assert data["spatial_shape"] == [32, 32, 32] and data["recompute_stages"] == []
     assert data["train_flops_per_step"] == 6 * 6_660_096 * 8 * data["batch_size"]  # tiny: 8x the MACs at 16^3
@@ -86,7 +90,13 @@ def test_profile_measure_against_prediction(capsys):
     assert data["measured_peak_bytes"] > 300 * 2**20
     assert data["error_pct"] == pytest.approx(
         100 * (data["predicted_peak_bytes"] - data["measured_peak_bytes"]) / data["measured_peak_bytes"], abs=0.01)
-    assert abs(data["error_pct"]) < 15  # tiny model: the framework dominates; the benchmark checks +-10% at scale
+    # tiny model: the framework dominates; the benchmark checks +-10% at scale. On a CPU class the
+    # defaults were not measured on, the estimate without its stated margin is what is judged, and
+    # the margin must keep the prediction above the measurement.
+    margin = data["components"].get("safety_margin", 0)
+    unmargined = data["predicted_peak_bytes"] - margin
+    assert abs(100 * (unmargined - data["measured_peak_bytes"]) / data["measured_peak_bytes"]) < 15
+    assert not margin or data["predicted_peak_bytes"] > data["measured_peak_bytes"]
     assert sum(data["measured_node_bytes"].values()) > 0
 
 
