@@ -107,20 +107,6 @@ def conv_frame(depth: int, kernel: int, stride: int, o0: int, o1: int) -> ConvFr
                      f"SAME conv over {depth} planes")  # not reached for kernel <= stride + 2
 
 
-def split_evenly(length: int, parts: int) -> list[tuple[int, int]]:
-    """[start, stop) ranges of ``parts`` near-equal pieces of ``length``.
-
-    Args:
-        length: what to split (planes).
-        parts: how many pieces (empty pieces, when ``parts > length``, are left out).
-
-    Returns:
-        ``[(start, stop), ...]`` covering ``[0, length)`` in order.
-    """
-    bounds = [round(i * length / parts) for i in range(parts + 1)]
-    return [(bounds[i], bounds[i + 1]) for i in range(parts) if bounds[i + 1] > bounds[i]]
-
-
 def plan_slabs(length: int, fits: Callable[[int, int], bool], *, what: str) -> list[tuple[int, int]]:
     """The fewest ranges of ``length`` planes for which ``fits(start, stop)`` holds: each as long as fits, in order.
 
@@ -306,8 +292,9 @@ def conv3d_slabs(x: tf.Tensor, kernel: tf.Tensor, stride: int = 1,
     tap by tap over whole planes (``_tapwise_weight_grad``: views, no zero-padded dy copy, and no
     3-D bf16 weight-gradient kernel, which crashed on an AMX CPU at 512^2 planes). The input
     gradient is TF's backprop kernel on a zero-padded dy slab. (Taking it as the forward conv of dy
-    with the flipped kernel, all views, saved no memory, and TF's bf16 forward conv with one output
-    channel died with SIGFPE on (1, 64, 1024, 1024, 2) on that CPU; benchmarks/results/kernels.md.)
+    with the flipped kernel, all views, peaked about one slab lower, but TF's bf16 forward conv with
+    one output channel died with SIGFPE on (1, 64, 1024, 1024, 2) on that CPU;
+    benchmarks/results/kernels.md.)
 
     Args:
         x: (batch, D, H, W, C_in), static shape.
