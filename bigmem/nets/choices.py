@@ -27,10 +27,14 @@ class KernelChoices:
     Attributes:
         planewise: (precision, stride) -> (fewest, most) input channels for which the 3x3x3
             conv's weight gradient runs as three batched 2-D ones (nets/conv.py); absent: never.
+        planewise_others: precisions in which the 1x1x1 conv's (the head's) and the
+            kernel == stride transposed conv's weight gradients run as 2-D ones too
+            (``pointwise_weight_grad``, ``transposed_weight_grad`` in nets/conv.py).
         source: where the decision comes from (a results file, or "on paper" and why).
     """
 
     planewise: dict[tuple[str, int], tuple[int, int]] = field(default_factory=dict)
+    planewise_others: frozenset[str] = frozenset()
     source: str = ""
 
 
@@ -59,12 +63,15 @@ CHOICES: dict[str, KernelChoices] = {
 # Intel Xeon with AMX (2 vCPU VM, TF 2.21, oneDNN on, 2026-12-01) TF's bf16 Conv3DBackpropFilterV2
 # killed the process (SIGSEGV, or SIGILL) at planes of 512^2 for every channel count tried (1-16
 # in, 2 out, 2-8 planes; stride 2 32 -> 64 too), and ran at 384^2 and below; fp32 ran, and the 2-D
-# bf16 weight gradient ran at 512^2 and 1024^2 (benchmarks/results/kernels.md). fp32 keeps
-# avx512_bf16's choices, on paper (not timed on AMX).
+# bf16 weight gradient ran at 512^2 and 1024^2 (benchmarks/results/kernels.md). The head's 1x1x1
+# kernel gradient and the 2x2x2 transposed conv's died the same way from 256^2 planes when the
+# depth was short (4-32 planes; a last depth slab can be that short) or gave NaN; their 2-D forms
+# ran and matched float32. fp32 keeps avx512_bf16's choices, on paper (not timed on AMX).
 CHOICES["amx"] = KernelChoices(
     planewise={**CHOICES["avx512_bf16"].planewise, ("bf16", 1): (1, 4096), ("bf16", 2): (1, 4096)},
-    source="bf16: always planewise (oneDNN's AMX 3-D bf16 weight gradient crashed at 512^2 planes); "
-           "fp32 on paper: avx512_bf16's choices")
+    planewise_others=frozenset({"bf16"}),
+    source="bf16: every weight gradient 2-D (oneDNN's AMX 3-D bf16 weight gradients crashed from "
+           "256^2 planes); fp32 on paper: avx512_bf16's choices")
 
 
 def effective_isa_class(detected: str, environ: dict | None = None) -> str:
@@ -112,3 +119,15 @@ def planewise_channels(precision: str, stride: int) -> tuple[int, int] | None:
         ``(fewest, most)`` input channels (inclusive), or None: never planewise.
     """
     return kernel_choices()[1].planewise.get((precision, stride))
+
+
+def planewise_others(precision: str) -> bool:
+    """Whether the head's 1x1x1 and the transposed conv's weight gradients run as 2-D ones here.
+
+    Args:
+        precision: ``"fp32"`` or ``"bf16"``.
+
+    Returns:
+        True where this process's ISA class needs it (nets/choices.py: AMX in bf16).
+    """
+    return precision in kernel_choices()[1].planewise_others

@@ -24,7 +24,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from bigmem.nets.choices import planewise_channels
+from bigmem.nets.choices import planewise_channels, planewise_others
 from bigmem.nets.slabs import conv3d_slabs, conv3d_transpose_slabs, exceeds_limit, same_padding
 
 
@@ -82,13 +82,72 @@ def planewise_weight_grad(x: tf.Tensor, dy: tf.Tensor, kernel_shape, stride: int
     return tf.stack([tap0, grad_2d(odd, 0, out_depth, 0, out_depth), tap2])
 
 
+def pointwise_weight_grad(x: tf.Tensor, dy: tf.Tensor) -> tf.Tensor:
+    """The weight gradient of a 1x1x1 conv3d (stride 1), as one 1x1 conv2d weight gradient over all planes.
+
+    Args:
+        x: the conv's input ``(batch, D, H, W, C_in)``.
+        dy: the gradient of its output ``(batch, D, H, W, C_out)``, same dtype as ``x``.
+
+    Returns:
+        ``dkernel`` of shape ``(1, 1, 1, C_in, C_out)`` in ``x``'s dtype.
+    """
+    grad = tf.raw_ops.Conv2DBackpropFilter(
+        input=_plane_stack(x), filter_sizes=tf.constant([1, 1, x.shape[-1], dy.shape[-1]]),
+        out_backprop=_plane_stack(dy), strides=[1, 1, 1, 1], padding="SAME")
+    return tf.expand_dims(grad, 0)
+
+
+# The transposed conv's weight gradient copies the output planes of one depth tap at a time (every
+# k-th plane); in this many depth chunks per sample, so a copy is 1/(k * chunks) of dy.
+TRANSPOSED_GRAD_CHUNKS = 8
+
+
+def transposed_weight_grad(dy: tf.Tensor, x: tf.Tensor, stride: int) -> tf.Tensor:
+    """The kernel gradient of a transposed conv whose kernel equals its stride, as 2-D weight gradients.
+
+    Output plane ``k*i + a`` comes from input plane ``i`` through depth tap ``a`` alone, so
+    ``dW[a] = sum_i conv2d_weight_grad_stride_k(dy[k*i + a], x[i])``: per depth chunk of the
+    input, the tap's output planes (a strided copy) against the chunk's input planes (a view).
+
+    Args:
+        dy: the gradient of the transposed conv's output ``(batch, k*D, k*H, k*W, C_out)``.
+        x: its input ``(batch, D, H, W, C_in)``, static shape, ``dy``'s dtype.
+        stride: ``k``, the kernel size and stride on every axis.
+
+    Returns:
+        ``dkernel`` ``(k, k, k, C_out, C_in)`` in float32 (summed over chunks in float32).
+    """
+    batch, depth = x.shape[0], x.shape[1]
+    k = stride
+    out_channels, in_channels = dy.shape[-1], x.shape[-1]
+    filter_sizes = tf.constant([k, k, out_channels, in_channels])
+    x_planes, dy_planes = _plane_stack(x), _plane_stack(dy)
+    step = -(-depth // TRANSPOSED_GRAD_CHUNKS)
+    taps = [tf.zeros((k, k, out_channels, in_channels), tf.float32) for _ in range(k)]
+    for sample in range(batch):
+        for i0 in range(0, depth, step):
+            n = min(depth, i0 + step) - i0
+            x_chunk = tf.slice(x_planes, [sample * depth + i0, 0, 0, 0], [n, -1, -1, -1])
+            dy_chunk = tf.reshape(tf.slice(dy_planes, [k * (sample * depth + i0), 0, 0, 0], [k * n, -1, -1, -1]),
+                                  (n, k, *dy.shape[2:]))
+            for a in range(k):
+                with tf.control_dependencies(taps):  # one tap's copy at a time
+                    taps[a] = taps[a] + tf.cast(tf.raw_ops.Conv2DBackpropFilter(
+                        input=dy_chunk[:, a], filter_sizes=filter_sizes, out_backprop=x_chunk,
+                        strides=[1, k, k, 1], padding="SAME"), tf.float32)
+    return tf.stack(taps)
+
+
 def conv3d_planewise_grad(x: tf.Tensor, kernel: tf.Tensor, stride: int = 1) -> tf.Tensor:
-    """``tf.nn.conv3d(x, kernel, stride, "SAME")`` with the weight gradient of ``planewise_weight_grad``.
+    """``tf.nn.conv3d(x, kernel, stride, "SAME")`` with a 2-D weight gradient.
+
+    A 3x3x3 kernel takes ``planewise_weight_grad``, a 1x1x1 one (stride 1) ``pointwise_weight_grad``.
 
     Args:
         x: ``(batch, D, H, W, C_in)``, static batch and depth (even sizes for ``stride=2``).
-        kernel: ``(3, 3, 3, C_in, C_out)``, ``x``'s dtype.
-        stride: 1 or 2 on every spatial axis (default 1).
+        kernel: ``(3, 3, 3, C_in, C_out)`` or ``(1, 1, 1, C_in, C_out)``, ``x``'s dtype.
+        stride: 1 or 2 on every spatial axis (default 1; 1 for a 1x1x1 kernel).
 
     Returns:
         ``(batch, D / stride, H / stride, W / stride, C_out)``; its input gradient is TF's
@@ -103,11 +162,41 @@ def conv3d_planewise_grad(x: tf.Tensor, kernel: tf.Tensor, stride: int = 1) -> t
         def grad(dy):
             dx = tf.raw_ops.Conv3DBackpropInputV2(input_sizes=tf.shape(x), filter=kernel, out_backprop=dy,
                                                   strides=strides, padding="SAME")
+            if tuple(kernel.shape[:3]) == (1, 1, 1):
+                return dx, pointwise_weight_grad(x, dy)
             return dx, planewise_weight_grad(x, dy, kernel.shape, stride)
 
         return y, grad
 
     return conv(x, kernel)
+
+
+def conv3d_transpose_2d_grad(x: tf.Tensor, kernel: tf.Tensor, stride: int) -> tf.Tensor:
+    """A transposed conv with kernel == stride (TF's ``Conv3DBackpropInputV2``), with ``transposed_weight_grad``.
+
+    Args:
+        x: ``(batch, D, H, W, C_in)``, static shape.
+        kernel: ``(k, k, k, C_out, C_in)`` with ``k == stride``, ``x``'s dtype.
+        stride: ``k``.
+
+    Returns:
+        ``(batch, k*D, k*H, k*W, C_out)``, without bias; its input gradient is TF's conv3d.
+    """
+    strides = [1, stride, stride, stride, 1]
+    out_shape = [x.shape[0], *(stride * s for s in x.shape[1:4]), kernel.shape[3]]
+
+    @tf.custom_gradient
+    def up(x, kernel):
+        y = tf.raw_ops.Conv3DBackpropInputV2(input_sizes=tf.constant(out_shape, tf.int32), filter=kernel,
+                                             out_backprop=x, strides=strides, padding="SAME")
+
+        def grad(dy):
+            dx = tf.nn.conv3d(dy, kernel, strides=strides, padding="SAME")
+            return dx, tf.cast(transposed_weight_grad(dy, x, stride), kernel.dtype)
+
+        return y, grad
+
+    return up(x, kernel)
 
 
 @keras.saving.register_keras_serializable(package="bigmem")
@@ -140,6 +229,14 @@ class Conv3D(keras.layers.Conv3D):
             return shape[1] >= 2
         return all(size % 2 == 0 and size >= 4 for size in shape[1:4])
 
+    def _pointwise(self, inputs) -> bool:
+        """A 1x1x1 stride-1 conv whose weight gradient runs as a 2-D one on this CPU (nets/choices.py)."""
+        shape = inputs.shape
+        return (tuple(self.kernel_size) == (1, 1, 1) and tuple(self.strides) == (1, 1, 1)
+                and tuple(self.dilation_rate) == (1, 1, 1) and self.groups == 1
+                and self.data_format == "channels_last" and shape.rank == 5 and None not in shape
+                and planewise_others("bf16" if inputs.dtype == tf.bfloat16 else "fp32"))
+
     def _output_shape(self, shape):
         stride = self.strides[0]
         return (shape[0], *(same_padding(size, 1, stride)[0] for size in shape[1:4]), self.filters)
@@ -165,7 +262,7 @@ class Conv3D(keras.layers.Conv3D):
                     strides=[1, stride, stride, stride, 1], padding="SAME")
 
             return conv3d_slabs(inputs, kernel, stride, filter_grad=filter_grad)
-        if self._planewise(inputs):
+        if self._planewise(inputs) or self._pointwise(inputs):
             # The kernel variable reads as float32 outside Keras's autocast; the conv runs in the input's dtype.
             return conv3d_planewise_grad(inputs, tf.cast(tf.convert_to_tensor(kernel), inputs.dtype),
                                          self.strides[0])
@@ -178,7 +275,8 @@ class Conv3DTranspose(keras.layers.Conv3DTranspose):
 
     Same arguments, weights and outputs as ``keras.layers.Conv3DTranspose``. Only the decoder's
     upsampling form is partitioned (kernel == strides, "same", channels last, static shape):
-    each input plane then writes its own output planes.
+    each input plane then writes its own output planes. That form's kernel gradient is
+    ``transposed_weight_grad`` (2-D) where nets/choices.py says so for this CPU and precision.
 
     Example:
         >>> up = Conv3DTranspose(8, 2, strides=2, padding="same")
@@ -190,12 +288,21 @@ class Conv3DTranspose(keras.layers.Conv3DTranspose):
         shape = tuple(inputs.shape)
         out_shape = (shape[0], *(self.strides[i] * shape[i + 1] for i in range(3)), self.filters) \
             if len(shape) == 5 and None not in shape else shape
-        if not (len(shape) == 5 and None not in shape and exceeds_limit(shape, out_shape)
-                and tuple(self.kernel_size) == tuple(self.strides) and len(set(self.strides)) == 1
-                and self.padding == "same" and self.data_format == "channels_last"):
+        upsampling = (len(shape) == 5 and None not in shape and tuple(self.kernel_size) == tuple(self.strides)
+                      and len(set(self.strides)) == 1 and self.padding == "same"
+                      and self.data_format == "channels_last" and tuple(self.dilation_rate) == (1, 1, 1)
+                      and self.output_padding is None)
+        two_d = upsampling and planewise_others("bf16" if inputs.dtype == tf.bfloat16 else "fp32")
+        partitioned = upsampling and exceeds_limit(shape, out_shape)
+        if not (partitioned or two_d):
             return super().call(inputs)
         kernel = tf.cast(tf.convert_to_tensor(self.kernel), inputs.dtype)
-        outputs = conv3d_transpose_slabs(inputs, kernel, self.strides[0])
+        stride = self.strides[0]
+        if partitioned:
+            filter_grad = (lambda dy_slab, x_slab: transposed_weight_grad(dy_slab, x_slab, stride)) if two_d else None
+            outputs = conv3d_transpose_slabs(inputs, kernel, stride, filter_grad=filter_grad)
+        else:
+            outputs = conv3d_transpose_2d_grad(inputs, kernel, stride)
         if self.use_bias:
             outputs = outputs + tf.cast(tf.convert_to_tensor(self.bias), outputs.dtype)
         return outputs if self.activation is None else self.activation(outputs)

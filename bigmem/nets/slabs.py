@@ -393,7 +393,8 @@ def conv3d_slabs(x: tf.Tensor, kernel: tf.Tensor, stride: int = 1,
     return conv(x, kernel)
 
 
-def conv3d_transpose_slabs(x: tf.Tensor, kernel: tf.Tensor, stride: int) -> tf.Tensor:
+def conv3d_transpose_slabs(x: tf.Tensor, kernel: tf.Tensor, stride: int,
+                           filter_grad: Callable[[tf.Tensor, tf.Tensor], tf.Tensor] | None = None) -> tf.Tensor:
     """A transposed conv whose kernel equals its stride (``Conv3DTranspose(k, strides=k)``), in depth slabs.
 
     With kernel == stride no two input planes write the same output plane, so input planes
@@ -403,6 +404,8 @@ def conv3d_transpose_slabs(x: tf.Tensor, kernel: tf.Tensor, stride: int) -> tf.T
         x: (batch, D, H, W, C_in), static shape.
         kernel: (k, k, k, C_out, C_in), Keras's and TF's layout for transposed convs.
         stride: equal to k.
+        filter_grad: ``f(dy_slab, x_slab) -> dkernel`` for one slab (e.g. the 2-D
+            ``transposed_weight_grad``); default TF's Conv3DBackpropFilterV2.
 
     Returns:
         (batch, k*D, k*H, k*W, C_out), without bias.
@@ -423,6 +426,7 @@ def conv3d_transpose_slabs(x: tf.Tensor, kernel: tf.Tensor, stride: int) -> tf.T
                        what=f"conv3d_transpose on {tuple(x.shape)}")
     strides = [1, k, k, k, 1]
     out_shape = (batch, k * depth, k * height, k * width, out_channels)
+    filter_grad = filter_grad or (lambda dys, xs: _filter_grad_3d(dys, xs, kernel.shape.as_list(), strides))
 
     @tf.custom_gradient
     def up(x, kernel):
@@ -446,10 +450,8 @@ def conv3d_transpose_slabs(x: tf.Tensor, kernel: tf.Tensor, stride: int) -> tf.T
                         dy_slab = take_planes(dy_planes, k * depth, sample, k * i0, k * i1)
                         dx.write(sample, i0, tf.nn.conv3d(dy_slab, kernel, strides=strides, padding="SAME"))
                     with tf.control_dependencies(dx.after):
-                        dkernel = dkernel + tf.cast(tf.raw_ops.Conv3DBackpropFilterV2(
-                            input=dy_slab, filter_sizes=tf.constant(kernel.shape.as_list(), tf.int32),
-                            out_backprop=take_planes(x_planes, depth, sample, i0, i1), strides=strides,
-                            padding="SAME"), tf.float32)
+                        dkernel = dkernel + tf.cast(
+                            filter_grad(dy_slab, take_planes(x_planes, depth, sample, i0, i1)), tf.float32)
             return dx.result(), tf.cast(dkernel, kernel.dtype)
 
         return writer.result(), grad

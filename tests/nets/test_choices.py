@@ -56,3 +56,10 @@ def test_amx_takes_every_bf16_weight_gradient_planewise(monkeypatch):
         x = tf.zeros((1, 4, 4, 4, channels), tf.bfloat16)
         assert layer._planewise(x), (channels, strides)
     assert choices.CHOICES["amx"].planewise[("fp32", 2)] == choices.CHOICES["avx512_bf16"].planewise[("fp32", 2)]
+    # The head's 1x1x1 and the transposed conv's kernel gradients crashed too: 2-D in bf16 only.
+    assert choices.planewise_others("bf16") and not choices.planewise_others("fp32")
+    head = Conv3D(3, 1, dtype="mixed_bfloat16")
+    assert head._pointwise(tf.zeros((1, 4, 4, 4, 32), tf.bfloat16))
+    assert not head._pointwise(tf.zeros((1, 4, 4, 4, 32)))
+    for name in ("avx512_bf16", "avx512", "avx2", "baseline"):
+        assert not choices.CHOICES[name].planewise_others, name

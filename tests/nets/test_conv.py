@@ -8,7 +8,9 @@ import pytest
 import tensorflow as tf
 
 from bigmem.nets import choices
-from bigmem.nets.conv import Conv3D, planewise_weight_grad
+from bigmem.nets import conv as conv_module
+from bigmem.nets.conv import Conv3D, Conv3DTranspose, planewise_weight_grad, pointwise_weight_grad, \
+    transposed_weight_grad
 
 
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf.function"])
@@ -77,3 +79,80 @@ def test_odd_or_tiny_strided_inputs_use_tf_kernels():
     assert layer._planewise(tf.zeros((1, 6, 6, 6, LOW_2_FP32)))
     assert not layer._planewise(tf.zeros((1, 5, 6, 6, LOW_2_FP32)))  # TF pads odd sizes differently
     assert not layer._planewise(tf.zeros((1, 2, 6, 6, LOW_2_FP32)))  # one output plane
+
+
+def test_pointwise_weight_grad_equals_conv3d_backprop_filter():
+    rng = np.random.default_rng(2)
+    x = tf.constant(rng.normal(size=(2, 3, 4, 5, 6)).astype(np.float32))
+    dy = tf.constant(rng.normal(size=(2, 3, 4, 5, 3)).astype(np.float32))
+    want = tf.raw_ops.Conv3DBackpropFilterV2(input=x, filter_sizes=tf.constant([1, 1, 1, 6, 3]), out_backprop=dy,
+                                             strides=[1] * 5, padding="SAME")
+    got = pointwise_weight_grad(x, dy)
+    assert got.shape == (1, 1, 1, 6, 3)
+    np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf.function"])
+@pytest.mark.parametrize("shape, stride, chunks", [((1, 5, 3, 4, 4), 2, 2), ((2, 3, 2, 2, 3), 2, 8),
+                                                   ((1, 4, 2, 3, 2), 3, 3)])
+def test_transposed_weight_grad_equals_conv3d_backprop_filter(shape, stride, chunks, graph, monkeypatch):
+    """Uneven depth chunks, more chunks than planes, two samples and k = 3 all give TF's kernel gradient."""
+    monkeypatch.setattr(conv_module, "TRANSPOSED_GRAD_CHUNKS", chunks)
+    rng = np.random.default_rng(3)
+    x = tf.constant(rng.normal(size=shape).astype(np.float32))
+    dy = tf.constant(rng.normal(size=(shape[0], *(stride * s for s in shape[1:4]), 5)).astype(np.float32))
+    k = stride
+    want = tf.raw_ops.Conv3DBackpropFilterV2(input=dy, filter_sizes=tf.constant([k, k, k, 5, shape[-1]]),
+                                             out_backprop=x, strides=[1, k, k, k, 1], padding="SAME")
+    fn = tf.function(transposed_weight_grad, autograph=False) if graph else transposed_weight_grad
+    got = fn(dy, x, stride)
+    assert got.shape == (k, k, k, 5, shape[-1]) and got.dtype == tf.float32
+    np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture
+def two_d_others(monkeypatch):
+    """A class whose 1x1x1 and transposed weight gradients are 2-D in fp32, as AMX's are in bf16."""
+    table = choices.KernelChoices(planewise_others=frozenset({"fp32"}), source="test")
+    monkeypatch.setattr(choices, "kernel_choices", lambda: ("test", table))
+    calls = []
+    for name in ("pointwise_weight_grad", "transposed_weight_grad"):
+        original = getattr(conv_module, name)
+        monkeypatch.setattr(conv_module, name,
+                            lambda *args, original=original, name=name: calls.append(name) or original(*args))
+    return calls
+
+
+def test_pointwise_layer_takes_the_2d_weight_gradient_and_matches_keras(two_d_others):
+    rng = np.random.default_rng(4)
+    x = tf.constant(rng.normal(size=(2, 4, 5, 6, 8)).astype(np.float32))
+    ours, stock = Conv3D(3, 1, use_bias=True), keras.layers.Conv3D(3, 1, use_bias=True)
+    for layer in (ours, stock):
+        layer.build(x.shape)
+    stock.set_weights(ours.get_weights())
+    assert ours._pointwise(x) and not ours._planewise(x)
+    (y, (dx, dw)), (y_ref, (dx_ref, dw_ref)) = _grads(ours, x), _grads(stock, x)
+    assert two_d_others == ["pointwise_weight_grad"]
+    for got, want in ((y, y_ref), (dx, dx_ref), (dw, dw_ref)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert not Conv3D(3, 1, strides=2)._pointwise(x)  # strided 1x1x1: TF's own
+
+
+@pytest.mark.parametrize("partitioned", [False, True], ids=["whole", "slabs"])
+def test_transposed_layer_takes_the_2d_weight_gradient_and_matches_keras(two_d_others, partitioned):
+    from bigmem.nets.slabs import MAX_KERNEL_ELEMENTS, kernel_element_limit
+
+    rng = np.random.default_rng(5)
+    x = tf.constant(rng.normal(size=(1, 7, 3, 4, 6)).astype(np.float32))
+    ours = Conv3DTranspose(4, 2, strides=2, padding="same")
+    stock = keras.layers.Conv3DTranspose(4, 2, strides=2, padding="same")
+    for layer in (ours, stock):
+        layer.build(x.shape)
+    stock.set_weights(ours.get_weights())
+    # Slabs: two input planes' outputs (4 output planes of 6 x 8 x 4) per slab.
+    with kernel_element_limit(4 * 6 * 8 * 4 if partitioned else MAX_KERNEL_ELEMENTS):
+        (y, (dx, dw)) = _grads(ours, x)
+    y_ref, (dx_ref, dw_ref) = _grads(stock, x)
+    assert two_d_others == ["transposed_weight_grad"] * (4 if partitioned else 1)
+    for got, want in ((y, y_ref), (dx, dx_ref), (dw, dw_ref)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
