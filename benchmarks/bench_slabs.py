@@ -95,7 +95,7 @@ def _shared_case(op: str, path: str, edge: int, channels: int):
     """(fn, inputs, dy, forward multiply-adds) of one op at the shared size; fn(*inputs) -> y."""
     import tensorflow as tf
 
-    from bigmem.nets.norm_act import instance_norm_activation, norm_activation_slabs
+    from bigmem.nets.norm_act import instance_norm_activation, norm_activation_large, norm_activation_slabs
     from bigmem.nets.slabs import conv3d_slabs, conv3d_transpose_slabs, max_pool3d_slabs
 
     def normal(shape, seed, scale=1.0):
@@ -138,13 +138,15 @@ def _shared_case(op: str, path: str, edge: int, channels: int):
             return max_pool3d_slabs(x, 2) if partitioned else tf.nn.max_pool3d(x, 2, 2, "VALID")
 
         return fn, [x], normal((1, half, half, half, channels), 3), None
-    if op == "norm_relu":
+    if op in ("norm_relu", "norm_relu_large"):
         gamma, beta = tf.fill([channels], GAMMA[0]), tf.fill([channels], BETA[0])
         options = {"epsilon": EPSILON, "activation": "relu", "negative_slope": 0.0}
 
         def fn(x, gamma, beta):
             if partitioned:
                 return norm_activation_slabs(x, gamma, beta, groups=channels, **options)
+            if op == "norm_relu_large":
+                return norm_activation_large(x, gamma, beta, groups=channels, **options)
             return instance_norm_activation(x, gamma, beta, **options)
 
         return fn, [x, gamma, beta], normal(x.shape, 3), None
@@ -595,6 +597,55 @@ def proof_block(g: dict) -> dict:
     return {"shapes": shapes, "slabs": slabs, "errors": {k: v.to_dict() for k, v in errors.items()}}
 
 
+# TF's own max_pool3d past 2^32 elements: (1, 2064, 1024^2, 2) = 4.33e9 in bfloat16 (x and dx 8.7 GB
+# each; in float32 they would not fit 24 GiB). x tiles a 48-plane block (even, so every 2x2x2
+# window sits inside one tile; 2048 planes = 2^32 elements is not a multiple of 48), dy a 43-plane
+# one (1032 output planes). --small: the same on (1, 48, 24^2, 2).
+PAST_2_32 = {"depth": 2064, "hw": 1024, "x_period": 48, "dy_period": 43, "window": 16, "every": 6}
+PAST_2_32_SMALL = {"depth": 48, "hw": 24, "x_period": 8, "dy_period": 3, "window": 4, "every": 1}
+
+
+def proof_tf_max_pool(g: dict) -> dict:
+    """TF's max_pool3d 2x2x2 and its gradient, unpartitioned, in bfloat16 past 2^32 elements (nets/limits.py).
+
+    bfloat16 ties within a window would make the gradient's argmax a choice, so x holds distinct
+    values per window: 8 r + p, r a random integer in [0, 16) and p the element's position in
+    its window (integers below 128 are exact in bfloat16). Reference: the same ops on windows.
+    """
+    import tensorflow as tf
+
+    geometry = PAST_2_32 if g["depth"] >= PROOF["depth"] else PAST_2_32_SMALL
+    depth, hw, window = geometry["depth"], geometry["hw"], geometry["window"]
+    period = geometry["x_period"]
+    r = tf.random.stateless_uniform((1, period, hw, hw, 2), [1, 7], 0, 16, dtype=tf.int32)
+    d, h, w = (tf.reshape(tf.range(n) % 2, shape) for n, shape in
+               ((period, (1, -1, 1, 1, 1)), (hw, (1, 1, -1, 1, 1)), (hw, (1, 1, 1, -1, 1))))
+    x_block = tf.cast(8 * r + 4 * d + 2 * h + w, tf.bfloat16)
+    dy_block = _block((1, geometry["dy_period"], hw // 2, hw // 2, 2), 3, "bfloat16", low=-1.0, high=1.0)
+    x = tiled(x_block, depth)
+
+    def fn(x):
+        return tf.nn.max_pool3d(x, 2, 2, "VALID")
+
+    def reference(o0, o1):
+        xs = tiled_planes(x_block, 2 * o0, 2 * o1)
+        with tf.GradientTape() as tape:
+            tape.watch(xs)
+            ys = fn(xs)
+        return ys, tape.gradient(ys, xs, output_gradients=tiled_planes(dy_block, o0, o1))
+
+    errors = {"y": MaxError(), "dx": MaxError()}
+    (dx,) = run_backward(fn, [x], dy_block, depth // 2)
+    for o0, o1 in _windows(depth // 2, window // 2, geometry["every"]):
+        errors["dx"].add(planes(dx, 2 * o0, 2 * o1), reference(o0, o1)[1])
+    del dx
+    y, slabs = run_forward(fn, [x])
+    for o0, o1 in _windows(depth // 2, window // 2, geometry["every"]):
+        errors["y"].add(planes(y, o0, o1), reference(o0, o1)[0])
+    shapes = {"x": x.shape.as_list(), "y": y.shape.as_list()}
+    return {"shapes": shapes, "slabs": slabs, "errors": {k: v.to_dict() for k, v in errors.items()}}
+
+
 # op -> (dtype, what, check(geometry) -> result)
 PROOF_OPS = {
     # 1 -> 4 channels on half the depth: the output is past 2^31 with the input and dx a quarter of it.
@@ -609,6 +660,8 @@ PROOF_OPS = {
     "max_pool3d": ("float32", "max_pool3d_slabs 2x2x2 (input past 2^31)", proof_max_pool),
     "max_pool3d_bf16": ("bfloat16", "the same in bfloat16 (x and dx past 2^31 take 8.6 GB each in fp32)",
                         lambda g: proof_max_pool(g, "bfloat16")),
+    "tf_max_pool3d_bf16": ("bfloat16", "TF's own max_pool3d 2x2x2, unpartitioned, input past 2^32 (PAST_2_32)",
+                           proof_tf_max_pool),
     "norm_relu": ("float32", "norm_activation_slabs instance norm + ReLU, forward (input past 2^31)",
                   lambda g: proof_norm(g, "float32", backward=False)),
     "norm_relu_bf16": ("bfloat16", "norm_activation_slabs instance norm + ReLU, forward + backward",
@@ -616,7 +669,13 @@ PROOF_OPS = {
     "block_bf16": ("bfloat16", "Conv3D(1 -> 2) -> NormActivation(instance, ReLU) layers, mixed_bfloat16",
                    proof_block),
 }
-SHARED_OPS = ("conv3d", "conv3d_stride2", "conv3d_transpose", "max_pool3d", "norm_relu")
+SHARED_OPS = ("conv3d", "conv3d_stride2", "conv3d_transpose", "max_pool3d", "norm_relu", "norm_relu_large")
+# The norm's slab path replaces, at every size it runs, the path NormActivation takes for samples
+# past FUSED_NORM_MAX_VOXELS (norm_activation_large): past the 2^30-element limit a sample has more
+# than 2^23 voxels unless it has more than 128 channels (kits19 first has 256 at its fourth level,
+# whose tensor passes 2^30 only from a 1290^3 volume). norm_relu_large compares the two at a size
+# past 2^23 voxels, (1, 256^3, 8): 2^27 elements, the slab code in its own 2^22-element slabs.
+SHARED_OP_SIZES = {"norm_relu_large": ({"edge": 256, "channels": 8}, {"edge": 32, "channels": 8})}
 
 
 def child_proof(request: dict) -> dict:
@@ -700,9 +759,11 @@ def run_shared(args, console) -> list[dict]:
             paths.insert(1, ("slab code, 1 slab", None))
         base = None
         for path, limit in paths:
-            request = {"part": "shared", "op": op, "path": path, "edge": size["edge"], "channels": size["channels"],
-                       "warmup": args.warmup, "repeat": args.repeat}
-            row = {"op": op, "path": path, "limit": limit, "slab_bytes": limit * itemsize if limit else None,
+            shape = SHARED_OP_SIZES.get(op, (size, size))[1 if args.small else 0]
+            request = {"part": "shared", "op": op, "path": path, "edge": shape["edge"],
+                       "channels": shape["channels"], "warmup": args.warmup, "repeat": args.repeat}
+            row_shape = (1, shape["edge"], shape["edge"], shape["edge"], shape["channels"])
+            row = {"op": op, "path": path, "shape": list(row_shape), "limit": limit, "slab_bytes": limit * itemsize if limit else None,
                    **run_child(request, limit, args.timeout_s, lock_path=None if args.small else LOCK_PATH)}
             if "error" not in row:
                 times = row["times_s"]
@@ -721,8 +782,9 @@ def run_shared(args, console) -> list[dict]:
                           f"{row['spread_pct']:.0f}%), {row['slabs']} slab(s), peak {_bytes(row['peak_bytes'])}"),
                           style="dim")
     edge, channels = size["edge"], size["channels"]
-    table = Table(title=f"Forward + backward, fp32, (1, {edge}, {edge}, {edge}, {channels}); partitioned: limit "
-                        f"{size['limit']:,} elements ({_bytes(size['limit'] * itemsize)} a slab)")
+    table = Table(title=f"Forward + backward, fp32, (1, {edge}, {edge}, {edge}, {channels}) unless the op says "
+                        f"otherwise; partitioned: limit {size['limit']:,} elements ({_bytes(size['limit'] * itemsize)} "
+                        f"a slab)")
     for column in ("op", "path", "slabs", "median s", "spread %", "GFLOP/s", "throughput vs unpart.",
                    "peak", "op peak", "peak - unpart.", "one slab"):
         table.add_column(column, justify="right")
@@ -731,7 +793,8 @@ def run_shared(args, console) -> list[dict]:
             table.add_row(r["op"], r["path"], *["-"] * 8, r["error"])
             continue
         ratio = r.get("throughput_ratio")
-        table.add_row(r["op"], r["path"], str(r["slabs"]), f"{r['median_s']:.3f}", f"{r['spread_pct']:.0f}",
+        name = r["op"] if r["op"] not in SHARED_OP_SIZES else f"{r['op']} {tuple(r['shape'])}"
+        table.add_row(name, r["path"], str(r["slabs"]), f"{r['median_s']:.3f}", f"{r['spread_pct']:.0f}",
                       f"{r['gflops']:.0f}" if "gflops" in r else "-", f"{ratio:.2f}" if ratio else "-",
                       _bytes(r["peak_bytes"]), _bytes(r["op_peak_bytes"]),
                       _bytes(r.get("peak_over_unpartitioned_bytes")), _bytes(r["slab_bytes"]))

@@ -24,6 +24,12 @@ MAX_SLAB_ELEMENTS = 2**29
 # ... unless that is fewer than this many depth planes (wide planes of very large volumes): then
 # slabs grow to this many planes, up to the kernel limit, so the halo stays a small share.
 MIN_SLAB_PLANES = 32
+# Pooling's own limit: TF's max_pool3d 2x2x2 and its gradient (oneDNN on, TF 2.21.0, Intel Xeon
+# with AMX) were exact on (1, 2064, 1024, 1024, 2) = 4.33e9 elements in bfloat16, past 2^32
+# (bench_slabs.py --proof --ops tf_max_pool3d_bf16; float32 ran past 2^31 too, and float32 past
+# 2^32 does not fit 24 GiB). No size failed. Up to this, pooling runs whole, so a 512^3 x 32
+# first level (2^32 elements) needs no pooling slabs; past it, depth slabs as every other op.
+MAX_POOL_ELEMENTS = 2064 * 1024 * 1024 * 2
 # For tests and benchmarks: run the slab path on small tensors (also in child processes).
 LIMIT_ENVIRONMENT_VARIABLE = "BIGMEM_MAX_KERNEL_ELEMENTS"
 
@@ -89,14 +95,28 @@ def slab_elements(plane_elements: int = 0) -> int:
     return min(max_kernel_elements(), max(MAX_SLAB_ELEMENTS, MIN_SLAB_PLANES * plane_elements))
 
 
-def exceeds_limit(*shapes: Sequence[int | None]) -> bool:
+def max_pool_elements() -> int:
+    """Pooling's limit in force: MAX_POOL_ELEMENTS, unless a test or benchmark sets the limit (then that one).
+
+    ``kernel_element_limit`` and ``BIGMEM_MAX_KERNEL_ELEMENTS`` lower every op's limit at once.
+
+    Returns:
+        Elements per tensor handed to TF's max_pool3d and its gradient.
+    """
+    if _limit_override or os.environ.get(LIMIT_ENVIRONMENT_VARIABLE):
+        return max_kernel_elements()
+    return MAX_POOL_ELEMENTS
+
+
+def exceeds_limit(*shapes: Sequence[int | None], limit: int | None = None) -> bool:
     """Whether any of the (static) shapes has more elements than the limit; unknown sizes never do.
 
     Args:
         *shapes: tensor shapes such as ``(batch, D, H, W, C)``; a shape with a None is skipped.
+        limit: the limit to judge by (default ``max_kernel_elements()``).
 
     Returns:
-        True when one of them is past ``max_kernel_elements()``.
+        True when one of them is past the limit.
     """
-    limit = max_kernel_elements()
+    limit = max_kernel_elements() if limit is None else limit
     return any(None not in tuple(shape) and math.prod(shape) > limit for shape in shapes)

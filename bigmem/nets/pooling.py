@@ -1,9 +1,10 @@
-"""Max pooling that runs in depth slabs past the kernel limit (nets/slabs.py)."""
+"""Max pooling that runs in depth slabs past its kernel limit (nets/limits.py, nets/slabs.py)."""
 
 from __future__ import annotations
 
 import keras
 
+from bigmem.nets.limits import max_pool_elements
 from bigmem.nets.slabs import exceeds_limit, max_pool3d_slabs
 
 
@@ -12,8 +13,9 @@ class MaxPooling3D(keras.layers.MaxPooling3D):
     """``keras.layers.MaxPooling3D``; a cubic, non-overlapping "valid" pool past the limit runs in depth slabs.
 
     Same arguments and outputs as ``keras.layers.MaxPooling3D``; the slab path
-    (``max_pool3d_slabs``) applies to channels-last inputs of static shape past the kernel
-    element limit (nets/limits.py).
+    (``max_pool3d_slabs``) applies to channels-last inputs of static shape past pooling's own
+    element limit (``max_pool_elements``, past 2^32: TF's pooling was measured right further
+    than its convolutions).
 
     Example:
         >>> pool = MaxPooling3D(2)
@@ -23,7 +25,7 @@ class MaxPooling3D(keras.layers.MaxPooling3D):
     def call(self, inputs):
         """``(batch, D, H, W, C)`` -> ``(batch, D // p, H // p, W // p, C)`` for pool size ``p``."""
         shape = tuple(inputs.shape)
-        if (len(shape) == 5 and None not in shape and exceeds_limit(shape) and self.padding == "valid"
+        if (len(shape) == 5 and None not in shape and exceeds_limit(shape, limit=max_pool_elements()) and self.padding == "valid"
                 and len(set(self.pool_size)) == 1 and tuple(self.strides) == tuple(self.pool_size)
                 and self.data_format == "channels_last"):
             return max_pool3d_slabs(inputs, self.pool_size[0])

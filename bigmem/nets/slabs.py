@@ -36,6 +36,7 @@ from bigmem.nets.limits import (  # noqa: F401  (re-exported: the slab API in on
     exceeds_limit,
     kernel_element_limit,
     max_kernel_elements,
+    max_pool_elements,
     slab_elements,
 )
 
@@ -478,7 +479,7 @@ def max_pool3d_slabs(x: tf.Tensor, pool: int) -> tf.Tensor:
     batch, depth, height, width, channels = x.shape
     out_depth = depth // pool
     in_plane = height * width * channels
-    limit = slab_elements(in_plane)
+    limit = min(slab_elements(in_plane), max_pool_elements())
     slabs = plan_slabs(out_depth, lambda o0, o1: pool * (o1 - o0) * in_plane <= limit,
                        what=f"max_pool3d on {tuple(x.shape)}")
     window = [1, pool, pool, pool, 1]

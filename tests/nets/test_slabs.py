@@ -54,6 +54,29 @@ def test_limit_constant_and_override(monkeypatch):
             pass
 
 
+def test_pooling_has_its_own_limit_unless_a_test_sets_one(monkeypatch):
+    """TF's pooling ran right past 2^32 elements: it runs whole past the conv limit, up to MAX_POOL_ELEMENTS."""
+    from bigmem.nets import limits
+    from bigmem.nets.pooling import MaxPooling3D
+
+    monkeypatch.delenv("BIGMEM_MAX_KERNEL_ELEMENTS", raising=False)
+    assert limits.MAX_POOL_ELEMENTS > 2**32 > MAX_KERNEL_ELEMENTS
+    assert limits.max_pool_elements() == limits.MAX_POOL_ELEMENTS
+    with kernel_element_limit(1000):
+        assert limits.max_pool_elements() == 1000
+    monkeypatch.setenv("BIGMEM_MAX_KERNEL_ELEMENTS", "123")
+    assert limits.max_pool_elements() == 123
+    monkeypatch.delenv("BIGMEM_MAX_KERNEL_ELEMENTS")
+
+    x = _random((1, 8, 4, 4, 2), 40)
+    pool = MaxPooling3D(2)
+    for pool_limit, slab_writes in ((x.shape.num_elements(), 0), (x.shape.num_elements() - 1, 2)):  # 3 + 1 output planes
+        monkeypatch.setattr(limits, "MAX_POOL_ELEMENTS", pool_limit)
+        graph = tf.function(pool).get_concrete_function(x).graph
+        assert sum(op.type == "InplaceUpdate" for op in graph.get_operations()) == slab_writes, pool_limit
+        _close(pool(x), tf.nn.max_pool3d(x, 2, 2, "VALID"))
+
+
 @pytest.mark.parametrize("depth", [1, 2, 5, 8, 33, 34, 35])
 @pytest.mark.parametrize("kernel,stride", [(3, 1), (3, 2), (1, 1), (1, 2), (2, 2)])
 def test_conv_frames_reproduce_same_padding(depth, kernel, stride):
