@@ -291,11 +291,12 @@ def conv3d_slabs(x: tf.Tensor, kernel: tf.Tensor, stride: int = 1,
 
     Stride 1 with an odd cubic kernel (the U-Net's 3x3x3 and 1x1x1 convs) sums the weight gradient
     tap by tap over whole planes (``_tapwise_weight_grad``: views, no zero-padded dy copy, and no
-    3-D bf16 weight-gradient kernel, which crashed on an AMX CPU at 512^2 planes). The input
-    gradient is TF's backprop kernel on a zero-padded dy slab. (Taking it as the forward conv of dy
-    with the flipped kernel, all views, peaked about one slab lower, but TF's bf16 forward conv with
-    one output channel died with SIGFPE on (1, 64, 1024, 1024, 2) on that CPU;
-    benchmarks/results/kernels.md.)
+    3-D bf16 weight-gradient kernel, which crashed on an AMX CPU at 512^2 planes). Its input
+    gradient is TF's backprop kernel over a window of planes whose outputs are exactly the dy
+    planes it needs, a view (``grad_window``); other strides and kernels take it on a zero-padded
+    dy slab. (Taking it as the forward conv of dy with the flipped kernel, all views, was dropped:
+    TF's bf16 forward conv with one output channel died with SIGFPE on (1, 64, 1024, 1024, 2) on
+    that CPU; benchmarks/results/kernels.md.)
 
     Args:
         x: (batch, D, H, W, C_in), static shape.
@@ -339,8 +340,23 @@ def conv3d_slabs(x: tf.Tensor, kernel: tf.Tensor, stride: int = 1,
         o_hi = min(out_depth, (i1 - 1 + pad) // stride + 1)
         return conv_frame(depth, k, stride, o_lo, max(o_hi, o_lo + 1))
 
-    in_slabs = plan_slabs(depth, lambda i0, i1: frame_fits(input_frame(i0, i1)) and (i1 - i0) * in_plane <= limit,
-                          what=f"conv3d input gradient on {tuple(x.shape)}")
+    halo = k // 2  # stride 1, odd cubic kernel: input plane i reads output planes [i - halo, i + halo]
+
+    def grad_window(i0: int, i1: int) -> tuple[int, int]:
+        """Stride 1: the input (and output) planes [a, b) whose "SAME" input gradient covers [i0, i1).
+
+        The outputs [i0 - halo, i1 + halo) are all the input planes [i0, i1) read; a "SAME" conv
+        over input planes [a, b) = those same planes has exactly them as outputs, so dy is a view
+        (no zero-padded copy) and [i0, i1) of its input gradient are complete.
+        """
+        return max(0, i0 - halo), min(depth, i1 + halo)
+
+    if tapwise:
+        in_slabs = plan_slabs(depth, lambda i0, i1: (grad_window(i0, i1)[1] - grad_window(i0, i1)[0])
+                              * max(in_plane, out_plane) <= limit, what=f"conv3d input gradient on {tuple(x.shape)}")
+    else:
+        in_slabs = plan_slabs(depth, lambda i0, i1: frame_fits(input_frame(i0, i1)) and (i1 - i0) * in_plane <= limit,
+                              what=f"conv3d input gradient on {tuple(x.shape)}")
 
     def dy_for(dy_planes, sample, frame: ConvFrame):
         """dy of the frame's outputs, zero-padded to the slab conv's out_len planes."""
@@ -352,6 +368,15 @@ def conv3d_slabs(x: tf.Tensor, kernel: tf.Tensor, stride: int = 1,
         dx = PlaneWriter(x.shape, x.dtype)
         for sample in range(batch):
             for i0, i1 in in_slabs:
+                if tapwise:
+                    a, b = grad_window(i0, i1)
+                    with tf.control_dependencies(dx.after):
+                        dx_window = tf.raw_ops.Conv3DBackpropInputV2(
+                            input_sizes=tf.constant([1, b - a, height, width, in_channels], tf.int32),
+                            filter=kernel, out_backprop=take_planes(dy_planes, out_depth, sample, a, b),
+                            strides=strides, padding="SAME")
+                    dx.write(sample, i0, crop_planes(dx_window, i0 - a, i1 - a))
+                    continue
                 frame = input_frame(i0, i1)
                 with tf.control_dependencies(dx.after):
                     dx_frame = tf.raw_ops.Conv3DBackpropInputV2(
