@@ -261,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
                           "tensorflow": tensorflow_version()},
               "model": args.model, "batch_size": args.batch_size, "calibrate_sizes": args.calibrate_sizes,
               "reused_from": args.reuse, "points": campaign.rows, "failures": campaign.failures}
+    partial = Path(args.out) / f"memory_model-partial-{socket.gethostname()}.json"
     for model in args.model.split(","):
         base = resolve_config(model)
         counts_for = counts_function(base)
@@ -268,12 +269,13 @@ def main(argv: list[str] | None = None) -> int:
             precision, recompute = mode.split("/")
             campaign.run_mode(model, precision, recompute, counts_for, base.model.divisor)
             # what is done so far survives a crash later on
-            atomic_write_json(Path(args.out) / f"memory_model-partial-{socket.gethostname()}.json", report)
+            atomic_write_json(partial, report)
     print_summary(campaign.rows, console, report)
     report["defaults_fit"] = fit_defaults(campaign.rows, campaign.isa, args.batch_size, console)
     if args.budget:
         report["budget_check"] = budget_check(args, args.model.split(",")[0], console)
     write_results("memory_model", report, args.out, console)
+    partial.unlink(missing_ok=True)  # the whole report is written: the crash copy has served
     return 0
 
 
