@@ -409,8 +409,6 @@ def proof_conv_transpose(g: dict) -> dict:
 
 def proof_max_pool(g: dict, dtype: str = "float32") -> dict:
     """max_pool3d_slabs 2x2x2 on (1, depth, hw, hw, 2) past 2^31; reference: TF's max_pool3d and its gradient."""
-    import tensorflow as tf
-
     from bigmem.nets.slabs import max_pool3d_slabs
 
     depth, hw, period, window = g["depth"], g["hw"], g["period"], g["window"]
@@ -421,7 +419,19 @@ def proof_max_pool(g: dict, dtype: str = "float32") -> dict:
     def fn(x):
         return max_pool3d_slabs(x, 2)
 
-    def reference(o0, o1):  # output planes [o0, o1) read input planes [2 o0, 2 o1) alone
+    return check_pool(fn, x, x_block, dy_block, window, g["every"])
+
+
+def check_pool(fn, x, x_block, dy_block, window: int, every: int) -> dict:
+    """A 2x2x2 max pool ``fn`` of the tiled ``x``, forward and backward, against TF's pool on windows.
+
+    Output planes [o0, o1) read input planes [2 o0, 2 o1) alone; dy is the tiled ``dy_block``.
+    """
+    import tensorflow as tf
+
+    depth = x.shape[1]
+
+    def reference(o0, o1):
         xs = tiled_planes(x_block, 2 * o0, 2 * o1)
         with tf.GradientTape() as tape:
             tape.watch(xs)
@@ -430,11 +440,11 @@ def proof_max_pool(g: dict, dtype: str = "float32") -> dict:
 
     errors = {"y": MaxError(), "dx": MaxError()}
     (dx,) = run_backward(fn, [x], dy_block, depth // 2)  # first: see the note above run_backward
-    for o0, o1 in _windows(depth // 2, window // 2, g["every"]):
+    for o0, o1 in _windows(depth // 2, window // 2, every):
         errors["dx"].add(planes(dx, 2 * o0, 2 * o1), reference(o0, o1)[1])
     del dx
     y, slabs = run_forward(fn, [x])
-    for o0, o1 in _windows(depth // 2, window // 2, g["every"]):
+    for o0, o1 in _windows(depth // 2, window // 2, every):
         errors["y"].add(planes(y, o0, o1), reference(o0, o1)[0])
     shapes = {"x": x.shape.as_list(), "y": y.shape.as_list()}
     return {"shapes": shapes, "slabs": slabs, "errors": {k: v.to_dict() for k, v in errors.items()}}
@@ -623,27 +633,7 @@ def proof_tf_max_pool(g: dict) -> dict:
     x_block = tf.cast(8 * r + 4 * d + 2 * h + w, tf.bfloat16)
     dy_block = _block((1, geometry["dy_period"], hw // 2, hw // 2, 2), 3, "bfloat16", low=-1.0, high=1.0)
     x = tiled(x_block, depth)
-
-    def fn(x):
-        return tf.nn.max_pool3d(x, 2, 2, "VALID")
-
-    def reference(o0, o1):
-        xs = tiled_planes(x_block, 2 * o0, 2 * o1)
-        with tf.GradientTape() as tape:
-            tape.watch(xs)
-            ys = fn(xs)
-        return ys, tape.gradient(ys, xs, output_gradients=tiled_planes(dy_block, o0, o1))
-
-    errors = {"y": MaxError(), "dx": MaxError()}
-    (dx,) = run_backward(fn, [x], dy_block, depth // 2)
-    for o0, o1 in _windows(depth // 2, window // 2, geometry["every"]):
-        errors["dx"].add(planes(dx, 2 * o0, 2 * o1), reference(o0, o1)[1])
-    del dx
-    y, slabs = run_forward(fn, [x])
-    for o0, o1 in _windows(depth // 2, window // 2, geometry["every"]):
-        errors["y"].add(planes(y, o0, o1), reference(o0, o1)[0])
-    shapes = {"x": x.shape.as_list(), "y": y.shape.as_list()}
-    return {"shapes": shapes, "slabs": slabs, "errors": {k: v.to_dict() for k, v in errors.items()}}
+    return check_pool(lambda x: tf.nn.max_pool3d(x, 2, 2, "VALID"), x, x_block, dy_block, window, geometry["every"])
 
 
 # op -> (dtype, what, check(geometry) -> result)
@@ -763,7 +753,8 @@ def run_shared(args, console) -> list[dict]:
             request = {"part": "shared", "op": op, "path": path, "edge": shape["edge"],
                        "channels": shape["channels"], "warmup": args.warmup, "repeat": args.repeat}
             row_shape = (1, shape["edge"], shape["edge"], shape["edge"], shape["channels"])
-            row = {"op": op, "path": path, "shape": list(row_shape), "limit": limit, "slab_bytes": limit * itemsize if limit else None,
+            row = {"op": op, "path": path, "shape": list(row_shape), "limit": limit,
+                   "slab_bytes": limit * itemsize if limit else None,
                    **run_child(request, limit, args.timeout_s, lock_path=None if args.small else LOCK_PATH)}
             if "error" not in row:
                 times = row["times_s"]

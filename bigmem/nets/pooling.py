@@ -25,8 +25,8 @@ class MaxPooling3D(keras.layers.MaxPooling3D):
     def call(self, inputs):
         """``(batch, D, H, W, C)`` -> ``(batch, D // p, H // p, W // p, C)`` for pool size ``p``."""
         shape = tuple(inputs.shape)
-        if (len(shape) == 5 and None not in shape and exceeds_limit(shape, limit=max_pool_elements()) and self.padding == "valid"
-                and len(set(self.pool_size)) == 1 and tuple(self.strides) == tuple(self.pool_size)
-                and self.data_format == "channels_last"):
+        if (len(shape) == 5 and None not in shape and exceeds_limit(shape, limit=max_pool_elements())
+                and self.padding == "valid" and len(set(self.pool_size)) == 1
+                and tuple(self.strides) == tuple(self.pool_size) and self.data_format == "channels_last"):
             return max_pool3d_slabs(inputs, self.pool_size[0])
         return super().call(inputs)

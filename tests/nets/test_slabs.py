@@ -70,7 +70,8 @@ def test_pooling_has_its_own_limit_unless_a_test_sets_one(monkeypatch):
 
     x = _random((1, 8, 4, 4, 2), 40)
     pool = MaxPooling3D(2)
-    for pool_limit, slab_writes in ((x.shape.num_elements(), 0), (x.shape.num_elements() - 1, 2)):  # 3 + 1 output planes
+    # At the limit: whole. One element under: slabs of 3 + 1 output planes.
+    for pool_limit, slab_writes in ((x.shape.num_elements(), 0), (x.shape.num_elements() - 1, 2)):
         monkeypatch.setattr(limits, "MAX_POOL_ELEMENTS", pool_limit)
         graph = tf.function(pool).get_concrete_function(x).graph
         assert sum(op.type == "InplaceUpdate" for op in graph.get_operations()) == slab_writes, pool_limit
