@@ -246,4 +246,9 @@ def test_measured_peak_is_near_the_prediction(preset, volume, tiny_counts, small
     measured = result.measurement.peak_bytes
     assert measured > result.measurement.baseline_bytes > 100 * MIB
     # Framework-dominated sizes (~0.6 GiB of TensorFlow); the benchmark checks the larger ones.
-    assert abs(result.error_pct) < 15, (result.estimate.predicted_peak_bytes, measured)
+    # On a CPU class the defaults were not measured for, the estimate without its stated margin is
+    # judged, and the margin must keep the prediction above the measurement (as in test_inference_cli).
+    predicted = result.estimate.predicted_peak_bytes
+    margin = result.estimate.components.get("safety_margin", 0)
+    assert abs(100 * (predicted - margin - measured) / measured) < 15, (predicted, margin, measured)
+    assert not margin or predicted > measured
