@@ -29,6 +29,11 @@ from bigmem.nets.slabs import conv3d_slabs, conv3d_transpose_slabs, exceeds_limi
 
 
 
+def _precision(inputs: tf.Tensor) -> str:
+    """nets/choices.py's name for the precision a layer computes in: "bf16" or "fp32"."""
+    return "bf16" if inputs.dtype == tf.bfloat16 else "fp32"
+
+
 def _plane_stack(t: tf.Tensor) -> tf.Tensor:
     """(B, D, H, W, C) -> (B*D, H, W, C)."""
     return tf.reshape(t, tf.concat([[-1], tf.shape(t)[2:]], axis=0))
@@ -214,15 +219,20 @@ class Conv3D(keras.layers.Conv3D):
         >>> conv(keras.ops.zeros((1, 32, 32, 32, 8))).shape  # (1, 32, 32, 32, 16)
     """
 
+    def _plain(self, inputs) -> bool:
+        """No dilation or groups, channels last, a static 5-D input: what every 2-D weight gradient needs."""
+        shape = inputs.shape
+        return (tuple(self.dilation_rate) == (1, 1, 1) and self.groups == 1
+                and self.data_format == "channels_last" and shape.rank == 5 and None not in shape)
+
     def _planewise(self, inputs) -> bool:
         strides = tuple(self.strides)
         shape = inputs.shape
-        if not (tuple(self.kernel_size) == (3, 3, 3) and tuple(self.dilation_rate) == (1, 1, 1)
-                and self.padding == "same" and self.groups == 1 and self.data_format == "channels_last"
-                and shape.rank == 5 and None not in shape and strides in ((1, 1, 1), (2, 2, 2))):
+        if not (self._plain(inputs) and tuple(self.kernel_size) == (3, 3, 3) and self.padding == "same"
+                and strides in ((1, 1, 1), (2, 2, 2))):
             return False
         # Where it pays depends on the ISA class oneDNN runs at (nets/choices.py).
-        channels = planewise_channels("bf16" if inputs.dtype == tf.bfloat16 else "fp32", strides[0])
+        channels = planewise_channels(_precision(inputs), strides[0])
         if channels is None or not channels[0] <= shape[-1] <= channels[1]:
             return False
         if strides == (1, 1, 1):
@@ -231,11 +241,8 @@ class Conv3D(keras.layers.Conv3D):
 
     def _pointwise(self, inputs) -> bool:
         """A 1x1x1 stride-1 conv whose weight gradient runs as a 2-D one on this CPU (nets/choices.py)."""
-        shape = inputs.shape
-        return (tuple(self.kernel_size) == (1, 1, 1) and tuple(self.strides) == (1, 1, 1)
-                and tuple(self.dilation_rate) == (1, 1, 1) and self.groups == 1
-                and self.data_format == "channels_last" and shape.rank == 5 and None not in shape
-                and planewise_others("bf16" if inputs.dtype == tf.bfloat16 else "fp32"))
+        return (self._plain(inputs) and tuple(self.kernel_size) == (1, 1, 1) and tuple(self.strides) == (1, 1, 1)
+                and planewise_others(_precision(inputs)))
 
     def _output_shape(self, shape):
         stride = self.strides[0]
@@ -292,7 +299,7 @@ class Conv3DTranspose(keras.layers.Conv3DTranspose):
                       and len(set(self.strides)) == 1 and self.padding == "same"
                       and self.data_format == "channels_last" and tuple(self.dilation_rate) == (1, 1, 1)
                       and self.output_padding is None)
-        two_d = upsampling and planewise_others("bf16" if inputs.dtype == tf.bfloat16 else "fp32")
+        two_d = upsampling and planewise_others(_precision(inputs))
         partitioned = upsampling and exceeds_limit(shape, out_shape)
         if not (partitioned or two_d):
             return super().call(inputs)

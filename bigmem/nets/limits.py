@@ -36,6 +36,22 @@ LIMIT_ENVIRONMENT_VARIABLE = "BIGMEM_MAX_KERNEL_ELEMENTS"
 _limit_override: list[int] = []
 
 
+def _set_limit() -> int | None:
+    """The limit a test or benchmark set: ``kernel_element_limit``'s, else the environment's, else None.
+
+    Raises:
+        ValueError: ``BIGMEM_MAX_KERNEL_ELEMENTS`` is set but not a positive whole number.
+    """
+    if _limit_override:
+        return _limit_override[-1]
+    value = os.environ.get(LIMIT_ENVIRONMENT_VARIABLE)
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{LIMIT_ENVIRONMENT_VARIABLE}={value!r}: expected a positive whole number of elements")
+    return int(value)
+
+
 def max_kernel_elements() -> int:
     """The element limit in force: ``kernel_element_limit``'s, else the environment's, else the constant.
 
@@ -45,14 +61,8 @@ def max_kernel_elements() -> int:
     Raises:
         ValueError: ``BIGMEM_MAX_KERNEL_ELEMENTS`` is set but not a positive whole number.
     """
-    if _limit_override:
-        return _limit_override[-1]
-    value = os.environ.get(LIMIT_ENVIRONMENT_VARIABLE)
-    if not value:
-        return MAX_KERNEL_ELEMENTS
-    if not value.isdigit() or int(value) < 1:
-        raise ValueError(f"{LIMIT_ENVIRONMENT_VARIABLE}={value!r}: expected a positive whole number of elements")
-    return int(value)
+    limit = _set_limit()
+    return MAX_KERNEL_ELEMENTS if limit is None else limit
 
 
 @contextlib.contextmanager
@@ -103,9 +113,8 @@ def max_pool_elements() -> int:
     Returns:
         Elements per tensor handed to TF's max_pool3d and its gradient.
     """
-    if _limit_override or os.environ.get(LIMIT_ENVIRONMENT_VARIABLE):
-        return max_kernel_elements()
-    return MAX_POOL_ELEMENTS
+    limit = _set_limit()
+    return MAX_POOL_ELEMENTS if limit is None else limit
 
 
 def exceeds_limit(*shapes: Sequence[int | None], limit: int | None = None) -> bool:

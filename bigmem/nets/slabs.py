@@ -351,12 +351,13 @@ def conv3d_slabs(x: tf.Tensor, kernel: tf.Tensor, stride: int = 1,
         """
         return max(0, i0 - halo), min(depth, i1 + halo)
 
-    if tapwise:
-        in_slabs = plan_slabs(depth, lambda i0, i1: (grad_window(i0, i1)[1] - grad_window(i0, i1)[0])
-                              * max(in_plane, out_plane) <= limit, what=f"conv3d input gradient on {tuple(x.shape)}")
-    else:
-        in_slabs = plan_slabs(depth, lambda i0, i1: frame_fits(input_frame(i0, i1)) and (i1 - i0) * in_plane <= limit,
-                              what=f"conv3d input gradient on {tuple(x.shape)}")
+    def input_slab_fits(i0: int, i1: int) -> bool:
+        if tapwise:
+            a, b = grad_window(i0, i1)
+            return (b - a) * max(in_plane, out_plane) <= limit
+        return frame_fits(input_frame(i0, i1)) and (i1 - i0) * in_plane <= limit
+
+    in_slabs = plan_slabs(depth, input_slab_fits, what=f"conv3d input gradient on {tuple(x.shape)}")
 
     def dy_for(dy_planes, sample, frame: ConvFrame):
         """dy of the frame's outputs, zero-padded to the slab conv's out_len planes."""
