@@ -44,7 +44,22 @@ from bigmem.units import format_bytes
 # with TF_ONEDNN_USE_SYSTEM_ALLOCATOR=1 (malloc instead of TF's oneDNN BFC pool, which never
 # returns memory and fragments) it peaked at 16.4 GiB. The defaults are measured with the pool,
 # as bigmem runs today. tiny uses small's (DEFAULT_PRESET_FOR).
-DEFAULTS_MACHINE = "AMD EPYC 2 vCPU avx512_bf16, TF 2.21.0, 2026-11-30/12-01"
+# The amx entries: the same command on an Intel Xeon with AMX (amx_bf16, avx512_fp16), 2 vCPUs,
+# one NUMA node, 24 GiB, TensorFlow 2.21.0 with oneDNN on, 2026-12-01: 32-96^3 and the largest size
+# of each mode (benchmarks/results/memory_model-vm-20261201-10*.json, some re-measured in -12*.json),
+# 128^3 and a size between (-14*.json). Sizes measured twice there differed by 0.6-2.2%. Each
+# knot left out and predicted from the others: between knots -9.6% (small bf16/none at 128^3) to
+# +3.9%, 46 of 49 within 5%; the largest size from the knots below it +1.0% to +11.8% (always over:
+# Calibration.line_for's rule beyond the last knot). Against the AMD curve this machine measured
+# up to 12.5% more (kits19 bf16/none 192^3, a <= 96^3 calibration following that curve), which is
+# why each class has its own.
+DEFAULTS_MACHINES = {
+    "avx512_bf16": "AMD EPYC 2 vCPU avx512_bf16, TF 2.21.0, 2026-11-30/12-01",
+    "amx": "Intel Xeon 2 vCPU amx, TF 2.21.0, 2026-12-01",
+}
+# The class whose defaults an unmeasured class starts from, before its margin: the margins below
+# were sized against it (AVX2 and AVX-512 without bf16 have no AMX tiles either).
+FALLBACK_ISA = "avx512_bf16"
 # The batch the DEFAULTS were measured at. Their curve is followed only by calibrations at the
 # same batch: at equal counted bytes, batch 2 left more overhead than batch 1 (kits19 bf16 +
 # stages, 96^3 x 2 measured 2.74 GiB, 0.27 GiB (13% of the overhead) above the batch-1 curve; 2026-12-01).
@@ -133,6 +148,103 @@ DEFAULTS: dict[tuple[str, str, str, str], tuple[tuple[int, int, int], ...]] = {
         (128, 2_676_662_272, 2_488_800_604),
         (256, 21_413_298_176, 13_843_834_204),
         (288, 30_488_856_192, 17_806_493_020),
+    ),
+    ("amx", "intelai-brats", "fp32", "none"): (
+        (32, 59_478_016, 860_574_176),
+        (64, 475_824_128, 1_094_312_416),
+        (96, 1_605_906_432, 1_868_693_984),
+        (128, 3_806_593_024, 3_177_120_224),
+        (192, 12_847_251_456, 8_625_471_968),
+        (240, 25_092_288_000, 15_832_474_080),
+    ),
+    ("amx", "intelai-brats", "bf16", "none"): (
+        (32, 31_967_232, 870_543_840),
+        (64, 255_737_856, 1_129_165_280),
+        (96, 863_115_264, 1_865_630_176),
+        (128, 2_045_902_848, 3_026_936_288),
+        (192, 6_904_922_112, 7_841_219_040),
+        (256, 16_367_222_784, 16_674_554_336),
+    ),
+    ("amx", "intelai-brats", "fp32", "stages"): (
+        (32, 41_754_624, 871_076_320),
+        (64, 334_036_992, 1_057_759_712),
+        (96, 1_127_374_848, 1_569_276_384),
+        (128, 2_672_295_936, 2_599_211_488),
+        (192, 9_018_998_784, 6_512_644_576),
+        (272, 25_642_558_464, 16_699_818_464),
+    ),
+    ("amx", "intelai-brats", "bf16", "stages"): (
+        (32, 23_105_536, 847_884_768),
+        (64, 184_844_288, 1_032_446_432),
+        (96, 623_849_472, 1_542_914_528),
+        (128, 1_478_754_304, 2_483_618_272),
+        (224, 7_925_198_848, 9_687_781_856),
+        (288, 16_843_935_744, 19_484_201_440),
+    ),
+    ("amx", "small", "fp32", "none"): (
+        (32, 24_551_424, 700_877_136),
+        (64, 196_411_392, 849_992_016),
+        (96, 662_888_448, 1_259_972_944),
+        (128, 1_571_291_136, 2_039_249_232),
+        (224, 8_421_138_432, 7_334_324_560),
+        (312, 22_755_717_504, 17_803_477_328),
+    ),
+    ("amx", "small", "bf16", "none"): (
+        (32, 13_520_896, 771_230_032),
+        (64, 108_167_168, 946_379_088),
+        (96, 365_064_192, 1_274_857_808),
+        (128, 865_337_344, 1_898_482_000),
+        (256, 6_922_698_752, 7_005_047_120),
+        (352, 17_996_312_576, 16_335_911_248),
+    ),
+    ("amx", "small", "fp32", "stages"): (
+        (32, 19_283_968, 754_002_256),
+        (64, 154_271_744, 843_290_960),
+        (96, 520_667_136, 1_128_659_280),
+        (128, 1_234_173_952, 1_554_585_936),
+        (256, 9_873_391_616, 7_541_254_480),
+        (352, 25_666_961_408, 18_034_178_384),
+    ),
+    ("amx", "small", "bf16", "stages"): (
+        (32, 10_887_168, 787_745_104),
+        (64, 87_097_344, 931_731_792),
+        (96, 293_953_536, 1_202_309_456),
+        (128, 696_778_752, 1_456_855_376),
+        (288, 7_936_745_472, 6_438_590_800),
+        (400, 21_264_000_000, 14_986_606_928),
+    ),
+    ("amx", "kits19", "fp32", "none"): (
+        (32, 95_734_784, 971_691_356),
+        (64, 765_878_272, 1_406_891_356),
+        (96, 2_584_839_168, 2_666_333_532),
+        (128, 6_127_026_176, 5_313_164_636),
+        (160, 11_966_848_000, 9_231_168_860),
+        (192, 20_678_713_344, 14_434_915_676),
+    ),
+    ("amx", "kits19", "bf16", "none"): (
+        (32, 52_258_304, 952_010_076),
+        (64, 418_066_432, 1_228_784_988),
+        (96, 1_410_974_208, 2_049_754_460),
+        (128, 3_344_531_456, 3_504_321_884),
+        (160, 6_532_288_000, 6_252_266_844),
+        (192, 11_287_793_664, 9_966_175_580),
+        (224, 17_924_598_272, 13_616_797_020),
+    ),
+    ("amx", "kits19", "fp32", "stages"): (
+        (32, 74_863_872, 948_540_764),
+        (64, 598_910_976, 1_289_635_164),
+        (96, 2_021_324_544, 2_170_119_516),
+        (128, 4_791_287_808, 3_605_460_316),
+        (160, 9_357_984_000, 6_152_197_468),
+        (224, 25_678_308_096, 15_280_133_468),
+    ),
+    ("amx", "kits19", "bf16", "stages"): (
+        (32, 41_822_848, 1_032_865_116),
+        (64, 334_582_784, 1_263_785_308),
+        (96, 1_129_216_896, 1_783_260_508),
+        (128, 2_676_662_272, 2_873_812_316),
+        (192, 9_033_735_168, 6_969_189_724),
+        (256, 21_413_298_176, 14_234_342_748),
     ),
 }
 # Presets without defaults of their own that use another's: tiny has small's blocks (instance
@@ -334,7 +446,7 @@ def default_calibration(preset: str, precision: str, recompute: str, *, isa: str
     measured_isas = sorted({k[0] for k in DEFAULTS})
     base = DEFAULT_PRESET_FOR.get(preset, preset)
     reasons = []
-    source_isa = isa if isa in measured_isas else measured_isas[0]
+    source_isa = isa if isa in measured_isas else FALLBACK_ISA
     if source_isa != isa:
         reasons.append(f"no default for ISA class {isa} (measured: {', '.join(measured_isas)})")
     mode_defaults = {k[1]: v for k, v in DEFAULTS.items() if (k[0], k[2], k[3]) == (source_isa, precision, recompute)}
@@ -351,7 +463,7 @@ def default_calibration(preset: str, precision: str, recompute: str, *, isa: str
             reasons.append("bf16 is emulated on this ISA (float32 temporaries)")
     knots = [[x, y] for _, x, y in mode_defaults[base]]
     scale, framework = Calibration(0.0, 0, "", knots=knots).line_for(knots[-1][0] + 1)
-    source = f"default for {base} on {source_isa} ({DEFAULTS_MACHINE})"
+    source = f"default for {base} on {source_isa} ({DEFAULTS_MACHINES[source_isa]})"
     if reasons:
         source += f"; {'; '.join(reasons)}: +{100 * margin:.0f}% + {format_bytes(margin_bytes)} safety margin"
     return Calibration(round(scale, 4), framework, source, key, [v for v, _, _ in mode_defaults[base]],
@@ -395,7 +507,7 @@ def shipped_shape(preset: str, precision: str, recompute: str, isa: str, batch_s
     if batch_size != DEFAULTS_BATCH_SIZE:
         return []
     base = DEFAULT_PRESET_FOR.get(preset, preset)
-    for source_isa in (isa, *sorted({k[0] for k in DEFAULTS})):
+    for source_isa in (isa, FALLBACK_ISA):
         knots = DEFAULTS.get((source_isa, base, precision, recompute))
         if knots:
             return [[x, y] for _, x, y in knots]
@@ -408,16 +520,15 @@ def follow_shape(knots: list[list[int]], shape: Sequence[Sequence[int]]) -> list
     The overhead per counted byte is not constant (kits19, fp32: 0.79 up to 96^3, 0.66 from 160^3,
     benchmarks/results/memory_model-*.json), so a line through small volumes over-predicts large
     ones (+14% at 192^3). Beyond the last measured knot the shipped curve is used instead, shifted
-    by the bytes this machine measured above or below it there: what differs between machines is
-    an offset that does not grow with the volume. On the development machine kits19 fp32 measured
-    112 MB under the shipped knot at 96^3 and within 22 MB of it at 128^3 and 160^3 (2026-12-01);
-    on an Intel Xeon with AMX (TF 2.21, 2026-12-01) every preset and mode measured 10-205 MiB
-    above the shipped (AMD) curve at 32-96^3, and from -1.1 to +0.8 GiB off it at 192-400^3 (the
-    largest size of each mode), with no growth in the excess. Following only the shipped knots
-    below each largest size, scaling the curve by the ratio measured at 96^3 put five of them
-    7.7-19.3% high where shifting it gives -1.4 to +6.6%; following every knot, as a user's
-    calibration does, shifting gives -6.4 to +6.6% over all 12 modes, 9 within 5%
-    (benchmarks/results/memory_model-vm-20261201-101443.json).
+    by the bytes this machine measured above or below it there: within one ISA class, what
+    differs between machines is taken to be an offset that does not grow with the volume. On the
+    development machine kits19 fp32 measured 112 MB under the shipped knot at 96^3 and within
+    22 MB of it at 128^3 and 160^3 (2026-12-01). Across classes it is more than an offset: on an
+    Intel Xeon with AMX (TF 2.21, 2026-12-01) the AMD curve shifted this way was -12.5% at kits19
+    bf16 192^3 and -11.3% at 160^3, though within -1.1..+0.8 GiB at the largest size of each mode
+    (scaling the curve instead of shifting it put five of those 7.7-19.3% high;
+    benchmarks/results/memory_model-vm-20261201-101443.json, -143623.json); so each measured ISA
+    class ships its own curve (DEFAULTS).
 
     Args:
         knots: ``[[counted, overhead], ...]`` ascending, from this machine.

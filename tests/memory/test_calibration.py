@@ -8,9 +8,9 @@ import pytest
 
 from bigmem.memory import calibration as calibration_module
 from bigmem.memory.calibration import (
-    DEFAULTS, EMULATED_BF16_MARGIN_FRACTION, UNMEASURED_MARGIN_BYTES, UNMEASURED_MARGIN_FRACTION, Calibration,
-    default_calibration, fit_calibration, fit_line, knots_from, lookup_calibration, machine_key, save_calibration,
-    shipped_shape,
+    DEFAULTS, DEFAULTS_MACHINES, EMULATED_BF16_MARGIN_FRACTION, FALLBACK_ISA, UNMEASURED_MARGIN_BYTES,
+    UNMEASURED_MARGIN_FRACTION, Calibration, default_calibration, fit_calibration, fit_line, knots_from,
+    lookup_calibration, machine_key, save_calibration, shipped_shape,
 )
 from bigmem.sysinfo import isa_class
 
@@ -118,16 +118,17 @@ def test_saved_calibration_is_found_again_per_preset_and_mode(tmp_path, on_isa):
     assert lookup_calibration("small", "fp32", "none", path=path).source.startswith("default for small")
 
 
+@pytest.mark.parametrize("isa", ["avx512_bf16", "amx"])
 @pytest.mark.parametrize("preset", ["small", "intelai-brats", "kits19"])
 @pytest.mark.parametrize("precision, recompute", MODES)
-def test_every_shipped_preset_has_a_default_on_the_measured_isa(preset, precision, recompute):
-    found = default_calibration(preset, precision, recompute, isa="avx512_bf16")
-    knots = DEFAULTS[("avx512_bf16", preset, precision, recompute)]
+def test_every_shipped_preset_has_a_default_on_each_measured_isa(isa, preset, precision, recompute):
+    found = default_calibration(preset, precision, recompute, isa=isa)
+    knots = DEFAULTS[(isa, preset, precision, recompute)]
     assert found.knots == [[x, y] for _, x, y in knots] and found.fitted_on == [v for v, _, _ in knots]
     # from 32^3 to the largest size each mode fits in 24 GiB, at least 192^3
     assert found.fitted_on[:3] == [32, 64, 96] and found.fitted_on[-1] >= 192
-    assert found.margin_fraction == 0.0
-    assert found.source.startswith(f"default for {preset} on avx512_bf16")
+    assert (found.margin_fraction, found.margin_bytes) == (0.0, 0)
+    assert found.source.startswith(f"default for {preset} on {isa} ({DEFAULTS_MACHINES[isa]})")
 
 
 def test_tiny_uses_smalls_default_without_a_margin():
@@ -139,15 +140,14 @@ def test_tiny_uses_smalls_default_without_a_margin():
 @pytest.mark.parametrize("isa, precision, margin", [
     ("avx2", "fp32", 0.15), ("avx2", "bf16", 1.0),  # bf16 emulated with float32 temporaries
     ("avx512", "fp32", 0.15), ("avx512", "bf16", 1.0),  # AVX-512 without its bf16 instructions
-    ("amx", "fp32", 0.15), ("amx", "bf16", 0.15),  # native bf16, but not measured
     ("baseline", "bf16", 1.0),
 ])
 def test_an_unmeasured_isa_gets_the_stated_margin_and_says_so(isa, precision, margin):
     found = default_calibration("small", precision, "none", isa=isa)
     assert found.margin_fraction == margin
     assert (UNMEASURED_MARGIN_FRACTION, EMULATED_BF16_MARGIN_FRACTION) == (0.15, 1.0)
-    assert found.knots == default_calibration("small", precision, "none", isa="avx512_bf16").knots
-    assert f"no default for ISA class {isa}" in found.source
+    assert found.knots == default_calibration("small", precision, "none", isa=FALLBACK_ISA).knots
+    assert f"no default for ISA class {isa} (measured: amx, avx512_bf16)" in found.source
     assert found.margin_bytes == UNMEASURED_MARGIN_BYTES == 256 * 2**20
     assert f"+{round(100 * margin)}% + 256.00 MiB safety margin" in found.source
     assert ("bf16 is emulated" in found.source) == (margin == 1.0)

@@ -8,7 +8,7 @@ import pytest
 
 from bigmem.config import resolve_config
 from bigmem.errors import EXIT_NO_FIT, InsufficientMemoryError
-from bigmem.memory.calibration import Calibration
+from bigmem.memory.calibration import Calibration, default_calibration
 from bigmem.memory.estimate import NetworkCounts, estimate
 from bigmem.memory.inference import (
     INFERENCE_DEFAULTS, estimate_inference, inference_calibration, padded_shape, profile_inference,
@@ -153,8 +153,12 @@ def test_slabs_past_the_kernel_limit_are_named_and_counted(tiny_counts):
 def test_inference_needs_far_less_than_training_at_the_same_shape(small_counts):
     config = resolve_config("small", {"train": {"batch_size": 1}})
     shape = (128, 128, 128)
-    train = estimate(config, small_counts(shape), shape).predicted_peak_bytes
-    infer = estimate_inference(config, small_counts(shape), shape)
+    # Both with the defaults of the class that has both (no safety margin on either side)
+    isa = "avx512_bf16"
+    train = estimate(config, small_counts(shape), shape,
+                     calibration=default_calibration("small", "fp32", "none", isa=isa)).predicted_peak_bytes
+    infer = estimate_inference(config, small_counts(shape), shape, calibration=inference_calibration("small", "fp32",
+                                                                                                     isa=isa))
     fixed = infer.components["framework"] + infer.components["weights"]
     # No gradients, optimizer slots or kept activations: what grows with the volume is about 0.4x
     # training's (small and kits19 at 128^3-192^3 with their shipped calibrations).
