@@ -486,6 +486,10 @@ def conv3d_transpose_slabs(x: tf.Tensor, kernel: tf.Tensor, stride: int,
     return up(x, kernel)
 
 
+# The share of the limit a max-pool slab takes (max_pool3d_slabs).
+POOL_SLAB_SHARE = 2
+
+
 def max_pool3d_slabs(x: tf.Tensor, pool: int) -> tf.Tensor:
     """``tf.nn.max_pool3d(x, pool, pool, "VALID")`` in depth slabs, with a slab-wise gradient.
 
@@ -506,7 +510,12 @@ def max_pool3d_slabs(x: tf.Tensor, pool: int) -> tf.Tensor:
     out_depth = depth // pool
     in_plane = height * width * channels
     limit = min(slab_elements(in_plane), max_pool_elements())
-    slabs = plan_slabs(out_depth, lambda o0, o1: pool * (o1 - o0) * in_plane <= limit,
+    # Slabs of half the limit (whole windows, so at least `pool` planes, and the limit still refuses
+    # a window past it): the backward holds each slab's gradient piece with its recomputed
+    # forward's output and oneDNN workspace, 1.55 slabs over the unpartitioned op's peak at
+    # full-size slabs (+99 MiB with 64 MiB slabs; bench_slabs --shared, 2026-12-01).
+    target = min(limit, max(limit // POOL_SLAB_SHARE, pool * in_plane))
+    slabs = plan_slabs(out_depth, lambda o0, o1: pool * (o1 - o0) * in_plane <= target,
                        what=f"max_pool3d on {tuple(x.shape)}")
     window = [1, pool, pool, pool, 1]
 

@@ -70,8 +70,8 @@ def test_pooling_has_its_own_limit_unless_a_test_sets_one(monkeypatch):
 
     x = _random((1, 8, 4, 4, 2), 40)
     pool = MaxPooling3D(2)
-    # At the limit: whole. One element under: slabs of 3 + 1 output planes.
-    for pool_limit, slab_writes in ((x.shape.num_elements(), 0), (x.shape.num_elements() - 1, 2)):
+    # At the limit: whole. One element under: slabs of half of it, one output plane each (4 slabs).
+    for pool_limit, slab_writes in ((x.shape.num_elements(), 0), (x.shape.num_elements() - 1, 4)):
         monkeypatch.setattr(limits, "MAX_POOL_ELEMENTS", pool_limit)
         graph = tf.function(pool).get_concrete_function(x).graph
         assert sum(op.type == "InplaceUpdate" for op in graph.get_operations()) == slab_writes, pool_limit
@@ -209,6 +209,22 @@ def test_max_pool3d_slabs_equal_max_pool3d(shape):
     y, (dx,) = _value_and_grads(slabs, x, weights=_random(y_ref.shape, 99))
     _close(y, y_ref, tol=0)
     _close(dx, dx_ref, tol=0)
+
+
+def test_max_pool3d_slabs_take_half_the_limit():
+    shape = (1, 16, 4, 4, 2)
+    plane = math.prod(shape[2:])
+
+    def pools(limit):  # the forward's pools: one per slab
+        with kernel_element_limit(limit):
+            graph = tf.function(lambda x: max_pool3d_slabs(x, 2)).get_concrete_function(
+                tf.TensorSpec(shape, tf.float32)).graph
+        return sum(op.type == "MaxPool3D" for op in graph.get_operations())
+
+    assert pools(8 * plane) == 4  # 4 input planes (2 windows) a slab, not 8
+    assert pools(3 * plane) == 8  # one window a slab where half the limit holds less
+    with kernel_element_limit(plane), pytest.raises(SlabTooLargeError):
+        max_pool3d_slabs(tf.zeros(shape), 2)  # one window is past the limit itself
 
 
 def test_a_plane_past_the_limit_is_refused():
