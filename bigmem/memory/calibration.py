@@ -50,8 +50,8 @@ from bigmem.units import format_bytes
 # 128^3 and a size between (-14*.json). Sizes measured twice there differed by 0.6-2.2%. Each
 # knot left out and predicted from the others: between knots -9.6% (small bf16/none at 128^3) to
 # +3.9%, 46 of 49 within 5%; the largest size from the knots below it +1.0% to +11.8% (always over:
-# Calibration.line_for's rule beyond the last knot). Against the AMD curve this machine measured
-# up to 12.5% more (kits19 bf16/none 192^3, a <= 96^3 calibration following that curve), which is
+# Calibration.line_for's rule beyond the last knot). A <= 96^3 calibration on this machine that
+# followed the AMD curve instead predicted up to 12.5% low (kits19 bf16/none at 192^3), which is
 # why each class has its own.
 DEFAULTS_MACHINES = {
     "avx512_bf16": "AMD EPYC 2 vCPU avx512_bf16, TF 2.21.0, 2026-11-30/12-01",

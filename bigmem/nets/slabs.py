@@ -486,8 +486,8 @@ def conv3d_transpose_slabs(x: tf.Tensor, kernel: tf.Tensor, stride: int,
     return up(x, kernel)
 
 
-# The share of the limit a max-pool slab takes (max_pool3d_slabs).
-POOL_SLAB_SHARE = 2
+# A max-pool slab's share of the limit (max_pool3d_slabs).
+POOL_SLAB_FRACTION = 0.5
 
 
 def max_pool3d_slabs(x: tf.Tensor, pool: int) -> tf.Tensor:
@@ -514,7 +514,7 @@ def max_pool3d_slabs(x: tf.Tensor, pool: int) -> tf.Tensor:
     # a window past it): the backward holds each slab's gradient piece with its recomputed
     # forward's output and oneDNN workspace, 1.55 slabs over the unpartitioned op's peak at
     # full-size slabs (+99 MiB with 64 MiB slabs; bench_slabs --shared, 2026-12-01).
-    target = min(limit, max(limit // POOL_SLAB_SHARE, pool * in_plane))
+    target = min(limit, max(int(limit * POOL_SLAB_FRACTION), pool * in_plane))
     slabs = plan_slabs(out_depth, lambda o0, o1: pool * (o1 - o0) * in_plane <= target,
                        what=f"max_pool3d on {tuple(x.shape)}")
     window = [1, pool, pool, pool, 1]
