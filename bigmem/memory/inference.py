@@ -30,7 +30,7 @@ from typing import Sequence
 from bigmem.config.options import Precision
 from bigmem.config.schema import ExperimentConfig
 from bigmem.memory.calibration import (
-    EMULATED_BF16_MARGIN_FRACTION, UNMEASURED_MARGIN_FRACTION, Calibration, machine_isa_class,
+    EMULATED_BF16_MARGIN_FRACTION, FALLBACK_ISA, UNMEASURED_MARGIN_FRACTION, Calibration, machine_isa_class,
 )
 from bigmem.memory.estimate import (
     BFLOAT16_BYTES, FLOAT32_BYTES, SLAB_FRAME_PLANES, Estimate, NetworkCounts,
@@ -130,7 +130,7 @@ def inference_calibration(preset: str, precision: str, *, isa: str | None = None
     key = {"isa": isa, "preset": preset, "precision": precision, "mode": "inference"}
     measured_isas = sorted({k[0] for k in INFERENCE_DEFAULTS})
     reasons = []
-    source_isa = isa if isa in measured_isas else measured_isas[0]
+    source_isa = isa if isa in measured_isas else FALLBACK_ISA
     if source_isa != isa:
         reasons.append(f"no inference default for ISA class {isa} (measured: {', '.join(measured_isas)})")
     base = INFERENCE_PRESET_FOR.get(preset, preset)
