@@ -145,6 +145,25 @@ def plan_slabs(length: int, fits: Callable[[int, int], bool], *, what: str) -> l
     return slabs
 
 
+# The share of the limit a slab takes in the ops whose backward holds a slab-sized piece beside a
+# slab-sized result (max_pool3d_slabs, and conv3d_slabs at stride 1): at full-size slabs they
+# peaked 1.55 slabs (pool) and 1.25 slabs (stride-1 conv: +80 MiB with 64 MiB slabs) over the
+# unpartitioned op; at half they peak +42 and +20 MiB (bench_slabs --shared, 2026-12-01).
+SLAB_FRACTION = 0.5
+
+
+def slab_target(limit: int, smallest: int) -> int:
+    """``SLAB_FRACTION`` of ``limit``, but never below ``smallest`` (the op's least piece) nor above ``limit``.
+
+    A piece past ``limit`` itself is still refused by ``plan_slabs``.
+
+    Example:
+        >>> slab_target(1000, 100), slab_target(1000, 700), slab_target(1000, 1200)
+        (500, 700, 1000)
+    """
+    return min(limit, max(int(limit * SLAB_FRACTION), smallest))
+
+
 # ---- reading and writing rows of depth planes ---------------------------------------------------
 
 
@@ -325,6 +344,12 @@ def conv3d_slabs(x: tf.Tensor, kernel: tf.Tensor, stride: int = 1,
     filter_grad = filter_grad or (lambda xs, dys: _filter_grad_3d(xs, dys, kernel_shape, strides))
     limit = slab_elements(max(in_plane, out_plane))
     tapwise = stride == 1 and len(set(kernel_shape[:3])) == 1 and k % 2 == 1
+    if tapwise:
+        # slab_target's share: each slab's result (a frame's output planes, an input-gradient
+        # window) is allocated beside the full-size output; the least piece is one output plane
+        # with its k input planes. Strided convs peak well under a slab over the unpartitioned op
+        # at full size (+17 MiB with 64 MiB slabs) and keep it.
+        limit = slab_target(limit, k * max(in_plane, out_plane))
 
     def frame_fits(frame: ConvFrame) -> bool:
         return (frame.b - frame.a) * in_plane <= limit and frame.out_len * out_plane <= limit
@@ -486,10 +511,6 @@ def conv3d_transpose_slabs(x: tf.Tensor, kernel: tf.Tensor, stride: int,
     return up(x, kernel)
 
 
-# A max-pool slab's share of the limit (max_pool3d_slabs).
-POOL_SLAB_FRACTION = 0.5
-
-
 def max_pool3d_slabs(x: tf.Tensor, pool: int) -> tf.Tensor:
     """``tf.nn.max_pool3d(x, pool, pool, "VALID")`` in depth slabs, with a slab-wise gradient.
 
@@ -510,11 +531,9 @@ def max_pool3d_slabs(x: tf.Tensor, pool: int) -> tf.Tensor:
     out_depth = depth // pool
     in_plane = height * width * channels
     limit = min(slab_elements(in_plane), max_pool_elements())
-    # Slabs of half the limit (whole windows, so at least `pool` planes, and the limit still refuses
-    # a window past it): the backward holds each slab's gradient piece with its recomputed
-    # forward's output and oneDNN workspace, 1.55 slabs over the unpartitioned op's peak at
-    # full-size slabs (+99 MiB with 64 MiB slabs; bench_slabs --shared, 2026-12-01).
-    target = min(limit, max(int(limit * POOL_SLAB_FRACTION), pool * in_plane))
+    # Whole windows (at least `pool` planes) in slab_target's share of the limit: the backward holds
+    # each slab's gradient piece with its recomputed forward's output and oneDNN workspace.
+    target = slab_target(limit, pool * in_plane)
     slabs = plan_slabs(out_depth, lambda o0, o1: pool * (o1 - o0) * in_plane <= target,
                        what=f"max_pool3d on {tuple(x.shape)}")
     window = [1, pool, pool, pool, 1]

@@ -155,9 +155,9 @@ def test_conv3d_slabs_use_the_given_filter_gradient():
 
 def test_stride1_weight_gradient_is_tapwise_and_slabs_but_the_last_are_full():
     """Stride 1, 3x3x3: the kernel gradient is 2-D per tap (no 3-D weight-gradient kernel), and every
-    slab but the last is as long as the limit allows."""
+    slab but the last is as long as half the limit allows (slab_target)."""
     x, w = _random((1, 23, 6, 6, 4), 1), _random((3, 3, 3, 4, 4), 2)
-    limit = 6 * 6 * 4 * 7
+    limit = 6 * 6 * 4 * 14
 
     @tf.function
     def step(x, w):
@@ -172,6 +172,22 @@ def test_stride1_weight_gradient_is_tapwise_and_slabs_but_the_last_are_full():
     assert "Conv3DBackpropFilterV2" not in types and types.count("Conv2DBackpropFilter") == 5 * 3
     # Forward: outputs 0-5, 6-10, 11-15, 16-20 from 7 input planes each, 21-22 from the last 3.
     assert [op.inputs[0].shape[1] for op in ops if op.type == "Conv3D"] == [7, 7, 7, 7, 3]
+
+
+def test_stride1_conv_slabs_take_half_the_limit_and_strided_convs_all_of_it():
+    shape = (1, 16, 4, 4, 2)
+    plane = math.prod(shape[2:])
+
+    def input_depths(limit, stride):  # of the forward's convs: one per slab
+        with kernel_element_limit(limit):
+            graph = tf.function(lambda x, w: conv3d_slabs(x, w, stride)).get_concrete_function(
+                tf.TensorSpec(shape, tf.float32), tf.TensorSpec((3, 3, 3, 2, 2), tf.float32)).graph
+        return [op.inputs[0].shape[1] for op in graph.get_operations() if op.type == "Conv3D"]
+
+    assert input_depths(16 * plane, 1) == [8, 8, 4]  # 8 input planes a slab, not 16
+    assert input_depths(4 * plane, 1) == [3] * 14  # one output and its halo where half the limit holds less
+    assert input_depths(16 * plane, 2) == [16]  # stride 2: the whole limit (one slab here)
+    assert input_depths(8 * plane, 2) == [8, 8, 4]
 
 
 @pytest.mark.parametrize("shape", [(1, 9, 3, 4, 4), (2, 5, 2, 2, 3)])
