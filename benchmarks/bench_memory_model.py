@@ -3,7 +3,7 @@
     python benchmarks/bench_memory_model.py [--model small,intelai-brats,kits19] [--calibrate-sizes 32,64,96]
         [--check-sizes auto | N,N,...] [--checks-per-mode 2] [--max-peak 20GiB]
         [--modes fp32/none,bf16/none,fp32/stages,bf16/stages] [--reuse RESULTS.json,...] [--no-measure]
-        [--fresh-checks]
+        [--fresh-checks] [--fresh-calibration]
         [--lock PATH] [--budget 20GiB] [--out DIR]
 
 For each preset and mode it measures the calibration sizes (all <= 96^3 by default), fits a
@@ -145,7 +145,7 @@ class Campaign:
         points, measured = [], {}
         for size in calibration_sizes:
             config = self.config(model, precision, recompute, size)
-            peak, step_s, origin = self.measured(config, counts_for)
+            peak, step_s, origin = self.measured(config, counts_for, reuse=not args.fresh_calibration)
             if peak is None:
                 self.fail(model, precision, recompute, size, origin)
                 continue
@@ -249,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fresh-checks", action="store_true",
                         help="measure the check sizes even where --reuse holds them (only the calibration sizes "
                              "are reused)")
+    parser.add_argument("--fresh-calibration", action="store_true",
+                        help="measure the calibration sizes even where --reuse holds them: a calibration that "
+                             "is not the measurement the shipped knots at those sizes came from")
     parser.add_argument("--lock", help="hold an flock on this file around each measurement")
     parser.add_argument("--budget", help="also check the planner (first --model) at this budget, e.g. 20GiB")
     parser.add_argument("--out", default="benchmarks/results")

@@ -12,7 +12,11 @@ backward); peak resident bytes of the child (VmHWM, reset once the inputs exist)
 partitioned peak is above the unpartitioned one, against one slab (the limit x 4 bytes). The
 timed function returns sum(y) + the sums of the gradients: it depends on the forward output and
 on every gradient, so nothing is pruned; the gradients are taken for a fixed dy
-(``output_gradients``), so no loss adds work of its own.
+(``output_gradients``), so no loss adds work of its own. The partitioned child also times its copy
+floor: writing tensors of x's and y's sizes into new buffers with InplaceUpdate, as every slab
+path writes its output and its input gradient (no TF kernel writes into part of an existing
+tensor); ``bound`` = unpartitioned / (unpartitioned + copy floor) is the throughput a slab path
+built from TF's kernels reaches if everything else cost it no more than the unpartitioned op.
 
 ``--proof``: each partitioned op forward and backward on a tensor past 2^31 elements, with slabs
 of 2^27 elements (see PROOF), against a reference computed piece by piece with TF's unpartitioned
@@ -187,9 +191,35 @@ def child_shared(request: dict) -> dict:
         times.append(time.perf_counter() - started)
     times = times[request["warmup"]:]
     peak = peak_rss_bytes()
+    copy = {} if request["path"] == "unpartitioned" else {
+        "copy_s": _copy_floor_s([inputs[0], dy], request["warmup"], request["repeat"])}
     return {"times_s": times, "forward_macs": macs, "slabs": slabs or 1, "peak_bytes": peak,
             "baseline_bytes": baseline_bytes, "op_peak_bytes": peak - baseline_bytes, "peak_reset": reset,
-            "tensorflow": tensorflow_description()}
+            **copy, "tensorflow": tensorflow_description()}
+
+
+def _copy_floor_s(tensors, warmup: int, repeat: int) -> float:
+    """Median seconds to write each tensor, one after another, into a new buffer with InplaceUpdate (as PlaneWriter)."""
+    import tensorflow as tf
+
+    @tf.function
+    def copy(tensors):
+        total, after = tf.constant(0.0), []
+        for t in tensors:
+            rows = tf.reshape(t, (t.shape[0] * t.shape[1], -1))
+            with tf.control_dependencies(after):
+                out = tf.raw_ops.InplaceUpdate(x=tf.raw_ops.Empty(shape=rows.shape, dtype=rows.dtype),
+                                               i=tf.range(rows.shape[0]), v=rows)
+            after = [out]
+            total += tf.reduce_sum(out[:1, :1])
+        return total
+
+    times = []
+    for _ in range(warmup + repeat):
+        started = time.perf_counter()
+        copy(tensors).numpy()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times[warmup:])
 
 
 # ---- child side: the proof past 2^31 --------------------------------------------------------------
@@ -766,6 +796,8 @@ def run_shared(args, console) -> list[dict]:
                     base = row
                 elif base is not None:
                     row["throughput_ratio"] = base["median_s"] / row["median_s"]
+                    if "copy_s" in row:
+                        row["copy_bound"] = base["median_s"] / (base["median_s"] + row["copy_s"])
                     row["peak_over_unpartitioned_bytes"] = row["peak_bytes"] - base["peak_bytes"]
                     row["op_peak_over_unpartitioned_bytes"] = row["op_peak_bytes"] - base["op_peak_bytes"]
             rows.append(row)
@@ -777,16 +809,18 @@ def run_shared(args, console) -> list[dict]:
                         f"otherwise; partitioned: limit {size['limit']:,} elements ({_bytes(size['limit'] * itemsize)} "
                         f"a slab)")
     for column in ("op", "path", "slabs", "median s", "spread %", "GFLOP/s", "throughput vs unpart.",
-                   "peak", "op peak", "peak - unpart.", "one slab"):
+                   "copy floor s", "bound", "peak", "op peak", "peak - unpart.", "one slab"):
         table.add_column(column, justify="right")
     for r in rows:
         if "error" in r:
-            table.add_row(r["op"], r["path"], *["-"] * 8, r["error"])
+            table.add_row(r["op"], r["path"], *["-"] * 10, r["error"])
             continue
         ratio = r.get("throughput_ratio")
         name = r["op"] if r["op"] not in SHARED_OP_SIZES else f"{r['op']} {tuple(r['shape'])}"
         table.add_row(name, r["path"], str(r["slabs"]), f"{r['median_s']:.3f}", f"{r['spread_pct']:.0f}",
                       f"{r['gflops']:.0f}" if "gflops" in r else "-", f"{ratio:.2f}" if ratio else "-",
+                      f"{r['copy_s']:.3f}" if "copy_s" in r else "-",
+                      f"{r['copy_bound']:.2f}" if "copy_bound" in r else "-",
                       _bytes(r["peak_bytes"]), _bytes(r["op_peak_bytes"]),
                       _bytes(r.get("peak_over_unpartitioned_bytes")), _bytes(r["slab_bytes"]))
     console.print(table)
