@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import fcntl
 import json
+import math
 import os
 import signal
 import socket
@@ -95,8 +96,8 @@ GAMMA, BETA = (1.3, 0.7), (0.1, -0.2)  # per channel: the norm's scale and shift
 # ---- child side: shared size ---------------------------------------------------------------------
 
 
-def _shared_case(op: str, path: str, edge: int, channels: int):
-    """(fn, inputs, dy, forward multiply-adds) of one op at the shared size; fn(*inputs) -> y."""
+def _shared_case(op: str, path: str, edge: int, channels: int, depth: int | None = None):
+    """(fn, inputs, dy, forward multiply-adds) of one op on (1, depth or edge, edge, edge, channels)."""
     import tensorflow as tf
 
     from bigmem.nets.norm_act import instance_norm_activation, norm_activation_large, norm_activation_slabs
@@ -112,21 +113,21 @@ def _shared_case(op: str, path: str, edge: int, channels: int):
         block = tf.random.stateless_normal((shape[0], 8, *shape[2:]), [seed, 7]) * scale
         return tf.tile(block, [1, -(-shape[1] // 8), 1, 1, 1])[:, :shape[1]]
 
-    x = normal((1, edge, edge, edge, channels), 1)
+    depth = depth or edge
+    x = normal((1, depth, edge, edge, channels), 1)
     half = edge // 2
     partitioned = path != "unpartitioned"
-    if op in ("conv3d", "conv3d_stride2"):
-        stride, out_channels = (1, channels) if op == "conv3d" else (2, 2 * channels)
+    if op in ("conv3d", "conv3d_deep", "conv3d_stride2"):
+        stride, out_channels = (2, 2 * channels) if op == "conv3d_stride2" else (1, channels)
         kernel = normal((3, 3, 3, channels, out_channels), 2, (27 * channels) ** -0.5)
-        out_edge = edge // stride
+        out_shape = (1, depth // stride, edge // stride, edge // stride, out_channels)
 
         def fn(x, kernel):
             if partitioned:
                 return conv3d_slabs(x, kernel, stride)
             return tf.nn.conv3d(x, kernel, [1, stride, stride, stride, 1], "SAME")
 
-        return fn, [x, kernel], normal((1, *(out_edge,) * 3, out_channels), 3), \
-            out_edge**3 * 27 * channels * out_channels
+        return fn, [x, kernel], normal(out_shape, 3), math.prod(out_shape[1:4]) * 27 * channels * out_channels
     if op == "conv3d_transpose":  # the decoder's upsampling: 2C -> C, kernel 2 = stride 2
         x = normal((1, half, half, half, 2 * channels), 1)
         kernel = normal((2, 2, 2, channels, 2 * channels), 2, (16 * channels) ** -0.5)
@@ -163,7 +164,8 @@ def child_shared(request: dict) -> dict:
     from bigmem.tfenv import import_tensorflow
 
     tf = import_tensorflow()
-    fn, inputs, dy, macs = _shared_case(request["op"], request["path"], request["edge"], request["channels"])
+    fn, inputs, dy, macs = _shared_case(request["op"], request["path"], request["edge"], request["channels"],
+                                        request.get("depth"))
     forward = tf.function(fn).get_concrete_function(*inputs)
     slabs = sum(op.type == "InplaceUpdate" for op in forward.graph.get_operations())
 
@@ -689,13 +691,19 @@ PROOF_OPS = {
     "block_bf16": ("bfloat16", "Conv3D(1 -> 2) -> NormActivation(instance, ReLU) layers, mixed_bfloat16",
                    proof_block),
 }
-SHARED_OPS = ("conv3d", "conv3d_stride2", "conv3d_transpose", "max_pool3d", "norm_relu", "norm_relu_large")
+SHARED_OPS = ("conv3d", "conv3d_deep", "conv3d_stride2", "conv3d_transpose", "max_pool3d", "norm_relu",
+              "norm_relu_large")
 # The norm's slab path replaces, at every size it runs, the path NormActivation takes for samples
 # past FUSED_NORM_MAX_VOXELS (norm_activation_large): past the 2^30-element limit a sample has more
 # than 2^23 voxels unless it has more than 128 channels (kits19 first has 256 at its fourth level,
 # whose tensor passes 2^30 only from a 1290^3 volume). norm_relu_large compares the two at a size
 # past 2^23 voxels, (1, 256^3, 8): 2^27 elements, the slab code in its own 2^22-element slabs.
-SHARED_OP_SIZES = {"norm_relu_large": ({"edge": 256, "channels": 8}, {"edge": 32, "channels": 8})}
+# conv3d_deep: the stride-1 conv with as many planes in a slab as a production one, where the
+# halo's share of the work is the production one: a 512^3 x 32 level holds 64 planes in half a
+# 2^30-element slab (slab_target), and (1, 512, 64^2, 32) holds 64 in half of 2^24.
+SHARED_OP_SIZES = {"norm_relu_large": ({"edge": 256, "channels": 8}, {"edge": 32, "channels": 8}),
+                   "conv3d_deep": ({"edge": 64, "depth": 512, "channels": 32},
+                                   {"edge": 16, "depth": 64, "channels": 8})}
 
 
 def child_proof(request: dict) -> dict:
@@ -780,9 +788,9 @@ def run_shared(args, console) -> list[dict]:
         base = None
         for path, limit in paths:
             shape = SHARED_OP_SIZES.get(op, (size, size))[1 if args.small else 0]
-            request = {"part": "shared", "op": op, "path": path, "edge": shape["edge"],
+            request = {"part": "shared", "op": op, "path": path, "edge": shape["edge"], "depth": shape.get("depth"),
                        "channels": shape["channels"], "warmup": args.warmup, "repeat": args.repeat}
-            row_shape = (1, shape["edge"], shape["edge"], shape["edge"], shape["channels"])
+            row_shape = (1, shape.get("depth") or shape["edge"], shape["edge"], shape["edge"], shape["channels"])
             row = {"op": op, "path": path, "shape": list(row_shape), "limit": limit,
                    "slab_bytes": limit * itemsize if limit else None,
                    **run_child(request, limit, args.timeout_s, lock_path=None if args.small else LOCK_PATH)}
