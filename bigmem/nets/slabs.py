@@ -148,7 +148,7 @@ def plan_slabs(length: int, fits: Callable[[int, int], bool], *, what: str) -> l
 # The share of the limit a slab takes in the ops whose backward holds a slab-sized piece beside a
 # slab-sized result (max_pool3d_slabs, and conv3d_slabs at stride 1): at full-size slabs they
 # peaked 1.55 slabs (pool) and 1.25 slabs (stride-1 conv: +80 MiB with 64 MiB slabs) over the
-# unpartitioned op; at half they peak +42 and +20 MiB (bench_slabs --shared, 2026-12-01).
+# unpartitioned op; at half they peak +42 and +23 MiB (bench_slabs --shared, 2026-12-01).
 SLAB_FRACTION = 0.5
 
 
