@@ -22,9 +22,17 @@ from typing import Sequence
 #   avx2: AMD EPYC Zen 3 (AVX2 + FMA, no AVX-512), TF 2.21.0, oneDNN forced on, the `make demo`
 #     configuration (small, 48^3, batch 2) of the oneDNN issue: 0.33 Mvox/s fp32 and 0.016 bf16
 #     (emulated) at 81.2 kFLOP per voxel = 26.8 and 1.3 GFLOP/s.
+#   amx: Intel Xeon VM (AMX tiles, avx512_fp16), TF 2.21.0, oneDNN on, 64/96/128^3,
+#     benchmarks/results/train-vm-20261201-171755.json: small 83-94 fp32, 111-124 bf16; kits19
+#     183-228 fp32, 402-623 bf16 (the median of the three sizes, halved, as for avx512_bf16).
+#   The same AMD VM timed kits19 at 190-201 GFLOP/s fp32 and 344-366 bf16 on 2026-12-01
+#   (train-vm-20261201-0*.json), half its figure above: a shared VM's rate moves with its host, so
+#   these are a start, and `bigmem profile --calibrate` times the machine itself.
 MEASURED_RATES: dict[tuple[str, str], dict[int, float]] = {
     ("avx512_bf16", "fp32"): {8: 99.0, 32: 211.0},
     ("avx512_bf16", "bf16"): {8: 91.0, 32: 350.0},
+    ("amx", "fp32"): {8: 44.5, 32: 109.5},
+    ("amx", "bf16"): {8: 61.5, 32: 288.5},
     ("avx2", "fp32"): {8: 13.4},
     ("avx2", "bf16"): {8: 0.65},
 }
@@ -32,10 +40,10 @@ RATE_SOURCES = {
     "avx512_bf16": "avx512_bf16: measured (bench_train, AMD EPYC, TF 2.21.0)",
     "avx2": "avx2: measured at 8 base filters (the demo on an AVX2 EPYC, TF 2.21.0); other widths scaled as on "
             "avx512_bf16",
+    "amx": "amx: measured (bench_train, Intel Xeon with AMX, TF 2.21.0)",
 }
 # Classes that were not measured, and the measured class whose figures they use.
 BORROWED_RATES = {
-    "amx": "avx512_bf16",  # on paper: AMX's bf16 tiles should be faster; not measured, so no credit taken
     "avx512": "avx512_bf16",  # the same fp32 kernels; bf16 emulated (below)
     "baseline": "avx2",
 }

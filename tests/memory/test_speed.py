@@ -26,9 +26,11 @@ def test_widths_between_and_beyond_the_measured_ones():
 
 
 def test_unmeasured_classes_borrow_and_say_so_and_emulated_bf16_is_slow():
-    amx = step_rate("amx", "bf16", 32, True)
-    assert amx.gflops_per_core == MEASURED_RATES[("avx512_bf16", "bf16")][32]
-    assert "amx not measured, avx512_bf16's figures used" in amx.source
+    avx512 = step_rate("avx512", "fp32", 32, True)
+    assert avx512.gflops_per_core == MEASURED_RATES[("avx512_bf16", "fp32")][32]
+    assert "avx512 not measured, avx512_bf16's figures used" in avx512.source
+    amx = step_rate("amx", "bf16", 32, True)  # measured: its own figures
+    assert amx.gflops_per_core == MEASURED_RATES[("amx", "bf16")][32] and "not measured" not in amx.source
     emulated = step_rate("avx512", "bf16", 32, False)
     assert emulated.gflops_per_core == pytest.approx(MEASURED_RATES[("avx512_bf16", "fp32")][32]
                                                      / EMULATED_BF16_SLOWDOWN)
