@@ -161,6 +161,7 @@ class Campaign:
                      shipped, as_a_user)
         done, candidates = 0, self.check_candidates(model, precision, recompute, counts_for, divisor,
                                                                  as_a_user)
+        fitted = as_a_user  # with no check size measured (--checks-per-mode 0)
         for size in candidates:
             if done >= args.checks_per_mode:
                 break
