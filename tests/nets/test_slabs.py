@@ -174,15 +174,21 @@ def test_stride1_weight_gradient_is_tapwise_and_slabs_but_the_last_are_full():
     assert [op.inputs[0].shape[1] for op in ops if op.type == "Conv3D"] == [7, 7, 7, 7, 3]
 
 
+def _forward_ops(fn, limit: int, *shapes, op_type: str) -> list:
+    """The ops of ``op_type`` in ``fn``'s graph, traced on float32 inputs of ``shapes`` under ``limit``."""
+    with kernel_element_limit(limit):
+        graph = tf.function(fn).get_concrete_function(*(tf.TensorSpec(s, tf.float32) for s in shapes)).graph
+    return [op for op in graph.get_operations() if op.type == op_type]
+
+
 def test_stride1_conv_slabs_take_half_the_limit_and_strided_convs_all_of_it():
     shape = (1, 16, 4, 4, 2)
     plane = math.prod(shape[2:])
 
     def input_depths(limit, stride):  # of the forward's convs: one per slab
-        with kernel_element_limit(limit):
-            graph = tf.function(lambda x, w: conv3d_slabs(x, w, stride)).get_concrete_function(
-                tf.TensorSpec(shape, tf.float32), tf.TensorSpec((3, 3, 3, 2, 2), tf.float32)).graph
-        return [op.inputs[0].shape[1] for op in graph.get_operations() if op.type == "Conv3D"]
+        convs = _forward_ops(lambda x, w: conv3d_slabs(x, w, stride), limit, shape, (3, 3, 3, 2, 2),
+                             op_type="Conv3D")
+        return [op.inputs[0].shape[1] for op in convs]
 
     assert input_depths(16 * plane, 1) == [8, 8, 4]  # 8 input planes a slab, not 16
     assert input_depths(4 * plane, 1) == [3] * 14  # one output and its halo where half the limit holds less
@@ -232,10 +238,7 @@ def test_max_pool3d_slabs_take_half_the_limit():
     plane = math.prod(shape[2:])
 
     def pools(limit):  # the forward's pools: one per slab
-        with kernel_element_limit(limit):
-            graph = tf.function(lambda x: max_pool3d_slabs(x, 2)).get_concrete_function(
-                tf.TensorSpec(shape, tf.float32)).graph
-        return sum(op.type == "MaxPool3D" for op in graph.get_operations())
+        return len(_forward_ops(lambda x: max_pool3d_slabs(x, 2), limit, shape, op_type="MaxPool3D"))
 
     assert pools(8 * plane) == 4  # 4 input planes (2 windows) a slab, not 8
     assert pools(3 * plane) == 8  # one window a slab where half the limit holds less
