@@ -109,12 +109,35 @@ class Settings:
         return self.time_budget_s or DEFAULT_TIME_BUDGET_S
 
 
+def whole_shape(config: ExperimentConfig) -> tuple[int, int, int]:
+    """The whole-volume path's largest step shape: ``data.shape``, else the store's largest case padded.
+
+    The whole-volume path trains as ``bigmem train`` does: each case at its own shape (padded to
+    the size contract) unless ``data.shape`` fixes one.
+    """
+    if config.data.shape is not None:
+        return tuple(config.data.shape)  # type: ignore[return-value]
+    from bigmem.data.pipeline import padded_shape
+    from bigmem.data.store import HDF5VolumeStore
+    from bigmem.memory.preflight import planned_shape
+
+    multiple = config.data.pad_multiple or config.model.divisor
+    with HDF5VolumeStore(config.data.store) as store:
+        shapes = [padded_shape(info.shape, multiple) for info in store.cases]
+    return planned_shape(shapes, config.train.batch_size)
+
+
+def _shape_text(shape) -> str:
+    shape = tuple(shape)
+    return f"{shape[0]}^3" if len(set(shape)) == 1 else "x".join(map(str, shape))
+
+
 def scaled_gpu_memory(config: ExperimentConfig, counts_for) -> GpuMemory:
-    """One GPU's memory in the proportion of the real case, for ``config``'s volume.
+    """One GPU's memory in the proportion of the real case, for ``config``'s volumes.
 
     The planner's patch for a 512^3 kits19 volume on an 80 GiB GPU (at ``config``'s batch) is a
-    fraction of its edge; the stand-in is the memory in which the planner's patch for
-    ``config.data.volume`` is the same fraction (rounded down to the size contract).
+    fraction of its edge; the stand-in is the memory in which the planner's patch for the
+    largest edge of ``whole_shape(config)`` is the same fraction (rounded down to the size contract).
 
     Returns:
         ``GpuMemory`` with the sentence that states the scaling.
@@ -127,11 +150,11 @@ def scaled_gpu_memory(config: ExperimentConfig, counts_for) -> GpuMemory:
     real = resolve_config(REAL_CASE["model"], {"train": {"batch_size": batch}})
     real_patch = largest_edge(real, counts_function(real), REAL_CASE["gpu_memory_bytes"], batch, REAL_CASE["volume"])
     fraction = (real_patch or real.model.divisor) / REAL_CASE["volume"]
-    divisor, volume = config.model.divisor, config.data.volume
+    divisor, volume = config.model.divisor, max(whole_shape(config))
     edge = max(divisor, int(fraction * volume) // divisor * divisor)
     memory = gpu_footprint_bytes(config, counts_for, edge, batch)
     return GpuMemory(memory, f"a scaled stand-in: {format_bytes(memory)}, in which the planner's patch is {edge}^3 "
-                             f"of the {volume}^3 volumes, as {format_bytes(REAL_CASE['gpu_memory_bytes'])} holds "
+                             f"of volumes of edge {volume}, as {format_bytes(REAL_CASE['gpu_memory_bytes'])} holds "
                              f"{real_patch}^3 of a {REAL_CASE['volume']}^3 {REAL_CASE['model']} volume (batch {batch})")
 
 
@@ -147,9 +170,9 @@ def preflight(config: ExperimentConfig, counts_for, settings: Settings):
     from bigmem.memory.preflight import job_plan, resolve_budget
 
     budget = resolve_budget(settings.memory_budget_bytes)
-    cpu_plan = job_plan(config, counts_for, budget)
+    cpu_plan = job_plan(config, counts_for, budget, shape=whole_shape(config))
     parallel = data_parallel(_dp_config(config, settings), Replicas(None, settings.replicas, settings.simulate, ()),
-                             counts_for)
+                             counts_for, volume_edge=max(whole_shape(config)))
     if parallel.host_checked:
         job_plan(parallel.host_config(config), counts_for, budget)
     return cpu_plan, parallel
@@ -159,15 +182,16 @@ def _dp_config(config: ExperimentConfig, settings: Settings) -> ExperimentConfig
     return config.updated({"distribute": {"strategy": "mirrored", "gpu_memory_bytes": settings.gpu_memory.bytes}})
 
 
-def train_flops(config: ExperimentConfig, edge: int, samples: int) -> int:
-    """FLOPs of one training step on ``samples`` cubes of ``edge`` (``UNet3D.train_flops``)."""
+def train_flops(config: ExperimentConfig, edge, samples: int) -> int:
+    """FLOPs of one training step on ``samples`` cubes of ``edge`` (or of a ``(D, H, W)``) (``UNet3D.train_flops``)."""
     from bigmem.nets.unet3d import UNet3D
 
-    return UNet3D(config.model).train_flops((edge,) * 3, samples)
+    return UNet3D(config.model).train_flops((edge,) * 3 if isinstance(edge, int) else tuple(edge), samples)
 
 
 def _train_argv(config: ExperimentConfig, settings: Settings, seed: int) -> list[str]:
-    argv = ["--model", config.model.name, "--data", str(config.data.store), "--volume", str(config.data.volume),
+    shape = ["--shape", ",".join(map(str, config.data.shape))] if config.data.shape else []  # else native shapes
+    argv = ["--model", config.model.name, "--data", str(config.data.store), *shape,
             "--batch-size", str(config.train.batch_size), "--holdout", str(settings.holdout), "--seed", str(seed),
             "--checkpoint-every", NO_CHECKPOINTS]
     if settings.memory_budget_bytes is not None:
@@ -261,7 +285,7 @@ def compare(config: ExperimentConfig, out: Path, settings: Settings, *,
     counts_for = counts_function(config)
     progress("pre-flight of both paths ...")
     _, parallel = preflight(config, counts_for, settings)
-    patch, volume = parallel.patch, config.data.volume
+    patch, volume = parallel.patch, whole_shape(config)
     cpu_step_flops = train_flops(config, volume, config.train.batch_size)
     dp_step_flops = train_flops(config, patch, parallel.global_batch)
     ratio = cpu_step_flops / dp_step_flops
@@ -272,7 +296,7 @@ def compare(config: ExperimentConfig, out: Path, settings: Settings, *,
     runs: dict[str, list[dict]] = {name: [] for name in PATHS}
     for seed in range(settings.seeds):
         common = _train_argv(config, settings, seed)
-        progress(f"seed {seed}: training on whole {volume}^3 volumes ...")
+        progress(f"seed {seed}: training on whole volumes (up to {_shape_text(volume)}) ...")
         cpu_dir = out / "cpu_bigmem" / f"seed-{seed}"
         cpu = _run_train([*common, *_length_argv(settings.steps, settings.cpu_time_budget_s),
                           "--val-every", str(settings.val_every)], cpu_dir)
@@ -295,7 +319,8 @@ def compare(config: ExperimentConfig, out: Path, settings: Settings, *,
     volumes = largest_whole_volumes(config, settings.gpu_memory.bytes, settings.memory_budget_bytes)
     report = {"simulated": settings.simulate, "replicas": settings.replicas,
               "gpu_memory_bytes": settings.gpu_memory.bytes, "gpu_memory_stand_in": settings.gpu_memory.stand_in,
-              "model": config.model.name, "volume": volume, "patch_size": patch,
+              "model": config.model.name, "volume": max(volume), "shape": list(volume),
+              "native_shapes": config.data.shape is None, "patch_size": patch,
               "batch": {"cpu_bigmem": config.train.batch_size, "data_parallel": parallel.global_batch},
               "held_out_cases": held_out, "budget": _budget_text(settings), "seeds": settings.seeds,
               "paths": {name: _aggregate(runs[name]) for name in PATHS}}
@@ -422,7 +447,10 @@ def rows(report: dict) -> list[tuple[str, str, str]]:
     cpu, dp = report["paths"]["cpu_bigmem"], report["paths"]["data_parallel"]
     seeds = report["seeds"]
     table = [
-        ("training input", f"whole {report['volume']}^3 volumes, batch {report['batch']['cpu_bigmem']}",
+        ("training input", (f"whole volumes at their own shapes (up to {_shape_text(report['shape'])})"
+                            if report.get("native_shapes") else
+                            f"whole {_shape_text(report.get('shape') or [report['volume']] * 3)} volumes")
+         + f", batch {report['batch']['cpu_bigmem']}",
          f"{report['patch_size']}^3 patches, global batch {report['batch']['data_parallel']}"),
         ("held-out Dice" + (f" (mean ± sd, {seeds} seeds)" if seeds > 1 else ""), _dice_text(cpu), _dice_text(dp)),
     ]

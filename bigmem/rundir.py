@@ -496,7 +496,7 @@ class RunDir:
 
     def write_summary(self, *, steps: int, train_s: float, peak_rss_bytes: int, loss: float, dice: float,
                       input_wait_s: float, step_time_s: float, input_stall_share: float,
-                      validation: dict[str, Any] | None = None) -> Path:
+                      validation: dict[str, Any] | None = None, shapes: dict[str, Any] | None = None) -> Path:
         """summary.json, the last file a run writes.
 
         Args:
@@ -510,11 +510,13 @@ class RunDir:
             input_stall_share: ``input_wait_s / step_time_s`` (0 without steps).
             validation: with ``--val-every``: the final ``val_dice`` and ``val_dice_per_class`` and
                 the best (``best_val_dice``, ``best_step``), merged in.
+            shapes: the compiled step's shapes (``traces``, ``compile_s``, ``steps_per_shape``,
+                ``padding_share_per_epoch``), merged in.
         """
         return atomic_write_json(self.summary, {"steps": steps, "train_s": train_s, "peak_rss_bytes": peak_rss_bytes,
                                                 "loss": loss, "dice": dice, "input_wait_s": input_wait_s,
                                                 "step_time_s": step_time_s, "input_stall_share": input_stall_share,
-                                                **(validation or {})})
+                                                **(validation or {}), **(shapes or {})})
 
     def truncate_metrics(self, last_step: int) -> None:
         """Keep only the metric rows up to ``last_step`` (the step a resumed run restarts from)."""

@@ -253,7 +253,7 @@ CASES = [
          "Invalid --cpus '0-99999999': CPU <*> is outside the CPUs this process may use (<*>)."),
     Case("measure-beyond-memory", 6, ("profile", "--model", "tiny", "--volume", "4096", "--measure"), 3,
          "--measure would train tiny at 4096^3 x batch 1 (fp32): predicted peak <*> exceeds the memory budget <*> "
-         "(MemAvailable). Drop --measure for the estimate alone, or measure a smaller --volume."),
+         "(MemAvailable). Drop --measure for the estimate alone, or measure a smaller --shape."),
     # plan
     Case("failing-plan-keeps-plan-json", 2, ("plan", "--budget", "1KiB", "--model", "tiny"), 3,
          "Nothing fits 1.00 KiB (--budget): the closest candidate, 4^3 x batch 1 fp32 recompute <*>, needs <*>. "
@@ -310,7 +310,7 @@ CASES = [
     Case("overlap-one", 5, ("predict", "{tmp}", "{store}", "-o", "{tmp}/o", "--overlap", "1"), 2,
          "Invalid --overlap 1: expected a fraction in [0, 1).", no_tensorflow=True),
     Case("window-zero", 5, ("predict", "{tmp}/run", "{store}", "-o", "{tmp}/o", "--window", "0"), 2,
-         "Invalid --window 0: expected a positive integer.", _unfinished_run, no_tensorflow=True),
+         "Invalid --window 0: expected a positive integer N or D,H,W.", _unfinished_run, no_tensorflow=True),
     # evaluate
     Case("pred-not-a-folder", 8, ("evaluate", "{tmp}/nothing", "{tmp}"), 1,
          "PRED '{tmp}/nothing' is not a folder: expected a folder of NIfTI label maps (<case>.nii.gz).",

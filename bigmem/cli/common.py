@@ -40,10 +40,11 @@ def flag_for(field: str) -> str:
 PRESET_HELP = "preset name (tiny, small, intelai-brats, kits19) or a .toml file (default: small)"
 
 
-def add_model_flags(parser, *, volume_help: str) -> None:
+def add_model_flags(parser, *, volume_help: str, shape_help: str | None = None) -> None:
     group = parser.add_argument_group("model and shape")
     group.add_argument("--model", metavar="PRESET", default=None, help=PRESET_HELP)
-    group.add_argument("--volume", type=int, metavar="N", help=volume_help)
+    group.add_argument("--shape", metavar="D,H,W", help=shape_help or volume_help)
+    group.add_argument("--volume", type=int, metavar="N", help=f"shorthand for --shape N,N,N: {volume_help}")
     group.add_argument("--batch-size", type=int, metavar="B", help="volumes per step (default: the preset's)")
     group.add_argument("--optimizer", choices=["sgd", "adam"],
                        help="SGD with Nesterov momentum (1 slot per weight), or Adam (2 slots)")
@@ -109,7 +110,7 @@ def numa_overrides(args) -> dict:
 def model_overrides(args) -> dict:
     """The config sections set by the shared flags (only those the user gave)."""
     sections = {
-        "data": {"volume": getattr(args, "volume", None)},
+        "data": {"shape": shape_argument(args)},
         "train": {"batch_size": getattr(args, "batch_size", None), "optimizer": getattr(args, "optimizer", None),
                   "precision": getattr(args, "precision", None)},
         "memory": {"recompute": getattr(args, "recompute", None)},
@@ -117,15 +118,60 @@ def model_overrides(args) -> dict:
     return {name: {k: v for k, v in values.items() if v is not None} for name, values in sections.items()}
 
 
-def parse_shape(text: str) -> tuple[int, int, int]:
-    """'240,240,144' -> (240, 240, 144)."""
+def parse_shape(text: str, flag: str = "--shape") -> tuple[int, int, int]:
+    """'240,240,144' (or '240x240x144') -> (240, 240, 144).
+
+    Raises:
+        UsageError: not three positive integers; the message names ``flag``.
+    """
     try:
-        shape = tuple(int(part) for part in text.split(","))
+        shape = tuple(int(part) for part in text.replace("x", ",").split(","))
     except ValueError:
         shape = ()
     if len(shape) != 3 or min(shape) < 1:
-        raise UsageError(f"Invalid --shape {text!r}: expected three positive integers D,H,W such as 240,240,144.")
+        raise UsageError(f"Invalid {flag} {text!r}: expected three positive integers D,H,W such as 240,240,144.")
     return shape  # type: ignore[return-value]
+
+
+def shape_argument(args) -> tuple[int, int, int] | None:
+    """The spatial shape ``--shape D,H,W`` or ``--volume N`` (N, N, N) asks for; None when neither was given.
+
+    Raises:
+        UsageError: ``--shape`` is not three positive integers, or ``--volume`` not a positive integer.
+    """
+    text, volume = getattr(args, "shape", None), getattr(args, "volume", None)
+    if text is not None and volume is not None:
+        raise UsageError("Give either --volume or --shape, not both.")
+    if text is not None:
+        return parse_shape(text)
+    if volume is not None:
+        check_positive("--volume", volume)
+        return (int(volume),) * 3
+    return None
+
+
+def check_shape_argument(args, shape, model) -> None:
+    """``config.schema.check_shape`` for the shape the user gave, its message naming the flag typed.
+
+    ``--volume N`` is judged as the edge it is (``Invalid --volume 18: ... Try --volume 16 or 20.``).
+    """
+    from bigmem.config.schema import check_multiple, check_shape
+
+    if getattr(args, "volume", None) is not None:
+        check_multiple("--volume", int(args.volume), model)
+    else:
+        check_shape("--shape", shape, model)
+
+
+def shape_flag(args) -> str:
+    """The flag the user set the shape with, for messages: ``--volume`` or ``--shape``."""
+    return "--volume" if getattr(args, "volume", None) is not None else "--shape"
+
+
+def shape_text(shape) -> str:
+    """(240, 240, 144) -> '240x240x144'; a cube reads '128^3'."""
+    shape = tuple(int(s) for s in shape)
+    return f"{shape[0]}^3" if len(set(shape)) == 1 else "x".join(map(str, shape))
 
 
 def parse_spacing(text: str, flag: str = "--spacing") -> tuple[float, float, float]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from bigmem.cli.common import add_budget_flag, budget_arguments, check_output_dir, check_positive
+from bigmem.cli.common import add_budget_flag, budget_arguments, check_output_dir, check_positive, parse_shape
 from bigmem.compare import DEFAULT_PHANTOM_VOLUME, DEFAULT_TIME_BUDGET_S, DEFAULT_VAL_EVERY
 from bigmem.errors import UsageError
 from bigmem.units import parse_bytes
@@ -41,7 +41,10 @@ def register(subparsers, parents) -> None:
                              f"{DEFAULT_PHANTOM_VOLUME}^3)")
     parser.add_argument("--model", metavar="PRESET", help="preset (default: small)")
     parser.add_argument("--volume", type=int, metavar="N",
-                        help="whole-volume edge (default: the phantoms' edge, or the preset's with --data)")
+                        help="crop/pad every case to N^3 for the whole-volume path (default: each case at its own "
+                             "shape; the phantoms' edge without --data)")
+    parser.add_argument("--shape", metavar="D,H,W", help="crop/pad every case of --data to D,H,W for the whole-volume "
+                                                         "path (default: each case at its own shape)")
     parser.add_argument("--batch-size", type=int, metavar="B", help="per replica, and for the whole-volume path")
     parser.add_argument("--gpus", type=int, metavar="N", help="GPUs for the data-parallel path")
     parser.add_argument("--simulate-replicas", type=int, metavar="N",
@@ -94,10 +97,17 @@ def run(args) -> int:
     from bigmem.data.store import HDF5VolumeStore
     from bigmem.memory.profile import counts_function
 
-    volume = args.volume or (None if args.data else DEFAULT_PHANTOM_VOLUME)
-    data = {"store": args.data, **({"volume": volume} if volume else {})}
-    if args.data is None:
-        data["synth_volume"] = volume
+    if args.shape is not None and args.volume is not None:
+        raise UsageError("Give either --volume or --shape, not both.")
+    if args.shape is not None and args.data is None:
+        raise UsageError("--shape needs --data: the synthetic phantoms are cubes (give --volume N for N^3 phantoms).")
+    data = {"store": args.data}
+    if args.shape is not None:
+        data["shape"] = list(parse_shape(args.shape))
+    elif args.volume is not None and args.data is not None:
+        data["shape"] = [args.volume] * 3
+    if args.data is None:  # phantoms of --volume, each trained whole at its own (cube) shape
+        data["synth_volume"] = args.volume or DEFAULT_PHANTOM_VOLUME
     overrides = {"data": data, "train": {k: v for k, v in (("batch_size", args.batch_size),) if v is not None}}
     status = Console(soft_wrap=True, stderr=True)
     config = with_data_fields(resolve_config(args.model or "small", overrides),

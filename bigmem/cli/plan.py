@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 
 from bigmem.cli.common import (
     add_budget_flag, add_model_flags, budget_arguments, check_output_file, check_positive, model_overrides,
 )
+from bigmem.errors import DataError, UsageError
 
 HELP = "find the largest volume and batch that fit a memory budget"
 
@@ -18,11 +20,19 @@ peak fits the budget, trying fp32 and bf16 (bf16 only where the CPU has it nativ
 --precision bf16), with and without stage recomputation (preferring, on a tie, full precision
 and no recomputation). Each candidate shows its predicted step time: its training FLOPs, plus the
 recomputed forward passes, over a rate measured for this CPU's ISA class and precision. Writes
-plan.json with every candidate evaluated. Give --volume and/or --batch-size to fix them. Exit
-code 3 when nothing fits.
+plan.json with every candidate evaluated. Give --shape D,H,W (or --volume N for N^3) and/or
+--batch-size to fix them. Exit code 3 when nothing fits.
+
+--data STORE plans the store's own scans, as bigmem train runs them: each case whole at its own
+shape, padded to a multiple of 2^depth (or cropped/padded to --shape when given). The step
+planned is the largest the store can feed (the largest case at batch 1; a batch of several is
+padded to its members' bounding shape, so the bounding shape of all of them); plan.json and the
+table list every case with its shape, padded shape and predicted peak.
 
 The budget: --memory-budget (or --budget) if given; else what the --numa placement can use;
-else MemAvailable. A budget above what a bind or interleave placement can use is capped to it.
+else MemAvailable. A budget above what a bind or interleave placement can use is capped to it. A
+budget above this machine's memory plans for a bigger machine (and says so); bigmem train and
+profile --measure refuse one.
 
 --inference plans segmenting one whole volume instead (bigmem predict: batch 1, no gradients, no
 optimizer): the largest cube, a multiple of 2^depth, whose predicted inference peak fits, in the
@@ -36,7 +46,10 @@ def register(subparsers, parents) -> None:
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
     add_budget_flag(parser, alias=True, help_text="memory budget, e.g. 1.5TiB (default: what the --numa placement "
                                                   "can use, else MemAvailable)")
-    add_model_flags(parser, volume_help="fix the volume edge and search the batch size")
+    add_model_flags(parser, volume_help="fix the volume edge and search the batch size",
+                    shape_help="fix the volume's shape D,H,W (e.g. 240,240,144) and search the batch size")
+    parser.add_argument("--data", metavar="STORE.h5", help="plan this store's scans at their own shapes (with "
+                                                             "--shape: cropped/padded to it)")
     parser.add_argument("--numa", metavar="POLICY", help="budget what this placement can use: bind:NODES -> those "
                                                          "nodes' free memory; interleave[:NODES] -> the smallest "
                                                          "node's free memory x nodes (default: none, MemAvailable)")
@@ -56,13 +69,18 @@ def run(args) -> int:
     from bigmem.config.presets import resolve_config
     from bigmem.memory.preflight import resolve_budget
 
-    check_positive("--volume", args.volume)
     check_positive("--batch-size", args.batch_size)
     explicit, flag = budget_arguments(args)
     out = check_output_file(args.out, "--out")
     overrides = model_overrides(args)
     fixed_batch = overrides["train"].get("batch_size")
+    if args.data is not None:
+        if not Path(args.data).exists():
+            raise DataError(f"Cannot open store {args.data!r} (--data): no such file.")
+        overrides["data"]["store"] = args.data
     config = resolve_config(args.model or "small", overrides)
+    if getattr(args, "inference", False) and args.data is not None:
+        raise UsageError("--inference plans one whole volume of --shape; --data does not apply.")
     placement = topology = None
     if args.numa:
         import os
@@ -80,46 +98,67 @@ def run(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from bigmem.memory.preflight import search_plan
+    from bigmem.memory.planner import machine_memory_bytes
+    from bigmem.memory.preflight import planned_shape, search_plan
     from bigmem.memory.profile import counts_function
+    from bigmem.memory.speed import MachineSpeed
     from bigmem.nets.limits import max_kernel_elements
     from bigmem.sysinfo import native_bf16
     from bigmem.train.job import EMULATED_BF16_WARNING
     from bigmem.units import format_bytes
 
+    cases = []
+    if args.data is not None:
+        config, cases = _store_cases(config)
     counts_for = counts_function(config)
     if getattr(args, "inference", False):
         return _inference(args, config, counts_for, budget, fixed_batch)
     allow_bf16 = {"auto": None, "fp32": False, "bf16": True}[args.plan_precision]
-    if budget.note:  # on stderr: stdout may be --json
-        Console(soft_wrap=True, stderr=True).print(budget.note, style="yellow")
-    plan = search_plan(config, counts_for, budget, volume=args.volume, batch_size=fixed_batch, allow_bf16=allow_bf16)
+    notes = Console(soft_wrap=True, stderr=True)  # on stderr: stdout may be --json
+    if budget.note:
+        notes.print(budget.note, style="yellow")
+    total = machine_memory_bytes()
+    if budget.budget_bytes > total:
+        notes.print(f"note: {budget.source} {format_bytes(budget.budget_bytes)} is more than this machine's memory "
+                    f"({format_bytes(total)}): this plans for a bigger machine (bigmem train refuses such a budget "
+                    "here)", style="yellow")
+    shape = config.data.shape
+    if cases:
+        shape = planned_shape([c.trained_shape for c in cases], fixed_batch or 2)
+    plan = search_plan(config, counts_for, budget, volume=shape, batch_size=fixed_batch, allow_bf16=allow_bf16)
+    if cases:
+        plan.cases = _case_rows(config, counts_for, budget, cases, plan)
     kept = write_plan(out, plan)
     if args.json:
         print(json.dumps(plan.to_dict(), indent=2))
     else:
         console = Console(soft_wrap=True)
         table = Table(title=f"{config.model.name} within {format_bytes(budget.budget_bytes)} ({budget.source})")
-        for column in ("precision", "recompute", "largest volume", "batch", "predicted peak", "voxels vs fp32",
-                       "step (pred.)"):
+        for column in ("precision", "recompute", "volume" if shape is not None else "largest volume", "batch",
+                       "predicted peak", "voxels vs fp32", "step (pred.)"):
             table.add_column(column, justify="right")
         base = next((c for c in plan.best_per_mode if (c.precision, c.recompute) == ("fp32", "none")), None)
         for c in plan.best_per_mode:
-            ratio = f"{(c.volume ** 3 * c.batch_size) / (base.volume ** 3 * base.batch_size):.2f}x" if base else "-"
+            ratio = (f"{(math.prod(c.shape) * c.batch_size) / (math.prod(base.shape) * base.batch_size):.2f}x"
+                     if base else "-")
             mark = " *" if c is plan.chosen else ""
-            table.add_row(c.precision, c.recompute, f"{c.volume}^3{mark}", str(c.batch_size),
+            table.add_row(c.precision, c.recompute, f"{c.shape_text}{mark}", str(c.batch_size),
                           format_bytes(c.predicted_peak_bytes), ratio, f"{c.predicted_step_s:.3g} s")
         console.print(table)
+        if plan.cases:
+            _print_cases(console, plan.cases, config)
         if args.plan_precision == "bf16" and not native_bf16():
             console.print(EMULATED_BF16_WARNING, style="yellow")
         if plan.chosen:
             chosen = plan.chosen
-            flags = f"--volume {chosen.volume} --batch-size {chosen.batch_size} {chosen.flags()}".rstrip()
+            shape_flag = chosen.shape_flag() if not cases or config.data.shape else "--data " + str(args.data)
+            flags = f"{shape_flag} --batch-size {chosen.batch_size} {chosen.flags()}".rstrip()
             console.print(f"chosen: {flags} (est. {format_bytes(chosen.predicted_peak_bytes)}); "
                           f"{len(plan.candidates)} candidates in {args.out}")
             console.print(f"calibration: {plan.calibration['source']}", style="dim")
-            console.print(f"step time: {chosen.predicted_step_s:.3g} s predicted ({chosen.step_rate_source})",
-                          style="dim")
+            console.print(f"step time: {chosen.predicted_step_s:.3g} s predicted on this machine's "
+                          f"{MachineSpeed.here().cores} cores ({chosen.step_rate_source}); a machine with more cores "
+                          "steps faster", style="dim")
             breakdown = ", ".join(f"{name} {format_bytes(size)}" for name, size in
                                   sorted(chosen.components.items(), key=lambda item: -item[1]) if size)
             console.print(f"breakdown: {breakdown}")
@@ -129,6 +168,56 @@ def run(args) -> int:
                               "run in depth slabs")
     require_plan(plan, out, kept)
     return 0
+
+
+def _store_cases(config):
+    """``config`` with the store's channels and classes, and its training cases as ``CaseShape``s."""
+    from bigmem.data.derived import with_data_fields
+    from bigmem.data.pipeline import padded_shape
+    from bigmem.data.store import HDF5VolumeStore
+    from bigmem.memory.preflight import CaseShape
+
+    config = with_data_fields(config)
+    multiple = config.data.pad_multiple or config.model.divisor
+    with HDF5VolumeStore(config.data.store) as store:
+        infos = list(store.cases)
+    fixed = config.data.shape
+    return config, [CaseShape(i.case_id, i.shape, tuple(fixed) if fixed else padded_shape(i.shape, multiple))
+                    for i in infos]
+
+
+def _case_rows(config, counts_for, budget, cases, plan) -> list[dict]:
+    """plan.json's per-case table at the chosen (else closest) candidate's batch, precision and stages."""
+    from bigmem.memory.preflight import case_table
+
+    c = plan.chosen or plan.closest
+    sized = config.updated({"train": {"batch_size": c.batch_size, "precision": c.precision}})
+    return case_table(sized, counts_for, budget, cases, c.recompute_stages)
+
+
+def _print_cases(console, rows: list[dict], config) -> None:
+    """The per-case table, one row per padded shape (largest first; a store of hundreds has far fewer)."""
+    from rich.table import Table
+
+    from bigmem.units import format_bytes
+
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        groups.setdefault(tuple(row["padded_shape"]), []).append(row)
+    fixed = config.data.shape is not None
+    table = Table(title=f"{len(rows)} cases " + ("cropped/padded to one shape" if fixed else
+                                                 "whole at their own shapes, padded to the size contract"))
+    for column in ("trained shape", "cases", "source shapes", "predicted peak", "fits"):
+        table.add_column(column, justify="right")
+    ordered = sorted(groups.items(), key=lambda kv: -kv[1][0]["predicted_peak_bytes"])
+    for shape, members in ordered[:20]:
+        sources = sorted({"x".join(map(str, m["shape"])) for m in members})
+        table.add_row("x".join(map(str, shape)), str(len(members)),
+                      ", ".join(sources[:3]) + (f", ... ({len(sources)})" if len(sources) > 3 else ""),
+                      format_bytes(members[0]["predicted_peak_bytes"]), "yes" if members[0]["fits"] else "no")
+    console.print(table)
+    if len(ordered) > 20:
+        console.print(f"... and {len(ordered) - 20} smaller shapes (every case is in plan.json)", style="dim")
 
 
 def write_plan(path: Path, plan) -> bool:
@@ -163,7 +252,6 @@ def _inference(args, config, counts_for, budget, fixed_batch) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from bigmem.errors import UsageError
     from bigmem.memory.preflight import inference_plan, search_inference_plan
     from bigmem.nets.limits import max_kernel_elements
     from bigmem.units import format_bytes
@@ -174,8 +262,9 @@ def _inference(args, config, counts_for, budget, fixed_batch) -> int:
         config = config.updated({"train": {"precision": args.plan_precision}})
     if budget.note:
         Console(soft_wrap=True, stderr=True).print(budget.note, style="yellow")
-    if args.volume is not None:
-        plan = inference_plan(config, counts_for, budget, (args.volume,) * 3, check=False)
+    fixed = config.data.shape
+    if fixed is not None:
+        plan = inference_plan(config, counts_for, budget, fixed, check=False)
     else:
         plan = search_inference_plan(config, counts_for, budget)
     out = Path(args.out)
@@ -190,11 +279,11 @@ def _inference(args, config, counts_for, budget, fixed_batch) -> int:
             table.add_column(column, justify="right")
         for c in sorted(plan.candidates, key=lambda c: c.volume):
             mark = " *" if c is plan.chosen else ""
-            table.add_row(f"{c.volume}^3{mark}", format_bytes(c.predicted_peak_bytes), "yes" if c.fits else "no")
+            table.add_row(f"{c.shape_text}{mark}", format_bytes(c.predicted_peak_bytes), "yes" if c.fits else "no")
         console.print(table)
         if plan.chosen is not None:
             chosen = plan.chosen
-            what = (f"{chosen.volume}^3 {'fits' if plan.fits else 'does not fit'}" if args.volume is not None
+            what = (f"{chosen.shape_text} {'fits' if plan.fits else 'does not fit'}" if fixed is not None
                     else f"largest whole volume: {chosen.volume}^3")
             console.print(f"{what} (est. {format_bytes(chosen.predicted_peak_bytes)}); {len(plan.candidates)} "
                           f"candidates in {args.out}")
@@ -206,7 +295,7 @@ def _inference(args, config, counts_for, budget, fixed_batch) -> int:
                 console.print(f"depth slabs: {', '.join(chosen.partitioned_stages)} hold tensors past "
                               f"{max_kernel_elements():,} elements (the limit bigmem keeps TF's CPU kernels under) and "
                               "run in depth slabs")
-    if args.volume is not None:  # exit 3, naming what fits, unless it fits
-        require_plan(plan, out, kept, lambda: inference_plan(config, counts_for, budget, (args.volume,) * 3))
+    if fixed is not None:  # exit 3, naming what fits, unless it fits
+        require_plan(plan, out, kept, lambda: inference_plan(config, counts_for, budget, fixed))
     require_plan(plan, out, kept)
     return 0

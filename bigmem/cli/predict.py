@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from bigmem.cli.common import add_budget_flag, budget_arguments, check_output_dir
+from bigmem.cli.common import add_budget_flag, budget_arguments, check_output_dir, parse_shape
 from bigmem.errors import UsageError
 
 HELP = "segment new scans with a trained run (whole volume in one pass where RAM allows)"
@@ -46,9 +46,9 @@ def register(subparsers, parents) -> None:
     parser.add_argument("--mode", default="auto", choices=["auto", "whole", "sliding"],
                         help="whole volume in one pass, Gaussian-weighted sliding windows, or auto (whole where "
                              "the inference plan fits the memory budget; default)")
-    parser.add_argument("--window", type=int, metavar="N",
-                        help="sliding window edge (default: the training volume, or the patch of a run trained on "
-                             "patches)")
+    parser.add_argument("--window", metavar="N|D,H,W",
+                        help="sliding window: an edge N or a shape D,H,W, each a multiple of 2^depth (default: the "
+                             "largest volume the run trained on, or the patch of a run trained on patches)")
     parser.add_argument("--overlap", type=float, default=0.5, metavar="F",
                         help="sliding windows' overlap fraction in [0, 1) (default 0.5)")
     parser.add_argument("--accumulate", default="float32", choices=["float32", "float16"],
@@ -63,6 +63,19 @@ def register(subparsers, parents) -> None:
     add_budget_flag(parser, help_text="memory the inference plan may use (default: what the NUMA placement can "
                                       "use, else MemAvailable)")
     parser.set_defaults(run=run)
+
+
+def _window(text: str | None):
+    """--window N or D,H,W as an int or a shape (None when not given)."""
+    if text is None:
+        return None
+    if "," in text:
+        return parse_shape(text, "--window")
+    try:
+        return int(text)
+    except ValueError:
+        raise UsageError(f"Invalid --window {text!r}: expected a positive integer N or D,H,W such as 128,128,64.") \
+            from None
 
 
 def run(args) -> int:
@@ -81,7 +94,7 @@ def run(args) -> int:
     choose = mode_chooser(args.mode, budget_bytes, flag=flag, force=args.force, console=console)
     done = 0
     for result in predict(args.run_dir, args.input, args.out, checkpoint=args.checkpoint, cases=cases,
-                          mode="auto", window=args.window, overlap=args.overlap, accumulate=args.accumulate,
+                          mode="auto", window=_window(args.window), overlap=args.overlap, accumulate=args.accumulate,
                           tta=args.tta, save_probabilities=args.save_probabilities, choose_mode=choose,
                           verbose=getattr(args, "verbose", False)):
         done += 1

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 
 from bigmem.cli.common import (
     add_budget_flag, add_memory_flags, add_model_flags, add_numa_flags, budget_arguments, check_positive,
-    model_overrides, numa_overrides, parse_shape,
+    check_shape_argument, model_overrides, numa_overrides, shape_argument, shape_text,
 )
 from bigmem.errors import UsageError
 
@@ -23,7 +24,9 @@ for the chosen --model, --precision and --recompute; later estimates use it. Wit
 shipped defaults for this CPU's ISA class are used, or, where there are none, another class's
 plus a stated safety margin (the breakdown shows it as its own component).
 
-Measurements use synthetic volumes of the same shape (voxel values do not change the footprint).
+Shapes are D,H,W (--shape 240,240,144; --volume N is N,N,N); without either, the preset's
+reference cube. Measurements use synthetic volumes of the same shape (voxel values do not change
+the footprint). --sweep and --calibrate take edges or shapes: 32,48x64x64,96.
 
 --inference profiles segmenting one whole volume instead (bigmem predict's whole-volume path:
 batch 1, no gradients, no optimizer): the weights, the input's copies, the forward pass's live
@@ -36,17 +39,19 @@ a child process.
 def register(subparsers, parents) -> None:
     parser = subparsers.add_parser("profile", help=HELP, description=DESCRIPTION, parents=parents,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_flags(parser, volume_help="cubic volume edge N (N^3 voxels), a multiple of 2^depth")
-    parser.add_argument("--shape", metavar="D,H,W", help="a non-cubic volume, e.g. 240,240,144 (estimate only)")
+    add_model_flags(parser, volume_help="a cube of N^3 voxels, N a multiple of 2^depth",
+                    shape_help="the volume's shape, e.g. 240,240,144, each a multiple of 2^depth (default: the "
+                               "preset's reference cube)")
     add_memory_flags(parser)
     add_budget_flag(parser, help_text="the budget --recompute auto fits (default: what the --numa placement can use, "
                                       "else MemAvailable)")
     measure = parser.add_argument_group("measurement")
     measure.add_argument("--measure", action="store_true", help="also measure the peak in a child process")
     measure.add_argument("--steps", type=int, default=3, metavar="K", help="training steps to measure (default 3)")
-    measure.add_argument("--sweep", metavar="N,N,...", help="measure and predict each volume, e.g. 32,48,64,96")
+    measure.add_argument("--sweep", metavar="N,N,...", help="measure and predict each size, e.g. 32,48,64,96 or "
+                                                            "32x64x64,48x96x96 (DxHxW)")
     measure.add_argument("--calibrate", nargs="?", const="32,64,96", metavar="N,N,...",
-                         help="fit this machine's calibration from measured volumes (default 32,64,96)")
+                         help="fit this machine's calibration from measured sizes (edges or DxHxW; default 32,64,96)")
     add_numa_flags(parser)
     parser.add_argument("--inference", action="store_true",
                         help="the footprint of segmenting one whole volume (bigmem predict), not of a training step")
@@ -54,47 +59,58 @@ def register(subparsers, parents) -> None:
     parser.set_defaults(run=run)
 
 
-def _volumes(text: str, flag: str) -> list[int]:
-    try:
-        volumes = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        volumes = []
-    if not volumes or min(volumes) < 1:
-        raise UsageError(f"Invalid {flag} {text!r}: expected volume edges such as 32,48,64.")
-    return volumes
+def _sizes(text: str, flag: str) -> list[tuple[int, int, int]]:
+    """'32,48x64x64' -> [(32, 32, 32), (48, 64, 64)]: edges N (cubes) or DxHxW shapes."""
+    sizes = []
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        try:
+            parts = [int(v) for v in item.split("x")]
+        except ValueError:
+            parts = []
+        if len(parts) not in (1, 3) or min(parts) < 1:
+            raise UsageError(f"Invalid {flag} {text!r}: expected volume edges or DxHxW shapes such as 32,48,64 "
+                             "or 32x64x64.")
+        sizes.append(tuple(parts * 3 if len(parts) == 1 else parts))
+    if not sizes:
+        raise UsageError(f"Invalid {flag} {text!r}: expected volume edges or DxHxW shapes such as 32,48,64.")
+    return sizes
 
 
 def run(args) -> int:
     # Every flag is checked before TensorFlow is imported (seconds) or anything is computed.
     from bigmem.config.presets import resolve_config
-    from bigmem.config.schema import check_multiple
+    from bigmem.config.schema import check_shape
 
     inference = getattr(args, "inference", False)
-    if args.shape and args.volume:
-        raise UsageError("Give either --volume or --shape, not both.")
     if inference and (args.sweep or args.calibrate or args.recompute or args.batch_size):
         raise UsageError("--inference profiles one whole-volume prediction (batch 1, nothing recomputed): "
                          "--sweep, --calibrate, --recompute and --batch-size do not apply.")
-    if args.shape and not inference and (args.measure or args.sweep or args.calibrate):
-        raise UsageError("--measure, --sweep and --calibrate need a cubic --volume (the measured run trains on cubes).")
     if args.steps < 1:
         raise UsageError(f"Invalid --steps {args.steps}: expected a positive integer.")
     if args.recompute == "auto" and (args.sweep or args.calibrate):
         raise UsageError("--recompute auto chooses stages per size and budget; --sweep and --calibrate take "
                          "--recompute none or stages.")
-    check_positive("--volume", args.volume)
     check_positive("--batch-size", args.batch_size)
+    asked = shape_argument(args)
     budget_arguments(args)  # a size it cannot read is a usage error now, not after TensorFlow starts
-    config = resolve_config(args.model or "small", {**model_overrides(args), "numa": numa_overrides(args)})
-    shape = parse_shape(args.shape) if args.shape else (config.data.volume,) * 3
+    overrides = model_overrides(args)
+    overrides["data"].pop("shape", None)  # checked here, where inference may take any shape
+    config = resolve_config(args.model or "small", {**overrides, "numa": numa_overrides(args)})
+    shape = asked or config.data.shape or (config.data.reference_volume,) * 3
     if not inference:  # predict pads any shape; a training step takes multiples of 2^depth
-        for size in shape:
-            check_multiple("--shape" if args.shape else "data.volume", size, config.model)
+        if asked:
+            check_shape_argument(args, shape, config.model)
+        else:
+            check_shape("data.reference_volume", shape, config.model)
+        config = config.updated({"data": {"shape": list(shape)}})
     volumes = []
     if args.calibrate or args.sweep:
-        volumes = _volumes(args.calibrate or args.sweep, "--calibrate" if args.calibrate else "--sweep")
-        for v in volumes:
-            check_multiple("data.volume" if args.calibrate else "--sweep", v, config.model)
+        flag = "--calibrate" if args.calibrate else "--sweep"
+        volumes = _sizes(args.calibrate or args.sweep, flag)
+        for size in volumes:
+            check_shape(flag, size, config.model)
     from bigmem.numa.policy import resolve_placement  # validate here; the measuring child applies it
     from bigmem.numa.topology import NUMATopology
 
@@ -116,12 +132,13 @@ def run(args) -> int:
     status = Console(soft_wrap=True, stderr=True)  # progress goes to stderr: stdout may be --json
     show = _Printer(console, config)
     if volumes:  # the measured runs train for real: refuse one that cannot fit first
-        _preflight(config, counts_for, max(volumes), None, budget_arguments(args), placement, topology,
-                   "--calibrate" if args.calibrate else "--sweep")
+        _preflight(config, counts_for, max(volumes, key=math.prod), None, budget_arguments(args), placement,
+                   topology, "--calibrate" if args.calibrate else "--sweep")
 
     if args.calibrate:
         calibration, points = api.calibrate(config, volumes, counts_for, steps=args.steps,
-                                            progress=lambda v: status.print(f"measuring {v}^3 ...", style="dim"))
+                                            progress=lambda v: status.print(f"measuring {shape_text(v)} ...",
+                                                                            style="dim"))
         if args.json:
             print(json.dumps({"calibration": calibration.to_dict(), "points": points}, indent=2))
         else:
@@ -129,7 +146,7 @@ def run(args) -> int:
         return 0
     if args.sweep:
         results, law = api.sweep(config, volumes, counts_for, steps=args.steps,
-                                 progress=lambda v: status.print(f"measuring {v}^3 ...", style="dim"))
+                                 progress=lambda v: status.print(f"measuring {shape_text(v)} ...", style="dim"))
         if args.json:
             print(json.dumps({"points": [r.to_dict() for r in results], "scaling_law": law.to_dict()}, indent=2))
         else:
@@ -137,7 +154,7 @@ def run(args) -> int:
         return 0
     stages = _stages(args, config, counts_for, placement, topology, shape, status)
     if args.measure:
-        _preflight(config, counts_for, shape[0], stages, budget_arguments(args), placement, topology, "--measure")
+        _preflight(config, counts_for, shape, stages, budget_arguments(args), placement, topology, "--measure")
     result = api.profile(config, shape, counts_for, do_measure=args.measure, steps=args.steps,
                          recompute_stages=stages)
     if args.json:
@@ -164,28 +181,30 @@ def _inference(args, config, shape, counts_for) -> int:
     return 0
 
 
-def _preflight(config, counts_for, volume, stages, budget_flag, placement, topology, what) -> None:
-    """Refuse (exit 3) measuring a ``volume``^3 whose predicted training peak exceeds the memory budget.
+def _preflight(config, counts_for, shape, stages, budget_flag, placement, topology, what) -> None:
+    """Refuse (exit 3) measuring a ``shape`` whose predicted training peak exceeds the memory budget,
+    or with an explicit budget above the machine's memory.
 
     The measured run trains real steps in a child process; without this, ``--measure`` at 1024^3
     started synthesising its store and training until it ran out of memory (issue 18).
     """
     from bigmem.errors import InsufficientMemoryError
     from bigmem.memory import profile as api
-    from bigmem.memory.preflight import resolve_budget
+    from bigmem.memory.preflight import check_budget_within_machine, resolve_budget
     from bigmem.units import format_bytes
 
     explicit, flag = budget_flag
     budget = resolve_budget(explicit, flag=flag, placement=placement, topology=topology)
-    sized = config.updated({"data": {"volume": volume}})
-    estimate = api.profile(sized, (volume,) * 3, counts_for, recompute_stages=stages).estimate
+    check_budget_within_machine(budget)
+    sized = config.updated({"data": {"shape": list(shape)}})
+    estimate = api.profile(sized, shape, counts_for, recompute_stages=stages).estimate
     peak = estimate.predicted_peak_bytes
     if peak > budget.budget_bytes:
         raise InsufficientMemoryError(
-            f"{what} would train {config.model.name} at {volume}^3 x batch {estimate.batch_size} "
+            f"{what} would train {config.model.name} at {shape_text(shape)} x batch {estimate.batch_size} "
             f"({estimate.precision}): predicted peak {format_bytes(peak)} exceeds the memory budget "
             f"{format_bytes(budget.budget_bytes)} ({budget.source}). Drop {what} for the estimate alone, or "
-            f"{'measure a smaller --volume' if what == '--measure' else f'give {what} smaller sizes'}.",
+            f"{'measure a smaller --shape' if what == '--measure' else f'give {what} smaller sizes'}.",
             peak, budget.budget_bytes)
 
 
@@ -195,8 +214,6 @@ def _stages(args, config, counts_for, placement, topology, shape, status) -> lis
 
     budget = None
     if args.recompute == "auto":
-        if len(set(shape)) != 1:
-            raise UsageError("--recompute auto needs a cubic --volume.")
         explicit, flag = budget_arguments(args)
         resolved = resolve_budget(explicit, flag=flag, placement=placement, topology=topology)
         if resolved.note:
@@ -277,10 +294,10 @@ class _Printer:
 
         table = Table(title=f"{self.config.model.name}: measured vs predicted peak, batch "
                             f"{self.config.train.batch_size}, {self._mode(results[0].estimate)}")
-        for column in ("volume", "predicted", "measured", "error"):
+        for column in ("shape", "predicted", "measured", "error"):
             table.add_column(column, justify="right")
         for r in results:
-            table.add_row(f"{r.estimate.spatial_shape[0]}^3", format_bytes(r.estimate.predicted_peak_bytes),
+            table.add_row(shape_text(r.estimate.spatial_shape), format_bytes(r.estimate.predicted_peak_bytes),
                           format_bytes(r.measurement.peak_bytes), f"{r.error_pct:+.1f}%")
         self.console.print(table)
         self.console.print(f"fitted: peak = {format_bytes(law.fixed_bytes)} + {law.bytes_per_voxel:.1f} B/voxel x "

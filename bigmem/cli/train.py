@@ -110,7 +110,10 @@ def _overrides(args) -> dict:
                              seed=args.seed, checkpoint_every=args.checkpoint_every, val_every=args.val_every,
                              reference_batch=args.reference_batch, time_budget_s=args.time_budget,
                              monitor_interval_s=args.monitor_interval)
-    return {name: {k: v for k, v in values.items() if v is not None} for name, values in sections.items()}
+    given = {name: {k: v for k, v in values.items() if v is not None} for name, values in sections.items()}
+    if args.steps is not None or args.epochs is not None:  # a length given replaces the preset's other one
+        given["train"]["epochs" if args.steps is not None else "steps"] = None
+    return given
 
 
 # Settings that may differ from the saved run on --resume: they change neither the model nor a
@@ -212,6 +215,8 @@ def _same(field: str, old, new) -> bool:
 
 
 def _text(field: str, value) -> str:
+    if field == "data.shape":
+        return "each case at its own shape" if value is None else ",".join(map(str, value))
     if value is None:
         return "none"
     if field.endswith("_bytes"):

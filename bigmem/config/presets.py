@@ -70,17 +70,17 @@ def resolve_config(
         UsageError: an unknown preset or setting, or a value bigmem cannot use.
 
     Example:
-        >>> resolve_config("tiny", {"data": {"volume": 32}}).data.volume
-        32
+        >>> resolve_config("tiny", {"data": {"shape": [32, 32, 16]}}).data.shape
+        (32, 32, 16)
     """
     values = load_preset(preset)
     values.pop("card", None)  # descriptive only; listed by models/README.md
-    config = update(ExperimentConfig(), values, source=f"preset {preset!r}")
+    config = update(ExperimentConfig(), migrate_sections(values), source=f"preset {preset!r}")
     config = update(config, {"model": {"name": Path(preset).stem if preset.endswith(".toml") else preset}},
                     source="code")
     if base:
         config = update(config, migrate_sections(base), source="the saved config.json")
     if overrides:
-        config = update(config, {k: v for k, v in overrides.items() if v}, source="flags")
+        config = update(config, migrate_sections({k: v for k, v in overrides.items() if v}), source="flags")
     config.validate()
     return config

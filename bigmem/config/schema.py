@@ -100,7 +100,14 @@ class DataConfig:
 
     Attributes:
         store: the HDF5 store (``--data``); None: the embedded synthetic dataset.
-        volume: whole volumes are cropped/padded to ``volume``^3 for training.
+        shape: ``(D, H, W)`` every case is cropped (at a random offset) or padded to for
+            training (``--shape``, or ``--volume N`` for N^3); None (default): each case whole,
+            at its own shape padded to a multiple of ``pad_multiple``.
+        pad_multiple: with ``shape`` None, each axis is padded up to a multiple of this (default
+            None: ``2**depth``, the size contract); a coarser multiple groups many shapes into
+            fewer compiled steps (``--pad-multiple``).
+        reference_volume: the cube edge ``bigmem profile`` and ``bigmem compare`` use when given
+            neither a shape nor a store: the preset's reference size (kits19: MLPerf's 128^3).
         prefetch: batches prepared ahead of the step.
         num_workers: reader processes (0: read in the training process).
         flip: random flips along each axis.
@@ -109,12 +116,14 @@ class DataConfig:
         synth_cases, synth_volume, synth_classes: the synthetic dataset's shape.
 
     Example:
-        >>> DataConfig(volume=64, holdout=2).holdout
-        2
+        >>> DataConfig(shape=(240, 240, 144), holdout=2).shape
+        (240, 240, 144)
     """
 
     store: str | None = None  # --data; None: the embedded synthetic dataset
-    volume: int = 48  # whole volumes are cropped/padded to volume^3
+    shape: tuple[int, int, int] | None = None  # None: each case at its own shape, padded (never cropped)
+    pad_multiple: int | None = None  # None: 2**depth
+    reference_volume: int = 48
     prefetch: int = 2
     num_workers: int = 0  # 0: read in the training process; N: N reader processes
     flip: bool = True
@@ -125,18 +134,26 @@ class DataConfig:
     synth_classes: int = 3
 
     def validate(self) -> None:
-        if self.volume < 1:
-            raise ConfigError("data.volume", f"Invalid {{field}} {self.volume}: expected a positive integer.")
-        for name in ("prefetch", "num_workers", "holdout"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"data.{name}", f"Invalid {{field}} {getattr(self, name)}: expected an integer >= 0.")
-        for name in ("synth_cases", "synth_volume"):
+        if self.shape is not None and (len(self.shape) != 3 or min(self.shape) < 1):
+            raise ConfigError("data.shape", f"Invalid {{field}} {_shape_text(self.shape)}: expected three positive "
+                              "integers D,H,W.")
+        for name in ("reference_volume", "synth_cases", "synth_volume"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"data.{name}",
                                   f"Invalid {{field}} {getattr(self, name)}: expected a positive integer.")
+        if self.pad_multiple is not None and self.pad_multiple < 1:
+            raise ConfigError("data.pad_multiple", f"Invalid {{field}} {self.pad_multiple}: expected a positive "
+                              "integer.")
+        for name in ("prefetch", "num_workers", "holdout"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"data.{name}", f"Invalid {{field}} {getattr(self, name)}: expected an integer >= 0.")
         if not 2 <= self.synth_classes <= 255:
             raise ConfigError("data.synth_classes", f"Invalid {{field}} {self.synth_classes}: expected 2..255 "
                               "(background + foreground classes).")
+
+
+def _shape_text(shape) -> str:
+    return ",".join(str(s) for s in shape)
 
 
 @dataclass(frozen=True)
@@ -288,9 +305,9 @@ class ExperimentConfig:
         model, data, train, memory, distribute, numa: the sections (each documented above).
 
     Example:
-        >>> config = ExperimentConfig().updated({"data": {"volume": 64}}, source="code")
-        >>> config.data.volume, config.to_dict()["memory"]["recompute"]
-        (64, 'none')
+        >>> config = ExperimentConfig().updated({"data": {"shape": [64, 64, 32]}}, source="code")
+        >>> config.data.shape, config.to_dict()["memory"]["recompute"]
+        ((64, 64, 32), 'none')
     """
 
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -310,7 +327,12 @@ class ExperimentConfig:
         self.data.validate()
         self.train.validate()
         self.distribute.validate()
-        check_multiple("data.volume", self.data.volume, self.model)
+        if self.data.shape is not None and len(set(self.data.shape)) == 1:  # a cube: as its shorthand, --volume N
+            check_multiple("data.volume", self.data.shape[0], self.model)
+        elif self.data.shape is not None:
+            check_shape("data.shape", self.data.shape, self.model)
+        if self.data.pad_multiple is not None and self.data.pad_multiple % self.model.divisor:
+            check_multiple("data.pad_multiple", self.data.pad_multiple, self.model)
         if self.distribute.patch is not None:  # a patch goes through the same network as a whole volume
             check_multiple("distribute.patch", self.distribute.patch, self.model)
         if self.train.val_every and not self.data.holdout:
@@ -322,13 +344,15 @@ class ExperimentConfig:
         return to_dict(self)
 
     def updated(self, values: Mapping[str, Any], *, source: str = "code") -> "ExperimentConfig":
-        """A new config with ``values`` (nested by section, e.g. ``{"data": {"volume": 64}}``) overlaid.
+        """A new config with ``values`` (nested by section, e.g. ``{"data": {"shape": [64, 64, 64]}}``) overlaid.
+
+        ``data.volume`` N, the older cube-only setting, is read as ``data.shape`` (N, N, N).
 
         Example:
             >>> ExperimentConfig().updated({"train": {"batch_size": 1}}).train.batch_size
             1
         """
-        return update(self, values, source=source)
+        return update(self, migrate_sections(values), source=source)
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any], *, source: str = "config") -> "ExperimentConfig":
@@ -336,7 +360,8 @@ class ExperimentConfig:
 
         Settings saved by runs before the memory and distribute sections existed
         (``train.memory_budget_bytes``, ``train.recompute``, ``train.strategy``, ..., ``data.patch``)
-        are read into their sections, so older runs still resume.
+        are read into their sections, and a cube ``data.volume`` N as ``data.shape`` (N, N, N), so
+        older runs still resume at the shape they trained at.
         """
         return update(cls(), migrate_sections(values), source=source)
 
@@ -357,6 +382,11 @@ def migrate_sections(values: Mapping[str, Any]) -> dict[str, Any]:
         if isinstance(section, Mapping) and old_key in section:
             new_section, new_key = new.split(".")
             moved.setdefault(new_section, {})[new_key] = section.pop(old_key)
+    data = moved.get("data")
+    if isinstance(data, Mapping) and "volume" in data:  # runs and presets from before shapes: a cube
+        volume = data.pop("volume")
+        if volume is not None and "shape" not in data:
+            data["shape"] = [volume] * 3 if isinstance(volume, int) and not isinstance(volume, bool) else volume
     return moved
 
 
@@ -370,12 +400,34 @@ def check_multiple(field_name: str, size: int, model: ModelConfig) -> None:
                       f"downsamples {model.depth} times). Try {{field}} {lower} or {lower + divisor}.")
 
 
+def check_shape(field_name: str, shape, model: ModelConfig) -> None:
+    """Raise ``ConfigError`` naming ``field_name`` and the axis unless every size is a multiple of ``model.divisor``.
+
+    Example:
+        >>> check_shape("data.shape", (240, 240, 155), ModelConfig())  # raises:
+        ConfigError: Invalid {field} 240,240,155: axis 3 (155) is not a multiple of 16 ...
+    """
+    divisor = model.divisor
+    for axis, size in enumerate(shape, start=1):
+        if size > 0 and size % divisor == 0:
+            continue
+        lower = max(divisor, size // divisor * divisor)
+        tries = [list(shape), list(shape)]
+        tries[0][axis - 1], tries[1][axis - 1] = lower, lower + divisor
+        options = " or ".join(_shape_text(t) for t in dict.fromkeys(map(tuple, tries)))
+        raise ConfigError(field_name, f"Invalid {{field}} {_shape_text(shape)}: axis {axis} ({size}) is not a "
+                          f"multiple of {divisor} (the network downsamples {model.depth} times). Try {{field}} "
+                          f"{options}.")
+
+
 def to_dict(obj: Any) -> Any:
     """A dataclass as plain JSON-able data (enums become their string values)."""
     if dataclasses.is_dataclass(obj):
         return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
     if isinstance(obj, StrOption):
         return obj.value
+    if isinstance(obj, tuple):
+        return list(obj)
     return obj
 
 
@@ -445,6 +497,12 @@ def _coerce(value: Any, hint: Any, dotted: str, source: str) -> Any:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise invalid(f"Invalid {name} {value!r}: expected a number.")
         return float(value)
+    if typing.get_origin(base) is tuple:
+        sizes = typing.get_args(base)
+        if isinstance(value, str) or not isinstance(value, (list, tuple)) or len(value) != len(sizes) or any(
+                isinstance(v, bool) or not isinstance(v, int) for v in value):
+            raise invalid(f"Invalid {name} {value!r}: expected {len(sizes)} integers such as [240, 240, 144].")
+        return tuple(int(v) for v in value)
     if base is str:
         if not isinstance(value, str):
             raise invalid(f"Invalid {name} {value!r}: expected a string.")

@@ -1,8 +1,12 @@
 """Whole-volume input for the big-memory path.
 
-Cases are read whole from the store, cropped or padded to ``volume``^3, normalised (z-score per
-channel) and randomly flipped, then batched into a ``tf.data`` pipeline that prefetches ahead
-of the training step.
+Each case is read whole from the store and normalised (z-score per channel). By default it is
+then trained at its own shape, padded (never cropped) up to a multiple of ``2**depth`` on each
+axis; with a fixed ``shape`` it is cropped (at a random offset) or padded to that shape instead.
+Padded voxels hold the channel's background value (its minimum after normalisation, not the
+mean) and the label ``PAD_LABEL``, which the loss, the Dice and the metrics leave out. Samples
+are randomly flipped and batched (a batch of different shapes is padded to its bounding shape;
+batches group similar shapes) into a ``tf.data`` pipeline that prefetches ahead of the step.
 
 The order is a pure function of (seed, sample index): step ``s`` always sees the same cases with
 the same flips, so a resumed run continues exactly where the checkpoint left it. Reads happen
@@ -13,11 +17,13 @@ opening its own HDF5 handle (h5py's global lock makes reader threads useless).
 from __future__ import annotations
 
 import collections
+import functools
+import math
 import multiprocessing
 import os
 from concurrent.futures import Future, ProcessPoolExecutor
 from multiprocessing import resource_tracker, shared_memory
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -25,6 +31,26 @@ from bigmem.data.store import HDF5VolumeStore
 from bigmem.errors import DataError
 
 NORM_EPSILON = 1e-6  # guards the z-score of a constant channel
+# The label of padded voxels. one_hot of it is all zeros, so the loss, the Dice and the metrics
+# leave those voxels out without a second mask tensor (a store's classes are 0..254: at most 255).
+PAD_LABEL = 255
+
+Shape = tuple[int, int, int]
+
+
+def padded_shape(shape: Sequence[int], multiple: int) -> Shape:
+    """``shape`` with each axis rounded up to a multiple of ``multiple``.
+
+    Example:
+        >>> padded_shape((240, 240, 155), 16)
+        (240, 240, 160)
+    """
+    return tuple(-(-int(s) // multiple) * multiple for s in shape[:3])  # type: ignore[return-value]
+
+
+def bounding_shape(shapes: Sequence[Sequence[int]]) -> Shape:
+    """The smallest shape that holds each of ``shapes`` (their elementwise maximum)."""
+    return tuple(int(max(axis)) for axis in zip(*shapes))  # type: ignore[return-value]
 
 
 def case_for_sample(sample_index: int, num_cases: int, seed: int) -> int:
@@ -42,36 +68,77 @@ def case_for_sample(sample_index: int, num_cases: int, seed: int) -> int:
     return int(np.random.default_rng([seed, epoch]).permutation(num_cases)[position])
 
 
-def fit_to_volume(image: np.ndarray, label: np.ndarray, volume: int, rng: np.random.Generator):
-    """Crop (at a random offset) or zero-pad (centred) each spatial axis to ``volume``.
+@functools.lru_cache(maxsize=8)
+def epoch_order(epoch: int, sizes: tuple[int, ...], batch_size: int, seed: int) -> tuple[int, ...]:
+    """The cases of one epoch in sample order, consecutive batches grouping similar sizes.
+
+    A fresh permutation per epoch (``case_for_sample``'s); where cases differ in size and batches
+    hold more than one, the permutation is sorted by size (stable, so equal sizes keep their
+    random order), cut into batches and the batches shuffled: a batch is padded to its bounding
+    shape, and similar shapes waste the least. With one size or batch 1 it is the permutation
+    itself.
+
+    Args:
+        epoch: the epoch, from 0.
+        sizes: each case's padded voxel count (the grouping key).
+        batch_size: samples per batch.
+        seed: the run's seed.
+
+    Returns:
+        Case indices, one per sample of the epoch.
+    """
+    rng = np.random.default_rng([seed, epoch])
+    order = rng.permutation(len(sizes))
+    if batch_size == 1 or len(set(sizes)) == 1:
+        return tuple(int(i) for i in order)
+    order = order[np.argsort([sizes[i] for i in order], kind="stable")]
+    batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+    return tuple(int(i) for b in rng.permutation(len(batches)) for i in batches[b])
+
+
+def fit_to_shape(image: np.ndarray, label: np.ndarray, shape: Sequence[int], rng: np.random.Generator,
+                 background: np.ndarray | float = 0.0):
+    """Crop (at a random offset) or pad (centred) each spatial axis to ``shape``.
 
     Args:
         image: ``(D, H, W, C)``.
         label: ``(D, H, W)``.
-        volume: the target edge in voxels.
+        shape: the target ``(D, H, W)`` in voxels.
         rng: draws the crop offsets (one per cropped axis).
+        background: the value padded image voxels take, per channel (``(C,)``) or one for all
+            (default 0.0); padded label voxels are ``PAD_LABEL``.
 
     Returns:
-        ``(image (volume, volume, volume, C), label (volume, volume, volume))``, dtypes kept;
-        padding is 0 (the mean, for an image already z-scored by ``normalize``).
+        ``(image (*shape, C), label shape)``, dtypes kept.
 
     Example:
-        >>> image, label = fit_to_volume(np.ones((40, 70, 64, 1), np.float32), np.zeros((40, 70, 64), np.uint8),
-        ...                              64, np.random.default_rng(0))  # image (64, 64, 64, 1), label (64, 64, 64)
+        >>> image, label = fit_to_shape(np.ones((40, 70, 64, 1), np.float32), np.zeros((40, 70, 64), np.uint8),
+        ...                             (48, 64, 64), np.random.default_rng(0))  # (48, 64, 64, 1), (48, 64, 64)
     """
     for axis in range(3):
-        size = label.shape[axis]
-        if size > volume:
-            start = int(rng.integers(0, size - volume + 1))
-            image = np.take(image, np.arange(start, start + volume), axis=axis)
-            label = np.take(label, np.arange(start, start + volume), axis=axis)
-        elif size < volume:
-            before = (volume - size) // 2
-            pad = [(0, 0)] * image.ndim
-            pad[axis] = (before, volume - size - before)
-            image = np.pad(image, pad)
-            label = np.pad(label, pad[:3])
-    return image, label
+        size, target = label.shape[axis], int(shape[axis])
+        if size > target:
+            start = int(rng.integers(0, size - target + 1))
+            image = np.take(image, np.arange(start, start + target), axis=axis)
+            label = np.take(label, np.arange(start, start + target), axis=axis)
+    if tuple(label.shape) == tuple(shape):
+        return image, label
+    padded_label = np.full(tuple(shape), PAD_LABEL, np.uint8)
+    padded_image = np.empty(tuple(shape) + image.shape[3:], image.dtype)
+    padded_image[...] = np.asarray(background, image.dtype)
+    where = tuple(slice((t - s) // 2, (t - s) // 2 + s) for s, t in zip(label.shape, shape))
+    padded_label[where] = label
+    padded_image[where] = image
+    return padded_image, padded_label
+
+
+def background_values(image: np.ndarray) -> np.ndarray:
+    """Per channel, the value padding takes: the channel's minimum (air on CT, outside the head on MRI).
+
+    After z-scoring, the mean is 0 and tissue sits around it; the background of a real scan sits
+    below (-0.6 to -0.8 on BraTS-like MRI), so padding at 0 would look like tissue.
+    """
+    return image.min(axis=(0, 1, 2))
 
 
 def normalize(image: np.ndarray, case_id: str = "?", where: str = "") -> np.ndarray:
@@ -104,35 +171,43 @@ def normalize(image: np.ndarray, case_id: str = "?", where: str = "") -> np.ndar
     return image
 
 
-def load_sample(store: HDF5VolumeStore, sample_index: int, *, volume: int, seed: int, flip: bool):
-    """One training sample: read, z-scored, cropped/padded to ``volume``^3, randomly flipped.
+def _flip(image: np.ndarray, label: np.ndarray, rng: np.random.Generator):
+    axes = tuple(int(a) for a in np.flatnonzero(rng.random(3) < 0.5))
+    if axes:
+        image, label = np.flip(image, axes), np.flip(label, axes)
+    return image, label
 
-    Which case, the crop offsets and the flips are a pure function of ``(seed, sample_index)``.
+
+def load_sample(store: HDF5VolumeStore, sample_index: int, *, case_index: int, shape: Sequence[int], seed: int,
+                flip: bool):
+    """One training sample: read, z-scored, cropped/padded to ``shape``, randomly flipped.
+
+    The crop offsets and the flips are a pure function of ``(seed, sample_index)``.
 
     Args:
         store: the store to read from.
-        sample_index: the sample's position in the stream (``case_for_sample``).
-        volume: the edge of the returned cube, in voxels.
+        sample_index: the sample's position in the stream.
+        case_index: which of the store's cases it is (``WholeVolumeLoader.case_index``).
+        shape: the ``(D, H, W)`` of the returned sample: the case's own padded shape, its
+            batch's bounding shape, or the fixed training shape (cases larger are cropped).
         seed: the run's seed.
         flip: flip each spatial axis with probability 0.5.
 
     Returns:
-        ``(image (volume, volume, volume, C) float32, label (volume, volume, volume) uint8)``,
-        both C-contiguous.
+        ``(image (*shape, C) float32, label shape uint8)``, both C-contiguous; padded voxels
+        hold each channel's background value and ``PAD_LABEL``.
 
     Raises:
         DataError: the case cannot be read, has NaN/Inf image values, or a label value past the
             store's classes.
     """
-    case_id = store.case_ids[case_for_sample(sample_index, len(store), seed)]
+    case_id = store.case_ids[case_index]
     image, label = store.read_case(case_id)
     rng = np.random.default_rng([seed, sample_index, 1])
     image = normalize(image, case_id, str(store.path))
-    image, label = fit_to_volume(image, label, volume, rng)
+    image, label = fit_to_shape(image, label, shape, rng, background_values(image))
     if flip:
-        axes = tuple(int(a) for a in np.flatnonzero(rng.random(3) < 0.5))
-        if axes:
-            image, label = np.flip(image, axes), np.flip(label, axes)
+        image, label = _flip(image, label, rng)
     return np.ascontiguousarray(image, dtype=np.float32), np.ascontiguousarray(label, dtype=np.uint8)
 
 
@@ -168,7 +243,7 @@ def load_patch(store: HDF5VolumeStore, sample_index: int, *, patch: int, seed: i
 
     Args:
         store, sample_index, seed, flip: as ``load_sample``.
-        patch: the patch edge in voxels (smaller cases are zero-padded to it).
+        patch: the patch edge in voxels (smaller cases are padded to it, as ``fit_to_shape`` pads).
         foreground_fraction: the probability of a foreground-centred patch (default
             FOREGROUND_FRACTION, MLPerf's 0.4).
 
@@ -184,11 +259,10 @@ def load_patch(store: HDF5VolumeStore, sample_index: int, *, patch: int, seed: i
     start = patch_start(label, info.shape, patch, rng)
     size = tuple(min(patch, s) for s in info.shape)
     image, label = store.read_patch(info.case_id, start, size)
-    image, label = fit_to_volume(normalize(image, info.case_id, str(store.path)), label, patch, rng)
+    image = normalize(image, info.case_id, str(store.path))
+    image, label = fit_to_shape(image, label, (patch,) * 3, rng, background_values(image))
     if flip:
-        axes = tuple(int(a) for a in np.flatnonzero(rng.random(3) < 0.5))
-        if axes:
-            image, label = np.flip(image, axes), np.flip(label, axes)
+        image, label = _flip(image, label, rng)
     return np.ascontiguousarray(image, dtype=np.float32), np.ascontiguousarray(label, dtype=np.uint8)
 
 
@@ -201,15 +275,17 @@ def _init_worker(store_path: str, cold_cache: bool, holdout: int) -> None:
     _WORKER_STORE = HDF5VolumeStore(store_path, cold_cache=cold_cache, check_finite=False, holdout=holdout)
 
 
-def _slot_views(buffer, volume: int, channels: int):
-    """(image, label) arrays laid out in one shared-memory slot."""
-    image_bytes = volume**3 * channels * 4
-    image = np.ndarray((volume, volume, volume, channels), np.float32, buffer=buffer)
-    label = np.ndarray((volume, volume, volume), np.uint8, buffer=buffer, offset=image_bytes)
+def _slot_views(buffer, shape: Sequence[int], channels: int):
+    """(image, label) arrays of ``shape`` laid out in one shared-memory slot (sized for the largest)."""
+    shape = tuple(int(s) for s in shape)
+    image_bytes = math.prod(shape) * channels * 4
+    image = np.ndarray(shape + (channels,), np.float32, buffer=buffer)
+    label = np.ndarray(shape, np.uint8, buffer=buffer, offset=image_bytes)
     return image, label
 
 
-def _worker_load(slot: str, sample_index: int, volume: int, seed: int, flip: bool, patch: int | None) -> None:
+def _worker_load(slot: str, sample_index: int, case_index: int, shape: tuple, seed: int, flip: bool,
+                 patch: int | None) -> None:
     """Load one sample into the shared-memory ``slot``: only the slot's name crosses the pipe,
     not the volume (pickling one would cost two extra copies of it and the pipe)."""
     if slot not in _WORKER_SLOTS:
@@ -219,8 +295,9 @@ def _worker_load(slot: str, sample_index: int, volume: int, seed: int, flip: boo
     if patch:
         image, label = load_patch(_WORKER_STORE, sample_index, patch=patch, seed=seed, flip=flip)
     else:
-        image, label = load_sample(_WORKER_STORE, sample_index, volume=volume, seed=seed, flip=flip)
-    image_view, label_view = _slot_views(_WORKER_SLOTS[slot].buf, volume, image.shape[3])
+        image, label = load_sample(_WORKER_STORE, sample_index, case_index=case_index, shape=shape, seed=seed,
+                                   flip=flip)
+    image_view, label_view = _slot_views(_WORKER_SLOTS[slot].buf, shape, image.shape[3])
     image_view[...] = image
     label_view[...] = label
 
@@ -228,15 +305,21 @@ def _worker_load(slot: str, sample_index: int, volume: int, seed: int, flip: boo
 class WholeVolumeLoader:
     """Batches of whole volumes (or, with ``patch``, of patch^3 patches) in a deterministic order.
 
-    Each case is read whole, z-scored per channel, cropped (random offset) or zero-padded
-    (centred) to ``volume``^3 and randomly flipped; the order, crops and flips are a pure
-    function of ``(seed, sample index)``, so a resumed run continues exactly where it stopped.
-    Image and label values are checked as they are read.
+    Each case is read whole and z-scored per channel. With ``shape`` None it keeps its own shape,
+    padded (never cropped) to a multiple of ``pad_multiple`` on each axis; a batch of different
+    shapes is padded to their bounding shape, and batches group similar shapes
+    (``epoch_order``). With ``shape`` every case is cropped (random offset) or padded (centred)
+    to it. Padding takes the channel's background value and the label ``PAD_LABEL``. Samples
+    are randomly flipped; the order, crops and flips are a pure function of ``(seed, sample
+    index)``, so a resumed run continues exactly where it stopped. Image and label values are
+    checked as they are read.
 
     Args:
         store_path: a bigmem HDF5 store (``bigmem synth`` or ``bigmem convert`` writes one).
-        volume: the cube edge in voxels that cases are cropped or padded to (with ``patch``, the
-            patch edge is used instead).
+        shape: the ``(D, H, W)`` every case is cropped or padded to; None (default): each case
+            at its own shape, padded to a multiple of ``pad_multiple``.
+        pad_multiple: the multiple native shapes are padded to (default 16, ``2**depth`` of the
+            default network; pass the model's ``divisor`` or a coarser multiple of it).
         batch_size: samples per batch (per process when sharded).
         seed: the order, crops and flips (default 0).
         flip: flip each spatial axis with probability 0.5 (default True).
@@ -258,13 +341,14 @@ class WholeVolumeLoader:
         ValueError: ``shard`` is not ``(index, count)`` with ``0 <= index < count``.
 
     Example:
-        >>> with WholeVolumeLoader("synth.h5", volume=64, batch_size=2) as loader:
-        ...     images, labels = next(loader.batches())  # (2, 64, 64, 64, C) float32, (2, 64, 64, 64) uint8
+        >>> with WholeVolumeLoader("synth.h5", pad_multiple=16, batch_size=2) as loader:
+        ...     images, labels = next(loader.batches())  # (2, D, H, W, C) float32, (2, D, H, W) uint8
     """
 
-    def __init__(self, store_path: str | os.PathLike, *, volume: int, batch_size: int, seed: int = 0,
-                 flip: bool = True, num_workers: int = 0, prefetch: int = 2, cold_cache: bool = False,
-                 patch: int | None = None, holdout: int = 0, shard: tuple[int, int] = (0, 1)):
+    def __init__(self, store_path: str | os.PathLike, *, shape: Sequence[int] | None = None, pad_multiple: int = 16,
+                 batch_size: int, seed: int = 0, flip: bool = True, num_workers: int = 0, prefetch: int = 2,
+                 cold_cache: bool = False, patch: int | None = None, holdout: int = 0,
+                 shard: tuple[int, int] = (0, 1)):
         self.store = HDF5VolumeStore(store_path, cold_cache=cold_cache, check_finite=False, holdout=holdout)
         # (index, count): this process loads only its slice of each global batch of count x batch_size
         # samples (a worker of a multi-host run); the sample order stays that of one process.
@@ -274,12 +358,15 @@ class WholeVolumeLoader:
         self.holdout = holdout
         self.cold_cache = cold_cache
         self.patch = patch
-        self.volume = int(patch or volume)
+        self.shape = tuple(int(s) for s in shape) if shape is not None else None
+        self.pad_multiple = int(pad_multiple)
         self.batch_size = int(batch_size)
         self.seed = int(seed)
         self.flip = bool(flip)
         self.num_workers = int(num_workers)
         self.prefetch = int(prefetch)
+        self._shapes = [self.case_shape(i) for i in range(len(self.store))]
+        self._sizes = tuple(math.prod(s) for s in self._shapes)
         self._pool: ProcessPoolExecutor | None = None
         self._slots: list[shared_memory.SharedMemory] = []
         self.error: Exception | None = None  # a reader error, kept so tf.data cannot blur it
@@ -290,30 +377,104 @@ class WholeVolumeLoader:
         return self.store.num_channels
 
     @property
+    def native(self) -> bool:
+        """True: each case at its own (padded) shape; False: a fixed shape or patches."""
+        return self.shape is None and not self.patch
+
+    def case_shape(self, case_index: int) -> Shape:
+        """The shape case ``case_index`` is trained at on its own: its padded shape, the fixed shape or the patch."""
+        if self.patch:
+            return (int(self.patch),) * 3
+        if self.shape is not None:
+            return self.shape  # type: ignore[return-value]
+        return padded_shape(self.store.cases[case_index].shape, self.pad_multiple)
+
+    @property
+    def shapes(self) -> list[Shape]:
+        """Each training case's shape as trained alone (``case_shape``), in the store's order."""
+        return list(self._shapes)
+
+    @property
+    def max_shape(self) -> Shape:
+        """The largest batch shape any step can have: the bounding shape of every case's."""
+        return bounding_shape(self.shapes)
+
+    @property
     def steps_per_epoch(self) -> int:
         """Global batches per pass over the training cases: ``ceil(cases / (batch_size * shards))``."""
         return -(-len(self.store) // (self.batch_size * self.num_shards))
 
-    def sample_indices(self, start_step: int = 0) -> Iterator[int]:
-        """The sample indices this process loads, batch after batch, from ``start_step`` on."""
+    def case_index(self, sample_index: int) -> int:
+        """The store case of sample ``sample_index`` (``epoch_order``: batches group similar shapes)."""
+        num_cases = len(self.store)
+        if self.patch:
+            return case_for_sample(sample_index, num_cases, self.seed)
+        epoch, position = divmod(sample_index, num_cases)
+        return epoch_order(epoch, self._sizes, self.batch_size * self.num_shards, self.seed)[position]
+
+    def step_samples(self, step: int) -> list[int]:
+        """The sample indices of global step ``step`` (every shard's)."""
+        first = step * self.num_shards * self.batch_size
+        return list(range(first, first + self.num_shards * self.batch_size))
+
+    def batch_shape(self, step: int) -> Shape:
+        """The spatial shape of step ``step``'s batch: the bounding shape of its samples' (the same on every shard)."""
+        return bounding_shape([self._shapes[self.case_index(i)] for i in self.step_samples(step)])
+
+    def real_voxels(self, step: int) -> int:
+        """Voxels of step ``step`` that come from a scan (not padding), over this process's samples.
+
+        The throughput column counts these: padding is neither data nor work worth reporting.
+        """
+        first = (step * self.num_shards + self.shard_index) * self.batch_size
+        total = 0
+        for sample in range(first, first + self.batch_size):
+            case = self.store.cases[self.case_index(sample)].shape
+            limit = self.case_shape(self.case_index(sample))
+            total += math.prod(min(c, t) for c, t in zip(case, limit))
+        return total
+
+    def padding_share(self, epoch: int = 0) -> float:
+        """The share of the voxels fed to the network in epoch ``epoch`` that are padding."""
+        fed = real = 0
+        for step in range(epoch * self.steps_per_epoch, (epoch + 1) * self.steps_per_epoch):
+            fed += math.prod(self.batch_shape(step)) * self.batch_size * self.num_shards
+            for sample in self.step_samples(step):
+                index = self.case_index(sample)
+                real += math.prod(min(c, t) for c, t in zip(self.store.cases[index].shape, self.case_shape(index)))
+        return 1.0 - real / fed if fed else 0.0
+
+    def cropped_share(self) -> float:
+        """The share of the training cases' voxels a fixed ``shape`` (or patch) crops away (0 for native shapes)."""
+        total = kept = 0
+        for index, info in enumerate(self.store.cases):
+            total += math.prod(info.shape)
+            kept += math.prod(min(c, t) for c, t in zip(info.shape, self.case_shape(index)))
+        return 1.0 - kept / total if total else 0.0
+
+    def sample_indices(self, start_step: int = 0) -> Iterator[tuple[int, tuple]]:
+        """``(sample index, batch shape)`` of each sample this process loads, batch by batch, from ``start_step``."""
         step = start_step
         while True:
+            shape = self.batch_shape(step)
             first = (step * self.num_shards + self.shard_index) * self.batch_size
-            yield from range(first, first + self.batch_size)
+            for sample in range(first, first + self.batch_size):
+                yield sample, shape
             step += 1
 
-    def _submit(self, sample_index: int, slot: int) -> Future:
+    def _submit(self, sample_index: int, shape: tuple, slot: int) -> Future:
         if self._pool is None:
             self._pool = ProcessPoolExecutor(
                 self.num_workers, mp_context=multiprocessing.get_context("spawn"),
                 initializer=_init_worker, initargs=(str(self.store.path), self.cold_cache, self.holdout))
-        return self._pool.submit(_worker_load, self._slots[slot].name, sample_index, self.volume, self.seed,
-                                 self.flip, self.patch)
+        return self._pool.submit(_worker_load, self._slots[slot].name, sample_index, self.case_index(sample_index),
+                                 shape, self.seed, self.flip, self.patch)
 
-    def _load(self, index: int):
+    def _load(self, index: int, shape: tuple):
         if self.patch:
             return load_patch(self.store, index, patch=self.patch, seed=self.seed, flip=self.flip)
-        return load_sample(self.store, index, volume=self.volume, seed=self.seed, flip=self.flip)
+        return load_sample(self.store, index, case_index=self.case_index(index), shape=shape, seed=self.seed,
+                           flip=self.flip)
 
     def samples(self, start_step: int = 0) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """An endless stream of this process's samples, from the first of batch ``start_step`` on.
@@ -325,29 +486,30 @@ class WholeVolumeLoader:
             start_step: the batch to start from (default 0).
 
         Yields:
-            ``(image (V, V, V, C) float32, label (V, V, V) uint8)`` with V = ``volume``.
+            ``(image (D, H, W, C) float32, label (D, H, W) uint8)`` at the sample's batch shape.
 
         Raises:
             DataError: a case cannot be read or holds invalid values.
         """
         indices = self.sample_indices(start_step)
         if self.num_workers == 0:
-            for index in indices:
-                yield self._load(index)
+            for index, shape in indices:
+                yield self._load(index, shape)
         ahead = max(self.num_workers, (self.prefetch + 1) * self.batch_size)
-        sample_bytes = self.volume**3 * (4 * self.num_channels + 1)
+        sample_bytes = math.prod(self.max_shape) * (4 * self.num_channels + 1)
         while len(self._slots) < ahead:
             self._slots.append(shared_memory.SharedMemory(create=True, size=sample_bytes))
-        pending: collections.deque[tuple[Future, int]] = collections.deque()
+        pending: collections.deque[tuple[Future, int, tuple]] = collections.deque()
         free = collections.deque(range(len(self._slots)))
         while True:
             while free:
                 slot = free.popleft()
-                pending.append((self._submit(next(indices), slot), slot))
-            future, slot = pending.popleft()
+                index, shape = next(indices)
+                pending.append((self._submit(index, shape, slot), slot, shape))
+            future, slot, shape = pending.popleft()
             future.result()
             # Views of the slot: valid until the next sample is requested, when the slot is refilled.
-            yield _slot_views(self._slots[slot].buf, self.volume, self.num_channels)
+            yield _slot_views(self._slots[slot].buf, shape, self.num_channels)
             free.append(slot)
 
     def batches(self, start_step: int = 0) -> Iterator[tuple[np.ndarray, np.ndarray]]:
@@ -357,20 +519,22 @@ class WholeVolumeLoader:
             start_step: the batch to start from (default 0), e.g. a resumed run's next step.
 
         Yields:
-            ``(images (batch_size, V, V, V, C) float32, labels (batch_size, V, V, V) uint8)``,
-            new arrays each step, V = ``volume``.
+            ``(images (batch_size, D, H, W, C) float32, labels (batch_size, D, H, W) uint8)``,
+            new arrays each step, at that step's ``batch_shape``.
 
         Raises:
             DataError: a case cannot be read or holds invalid values.
         """
         stream = self.samples(start_step)
-        shape = (self.batch_size, self.volume, self.volume, self.volume)
+        step = start_step
         while True:
+            shape = (self.batch_size, *self.batch_shape(step))
             images = np.empty(shape + (self.num_channels,), np.float32)
             labels = np.empty(shape, np.uint8)
             for i in range(self.batch_size):
                 images[i], labels[i] = next(stream)  # one copy, straight into the batch
             yield images, labels
+            step += 1
 
     def dataset(self, start_step: int = 0):
         """The batches as a prefetching ``tf.data.Dataset`` (imports TensorFlow).
@@ -383,13 +547,17 @@ class WholeVolumeLoader:
             start_step: the batch to start from (default 0).
 
         Returns:
-            A ``tf.data.Dataset`` of ``(images (batch_size, V, V, V, C) float32, labels
-            (batch_size, V, V, V) uint8)``, prefetching ``prefetch`` batches. A reader error
-            surfaces from TensorFlow as an op error; the original is kept in ``self.error``.
+            A ``tf.data.Dataset`` of ``(images (batch_size, D, H, W, C) float32, labels
+            (batch_size, D, H, W) uint8)``, prefetching ``prefetch`` batches; the spatial sizes
+            are static where every batch has the same shape, else unknown (each batch's tensor
+            has its own). A reader error surfaces from TensorFlow as an op error; the original
+            is kept in ``self.error``.
         """
         import tensorflow as tf
 
-        shape = (self.batch_size, self.volume, self.volume, self.volume)
+        shapes = set(self._shapes)
+        spatial = next(iter(shapes)) if len(shapes) == 1 else (None, None, None)
+        shape = (self.batch_size, *spatial)
         image_shape = shape + (self.num_channels,)
         stream = self.batches(start_step)
 
@@ -406,6 +574,22 @@ class WholeVolumeLoader:
 
         dataset = tf.data.Dataset.range(start_step, 2**62).map(load)
         return dataset.prefetch(self.prefetch) if self.prefetch else dataset
+
+    def describe(self) -> str:
+        """One line: what happens to each scan (whole at its own shape, or cropped/padded to a stated shape)."""
+        cases = self.store.cases
+        sources = {info.shape for info in cases}
+        if self.patch:
+            return f"{self.patch}^3 patches of {len(cases)} cases"
+        if self.shape is not None:
+            cropped = self.cropped_share()
+            what = f"cropped (random offset)/padded to {_shape_text(self.shape)}"
+            return (f"{len(cases)} cases {what}" + (f": {100 * cropped:.1f}% of their voxels cropped away"
+                                                     if cropped > 0 else ", nothing cropped"))
+        distinct = set(self._shapes)
+        return (f"{len(cases)} cases whole at their own shape ({_range_text(sources)}), padded to multiples of "
+                f"{self.pad_multiple}: {len(distinct)} distinct shape{'s' if len(distinct) != 1 else ''}, "
+                f"{100 * self.padding_share():.1f}% padding")
 
     def close(self) -> None:
         """Stop the reader processes, free the shared memory and close the store."""
@@ -425,6 +609,21 @@ class WholeVolumeLoader:
         self.close()
 
     def __repr__(self) -> str:
-        batch_bytes = self.batch_size * self.volume**3 * (4 * self.num_channels + 1)
-        return (f"WholeVolumeLoader(volume: {self.volume}^3; batch: {self.batch_size}; workers: {self.num_workers}; "
-                f"prefetch: {self.prefetch}; memory per batch: {batch_bytes / 2**20:.1f} MiB)")
+        shape = self.max_shape
+        batch_bytes = self.batch_size * math.prod(shape) * (4 * self.num_channels + 1)
+        what = "native, at most " if self.native else ""
+        return (f"WholeVolumeLoader(shape: {what}{_shape_text(shape)}; batch: {self.batch_size}; workers: "
+                f"{self.num_workers}; prefetch: {self.prefetch}; memory per batch: {batch_bytes / 2**20:.1f} MiB)")
+
+
+def _shape_text(shape: Sequence[int]) -> str:
+    shape = tuple(int(s) for s in shape)
+    return f"{shape[0]}^3" if len(set(shape)) == 1 else "x".join(map(str, shape))
+
+
+def _range_text(shapes) -> str:
+    """'240x240x155' for one shape; else each axis's range: '256x256x48..256'."""
+    if len(shapes) == 1:
+        return _shape_text(next(iter(shapes)))
+    axes = list(zip(*shapes))
+    return "x".join(f"{min(a)}" if min(a) == max(a) else f"{min(a)}..{max(a)}" for a in axes)

@@ -86,9 +86,11 @@ class HDF5VolumeStore:
             if holdout >= len(self.cases):
                 raise DataError(f"Cannot hold out {holdout} of the {len(self.cases)} cases in {str(self.path)!r}: "
                                 "training needs at least one.")
-            self.held_out = [c.case_id for c in self.cases[-holdout:]]
+            self.held_out_cases = self.cases[-holdout:]
+            self.held_out = [c.case_id for c in self.held_out_cases]
             self.cases = self.cases[:-holdout]
         else:
+            self.held_out_cases: list[CaseInfo] = []
             self.held_out = []
 
     # ---- opening -------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 
@@ -64,15 +65,39 @@ def make_phantom(rng: np.random.Generator, shape: tuple[int, int, int], num_clas
     return image[..., np.newaxis].astype(np.float32), label
 
 
-def write_synthetic_store(path: str | os.PathLike, *, num_cases: int, volume: int, num_classes: int = 3,
-                          seed: int = 0, progress=None) -> Path:
-    """Write ``num_cases`` phantoms of ``volume``^3 to a store at ``path`` (atomically)."""
-    shape = (volume, volume, volume)
-    with StoreWriter(path, num_classes=num_classes, channel_names=["synthetic"],
+def write_synthetic_store(path: str | os.PathLike, *, num_cases: int, volume: int | Sequence, num_classes: int = 3,
+                          seed: int = 0, progress=None, shapes: Sequence[Sequence[int]] | None = None,
+                          channels: int = 1) -> Path:
+    """Write ``num_cases`` phantoms to a store at ``path`` (atomically).
+
+    Args:
+        path: the store to write.
+        num_cases: phantoms.
+        volume: their shape: an edge N (N^3) or ``(D, H, W)``.
+        num_classes: background and foreground classes (default 3).
+        seed: the phantoms' seed (default 0).
+        progress: ``(done, total)`` after each case.
+        shapes: one ``(D, H, W)`` per case instead of ``volume`` (a store of differently shaped
+            scans, as real datasets are); ``num_cases`` must match.
+        channels: image channels (default 1); channel c > 0 is the phantom under a different
+            contrast (intensities scaled by 1 + c / 2, independent noise), as MRI sequences differ.
+
+    Returns:
+        The store's path.
+    """
+    if shapes is not None and len(shapes) != num_cases:
+        raise ValueError(f"shapes: {len(shapes)} shapes for {num_cases} cases")
+    names = ["synthetic"] if channels == 1 else [f"synthetic{c}" for c in range(channels)]
+    with StoreWriter(path, num_classes=num_classes, channel_names=names,
                      label_names=["background"] + [f"class{k}" for k in range(1, num_classes)]) as writer:
         for index in range(num_cases):
             rng = np.random.default_rng([seed, index])
+            shape = tuple(shapes[index]) if shapes is not None else _as_shape(volume)
             image, label = make_phantom(rng, shape, num_classes)
+            if channels > 1:
+                extra = [image * (1.0 + c / 2) + rng.normal(0, NOISE_SIGMA, image.shape).astype(np.float32)
+                         for c in range(1, channels)]
+                image = np.concatenate([image, *extra], axis=-1)
             writer.add_case(f"synth_{index:04d}", image, label,
                             source_image=f"synthetic:v{SYNTH_VERSION}:seed={seed}:index={index}")
             if progress is not None:
@@ -86,12 +111,19 @@ def default_cache_dir() -> Path:
     return Path(root)
 
 
-def cached_synthetic_store(*, num_cases: int, volume: int, num_classes: int, seed: int = 0, progress=None) -> Path:
-    """The synthetic store for these parameters, generated once and then reused from the cache."""
-    key = f"v{SYNTH_VERSION}-n{num_cases}-s{volume}-k{num_classes}-seed{seed}"
+def _as_shape(volume: int | Sequence[int]) -> tuple[int, int, int]:
+    return (int(volume),) * 3 if isinstance(volume, (int, np.integer)) else tuple(int(s) for s in volume)
+
+
+def cached_synthetic_store(*, num_cases: int, volume: int | Sequence[int], num_classes: int, seed: int = 0,
+                           progress=None) -> Path:
+    """The synthetic store for these parameters (``volume`` an edge or a ``(D, H, W)``), generated once, then cached."""
+    shape = _as_shape(volume)
+    size = str(shape[0]) if len(set(shape)) == 1 else "x".join(map(str, shape))  # cubes keep their older cache name
+    key = f"v{SYNTH_VERSION}-n{num_cases}-s{size}-k{num_classes}-seed{seed}"
     digest = hashlib.sha1(key.encode()).hexdigest()[:8]
     path = default_cache_dir() / f"synth-{key}-{digest}.h5"
     if not path.exists():
-        write_synthetic_store(path, num_cases=num_cases, volume=volume, num_classes=num_classes, seed=seed,
+        write_synthetic_store(path, num_cases=num_cases, volume=shape, num_classes=num_classes, seed=seed,
                               progress=progress)
     return path

@@ -35,7 +35,7 @@ class DataParallel:
 
     Attributes:
         replicas: the strategy and its devices.
-        patch: the patch edge, or None for whole volumes (``config.data.volume``).
+        patch: the patch edge, or None for whole volumes (each case's own shape, or ``config.data.shape``).
         per_replica_batch: samples per replica per step (``train.batch_size``).
         global_batch: samples per step over every replica of every worker.
         num_workers: processes (hosts) taking part; 1 for ``mirrored``.
@@ -69,8 +69,8 @@ class DataParallel:
 
     def host_config(self, config: ExperimentConfig) -> ExperimentConfig:
         """The job one host runs, for its memory pre-flight: its samples per step at the input shape."""
-        return config.updated({"data": {"volume": self.patch or config.data.volume},
-                               "train": {"batch_size": self.worker_batch}})
+        data = {"shape": [self.patch] * 3} if self.patch else {}
+        return config.updated({"data": data, "train": {"batch_size": self.worker_batch}})
 
     @property
     def host_checked(self) -> bool:
@@ -103,11 +103,16 @@ class DataParallel:
         options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
         return iter(strategy.experimental_distribute_dataset(loader.dataset(start_step).with_options(options)))
 
-    def describe(self, volume: int, lr: float) -> str:
-        """One line for the run's opening message: what trains on what, at which lr."""
+    def describe(self, data: str, lr: float) -> str:
+        """One line for the run's opening message: what trains on what, at which lr.
+
+        Args:
+            data: what happens to each scan (``WholeVolumeLoader.describe``).
+            lr: the learning rate after scaling.
+        """
         where = "logical CPU devices (simulated on CPU)" if self.replicas.simulated else (
             "CPU hosts" if self.whole_volumes and self.num_workers > 1 else "GPUs")
-        what = f"whole {volume}^3 volumes" if self.whole_volumes else f"{self.patch}^3 patches"
+        what = f"whole volumes ({data})" if self.whole_volumes else f"{self.patch}^3 patches"
         hosts = f" on {self.num_workers} workers" if self.num_workers > 1 else ""
         return (f"{self.global_batch} x {what} over {self.replicas.num_replicas} {where}{hosts}, lr {lr:g}")
 
@@ -120,13 +125,16 @@ class DataParallel:
                 "per_gpu_predicted_bytes": self.per_gpu_predicted_bytes}
 
 
-def data_parallel(config: ExperimentConfig, replicas: Replicas, counts_for) -> DataParallel:
+def data_parallel(config: ExperimentConfig, replicas: Replicas, counts_for,
+                  volume_edge: int | None = None) -> DataParallel:
     """Decide how ``config`` runs over ``replicas``: whole volumes or the patch that fits one GPU.
 
     Args:
         config: the resolved job (``distribute`` section; ``train.batch_size`` is per replica).
         replicas: the strategy and devices (``strategy.setup_replicas``).
         counts_for: ``(D, H, W) -> NetworkCounts`` of the model, for the per-GPU footprint.
+        volume_edge: the largest edge of the volumes trained (the patch is never larger); default:
+            that of ``data.shape``, else ``data.reference_volume``.
 
     Returns:
         The ``DataParallel`` decisions; ``config`` is not changed.
@@ -153,7 +161,8 @@ def data_parallel(config: ExperimentConfig, replicas: Replicas, counts_for) -> D
         raise ConfigError("distribute.gpu_memory_bytes", "Give {field} SIZE (e.g. 80GiB) or {distribute.patch} N: "
                           "the patch size is chosen to fit one GPU's memory"
                           + (", and these replicas are simulated on CPU." if replicas.simulated else "."))
-    patch = settings.patch or largest_edge(config, counts_for, gpu_memory, per_replica, config.data.volume)
+    upper = volume_edge or (max(config.data.shape) if config.data.shape else config.data.reference_volume)
+    patch = settings.patch or largest_edge(config, counts_for, gpu_memory, per_replica, upper)
     if patch is None:
         need = gpu_footprint_bytes(config, counts_for, config.model.divisor, per_replica)
         raise InsufficientMemoryError(

@@ -24,6 +24,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from bigmem.data.pipeline import background_values
 from bigmem.data.store import HDF5VolumeStore
 from bigmem.errors import DataError
 
@@ -468,15 +469,18 @@ def prepare_nifti(image_paths: str | os.PathLike | Sequence[str | os.PathLike],
 # ---- whole-volume inference -------------------------------------------------------------
 
 
-def pad_to_multiple(image: np.ndarray, divisor: int):
-    """Zero-pad each spatial axis, centred, up to the next multiple of ``divisor``.
+def pad_to_multiple(image: np.ndarray, divisor: int, value: np.ndarray | float | None = None):
+    """Pad each spatial axis, centred, up to the next multiple of ``divisor``, at the background value.
 
-    Centred as training's ``fit_to_volume`` pads (``(size_needed - size) // 2`` before); pad after
-    normalising, so the padding is the mean intensity, as in training.
+    Centred and valued as training pads (``data.pipeline.fit_to_shape``: ``(size_needed - size) // 2``
+    before, each channel's minimum after normalising, its background), so the network sees the
+    same border in both.
 
     Args:
         image: ``(D, H, W)`` or ``(D, H, W, C)``.
         divisor: the network's size contract (``2 ** depth``: 16 for four downsamplings).
+        value: the padded voxels' value, per channel or one (default None: each channel's
+            minimum, ``data.pipeline.background_values``).
 
     Returns:
         ``(padded, slices)``: the padded array (``image`` itself when no axis needs padding) and the three
@@ -501,7 +505,13 @@ def pad_to_multiple(image: np.ndarray, divisor: int):
         slices.append(slice(before, before + size))
     if not any(after or before for before, after in widths):
         return image, tuple(slices)
-    return np.pad(image, widths + [(0, 0)] * (image.ndim - 3)), tuple(slices)
+    channels = image if image.ndim == 4 else image[..., np.newaxis]
+    fill = background_values(channels) if value is None else np.broadcast_to(np.asarray(value, image.dtype),
+                                                                            channels.shape[3:])
+    padded = np.empty(tuple(s + b + a for s, (b, a) in zip(image.shape[:3], widths)) + channels.shape[3:], image.dtype)
+    padded[...] = fill
+    padded[tuple(slices)] = channels
+    return (padded if image.ndim == 4 else padded[..., 0]), tuple(slices)
 
 
 def crop_padding(array: np.ndarray, slices: tuple[slice, slice, slice]) -> np.ndarray:

@@ -21,7 +21,7 @@ import numpy as np
 
 from bigmem.checkpoints import CheckpointManager
 from bigmem.config.options import Precision, StrOption, look_up_option
-from bigmem.config.schema import ExperimentConfig
+from bigmem.config.schema import ExperimentConfig, check_shape
 from bigmem.errors import DataError, UsageError
 from bigmem.infer.forward import forward_probabilities, normalize_image
 from bigmem.infer.geometry import CaseGeometry, crop_padding, labels_to_source, pad_to_multiple, scores_to_source
@@ -48,18 +48,23 @@ class Predictor:
         config: the run's config (``data.store`` is the store it was trained on).
         source: what the weights came from ('model.keras', 'checkpoints/best', ...).
         training_edge: the patch edge the network was trained on (a data-parallel run on
-            patches), or None: it was trained on whole volumes of ``config.data.volume``.
+            patches), or None: it was trained on whole volumes.
+        trained_shape: the largest step shape of a run on whole volumes (its plan.json's), or None.
     """
 
     model: object
     config: ExperimentConfig
     source: str
     training_edge: int | None = None
+    trained_shape: tuple[int, int, int] | None = None
 
     @property
-    def window(self) -> int:
-        """The sliding window's default edge: what the network saw in training (its patch, or volume)."""
-        return self.training_edge or self.config.data.volume
+    def window(self) -> tuple[int, int, int]:
+        """The sliding window's default ``(D, H, W)``: what the network saw in training (its patch, its largest
+        whole volume, or the fixed ``data.shape``; the reference cube for a run that recorded none)."""
+        if self.training_edge:
+            return (self.training_edge,) * 3
+        return tuple(self.trained_shape or self.config.data.shape or (self.config.data.reference_volume,) * 3)
 
     @property
     def num_classes(self) -> int:
@@ -115,6 +120,9 @@ def load_predictor(run_dir: str | os.PathLike, checkpoint: str = "final", *, ver
     parallel = plan.get("data_parallel") if isinstance(plan, dict) else None
     patch = parallel.get("patch") if isinstance(parallel, dict) else None
     edge = int(patch) if isinstance(patch, int) and patch > 0 else None
+    chosen = plan.get("chosen") if isinstance(plan, dict) else None
+    trained = chosen.get("spatial_shape") if isinstance(chosen, dict) else None
+    trained = tuple(int(v) for v in trained) if isinstance(trained, list) and len(trained) == 3 else None
     import_tensorflow(verbose=verbose)
     import keras
 
@@ -125,11 +133,11 @@ def load_predictor(run_dir: str | os.PathLike, checkpoint: str = "final", *, ver
             model = keras.models.load_model(run.model)
         except Exception as exc:  # Keras raises many types for a damaged archive
             raise DataError(f"Cannot load {run.model}: {type(exc).__name__}: {exc}") from None
-        return Predictor(model, config, "model.keras", edge)
+        return Predictor(model, config, "model.keras", edge, trained)
     policy = "mixed_bfloat16" if config.train.precision is Precision.BF16 else "float32"
     model = UNet3D(config.model, dtype=policy, name="unet3d").build_for()
     CheckpointManager(run.checkpoints).restore(path, model)
-    return Predictor(model, config, f"checkpoints/{path.name}", edge)
+    return Predictor(model, config, f"checkpoints/{path.name}", edge, trained)
 
 
 # ---- inputs ---------------------------------------------------------------------------------
@@ -250,7 +258,8 @@ def _pick(inputs: list[CaseInput], cases: Sequence[str] | None, where: str) -> l
 
 
 def predict_probabilities(predictor: Predictor, image: np.ndarray, *, mode: Mode = Mode.WHOLE,
-                          window: int | None = None, overlap: float = DEFAULT_OVERLAP, accumulate: str = "float32",
+                          window: int | tuple[int, int, int] | None = None, overlap: float = DEFAULT_OVERLAP,
+                          accumulate: str = "float32",
                           tta: bool = False, progress=None) -> np.ndarray:
     """Class probabilities of one case on the network's grid.
 
@@ -258,7 +267,8 @@ def predict_probabilities(predictor: Predictor, image: np.ndarray, *, mode: Mode
         predictor: the trained network.
         image: ``(D, H, W, C)`` float32 on the store grid, not yet normalised.
         mode: ``whole`` (one pass, padded to a multiple of ``2**depth``) or ``sliding``.
-        window: the sliding window's edge (default: ``predictor.window``, the training patch or volume).
+        window: the sliding window's edge N or ``(D, H, W)`` (default: ``predictor.window``, the training patch
+            or largest volume).
         overlap: the sliding windows' overlap fraction.
         accumulate: 'float32' or 'float16' sliding-window accumulators.
         tta: average the 8 mirrored passes.
@@ -326,7 +336,8 @@ class CaseResult:
 
 
 def predict_case(predictor: Predictor, item: CaseInput, out_dir: Path, *, mode: Mode | Callable,
-                 window: int | None = None, overlap: float = DEFAULT_OVERLAP, accumulate: str = "float32",
+                 window: int | tuple[int, int, int] | None = None, overlap: float = DEFAULT_OVERLAP,
+                          accumulate: str = "float32",
                  tta: bool = False, save_probabilities: bool = False) -> CaseResult:
     """Segment one case and write ``<case>.nii.gz`` (uint8 labels in the source geometry).
 
@@ -366,7 +377,8 @@ def predict_case(predictor: Predictor, item: CaseInput, out_dir: Path, *, mode: 
 
 def predict(run_dir: str | os.PathLike, source: str | os.PathLike, out_dir: str | os.PathLike, *,
             checkpoint: str = "final", cases: Sequence[str] | None = None, mode: str = "auto",
-            window: int | None = None, overlap: float = DEFAULT_OVERLAP, accumulate: str = "float32",
+            window: int | tuple[int, int, int] | None = None, overlap: float = DEFAULT_OVERLAP,
+                          accumulate: str = "float32",
             tta: bool = False, save_probabilities: bool = False, choose_mode=None,
             verbose: bool = False) -> Iterator[CaseResult]:
     """Segment every case of ``source`` with the run in ``run_dir``; yields each case's result as it is written.
@@ -391,13 +403,18 @@ def predict(run_dir: str | os.PathLike, source: str | os.PathLike, out_dir: str 
         raise UsageError("--mode auto needs a way to choose (the inference plan); give --mode whole or sliding.")
     if not 0 <= overlap < 1:
         raise UsageError(f"Invalid --overlap {overlap:g}: expected a fraction in [0, 1).")
-    if window is not None and window < 1:  # this and INPUT are refused before TensorFlow starts
-        raise UsageError(f"Invalid --window {window}: expected a positive integer.")
+    edge = window if isinstance(window, int) else None
+    window = None if window is None else ((int(window),) * 3 if edge is not None else tuple(window))
+    if window is not None and (len(window) != 3 or min(window) < 1):  # refused before TensorFlow starts
+        raise UsageError(f"Invalid --window {edge if edge is not None else ','.join(map(str, window))}: expected a "
+                         "positive integer N or D,H,W.")
     _existing_input(source)
     predictor = load_predictor(run_dir, checkpoint, verbose=verbose)
-    if window is not None and window % predictor.divisor:
-        raise UsageError(f"Invalid --window {window}: expected a positive multiple of {predictor.divisor} "
+    if edge is not None and edge % predictor.divisor:
+        raise UsageError(f"Invalid --window {edge}: expected a positive multiple of {predictor.divisor} "
                          f"(the network downsamples {predictor.config.model.depth} times).")
+    if window is not None:
+        check_shape("--window", window, predictor.config.model)
     inputs = find_inputs(source, predictor.config.data.store, cases=cases)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -29,6 +29,7 @@ from typing import Sequence
 
 from bigmem.config.options import Precision
 from bigmem.config.schema import ExperimentConfig
+from bigmem.data.pipeline import padded_shape  # the one rounding rule: training pads as predict does
 from bigmem.memory.calibration import (
     EMULATED_BF16_MARGIN_FRACTION, FALLBACK_ISA, UNMEASURED_MARGIN_FRACTION, Calibration, machine_isa_class,
 )
@@ -296,11 +297,6 @@ def estimate_inference(config: ExperimentConfig, counts: NetworkCounts, spatial_
     return InferenceEstimate(components, counts.param_count, tuple(spatial_shape), 1, precision.value, [],
                              calibration, 0, notes, partitioned_stages=sliced, runnable=runnable,
                              host_phases=phases, forward_flops=2 * counts.forward_macs, source_shape=source_shape)
-
-
-def padded_shape(shape: Sequence[int], divisor: int) -> tuple[int, int, int]:
-    """``shape`` rounded up to the size contract, as predict pads a case (``infer.geometry.pad_to_multiple``)."""
-    return tuple(-(-int(s) // divisor) * divisor for s in shape[:3])
 
 
 @dataclass

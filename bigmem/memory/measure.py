@@ -37,12 +37,12 @@ def measure(config: ExperimentConfig, *, steps: int = 3, recompute_stages: list[
     """Train ``config`` for ``steps`` steps on synthetic volumes of its shape in a fresh process.
 
     The values of the voxels do not change the footprint, so the measurement uses phantoms of
-    ``config.data.volume`` (cached) rather than the user's store. The child
+    ``config.data.shape`` (cached) rather than the user's store. The child
     (``python -m bigmem.train.probe``) applies ``config.numa`` before TensorFlow starts, so its
     peak is that of a real run of the configuration, framework included.
 
     Args:
-        config: the run to measure (model, ``data.volume``, ``train.batch_size``, precision,
+        config: the run to measure (model, ``data.shape``, ``train.batch_size``, precision,
             placement); not changed.
         steps: training steps (default 3; the first, which traces, is left out of ``step_s``).
         recompute_stages: stage names to recompute in the backward pass (``UNet3D.stage_names``);
@@ -63,11 +63,12 @@ def measure(config: ExperimentConfig, *, steps: int = 3, recompute_stages: list[
         subprocess.TimeoutExpired: the child ran past ``timeout_s``.
 
     Example:
-        >>> result = measure(ExperimentConfig.from_dict({"model": {"depth": 2}, "data": {"volume": 32}}))
+        >>> result = measure(ExperimentConfig.from_dict({"model": {"depth": 2}, "data": {"shape": [32, 64, 64]}}))
         >>> result.peak_bytes - result.baseline_bytes  # bytes the training itself added
     """
-    volume, batch = config.data.volume, config.train.batch_size
-    store = str(cached_synthetic_store(num_cases=max(2, batch), volume=volume, num_classes=config.model.num_classes))
+    shape = tuple(config.data.shape or (config.data.reference_volume,) * 3)
+    batch = config.train.batch_size
+    store = str(cached_synthetic_store(num_cases=max(2, batch), volume=shape, num_classes=config.model.num_classes))
     config = config.updated({"data": {"store": store}, "train": {
         "steps": steps, "epochs": None, "checkpoint_every": steps,
         "warmup_steps": min(config.train.warmup_steps, steps)}})
@@ -78,7 +79,8 @@ def measure(config: ExperimentConfig, *, steps: int = 3, recompute_stages: list[
                                 capture_output=True, text=True, timeout=timeout_s)
     if result.returncode != 0:
         tail = (result.stderr.strip().splitlines() or ["no output"])[-1]
-        raise BigmemError(f"Measuring {config.model.name} at {volume}^3, batch {batch} failed in the child process "
+        where = f"{shape[0]}^3" if len(set(shape)) == 1 else "x".join(map(str, shape))
+        raise BigmemError(f"Measuring {config.model.name} at {where}, batch {batch} failed in the child process "
                           f"(exit {result.returncode}): {tail}")
     values = json.loads(result.stdout.strip().splitlines()[-1])
     return Measurement(int(values["peak_bytes"]), int(values["baseline_bytes"]),

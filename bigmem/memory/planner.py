@@ -32,6 +32,18 @@ MAX_BATCH = 4096
 MAX_VOLUME = 4096  # voxels per edge searched; 4096^3 is 64 Gi voxels
 
 
+def as_shape(volume: int | Sequence[int]) -> tuple[int, int, int]:
+    """A cube edge N as (N, N, N); a ``(D, H, W)`` as a tuple of ints."""
+    if isinstance(volume, int):
+        return (volume,) * 3
+    return tuple(int(s) for s in volume)  # type: ignore[return-value]
+
+
+def machine_memory_bytes() -> int:
+    """MemTotal: the machine's memory; no budget above it can be met."""
+    return int(psutil.virtual_memory().total)
+
+
 def available_memory_bytes() -> int:
     """MemAvailable: what the kernel says can be allocated without swapping."""
     return int(psutil.virtual_memory().available)
@@ -50,9 +62,24 @@ class Candidate:
     predicted_step_s: float | None = None  # memory/speed.py: FLOPs over this CPU's measured rate
     step_rate_source: str = ""
     partitioned_stages: list[str] = field(default_factory=list)  # stages run in depth slabs
-    # An inference candidate's (D, H, W) (memory.preflight.inference_plan), which need not be a cube:
-    # then ``volume`` is its largest edge. None for training's cubes.
+    # The candidate's (D, H, W), which need not be a cube: then ``volume`` is its largest edge.
     spatial_shape: list[int] | None = None
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """``(D, H, W)``: ``spatial_shape``, or the cube of ``volume``."""
+        return tuple(self.spatial_shape) if self.spatial_shape else (self.volume,) * 3  # type: ignore[return-value]
+
+    @property
+    def shape_text(self) -> str:
+        """'128^3' for a cube, else '240x240x144'."""
+        shape = self.shape
+        return f"{shape[0]}^3" if len(set(shape)) == 1 else "x".join(map(str, shape))
+
+    def shape_flag(self) -> str:
+        """The flag that asks for this shape: ``--volume N`` for a cube, else ``--shape D,H,W``."""
+        shape = self.shape
+        return f"--volume {shape[0]}" if len(set(shape)) == 1 else "--shape " + ",".join(map(str, shape))
 
     def flags(self) -> str:
         parts = []
@@ -83,6 +110,10 @@ class Plan:
     calibration: dict | None = None  # the calibration behind the chosen (or closest) candidate's estimate
     data_parallel: dict | None = None  # the data-parallel run's patch and replicas (train --strategy)
     kind: str = "train"  # "inference": whole-volume segmentation at batch 1 (memory.preflight.inference_plan)
+    # Per training case (a job on a store's own shapes): case, shape, padded_shape, predicted_peak_bytes, fits.
+    cases: list[dict] | None = None
+    # The held-out validation pass (--val-every): its case, shape and predicted peak beside training's.
+    validation: dict | None = None
 
     @property
     def predicted_peak_bytes(self) -> int:
@@ -107,6 +138,8 @@ class Plan:
                        "spatial_shape": chosen.spatial_shape}
             if chosen is not None else None,
             "data_parallel": self.data_parallel,
+            "cases": self.cases,
+            "validation": self.validation,
             "closest": dataclasses.asdict(self.closest),
             "best_per_mode": [dataclasses.asdict(c) for c in self.best_per_mode],
             "candidates": [dataclasses.asdict(c) for c in self.candidates],
@@ -125,23 +158,25 @@ class Planner:
         self.divisor = config.model.divisor
         self.candidates: list[Candidate] = []
 
-    def evaluate(self, volume: int, batch: int, precision: Precision, recompute: Recompute,
+    def evaluate(self, volume: int | Sequence[int], batch: int, precision: Precision, recompute: Recompute,
                  stages: Sequence[str] | None = None) -> Candidate:
+        """One configuration's candidate (kept in ``candidates``); ``volume``: a cube edge or a ``(D, H, W)``."""
+        shape = as_shape(volume)
         config = self.config.updated({"train": {"batch_size": batch, "precision": precision},
                                       "memory": {"recompute": recompute}})
-        counts = self.counts_for((volume,) * 3)
+        counts = self.counts_for(shape)
         if stages is None:
             stages = mode_stages(recompute, counts)
-        result = estimate(config, counts, (volume,) * 3, recompute_stages=stages)
+        result = estimate(config, counts, shape, recompute_stages=stages)
         rate = self._rate(result.calibration, precision, config.model.filters[0])
         recomputed = recomputed_share(counts.block_elements, stages)
-        candidate = Candidate(volume, batch, precision.value, recompute.value, result.predicted_peak_bytes,
+        candidate = Candidate(max(shape), batch, precision.value, recompute.value, result.predicted_peak_bytes,
                               result.predicted_peak_bytes <= self.budget_bytes and result.runnable, list(stages),
                               components=dict(result.components),
                               partitioned_stages=list(result.partitioned_stages),
                               predicted_step_s=round(predicted_step_s(result.train_flops_per_step, recomputed, rate,
                                                                       self.machine.cores), 3),
-                              step_rate_source=rate.source)
+                              step_rate_source=rate.source, spatial_shape=list(shape))
         self.candidates.append(candidate)
         return candidate
 
@@ -172,9 +207,9 @@ class Planner:
     def largest_batch(self, volume: int, precision: Precision, recompute: Recompute) -> Candidate | None:
         return self._largest(lambda b: self.evaluate(volume, b, precision, recompute), MAX_BATCH)
 
-    def fewest_recomputed_stages(self, volume: int, batch: int, precision: Precision) -> Candidate:
+    def fewest_recomputed_stages(self, volume: int | Sequence[int], batch: int, precision: Precision) -> Candidate:
         """For --recompute auto: recompute the stages that save most, one more at a time, until it fits."""
-        order = recompute_order(self.counts_for((volume,) * 3))
+        order = recompute_order(self.counts_for(as_shape(volume)))
         candidate = None
         for count in range(len(order) + 1):
             candidate = self.evaluate(volume, batch, precision, Recompute.AUTO, order[:count])
@@ -193,7 +228,8 @@ def allowed_modes(allow_bf16: bool | None = None) -> tuple[tuple[Precision, Reco
 
 
 def make_plan(config: ExperimentConfig, counts_for, budget_bytes: int, *, budget_source: str,
-              volume: int | None = None, batch_size: int | None = None, allow_bf16: bool | None = None) -> Plan:
+              volume: int | Sequence[int] | None = None, batch_size: int | None = None,
+              allow_bf16: bool | None = None) -> Plan:
     """The largest volume (unless fixed) and then batch (unless fixed) that fit, over the allowed modes.
 
     The modes are precision x recompute (fp32/bf16, none/stages); the chosen candidate is the
@@ -204,7 +240,7 @@ def make_plan(config: ExperimentConfig, counts_for, budget_bytes: int, *, budget
         counts_for: ``(D, H, W) -> NetworkCounts`` of the model.
         budget_bytes: the most the predicted peak may be.
         budget_source: what set the budget, for plan.json and messages ('MemAvailable', a flag).
-        volume: fix the cubic volume edge instead of searching it.
+        volume: fix the cube edge, or the ``(D, H, W)`` shape, instead of searching a cube.
         batch_size: fix the batch instead of searching it.
         allow_bf16: consider bf16 modes; default: only where the CPU has native bf16.
 
@@ -251,11 +287,12 @@ def candidate_calibration(config: ExperimentConfig, candidate: Candidate) -> dic
     return lookup_calibration(config.model.name, candidate.precision, recompute).to_dict()
 
 
-def cheapest_fix(config: ExperimentConfig, counts_for, budget_bytes: int, volume: int, batch: int,
+def cheapest_fix(config: ExperimentConfig, counts_for, budget_bytes: int, volume: int | Sequence[int], batch: int,
                  allow_bf16: bool | None = None) -> str:
-    """A sentence naming the cheapest change that makes ``volume``/``batch`` fit, or what does.
+    """A sentence naming the cheapest change that makes ``volume`` (an edge or a shape) at ``batch`` fit, or what does.
 
     bf16 is suggested only where the CPU has it natively, or when the configuration asks for it.
+    The last resort, a smaller cube, crops whole scans: it is named as such.
     """
     planner = Planner(config, counts_for, budget_bytes)
     modes = allowed_modes(True if config.train.precision is Precision.BF16 else allow_bf16)
@@ -272,24 +309,34 @@ def cheapest_fix(config: ExperimentConfig, counts_for, budget_bytes: int, volume
     largest = planner.largest_volume(precision, recompute)
     if largest is not None:
         return (f"the largest volume that fits is --volume {largest.volume} --batch-size 1 {largest.flags()} "
-                f"(est. {format_bytes(largest.predicted_peak_bytes)})")
+                f"(est. {format_bytes(largest.predicted_peak_bytes)}; it crops larger scans)")
     return "nothing fits, not even the smallest volume; raise --memory-budget or free memory"
 
 
 def check_fits(estimated: Estimate, config: ExperimentConfig, counts_for, budget_bytes: int, budget_source: str,
-               volume: int) -> None:
-    """Raise InsufficientMemoryError (exit 3) unless the estimate fits the budget."""
+               volume: int | Sequence[int], what: str = "") -> None:
+    """Raise InsufficientMemoryError (exit 3) unless the estimate fits the budget.
+
+    Args:
+        estimated: the job's estimate.
+        config, counts_for: the job and its counts, for the cheapest fix.
+        budget_bytes, budget_source: the budget and what set it.
+        volume: the job's cube edge or ``(D, H, W)``.
+        what: names the shape's origin in the message, e.g. " (case 'kits_0005', 256x256x256 padded)".
+    """
     required = estimated.predicted_peak_bytes
     if required <= budget_bytes:
         return
     fix = cheapest_fix(config, counts_for, budget_bytes, volume, config.train.batch_size)
     mode = config.train.precision.value + (f", recompute {config.memory.recompute.value}"
                                            if config.memory.recompute is not Recompute.NONE else "")
+    shape = as_shape(volume)
+    text = f"{shape[0]}^3" if len(set(shape)) == 1 else "x".join(map(str, shape))
     raise InsufficientMemoryError(
-        f"Predicted peak {format_bytes(required)} for {config.model.name} at {volume}^3 x batch "
+        f"Predicted peak {format_bytes(required)} for {config.model.name} at {text}{what} x batch "
         f"{config.train.batch_size} ({mode}) exceeds the memory budget {format_bytes(budget_bytes)} "
         f"({budget_source}): {fix}; or pass --force to try anyway.", required, budget_bytes)
 
 
-__all__ = ["Candidate", "Plan", "Planner", "available_memory_bytes", "candidate_calibration", "check_fits",
-           "cheapest_fix", "make_plan"]
+__all__ = ["Candidate", "Plan", "Planner", "as_shape", "available_memory_bytes", "candidate_calibration",
+           "check_fits", "cheapest_fix", "machine_memory_bytes", "make_plan"]

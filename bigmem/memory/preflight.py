@@ -23,6 +23,7 @@ kept (a plan for a bigger machine, or page cache the user knows can be dropped).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -31,7 +32,9 @@ from bigmem.config.schema import ExperimentConfig
 from bigmem.errors import ConfigError, InsufficientMemoryError
 from bigmem.memory.estimate import NetworkCounts, estimate, mode_stages
 from bigmem.memory.inference import estimate_inference, inference_calibration
-from bigmem.memory.planner import MAX_VOLUME, Candidate, Plan, Planner, available_memory_bytes, check_fits, make_plan
+from bigmem.memory.planner import (
+    MAX_VOLUME, Candidate, Plan, Planner, available_memory_bytes, check_fits, machine_memory_bytes, make_plan,
+)
 from bigmem.numa.capacity import check_nodes_fit, placement_budget
 from bigmem.numa.policy import Placement, PolicyKind
 from bigmem.numa.topology import NUMATopology
@@ -110,7 +113,7 @@ def recompute_stages(config: ExperimentConfig, counts_for: CountsFor, shape: Seq
     Args:
         config: the job (``memory.recompute``, ``train.precision``, ``train.batch_size``).
         counts_for: ``memory.profile.counts_function(config)``.
-        shape: the spatial shape ``(D, H, W)``; ``auto`` needs a cube.
+        shape: the spatial shape ``(D, H, W)``.
         budget_bytes: the budget ``auto`` fits (``resolve_budget``); unused by none and stages.
         planner: the ``Planner`` to evaluate ``auto``'s candidates with (it keeps them);
             default: a new one for ``budget_bytes``.
@@ -120,7 +123,7 @@ def recompute_stages(config: ExperimentConfig, counts_for: CountsFor, shape: Seq
         whose predicted peak fits ``budget_bytes`` (every stage when none does).
 
     Raises:
-        UsageError: auto without a budget, or on a non-cubic shape.
+        UsageError: auto without a budget.
 
     Example:
         >>> recompute_stages(config, counts_for, (128, 128, 128), 8 * 2**30)
@@ -129,62 +132,180 @@ def recompute_stages(config: ExperimentConfig, counts_for: CountsFor, shape: Seq
     recompute = config.memory.recompute
     if recompute is not Recompute.AUTO:
         return mode_stages(recompute, counts_for(tuple(shape)))
-    if len(set(shape)) != 1:
-        raise ConfigError("memory.recompute", f"{{field}} auto needs a cubic volume, not {tuple(shape)}.")
     if planner is None:
         if budget_bytes is None:
             raise ConfigError("memory.recompute", "{field} auto needs a memory budget to fit; "
                               "give {memory.budget_bytes}.")
         planner = Planner(config, counts_for, budget_bytes)
-    chosen = planner.fewest_recomputed_stages(shape[0], config.train.batch_size, config.train.precision)
+    chosen = planner.fewest_recomputed_stages(tuple(shape), config.train.batch_size, config.train.precision)
     return chosen.recompute_stages
 
 
-def job_plan(config: ExperimentConfig, counts_for: CountsFor, budget: Budget, *,
-             stages: Sequence[str] | None = None, force: bool = False, check: bool = True) -> Plan:
-    """The plan of one fixed job (``config.data.volume`` cubes at ``train.batch_size``), refused unless it fits.
+@dataclass(frozen=True)
+class CaseShape:
+    """One training case as the pre-flight plans it: its id, its own shape and the shape it trains at."""
+
+    case_id: str
+    shape: tuple[int, int, int]
+    trained_shape: tuple[int, int, int]
+
+
+def check_budget_within_machine(budget: Budget, *, force: bool = False, machine_bytes: int | None = None) -> None:
+    """Refuse (exit 3) an explicit budget above the machine's memory: the kernel, not bigmem, would stop the run.
+
+    Args:
+        budget: ``resolve_budget(...)``.
+        force: keep it anyway (a user who knows better, e.g. swap the kernel will use).
+        machine_bytes: MemTotal (default: read now).
+
+    Raises:
+        InsufficientMemoryError: an explicit (flag-given) budget exceeds MemTotal, unless ``force``.
+    """
+    if force or not budget.source.startswith("--"):
+        return
+    total = machine_memory_bytes() if machine_bytes is None else int(machine_bytes)
+    if budget.budget_bytes > total:
+        raise InsufficientMemoryError(
+            f"{budget.source} {format_bytes(budget.budget_bytes)} is more than this machine's memory "
+            f"({format_bytes(total)}, MemTotal): a job planned for it would be killed by the kernel, not stopped by "
+            f"bigmem. Give at most {format_bytes(total)}, or --force to run anyway.", budget.budget_bytes, total)
+
+
+def planned_shape(shapes: Sequence[Sequence[int]], batch_size: int) -> tuple[int, int, int]:
+    """The spatial shape whose step the pre-flight plans: the largest a step of this job can have.
+
+    At batch 1 that is the largest case's shape (by voxels); a batch of several is padded to its
+    members' bounding shape, and any cases may share one, so it is the bounding shape of all of
+    them (an upper bound).
+    """
+    shapes = [tuple(int(v) for v in s) for s in shapes]
+    if batch_size == 1:
+        return max(shapes, key=lambda s: (math.prod(s), s))
+    return tuple(max(axis) for axis in zip(*shapes))  # type: ignore[return-value]
+
+
+def job_plan(config: ExperimentConfig, counts_for: CountsFor, budget: Budget, *, shape: Sequence[int] | None = None,
+             stages: Sequence[str] | None = None, force: bool = False, check: bool = True,
+             cases: Sequence[CaseShape] = (), validation_shape: Sequence[int] | None = None,
+             validation_case: str = "") -> Plan:
+    """The plan of one fixed job (its largest step at ``train.batch_size``), refused unless it fits.
 
     Args:
         config: the job as it will run.
         counts_for: ``memory.profile.counts_function(config)``.
         budget: ``resolve_budget(...)``.
+        shape: the ``(D, H, W)`` of the job's largest step (``planned_shape``); default: the
+            fixed ``data.shape``, else the cube of ``data.reference_volume``.
         stages: the recomputed stages, if the caller fixed them (default: ``recompute_stages``).
         force: run past the budget: no refusal, and the plan says ``forced``.
         check: refuse at all (False where the host does not hold the model, e.g. real GPUs).
+        cases: the training cases and the shapes they train at: plan.json gets a per-case table,
+            and a refusal names the largest case that does not fit.
+        validation_shape: the padded shape of the largest held-out case, when the run validates
+            (``--val-every``): its whole-volume forward pass runs beside the trained model and its
+            optimizer, and the plan takes the larger of the two peaks.
+        validation_case: that case's id, for the table and messages.
 
     Returns:
         A ``Plan`` whose ``chosen`` is the job, ``fits`` whether its predicted peak is within the
-        budget, and ``candidates`` every configuration evaluated (the stages ``auto`` tried).
+        budget, ``candidates`` every configuration evaluated (the stages ``auto`` tried),
+        ``cases`` the per-case table and ``validation`` the validation pass's figures.
 
     Raises:
         InsufficientMemoryError: (exit 3) the predicted peak exceeds the budget, unless ``force``
             or not ``check``. When the placement's nodes set the budget the message names the
-            nodes; otherwise it names the cheapest change that fits.
+            nodes; otherwise it names the case (if any) and the cheapest change that fits.
 
     Example:
-        >>> plan = job_plan(config, counts_for, resolve_budget(64 * 2**30))
+        >>> plan = job_plan(config, counts_for, resolve_budget(64 * 2**30), shape=(240, 240, 160))
         >>> plan.chosen.recompute_stages, plan.fits
         ([], True)
     """
-    volume, batch = config.data.volume, config.train.batch_size
-    shape = (volume,) * 3
+    batch = config.train.batch_size
+    if shape is None:
+        shape = config.data.shape or (config.data.reference_volume,) * 3
+    shape = tuple(int(s) for s in shape)
     planner = Planner(config, counts_for, budget.budget_bytes)
     stages = list(recompute_stages(config, counts_for, shape, planner=planner) if stages is None else stages)
-    mode = (volume, batch, config.train.precision.value, config.memory.recompute.value, stages)
+    mode = (list(shape), batch, config.train.precision.value, config.memory.recompute.value, stages)
     candidate = next((c for c in planner.candidates  # auto's last try is the job itself
-                      if (c.volume, c.batch_size, c.precision, c.recompute, c.recompute_stages) == mode), None)
-    candidate = candidate or planner.evaluate(volume, batch, config.train.precision, config.memory.recompute, stages)
+                      if (c.spatial_shape, c.batch_size, c.precision, c.recompute, c.recompute_stages) == mode), None)
+    candidate = candidate or planner.evaluate(shape, batch, config.train.precision, config.memory.recompute, stages)
     predicted = estimate(config, counts_for(shape), shape, recompute_stages=stages)
-    fits = predicted.predicted_peak_bytes <= budget.budget_bytes
+    validation = None
+    if validation_shape is not None:
+        validation = validation_figures(config, counts_for, predicted, tuple(int(s) for s in validation_shape),
+                                        validation_case)
+        extra = validation["excess_bytes"]
+        if extra:  # the plan's peak is the larger of the two: the component says by how much validation's is
+            candidate.components["validation"] = extra
+            candidate.predicted_peak_bytes += extra
+            candidate.fits = candidate.predicted_peak_bytes <= budget.budget_bytes and candidate.fits
+    peak = candidate.predicted_peak_bytes
+    fits = peak <= budget.budget_bytes
+    table = case_table(config, counts_for, budget, cases, stages) if cases else None
     if check and not force and not fits:
         if budget.placement is not None:
-            check_nodes_fit(predicted.predicted_peak_bytes, budget.placement, budget.topology)
-        check_fits(predicted, config, counts_for, budget.budget_bytes, budget.source, volume)
+            check_nodes_fit(peak, budget.placement, budget.topology)
+        what = ""
+        largest = [c for c in table or [] if not c["fits"]] if config.data.shape is None else []
+        if largest:  # each case at its own shape: name the one that does not fit
+            worst = max(largest, key=lambda c: c["predicted_peak_bytes"])
+            what = (f" (case {worst['case']!r}, {'x'.join(map(str, worst['shape']))}"
+                    + ("" if worst["shape"] == worst["padded_shape"] else " padded") + ")")
+        if validation is not None and validation["excess_bytes"] and predicted.predicted_peak_bytes <= \
+                budget.budget_bytes:
+            raise InsufficientMemoryError(
+                f"Validating held-out case {validation_case!r} ({'x'.join(map(str, validation_shape))}) whole "
+                f"beside the model needs {format_bytes(peak)}, more than the memory budget "
+                f"{format_bytes(budget.budget_bytes)} ({budget.source}); training alone would fit "
+                f"({format_bytes(predicted.predicted_peak_bytes)}). Drop --val-every, hold out smaller cases, or pass "
+                "--force to try anyway.", peak, budget.budget_bytes)
+        check_fits(predicted, config, counts_for, budget.budget_bytes, budget.source, shape, what)
     return Plan(fits, budget.budget_bytes, budget.source, candidate, candidate, list(planner.candidates), [candidate],
-                forced=force and not fits, calibration=predicted.calibration.to_dict())
+                forced=force and not fits, calibration=predicted.calibration.to_dict(), cases=table,
+                validation=validation)
 
 
-def search_plan(config: ExperimentConfig, counts_for: CountsFor, budget: Budget, *, volume: int | None = None,
+def case_table(config: ExperimentConfig, counts_for: CountsFor, budget: Budget, cases: Sequence[CaseShape],
+               stages: Sequence[str]) -> list[dict]:
+    """Per case: its shape, the shape it trains at, the predicted peak of a step of ``train.batch_size`` of it, fits.
+
+    Cases of one trained shape share one estimate (a store of 484 scans has far fewer shapes).
+    """
+    peaks: dict[tuple, int] = {}
+    rows = []
+    for case in cases:
+        trained = tuple(case.trained_shape)
+        if trained not in peaks:
+            peaks[trained] = estimate(config, counts_for(trained), trained,
+                                      recompute_stages=stages).predicted_peak_bytes
+        rows.append({"case": case.case_id, "shape": list(case.shape), "padded_shape": list(trained),
+                     "predicted_peak_bytes": peaks[trained], "fits": peaks[trained] <= budget.budget_bytes})
+    return rows
+
+
+def validation_figures(config: ExperimentConfig, counts_for: CountsFor, training, shape: tuple[int, int, int],
+                       case_id: str) -> dict:
+    """The held-out validation pass beside training: its predicted peak and how far it exceeds training's.
+
+    Validation segments a held-out case whole while the model, its gradients' buffers, the
+    optimizer's slots and the input pipeline's prefetched batches stay allocated: its peak is
+    those plus the inference pass's own (``memory.inference``: input copies, live feature maps,
+    probabilities), without the inference estimate's own framework and weights (already counted).
+    """
+    inference = estimate_inference(config, counts_for(shape), shape)
+    kept = ("framework", "weights", "gradients", "optimizer_slots", "input_pipeline", "hdf5_chunk_cache")
+    resident = sum(training.components.get(name, 0) for name in kept)
+    own = sum(v for k, v in inference.components.items() if k not in ("framework", "weights"))
+    peak = resident + own
+    return {"case": case_id, "shape": list(shape), "predicted_peak_bytes": int(peak),
+            "training_peak_bytes": int(training.predicted_peak_bytes),
+            "excess_bytes": int(max(0, peak - training.predicted_peak_bytes))}
+
+
+def search_plan(config: ExperimentConfig, counts_for: CountsFor, budget: Budget, *,
+                volume: int | Sequence[int] | None = None,
                 batch_size: int | None = None, allow_bf16: bool | None = None) -> Plan:
     """The largest volume (unless fixed), then batch (unless fixed), that fits ``budget`` (``make_plan``).
 
@@ -192,7 +313,7 @@ def search_plan(config: ExperimentConfig, counts_for: CountsFor, budget: Budget,
         config: the model and training settings.
         counts_for: ``memory.profile.counts_function(config)``.
         budget: ``resolve_budget(...)``.
-        volume: fix the volume edge and search the batch.
+        volume: fix the volume edge (or the ``(D, H, W)`` shape) and search the batch.
         batch_size: fix the batch and search the volume.
         allow_bf16: consider bf16 (default: only where the CPU has it natively).
 
@@ -219,7 +340,7 @@ def require_fit(plan: Plan) -> None:
             c.predicted_peak_bytes, plan.budget_bytes)
     raise InsufficientMemoryError(
         f"Nothing fits {format_bytes(plan.budget_bytes)} ({plan.budget_source}): the closest candidate, "
-        f"{c.volume}^3 x batch {c.batch_size} {c.precision} recompute {c.recompute}, needs "
+        f"{c.shape_text} x batch {c.batch_size} {c.precision} recompute {c.recompute}, needs "
         f"{format_bytes(c.predicted_peak_bytes)}.", c.predicted_peak_bytes, plan.budget_bytes)
 
 
@@ -335,5 +456,7 @@ def search_inference_plan(config: ExperimentConfig, counts_for: CountsFor, budge
                 [chosen] if chosen is not None else [], calibration=calibration, kind="inference")
 
 
-__all__ = ["Budget", "inference_candidate", "inference_plan", "job_plan", "recompute_stages", "require_fit",
-           "resolve_budget", "search_inference_plan", "search_plan"]
+__all__ = ["Budget", "CaseShape", "case_table", "check_budget_within_machine", "inference_candidate", "inference_plan",
+           "job_plan", "planned_shape",
+           "recompute_stages", "require_fit", "resolve_budget", "search_inference_plan", "search_plan",
+           "validation_figures"]

@@ -71,8 +71,13 @@ def profile(config: ExperimentConfig, shape: Sequence[int], counts_for, *, do_me
     return ProfileResult(predicted, measured)
 
 
-def _with_volume(config: ExperimentConfig, volume: int) -> ExperimentConfig:
-    return config.updated({"data": {"volume": volume}})
+def _with_shape(config: ExperimentConfig, shape: Sequence[int]) -> ExperimentConfig:
+    return config.updated({"data": {"shape": [int(s) for s in shape]}})
+
+
+def _cube_edge(shape: Sequence[int]) -> int:
+    """The edge of the cube with ``shape``'s voxels (rounded): how the calibration's knots are keyed."""
+    return int(round(math.prod(shape) ** (1 / 3)))
 
 
 @dataclass
@@ -94,14 +99,15 @@ class ScalingLaw:
                 "volume_reaching_1TiB": round(self.volume_reaching(TEBIBYTE), 1)}
 
 
-def sweep(config: ExperimentConfig, volumes: Sequence[int], counts_for, *, steps: int = 3,
-          progress: Callable[[int], None] | None = None) -> tuple[list[ProfileResult], ScalingLaw]:
-    """Measure and predict each volume; fit the measured peaks against voxels."""
+def sweep(config: ExperimentConfig, shapes: Sequence[Sequence[int]], counts_for, *, steps: int = 3,
+          progress: Callable[[tuple], None] | None = None) -> tuple[list[ProfileResult], ScalingLaw]:
+    """Measure and predict each ``(D, H, W)`` (an int N is N^3); fit the measured peaks against voxels."""
     results = []
-    for volume in volumes:
+    for shape in shapes:
+        shape = (shape,) * 3 if isinstance(shape, int) else tuple(shape)
         if progress:
-            progress(volume)
-        results.append(profile(_with_volume(config, volume), (volume,) * 3, counts_for, do_measure=True, steps=steps))
+            progress(shape)
+        results.append(profile(_with_shape(config, shape), shape, counts_for, do_measure=True, steps=steps))
     voxels = [math.prod(r.estimate.spatial_shape) for r in results]
     slope, intercept = fit_line(voxels, [r.measurement.peak_bytes for r in results])
     return results, ScalingLaw(intercept, slope)
@@ -112,25 +118,29 @@ def calibration_point(config: ExperimentConfig, counts_for, measured_peak_bytes:
     """One measured point as ``fit_calibration`` takes it: the estimate's parts at unit calibration.
 
     Args:
-        config: the measured configuration (its ``data.volume`` is the cube edge).
+        config: the measured configuration (its ``data.shape`` is the measured shape).
         counts_for: ``counts_function(config)``.
         measured_peak_bytes: the measured VmHWM of that configuration.
         measurement: the run that measured it, if its step time should calibrate the step rate
             (default None: memory only).
 
     Returns:
-        ``{volume, counted_activation_bytes, exact_bytes, measured_peak_bytes}``; the counted bytes
+        ``{volume, shape, counted_activation_bytes, exact_bytes, measured_peak_bytes}`` (``volume``
+        the edge of the cube of as many voxels, how knots are keyed); the counted bytes
         are the activations' and the workspace's (what the calibration scales), the exact ones
         the rest of the estimate. With ``measurement``, also ``step_s`` and
         ``step_gflops_per_core`` (``memory.speed.measured_rate`` on the cores the run had).
     """
-    volume = config.data.volume
-    counts = counts_for((volume,) * 3)
-    stages = choose_stages(config, counts_for, (volume,) * 3)
-    raw = estimate(config, counts, (volume,) * 3, recompute_stages=stages, calibration=UNIT_CALIBRATION)
+    shape = tuple(config.data.shape or (config.data.reference_volume,) * 3)
+    counts = counts_for(shape)
+    stages = choose_stages(config, counts_for, shape)
+    raw = estimate(config, counts, shape, recompute_stages=stages, calibration=UNIT_CALIBRATION)
     counted = raw.components["activations"] + raw.components["workspace"]  # what the calibration scales
-    point = {"volume": volume, "counted_activation_bytes": counted, "exact_bytes": raw.predicted_peak_bytes - counted,
+    point = {"volume": _cube_edge(shape), "counted_activation_bytes": counted,
+             "exact_bytes": raw.predicted_peak_bytes - counted,
              "measured_peak_bytes": int(measured_peak_bytes)}
+    if len(set(shape)) != 1:
+        point["shape"] = list(shape)
     if measurement is not None and measurement.step_s > 0:
         rate = measured_rate(raw.train_flops_per_step, recomputed_share(counts.block_elements, stages),
                              measurement.step_s, measurement.cores)
@@ -138,15 +148,17 @@ def calibration_point(config: ExperimentConfig, counts_for, measured_peak_bytes:
     return point
 
 
-def calibrate(config: ExperimentConfig, volumes: Sequence[int], counts_for, *, steps: int = 3,
-              progress: Callable[[int], None] | None = None, save: bool = True) -> tuple[Calibration, list]:
-    """Measure ``volumes`` and fit this machine's calibration for the config's preset, precision and recompute."""
+def calibrate(config: ExperimentConfig, shapes: Sequence[Sequence[int]], counts_for, *, steps: int = 3,
+              progress: Callable[[tuple], None] | None = None, save: bool = True) -> tuple[Calibration, list]:
+    """Measure ``shapes`` (an int N is N^3) and fit this machine's calibration for the config's preset, precision
+    and recompute."""
     points = []
-    for volume in volumes:
+    for shape in shapes:
+        shape = (shape,) * 3 if isinstance(shape, int) else tuple(shape)
         if progress:
-            progress(volume)
-        sized = _with_volume(config, volume)
-        stages = choose_stages(sized, counts_for, (volume,) * 3)
+            progress(shape)
+        sized = _with_shape(config, shape)
+        stages = choose_stages(sized, counts_for, shape)
         measured = measure(sized, steps=steps, recompute_stages=stages)
         points.append(calibration_point(sized, counts_for, measured.peak_bytes, measured))
     recompute = "stages" if config.memory.recompute is Recompute.STAGES else "none"

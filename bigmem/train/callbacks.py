@@ -256,6 +256,62 @@ class Validation(Callback):
                 "best_step": self.best_step}
 
 
+class ShapeStats(Callback):
+    """The compiled step across shapes: traces, the seconds they cost, steps per shape, padding per epoch.
+
+    A step at a shape not seen before traces and compiles the step function (TF and oneDNN keep a
+    graph and primitives per shape). Its extra time is the first step's at that shape less the
+    median of the later ones (where there are later ones); the run reports the sum.
+
+    Args:
+        console: where the closing line goes.
+        traces: a zero-argument function, the step function's trace count so far.
+        padding_share: ``epoch -> share of padded voxels`` (``WholeVolumeLoader.padding_share``).
+        steps_per_epoch: steps of one epoch.
+    """
+
+    def __init__(self, console: Console, traces, padding_share, steps_per_epoch: int):
+        self.console, self.traces, self.padding_share = console, traces, padding_share
+        self.steps_per_epoch = max(1, int(steps_per_epoch))
+        self.first_s: dict[tuple, float] = {}
+        self.later_s: dict[tuple, list[float]] = {}
+        self.epochs: dict[int, float] = {}
+
+    def on_step_end(self, state: LoopState) -> None:
+        """Record the step's time under its shape, and each epoch's padding share."""
+        shape = tuple(state.row.get("shape") or ())
+        if shape in self.first_s:
+            self.later_s[shape].append(state.row["step_s"])
+        else:
+            self.first_s[shape], self.later_s[shape] = state.row["step_s"], []
+        epoch = (state.step - 1) // self.steps_per_epoch
+        if epoch not in self.epochs:
+            self.epochs[epoch] = self.padding_share(epoch)
+
+    @property
+    def compile_s(self) -> float:
+        """Seconds the first step at each shape took beyond that shape's median step."""
+        total = 0.0
+        for shape, first in self.first_s.items():
+            later = sorted(self.later_s[shape])
+            if later:
+                total += max(0.0, first - later[len(later) // 2])
+        return total
+
+    def on_train_end(self, state: LoopState) -> None:
+        """Print one line when the step ran at more than one shape."""
+        if len(self.first_s) > 1:
+            self.console.print(f"Compiled the step {self.traces()} times for {len(self.first_s)} shapes "
+                               f"({self.compile_s:.1f} s beyond their later steps); padding "
+                               + ", ".join(f"{100 * share:.1f}%" for share in self.epochs.values()) + " per epoch.")
+
+    def summary(self) -> dict:
+        """summary.json's fields: traces, compile_s, steps_per_shape, padding_share_per_epoch."""
+        return {"traces": int(self.traces()), "compile_s": round(self.compile_s, 3),
+                "steps_per_shape": {"x".join(map(str, shape)): 1 + len(self.later_s[shape]) for shape in self.first_s},
+                "padding_share_per_epoch": [round(self.epochs[e], 6) for e in sorted(self.epochs)]}
+
+
 class TensorBoard(Callback):
     """TensorBoard event files: train/ (loss, dice, lr, voxels/s per logged step) and validation/ (Dice)."""
 

@@ -10,6 +10,7 @@ and the learning rate. The loop and its callbacks only read the ``Job``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,10 +64,9 @@ class Job:
     total_steps: int
     learning_rate: float
 
-    @property
-    def voxels_per_step(self) -> int:
-        """Voxels this process feeds the network per step (for the throughput column)."""
-        return self.loader.batch_size * self.loader.volume**3
+    def voxels_for_step(self, step: int) -> int:
+        """Scan voxels (padding left out) this process feeds the network at ``step`` (from 0): the throughput's."""
+        return self.loader.real_voxels(step)
 
     def close(self) -> None:
         """Release the loader's readers and the store."""
@@ -233,18 +233,18 @@ def prepare_job(config: ExperimentConfig, run_dir, *, resume: bool = False, forc
         from bigmem.distribute.strategy import setup_replicas
 
         replicas = setup_replicas(config)  # before any TensorFlow operation initialises devices
-        parallel = data_parallel(config, replicas, counts_function(config))
-    shape = parallel.loader_settings() if parallel else {"batch_size": config.train.batch_size}
+        parallel = data_parallel(config, replicas, counts_function(config), volume_edge=_largest_edge(config))
+    settings = parallel.loader_settings() if parallel else {"batch_size": config.train.batch_size}
     data = config.data
-    loader = WholeVolumeLoader(data.store, volume=data.volume, seed=config.train.seed, flip=data.flip,
-                               num_workers=data.num_workers, prefetch=data.prefetch, cold_cache=data.cold_cache,
-                               holdout=data.holdout, **shape)
+    loader = WholeVolumeLoader(data.store, shape=data.shape, pad_multiple=data.pad_multiple or config.model.divisor,
+                               seed=config.train.seed, flip=data.flip, num_workers=data.num_workers,
+                               prefetch=data.prefetch, cold_cache=data.cold_cache, holdout=data.holdout, **settings)
     try:
         total_steps = total_steps_for(config, loader.steps_per_epoch)
         if resume_from is not None:
             check_something_to_do(run, resume_from, total_steps)
         plan, stages = preflight(config, parallel, recompute_stages, force=force, console=console,
-                                 placement=placement)
+                                 placement=placement, loader=loader)
         lr = parallel.learning_rate(config.train.lr, config.train.reference_batch) if parallel else config.train.lr
         return Job(config, run, manager, resume_from, loader, placement, parallel, plan, stages, total_steps, lr)
     except BaseException:
@@ -252,9 +252,25 @@ def prepare_job(config: ExperimentConfig, run_dir, *, resume: bool = False, forc
         raise
 
 
+def _largest_edge(config: ExperimentConfig) -> int:
+    """The largest edge of the volumes this job trains: ``data.shape``'s, else the store's largest padded case's."""
+    if config.data.shape is not None:
+        return max(config.data.shape)
+    from bigmem.data.pipeline import padded_shape
+    from bigmem.data.store import HDF5VolumeStore
+
+    with HDF5VolumeStore(config.data.store) as store:
+        multiple = config.data.pad_multiple or config.model.divisor
+        return max(max(padded_shape(info.shape, multiple)) for info in store.cases)
+
+
 def preflight(config: ExperimentConfig, parallel, recompute_stages: list[str] | None, *, force: bool,
-              console: Console, placement=None) -> tuple[Plan, list[str]]:
+              console: Console, placement=None, loader: WholeVolumeLoader | None = None) -> tuple[Plan, list[str]]:
     """The run's memory pre-flight (``memory.preflight``), printed; refuses a job that cannot fit.
+
+    The step planned is the largest the loader can feed (``memory.preflight.planned_shape`` of
+    its cases' shapes), with a per-case table in plan.json; a run that validates (``--val-every``)
+    also plans the whole-volume pass over its largest held-out case.
 
     Args:
         config: the job.
@@ -264,15 +280,21 @@ def preflight(config: ExperimentConfig, parallel, recompute_stages: list[str] | 
         force: keep a job that does not fit (plan.json says so).
         console: where the one-line summary (and any note or warning) goes.
         placement: the NUMA placement, whose nodes may set the budget.
+        loader: the run's loader, whose cases and shapes are planned (default None: the fixed
+            ``data.shape``, else the reference cube).
 
     Returns:
         ``(plan, recompute_stages)``: the ``Plan`` written as plan.json (with the data-parallel
         section when ``parallel``), and the stages to recompute.
 
     Raises:
-        InsufficientMemoryError: (exit 3) the predicted peak exceeds the budget, unless ``force``.
+        InsufficientMemoryError: (exit 3) the predicted peak exceeds the budget, or an explicit
+            budget exceeds the machine's memory, unless ``force``.
     """
-    from bigmem.memory.preflight import job_plan, resolve_budget
+    from bigmem.data.pipeline import padded_shape
+    from bigmem.memory.preflight import (
+        CaseShape, check_budget_within_machine, job_plan, planned_shape, resolve_budget,
+    )
     from bigmem.memory.profile import counts_function
     from bigmem.nets.limits import max_kernel_elements
     from bigmem.units import format_bytes
@@ -282,8 +304,18 @@ def preflight(config: ExperimentConfig, parallel, recompute_stages: list[str] | 
     budget = resolve_budget(config.memory.budget_bytes, placement=placement)
     if budget.note:
         console.print(budget.note, style="yellow")
-    plan = job_plan(host, counts_for, budget, stages=recompute_stages, force=force,
-                    check=parallel is None or parallel.host_checked)
+    check_budget_within_machine(budget, force=force)
+    shape, cases, validation, validation_case = None, (), None, ""
+    if loader is not None:
+        cases = [CaseShape(info.case_id, info.shape, loader.case_shape(i)) for i, info in enumerate(loader.store.cases)]
+        shape = planned_shape([c.trained_shape for c in cases], loader.batch_size)
+        held_out = loader.store.held_out_cases
+        if config.train.val_every and held_out:
+            largest = max(held_out, key=lambda c: math.prod(padded_shape(c.shape, config.model.divisor)))
+            validation, validation_case = padded_shape(largest.shape, config.model.divisor), largest.case_id
+    plan = job_plan(host, counts_for, budget, shape=shape, stages=recompute_stages, force=force,
+                    check=parallel is None or parallel.host_checked, cases=cases, validation_shape=validation,
+                    validation_case=validation_case)
     plan.data_parallel = parallel.to_dict() if parallel else None
     chosen = plan.chosen
     if config.train.precision is Precision.BF16:

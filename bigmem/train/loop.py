@@ -77,8 +77,9 @@ class Callback:
 
 
 def run_loop(state: LoopState, step: Callable, batches: Iterator, callbacks: Sequence[Callback], *,
-             learning_rate: Callable[[int], float], voxels_per_step: int, input_error: Callable[[], Exception | None]
-             ) -> LoopState:
+             learning_rate: Callable[[int], float], voxels_for_step: Callable[[int], int],
+             shape_for_step: Callable[[int], Sequence[int]] | None = None,
+             input_error: Callable[[], Exception | None]) -> LoopState:
     """Step until ``state.total_steps`` or a callback sets ``state.stop``; callbacks after each step.
 
     Args:
@@ -87,7 +88,10 @@ def run_loop(state: LoopState, step: Callable, batches: Iterator, callbacks: Seq
         batches: the input, one ``(images, labels)`` per step.
         callbacks: in order; a callback may stop the loop (``state.stop``) or raise.
         learning_rate: ``step -> lr`` of the schedule, for the metrics row.
-        voxels_per_step: for the throughput column.
+        voxels_for_step: ``step -> voxels`` of scan (padding left out) the step fed, for the
+            throughput column (``step`` from 0).
+        shape_for_step: ``step -> (D, H, W)`` of the step's batch, for the row's ``shape``
+            (default None: not recorded).
         input_error: the reader's own error, if the input pipeline failed (tf.data blurs it).
 
     Returns:
@@ -118,9 +122,12 @@ def run_loop(state: LoopState, step: Callable, batches: Iterator, callbacks: Seq
             state.waited_s += fetched - started
             state.stepped_s += elapsed
             state.row = {"step": state.step, "loss": state.loss, "dice": state.dice,
-                         "lr": float(learning_rate(state.step - 1)), "voxels_per_s": voxels_per_step / elapsed,
+                         "lr": float(learning_rate(state.step - 1)),
+                         "voxels_per_s": voxels_for_step(state.step - 1) / elapsed,
                          "rss_bytes": process.memory_info().rss, "input_wait_s": fetched - started,
                          "step_s": elapsed}
+            if shape_for_step is not None:
+                state.row["shape"] = [int(s) for s in shape_for_step(state.step - 1)]
             for callback in callbacks:
                 callback.on_step_end(state)
         for callback in callbacks:

@@ -2,12 +2,19 @@
 
 The loss follows nnU-Net / MLPerf 3D U-Net: softmax cross-entropy plus (1 - soft Dice), with
 the soft Dice computed per sample and per foreground class, then averaged.
+
+Voxels labelled ``PAD_LABEL`` are padding (``data.pipeline``): they count in no term. Their
+one-hot is all zeros, so the cross-entropy and the true volume leave them out by themselves;
+the predicted volume and the voxel count are taken over the valid voxels only. A padded
+sample's loss, and its gradients with respect to the logits of its real voxels, equal those of
+the same logits unpadded (``tests/train/test_losses.py``).
 """
 
 from __future__ import annotations
 
 import tensorflow as tf
 
+from bigmem.data.pipeline import PAD_LABEL
 from bigmem.nets.reduce import spatial_sum
 from bigmem.nets.slabs import PlaneWriter, as_planes, exceeds_limit, plan_slabs, slab_elements, take_planes
 
@@ -24,16 +31,23 @@ def dice_ce_per_sample(labels: tf.Tensor, logits: tf.Tensor) -> tf.Tensor:
     if exceeds_limit(logits.shape):
         return dice_ce_per_sample_slabs(labels, logits)
     num_classes = logits.shape[-1]
-    onehot = tf.one_hot(tf.cast(labels, tf.int32), num_classes, dtype=logits.dtype)
+    onehot = tf.one_hot(tf.cast(labels, tf.int32), num_classes, dtype=logits.dtype)  # PAD_LABEL: all zeros
     spatial = (1, 2, 3)
-    voxels = tf.cast(tf.reduce_prod(tf.shape(labels)[1:]), logits.dtype)
-    cross_entropy = spatial_sum(tf.nn.softmax_cross_entropy_with_logits(onehot, logits), spatial) / voxels
-    probs = tf.nn.softmax(logits)
+    valid = _valid(labels, logits.dtype)
+    voxels = spatial_sum(valid, spatial)
+    # TF's op backpropagates softmax - labels, which is not 0 where labels are all zero: mask it.
+    cross_entropy = spatial_sum(tf.nn.softmax_cross_entropy_with_logits(onehot, logits) * valid, spatial) / voxels
+    probs = tf.nn.softmax(logits) * valid[..., tf.newaxis]
     # Per class over the volume: TF's own reduce_sum saturates there past 2^24 (nets/reduce.py).
     intersection = spatial_sum(probs * onehot, spatial)
     denominator = spatial_sum(probs, spatial) + spatial_sum(onehot, spatial)
     dice = (2.0 * intersection + DICE_SMOOTH) / (denominator + DICE_SMOOTH)  # (B, K)
     return cross_entropy + (1.0 - tf.reduce_mean(dice[:, 1:], axis=1))
+
+
+def _valid(labels: tf.Tensor, dtype) -> tf.Tensor:
+    """1 where a voxel is part of the scan, 0 where it is padding (``PAD_LABEL``)."""
+    return tf.cast(tf.not_equal(labels, tf.constant(PAD_LABEL, labels.dtype)), dtype)
 
 
 def _label_planes(labels: tf.Tensor) -> tf.Tensor:
@@ -65,38 +79,39 @@ def dice_ce_per_sample_slabs(labels: tf.Tensor, logits: tf.Tensor) -> tf.Tensor:
         (batch,) float32 losses.
     """
     batch, depth, height, width, num_classes = logits.shape
-    voxels = depth * height * width
     slabs = _loss_slabs(logits)
     label_planes = _label_planes(labels)
 
     def probabilities_and_truth(logit_planes, sample, d0, d1):
-        probs = tf.nn.softmax(take_planes(logit_planes, depth, sample, d0, d1))
-        truth = tf.one_hot(tf.cast(take_planes(label_planes, depth, sample, d0, d1)[..., 0], tf.int32), num_classes,
-                           dtype=logits.dtype)
-        return probs, truth
+        """One slab's softmax (zero on padding), one-hot truth and valid mask (..., 1)."""
+        slab_labels = take_planes(label_planes, depth, sample, d0, d1)
+        valid = _valid(slab_labels, logits.dtype)
+        probs = tf.nn.softmax(take_planes(logit_planes, depth, sample, d0, d1)) * valid
+        truth = tf.one_hot(tf.cast(slab_labels[..., 0], tf.int32), num_classes, dtype=logits.dtype)
+        return probs, truth, valid
 
     @tf.custom_gradient
     def per_sample(logits):
         logit_planes = as_planes(logits)
-        losses, terms, last = [], [], []
+        losses, terms, counts, last = [], [], [], []
         for sample in range(batch):
-            cross_entropy = tf.zeros(())
+            cross_entropy = voxels = tf.zeros(())
             intersection = predicted = true = tf.zeros((num_classes,))
             for d0, d1 in slabs:
                 with tf.control_dependencies(last):
                     piece = take_planes(logit_planes, depth, sample, d0, d1)
-                    truth = tf.one_hot(tf.cast(take_planes(label_planes, depth, sample, d0, d1)[..., 0], tf.int32),
-                                       num_classes, dtype=logits.dtype)
+                    probs, truth, valid = probabilities_and_truth(logit_planes, sample, d0, d1)
                     cross_entropy += tf.reduce_sum(tf.nn.softmax_cross_entropy_with_logits(truth, piece))
-                    probs = tf.nn.softmax(piece)
                     intersection += spatial_sum(probs * truth, (0, 1, 2, 3))
                     predicted += spatial_sum(probs, (0, 1, 2, 3))
                     true += spatial_sum(truth, (0, 1, 2, 3))
-                last = [cross_entropy, intersection, predicted, true]
+                    voxels += spatial_sum(valid, (0, 1, 2, 3))[0]
+                last = [cross_entropy, intersection, predicted, true, voxels]
             denominator = predicted + true + DICE_SMOOTH
             dice = (2.0 * intersection + DICE_SMOOTH) / denominator
             losses.append(cross_entropy / voxels + 1.0 - tf.reduce_mean(dice[1:]))
             terms.append((intersection, denominator))
+            counts.append(voxels)
         loss = tf.stack(losses)
 
         def grad(upstream):  # upstream: (batch,)
@@ -109,10 +124,11 @@ def dice_ce_per_sample_slabs(labels: tf.Tensor, logits: tf.Tensor) -> tf.Tensor:
                 b = foreground * (2.0 * intersection + DICE_SMOOTH) / (denominator * denominator)
                 for d0, d1 in slabs:
                     with tf.control_dependencies(dlogits.after):
-                        probs, truth = probabilities_and_truth(logit_planes, sample, d0, d1)
+                        # probs is zero on padding, and so is truth: padded logits get no gradient
+                        probs, truth, _ = probabilities_and_truth(logit_planes, sample, d0, d1)
                         g = a * truth + b
-                        piece = (probs - truth) / voxels + probs * (g - tf.reduce_sum(probs * g, axis=-1,
-                                                                                       keepdims=True))
+                        piece = (probs - truth) / counts[sample] + probs * (g - tf.reduce_sum(probs * g, axis=-1,
+                                                                                               keepdims=True))
                     dlogits.write(sample, d0, piece * upstream[sample])
             return dlogits.result()
 
@@ -129,7 +145,7 @@ def dice_ce_loss(labels: tf.Tensor, logits: tf.Tensor) -> tf.Tensor:
 def dice_counts(labels: tf.Tensor, logits: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
     """Per class: (|prediction AND truth|, |prediction| + |truth|) over the batch (summable across replicas).
 
-    Logits past the kernel limit are counted slab by slab.
+    Padded voxels (``PAD_LABEL``) are left out. Logits past the kernel limit are counted slab by slab.
     """
     num_classes = logits.shape[-1]
     if exceeds_limit(logits.shape):
@@ -144,6 +160,7 @@ def dice_counts(labels: tf.Tensor, logits: tf.Tensor) -> tuple[tf.Tensor, tf.Ten
                 intersection, total = intersection + piece_counts[0], total + piece_counts[1]
         return intersection, total
     predicted = tf.one_hot(tf.argmax(logits, axis=-1, output_type=tf.int32), num_classes, dtype=tf.float32)
+    predicted *= _valid(labels, tf.float32)[..., tf.newaxis]  # padding is neither predicted nor true
     truth = tf.one_hot(tf.cast(labels, tf.int32), num_classes, dtype=tf.float32)
     axes = (0, 1, 2, 3)
     return (spatial_sum(predicted * truth, axes), spatial_sum(predicted, axes) + spatial_sum(truth, axes))

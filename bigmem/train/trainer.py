@@ -59,14 +59,31 @@ def make_optimizer(config: ExperimentConfig, schedule):
     return FusedAdam(learning_rate=schedule)
 
 
-def make_train_step(model, optimizer):
-    """One compiled update of single-process whole volumes; returns ``(loss, foreground Dice)``."""
+class TraceCount:
+    """How many times a ``tf.function`` traced (its Python body runs only while tracing)."""
+
+    def __init__(self):
+        self.count = 0
+
+    def __call__(self) -> int:
+        return self.count
+
+
+def make_train_step(model, optimizer, traces: TraceCount | None = None):
+    """One compiled update of single-process whole volumes; returns ``(loss, foreground Dice)``.
+
+    One trace per distinct batch shape: never a shape-generic one (``reduce_retracing`` off),
+    since the depth-slab paths and the loss plan their slabs from static shapes.
+    """
     import tensorflow as tf
 
     from bigmem.train.losses import dice_ce_loss, foreground_dice
 
-    @tf.function(reduce_retracing=True)
+    traces = traces if traces is not None else TraceCount()
+
+    @tf.function(reduce_retracing=False)
     def train_step(images, labels):
+        traces.count += 1
         with tf.GradientTape() as tape:
             logits = model(images, training=True)
             loss = dice_ce_loss(labels, logits)
@@ -190,10 +207,10 @@ def build(job: Job, verbose: bool = False):
     return model, optimizer, schedule
 
 
-def step_and_batches(job: Job, model, optimizer, start_step: int):
+def step_and_batches(job: Job, model, optimizer, start_step: int, traces: TraceCount | None = None):
     """The compiled step and the input iterator: whole volumes here, or the data-parallel ones."""
     if job.parallel is None:
-        return make_train_step(model, optimizer), iter(job.loader.dataset(start_step))
+        return make_train_step(model, optimizer, traces), iter(job.loader.dataset(start_step))
     from bigmem.train.losses import dice_ce_per_sample, dice_counts, dice_from_counts
 
     step = job.parallel.make_step(model, optimizer, loss_per_sample=dice_ce_per_sample, metric_counts=dice_counts,
@@ -202,10 +219,11 @@ def step_and_batches(job: Job, model, optimizer, start_step: int):
 
 
 def default_callbacks(job: Job, console: Console, model, optimizer, start_step: int, numa: cb.NUMAReport,
-                      validation: cb.Validation | None = None) -> list:
+                      validation: cb.Validation | None = None, shapes: cb.ShapeStats | None = None) -> list:
     """The run's callbacks, in the order they must run after each step."""
     train = job.config.train
-    callbacks = [cb.NonFiniteGuard(job.checkpoints), *([validation] if validation else []),
+    callbacks = [cb.NonFiniteGuard(job.checkpoints), *([shapes] if shapes else []),
+                 *([validation] if validation else []),
                  cb.MetricsLog(job.run, train.log_every), cb.TensorBoard(job.run.tensorboard, train.log_every),
                  cb.Progress(console, job.total_steps, start_step),
                  cb.Checkpoints(job.checkpoints, train.checkpoint_every, model, optimizer),
@@ -285,17 +303,21 @@ def _run(job: Job, console: Console, verbose: bool) -> TrainResult:
     if job.placement is not None:
         console.print(_numa_summary(opening))
     loader = job.loader
-    what = (job.parallel.describe(loader.volume, job.learning_rate) if job.parallel
-            else f"{loader.batch_size} x {loader.volume}^3 whole volumes")
+    what = (job.parallel.describe(loader.describe(), job.learning_rate) if job.parallel
+            else f"batches of {loader.batch_size}: {loader.describe()}")
     console.print(f"bigmem train: {job.config.model.name} ({model.count_params():,} parameters), {what}, "
-                  f"{job.config.train.precision.value}, {job.total_steps} steps -> {job.run.path}")
-    step, batches = step_and_batches(job, model, optimizer, start_step)
+                  f"{job.config.train.precision.value}, {job.total_steps} step{'' if job.total_steps == 1 else 's'} -> "
+                  f"{job.run.path}")
+    traces = TraceCount()
+    step, batches = step_and_batches(job, model, optimizer, start_step, traces)
     validation = validation_callback(job, model, console)
+    shapes = cb.ShapeStats(console, traces, loader.padding_share, loader.steps_per_epoch)
     start = LoopState(start_step, job.total_steps, loss=float(resumed.get("loss", "nan")),
                       dice=float(resumed.get("dice", "nan")))
     state = run_loop(start, step, batches,
-                     default_callbacks(job, console, model, optimizer, start_step, numa, validation),
-                     learning_rate=schedule, voxels_per_step=job.voxels_per_step, input_error=lambda: loader.error)
+                     default_callbacks(job, console, model, optimizer, start_step, numa, validation, shapes),
+                     learning_rate=schedule, voxels_for_step=job.voxels_for_step, shape_for_step=loader.batch_shape,
+                     input_error=lambda: loader.error)
     result = TrainResult(job.run.path, start_step, state.step, job.total_steps, state.loss, state.dice,
                          state.interrupted_by)
     if state.stop == "signal":
@@ -305,11 +327,12 @@ def _run(job: Job, console: Console, verbose: bool) -> TrainResult:
     if state.stop == "time budget":
         console.print(f"Time budget of {job.config.train.time_budget_s:g} s reached at step {state.step}.")
     numa.write()
-    _finish(job, model, state, console, validation.summary() if validation else None)
+    _finish(job, model, state, console, validation.summary() if validation else None, shapes.summary())
     return result
 
 
-def _finish(job: Job, model, state: LoopState, console: Console, validation: dict | None) -> None:
+def _finish(job: Job, model, state: LoopState, console: Console, validation: dict | None,
+            shapes: dict | None = None) -> None:
     """model.keras, then summary.json: a run is complete when its summary.json names its last step."""
     import time
 
@@ -320,7 +343,7 @@ def _finish(job: Job, model, state: LoopState, console: Console, validation: dic
     job.run.write_summary(steps=state.step, train_s=time.monotonic() - state.started_s,
                           peak_rss_bytes=peak_rss_bytes(), loss=state.loss, dice=state.dice,
                           input_wait_s=state.waited_s, step_time_s=state.stepped_s, input_stall_share=stall_share,
-                          validation=validation)
+                          validation=validation, shapes=shapes)
     console.print(f"Done: step {state.step}, loss {state.loss:.4f}, Dice {state.dice:.3f}; input stalls "
                   f"{100 * stall_share:.1f}% of step time. Model: {job.run.model}")
 

@@ -63,13 +63,14 @@ def test_profile_non_cubic_shape(capsys):
     (["--shape", "240,240"], 2, "Invalid --shape '240,240': expected three positive integers D,H,W such as "
                                 "240,240,144."),
     (["--shape", "16,16,16", "--volume", "16"], 2, "Give either --volume or --shape, not both."),
-    (["--shape", "16,16,16", "--measure"], 2, "--measure, --sweep and --calibrate need a cubic --volume (the "
-                                              "measured run trains on cubes)."),
     (["--volume", "18"], 2, "Invalid --volume 18: expected a multiple of 4 (the network downsamples 2 times). "
                             "Try --volume 16 or 20."),
-    (["--shape", "16,18,16"], 2, "Invalid --shape 18: expected a multiple of 4 (the network downsamples 2 times). "
-                                 "Try --shape 16 or 20."),
-    (["--sweep", "16,x"], 2, "Invalid --sweep '16,x': expected volume edges such as 32,48,64."),
+    (["--shape", "16,18,16"], 2, "Invalid --shape 16,18,16: axis 2 (18) is not a multiple of 4 (the network "
+                                 "downsamples 2 times). Try --shape 16,16,16 or 16,20,16."),
+    (["--sweep", "16,x"], 2, "Invalid --sweep '16,x': expected volume edges or DxHxW shapes such as 32,48,64 or "
+                             "32x64x64."),
+    (["--sweep", "16x18x16"], 2, "Invalid --sweep 16,18,16: axis 2 (18) is not a multiple of 4 (the network "
+                                 "downsamples 2 times). Try --sweep 16,16,16 or 16,20,16."),
     (["--steps", "0", "--measure"], 2, "Invalid --steps 0: expected a positive integer."),
     (["--sweep", "16,32", "--recompute", "auto"], 2, "--recompute auto chooses stages per size and budget; --sweep "
                                                      "and --calibrate take --recompute none or stages."),

@@ -23,7 +23,7 @@ def test_layering_order():
     assert preset.train.steps != defaults.train.steps  # the preset overrides a default
     assert preset.train.batch_size == 2
     flagged = resolve_config("small", {"train": {"batch_size": 4}, "data": {"volume": 64}})
-    assert (flagged.train.batch_size, flagged.data.volume) == (4, 64)
+    assert (flagged.train.batch_size, flagged.data.shape) == (4, (64, 64, 64))  # data.volume N: the cube N^3
     assert flagged.model.base_filters == preset.model.base_filters  # untouched by the flags
     assert flagged.model.name == "small"
 
@@ -45,7 +45,7 @@ def test_preset_from_a_file(tmp_path):
     path = tmp_path / "mine.toml"
     path.write_text('[model]\ndepth = 1\nbase_filters = 2\n[data]\nvolume = 6\n')
     config = resolve_config(str(path))
-    assert (config.model.name, config.model.depth, config.data.volume) == ("mine", 1, 6)
+    assert (config.model.name, config.model.depth, config.data.shape) == ("mine", 1, (6, 6, 6))
 
 
 @pytest.mark.parametrize("preset, overrides, message", [
@@ -55,6 +55,15 @@ def test_preset_from_a_file(tmp_path):
                                         "3 times). Try --volume 48 or 56."),
     ("kits19", {"data": {"volume": 100}}, "Invalid --volume 100: expected a multiple of 32 (the network "
                                           "downsamples 5 times). Try --volume 96 or 128."),
+    ("small", {"data": {"shape": [240, 240, 155]}}, "Invalid --shape 240,240,155: axis 3 (155) is not a multiple of "
+                                                    "8 (the network downsamples 3 times). Try --shape 240,240,152 or "
+                                                    "240,240,160."),
+    ("intelai-brats", {"data": {"shape": [250, 240, 144]}}, "Invalid --shape 250,240,144: axis 1 (250) is not a "
+                                                            "multiple of 16 (the network downsamples 4 times). Try "
+                                                            "--shape 240,240,144 or 256,240,144."),
+    ("small", {"data": {"shape": [64, 64]}}, "Invalid --shape [64, 64]: expected 3 integers such as [240, 240, 144]."),
+    ("small", {"data": {"pad_multiple": 12}}, "Invalid --pad-multiple 12: expected a multiple of 8 (the network "
+                                              "downsamples 3 times). Try --pad-multiple 8 or 16."),
     ("small", {"model": {"norm": "instnce"}}, "Invalid --norm 'instnce': expected one of instance, group, batch, "
                                               "none. Did you mean 'instance'?"),
     ("small", {"train": {"optimizer": "adamw"}}, "Invalid --optimizer 'adamw': expected one of sgd, adam. Did you "
@@ -82,12 +91,17 @@ def test_library_errors_name_config_fields():
     assert info.value.field == "data.volume"
     assert str(info.value) == ("Invalid data.volume 50: expected a multiple of 8 (the network downsamples 3 times). "
                                "Try data.volume 48 or 56.")
+    with pytest.raises(ConfigError) as info:
+        resolve_config("small", {"data": {"shape": [48, 50, 48]}})
+    assert info.value.field == "data.shape"
+    assert str(info.value).startswith("Invalid data.shape 48,50,48: axis 2 (50) is not a multiple of 8 ")
     with pytest.raises(ConfigError, match=r"^Give either train.steps or train.epochs, not both\.$"):
         ExperimentConfig().updated({"train": {"steps": 3, "epochs": 1}}).validate()
 
 
 @pytest.mark.parametrize("field, flag", [
-    ("train.batch_size", "--batch-size"), ("data.volume", "--volume"), ("memory.budget_bytes", "--memory-budget"),
+    ("train.batch_size", "--batch-size"), ("data.volume", "--volume"), ("data.shape", "--shape"),
+    ("data.pad_multiple", "--pad-multiple"), ("memory.budget_bytes", "--memory-budget"),
     ("distribute.gpu_memory_bytes", "--gpu-memory"), ("train.time_budget_s", "--time-budget"),
     ("train.monitor_interval_s", "--monitor-interval"), ("numa.policy", "--numa"), ("data.store", "--data"),
 ])
@@ -98,9 +112,9 @@ def test_every_field_has_its_flag(field, flag):
 def test_config_is_frozen_and_copied():
     config = resolve_config("small")
     with pytest.raises(dataclasses.FrozenInstanceError):
-        config.data.volume = 64  # type: ignore[misc]
-    bigger = config.updated({"data": {"volume": 64}})
-    assert (config.data.volume, bigger.data.volume) == (48, 64)
+        config.data.shape = (64, 64, 64)  # type: ignore[misc]
+    bigger = config.updated({"data": {"shape": [64, 64, 32]}})
+    assert (config.data.shape, bigger.data.shape) == (None, (64, 64, 32))  # None: each case at its own shape
     assert bigger.model is config.model  # unchanged sections are shared, safely
 
 
@@ -110,6 +124,15 @@ def test_runs_saved_before_the_memory_and_distribute_sections_still_resolve():
     config = resolve_config("small", base=saved)
     assert (config.memory.recompute.value, config.memory.budget_bytes) == ("stages", 2**30)
     assert (config.distribute.strategy.value, config.distribute.gpus, config.distribute.patch) == ("mirrored", 2, 32)
+
+
+def test_runs_saved_with_a_cube_volume_resume_at_that_cube():
+    """config.json files from before shapes hold data.volume N: they resume at N^3, as they trained."""
+    config = ExperimentConfig.from_dict({"data": {"volume": 48, "store": "x.h5"}, "model": {"depth": 3}})
+    assert config.data.shape == (48, 48, 48)
+    assert ExperimentConfig.from_dict(config.to_dict()) == config
+    assert config.to_dict()["data"]["shape"] == [48, 48, 48]
+    assert resolve_config("tiny").data.shape is None and resolve_config("tiny").data.reference_volume == 16
 
 
 def test_bad_preset_file_names_the_key(tmp_path):

@@ -1,16 +1,18 @@
-"""Whole-volume loader: shapes, normalisation, crop/pad alignment, deterministic resume order."""
+"""Whole-volume loader: native and fixed shapes, padding, normalisation, crop/pad alignment, resume order."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from bigmem.data.pipeline import WholeVolumeLoader, case_for_sample, fit_to_volume
+from bigmem.data.pipeline import (
+    PAD_LABEL, WholeVolumeLoader, bounding_shape, case_for_sample, epoch_order, fit_to_shape, padded_shape,
+)
 from bigmem.errors import DataError
 
 
 def test_batches_are_normalised_whole_volumes(tiny_store):
-    with WholeVolumeLoader(tiny_store, volume=16, batch_size=2, flip=False) as loader:
+    with WholeVolumeLoader(tiny_store, batch_size=2, flip=False) as loader:
         images, labels = next(loader.batches())
     assert images.shape == (2, 16, 16, 16, 1) and images.dtype == np.float32
     assert labels.shape == (2, 16, 16, 16) and labels.dtype == np.uint8
@@ -20,17 +22,80 @@ def test_batches_are_normalised_whole_volumes(tiny_store):
 
 
 @pytest.mark.parametrize("shape", [(33, 34, 35), (13, 16, 19), (32, 32, 32)])
-@pytest.mark.parametrize("volume", [16, 32, 40])
-def test_fit_to_volume_keeps_image_and_label_aligned(shape, volume):
+@pytest.mark.parametrize("target", [(16, 16, 16), (32, 40, 24), (40, 40, 40)])
+def test_fit_to_shape_keeps_image_and_label_aligned(shape, target):
     rng = np.random.default_rng(0)
     label = rng.integers(0, 5, shape).astype(np.uint8)
-    image = label[..., np.newaxis].astype(np.float32) + 1.0  # image encodes the label, 0 only where padded
-    fitted_image, fitted_label = fit_to_volume(image, label, volume, np.random.default_rng(1))
-    assert fitted_image.shape == (volume, volume, volume, 1) and fitted_label.shape == (volume,) * 3
+    image = label[..., np.newaxis].astype(np.float32) + 1.0  # image encodes the label; padding is -7
+    fitted_image, fitted_label = fit_to_shape(image, label, target, np.random.default_rng(1), np.array([-7.0]))
+    assert fitted_image.shape == (*target, 1) and fitted_label.shape == target
     real = fitted_image[..., 0] > 0
     np.testing.assert_array_equal(fitted_image[..., 0][real] - 1.0, fitted_label[real])
-    assert np.all(fitted_label[~real] == 0)
-    assert int(real.sum()) == int(np.prod([min(s, volume) for s in shape]))
+    assert np.all(fitted_label[~real] == PAD_LABEL) and np.all(fitted_image[..., 0][~real] == -7.0)
+    assert int(real.sum()) == int(np.prod([min(s, t) for s, t in zip(shape, target)]))
+
+
+@pytest.mark.parametrize("shape, multiple, expected", [((240, 240, 155), 16, (240, 240, 160)),
+                                                       ((33, 34, 35), 16, (48, 48, 48)),
+                                                       ((512, 512, 29), 32, (512, 512, 32)),
+                                                       ((16, 1, 17), 8, (16, 8, 24))])
+def test_padded_shape_rounds_each_axis_up(shape, multiple, expected):
+    assert padded_shape(shape, multiple) == expected
+    assert bounding_shape([(16, 32, 8), (24, 8, 8), (8, 8, 40)]) == (24, 32, 40)
+
+
+def _shaped_store(tmp_path, shapes, name="shapes.h5", channels=1):
+    from bigmem.data.synth import write_synthetic_store
+
+    return write_synthetic_store(tmp_path / name, num_cases=len(shapes), volume=0, shapes=shapes, channels=channels)
+
+
+def test_native_shapes_pad_never_crop_at_the_background_value(tmp_path):
+    shapes = [(16, 24, 13), (20, 16, 16), (16, 16, 35)]
+    with WholeVolumeLoader(_shaped_store(tmp_path, shapes), pad_multiple=8, batch_size=1, flip=False) as loader:
+        assert loader.shapes == [padded_shape(s, 8) for s in shapes] and loader.cropped_share() == 0.0
+        seen = {}
+        for step in range(3):
+            images, labels = next(loader.batches(step))
+            case = loader.case_index(step)
+            seen[case] = images.shape
+            real = labels[0] != PAD_LABEL
+            assert int(real.sum()) == int(np.prod(shapes[case])) == loader.real_voxels(step)  # nothing cropped
+            background = images[0][real].min()
+            assert np.all(images[0][~real] == background) and background < -0.5  # not the mean (0)
+        assert sorted(seen) == [0, 1, 2]
+        assert {seen[c][1:4] for c in seen} == {(16, 24, 16), (24, 16, 16), (16, 16, 40)}
+        voxels = sum(np.prod(s) for s in shapes)
+        assert loader.padding_share(0) == pytest.approx(1 - voxels / sum(np.prod(padded_shape(s, 8)) for s in shapes))
+        assert "3 cases whole at their own shape (16..20x16..24x13..35), padded to multiples of 8: 3 distinct " \
+               "shapes" in loader.describe()
+
+
+def test_a_fixed_shape_crops_and_says_how_much(tmp_path):
+    with WholeVolumeLoader(_shaped_store(tmp_path, [(16, 16, 32), (16, 16, 16)]), shape=(16, 16, 16),
+                           batch_size=2, flip=False) as loader:
+        images, labels = next(loader.batches())
+        assert images.shape == (2, 16, 16, 16, 1) and not np.any(labels == PAD_LABEL)
+        assert loader.cropped_share() == pytest.approx(1 / 3)
+        assert loader.describe() == "2 cases cropped (random offset)/padded to 16^3: 33.3% of their voxels cropped away"
+
+
+def test_batches_of_different_shapes_pad_to_their_bounding_shape_and_group_similar_ones(tmp_path):
+    shapes = [(16, 16, 8), (16, 16, 8), (16, 16, 48), (16, 16, 48), (16, 16, 16), (16, 16, 16)]
+    with WholeVolumeLoader(_shaped_store(tmp_path, shapes), pad_multiple=8, batch_size=2, seed=3) as loader:
+        for step in range(6):  # two epochs
+            images, labels = next(loader.batches(step))
+            members = [loader.case_index(i) for i in loader.step_samples(step)]
+            assert images.shape[1:4] == loader.batch_shape(step) == bounding_shape([shapes[m] for m in members])
+            assert len({shapes[m] for m in members}) == 1  # grouped: equal shapes share a batch
+            assert int((labels != PAD_LABEL).sum()) == sum(np.prod(shapes[m]) for m in members)
+        assert loader.padding_share(0) == 0.0
+    sizes = (1, 1, 6, 6, 2, 2)
+    for epoch in range(3):
+        order = epoch_order(epoch, sizes, 2, 3)
+        assert sorted(order) == list(range(6))
+        assert all(sizes[order[i]] == sizes[order[i + 1]] for i in range(0, 6, 2))
+    assert epoch_order(0, (1,) * 6, 2, 3) == tuple(case_for_sample(i, 6, 3) for i in range(6))  # one shape: as before
 
 
 def test_every_epoch_visits_every_case_once():
@@ -41,7 +106,7 @@ def test_every_epoch_visits_every_case_once():
 
 
 def test_order_resumes_at_any_step(tiny_store):
-    with WholeVolumeLoader(tiny_store, volume=16, batch_size=3, seed=2) as loader:
+    with WholeVolumeLoader(tiny_store, batch_size=3, seed=2) as loader:
         stream = loader.batches(0)
         from_start = [next(stream) for _ in range(4)]
         resumed = next(loader.batches(3))
@@ -51,9 +116,9 @@ def test_order_resumes_at_any_step(tiny_store):
 
 
 def test_worker_processes_deliver_the_same_batches(tiny_store):
-    with WholeVolumeLoader(tiny_store, volume=16, batch_size=2, seed=1) as serial:
+    with WholeVolumeLoader(tiny_store, batch_size=2, seed=1) as serial:
         expected = [b for b, _ in zip(serial.batches(1), range(3))]
-    with WholeVolumeLoader(tiny_store, volume=16, batch_size=2, seed=1, num_workers=2, prefetch=1) as parallel:
+    with WholeVolumeLoader(tiny_store, batch_size=2, seed=1, num_workers=2, prefetch=1) as parallel:
         got = [b for b, _ in zip(parallel.batches(1), range(3))]
     for (ei, el), (gi, gl) in zip(expected, got):
         np.testing.assert_array_equal(ei, gi)
@@ -61,11 +126,11 @@ def test_worker_processes_deliver_the_same_batches(tiny_store):
 
 
 def test_tf_dataset_matches_the_numpy_batches(tiny_store):
-    with WholeVolumeLoader(tiny_store, volume=24, batch_size=2, seed=3) as loader:
+    with WholeVolumeLoader(tiny_store, shape=(24, 16, 24), batch_size=2, seed=3) as loader:
         dataset = loader.dataset(start_step=2)
         images, labels = next(iter(dataset))
         expected = next(loader.batches(2))
-    assert tuple(images.shape) == (2, 24, 24, 24, 1) and labels.dtype.name == "uint8"
+    assert tuple(images.shape) == (2, 24, 16, 24, 1) and labels.dtype.name == "uint8"
     np.testing.assert_array_equal(images.numpy(), expected[0])
     np.testing.assert_array_equal(labels.numpy(), expected[1])
 
@@ -75,17 +140,27 @@ def test_reader_errors_keep_their_message_through_tf_data(corrupt_store):
 
     from helpers import poison_labels
 
-    with WholeVolumeLoader(corrupt_store(poison_labels(9)), volume=16, batch_size=1) as loader:
+    with WholeVolumeLoader(corrupt_store(poison_labels(9)), batch_size=1) as loader:
         with pytest.raises(tf.errors.OpError):
             next(iter(loader.dataset()))
         assert isinstance(loader.error, DataError)
         assert "label value 9 >= number of classes 3" in str(loader.error)
 
 
+def test_tf_dataset_of_several_shapes_gives_each_batch_its_own(tmp_path):
+    shapes = [(16, 16, 8), (16, 16, 24)]
+    with WholeVolumeLoader(_shaped_store(tmp_path, shapes), pad_multiple=8, batch_size=1, seed=0,
+                           num_workers=1, prefetch=1) as loader:
+        got = [tuple(images.shape) for (images, _), _ in zip(loader.dataset(), range(2))]
+        assert sorted(got) == [(1, 16, 16, 8, 1), (1, 16, 16, 24, 1)]
+
+
 def test_repr_states_memory(tiny_store):
-    with WholeVolumeLoader(tiny_store, volume=32, batch_size=2) as loader:
-        assert repr(loader) == ("WholeVolumeLoader(volume: 32^3; batch: 2; workers: 0; prefetch: 2; "
+    with WholeVolumeLoader(tiny_store, shape=(32, 32, 32), batch_size=2) as loader:
+        assert repr(loader) == ("WholeVolumeLoader(shape: 32^3; batch: 2; workers: 0; prefetch: 2; "
                                 "memory per batch: 0.3 MiB)")
+    with WholeVolumeLoader(tiny_store, batch_size=1) as loader:
+        assert repr(loader).startswith("WholeVolumeLoader(shape: native, at most 16^3; batch: 1;")
 
 
 def test_direct_read_of_contiguous_datasets_matches_hdf5(tmp_path):
@@ -124,12 +199,12 @@ def test_patches_are_foreground_oversampled(tiny_store):
 
 
 def test_patch_loader_batches(tiny_store):
-    with WholeVolumeLoader(tiny_store, volume=16, batch_size=2, patch=8, seed=1) as loader:
+    with WholeVolumeLoader(tiny_store, batch_size=2, patch=8, seed=1) as loader:
         images, labels = next(loader.batches())
         again = next(loader.batches())
     assert images.shape == (2, 8, 8, 8, 1) and labels.shape == (2, 8, 8, 8)
     np.testing.assert_array_equal(images, again[0])
-    with WholeVolumeLoader(tiny_store, volume=16, batch_size=2, patch=8, seed=1, num_workers=1) as parallel:
+    with WholeVolumeLoader(tiny_store, batch_size=2, patch=8, seed=1, num_workers=1) as parallel:
         np.testing.assert_array_equal(next(parallel.batches())[0], images)
 
 
@@ -143,7 +218,7 @@ def test_the_pipeline_catches_non_finite_values_in_normalisation(corrupt_store):
         data[...] = values
 
     path = corrupt_store(poison)
-    with WholeVolumeLoader(path, volume=16, batch_size=4, flip=False) as loader:
+    with WholeVolumeLoader(path, batch_size=4, flip=False) as loader:
         assert loader.store.check_finite is False
         with pytest.raises(DataError, match=r"^Case 'synth_0002': image has 1 non-finite values \(NaN/Inf\) "):
             next(loader.batches())
@@ -151,14 +226,14 @@ def test_the_pipeline_catches_non_finite_values_in_normalisation(corrupt_store):
 
 def test_shards_split_every_global_batch_in_the_order_of_one_process(tiny_store):
     """Two workers' loaders together load exactly one process's batches of twice their size."""
-    with WholeVolumeLoader(tiny_store, volume=16, batch_size=4, seed=5) as one:
+    with WholeVolumeLoader(tiny_store, batch_size=4, seed=5) as one:
         whole = [next(one.batches(step)) for step in range(3)]
     for index in range(2):
-        with WholeVolumeLoader(tiny_store, volume=16, batch_size=2, seed=5, shard=(index, 2)) as worker:
+        with WholeVolumeLoader(tiny_store, batch_size=2, seed=5, shard=(index, 2)) as worker:
             assert worker.steps_per_epoch == one.steps_per_epoch
             for step in range(3):
                 images, labels = next(worker.batches(step))
                 np.testing.assert_array_equal(images, whole[step][0][2 * index:2 * index + 2])
                 np.testing.assert_array_equal(labels, whole[step][1][2 * index:2 * index + 2])
     with pytest.raises(ValueError, match=r"shard \(2, 2\)"):
-        WholeVolumeLoader(tiny_store, volume=16, batch_size=2, shard=(2, 2))
+        WholeVolumeLoader(tiny_store, batch_size=2, shard=(2, 2))

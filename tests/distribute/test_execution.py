@@ -57,9 +57,9 @@ def test_multiworker_without_a_gpu_size_trains_whole_volumes_each_worker_its_sli
     assert (parallel.global_batch, parallel.num_workers, parallel.worker_index, parallel.worker_batch) == (4, 2, 1, 2)
     assert parallel.loader_settings() == {"batch_size": 2, "patch": None, "shard": (1, 2)}
     host = parallel.host_config(config)  # one worker's pre-flight: its own batch of whole volumes
-    assert (host.data.volume, host.train.batch_size) == (64, 2)
+    assert (host.data.shape, host.train.batch_size) == ((64, 64, 64), 2)
     assert parallel.host_checked
-    assert config.data.volume == 64 and config.train.batch_size == 2  # the config is not changed
+    assert config.data.shape == (64, 64, 64) and config.train.batch_size == 2  # the config is not changed
     assert parallel.to_dict()["whole_volumes"] is True
 
 
@@ -74,7 +74,7 @@ def test_mirrored_picks_the_largest_patch_that_fits_one_gpu(counts_for):
         assert gpu_footprint_bytes(config, counts_for, patch + divisor, 2) > config.distribute.gpu_memory_bytes
     assert parallel.loader_settings() == {"batch_size": 4, "patch": patch, "shard": (0, 1)}
     host = parallel.host_config(config)  # the simulated replicas all live on this host
-    assert (host.data.volume, host.train.batch_size) == (patch, 4)
+    assert (host.data.shape, host.train.batch_size) == ((patch,) * 3, 4)
     real = data_parallel(config, _replicas(2, simulated=False), counts_for)
     assert not real.host_checked  # real GPUs: the host holds only the input
 

@@ -130,14 +130,14 @@ def test_auto_recomputes_the_fewest_stages_that_fit(counts_for):
     assert sorted(recompute_stages(_config(recompute="auto"), counts_for, (128,) * 3, MIB)) == sorted(ALL_STAGES)
 
 
-def test_auto_needs_a_budget_and_a_cube(counts_for):
+def test_auto_needs_a_budget(counts_for):
     # A Python caller reads config fields; the command line shows the flags (ConfigError.render).
     with pytest.raises(ConfigError, match=r"^memory.recompute auto needs a memory budget to fit; give "
                                           r"memory.budget_bytes\.$") as raised:
         recompute_stages(_config(recompute="auto"), counts_for, (128,) * 3)
     assert raised.value.render(flag_for) == ("--recompute auto needs a memory budget to fit; give --memory-budget.")
-    with pytest.raises(ConfigError, match=r"^memory.recompute auto needs a cubic volume, not \(128, 128, 64\)\.$"):
-        recompute_stages(_config(recompute="auto"), counts_for, (128, 128, 64), GIB)
+    anisotropic = recompute_stages(_config(recompute="auto"), counts_for, (128, 128, 64), GIB)  # any shape works
+    assert set(anisotropic) <= set(ALL_STAGES)
 
 
 # ---- the Plan of a job, and exit 3 ------------------------------------------------------------
@@ -228,3 +228,62 @@ def test_a_search_where_nothing_fits_is_refused(counts_for):
     assert str(info.value).startswith("Nothing fits 10.00 MiB (--budget): the closest candidate, 8^3 x batch 1 ")
     assert info.value.available_bytes == 10 * MIB and info.value.exit_code == 3
     require_fit(search_plan(_config(), counts_for, Budget(64 * GIB, "--budget"), volume=32, batch_size=1))
+
+
+# ---- a store's own shapes, validation, a budget above the machine -------------------------------
+
+def test_planned_shape_is_the_largest_case_or_the_bounding_shape():
+    from bigmem.memory.preflight import planned_shape
+
+    shapes = [(240, 240, 160), (256, 256, 48), (160, 192, 128)]
+    assert planned_shape(shapes, 1) == (240, 240, 160)  # the most voxels
+    assert planned_shape(shapes, 2) == (256, 256, 160)  # any two may share a batch: their bounding shape
+
+
+def test_a_case_that_does_not_fit_is_refused_by_name(counts_for):
+    from bigmem.memory.preflight import CaseShape
+
+    cases = [CaseShape("small_one", (64, 64, 40), (64, 64, 40)), CaseShape("long_one", (64, 64, 300), (64, 64, 304))]
+    config = resolve_config("small", {"train": {"batch_size": 1}})  # no data.shape: each case at its own
+    shape = (64, 64, 304)
+    small_peak = estimate(config, counts_for((64, 64, 40)), (64, 64, 40)).predicted_peak_bytes
+    big_peak = estimate(config, counts_for(shape), shape).predicted_peak_bytes
+    budget = Budget((small_peak + big_peak) // 2, "--memory-budget")
+    with pytest.raises(InsufficientMemoryError, match=r"^Predicted peak .* for small at 64x64x304 \(case 'long_one', "
+                                                      r"64x64x300 padded\) x batch 1 \(fp32\) exceeds the memory "
+                                                      r"budget .*: use .*or pass --force to try anyway\.$"):
+        job_plan(config, counts_for, budget, shape=shape, cases=cases)
+    plan = job_plan(config, counts_for, budget, shape=shape, cases=cases, force=True)
+    assert [(c["case"], c["fits"]) for c in plan.cases] == [("small_one", True), ("long_one", False)]
+    assert plan.to_dict()["chosen"]["spatial_shape"] == list(shape)
+
+
+def test_validation_beside_training_is_planned(counts_for):
+    config = _config()
+    train_shape, held_out = (32, 32, 32), (128, 128, 128)
+    alone = job_plan(config, counts_for, Budget(64 * GIB, "--memory-budget"), shape=train_shape)
+    plan = job_plan(config, counts_for, Budget(64 * GIB, "--memory-budget"), shape=train_shape,
+                    validation_shape=held_out, validation_case="big")
+    assert plan.validation["case"] == "big" and plan.validation["shape"] == [128, 128, 128]
+    extra = plan.chosen.components["validation"]
+    assert extra > 0 and plan.predicted_peak_bytes == alone.predicted_peak_bytes + extra
+    assert plan.validation["predicted_peak_bytes"] == plan.predicted_peak_bytes
+    tight = Budget((alone.predicted_peak_bytes + plan.predicted_peak_bytes) // 2, "--memory-budget")
+    with pytest.raises(InsufficientMemoryError, match=r"^Validating held-out case 'big' \(128x128x128\) whole beside "
+                                                      r"the model needs .*; training alone would fit .*Drop "
+                                                      r"--val-every, hold out smaller cases, or pass --force"):
+        job_plan(config, counts_for, tight, shape=train_shape, validation_shape=held_out, validation_case="big")
+    small = job_plan(config, counts_for, Budget(64 * GIB, "x"), shape=(128,) * 3, validation_shape=(32, 32, 32))
+    assert "validation" not in small.chosen.components and small.validation["excess_bytes"] == 0
+
+
+def test_a_budget_above_the_machine_is_refused_unless_forced():
+    from bigmem.memory.preflight import check_budget_within_machine
+
+    with pytest.raises(InsufficientMemoryError, match=r"^--memory-budget 1\.50 TiB is more than this machine's "
+                                                      r"memory \(24\.00 GiB, MemTotal\)") as raised:
+        check_budget_within_machine(Budget(3 * 2**39, "--memory-budget"), machine_bytes=24 * GIB)
+    assert raised.value.exit_code == EXIT_NO_FIT
+    check_budget_within_machine(Budget(3 * 2**39, "--memory-budget"), force=True, machine_bytes=24 * GIB)
+    check_budget_within_machine(Budget(3 * 2**39, "MemAvailable"), machine_bytes=24 * GIB)  # not the user's
+    check_budget_within_machine(Budget(20 * GIB, "--memory-budget"), machine_bytes=24 * GIB)

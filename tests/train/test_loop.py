@@ -35,7 +35,8 @@ def _losses(values):
 def _loop(state, callbacks, losses=None):
     batches = iter([(None, None)] * 100)
     step = _losses(losses or [1.0] * 100)
-    return run_loop(state, step, batches, callbacks, learning_rate=lambda s: 0.1 * (s + 1), voxels_per_step=1000,
+    return run_loop(state, step, batches, callbacks, learning_rate=lambda s: 0.1 * (s + 1),
+                    voxels_for_step=lambda step: 1000,
                     input_error=lambda: None)
 
 
@@ -138,10 +139,12 @@ def test_an_input_failure_is_the_readers_own_error():
 
     own = TrainingError("Case 'x': unreadable")
     with pytest.raises(TrainingError, match="^Case 'x': unreadable$"):
-        run_loop(LoopState(0, 3), _losses([1.0]), failing(), [], learning_rate=lambda s: 0.1, voxels_per_step=1,
+        run_loop(LoopState(0, 3), _losses([1.0]), failing(), [], learning_rate=lambda s: 0.1,
+                 voxels_for_step=lambda step: 1,
                  input_error=lambda: own)
     with pytest.raises(TrainingError, match="^The input pipeline failed: reader died$"):
-        run_loop(LoopState(0, 3), _losses([1.0]), failing(), [], learning_rate=lambda s: 0.1, voxels_per_step=1,
+        run_loop(LoopState(0, 3), _losses([1.0]), failing(), [], learning_rate=lambda s: 0.1,
+                 voxels_for_step=lambda step: 1,
                  input_error=lambda: None)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -36,3 +38,41 @@ def test_loss_is_cross_entropy_plus_soft_dice():
     logits = tf.zeros((1, 1, 1, 2, 2))  # uniform over 2 classes
     # CE = ln 2; soft Dice of class 1: 2 * 0.5 / (1.0 + 1) = 0.5 -> loss = ln 2 + 0.5
     assert float(dice_ce_loss(labels, logits)) == pytest.approx(np.log(2) + 0.5, rel=1e-4)
+
+
+def _loss_and_grad(labels, logits, fn=None):
+    from bigmem.train.losses import dice_ce_per_sample
+
+    fn = fn or dice_ce_per_sample
+    logits = tf.constant(logits)
+    with tf.GradientTape() as tape:
+        tape.watch(logits)
+        loss = fn(tf.constant(labels), logits)
+    return loss.numpy(), tape.gradient(loss, logits).numpy()
+
+
+@pytest.mark.parametrize("limit", [None, 3 * 5 * 3 * 4])  # whole, and in depth slabs
+def test_a_padded_sample_scores_and_trains_as_the_unpadded_one(limit):
+    """Padding (PAD_LABEL) adds nothing: the loss, the Dice counts and d loss / d logits of the real voxels
+    equal the unpadded sample's, and padded logits get no gradient, whatever their values."""
+    from bigmem.data.pipeline import PAD_LABEL
+    from bigmem.nets.limits import kernel_element_limit
+    from bigmem.train.losses import dice_counts
+
+    rng = np.random.default_rng(4)
+    labels = rng.integers(0, 3, (2, 7, 5, 3)).astype(np.uint8)
+    logits = rng.normal(0, 2, (2, 7, 5, 3, 3)).astype(np.float32)
+    padded_labels = np.full((2, 12, 5, 3), PAD_LABEL, np.uint8)
+    padded_labels[:, 2:9] = labels
+    padded_logits = rng.normal(0, 5, (2, 12, 5, 3, 3)).astype(np.float32)  # padding: arbitrary logits
+    padded_logits[:, 2:9] = logits
+    with kernel_element_limit(limit) if limit else contextlib.nullcontext():
+        loss, grad = _loss_and_grad(labels, logits)
+        padded_loss, padded_grad = _loss_and_grad(padded_labels, padded_logits)
+        counts = dice_counts(tf.constant(labels), tf.constant(logits))
+        padded_counts = dice_counts(tf.constant(padded_labels), tf.constant(padded_logits))
+    np.testing.assert_allclose(padded_loss, loss, rtol=1e-6)
+    np.testing.assert_allclose(padded_grad[:, 2:9], grad, rtol=1e-5, atol=1e-9)
+    assert not np.any(padded_grad[:, :2]) and not np.any(padded_grad[:, 9:])
+    for got, want in zip(padded_counts, counts):
+        np.testing.assert_array_equal(got, want)

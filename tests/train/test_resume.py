@@ -123,7 +123,7 @@ def test_flags_that_differ_from_the_saved_run_are_refused_each_named(finished, t
     assert code == 2
     assert err.strip() == (
         f"bigmem train: error: Cannot resume {str(finished)!r} with settings that differ from the saved run: "
-        f"--model small (saved: tiny); --volume 32 (saved: 16); --data {other} (saved: {tiny_store}); "
+        f"--model small (saved: tiny); --shape 32,32,32 (saved: 16,16,16); --data {other} (saved: {tiny_store}); "
         "--precision bf16 (saved: fp32); --lr 0.01 (saved: 0.003). Only --steps, --epochs, --time-budget, "
         "--monitor-interval, --checkpoint-every, --val-every, --num-workers, --prefetch, --cold-cache, "
         "--memory-budget, --numa, --cpus, --threads may change when resuming: repeat the saved values (or leave "

@@ -17,7 +17,7 @@ import pytest
 from bigmem.rundir import read_jsonl
 from helpers import run_cli
 
-METRIC_FIELDS = {"step", "loss", "dice", "lr", "voxels_per_s", "rss_bytes", "input_wait_s", "step_s"}
+METRIC_FIELDS = {"step", "loss", "dice", "lr", "voxels_per_s", "rss_bytes", "input_wait_s", "step_s", "shape"}
 
 
 def tiny_train(out: Path, store: Path, *extra) -> list:
@@ -107,8 +107,8 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, tiny
 
     real = trainer.make_train_step
 
-    def poisoned(model, optimizer):
-        step = real(model, optimizer)
+    def poisoned(model, optimizer, traces=None):
+        step = real(model, optimizer, traces)
 
         def wrapped(images, labels):
             loss, dice = step(images, labels)

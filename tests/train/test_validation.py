@@ -94,4 +94,4 @@ def test_a_run_on_patches_is_validated_in_windows_of_its_patch(tmp_path, tiny_st
     assert summary["foreground_mean"]["Dice"] == pytest.approx(val["val_dice"], abs=1e-12)
     from bigmem.infer.predict import load_predictor
 
-    assert load_predictor(out).window == 8  # predict's default window: the patch, from plan.json
+    assert load_predictor(out).window == (8, 8, 8)  # predict's default window: the patch, from plan.json
