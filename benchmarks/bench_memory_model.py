@@ -116,14 +116,14 @@ class Campaign:
     def measured(self, config, counts_for, *, reuse: bool = True) -> tuple[int | None, float | None, str]:
         """(peak bytes, s/step, where it came from); (None, None, error) if the run failed."""
         train = config.train
-        key = _point_key(config.model.name, train.precision.value, config.memory.recompute.value, config.data.volume,
+        key = _point_key(config.model.name, train.precision.value, config.memory.recompute.value, config.data.shape[0],
                          train.batch_size)
         if reuse and key in self.reused:
             row = self.reused[key]
             return row["measured_peak_bytes"], row.get("step_s"), row["measurement"]
         if self.args.no_measure:
             return None, None, "not in --reuse (--no-measure)"
-        stages = stages_for(config, counts_for((config.data.volume,) * 3))
+        stages = stages_for(config, counts_for((config.data.shape[0],) * 3))
         try:
             with held(self.args.lock):
                 # forced: the shipped estimate must not veto a size that --max-peak admits
@@ -133,7 +133,7 @@ class Campaign:
         return result.peak_bytes, result.step_s, f"measured {time.strftime('%Y-%m-%d %H:%M')}"
 
     def predict(self, config, counts_for, calibration) -> int:
-        volume = config.data.volume
+        volume = config.data.shape[0]
         counts = counts_for((volume,) * 3)
         return estimate(config, counts, (volume,) * 3, recompute_stages=stages_for(config, counts),
                         calibration=calibration).predicted_peak_bytes

@@ -107,7 +107,7 @@ def main(argv=None) -> int:
     delivered = []
     for workers in (0, 2):
         for patch in (None, args.patch):
-            with WholeVolumeLoader(stores["contiguous"], volume=args.volume, batch_size=1, num_workers=workers,
+            with WholeVolumeLoader(stores["contiguous"], shape=(args.volume,) * 3, batch_size=1, num_workers=workers,
                                    patch=patch, flip=True) as loader:
                 stream = loader.batches()
                 next(stream)

@@ -144,7 +144,7 @@ def child_bigmem(request: dict) -> dict:
     import_tensorflow()
     from bigmem.train.trainer import train
 
-    volume = config.data.volume
+    volume = config.data.shape[0]
     store = str(cached_synthetic_store(num_cases=2, volume=volume, num_classes=config.model.num_classes))
     total = request["warmup"] + request["steps"]
     config = config.updated({"data": {"store": store}, "train": {
@@ -172,7 +172,7 @@ def child_keras(request: dict) -> dict:
     model = UNet3D(config.model, dtype=policy).build_for()
     model.compile(optimizer=keras.optimizers.SGD(config.train.lr, momentum=config.train.momentum, nesterov=True),
                   loss=dice_ce_loss)
-    image, label = _sample_case(config, config.data.volume)
+    image, label = _sample_case(config, config.data.shape[0])
     times = _timed(lambda: model.train_on_batch(image, label), request["warmup"], request["steps"])
     return {"step_s": times, "param_count": model.count_params()}
 
@@ -190,7 +190,7 @@ def child_torch(request: dict) -> dict:
     model = TorchUNet3D(config.model)
     optimizer = torch.optim.SGD(model.parameters(), lr=config.train.lr, momentum=config.train.momentum,
                                 nesterov=True)
-    image, label = _sample_case(config, config.data.volume)
+    image, label = _sample_case(config, config.data.shape[0])
     images = torch.from_numpy(image).permute(0, 4, 1, 2, 3).contiguous()
     labels = torch.from_numpy(label)
 

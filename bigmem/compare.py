@@ -189,6 +189,23 @@ def train_flops(config: ExperimentConfig, edge, samples: int) -> int:
     return UNet3D(config.model).train_flops((edge,) * 3 if isinstance(edge, int) else tuple(edge), samples)
 
 
+def mean_step_flops(config: ExperimentConfig) -> float:
+    """FLOPs of the whole-volume path's mean step: each training case at the shape it trains at, times the batch.
+
+    With native shapes the cases differ (a batch pads to its bounding shape, which this leaves out); with a
+    fixed ``data.shape`` every step is that shape.
+    """
+    if config.data.shape is not None:
+        return train_flops(config, tuple(config.data.shape), config.train.batch_size)
+    from bigmem.data.pipeline import padded_shape
+    from bigmem.data.store import HDF5VolumeStore
+
+    multiple = config.data.pad_multiple or config.model.divisor
+    with HDF5VolumeStore(config.data.store) as store:
+        shapes = [padded_shape(info.shape, multiple) for info in store.cases]
+    return sum(train_flops(config, shape, 1) for shape in shapes) / len(shapes) * config.train.batch_size
+
+
 def _train_argv(config: ExperimentConfig, settings: Settings, seed: int) -> list[str]:
     shape = ["--shape", ",".join(map(str, config.data.shape))] if config.data.shape else []  # else native shapes
     argv = ["--model", config.model.name, "--data", str(config.data.store), *shape,
@@ -286,7 +303,7 @@ def compare(config: ExperimentConfig, out: Path, settings: Settings, *,
     progress("pre-flight of both paths ...")
     _, parallel = preflight(config, counts_for, settings)
     patch, volume = parallel.patch, whole_shape(config)
-    cpu_step_flops = train_flops(config, volume, config.train.batch_size)
+    cpu_step_flops = mean_step_flops(config)
     dp_step_flops = train_flops(config, patch, parallel.global_batch)
     ratio = cpu_step_flops / dp_step_flops
     dp_val_every = max(1, round(settings.val_every * ratio))

@@ -50,6 +50,8 @@ def register(subparsers, parents) -> None:
                     shape_help="fix the volume's shape D,H,W (e.g. 240,240,144) and search the batch size")
     parser.add_argument("--data", metavar="STORE.h5", help="plan this store's scans at their own shapes (with "
                                                              "--shape: cropped/padded to it)")
+    parser.add_argument("--pad-multiple", type=int, metavar="N",
+                        help="with --data: pad each case's axes to a multiple of N, as bigmem train --pad-multiple")
     parser.add_argument("--numa", metavar="POLICY", help="budget what this placement can use: bind:NODES -> those "
                                                          "nodes' free memory; interleave[:NODES] -> the smallest "
                                                          "node's free memory x nodes (default: none, MemAvailable)")
@@ -78,6 +80,10 @@ def run(args) -> int:
         if not Path(args.data).exists():
             raise DataError(f"Cannot open store {args.data!r} (--data): no such file.")
         overrides["data"]["store"] = args.data
+    if args.pad_multiple is not None:
+        if args.data is None:
+            raise UsageError("--pad-multiple pads a store's cases: give --data STORE.h5.")
+        overrides["data"]["pad_multiple"] = args.pad_multiple
     config = resolve_config(args.model or "small", overrides)
     if getattr(args, "inference", False) and args.data is not None:
         raise UsageError("--inference plans one whole volume of --shape; --data does not apply.")
@@ -123,9 +129,15 @@ def run(args) -> int:
                     f"({format_bytes(total)}): this plans for a bigger machine (bigmem train refuses such a budget "
                     "here)", style="yellow")
     shape = config.data.shape
-    if cases:
-        shape = planned_shape([c.trained_shape for c in cases], fixed_batch or 2)
+    if cases:  # batch 1 steps at the largest case; a batch of several at the bounding shape of all
+        shape = planned_shape([c.trained_shape for c in cases], fixed_batch or 1)
     plan = search_plan(config, counts_for, budget, volume=shape, batch_size=fixed_batch, allow_bf16=allow_bf16)
+    if cases and fixed_batch is None and plan.chosen is not None and plan.chosen.batch_size > 1:
+        bounding = planned_shape([c.trained_shape for c in cases], 2)
+        if bounding != shape:  # the batch searched at the largest case: search again where batches may reach
+            wider = search_plan(config, counts_for, budget, volume=bounding, allow_bf16=allow_bf16)
+            plan = wider if wider.chosen is not None and wider.chosen.batch_size > 1 else plan
+            shape = bounding if plan is wider else shape
     if cases:
         plan.cases = _case_rows(config, counts_for, budget, cases, plan)
     kept = write_plan(out, plan)
@@ -151,7 +163,8 @@ def run(args) -> int:
             console.print(EMULATED_BF16_WARNING, style="yellow")
         if plan.chosen:
             chosen = plan.chosen
-            shape_flag = chosen.shape_flag() if not cases or config.data.shape else "--data " + str(args.data)
+            shape_flag = chosen.shape_flag() if not cases or config.data.shape else "--data " + str(args.data) + (
+                f" --pad-multiple {config.data.pad_multiple}" if config.data.pad_multiple else "")
             flags = f"{shape_flag} --batch-size {chosen.batch_size} {chosen.flags()}".rstrip()
             console.print(f"chosen: {flags} (est. {format_bytes(chosen.predicted_peak_bytes)}); "
                           f"{len(plan.candidates)} candidates in {args.out}")

@@ -307,7 +307,7 @@ class _Printer:
     def calibration(self, calibration, points) -> None:
         from bigmem.units import format_bytes
 
-        sizes = ", ".join(f"{p['volume']}^3: {format_bytes(p['measured_peak_bytes'])}"
+        sizes = ", ".join(f"{shape_text(p.get('shape') or [p['volume']] * 3)}: {format_bytes(p['measured_peak_bytes'])}"
                           + (f" at {p['step_s']:.3g} s/step" if "step_s" in p else "") for p in points)
         self.console.print(f"measured {sizes}")
         if calibration.step_gflops_per_core:

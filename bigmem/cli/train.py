@@ -20,6 +20,11 @@ DESCRIPTION = """\
 Train a 3D U-Net on whole volumes held in RAM. With no --data, bigmem generates a synthetic
 phantom dataset once (cached under ~/.cache/bigmem) and trains the 'small' preset on it.
 
+Each case is used whole at its own shape (D,H,W), padded (never cropped) up to a multiple of
+2^depth; padded voxels take the background value and count in no loss, metric or throughput.
+--shape D,H,W (or --volume N) crops/pads every case to one shape instead, and says how much it
+crops. The step compiles once per distinct batch shape (--pad-multiple makes fewer of them).
+
 Settings resolve in this order: built-in defaults, then the --model preset's file, then flags.
 The resolved configuration is saved as RUN_DIR/config.json. Interrupt with Ctrl-C (or SIGTERM)
 to write a checkpoint and stop. To continue a run (stopped, killed or finished), run the same
@@ -34,8 +39,9 @@ checkpoint starts over with the same command.
 def register(subparsers, parents) -> None:
     parser = subparsers.add_parser("train", help=HELP, description=DESCRIPTION, parents=parents,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_flags(parser, volume_help="train on whole volumes cropped/padded to N^3; N must be a multiple of "
-                                        "2^depth (default: the preset's)")
+    add_model_flags(parser, volume_help="crop/pad every case to N^3, N a multiple of 2^depth",
+                    shape_help="crop (random offset) or pad every case to D,H,W, each a multiple of 2^depth "
+                               "(default: each case whole at its own shape, padded to a multiple of 2^depth)")
     add_memory_flags(parser)
     add_numa_flags(parser)
     dp = parser.add_argument_group("data parallel (the GPU baseline bigmem compares itself with)")
@@ -60,6 +66,9 @@ def register(subparsers, parents) -> None:
     data = parser.add_argument_group("data")
     data.add_argument("--data", metavar="STORE.h5", help="HDF5 store to train on (default: synthetic phantoms)")
     data.add_argument("--holdout", type=int, metavar="N", help="keep the last N cases out of training")
+    data.add_argument("--pad-multiple", type=int, metavar="N",
+                      help="pad each case's axes up to a multiple of N (a multiple of 2^depth; default 2^depth): a "
+                           "store of many shapes then compiles the step for fewer of them, for a little more padding")
     data.add_argument("--num-workers", type=int, metavar="N",
                       help="reader processes (0: read in the training process; default 0)")
     data.add_argument("--prefetch", type=int, metavar="N", help="batches prepared ahead of the step (default 2)")
@@ -102,7 +111,7 @@ def _overrides(args) -> dict:
                             cold_cache=args.cold_cache)
     sections["numa"] = numa_overrides(args)
     gpu_memory = parse_bytes(args.gpu_memory, flag="--gpu-memory") if args.gpu_memory else None
-    sections["data"].update(holdout=args.holdout)
+    sections["data"].update(holdout=args.holdout, pad_multiple=args.pad_multiple)
     sections["distribute"] = dict(strategy=args.strategy, gpus=args.gpus, simulate_replicas=args.simulate_replicas,
                                   gpu_memory_bytes=gpu_memory, patch=args.patch)
     sections["memory"].update(budget_bytes=budget)

@@ -383,7 +383,10 @@ def migrate_sections(values: Mapping[str, Any]) -> dict[str, Any]:
             new_section, new_key = new.split(".")
             moved.setdefault(new_section, {})[new_key] = section.pop(old_key)
     data = moved.get("data")
-    if isinstance(data, Mapping) and "volume" in data:  # runs and presets from before shapes: a cube
+    # Runs and presets from before shapes: a cube. Such a run resumes at its cube and sample order; where
+    # a case was smaller than the cube, its padding now takes the background value and the label that no
+    # loss counts (it was 0 and background), so the steps after the resume differ there.
+    if isinstance(data, Mapping) and "volume" in data:
         volume = data.pop("volume")
         if volume is not None and "shape" not in data:
             data["shape"] = [volume] * 3 if isinstance(volume, int) and not isinstance(volume, bool) else volume

@@ -68,32 +68,51 @@ def case_for_sample(sample_index: int, num_cases: int, seed: int) -> int:
     return int(np.random.default_rng([seed, epoch]).permutation(num_cases)[position])
 
 
-@functools.lru_cache(maxsize=8)
-def epoch_order(epoch: int, sizes: tuple[int, ...], batch_size: int, seed: int) -> tuple[int, ...]:
-    """The cases of one epoch in sample order, consecutive batches grouping similar sizes.
+def grouped(shapes: Sequence[Sequence[int]], batch_size: int) -> bool:
+    """Whether batches group shapes (``epoch_order``): several shapes and more than one sample a batch."""
+    return batch_size > 1 and len({tuple(s) for s in shapes}) > 1
 
-    A fresh permutation per epoch (``case_for_sample``'s); where cases differ in size and batches
-    hold more than one, the permutation is sorted by size (stable, so equal sizes keep their
-    random order), cut into batches and the batches shuffled: a batch is padded to its bounding
-    shape, and similar shapes waste the least. With one size or batch 1 it is the permutation
-    itself.
+
+@functools.lru_cache(maxsize=8)
+def epoch_order(epoch: int, shapes: tuple[tuple[int, int, int], ...], batch_size: int, seed: int) -> tuple[int, ...]:
+    """The cases of one epoch in sample order; where batches group shapes, each batch holds one group.
+
+    A fresh permutation per epoch (``case_for_sample``'s). Where cases differ in shape and batches
+    hold more than one (``grouped``), the permutation is sorted by (voxels, shape) (stable, so
+    equal shapes keep their random order) and cut into whole batches; a short last batch is filled
+    with the cases just before it in that order (each case is seen at least once an epoch, a few
+    twice), and the batches are shuffled. A batch is padded to its bounding shape, and similar
+    shapes waste the least. Otherwise it is the permutation itself, and batches may run across
+    epochs as they always did.
 
     Args:
         epoch: the epoch, from 0.
-        sizes: each case's padded voxel count (the grouping key).
-        batch_size: samples per batch.
+        shapes: each case's shape as trained alone (its padded shape).
+        batch_size: samples per (global) batch.
         seed: the run's seed.
 
     Returns:
-        Case indices, one per sample of the epoch.
+        Case indices, one per sample of the epoch: ``len(shapes)`` of them, or, when grouped, a
+        whole number of batches.
     """
     rng = np.random.default_rng([seed, epoch])
-    order = rng.permutation(len(sizes))
-    if batch_size == 1 or len(set(sizes)) == 1:
+    order = rng.permutation(len(shapes))
+    if not grouped(shapes, batch_size):
         return tuple(int(i) for i in order)
-    order = order[np.argsort([sizes[i] for i in order], kind="stable")]
+    order = [int(i) for i in order[np.argsort(_sort_keys([shapes[i] for i in order]), kind="stable")]]
+    short = -len(order) % batch_size  # samples the last batch lacks
+    if short:  # filled with the cases just before it in the sorted order: its own group's neighbours
+        last = len(order) - (batch_size - short)
+        order += (order[max(0, last - short):last] + order * batch_size)[:short]
     batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
     return tuple(int(i) for b in rng.permutation(len(batches)) for i in batches[b])
+
+
+def _sort_keys(shapes: Sequence[Sequence[int]]) -> np.ndarray:
+    """One integer rank per shape, ordered by (voxels, shape): argsort's key for grouping."""
+    keys = sorted({(math.prod(s), *s) for s in shapes})
+    rank = {key: i for i, key in enumerate(keys)}
+    return np.array([rank[(math.prod(s), *s)] for s in shapes])
 
 
 def fit_to_shape(image: np.ndarray, label: np.ndarray, shape: Sequence[int], rng: np.random.Generator,
@@ -365,8 +384,11 @@ class WholeVolumeLoader:
         self.flip = bool(flip)
         self.num_workers = int(num_workers)
         self.prefetch = int(prefetch)
-        self._shapes = [self.case_shape(i) for i in range(len(self.store))]
-        self._sizes = tuple(math.prod(s) for s in self._shapes)
+        self._shapes = tuple(self.case_shape(i) for i in range(len(self.store)))
+        global_batch = self.batch_size * self.num_shards
+        # Samples per epoch: the cases, or whole batches where batches group shapes (epoch_order).
+        self._epoch_samples = (-(-len(self.store) // global_batch) * global_batch
+                               if grouped(self._shapes, global_batch) else len(self.store))
         self._pool: ProcessPoolExecutor | None = None
         self._slots: list[shared_memory.SharedMemory] = []
         self.error: Exception | None = None  # a reader error, kept so tf.data cannot blur it
@@ -406,11 +428,10 @@ class WholeVolumeLoader:
 
     def case_index(self, sample_index: int) -> int:
         """The store case of sample ``sample_index`` (``epoch_order``: batches group similar shapes)."""
-        num_cases = len(self.store)
         if self.patch:
-            return case_for_sample(sample_index, num_cases, self.seed)
-        epoch, position = divmod(sample_index, num_cases)
-        return epoch_order(epoch, self._sizes, self.batch_size * self.num_shards, self.seed)[position]
+            return case_for_sample(sample_index, len(self.store), self.seed)
+        epoch, position = divmod(sample_index, self._epoch_samples)
+        return epoch_order(epoch, self._shapes, self.batch_size * self.num_shards, self.seed)[position]
 
     def step_samples(self, step: int) -> list[int]:
         """The sample indices of global step ``step`` (every shard's)."""

@@ -81,9 +81,10 @@ class DataParallel:
         """``lr`` scaled linearly from the batch it was meant for (default: one replica's) to the global batch."""
         return scaled_learning_rate(lr, reference_batch or self.per_replica_batch, self.global_batch)
 
-    def make_step(self, model, optimizer, *, loss_per_sample, metric_counts, metric_from_counts) -> Callable:
+    def make_step(self, model, optimizer, *, loss_per_sample, metric_counts, metric_from_counts,
+                  traces=None) -> Callable:
         """The compiled data-parallel step: ``step(images, labels) -> (loss, metric)`` (``make_distributed_step``)."""
-        return make_distributed_step(self.replicas, model, optimizer, self.global_batch,
+        return make_distributed_step(self.replicas, model, optimizer, self.global_batch, traces=traces,
                                      loss_per_sample=loss_per_sample, metric_counts=metric_counts,
                                      metric_from_counts=metric_from_counts)
 

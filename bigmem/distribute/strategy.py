@@ -86,7 +86,7 @@ def scaled_learning_rate(reference_lr: float, reference_batch: int, global_batch
 
 
 def make_distributed_step(replicas: Replicas, model, optimizer, global_batch_size: int, *, loss_per_sample,
-                          metric_counts, metric_from_counts):
+                          metric_counts, metric_from_counts, traces=None):
     """One compiled data-parallel update; returns the global-batch mean loss and the metric.
 
     The loss and metric come in as functions, so this layer needs nothing from ``bigmem.train``.
@@ -101,6 +101,8 @@ def make_distributed_step(replicas: Replicas, model, optimizer, global_batch_siz
         metric_counts: ``(labels, logits) -> (intersection, total)`` per-class counts, summed
             across replicas.
         metric_from_counts: ``(intersection, total) -> scalar``, the metric of the summed counts.
+        traces: an object whose ``count`` is raised each time the step traces (one trace per batch
+            shape; the trainer reports them), or None.
 
     Returns:
         A ``tf.function`` ``step(images, labels) -> (loss, metric)`` over distributed batches.
@@ -114,7 +116,13 @@ def make_distributed_step(replicas: Replicas, model, optimizer, global_batch_siz
     strategy = replicas.strategy
     total = tf.distribute.ReduceOp.SUM
 
+    per_replica = global_batch_size // replicas.num_replicas
+
     def replica_step(images, labels):
+        # MultiWorkerMirroredStrategy's input rebatching leaves the batch axis unknown in the trace; the
+        # depth-slab paths and the slab loss need every size static, so the batch is stated here.
+        images = tf.ensure_shape(images, (per_replica, *images.shape[1:]))
+        labels = tf.ensure_shape(labels, (per_replica, *labels.shape[1:]))
         with tf.GradientTape() as tape:
             logits = model(images, training=True)
             loss = tf.reduce_sum(loss_per_sample(labels, logits)) / global_batch_size
@@ -123,8 +131,10 @@ def make_distributed_step(replicas: Replicas, model, optimizer, global_batch_siz
         intersection, union = metric_counts(labels, logits)
         return loss, intersection, union
 
-    @tf.function
+    @tf.function(reduce_retracing=False)  # one trace per batch shape: the slab paths plan from static shapes
     def step(distributed_images, distributed_labels):
+        if traces is not None:
+            traces.count += 1
         loss, intersection, union = strategy.run(replica_step, args=(distributed_images, distributed_labels))
         return (strategy.reduce(total, loss, axis=None),
                 metric_from_counts(strategy.reduce(total, intersection, axis=None),

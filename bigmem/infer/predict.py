@@ -10,6 +10,8 @@ the class probabilities are mapped back to the source grid before the argmax.
 
 from __future__ import annotations
 
+import math
+
 import json
 import os
 import time
@@ -90,6 +92,22 @@ def run_config(run_dir: str | os.PathLike) -> ExperimentConfig:
     return ExperimentConfig.from_dict({k: v for k, v in saved.items() if isinstance(v, dict)}, source=str(run.config))
 
 
+def _largest_trained_shape(plan) -> tuple[int, int, int] | None:
+    """The largest case shape (by voxels) a run trained on, from its plan.json's per-case table; else its step's.
+
+    A batch of several is planned at a bounding shape no case may have; the window is a case's.
+    """
+    if not isinstance(plan, dict):
+        return None
+    cases = plan.get("cases")
+    shapes = [c.get("padded_shape") for c in cases if isinstance(c, dict)] if isinstance(cases, list) else []
+    chosen = plan.get("chosen")
+    if not shapes and isinstance(chosen, dict):
+        shapes = [chosen.get("spatial_shape")]
+    shapes = [tuple(int(v) for v in s) for s in shapes if isinstance(s, list) and len(s) == 3]
+    return max(shapes, key=lambda s: (math.prod(s), s)) if shapes else None
+
+
 def load_predictor(run_dir: str | os.PathLike, checkpoint: str = "final", *, verbose: bool = False) -> Predictor:
     """The trained network of a run directory.
 
@@ -120,9 +138,7 @@ def load_predictor(run_dir: str | os.PathLike, checkpoint: str = "final", *, ver
     parallel = plan.get("data_parallel") if isinstance(plan, dict) else None
     patch = parallel.get("patch") if isinstance(parallel, dict) else None
     edge = int(patch) if isinstance(patch, int) and patch > 0 else None
-    chosen = plan.get("chosen") if isinstance(plan, dict) else None
-    trained = chosen.get("spatial_shape") if isinstance(chosen, dict) else None
-    trained = tuple(int(v) for v in trained) if isinstance(trained, list) and len(trained) == 3 else None
+    trained = _largest_trained_shape(plan)
     import_tensorflow(verbose=verbose)
     import keras
 

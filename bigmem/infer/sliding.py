@@ -5,7 +5,8 @@ sigma_scale=0.125)`` (``monai/inferers/utils.py``: ``_get_scan_interval``, ``den
 ``monai/data/utils.py``: ``compute_importance_map``), which a benchmark compares against, and
 nnU-Net's sliding-window predictor (sigma = window / 8, every voxel with a positive weight):
 
-- a volume smaller than the window is zero-padded to it, ``(window - size) // 2`` before;
+- a volume smaller than the window is padded to it, ``(window - size) // 2`` before, at each
+  channel's background (its minimum), as training pads (MONAI pads with zeros);
 - windows step by ``int(window * (1 - overlap))`` (at least 1) from 0, and the last one is moved
   back to end at the volume's edge, so every voxel is covered and no window leaves the volume;
 - the weight is a separable Gaussian over voxel centres ``-(w - 1) / 2 .. (w - 1) / 2`` with
@@ -196,8 +197,11 @@ def sliding_window(image: np.ndarray, predict: Callable[[np.ndarray], np.ndarray
         raise UsageError(f"Invalid num_classes {num_classes!r}: expected the number of channels predict returns.")
     size = image.shape[:3]
     widths = [((max(s, w) - s) // 2, max(s, w) - s - (max(s, w) - s) // 2) for s, w in zip(size, shape)]
-    if any(before or after for before, after in widths):
-        image = np.pad(image, widths + [(0, 0)])
+    if any(before or after for before, after in widths):  # at each channel's background, as training pads
+        padded = np.empty(tuple(s + b + a for s, (b, a) in zip(size, widths)) + image.shape[3:], image.dtype)
+        padded[...] = image.min(axis=(0, 1, 2))
+        padded[tuple(slice(b, b + s) for s, (b, _) in zip(size, widths))] = image
+        image = padded
     starts = list(itertools.product(*[window_starts(s, w, overlap) for s, w in zip(size, shape)]))
     weights = gaussian_weights(shape, sigma_scale)
     weights_acc = weights.astype(dtype)

@@ -227,6 +227,12 @@ def job_plan(config: ExperimentConfig, counts_for: CountsFor, budget: Budget, *,
     shape = tuple(int(s) for s in shape)
     planner = Planner(config, counts_for, budget.budget_bytes)
     stages = list(recompute_stages(config, counts_for, shape, planner=planner) if stages is None else stages)
+    table = case_table(config, counts_for, budget, cases, stages) if cases else None
+    if table and batch == 1:  # each step is one case: the one with the highest peak decides (not only the largest)
+        worst = max(table, key=lambda c: c["predicted_peak_bytes"])
+        if worst["predicted_peak_bytes"] > estimate(config, counts_for(shape), shape,
+                                                    recompute_stages=stages).predicted_peak_bytes:
+            shape = tuple(worst["padded_shape"])
     mode = (list(shape), batch, config.train.precision.value, config.memory.recompute.value, stages)
     candidate = next((c for c in planner.candidates  # auto's last try is the job itself
                       if (c.spatial_shape, c.batch_size, c.precision, c.recompute, c.recompute_stages) == mode), None)
@@ -243,7 +249,6 @@ def job_plan(config: ExperimentConfig, counts_for: CountsFor, budget: Budget, *,
             candidate.fits = candidate.predicted_peak_bytes <= budget.budget_bytes and candidate.fits
     peak = candidate.predicted_peak_bytes
     fits = peak <= budget.budget_bytes
-    table = case_table(config, counts_for, budget, cases, stages) if cases else None
     if check and not force and not fits:
         if budget.placement is not None:
             check_nodes_fit(peak, budget.placement, budget.topology)

@@ -306,11 +306,12 @@ def preflight(config: ExperimentConfig, parallel, recompute_stages: list[str] | 
         console.print(budget.note, style="yellow")
     check_budget_within_machine(budget, force=force)
     shape, cases, validation, validation_case = None, (), None, ""
-    if loader is not None:
+    if loader is not None and loader.native:  # each case its own shape (a fixed shape or a patch: one for all)
         cases = [CaseShape(info.case_id, info.shape, loader.case_shape(i)) for i, info in enumerate(loader.store.cases)]
         shape = planned_shape([c.trained_shape for c in cases], loader.batch_size)
+    if loader is not None:
         held_out = loader.store.held_out_cases
-        if config.train.val_every and held_out:
+        if config.train.val_every and held_out and loader.patch is None:  # a patch run validates in windows
             largest = max(held_out, key=lambda c: math.prod(padded_shape(c.shape, config.model.divisor)))
             validation, validation_case = padded_shape(largest.shape, config.model.divisor), largest.case_id
     plan = job_plan(host, counts_for, budget, shape=shape, stages=recompute_stages, force=force,

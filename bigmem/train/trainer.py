@@ -214,7 +214,7 @@ def step_and_batches(job: Job, model, optimizer, start_step: int, traces: TraceC
     from bigmem.train.losses import dice_ce_per_sample, dice_counts, dice_from_counts
 
     step = job.parallel.make_step(model, optimizer, loss_per_sample=dice_ce_per_sample, metric_counts=dice_counts,
-                                  metric_from_counts=dice_from_counts)
+                                  metric_from_counts=dice_from_counts, traces=traces)
     return step, job.parallel.batches(job.loader, start_step)
 
 

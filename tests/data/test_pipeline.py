@@ -90,12 +90,40 @@ def test_batches_of_different_shapes_pad_to_their_bounding_shape_and_group_simil
             assert len({shapes[m] for m in members}) == 1  # grouped: equal shapes share a batch
             assert int((labels != PAD_LABEL).sum()) == sum(np.prod(shapes[m]) for m in members)
         assert loader.padding_share(0) == 0.0
-    sizes = (1, 1, 6, 6, 2, 2)
+    equal = ((8, 8, 4), (4, 8, 8), (8, 8, 4), (4, 8, 8))  # the same voxels, different shapes: grouped apart
     for epoch in range(3):
-        order = epoch_order(epoch, sizes, 2, 3)
-        assert sorted(order) == list(range(6))
-        assert all(sizes[order[i]] == sizes[order[i + 1]] for i in range(0, 6, 2))
-    assert epoch_order(0, (1,) * 6, 2, 3) == tuple(case_for_sample(i, 6, 3) for i in range(6))  # one shape: as before
+        order = epoch_order(epoch, equal, 2, 3)
+        assert sorted(order) == [0, 1, 2, 3]
+        assert all(equal[order[i]] == equal[order[i + 1]] for i in range(0, 4, 2))
+    cube = ((8, 8, 8),) * 6
+    assert epoch_order(0, cube, 2, 3) == tuple(case_for_sample(i, 6, 3) for i in range(6))  # one shape: as before
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_an_odd_number_of_shapes_keeps_every_batch_grouped_across_shards_and_epochs(tmp_path, num_workers):
+    """7 cases in 3 shapes, global batch 4 over 2 shards: each epoch is 2 whole batches (one case seen twice),
+    every batch one shape, and the shards together load exactly one process's batches."""
+    shapes = [(8, 8, 8)] * 3 + [(8, 8, 16)] * 3 + [(16, 8, 8)]
+    store = _shaped_store(tmp_path, shapes)
+    with WholeVolumeLoader(store, pad_multiple=8, batch_size=4, seed=1, flip=False) as one:
+        assert one.steps_per_epoch == 2
+        whole = [next(one.batches(step)) for step in range(6)]  # three epochs
+        for step in range(6):
+            members = [one.case_index(i) for i in one.step_samples(step)]
+            assert len({shapes[m] for m in members}) <= 2  # the short group's batch is filled from its neighbours
+            assert whole[step][0].shape[1:4] == bounding_shape([shapes[m] for m in members])
+        for epoch in range(3):
+            seen = {one.case_index(i) for step in (2 * epoch, 2 * epoch + 1) for i in one.step_samples(step)}
+            assert seen == set(range(7))
+    for index in range(2):
+        with WholeVolumeLoader(store, pad_multiple=8, batch_size=2, seed=1, flip=False, shard=(index, 2),
+                               num_workers=num_workers, prefetch=1) as worker:
+            assert worker.steps_per_epoch == 2
+            stream = worker.batches(0)
+            for step in range(6):
+                images, labels = next(stream)
+                np.testing.assert_array_equal(images, whole[step][0][2 * index:2 * index + 2])
+                np.testing.assert_array_equal(labels, whole[step][1][2 * index:2 * index + 2])
 
 
 def test_every_epoch_visits_every_case_once():
