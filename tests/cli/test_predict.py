@@ -66,8 +66,11 @@ def test_one_window_over_the_whole_volume_is_the_whole_pass(trained, tmp_path, c
     whole = ["predict", run, store, "--cases", "synth_0000", "--save-probabilities"]
     assert run_cli([*whole, "-o", tmp_path / "w", "--mode", "whole", "--force"], capsys)[0] == 0
     assert run_cli([*whole, "-o", tmp_path / "s", "--mode", "sliding", "--window", "16"], capsys)[0] == 0
+    assert run_cli([*whole, "-o", tmp_path / "d", "--mode", "sliding", "--window", "16,16,16"], capsys)[0] == 0
     a = np.load(tmp_path / "w" / "synth_0000_probabilities.npz")
     b = np.load(tmp_path / "s" / "synth_0000_probabilities.npz")
+    np.testing.assert_array_equal(np.load(tmp_path / "d" / "synth_0000_probabilities.npz")["probabilities"],
+                                  b["probabilities"])  # --window N is --window N,N,N
     assert a["probabilities"].dtype == np.float16 and a["probabilities"].shape == (16, 16, 16, 3)
     np.testing.assert_allclose(a["probabilities"].astype(np.float32), b["probabilities"].astype(np.float32),
                                atol=2e-3)
@@ -151,6 +154,11 @@ def test_nifti_input_comes_back_in_its_own_geometry(tmp_path, capsys):
     (["predict", "{run}", "{store}", "-o", "{tmp}/o", "--mode", "sliding", "--window", "6"], 2,
      "bigmem predict: error: Invalid --window 6: expected a positive multiple of 4 (the network downsamples 2 "
      "times)."),
+    (["predict", "{run}", "{store}", "-o", "{tmp}/o", "--mode", "sliding", "--window", "8,6,8"], 2,
+     "bigmem predict: error: Invalid --window 8,6,8: axis 2 (6) is not a multiple of 4 (the network downsamples 2 "
+     "times). Try --window 8,4,8 or 8,8,8."),
+    (["predict", "{run}", "{store}", "-o", "{tmp}/o", "--window", "8,8"], 2,
+     "bigmem predict: error: Invalid --window '8,8': expected three positive integers D,H,W such as 240,240,144."),
 ])
 def test_bad_input_is_one_line(trained, tmp_path, capsys, argv, code, message):
     run, store = trained

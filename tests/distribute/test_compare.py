@@ -108,3 +108,17 @@ def test_a_refusal_comes_before_any_training(tmp_path, tiny_store, capsys):
     assert err.strip().splitlines()[-1].startswith(
         "bigmem compare: error: Not even a 4^3 patch at batch 1 fits one GPU's 1.00 MiB")
     assert not (tmp_path / "cmp" / "cpu_bigmem").exists()
+
+
+def test_the_whole_volume_path_plans_and_counts_each_case_at_its_own_shape(tmp_path):
+    from bigmem.compare import mean_step_flops, train_flops, whole_shape
+    from bigmem.data.synth import write_synthetic_store
+
+    shapes = [(16, 16, 8), (16, 16, 24), (8, 32, 16)]
+    store = write_synthetic_store(tmp_path / "s.h5", num_cases=3, volume=0, shapes=shapes)
+    config = resolve_config("tiny", {"data": {"store": str(store)}, "train": {"batch_size": 1}})
+    assert whole_shape(config) == (16, 16, 24)  # batch 1: the largest case
+    assert whole_shape(config.updated({"train": {"batch_size": 2}})) == (16, 32, 24)  # any two: their bounding shape
+    assert mean_step_flops(config) == pytest.approx(sum(train_flops(config, s, 1) for s in shapes) / 3)
+    fixed = config.updated({"data": {"shape": [16, 16, 16]}})
+    assert whole_shape(fixed) == (16, 16, 16) and mean_step_flops(fixed) == train_flops(fixed, (16, 16, 16), 1)
