@@ -2,8 +2,7 @@
 
 Process-wide settings that TensorFlow reads once at start-up (log level, oneDNN, NUMA memory
 policy and CPU affinity) must be in force before the import, so commands call
-``import_tensorflow`` rather than importing it themselves. So is glibc's allocator threshold
-(``limit_heap_fragmentation``), which must precede TensorFlow's first large allocation.
+``import_tensorflow`` rather than importing it themselves.
 """
 
 from __future__ import annotations
@@ -93,46 +92,6 @@ def _set_thread_pools(tf) -> None:
         tf.config.threading.set_inter_op_parallelism_threads(_thread_pools[1])
 
 
-# glibc mallopt parameters (malloc.h). Above M_MMAP_THRESHOLD an allocation is its own mapping,
-# returned to the kernel when freed; below it comes from the heap, which a trimmed top alone shrinks.
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-# Training at many shapes frees and reallocates tensors of every size, and glibc's heap kept
-# growing from the holes: the KiTS-like store (5 shapes, small, batch 1) peaked per epoch at
-# 9.75, 9.95, 9.98, 10.07, 10.09, 10.13 GiB with glibc's dynamic threshold (up to 32 MiB), and at
-# 9.62, 9.82, 9.96, 10.00, 10.00, 10.01 GiB with 4 MiB, epoch times unchanged (19.2-20.2 s against
-# 18.4-20.0 s; benchmarks/results/native_shapes.md).
-HEAP_THRESHOLD_BYTES = 4 << 20
-MALLOC_VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
-
-
-def limit_heap_fragmentation(environ=None) -> bool:
-    """Serve allocations past HEAP_THRESHOLD_BYTES from their own mappings (glibc only), unless the user tuned malloc.
-
-    Args:
-        environ: the environment to read (default ``os.environ``): a ``MALLOC_MMAP_THRESHOLD_`` or
-            ``MALLOC_TRIM_THRESHOLD_`` there is the user's choice and left alone.
-
-    Returns:
-        True when the thresholds were set; False on another C library or where the user set one.
-    """
-    environ = os.environ if environ is None else environ
-    if any(name in environ for name in MALLOC_VARIABLES):
-        return False
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    if not name or platform.system() != "Linux":
-        return False
-    try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # musl and others have no mallopt
-        return False
-    return bool(mallopt(M_MMAP_THRESHOLD, HEAP_THRESHOLD_BYTES)) and bool(mallopt(M_TRIM_THRESHOLD,
-                                                                                  HEAP_THRESHOLD_BYTES))
-
-
 def import_tensorflow(*, verbose: bool = False):
     """Import and return ``tensorflow``; its start-up logs are shown only when ``verbose``."""
     if "tensorflow" in sys.modules:
@@ -140,7 +99,6 @@ def import_tensorflow(*, verbose: bool = False):
 
         return tf
     enable_onednn()
-    limit_heap_fragmentation()
     if verbose:
         import tensorflow as tf
 

@@ -37,18 +37,3 @@ def test_an_applied_placement_sizes_tensorflows_thread_pools():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                             env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
     assert result.stdout.split() == ["3", "2"]
-
-
-def test_heap_fragmentation_limit_is_set_unless_the_user_tuned_malloc():
-    import platform
-    import subprocess
-    import sys
-
-    from bigmem.tfenv import limit_heap_fragmentation
-
-    assert limit_heap_fragmentation({"MALLOC_MMAP_THRESHOLD_": "65536"}) is False  # the user's choice stands
-    assert limit_heap_fragmentation({"MALLOC_TRIM_THRESHOLD_": "0"}) is False
-    child = subprocess.run([sys.executable, "-c", "from bigmem.tfenv import limit_heap_fragmentation as f; "
-                            "print(f({}))"], capture_output=True, text=True, check=True)
-    glibc = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
-    assert child.stdout.strip() == str(glibc)

@@ -607,15 +607,16 @@ class WholeVolumeLoader:
         """One line: what happens to each scan (whole at its own shape, or cropped/padded to a stated shape)."""
         cases = self.store.cases
         sources = {info.shape for info in cases}
+        counted = f"{len(cases)} case{'' if len(cases) == 1 else 's'}"
         if self.patch:
-            return f"{self.patch}^3 patches of {len(cases)} cases"
+            return f"{self.patch}^3 patches of {counted}"
         if self.shape is not None:
             cropped = self.cropped_share()
             what = f"cropped (random offset)/padded to {_shape_text(self.shape)}"
-            return (f"{len(cases)} cases {what}" + (f": {100 * cropped:.1f}% of their voxels cropped away"
+            return (f"{counted} {what}" + (f": {100 * cropped:.1f}% of their voxels cropped away"
                                                      if cropped > 0 else ", nothing cropped"))
         distinct = set(self._shapes)
-        return (f"{len(cases)} cases whole at their own shape ({_range_text(sources)}), padded to multiples of "
+        return (f"{counted} whole at their own shape ({_range_text(sources)}), padded to multiples of "
                 f"{self.pad_multiple}: {len(distinct)} distinct shape{'s' if len(distinct) != 1 else ''}, "
                 f"{100 * self.padding_share():.1f}% padding")
 
