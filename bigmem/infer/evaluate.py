@@ -58,6 +58,12 @@ def _nifti_files(folder: Path, what: str) -> dict[str, Path]:
     return files
 
 
+def _number(value) -> str:
+    """An integral value as an integer ('-1000'), else as it is ('0.5')."""
+    value = float(value)
+    return str(int(value)) if value.is_integer() else f"{value:g}"
+
+
 def _as_label_map(data: np.ndarray, case_id: str, what: str, path: str) -> np.ndarray:
     """``data`` as uint8 labels, checked: integer values in 0..255 (float files checked slab by slab)."""
     if data.dtype == bool:
@@ -74,8 +80,11 @@ def _as_label_map(data: np.ndarray, case_id: str, what: str, path: str) -> np.nd
     if data.size:
         low, high = data.min(), data.max()
         if low < 0 or high > MAX_LABEL:
-            raise DataError(f"Case {case_id!r}: {what} has label value {low if low < 0 else high} ({path}); "
-                            f"expected labels 0..{MAX_LABEL}.")
+            # A CT in HU (-1024..3071) or an MRI's intensities, given where a label map belongs
+            looks = " looks like an image, not a label map:" if low < 0 or high > 2 * MAX_LABEL else ""
+            raise DataError(f"Case {case_id!r}: {what} {path}{looks} values {_number(low)}..{_number(high)}; expected "
+                            f"labels 0..{MAX_LABEL} (is it the scan, e.g. imaging.nii.gz, instead of its "
+                            "segmentation?).")
     return data.astype(np.uint8, copy=False)
 
 

@@ -255,3 +255,16 @@ def test_help_states_the_empty_rule_without_heavy_imports():
     assert " ".join(EMPTY_RULE.split()) in " ".join(help_text.split())
     assert "--allow-missing" in help_text
 
+
+
+def test_an_image_given_as_the_reference_is_named_as_one(folders, capsys):
+    """A CT in HU where a label map belongs (KiTS19's imaging.nii.gz beside segmentation.nii.gz)."""
+    pred, ref = folders
+    ct = np.full((8, 6, 5), -1000, np.int16)
+    ct[2:5] = 40
+    _write(ref / "case_a.nii.gz", ct, dtype=np.int16)
+    code, _, err = run_cli(["evaluate", pred, ref], capsys)
+    assert code == 1
+    assert err.strip() == (f"bigmem evaluate: error: Case 'case_a': reference {ref / 'case_a.nii.gz'} looks like an "
+                           "image, not a label map: values -1000..40; expected labels 0..255 (is it the scan, e.g. "
+                           "imaging.nii.gz, instead of its segmentation?).")
