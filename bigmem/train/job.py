@@ -171,6 +171,17 @@ def check_something_to_do(run: RunDir, checkpoint: Path, total_steps: int) -> No
                       f"--steps N, N > {step}.", step, total_steps, summary if finished else None)
 
 
+def _count(number: int, noun: str, plural: str) -> str:
+    return f"{number} {noun if number == 1 else plural}"
+
+
+def data_fields_note(preset, model) -> str:
+    """One line: the store's channels and classes replace the preset's (``in_channels``, ``num_classes``)."""
+    return (f"The store has {_count(model.in_channels, 'channel', 'channels')} and "
+            f"{_count(model.num_classes, 'class', 'classes')}; the {preset.name!r} preset's {preset.in_channels} and "
+            f"{preset.num_classes} are replaced.")
+
+
 def current_placement(config: ExperimentConfig):
     """The NUMA placement in force: the one the CLI applied, else ``config.numa`` applied now.
 
@@ -221,8 +232,12 @@ def prepare_job(config: ExperimentConfig, run_dir, *, resume: bool = False, forc
     resume_from = resume_point(run, manager, resume, console)
     if resume_from is not None and config.train.steps is not None:  # known before the data is read
         check_something_to_do(run, resume_from, config.train.steps)
+    preset = config.model
     config = with_data_fields(config, generating=lambda: console.status(
         "Generating the synthetic dataset (cached for later runs) ..."))
+    if config.data.store and (preset.in_channels, preset.num_classes) != (config.model.in_channels,
+                                                                          config.model.num_classes):
+        console.print(data_fields_note(preset, config.model))
     placement = current_placement(config)
     import_tensorflow(verbose=verbose)
     from bigmem.memory.profile import counts_function

@@ -113,3 +113,13 @@ def test_plan_reads_the_store_and_lists_each_case(tmp_path, shaped_store, capsys
     assert len(plan["cases"]) == 4 and all(c["fits"] for c in plan["cases"])
     assert "4 cases whole at their own shapes" in stdout and "chosen: --data" in stdout
     assert "predicted on this machine's" in stdout
+
+
+def test_the_store_replacing_the_presets_channels_is_said_in_one_line(tmp_path, capsys):
+    from bigmem.data.synth import write_synthetic_store
+
+    store = write_synthetic_store(tmp_path / "four.h5", num_cases=2, volume=8, channels=4, num_classes=4)
+    stdout = _train(tmp_path / "run", store, capsys, "--steps", 1)
+    assert "The store has 4 channels and 4 classes; the 'tiny' preset's 1 and 3 are replaced." in stdout
+    model = json.loads((tmp_path / "run" / "config.json").read_text())["model"]
+    assert (model["in_channels"], model["num_classes"]) == (4, 4)
