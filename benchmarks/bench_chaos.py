@@ -1,5 +1,5 @@
 """Kill ``bigmem train`` with SIGKILL at random moments, resume each time, and compare the finished
-run with an uninterrupted one of the same seed (issue 18).
+run with an uninterrupted one of the same seed.
 
     python benchmarks/bench_chaos.py [--kills 20] [--steps 200] [--checkpoint-every 4] [--volume 32]
         [--seed 0] [--out DIR]

@@ -52,7 +52,7 @@ MATMUL_EDGE = 4096
 # --variant: the environment of every child, per path ("*": every path). A capped oneDNN
 # (ONEDNN_MAX_CPU_ISA) emulates a smaller CPU's convolutions on this one; TensorFlow's own Eigen
 # kernels keep this CPU's ISA. Plain Keras runs as a user would: with TF's default, which leaves
-# oneDNN off on AVX2 and AVX-512 without VNNI/BF16 (issue 15), while bigmem turns it on.
+# oneDNN off on AVX2 and AVX-512 without VNNI/BF16, while bigmem turns it on.
 VARIANTS = {
     "native": {},
     "onednn-off": {"*": {"TF_ENABLE_ONEDNN_OPTS": "0"}},

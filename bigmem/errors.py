@@ -1,4 +1,4 @@
-"""The exceptions bigmem raises, and the exit code each maps to (DESIGN.md).
+"""The exceptions bigmem raises, and the exit code each maps to (README.md, "Exit codes").
 
 0 ok · 1 a bigmem error (bad input, corrupt file, ...) · 2 usage error · 3 does not fit in memory.
 """

@@ -1,4 +1,4 @@
-"""The run directory contract (DESIGN.md) and the one way bigmem writes a file: atomically.
+"""The run directory contract (README.md, "The run directory") and the one way bigmem writes a file: atomically.
 
 Every output goes through ``atomic_output``: it is written under a temporary name in its own
 folder, flushed to disk and renamed into place, and the temporary is removed on any failure, so

@@ -1,7 +1,7 @@
-"""The bad-input suite (issue 18): every command refuses bad input by the contract of DESIGN.md.
+"""The bad-input suite: every command refuses bad input by the error contract (README.md, "Exit codes").
 
-Each case is a command line a hostile-but-realistic user types, tagged with the class of issue 18
-it came from: 2 a good file overwritten, 4 an unhandled exception, 5 a wrong value accepted,
+Each case is a command line a hostile-but-realistic user types, tagged with the class of defect
+it guards against: 2 a good file overwritten, 4 an unhandled exception, 5 a wrong value accepted,
 6 a slow or heavy refusal, 8 a misleading message. For each, the test asserts the exit code,
 the one line on stderr (pinned text), no traceback, and the files before and after: the case's
 folder (its inputs and the current directory) and the shared sources are byte-for-byte the same,

@@ -1,6 +1,6 @@
 """The ``bigmem`` command: one entry point, one module per subcommand.
 
-``main(argv=None) -> int`` so tests call it directly. Errors map to DESIGN.md's exit codes:
+``main(argv=None) -> int`` so tests call it directly. Errors map to the exit codes README.md lists:
 0 ok · 1 a bigmem error · 2 usage error · 3 does not fit in memory. No traceback unless ``-v``.
 """
 

@@ -237,7 +237,7 @@ def write_plan(path: Path, plan) -> bool:
     """Write ``plan`` to ``path`` unless nothing fits and ``path`` already exists; True when it was kept.
 
     A plan in which nothing fits (exit 3) never replaces an existing file: the plan there was
-    made for another budget or model and is still the one to use (issue 18).
+    made for another budget or model and is still the one to use.
     """
     from bigmem.rundir import atomic_write_json
 

@@ -186,7 +186,7 @@ def _preflight(config, counts_for, shape, stages, budget_flag, placement, topolo
     or with an explicit budget above the machine's memory.
 
     The measured run trains real steps in a child process; without this, ``--measure`` at 1024^3
-    started synthesising its store and training until it ran out of memory (issue 18).
+    started synthesising its store and training until it ran out of memory.
     """
     from bigmem.errors import InsufficientMemoryError
     from bigmem.memory import profile as api

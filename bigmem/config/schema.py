@@ -158,7 +158,7 @@ def _shape_text(shape) -> str:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """The optimisation recipe (DESIGN.md: Dice+CE, SGD Nesterov or Adam, warmup + poly decay).
+    """The optimisation recipe (Dice+CE, SGD Nesterov or Adam, warmup + poly decay).
 
     Attributes:
         batch_size: volumes per step (per replica when data-parallel).

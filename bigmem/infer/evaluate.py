@@ -21,7 +21,7 @@ import numpy as np
 from bigmem.errors import DataError, UsageError
 from bigmem.infer.metrics import EMPTY_RULE, absent_class_metrics, aggregate, case_metrics
 
-MAX_LABEL = 255  # label maps are held as uint8, as in the store (DESIGN.md)
+MAX_LABEL = 255  # label maps are held as uint8, as in the store (README.md, "The store format")
 _SLAB_PLANES = 16  # float label files are checked 16 planes at a time: temporaries of a slab, not a volume
 
 

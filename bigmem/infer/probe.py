@@ -2,7 +2,7 @@
 
 Run as ``python -m bigmem.infer.probe REQUEST.json`` (by ``bigmem.memory.measure.measure_inference``);
 prints one JSON line: ``peak_bytes``, ``baseline_bytes``, ``model_bytes``, ``seconds``. A fresh
-process per configuration, so one measurement's peak never leaks into the next (DESIGN.md).
+process per configuration, so one measurement's peak never leaks into the next (README.md, "Memory").
 
 The path is predict's own, not a copy of it: ``predict_probabilities`` (normalise, pad to the
 size contract, ``forward_probabilities``, crop) and ``labels_to_source`` (the class channels

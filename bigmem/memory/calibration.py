@@ -251,7 +251,7 @@ DEFAULTS: dict[tuple[str, str, str, str], tuple[tuple[int, int, int], ...]] = {
 # norm, max pooling) at a quarter of its width; its test-sized runs are framework-dominated.
 DEFAULT_PRESET_FOR = {"tiny": "small"}
 # Margins added to the whole prediction where the defaults were not measured for this CPU or
-# model, so that a pre-flight check never under-predicts silently (issue 14, AVX2 dev machine
+# model, so that a pre-flight check never under-predicts silently (measured on an AVX2 dev machine
 # with oneDNN forced on, small 64^3, the avx512-fitted default): fp32 was predicted 9.6% below
 # the measured peak (x1.106 needed), rounded up to 15%; bf16 without native instructions is
 # emulated with float32 temporaries and was predicted 45.7% below (x1.84 needed), rounded up to 100%.

@@ -26,7 +26,7 @@ MODES: tuple[tuple[Precision, Recompute], ...] = (
     (Precision.FP32, Recompute.STAGES), (Precision.BF16, Recompute.STAGES),
 )
 # On a CPU without native bfloat16 (sysinfo.native_bf16) bf16 is emulated, ~20x slower than fp32
-# (DESIGN.md): the planner and the pre-flight's suggestions leave it out unless asked for.
+# (README.md, "Speed"): the planner and the pre-flight's suggestions leave it out unless asked for.
 FP32_MODES = tuple(mode for mode in MODES if mode[0] is Precision.FP32)
 MAX_BATCH = 4096
 MAX_VOLUME = 4096  # voxels per edge searched; 4096^3 is 64 Gi voxels

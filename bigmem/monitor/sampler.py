@@ -1,6 +1,6 @@
 """ResourceMonitor: a background thread writing RUN_DIR/monitor.csv once per interval.
 
-Each row (DESIGN.md's columns, units in the names): the process's CPU % (not normalised:
+Each row (monitor.csv's columns, README.md; units in the names): the process's CPU % (not normalised:
 500% = five cores busy), threads, RSS and its peak (VmHWM), the system page cache, read and
 write bytes/s of the block device that holds the store, memory used on each NUMA node, and,
 where an NVIDIA driver is present, each GPU's utilisation and memory (``nvidia-smi``).

@@ -26,7 +26,7 @@ from bigmem.rundir import RunDir
 from bigmem.tfenv import import_tensorflow
 from bigmem.checkpoints import CheckpointManager
 
-# DESIGN.md / the AVX2 measurement of the `make demo` configuration: 0.016 Mvox/s in bf16 against
+# The AVX2 measurement of the `make demo` configuration: 0.016 Mvox/s in bf16 against
 # 0.33 in fp32 with oneDNN on (AMD EPYC Zen 3, 2 cores, TF 2.21).
 EMULATED_BF16_WARNING = ("warning: this CPU has no native bfloat16 (avx512_bf16, AMX or AVX-NE-CONVERT): --precision "
                          "bf16 is emulated, about 20x slower than fp32 here; it only saves memory")

@@ -2,7 +2,7 @@
 
 Run as ``python -m bigmem.train.probe REQUEST.json`` (by ``bigmem.memory.measure``); prints one JSON
 line. A fresh process per configuration, so one measurement's peak never leaks into the next
-(DESIGN.md). It lives with the trainer it runs; the memory layer starts it as a program and
+(README.md, "Memory"). It lives with the trainer it runs; the memory layer starts it as a program and
 never imports it.
 """
 

@@ -1,4 +1,4 @@
-"""A kill at any moment loses at most one checkpoint interval (issue 18).
+"""A kill at any moment loses at most one checkpoint interval.
 
 ``bigmem train`` is killed with SIGKILL during start-up, mid-step and during a checkpoint write,
 resumed each time with the same command plus --resume, and the finished run must equal an

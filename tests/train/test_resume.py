@@ -1,5 +1,5 @@
 """``bigmem train --resume``: the same command continues a run, a finished one is left alone, a run
-that failed before its first checkpoint starts over, a damaged checkpoint is skipped (issue 18)."""
+that failed before its first checkpoint starts over, a damaged checkpoint is skipped."""
 
 from __future__ import annotations
 
