@@ -29,7 +29,7 @@ from typing import Callable
 from bigmem.config.schema import ExperimentConfig
 from bigmem.errors import BigmemError, UsageError
 from bigmem.rundir import RunDir, atomic_output, atomic_write_json, atomic_write_text
-from bigmem.units import format_bytes
+from bigmem.units import format_bytes, format_shape
 
 PATHS = ("cpu_bigmem", "data_parallel")
 LABELS = {"cpu_bigmem": "whole volumes in RAM (bigmem)", "data_parallel": "GPU data parallel on patches"}
@@ -117,19 +117,10 @@ def whole_shape(config: ExperimentConfig) -> tuple[int, int, int]:
     """
     if config.data.shape is not None:
         return tuple(config.data.shape)  # type: ignore[return-value]
-    from bigmem.data.pipeline import padded_shape
-    from bigmem.data.store import HDF5VolumeStore
+    from bigmem.data.derived import trained_shapes
     from bigmem.memory.preflight import planned_shape
 
-    multiple = config.data.pad_multiple or config.model.divisor
-    with HDF5VolumeStore(config.data.store) as store:
-        shapes = [padded_shape(info.shape, multiple) for info in store.cases]
-    return planned_shape(shapes, config.train.batch_size)
-
-
-def _shape_text(shape) -> str:
-    shape = tuple(shape)
-    return f"{shape[0]}^3" if len(set(shape)) == 1 else "x".join(map(str, shape))
+    return planned_shape([trained for _, _, trained in trained_shapes(config)], config.train.batch_size)
 
 
 def scaled_gpu_memory(config: ExperimentConfig, counts_for) -> GpuMemory:
@@ -197,12 +188,9 @@ def mean_step_flops(config: ExperimentConfig) -> float:
     """
     if config.data.shape is not None:
         return train_flops(config, tuple(config.data.shape), config.train.batch_size)
-    from bigmem.data.pipeline import padded_shape
-    from bigmem.data.store import HDF5VolumeStore
+    from bigmem.data.derived import trained_shapes
 
-    multiple = config.data.pad_multiple or config.model.divisor
-    with HDF5VolumeStore(config.data.store) as store:
-        shapes = [padded_shape(info.shape, multiple) for info in store.cases]
+    shapes = [trained for _, _, trained in trained_shapes(config)]
     return sum(train_flops(config, shape, 1) for shape in shapes) / len(shapes) * config.train.batch_size
 
 
@@ -313,7 +301,7 @@ def compare(config: ExperimentConfig, out: Path, settings: Settings, *,
     runs: dict[str, list[dict]] = {name: [] for name in PATHS}
     for seed in range(settings.seeds):
         common = _train_argv(config, settings, seed)
-        progress(f"seed {seed}: training on whole volumes (up to {_shape_text(volume)}) ...")
+        progress(f"seed {seed}: training on whole volumes (up to {format_shape(volume)}) ...")
         cpu_dir = out / "cpu_bigmem" / f"seed-{seed}"
         cpu = _run_train([*common, *_length_argv(settings.steps, settings.cpu_time_budget_s),
                           "--val-every", str(settings.val_every)], cpu_dir)
@@ -464,9 +452,9 @@ def rows(report: dict) -> list[tuple[str, str, str]]:
     cpu, dp = report["paths"]["cpu_bigmem"], report["paths"]["data_parallel"]
     seeds = report["seeds"]
     table = [
-        ("training input", (f"whole volumes at their own shapes (up to {_shape_text(report['shape'])})"
+        ("training input", (f"whole volumes at their own shapes (up to {format_shape(report['shape'])})"
                             if report.get("native_shapes") else
-                            f"whole {_shape_text(report.get('shape') or [report['volume']] * 3)} volumes")
+                            f"whole {format_shape(report.get('shape') or [report['volume']] * 3)} volumes")
          + f", batch {report['batch']['cpu_bigmem']}",
          f"{report['patch_size']}^3 patches, global batch {report['batch']['data_parallel']}"),
         ("held-out Dice" + (f" (mean ± sd, {seeds} seeds)" if seeds > 1 else ""), _dice_text(cpu), _dice_text(dp)),

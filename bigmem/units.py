@@ -70,3 +70,14 @@ def format_bytes(num_bytes: int | float) -> str:
         value /= 1024
         unit += 1
     return f"{sign}{value:.2f} {_BINARY[unit]}"
+
+
+def format_shape(shape) -> str:
+    """A spatial shape as messages print it: a cube as '128^3', any other as '240x240x144'.
+
+    Example:
+        >>> format_shape((128, 128, 128)), format_shape([240, 240, 144])
+        ('128^3', '240x240x144')
+    """
+    shape = tuple(int(s) for s in shape)
+    return f"{shape[0]}^3" if len(set(shape)) == 1 else "x".join(map(str, shape))

@@ -168,11 +168,6 @@ def shape_flag(args) -> str:
     return "--volume" if getattr(args, "volume", None) is not None else "--shape"
 
 
-def shape_text(shape) -> str:
-    """(240, 240, 144) -> '240x240x144'; a cube reads '128^3'."""
-    shape = tuple(int(s) for s in shape)
-    return f"{shape[0]}^3" if len(set(shape)) == 1 else "x".join(map(str, shape))
-
 
 def parse_spacing(text: str, flag: str = "--spacing") -> tuple[float, float, float]:
     """'1,1,1.5' -> (1.0, 1.0, 1.5): three positive, finite numbers (mm; NaN and inf are refused)."""

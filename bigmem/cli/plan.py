@@ -185,18 +185,11 @@ def run(args) -> int:
 
 def _store_cases(config):
     """``config`` with the store's channels and classes, and its training cases as ``CaseShape``s."""
-    from bigmem.data.derived import with_data_fields
-    from bigmem.data.pipeline import padded_shape
-    from bigmem.data.store import HDF5VolumeStore
+    from bigmem.data.derived import trained_shapes, with_data_fields
     from bigmem.memory.preflight import CaseShape
 
     config = with_data_fields(config)
-    multiple = config.data.pad_multiple or config.model.divisor
-    with HDF5VolumeStore(config.data.store) as store:
-        infos = list(store.cases)
-    fixed = config.data.shape
-    return config, [CaseShape(i.case_id, i.shape, tuple(fixed) if fixed else padded_shape(i.shape, multiple))
-                    for i in infos]
+    return config, [CaseShape(*case) for case in trained_shapes(config)]
 
 
 def _case_rows(config, counts_for, budget, cases, plan) -> list[dict]:

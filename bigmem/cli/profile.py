@@ -9,9 +9,10 @@ import os
 
 from bigmem.cli.common import (
     add_budget_flag, add_memory_flags, add_model_flags, add_numa_flags, budget_arguments, check_positive,
-    check_shape_argument, model_overrides, numa_overrides, shape_argument, shape_text,
+    check_shape_argument, model_overrides, numa_overrides, shape_argument,
 )
 from bigmem.errors import UsageError
+from bigmem.units import format_shape
 
 HELP = "predict (and measure) the memory footprint of a training configuration"
 
@@ -137,7 +138,7 @@ def run(args) -> int:
 
     if args.calibrate:
         calibration, points = api.calibrate(config, volumes, counts_for, steps=args.steps,
-                                            progress=lambda v: status.print(f"measuring {shape_text(v)} ...",
+                                            progress=lambda v: status.print(f"measuring {format_shape(v)} ...",
                                                                             style="dim"))
         if args.json:
             print(json.dumps({"calibration": calibration.to_dict(), "points": points}, indent=2))
@@ -146,7 +147,7 @@ def run(args) -> int:
         return 0
     if args.sweep:
         results, law = api.sweep(config, volumes, counts_for, steps=args.steps,
-                                 progress=lambda v: status.print(f"measuring {shape_text(v)} ...", style="dim"))
+                                 progress=lambda v: status.print(f"measuring {format_shape(v)} ...", style="dim"))
         if args.json:
             print(json.dumps({"points": [r.to_dict() for r in results], "scaling_law": law.to_dict()}, indent=2))
         else:
@@ -201,7 +202,7 @@ def _preflight(config, counts_for, shape, stages, budget_flag, placement, topolo
     peak = estimate.predicted_peak_bytes
     if peak > budget.budget_bytes:
         raise InsufficientMemoryError(
-            f"{what} would train {config.model.name} at {shape_text(shape)} x batch {estimate.batch_size} "
+            f"{what} would train {config.model.name} at {format_shape(shape)} x batch {estimate.batch_size} "
             f"({estimate.precision}): predicted peak {format_bytes(peak)} exceeds the memory budget "
             f"{format_bytes(budget.budget_bytes)} ({budget.source}). Drop {what} for the estimate alone, or "
             f"{'measure a smaller --shape' if what == '--measure' else f'give {what} smaller sizes'}.",
@@ -297,7 +298,7 @@ class _Printer:
         for column in ("shape", "predicted", "measured", "error"):
             table.add_column(column, justify="right")
         for r in results:
-            table.add_row(shape_text(r.estimate.spatial_shape), format_bytes(r.estimate.predicted_peak_bytes),
+            table.add_row(format_shape(r.estimate.spatial_shape), format_bytes(r.estimate.predicted_peak_bytes),
                           format_bytes(r.measurement.peak_bytes), f"{r.error_pct:+.1f}%")
         self.console.print(table)
         self.console.print(f"fitted: peak = {format_bytes(law.fixed_bytes)} + {law.bytes_per_voxel:.1f} B/voxel x "
@@ -307,7 +308,8 @@ class _Printer:
     def calibration(self, calibration, points) -> None:
         from bigmem.units import format_bytes
 
-        sizes = ", ".join(f"{shape_text(p.get('shape') or [p['volume']] * 3)}: {format_bytes(p['measured_peak_bytes'])}"
+        sizes = ", ".join(f"{format_shape(p.get('shape') or [p['volume']] * 3)}: "
+                          f"{format_bytes(p['measured_peak_bytes'])}"
                           + (f" at {p['step_s']:.3g} s/step" if "step_s" in p else "") for p in points)
         self.console.print(f"measured {sizes}")
         if calibration.step_gflops_per_core:

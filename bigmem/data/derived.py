@@ -56,3 +56,19 @@ def with_data_fields(config: ExperimentConfig, *,
                              "model": {"in_channels": channels, "num_classes": classes}})
     filled.validate()
     return filled
+
+
+def trained_shapes(config: ExperimentConfig) -> list[tuple[str, tuple[int, int, int], tuple[int, int, int]]]:
+    """Each training case of ``config.data.store`` (held-out ones left out): its id, its own shape and the shape
+    it trains at: ``data.shape`` when fixed, else its own padded to ``data.pad_multiple`` (default ``2**depth``).
+
+    The one rule the loader (``WholeVolumeLoader.case_shape``), the pre-flight and ``bigmem plan`` and
+    ``compare`` share.
+    """
+    from bigmem.data.pipeline import padded_shape
+
+    multiple = config.data.pad_multiple or config.model.divisor
+    with HDF5VolumeStore(config.data.store, holdout=config.data.holdout) as store:
+        infos = list(store.cases)
+    fixed = tuple(config.data.shape) if config.data.shape is not None else None
+    return [(i.case_id, i.shape, fixed or padded_shape(i.shape, multiple)) for i in infos]

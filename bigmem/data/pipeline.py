@@ -29,6 +29,7 @@ import numpy as np
 
 from bigmem.data.store import HDF5VolumeStore
 from bigmem.errors import DataError
+from bigmem.units import format_shape
 
 NORM_EPSILON = 1e-6  # guards the z-score of a constant channel
 # The label of padded voxels. one_hot of it is all zeros, so the loss, the Dice and the metrics
@@ -612,7 +613,7 @@ class WholeVolumeLoader:
             return f"{self.patch}^3 patches of {counted}"
         if self.shape is not None:
             cropped = self.cropped_share()
-            what = f"cropped (random offset)/padded to {_shape_text(self.shape)}"
+            what = f"cropped (random offset)/padded to {format_shape(self.shape)}"
             return (f"{counted} {what}" + (f": {100 * cropped:.1f}% of their voxels cropped away"
                                                      if cropped > 0 else ", nothing cropped"))
         distinct = set(self._shapes)
@@ -641,18 +642,13 @@ class WholeVolumeLoader:
         shape = self.max_shape
         batch_bytes = self.batch_size * math.prod(shape) * (4 * self.num_channels + 1)
         what = "native, at most " if self.native else ""
-        return (f"WholeVolumeLoader(shape: {what}{_shape_text(shape)}; batch: {self.batch_size}; workers: "
+        return (f"WholeVolumeLoader(shape: {what}{format_shape(shape)}; batch: {self.batch_size}; workers: "
                 f"{self.num_workers}; prefetch: {self.prefetch}; memory per batch: {batch_bytes / 2**20:.1f} MiB)")
-
-
-def _shape_text(shape: Sequence[int]) -> str:
-    shape = tuple(int(s) for s in shape)
-    return f"{shape[0]}^3" if len(set(shape)) == 1 else "x".join(map(str, shape))
 
 
 def _range_text(shapes) -> str:
     """'240x240x155' for one shape; else each axis's range: '256x256x48..256'."""
     if len(shapes) == 1:
-        return _shape_text(next(iter(shapes)))
+        return format_shape(next(iter(shapes)))
     axes = list(zip(*shapes))
     return "x".join(f"{min(a)}" if min(a) == max(a) else f"{min(a)}..{max(a)}" for a in axes)

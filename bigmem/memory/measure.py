@@ -12,6 +12,7 @@ from typing import Sequence
 from bigmem.config.schema import ExperimentConfig
 from bigmem.data.synth import cached_synthetic_store
 from bigmem.errors import BigmemError
+from bigmem.units import format_shape
 
 # The child program that trains and prints its peak (``bigmem/train/probe.py``). It is started as
 # a separate process, never imported: the trainer is a layer above this one.
@@ -79,9 +80,8 @@ def measure(config: ExperimentConfig, *, steps: int = 3, recompute_stages: list[
                                 capture_output=True, text=True, timeout=timeout_s)
     if result.returncode != 0:
         tail = (result.stderr.strip().splitlines() or ["no output"])[-1]
-        where = f"{shape[0]}^3" if len(set(shape)) == 1 else "x".join(map(str, shape))
-        raise BigmemError(f"Measuring {config.model.name} at {where}, batch {batch} failed in the child process "
-                          f"(exit {result.returncode}): {tail}")
+        raise BigmemError(f"Measuring {config.model.name} at {format_shape(shape)}, batch {batch} failed in the child "
+                          f"process (exit {result.returncode}): {tail}")
     values = json.loads(result.stdout.strip().splitlines()[-1])
     return Measurement(int(values["peak_bytes"]), int(values["baseline_bytes"]),
                        {str(k): int(v) for k, v in values["node_bytes"].items()}, float(values["step_s"]),

@@ -18,7 +18,7 @@ from bigmem.errors import InsufficientMemoryError
 from bigmem.memory.calibration import Calibration, lookup_calibration
 from bigmem.memory.estimate import Estimate, NetworkCounts, estimate, mode_stages, recompute_order
 from bigmem.memory.speed import MachineSpeed, StepRate, predicted_step_s, recomputed_share, step_rate
-from bigmem.units import format_bytes
+from bigmem.units import format_bytes, format_shape
 
 # Modes in order of preference: on a tie the earlier (less recomputation, full precision) wins.
 MODES: tuple[tuple[Precision, Recompute], ...] = (
@@ -73,8 +73,7 @@ class Candidate:
     @property
     def shape_text(self) -> str:
         """'128^3' for a cube, else '240x240x144'."""
-        shape = self.shape
-        return f"{shape[0]}^3" if len(set(shape)) == 1 else "x".join(map(str, shape))
+        return format_shape(self.shape)
 
     def shape_flag(self) -> str:
         """The flag that asks for this shape: ``--volume N`` for a cube, else ``--shape D,H,W``."""
@@ -330,8 +329,7 @@ def check_fits(estimated: Estimate, config: ExperimentConfig, counts_for, budget
     fix = cheapest_fix(config, counts_for, budget_bytes, volume, config.train.batch_size)
     mode = config.train.precision.value + (f", recompute {config.memory.recompute.value}"
                                            if config.memory.recompute is not Recompute.NONE else "")
-    shape = as_shape(volume)
-    text = f"{shape[0]}^3" if len(set(shape)) == 1 else "x".join(map(str, shape))
+    text = format_shape(as_shape(volume))
     raise InsufficientMemoryError(
         f"Predicted peak {format_bytes(required)} for {config.model.name} at {text}{what} x batch "
         f"{config.train.batch_size} ({mode}) exceeds the memory budget {format_bytes(budget_bytes)} "

@@ -341,7 +341,7 @@ def require_fit(plan: Plan) -> None:
     if plan.kind == "inference":
         raise InsufficientMemoryError(
             f"Nothing fits {format_bytes(plan.budget_bytes)} ({plan.budget_source}): the smallest whole volume, "
-            f"{_shape_text(c)} (inference, {c.precision}), needs {format_bytes(c.predicted_peak_bytes)}.",
+            f"{c.shape_text} (inference, {c.precision}), needs {format_bytes(c.predicted_peak_bytes)}.",
             c.predicted_peak_bytes, plan.budget_bytes)
     raise InsufficientMemoryError(
         f"Nothing fits {format_bytes(plan.budget_bytes)} ({plan.budget_source}): the closest candidate, "
@@ -350,11 +350,6 @@ def require_fit(plan: Plan) -> None:
 
 
 # ---- inference: one whole volume at batch 1, no gradients, no optimizer -------------------------
-
-
-def _shape_text(candidate: Candidate) -> str:
-    shape = candidate.spatial_shape or [candidate.volume] * 3
-    return f"{shape[0]}^3" if len(set(shape)) == 1 else "x".join(map(str, shape))
 
 
 def inference_candidate(config: ExperimentConfig, counts_for: CountsFor, budget_bytes: int,
@@ -430,7 +425,7 @@ def inference_plan(config: ExperimentConfig, counts_for: CountsFor, budget: Budg
                else f"not even {config.model.divisor}^3 fits")
         raise InsufficientMemoryError(
             f"Predicted peak {format_bytes(candidate.predicted_peak_bytes)} for {config.model.name} at "
-            f"{_shape_text(candidate)} (inference, {candidate.precision}) exceeds the memory budget "
+            f"{candidate.shape_text} (inference, {candidate.precision}) exceeds the memory budget "
             f"{format_bytes(budget.budget_bytes)} ({budget.source}): {fix}; segment it in sliding windows, "
             "or pass --force to try anyway.", candidate.predicted_peak_bytes, budget.budget_bytes)
     return Plan(candidate.fits, budget.budget_bytes, budget.source, candidate, candidate, [candidate], [candidate],

@@ -269,14 +269,9 @@ def prepare_job(config: ExperimentConfig, run_dir, *, resume: bool = False, forc
 
 def _largest_edge(config: ExperimentConfig) -> int:
     """The largest edge of the volumes this job trains: ``data.shape``'s, else the store's largest padded case's."""
-    if config.data.shape is not None:
-        return max(config.data.shape)
-    from bigmem.data.pipeline import padded_shape
-    from bigmem.data.store import HDF5VolumeStore
+    from bigmem.data.derived import trained_shapes
 
-    with HDF5VolumeStore(config.data.store) as store:
-        multiple = config.data.pad_multiple or config.model.divisor
-        return max(max(padded_shape(info.shape, multiple)) for info in store.cases)
+    return max(max(trained) for _, _, trained in trained_shapes(config))
 
 
 def preflight(config: ExperimentConfig, parallel, recompute_stages: list[str] | None, *, force: bool,
