@@ -72,7 +72,8 @@ def child_monai(request: dict) -> dict:
 
     predictor = load_predictor(request["run"])
     with HDF5VolumeStore(request["store"]) as store:
-        image = normalize_image(store.read_case(request["case"])[0])
+        image = normalize_image(predictor.preparation.preprocessing, store.read_case(request["case"])[0],
+                                store.case_stats(request["case"]))[0]
     window, overlap = request["window"], request["overlap"]
 
     def keras_predict(batch: np.ndarray) -> np.ndarray:

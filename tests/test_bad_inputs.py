@@ -200,7 +200,7 @@ CASES = [
          "Converting case 'a' at --spacing 1e-09,1,1 needs about <*> of memory for one case, more than the <*> "
          "available (MemAvailable); choose a coarser --spacing."),
     Case("volume-too-large-for-memory", 4, ("convert", "{msd}", "-o", "{tmp}/out.h5", "--volume", "100000"), 3,
-         "Converting a case cropped/padded to 100000x100000x100000 needs about 23.09 PiB of memory for one case, "
+         "Converting a case cropped/padded to 100000x100000x100000 needs about 19.54 PiB of memory for one case, "
          "more than the <*> available (MemAvailable); choose a smaller --volume or --shape."),
     Case("failing-force-keeps-the-store", 2, ("convert", "{tmp}/dj", "-o", "{tmp}/one.h5", "--force"), 1,
          f"{DJ}: expected a JSON object with 'modality' (or 'channel_names'), 'labels' and 'training'; got a list.",

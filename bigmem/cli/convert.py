@@ -43,6 +43,13 @@ def register(subparsers, parents) -> None:
                                                                   "conversion beside a training run does not starve it")
     parser.add_argument("--block-size", metavar="SIZE", help="hand data to HDF5 (and flush) in blocks of SIZE, "
                                                              "e.g. 1MiB (default: a whole dataset at once)")
+    parser.add_argument("--normalization", default="auto",
+                        choices=["auto", "ct", "zscore", "zscore_nonzero", "none"],
+                        help="intensity normalisation, recorded in the store and used by every path (training, "
+                             "patches, validation, predict): auto (default) chooses per channel as nnU-Net does: ct "
+                             "for a channel named CT (clip to the dataset foreground's 0.5-99.5 percentiles, then "
+                             "its mean and std), else a per-case z-score, within the nonzero mask where cropping to "
+                             "it would remove a quarter of the median case")
     parser.add_argument("--append", action="store_true", help="add the cases to an existing store")
     parser.add_argument("--force", action="store_true", help="overwrite an existing store")
     parser.add_argument("--skip-bad", action="store_true",
@@ -97,7 +104,9 @@ def run(args) -> int:
         report = convert(dataset, args.out, force=args.force, append=args.append, skip_bad=args.skip_bad,
                          compression=None if args.compression == "none" else args.compression, chunk_edge=chunk_edge,
                          shape=shape, progress=advance, warn=lambda m: console.print(m, style="yellow"),
-                         max_write_rate=rate, block_bytes=block, spacing=spacing)
+                         max_write_rate=rate, block_bytes=block, spacing=spacing, normalization=args.normalization)
+    for line in report.preprocessing:
+        console.print(f"normalisation {line}", highlight=False)
     skipped = f"; {len(report.skipped)} skipped" if report.skipped else ""
     console.print(f"Wrote {len(report.converted)} cases to {report.store}{skipped}; manifest {report.manifest}")
     return 0

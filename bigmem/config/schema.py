@@ -111,6 +111,10 @@ class DataConfig:
         prefetch: batches prepared ahead of the step.
         num_workers: reader processes (0: read in the training process).
         flip: random flips along each axis.
+        intensity_scale: each training sample's channels are multiplied by U(1 - s, 1 + s) after
+            normalisation (default 0.1; 0: off), as MONAI's RandScaleIntensity.
+        intensity_shift: and shifted by U(-t, t) standard deviations (default 0.1; 0: off), as
+            MONAI's RandShiftIntensity. Rotations and elastic deformation are not implemented.
         cold_cache: drop the store's pages after each read (a dataset larger than RAM).
         holdout: the last N cases (sorted ids) kept out of training, for validation.
         synth_cases, synth_volume, synth_classes: the synthetic dataset's shape.
@@ -127,6 +131,8 @@ class DataConfig:
     prefetch: int = 2
     num_workers: int = 0  # 0: read in the training process; N: N reader processes
     flip: bool = True
+    intensity_scale: float = 0.1
+    intensity_shift: float = 0.1
     cold_cache: bool = False  # --cold-cache: drop the store's pages after each read (dataset > RAM)
     holdout: int = 0  # the last N cases (sorted ids) are kept out of training, for evaluation
     synth_cases: int = 16
@@ -144,6 +150,10 @@ class DataConfig:
         if self.pad_multiple is not None and self.pad_multiple < 1:
             raise ConfigError("data.pad_multiple", f"Invalid {{field}} {self.pad_multiple}: expected a positive "
                               "integer.")
+        for name in ("intensity_scale", "intensity_shift"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ConfigError(f"data.{name}", f"Invalid {{field}} {getattr(self, name)}: expected a number in "
+                                  "[0, 1) (0: off).")
         for name in ("prefetch", "num_workers", "holdout"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"data.{name}", f"Invalid {{field}} {getattr(self, name)}: expected an integer >= 0.")

@@ -3,7 +3,9 @@
 Each case is read with nibabel, reoriented to the closest canonical orientation (RAS), checked,
 optionally centre-cropped/padded to a fixed shape, and written with what a later prediction
 needs to map back to the source grid (``source_affine``, ``source_shape``, ``crop_pad``).
-Per-channel intensity statistics (mean, std, 0.5 and 99.5 percentiles) are stored per case.
+Each case's intensity statistics (``preprocess.case_statistics``) and a sample of its foreground
+voxels are stored with it, its image in the smallest dtype that keeps it (``preprocess.storage_dtype``:
+int16 CT stays int16), and the dataset's normalisation (``preprocess.choose_schemes``) at the root.
 The store is written under a temporary name and renamed; the manifest
 (``STORE.manifest.json``) is written the same way, after the store. A conversion whose
 (uncompressed) store cannot fit in the free space is refused before it starts; a disk that fills
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
@@ -21,12 +24,13 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 
 from bigmem.data.nifti import LoadedCase, SourceCase, SourceDataset, check_header_size, load_case, sha256
+from bigmem.data.preprocess import (PREPROCESSING_ATTR, SCHEMES, STATS_ATTR, case_statistics, choose_schemes,
+                                    foreground_sample, storage_dtype)
 from bigmem.data.store import HDF5VolumeStore, StoreWriter, WriteThrottle
 from bigmem.errors import DataError, InsufficientMemoryError, UsageError
 from bigmem.rundir import atomic_output, require_free_space
 from bigmem.units import format_bytes
 
-PERCENTILES = (0.5, 99.5)  # nnU-Net's CT clipping percentiles
 # Root attribute: JSON {"spacing": [x, y, z] | null, "shape": [d, h, w] | null}, convert's --spacing and --shape.
 CONVERT_OPTIONS_ATTR = "convert_options"
 
@@ -103,19 +107,13 @@ def resample(loaded: LoadedCase, target: Sequence[float]) -> LoadedCase:
     return LoadedCase(loaded.case_id, image, label, affine, loaded.source_affine, loaded.source_shape, spacing)
 
 
-def channel_stats(image: np.ndarray) -> dict[str, list[float]]:
-    flat = image.reshape(-1, image.shape[-1]).astype(np.float64)
-    low, high = np.percentile(flat, PERCENTILES, axis=0)
-    return {"mean": flat.mean(axis=0).tolist(), "std": flat.std(axis=0).tolist(),
-            "p0_5": low.tolist(), "p99_5": high.tolist()}
-
-
 @dataclass
 class ConvertReport:
     store: Path
     manifest: Path
     converted: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)  # one message per skipped case
+    preprocessing: list[str] = field(default_factory=list)  # the normalisation chosen, one line per channel
 
 
 class _Conversion:
@@ -133,6 +131,8 @@ class _Conversion:
         self.shape = shape
         self.entries: dict[str, dict] = {}
         self.seen_values: set[int] = set()
+        self.stats: list[dict] = []  # every case's case_statistics, for the dataset's normalisation
+        self.samples: list[np.ndarray] = []  # every case's foreground sample, for the CT statistics
         # who expects num_channels and label_values, for a case's message (set by convert for --append)
         self.channels_from, self.labels_from = "dataset.json names", "dataset.json's labels"
 
@@ -162,16 +162,27 @@ class _Conversion:
         image, label, offsets = loaded.image, loaded.label, [(0, 0)] * 3
         if self.shape is not None:
             image, label, offsets = centre_fit(image, label, self.shape)
-        stats = channel_stats(loaded.image)
+        try:  # the statistics of the case as converted, before any crop or pad (as predict computes them)
+            stats = case_statistics(loaded.image)
+        except DataError as exc:
+            self.problem(f"Case {case.case_id!r}: {exc} ({case.image}).")
+            return
+        rng = np.random.default_rng(zlib.crc32(case.case_id.encode()))  # the same sample on every conversion
+        foreground = foreground_sample(loaded.image, loaded.label, rng)
+        self.stats.append(stats)
+        self.samples.append(foreground)
+        dtype = storage_dtype(image, stats)
+        image = image.astype(dtype, copy=False)
         writer.add_case(case.case_id, image, label, spacing=loaded.spacing, affine=loaded.affine,
                         source_affine=loaded.source_affine, source_image=str(case.image), source_label=str(case.label),
                         attrs={"source_shape": list(loaded.source_shape), "canonical_shape": list(loaded.label.shape),
-                               "crop_pad": np.asarray(offsets, np.int64), "intensity_stats": json.dumps(stats)})
+                               "crop_pad": np.asarray(offsets, np.int64), STATS_ATTR: json.dumps(stats)},
+                        foreground=foreground)
         values = sorted(int(v) for v in np.unique(label))
         self.seen_values.update(values)
         self.entries[case.case_id] = {
             "shape": list(image.shape), "source_shape": list(loaded.source_shape), "spacing": list(loaded.spacing),
-            "image_dtype": "float32", "label_dtype": "uint8", "label_values": values, "intensity_stats": stats,
+            "image_dtype": dtype.name, "label_dtype": "uint8", "label_values": values, "intensity_stats": stats,
             "source_image": str(case.image), "source_label": str(case.label),
             "source_sha256": {"image": sha256(case.image), "label": sha256(case.label)},
         }
@@ -179,9 +190,10 @@ class _Conversion:
 
 
 # The arrays one case holds at once while converted, per voxel: the image as float32 twice (the
-# resampled channels and their stack; or the loaded and the centre-fitted copy), channel_stats'
-# float64 copy and np.percentile's sorted float64 copy, per channel; the label uint8 twice.
-CASE_BYTES_PER_CHANNEL_VOXEL = 4 + 4 + 8 + 8
+# resampled channels and their stack; or the loaded and the centre-fitted copy, or the loaded and
+# storage_dtype's rounded copy), case_statistics' float64 copy of the nonzero voxels and the
+# float32 gather it is made from, per channel; the label uint8 twice.
+CASE_BYTES_PER_CHANNEL_VOXEL = 4 + 4 + 8 + 4
 CASE_BYTES_PER_LABEL_VOXEL = 2
 
 
@@ -324,7 +336,8 @@ def convert(dataset: SourceDataset, out: str | Path, *, force: bool = False, app
             skip_bad: bool = False, compression: str | None = None, chunk_edge: int | None = 64,
             shape: Sequence[int] | None = None, progress: Callable[[str], None] | None = None,
             warn: Callable[[str], None] | None = None, max_write_rate: float | None = None,
-            block_bytes: int | None = None, spacing: Sequence[float] | None = None) -> ConvertReport:
+            block_bytes: int | None = None, spacing: Sequence[float] | None = None,
+            normalization: str = "auto") -> ConvertReport:
     """Write ``dataset``'s cases to the store ``out`` (atomically) and its manifest beside it.
 
     Each case is loaded in canonical (RAS) orientation and checked, resampled to ``spacing`` if
@@ -348,6 +361,9 @@ def convert(dataset: SourceDataset, out: str | Path, *, force: bool = False, app
         max_write_rate: the most bytes per second written (default None: no limit).
         block_bytes: bytes per write and flush (default None: whole datasets).
         spacing: voxel spacing ``(x, y, z)`` in mm to resample to (default None: keep).
+        normalization: ``auto`` (default: per channel, ``ct`` for a channel named CT, else a z-score,
+            within the nonzero mask where the cases are mostly zero; ``preprocess.choose_schemes``),
+            or one of ``preprocess.SCHEMES`` for every channel.
 
     Returns:
         A ``ConvertReport``: the store and manifest paths, the converted case ids and one
@@ -369,6 +385,8 @@ def convert(dataset: SourceDataset, out: str | Path, *, force: bool = False, app
     """
     out = Path(out)
     check_arguments(shape=shape, spacing=spacing, chunk_edge=chunk_edge)
+    if normalization != "auto" and normalization not in SCHEMES:
+        raise UsageError(f"Invalid normalization {normalization!r}: expected auto, {', '.join(SCHEMES)}.")
     if out.is_dir():
         raise DataError(f"Cannot write the store {str(out)!r}: it is a directory; give a file name such as "
                         f"{str(out / 'store.h5')!r}.")
@@ -379,6 +397,8 @@ def convert(dataset: SourceDataset, out: str | Path, *, force: bool = False, app
     report = ConvertReport(out, manifest_path(out))
     old_entries: dict = {}
     existing: set[str] = set()
+    old_stats: list[dict] = []
+    old_samples: list[np.ndarray] = []
     num_channels = len(dataset.channel_names) if dataset.declared_labels else None
     label_values = len(dataset.label_names) if dataset.declared_labels else None
     channel_names, label_names = dataset.channel_names, dataset.label_names
@@ -387,6 +407,9 @@ def convert(dataset: SourceDataset, out: str | Path, *, force: bool = False, app
             existing = set(store.case_ids)
             num_channels, label_values = store.num_channels, store.num_classes
             channel_names, label_names = store.channel_names, store.label_names
+            # the dataset's normalisation is chosen again from every case, the old ones' figures included
+            old_stats = [store.case_stats(c) or {} for c in store.case_ids]
+            old_samples = [s for s in (store.foreground_sample(c) for c in store.case_ids) if s is not None]
         check_append(dataset, out, num_channels, label_values)
         if report.manifest.exists():
             old_entries = json.loads(report.manifest.read_text()).get("cases", {})
@@ -423,9 +446,14 @@ def convert(dataset: SourceDataset, out: str | Path, *, force: bool = False, app
             writer.set_root_attr(CONVERT_OPTIONS_ATTR, json.dumps(
                 {"spacing": None if spacing is None else [float(s) for s in spacing],
                  "shape": None if shape is None else [int(s) for s in shape]}))
+        names = [str(n) for n in writer.root_attr("channel_names")]
+        preprocessing = choose_schemes(names, old_stats + state.stats, old_samples + state.samples, normalization)
+        writer.set_root_attr(PREPROCESSING_ATTR, preprocessing.to_json())
+        report.preprocessing = preprocessing.describe(names)
         manifest = {"store": out.name, "source": dataset.origin, "num_classes": int(writer.root_attr("num_classes")),
                     "channel_names": [str(n) for n in writer.root_attr("channel_names")],
                     "label_names": [str(n) for n in writer.root_attr("label_names")],
+                    "preprocessing": json.loads(preprocessing.to_json()),
                     "cases": {**old_entries, **state.entries}}
         text = json.dumps(manifest, indent=2, default=str) + "\n"
         # The manifest is written first and renamed last: a failure of either removes both temporaries,

@@ -1,9 +1,10 @@
 """Whole-volume input for the big-memory path.
 
-Each case is read whole from the store and normalised (z-score per channel). By default it is
+Each case is read whole from the store and normalised as the store's scheme says (``preprocess``:
+CT window or per-case z-score, with the statistics convert recorded). By default it is
 then trained at its own shape, padded (never cropped) up to a multiple of ``2**depth`` on each
 axis; with a fixed ``shape`` it is cropped (at a random offset) or padded to that shape instead.
-Padded voxels hold the channel's background value (its minimum after normalisation, not the
+Padded voxels hold the channel's background value (what its darkest voxel normalises to, not the
 mean) and the label ``PAD_LABEL``, which the loss, the Dice and the metrics leave out. Samples
 are randomly flipped and batched (a batch of different shapes is padded to its bounding shape;
 batches group similar shapes) into a ``tf.data`` pipeline that prefetches ahead of the step.
@@ -27,11 +28,11 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from bigmem.data.preprocess import case_statistics
 from bigmem.data.store import HDF5VolumeStore
 from bigmem.errors import DataError
 from bigmem.units import format_shape
 
-NORM_EPSILON = 1e-6  # guards the z-score of a constant channel
 # The label of padded voxels. one_hot of it is all zeros, so the loss, the Dice and the metrics
 # leave those voxels out without a second mask tensor (a store's classes are 0..254: at most 255).
 PAD_LABEL = 255
@@ -152,50 +153,28 @@ def fit_to_shape(image: np.ndarray, label: np.ndarray, shape: Sequence[int], rng
     return padded_image, padded_label
 
 
-def background_values(image: np.ndarray) -> np.ndarray:
-    """Per channel, the value padding takes: the channel's minimum (air on CT, outside the head on MRI).
+def normalized(store: HDF5VolumeStore, case_id: str, image: np.ndarray, *, whole: bool = True):
+    """``image`` (the case or a crop of it) normalised in place by the store's scheme, and the padding value.
 
-    After z-scoring, the mean is 0 and tissue sits around it; the background of a real scan sits
-    below (-0.6 to -0.8 on BraTS-like MRI), so padding at 0 would look like tissue.
-
-    One strided pass per channel: numpy's minimum over axes (0, 1, 2) with the channels innermost
-    took 0.22 s for a 240x240x155x4 case, the per-channel passes 0.02 s.
-    """
-    return np.array([image[..., c].min() for c in range(image.shape[-1])], image.dtype)
-
-
-def normalize(image: np.ndarray, case_id: str = "?", where: str = "") -> np.ndarray:
-    """Z-score each channel over the whole volume (in place on a float32 array).
-
-    A NaN/Inf voxel makes its channel's mean non-finite: that is where the input pipeline checks
-    values (the store reads with check_finite=False), without another pass over the data.
-    Statistics are accumulated in float64 (the sum and the sum of squares, one einsum each: numpy's
-    mean and std over the spatial axes took 0.47 s of a 240x240x155x4 case, these 0.11 s); a
-    constant channel becomes 0 (NORM_EPSILON guards the division).
-
-    Args:
-        image: ``(D, H, W, C)`` float32, changed in place.
-        case_id: the case, for the error message.
-        where: the store's path, for the error message.
+    The statistics are the whole case's, as convert recorded them, so a patch gets exactly the
+    values of the same voxels in the normalised whole case (``preprocess``). A store from an
+    older bigmem that recorded none has them computed from the whole case: ``image`` itself when
+    ``whole``, else the case read once more.
 
     Returns:
-        ``image`` itself, each channel with mean 0 and standard deviation 1.
+        ``(image, background)``: the normalised image and the per-channel padding value.
 
     Raises:
-        DataError: the image has NaN or Inf values.
+        DataError: the case cannot be read, or holds NaN/Inf.
     """
-    flat = image.reshape(-1, image.shape[-1])
-    count = max(1, flat.shape[0])
-    mean = np.einsum("ij->j", flat, dtype=np.float64) / count
-    if not np.all(np.isfinite(mean)):
-        bad = int(np.count_nonzero(~np.isfinite(image)))
-        if bad:
-            raise DataError(f"Case {case_id!r}: image has {bad} non-finite values (NaN/Inf) ({where}); "
-                            "fix the source and convert again.")
-    variance = np.maximum(np.einsum("ij,ij->j", flat, flat, dtype=np.float64) / count - mean * mean, 0.0)
-    image -= mean.astype(np.float32)
-    image /= (np.sqrt(variance) + NORM_EPSILON).astype(np.float32)
-    return image
+    stats = store.case_stats(case_id)
+    if stats is None:
+        source = image if whole else store.read_case(case_id)[0]
+        try:
+            stats = case_statistics(source)
+        except DataError as exc:
+            raise DataError(f"Case {case_id!r}: {exc} ({store.path}); fix the source and convert again.") from None
+    return store.preprocessing.normalize(image, stats), store.preprocessing.background(stats)
 
 
 def _flip(image: np.ndarray, label: np.ndarray, rng: np.random.Generator):
@@ -205,9 +184,31 @@ def _flip(image: np.ndarray, label: np.ndarray, rng: np.random.Generator):
     return image, label
 
 
+def augment_intensity(image: np.ndarray, background: np.ndarray, rng: np.random.Generator,
+                      intensity: tuple[float, float]) -> np.ndarray:
+    """Scale each channel by U(1 - s, 1 + s) and shift it by U(-t, t) (``intensity`` = (s, t)), in place.
+
+    Applied after normalisation, so ``t`` is in standard deviations; MONAI's RandScaleIntensity and
+    RandShiftIntensity, nnU-Net's brightness augmentation. Two passes over the image, cheap next to a
+    step. The padding value moves with the channel, so padding stays at the background. Returns the
+    new padding value.
+    """
+    scale, shift = intensity
+    background = background.copy()
+    for c in range(image.shape[-1]):
+        factor = np.float32(rng.uniform(1.0 - scale, 1.0 + scale)) if scale else np.float32(1.0)
+        offset = np.float32(rng.uniform(-shift, shift)) if shift else np.float32(0.0)
+        if factor != 1.0:
+            image[..., c] *= factor
+        if offset != 0.0:
+            image[..., c] += offset
+        background[c] = background[c] * factor + offset
+    return background
+
+
 def load_sample(store: HDF5VolumeStore, sample_index: int, *, case_index: int, shape: Sequence[int], seed: int,
-                flip: bool):
-    """One training sample: read, z-scored, cropped/padded to ``shape``, randomly flipped.
+                flip: bool, intensity: tuple[float, float] = (0.0, 0.0)):
+    """One training sample: read, normalised, cropped/padded to ``shape``, randomly flipped.
 
     The crop offsets and the flips are a pure function of ``(seed, sample_index)``.
 
@@ -219,6 +220,7 @@ def load_sample(store: HDF5VolumeStore, sample_index: int, *, case_index: int, s
             batch's bounding shape, or the fixed training shape (cases larger are cropped).
         seed: the run's seed.
         flip: flip each spatial axis with probability 0.5.
+        intensity: ``(scale, shift)`` of ``augment_intensity`` (default (0, 0): none).
 
     Returns:
         ``(image (*shape, C) float32, label shape uint8)``, both C-contiguous; padded voxels
@@ -231,8 +233,10 @@ def load_sample(store: HDF5VolumeStore, sample_index: int, *, case_index: int, s
     case_id = store.case_ids[case_index]
     image, label = store.read_case(case_id)
     rng = np.random.default_rng([seed, sample_index, 1])
-    image = normalize(image, case_id, str(store.path))
-    image, label = fit_to_shape(image, label, shape, rng, background_values(image))
+    image, background = normalized(store, case_id, image)
+    if any(intensity):  # its own stream: crops and flips stay those of a run without it
+        background = augment_intensity(image, background, np.random.default_rng([seed, sample_index, 3]), intensity)
+    image, label = fit_to_shape(image, label, shape, rng, background)
     if flip:
         image, label = _flip(image, label, rng)
     return np.ascontiguousarray(image, dtype=np.float32), np.ascontiguousarray(label, dtype=np.uint8)
@@ -262,14 +266,15 @@ def patch_start(label: np.ndarray | None, shape: tuple[int, ...], patch: int, rn
 
 
 def load_patch(store: HDF5VolumeStore, sample_index: int, *, patch: int, seed: int, flip: bool,
-               foreground_fraction: float = FOREGROUND_FRACTION):
+               foreground_fraction: float = FOREGROUND_FRACTION, intensity: tuple[float, float] = (0.0, 0.0)):
     """One training patch (patch^3), foreground-centred with probability ``foreground_fraction``.
 
     Only the chunks the patch overlaps are read (plus the label, 1 byte/voxel, for a foreground
-    patch). The patch is z-scored on its own values.
+    patch). The patch is normalised with the whole case's statistics, so its voxels get the values
+    they have in the normalised whole case (as at inference, where windows are cut from it).
 
     Args:
-        store, sample_index, seed, flip: as ``load_sample``.
+        store, sample_index, seed, flip, intensity: as ``load_sample``.
         patch: the patch edge in voxels (smaller cases are padded to it, as ``fit_to_shape`` pads).
         foreground_fraction: the probability of a foreground-centred patch (default
             FOREGROUND_FRACTION, MLPerf's 0.4).
@@ -286,8 +291,10 @@ def load_patch(store: HDF5VolumeStore, sample_index: int, *, patch: int, seed: i
     start = patch_start(label, info.shape, patch, rng)
     size = tuple(min(patch, s) for s in info.shape)
     image, label = store.read_patch(info.case_id, start, size)
-    image = normalize(image, info.case_id, str(store.path))
-    image, label = fit_to_shape(image, label, (patch,) * 3, rng, background_values(image))
+    image, background = normalized(store, info.case_id, image, whole=False)
+    if any(intensity):
+        background = augment_intensity(image, background, np.random.default_rng([seed, sample_index, 3]), intensity)
+    image, label = fit_to_shape(image, label, (patch,) * 3, rng, background)
     if flip:
         image, label = _flip(image, label, rng)
     return np.ascontiguousarray(image, dtype=np.float32), np.ascontiguousarray(label, dtype=np.uint8)
@@ -299,7 +306,7 @@ _WORKER_SLOTS: dict[str, shared_memory.SharedMemory] = {}
 
 def _init_worker(store_path: str, cold_cache: bool, holdout: int) -> None:
     global _WORKER_STORE
-    _WORKER_STORE = HDF5VolumeStore(store_path, cold_cache=cold_cache, check_finite=False, holdout=holdout)
+    _WORKER_STORE = HDF5VolumeStore(store_path, cold_cache=cold_cache, holdout=holdout)
 
 
 def _slot_views(buffer, shape: Sequence[int], channels: int):
@@ -312,7 +319,7 @@ def _slot_views(buffer, shape: Sequence[int], channels: int):
 
 
 def _worker_load(slot: str, sample_index: int, case_index: int, shape: tuple, seed: int, flip: bool,
-                 patch: int | None) -> None:
+                 patch: int | None, intensity: tuple[float, float] = (0.0, 0.0)) -> None:
     """Load one sample into the shared-memory ``slot``: only the slot's name crosses the pipe,
     not the volume (pickling one would cost two extra copies of it and the pipe)."""
     if slot not in _WORKER_SLOTS:
@@ -320,10 +327,11 @@ def _worker_load(slot: str, sample_index: int, case_index: int, shape: tuple, se
         # The training process owns the slot; this process must not unlink it when it exits.
         resource_tracker.unregister(_WORKER_SLOTS[slot]._name, "shared_memory")
     if patch:
-        image, label = load_patch(_WORKER_STORE, sample_index, patch=patch, seed=seed, flip=flip)
+        image, label = load_patch(_WORKER_STORE, sample_index, patch=patch, seed=seed, flip=flip,
+                                  intensity=intensity)
     else:
         image, label = load_sample(_WORKER_STORE, sample_index, case_index=case_index, shape=shape, seed=seed,
-                                   flip=flip)
+                                   flip=flip, intensity=intensity)
     image_view, label_view = _slot_views(_WORKER_SLOTS[slot].buf, shape, image.shape[3])
     image_view[...] = image
     label_view[...] = label
@@ -332,7 +340,7 @@ def _worker_load(slot: str, sample_index: int, case_index: int, shape: tuple, se
 class WholeVolumeLoader:
     """Batches of whole volumes (or, with ``patch``, of patch^3 patches) in a deterministic order.
 
-    Each case is read whole and z-scored per channel. With ``shape`` None it keeps its own shape,
+    Each case is read whole and normalised (``normalized``). With ``shape`` None it keeps its own shape,
     padded (never cropped) to a multiple of ``pad_multiple`` on each axis; a batch of different
     shapes is padded to their bounding shape, and batches group similar shapes
     (``epoch_order``). With ``shape`` every case is cropped (random offset) or padded (centred)
@@ -350,6 +358,8 @@ class WholeVolumeLoader:
         batch_size: samples per batch (per process when sharded).
         seed: the order, crops and flips (default 0).
         flip: flip each spatial axis with probability 0.5 (default True).
+        intensity: ``(scale, shift)``: each sample's channels scaled by U(1 - scale, 1 + scale) and
+            shifted by U(-shift, shift) after normalisation (default (0, 0): off; ``augment_intensity``).
         num_workers: 0 (default): read in this process; N: N reader processes (spawned), which
             hand samples over through shared memory.
         prefetch: batches ``dataset`` prepares ahead of the training step (default 2; 0: none);
@@ -375,8 +385,8 @@ class WholeVolumeLoader:
     def __init__(self, store_path: str | os.PathLike, *, shape: Sequence[int] | None = None, pad_multiple: int = 16,
                  batch_size: int, seed: int = 0, flip: bool = True, num_workers: int = 0, prefetch: int = 2,
                  cold_cache: bool = False, patch: int | None = None, holdout: int = 0,
-                 shard: tuple[int, int] = (0, 1)):
-        self.store = HDF5VolumeStore(store_path, cold_cache=cold_cache, check_finite=False, holdout=holdout)
+                 shard: tuple[int, int] = (0, 1), intensity: tuple[float, float] = (0.0, 0.0)):
+        self.store = HDF5VolumeStore(store_path, cold_cache=cold_cache, holdout=holdout)
         # (index, count): this process loads only its slice of each global batch of count x batch_size
         # samples (a worker of a multi-host run); the sample order stays that of one process.
         self.shard_index, self.num_shards = (int(shard[0]), int(shard[1]))
@@ -390,6 +400,7 @@ class WholeVolumeLoader:
         self.batch_size = int(batch_size)
         self.seed = int(seed)
         self.flip = bool(flip)
+        self.intensity = (float(intensity[0]), float(intensity[1]))
         self.num_workers = int(num_workers)
         self.prefetch = int(prefetch)
         self._shapes = tuple(self.case_shape(i) for i in range(len(self.store)))
@@ -497,13 +508,14 @@ class WholeVolumeLoader:
                 self.num_workers, mp_context=multiprocessing.get_context("spawn"),
                 initializer=_init_worker, initargs=(str(self.store.path), self.cold_cache, self.holdout))
         return self._pool.submit(_worker_load, self._slots[slot].name, sample_index, self.case_index(sample_index),
-                                 shape, self.seed, self.flip, self.patch)
+                                 shape, self.seed, self.flip, self.patch, self.intensity)
 
     def _load(self, index: int, shape: tuple):
         if self.patch:
-            return load_patch(self.store, index, patch=self.patch, seed=self.seed, flip=self.flip)
+            return load_patch(self.store, index, patch=self.patch, seed=self.seed, flip=self.flip,
+                              intensity=self.intensity)
         return load_sample(self.store, index, case_index=self.case_index(index), shape=shape, seed=self.seed,
-                           flip=self.flip)
+                           flip=self.flip, intensity=self.intensity)
 
     def samples(self, start_step: int = 0) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """An endless stream of this process's samples, from the first of batch ``start_step`` on.

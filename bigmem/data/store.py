@@ -1,8 +1,12 @@
 """The HDF5 store format (README.md, "The store format") and ``HDF5VolumeStore``, its reader.
 
 Layout: ``/cases/<case_id>/image`` (D, H, W, C) and ``/cases/<case_id>/label`` (D, H, W) uint8.
-Case attributes: ``spacing``, ``affine``, ``source_affine``, ``source_image``, ``source_label``.
-Root attributes: ``bigmem_store_version``, ``num_classes``, ``channel_names``, ``label_names``.
+Case attributes: ``spacing``, ``affine``, ``source_affine``, ``source_image``, ``source_label``,
+``intensity_stats`` (JSON: ``bigmem.data.preprocess.case_statistics``); ``/cases/<case_id>/foreground``
+(N, C) float32 holds a sample of the case's foreground voxels where the CT statistics need it.
+Root attributes: ``bigmem_store_version``, ``num_classes``, ``channel_names``, ``label_names``,
+``preprocessing`` (JSON: ``bigmem.data.preprocess.Preprocessing``; absent: per-case z-score).
+Images are stored as int16, float16 or float32 (``preprocess.storage_dtype``) and read as float32.
 
 h5py serialises every call behind one global lock and a file handle must never cross a fork:
 a store is opened in the process that reads it, and reopened if the process id changes.
@@ -10,6 +14,7 @@ a store is opened in the process that reads it, and reopened if the process id c
 
 from __future__ import annotations
 
+import json
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -19,6 +24,7 @@ from typing import Iterator, Sequence
 import h5py
 import numpy as np
 
+from bigmem.data.preprocess import PREPROCESSING_ATTR, STATS_ATTR, Preprocessing, case_statistics, complete
 from bigmem.errors import DataError
 from bigmem.rundir import atomic_hdf5
 from bigmem.units import format_bytes
@@ -82,6 +88,9 @@ class HDF5VolumeStore:
         self.channel_names = [str(n) for n in handle.attrs.get("channel_names", [])]
         self.label_names = [str(n) for n in handle.attrs.get("label_names", [])]
         self.cases = self._check_layout(handle)
+        self.preprocessing = Preprocessing.from_json(handle.attrs.get(PREPROCESSING_ATTR), self.cases[0].num_channels,
+                                                     f"Store {str(self.path)!r}")
+        self._stats: dict[str, dict] = {}
         if holdout:  # the last ``holdout`` cases are kept for evaluation
             if holdout >= len(self.cases):
                 raise DataError(f"Cannot hold out {holdout} of the {len(self.cases)} cases in {str(self.path)!r}: "
@@ -249,6 +258,23 @@ class HDF5VolumeStore:
             raise DataError(f"Case {case_id!r}: cannot read from {str(self.path)!r} ({exc}); the store may be "
                             "truncated or corrupt.") from None
         return self._checked(case_id, image, label)
+
+    def case_stats(self, case_id: str) -> dict | None:
+        """The case's intensity statistics as convert recorded them (``preprocess.case_statistics``), or None
+        where the store recorded no complete set (written by an older bigmem)."""
+        if case_id not in self._stats:
+            try:
+                raw = self._handle()["cases"][case_id].attrs.get(STATS_ATTR)
+            except KeyError:
+                raise DataError(f"Case {case_id!r} is not in store {str(self.path)!r}.") from None
+            stats = json.loads(raw) if raw is not None else None
+            self._stats[case_id] = stats if complete(stats, self.num_channels) else None
+        return self._stats[case_id]
+
+    def foreground_sample(self, case_id: str) -> np.ndarray | None:
+        """The sample of the case's foreground voxels convert kept, ``(N, C)`` float32, or None."""
+        case = self._handle()["cases"][case_id]
+        return np.asarray(case["foreground"][...], np.float32) if "foreground" in case else None
 
     def read_label(self, case_id: str) -> np.ndarray:
         """The label map of one case, e.g. to find foreground for patch sampling.
@@ -484,7 +510,7 @@ class StoreWriter:
     def add_case(self, case_id: str, image: np.ndarray, label: np.ndarray, *,
                  spacing: Sequence[float] = (1.0, 1.0, 1.0), affine: np.ndarray | None = None,
                  source_affine: np.ndarray | None = None, source_image: str = "", source_label: str = "",
-                 attrs: dict | None = None) -> None:
+                 attrs: dict | None = None, foreground: np.ndarray | None = None) -> None:
         """Write one case under ``/cases/<case_id>``.
 
         Args:
@@ -495,7 +521,9 @@ class StoreWriter:
             affine: the 4x4 voxel-to-world affine (default identity).
             source_affine: the source file's affine (default ``affine``).
             source_image, source_label: the source files' paths.
-            attrs: more case attributes.
+            attrs: more case attributes; without ``intensity_stats`` the statistics of ``image`` as given
+                are recorded (convert gives those of the case before its crop or pad).
+            foreground: a sample of the case's foreground voxels ``(N, C)``, kept for the CT statistics.
 
         Raises:
             DataError: the shapes or channel count do not match, or ``case_id`` is already there.
@@ -509,10 +537,18 @@ class StoreWriter:
         if case_id in self._cases:
             raise DataError(f"Case {case_id!r} appears twice.")
         label = label.astype(np.uint8)
+        attrs = dict(attrs or {})
+        if STATS_ATTR not in attrs:
+            try:
+                attrs[STATS_ATTR] = json.dumps(case_statistics(image))
+            except DataError:
+                pass  # NaN/Inf values: no statistics to record, and reading the case refuses it
         with self._writing():
             group = self._cases.create_group(case_id)
             self._write_case(group, image, label)
-            for name, value in (attrs or {}).items():
+            if foreground is not None:
+                group.create_dataset("foreground", data=np.asarray(foreground, np.float32))
+            for name, value in attrs.items():
                 group.attrs[name] = value
             affine = np.eye(4) if affine is None else np.asarray(affine, dtype=np.float64)
             group.attrs["spacing"] = np.asarray(spacing, dtype=np.float64)

@@ -17,11 +17,22 @@ import numpy as np
 MIRROR_AXES = tuple(axes for count in range(4) for axes in itertools.combinations((0, 1, 2), count))
 
 
-def normalize_image(image: np.ndarray) -> np.ndarray:
-    """Z-score each channel over the volume, as training does (``data.pipeline.normalize``), in a float32 copy."""
-    from bigmem.data.pipeline import normalize
+def normalize_image(preprocessing, image: np.ndarray, stats: dict | None = None):
+    """A float32 copy of ``image`` normalised as training normalised it, and its padding value.
 
-    return normalize(np.array(image, dtype=np.float32, copy=True))
+    Args:
+        preprocessing: the model's ``data.preprocess.Preprocessing``.
+        image: ``(D, H, W, C)``, the whole case (not yet normalised).
+        stats: the case's ``case_statistics`` (None: taken from ``image``).
+
+    Returns:
+        ``(normalised copy, per-channel background value)``.
+    """
+    from bigmem.data.preprocess import case_statistics
+
+    stats = case_statistics(image) if stats is None else stats
+    normalized = preprocessing.normalize(np.array(image, dtype=np.float32, copy=True), stats)
+    return normalized, preprocessing.background(stats)
 
 
 def forward_probabilities(model, images: np.ndarray, *, tta: bool = False) -> np.ndarray:

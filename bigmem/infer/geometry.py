@@ -16,17 +16,18 @@ single-channel arrays, never a float64 copy. ``prepare_nifti`` does 1-3 for a fi
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 import numpy as np
 
-from bigmem.data.pipeline import background_values
 from bigmem.data.store import HDF5VolumeStore
 from bigmem.errors import DataError
+
+if TYPE_CHECKING:
+    from bigmem.infer.modelcard import ModelCard
 
 RAS = np.array([[0, 1], [1, 1], [2, 1]], dtype=float)  # nibabel's orientation of a canonical array
 
@@ -52,6 +53,8 @@ class CaseGeometry:
         crop_pad: per axis ``(crop, pad)``: voxels cropped from the start of ``grid_shape``'s axis, or
             zeros padded before it (``bigmem.data.convert.centre_fit``); ``(0, 0)`` where neither.
         spacing: the store grid's voxel spacing (mm).
+        source_label: the source label file convert read (the case's ``source_label`` attribute), or
+            ``""`` where there is none (``bigmem synth``, a NIfTI file ``prepare_nifti`` prepared).
 
     Example:
         >>> geometry = CaseGeometry.from_store("kits19.h5", "case_00042")
@@ -66,6 +69,7 @@ class CaseGeometry:
     store_shape: tuple[int, int, int]
     crop_pad: tuple[tuple[int, int], tuple[int, int], tuple[int, int]]
     spacing: tuple[float, float, float]
+    source_label: str = ""
 
     def __post_init__(self):
         set_ = object.__setattr__  # a frozen dataclass normalises its fields this way
@@ -111,6 +115,15 @@ class CaseGeometry:
         """Whether convert resampled the case (``--spacing`` changed its shape or its affine)."""
         return self.grid_shape != self.canonical_shape or not np.allclose(self.grid_affine, self.canonical_affine,
                                                                           atol=1e-6)
+
+    @property
+    def lossless(self) -> bool:
+        """Whether the store grid keeps every source voxel as it was: not resampled, nothing cropped away.
+
+        Where it does, the store's label maps back to the source label voxel for voxel
+        (``source_label_from_store``); convert's padding is dropped on the way back and loses nothing.
+        """
+        return not self.resampled and not any(crop for crop, _ in self.crop_pad)
 
     @property
     def store_affine(self) -> np.ndarray:
@@ -175,7 +188,7 @@ class CaseGeometry:
                             "to map back to).")
         return cls(case_id, tuple(attrs["source_shape"]), attrs["source_affine"], tuple(attrs["canonical_shape"]),
                    attrs["affine"], tuple(store_shape), tuple(map(tuple, np.asarray(attrs["crop_pad"]))),
-                   tuple(attrs["spacing"]))
+                   tuple(attrs["spacing"]), str(attrs.get("source_label", "")))
 
 
 # ---- store grid -> source grid ----------------------------------------------------------
@@ -365,33 +378,6 @@ def source_label_from_store(store: HDF5VolumeStore | str | os.PathLike, case_id:
 # ---- a new NIfTI case, prepared as its store's were -------------------------------------
 
 
-def convert_options(store: HDF5VolumeStore | str | os.PathLike) -> tuple[tuple | None, tuple | None]:
-    """The ``--spacing`` and ``--shape`` a store was converted with (each None where not used).
-
-    Raises:
-        DataError: the store does not record them (written by ``bigmem synth``, or by a bigmem from
-            before they were recorded).
-    """
-    import h5py
-
-    from bigmem.data.convert import CONVERT_OPTIONS_ATTR
-
-    path = Path(store.path if isinstance(store, HDF5VolumeStore) else store)
-    try:
-        with h5py.File(path, "r") as handle:
-            raw = handle.attrs.get(CONVERT_OPTIONS_ATTR)
-    except OSError as exc:
-        raise DataError(f"Cannot open store {str(path)!r} ({exc}).") from None
-    if raw is None:
-        raise DataError(f"Store {str(path)!r} does not record how it was converted (root attribute "
-                        f"{CONVERT_OPTIONS_ATTR!r}); expected a store written by this version of 'bigmem convert'. "
-                        "Convert the training data again, or preprocess the case yourself.")
-    options = json.loads(raw)
-    spacing, shape = options.get("spacing"), options.get("shape")
-    return (None if spacing is None else tuple(float(s) for s in spacing),
-            None if shape is None else tuple(int(s) for s in shape))
-
-
 def _load_channels(paths: Sequence[Path], case_id: str):
     """One 3D/4D file, or one 3D file per channel (nnU-Net's CASE_0000, CASE_0001, ...), canonical."""
     from bigmem.data.nifti import AFFINE_TOLERANCE_MM, load_image
@@ -413,57 +399,60 @@ def _load_channels(paths: Sequence[Path], case_id: str):
 
 
 def prepare_nifti(image_paths: str | os.PathLike | Sequence[str | os.PathLike],
-                  like_store: HDF5VolumeStore | str | os.PathLike):
-    """Preprocess a NIfTI case exactly as ``bigmem convert`` did the cases of ``like_store``.
+                  card: "ModelCard | HDF5VolumeStore | str | os.PathLike"):
+    """Prepare a NIfTI case exactly as ``bigmem convert`` prepared the cases a model trained on.
 
-    Canonical (RAS) orientation, the store's ``--spacing`` resampling and ``--shape`` crop/pad when
-    it used them, with convert's own functions. Intensities are left as they are: normalise as training
-    does (``bigmem.data.pipeline.normalize``) before predicting.
+    Canonical (RAS) orientation, the ``--spacing`` resampling and ``--shape`` crop/pad convert used,
+    with convert's own functions; and the case's intensity statistics, taken where convert takes
+    them (after resampling, before the crop or pad). Intensities are left as they are: the model's
+    ``Preprocessing.normalize`` with these statistics normalises them as training did.
 
     Args:
         image_paths: one 3D or 4D (channels last) NIfTI file, or one 3D file per channel in channel order.
-        like_store: the store (or its path) whose cases the model was trained on.
+        card: the model's ``ModelCard`` (a run directory's ``preprocessing.json``), or a store (or its
+            path) whose cases the model was trained on.
 
     Returns:
-        ``(image, geometry)``: ``(D, H, W, C)`` float32 on the grid convert would have written, and the
-        ``CaseGeometry`` that maps predictions on it back to the file's grid.
+        ``(image, geometry, stats)``: ``(D, H, W, C)`` float32 on the grid convert would have written,
+        the ``CaseGeometry`` that maps predictions on it back to the file's grid, and the case's
+        ``preprocess.case_statistics``.
 
     Raises:
-        DataError: a file is unreadable or holds NaN/Inf, the channel count differs from the store's, or
-            the store does not record how it was converted.
+        DataError: a file is unreadable or holds NaN/Inf, or the channel count differs from the model's.
 
     Example:
-        >>> image, geometry = prepare_nifti("imagesTs/BRATS_485.nii.gz", "brats.h5")
-        >>> labels = labels_to_source(sliding_window(normalize(image), ...), geometry)
+        >>> image, geometry, stats = prepare_nifti("imagesTs/BRATS_485.nii.gz", ModelCard.of_run("runs/brats"))
     """
     from bigmem.data.convert import centre_fit, resample_image
     from bigmem.data.nifti import case_id_of
+    from bigmem.data.preprocess import case_statistics
+    from bigmem.infer.modelcard import ModelCard
 
     paths = [Path(image_paths)] if isinstance(image_paths, (str, os.PathLike)) else [Path(p) for p in image_paths]
     if not paths:
         raise DataError("prepare_nifti: no image file given; expected one 3D/4D file or one 3D file per channel.")
-    spacing, shape = convert_options(like_store)
-    opened = like_store if isinstance(like_store, HDF5VolumeStore) else HDF5VolumeStore(like_store)
-    try:
-        num_channels = opened.num_channels
-    finally:
-        if opened is not like_store:
-            opened.close()
+    if not isinstance(card, ModelCard):
+        card = ModelCard.from_store(card.path if isinstance(card, HDF5VolumeStore) else card)
     case_id = case_id_of(paths[0])
     loaded = _load_channels(paths, case_id)
-    if loaded.image.shape[3] != num_channels:
-        raise DataError(f"Case {case_id!r}: {loaded.image.shape[3]} channels in {', '.join(map(str, paths))}; the "
-                        f"model's store {str(Path(getattr(like_store, 'path', like_store)))!r} has {num_channels}.")
+    if loaded.image.shape[3] != card.num_channels:
+        raise DataError(f"Case {case_id!r}: {loaded.image.shape[3]} channel{'s' if loaded.image.shape[3] != 1 else ''}"
+                        f" in {', '.join(map(str, paths))}; the model takes {card.num_channels} "
+                        f"({', '.join(card.channel_names)}).")
     image, affine, grid_spacing = loaded.image, loaded.affine, loaded.spacing
-    if spacing is not None:
-        image, affine, grid_spacing = resample_image(image, affine, grid_spacing, spacing)
+    if card.spacing is not None:
+        image, affine, grid_spacing = resample_image(image, affine, grid_spacing, card.spacing)
     grid_shape = image.shape[:3]
+    try:
+        stats = case_statistics(image)
+    except DataError as exc:
+        raise DataError(f"Case {case_id!r}: {exc} ({', '.join(map(str, paths))}).") from None
     offsets = [(0, 0)] * 3
-    if shape is not None:
-        image, _, offsets = centre_fit(image, None, shape)
+    if card.shape is not None:
+        image, _, offsets = centre_fit(image, None, card.shape)
     geometry = CaseGeometry(case_id, loaded.source_shape, loaded.source_affine, grid_shape, affine, image.shape[:3],
                             offsets, grid_spacing)
-    return np.ascontiguousarray(image, dtype=np.float32), geometry
+    return np.ascontiguousarray(image, dtype=np.float32), geometry, stats
 
 
 # ---- whole-volume inference -------------------------------------------------------------
@@ -480,7 +469,7 @@ def pad_to_multiple(image: np.ndarray, divisor: int, value: np.ndarray | float |
         image: ``(D, H, W)`` or ``(D, H, W, C)``.
         divisor: the network's size contract (``2 ** depth``: 16 for four downsamplings).
         value: the padded voxels' value, per channel or one (default None: each channel's
-            minimum, ``data.pipeline.background_values``).
+            minimum; predict gives ``Preprocessing.background``).
 
     Returns:
         ``(padded, slices)``: the padded array (``image`` itself when no axis needs padding) and the three
@@ -506,7 +495,7 @@ def pad_to_multiple(image: np.ndarray, divisor: int, value: np.ndarray | float |
     if not any(after or before for before, after in widths):
         return image, tuple(slices)
     channels = image if image.ndim == 4 else image[..., np.newaxis]
-    fill = background_values(channels) if value is None else np.broadcast_to(np.asarray(value, image.dtype),
+    fill = channels.min(axis=(0, 1, 2)) if value is None else np.broadcast_to(np.asarray(value, image.dtype),
                                                                             channels.shape[3:])
     padded = np.empty(tuple(s + b + a for s, (b, a) in zip(image.shape[:3], widths)) + channels.shape[3:], image.dtype)
     padded[...] = fill

@@ -1,18 +1,19 @@
 """``bigmem predict``'s API: segment new scans with a trained run, in the source file's geometry.
 
-The model and its preprocessing come from the run directory: the network from config.json and
-``model.keras`` (or a checkpoint), the preprocessing from the store it was trained on (canonical
-orientation, ``--spacing`` resampling, ``--shape`` crop/pad: ``infer/geometry.py``) and the
-trainer's per-case z-score (``data.pipeline.normalize``). Each case then goes through the network
+The model and its preprocessing come from the run directory alone: the network from config.json
+and ``model.keras`` (or a checkpoint), the preprocessing from its ``preprocessing.json``
+(``infer/modelcard.py``: canonical orientation, ``--spacing`` resampling, ``--shape`` crop/pad as
+``infer/geometry.py`` applies them, and the normalisation of ``data/preprocess.py`` with the
+training dataset's statistics). The training store is not needed. Each case then goes through the network
 whole (one pass, padded to the size contract) or window by window (``infer/sliding.py``), and
 the class probabilities are mapped back to the source grid before the argmax.
 """
 
 from __future__ import annotations
 
-import math
-
+import functools
 import json
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from bigmem.config.schema import ExperimentConfig, check_shape
 from bigmem.errors import DataError, UsageError
 from bigmem.infer.forward import forward_probabilities, normalize_image
 from bigmem.infer.geometry import CaseGeometry, crop_padding, labels_to_source, pad_to_multiple, scores_to_source
+from bigmem.infer.modelcard import ModelCard
 from bigmem.rundir import RunDir, atomic_output
 
 NIFTI_SUFFIXES = (".nii.gz", ".nii")
@@ -52,6 +54,8 @@ class Predictor:
         training_edge: the patch edge the network was trained on (a data-parallel run on
             patches), or None: it was trained on whole volumes.
         trained_shape: the largest step shape of a run on whole volumes (its plan.json's), or None.
+        card: what the network expects of its input (the run's ``preprocessing.json``); None: that of
+            ``config.data.store`` (a network being trained, validated on its own store).
     """
 
     model: object
@@ -59,6 +63,12 @@ class Predictor:
     source: str
     training_edge: int | None = None
     trained_shape: tuple[int, int, int] | None = None
+    card: ModelCard | None = None
+
+    @functools.cached_property
+    def preparation(self) -> ModelCard:
+        """The input preparation: ``card``, or the training store's."""
+        return self.card or ModelCard.from_store(self.config.data.store)
 
     @property
     def window(self) -> tuple[int, int, int]:
@@ -134,6 +144,7 @@ def load_predictor(run_dir: str | os.PathLike, checkpoint: str = "final", *, ver
         raise DataError(f"No model.keras in {str(run.path)!r}: the run has not finished. Use --checkpoint latest "
                         "(or best) to predict with a checkpoint.")
     path = None if checkpoint == "final" else CheckpointManager(run.checkpoints).find(checkpoint)
+    card = ModelCard.of_run(run_dir, config.data.store)
     plan = run.read_plan() if run.plan.is_file() else None
     parallel = plan.get("data_parallel") if isinstance(plan, dict) else None
     patch = parallel.get("patch") if isinstance(parallel, dict) else None
@@ -149,11 +160,11 @@ def load_predictor(run_dir: str | os.PathLike, checkpoint: str = "final", *, ver
             model = keras.models.load_model(run.model)
         except Exception as exc:  # Keras raises many types for a damaged archive
             raise DataError(f"Cannot load {run.model}: {type(exc).__name__}: {exc}") from None
-        return Predictor(model, config, "model.keras", edge, trained)
+        return Predictor(model, config, "model.keras", edge, trained, card)
     policy = "mixed_bfloat16" if config.train.precision is Precision.BF16 else "float32"
     model = UNet3D(config.model, dtype=policy, name="unet3d").build_for()
     CheckpointManager(run.checkpoints).restore(path, model)
-    return Predictor(model, config, f"checkpoints/{path.name}", edge, trained)
+    return Predictor(model, config, f"checkpoints/{path.name}", edge, trained, card)
 
 
 # ---- inputs ---------------------------------------------------------------------------------
@@ -165,7 +176,8 @@ class CaseInput:
 
     case_id: str
     where: str
-    load: Callable[[], tuple[np.ndarray, CaseGeometry]]  # -> (image (D,H,W,C) float32, geometry)
+    load: Callable[[], tuple[np.ndarray, CaseGeometry, dict | None]]  # -> (image (D,H,W,C) float32, geometry,
+    # the case's intensity statistics, or None: take them from the image)
 
 
 def _nifti_name(path: Path) -> bool:
@@ -179,22 +191,21 @@ def _existing_input(source: str | os.PathLike) -> Path:
     return path
 
 
-def find_inputs(source: str | os.PathLike, training_store: str | None, *,
+def find_inputs(source: str | os.PathLike, card: ModelCard, *,
                 cases: Sequence[str] | None = None) -> list[CaseInput]:
     """The cases of INPUT: a NIfTI file, a folder of them, an MSD folder, or a bigmem store.
 
     Args:
         source: the input path.
-        training_store: the store the model was trained on; NIfTI inputs are preprocessed as
-            ``bigmem convert`` prepared it.
+        card: what the model expects (``Predictor.preparation``); NIfTI inputs are prepared as
+            ``bigmem convert`` prepared its training cases.
         cases: only these case ids (a store or folder); None: all.
 
     Returns:
         One ``CaseInput`` per case, sorted by id.
 
     Raises:
-        DataError: nothing to read, an unknown case, or NIfTI input for a run trained on a store
-            that does not record how it was converted.
+        DataError: nothing to read, or an unknown case.
     """
     from bigmem.data.nifti import case_id_of
 
@@ -207,10 +218,7 @@ def find_inputs(source: str | os.PathLike, training_store: str | None, *,
         files = {case_id_of(path): [path]}
     else:
         files = _folder_cases(path)
-    if training_store is None or not Path(training_store).is_file():
-        raise DataError(f"The run's training store {training_store!r} is gone: it is needed to preprocess NIfTI input "
-                        "as training did (its spacing and shape). Predict on a store instead.")
-    inputs = [_nifti_input(case_id, paths, training_store) for case_id, paths in sorted(files.items())]
+    inputs = [_nifti_input(case_id, paths, card) for case_id, paths in sorted(files.items())]
     return _pick(inputs, cases, str(path))
 
 
@@ -238,10 +246,10 @@ def _folder_cases(folder: Path) -> dict[str, list[Path]]:
     return grouped
 
 
-def _nifti_input(case_id: str, paths: list[Path], training_store: str) -> CaseInput:
+def _nifti_input(case_id: str, paths: list[Path], card: ModelCard) -> CaseInput:
     from bigmem.infer.geometry import prepare_nifti
 
-    return CaseInput(case_id, ", ".join(map(str, paths)), lambda: prepare_nifti(paths, training_store))
+    return CaseInput(case_id, ", ".join(map(str, paths)), lambda: prepare_nifti(paths, card))
 
 
 def _store_inputs(path: Path) -> list[CaseInput]:
@@ -250,8 +258,8 @@ def _store_inputs(path: Path) -> list[CaseInput]:
     def loader(case_id: str):
         def load():
             with HDF5VolumeStore(path) as store:
-                image = store.read_case(case_id)[0]
-            return image, CaseGeometry.from_store(path, case_id)
+                image, stats = store.read_case(case_id)[0], store.case_stats(case_id)
+            return image, CaseGeometry.from_store(path, case_id), stats
         return load
 
     with HDF5VolumeStore(path) as store:
@@ -273,7 +281,8 @@ def _pick(inputs: list[CaseInput], cases: Sequence[str] | None, where: str) -> l
 # ---- one case -------------------------------------------------------------------------------
 
 
-def predict_probabilities(predictor: Predictor, image: np.ndarray, *, mode: Mode = Mode.WHOLE,
+def predict_probabilities(predictor: Predictor, image: np.ndarray, *, stats: dict | None = None,
+                          mode: Mode = Mode.WHOLE,
                           window: int | tuple[int, int, int] | None = None, overlap: float = DEFAULT_OVERLAP,
                           accumulate: str = "float32",
                           tta: bool = False, progress=None) -> np.ndarray:
@@ -282,6 +291,8 @@ def predict_probabilities(predictor: Predictor, image: np.ndarray, *, mode: Mode
     Args:
         predictor: the trained network.
         image: ``(D, H, W, C)`` float32 on the store grid, not yet normalised.
+        stats: the whole case's intensity statistics (``preprocess.case_statistics``, as the store or
+            ``prepare_nifti`` gives them); None: taken from ``image``.
         mode: ``whole`` (one pass, padded to a multiple of ``2**depth``) or ``sliding``.
         window: the sliding window's edge N or ``(D, H, W)`` (default: ``predictor.window``, the training patch
             or largest volume).
@@ -293,9 +304,9 @@ def predict_probabilities(predictor: Predictor, image: np.ndarray, *, mode: Mode
     Returns:
         ``(D, H, W, num_classes)`` float32 probabilities.
     """
-    normalized = normalize_image(image)
+    normalized, background = normalize_image(predictor.preparation.preprocessing, image, stats)
     if mode is Mode.WHOLE:
-        padded, slices = pad_to_multiple(normalized, predictor.divisor)
+        padded, slices = pad_to_multiple(normalized, predictor.divisor, background)
         del normalized
         probabilities = forward_probabilities(predictor.model, padded[None], tta=tta)[0]
         return np.ascontiguousarray(crop_padding(probabilities, slices))
@@ -303,7 +314,8 @@ def predict_probabilities(predictor: Predictor, image: np.ndarray, *, mode: Mode
 
     window = window or predictor.window
     return sliding_window(normalized, lambda batch: forward_probabilities(predictor.model, batch, tta=tta), window,
-                          num_classes=predictor.num_classes, overlap=overlap, accumulate=accumulate, progress=progress)
+                          num_classes=predictor.num_classes, overlap=overlap, accumulate=accumulate, progress=progress,
+                          pad_value=background)
 
 
 def write_nifti(array: np.ndarray, affine: np.ndarray, path: Path) -> Path:
@@ -374,10 +386,10 @@ def predict_case(predictor: Predictor, item: CaseInput, out_dir: Path, *, mode: 
 
     reset_peak_rss()  # this case's peak, not the largest so far (where the kernel allows the reset)
     started = time.perf_counter()
-    image, geometry = item.load()
+    image, geometry, stats = item.load()
     if not isinstance(mode, Mode):
         mode = mode(predictor, image.shape[:3])
-    probabilities = predict_probabilities(predictor, image, mode=mode, window=window, overlap=overlap,
+    probabilities = predict_probabilities(predictor, image, stats=stats, mode=mode, window=window, overlap=overlap,
                                           accumulate=accumulate, tta=tta)
     del image
     labels_path = write_nifti(labels_to_source(probabilities, geometry), geometry.source_affine,
@@ -431,7 +443,7 @@ def predict(run_dir: str | os.PathLike, source: str | os.PathLike, out_dir: str 
                          f"(the network downsamples {predictor.config.model.depth} times).")
     if window is not None:
         check_shape("--window", window, predictor.config.model)
-    inputs = find_inputs(source, predictor.config.data.store, cases=cases)
+    inputs = find_inputs(source, predictor.preparation, cases=cases)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for item in inputs:

@@ -50,13 +50,17 @@ def probe(request: dict) -> dict:
 
     baseline_bytes = rss_bytes()
     from bigmem.infer.geometry import CaseGeometry, labels_to_source
+    from bigmem.data.preprocess import Preprocessing
+    from bigmem.infer.modelcard import ModelCard
     from bigmem.infer.predict import Mode, Predictor, predict_probabilities
     from bigmem.nets.unet3d import UNet3D
 
     policy = "mixed_bfloat16" if config.train.precision is Precision.BF16 else "float32"
     model = UNet3D(config.model, dtype=policy, name="unet3d").build_for()
     model_bytes = rss_bytes() - baseline_bytes
-    predictor = Predictor(model, config, "random weights (inference probe)")
+    channels = config.model.in_channels  # the default z-score: the cost of every scheme is one pass or two
+    card = ModelCard(tuple(f"channel{c}" for c in range(channels)), ("background",), Preprocessing.default(channels))
+    predictor = Predictor(model, config, "random weights (inference probe)", card=card)
     geometry = CaseGeometry("probe", shape, np.eye(4), shape, np.eye(4), shape, ((0, 0),) * 3, (1.0, 1.0, 1.0))
     image = np.random.default_rng(0).standard_normal((*shape, config.model.in_channels), dtype=np.float32)
     reset_peak_rss()  # the image's float32 draw is the case read from disk; nothing before it is the path's

@@ -152,7 +152,8 @@ def _check_output(out, n: int, window: tuple[int, int, int], num_classes: int, s
 def sliding_window(image: np.ndarray, predict: Callable[[np.ndarray], np.ndarray], window: int | Sequence[int], *,
                    num_classes: int, overlap: float = 0.5, accumulate: str = "float32", batch_size: int = 1,
                    sigma_scale: float = SIGMA_SCALE,
-                   progress: Callable[[int, int], None] | None = None) -> np.ndarray:
+                   progress: Callable[[int, int], None] | None = None,
+                   pad_value: np.ndarray | float | None = None) -> np.ndarray:
     """Predict a whole volume window by window, blending overlaps with Gaussian weights.
 
     Memory: the (padded) input, two accumulators ``(D, H, W, num_classes)`` and ``(D, H, W)`` in the
@@ -173,6 +174,8 @@ def sliding_window(image: np.ndarray, predict: Callable[[np.ndarray], np.ndarray
         batch_size: windows per ``predict`` call (default 1).
         sigma_scale: the Gaussian's sigma as a fraction of the window (default 1/8).
         progress: called as ``progress(windows_done, windows_total)`` after each batch.
+        pad_value: the value of voxels padded where the volume is smaller than a window, per channel
+            or one (default None: each channel's minimum; predict gives ``Preprocessing.background``).
 
     Returns:
         ``(D, H, W, num_classes)`` float32: the weighted mean of the windows' predictions.
@@ -199,7 +202,7 @@ def sliding_window(image: np.ndarray, predict: Callable[[np.ndarray], np.ndarray
     widths = [((max(s, w) - s) // 2, max(s, w) - s - (max(s, w) - s) // 2) for s, w in zip(size, shape)]
     if any(before or after for before, after in widths):  # at each channel's background, as training pads
         padded = np.empty(tuple(s + b + a for s, (b, a) in zip(size, widths)) + image.shape[3:], image.dtype)
-        padded[...] = image.min(axis=(0, 1, 2))
+        padded[...] = image.min(axis=(0, 1, 2)) if pad_value is None else pad_value
         padded[tuple(slice(b, b + s) for s, (b, _) in zip(size, widths))] = image
         image = padded
     starts = list(itertools.product(*[window_starts(s, w, overlap) for s, w in zip(size, shape)]))

@@ -236,7 +236,8 @@ def test_patch_loader_batches(tiny_store):
         np.testing.assert_array_equal(next(parallel.batches())[0], images)
 
 
-def test_the_pipeline_catches_non_finite_values_in_normalisation(corrupt_store):
+def test_the_pipeline_catches_non_finite_values(corrupt_store):
+    """The statistics are the store's, taken before the damage: the read itself must refuse the NaN."""
     from bigmem.errors import DataError
 
     def poison(handle):
@@ -247,7 +248,7 @@ def test_the_pipeline_catches_non_finite_values_in_normalisation(corrupt_store):
 
     path = corrupt_store(poison)
     with WholeVolumeLoader(path, batch_size=4, flip=False) as loader:
-        assert loader.store.check_finite is False
+        assert loader.store.check_finite is True
         with pytest.raises(DataError, match=r"^Case 'synth_0002': image has 1 non-finite values \(NaN/Inf\) "):
             next(loader.batches())
 

@@ -13,9 +13,9 @@ from bigmem.data.convert import convert
 from bigmem.data.nifti import SourceCase, SourceDataset
 from bigmem.data.store import HDF5VolumeStore
 from bigmem.errors import DataError
+from bigmem.infer.modelcard import ModelCard
 from bigmem.infer.geometry import (
     CaseGeometry,
-    convert_options,
     crop_padding,
     labels_to_source,
     pad_to_multiple,
@@ -199,16 +199,19 @@ def test_resampled_scores_keep_their_world_position(tmp_path, affine, spacing, f
 def test_prepare_nifti_matches_convert(tmp_path, options):
     case = _write_case(tmp_path / "src", "p", (23, 30, 17), PERMUTED_LPS)
     store = _convert(tmp_path, [case], **options)
-    image, geometry = prepare_nifti(case.image, store)
+    image, geometry, stats = prepare_nifti(case.image, store)
     with HDF5VolumeStore(store) as opened:
         stored, _ = opened.read_case("p")
-    assert image.dtype == np.float32 and np.array_equal(image, stored)
+        dtype = opened.cases[0].image_dtype  # the store keeps the image in the smallest dtype that holds it
+        assert stats == opened.case_stats("p")  # taken where convert takes them: after resampling, before the fit
+    assert image.dtype == np.float32 and np.array_equal(image.astype(dtype).astype(np.float32), stored)
     expected = CaseGeometry.from_store(store, "p")
     for name in ("source_shape", "grid_shape", "store_shape", "crop_pad", "spacing"):
         assert getattr(geometry, name) == getattr(expected, name), name
     np.testing.assert_allclose(geometry.grid_affine, expected.grid_affine, atol=1e-9)
     np.testing.assert_allclose(geometry.source_affine, expected.source_affine)
-    assert convert_options(store) == (options.get("spacing"), options.get("shape"))
+    card = ModelCard.from_store(store)
+    assert (card.spacing, card.shape) == (options.get("spacing"), options.get("shape"))
 
 
 def test_prepare_nifti_one_file_per_channel(tmp_path):
@@ -219,22 +222,27 @@ def test_prepare_nifti_one_file_per_channel(tmp_path):
     for c in range(2):
         paths.append(tmp_path / f"m_{c:04d}.nii.gz")
         nib.save(nib.Nifti1Image(data[..., c], LPS), str(paths[-1]))
-    image, geometry = prepare_nifti(paths, store)
+    image, geometry, _ = prepare_nifti(paths, store)
     assert geometry.case_id == "m" and image.shape == (16, 20, 17, 2)
     assert geometry.source_shape == (19, 18, 17)
     with HDF5VolumeStore(store) as opened:  # an open store works as well as a path, and the 4D source maps back
         assert CaseGeometry.from_store(opened, "m").source_shape == (19, 18, 17)
         label, _, _ = source_label_from_store(opened, "m")
         assert np.array_equal(label, _source_label(case))
-    assert np.array_equal(image, HDF5VolumeStore(store).read_case("m")[0])
-    with pytest.raises(DataError, match=r"Case 'm': 1 channels in .*m_0000.nii.gz; the model's store .* has 2\."):
+    with HDF5VolumeStore(store) as opened:
+        dtype = opened.cases[0].image_dtype
+        assert np.array_equal(image.astype(dtype).astype(np.float32), opened.read_case("m")[0])
+    with pytest.raises(DataError, match=r"Case 'm': 1 channel in .*m_0000.nii.gz; the model takes 2 "
+                                        r"\(ch0, ch1\)\."):
         prepare_nifti(paths[:1], store)
 
 
-def test_prepare_nifti_needs_a_store_that_records_its_conversion(tmp_path, tiny_store):
+def test_prepare_nifti_for_a_store_without_convert_options(tmp_path, tiny_store):
+    """A synthetic store was neither resampled nor fitted: a NIfTI case is only reoriented."""
     case = _write_case(tmp_path / "src", "s", (17, 18, 19), PLAIN)
-    with pytest.raises(DataError, match=r"does not record how it was converted \(root attribute 'convert_options'\)"):
-        prepare_nifti(case.image, tiny_store)
+    image, geometry, stats = prepare_nifti(case.image, tiny_store)
+    assert image.shape[:3] == geometry.source_shape == (17, 18, 19) and not geometry.resampled
+    assert stats["mean"][0] == pytest.approx(float(image.mean()), rel=1e-5)
 
 
 # ---- errors ------------------------------------------------------------------------------------------
