@@ -11,11 +11,11 @@ import sys
 import traceback
 
 import bigmem
-from bigmem.cli import compare, convert, evaluate, info, plan, predict, profile, report, synth, train
+from bigmem.cli import compare, convert, evaluate, export, info, plan, predict, profile, report, synth, train
 from bigmem.cli.common import flag_for
 from bigmem.errors import EXIT_ERROR, EXIT_USAGE, BigmemError, ConfigError
 
-COMMANDS = (info, synth, convert, train, profile, plan, compare, predict, evaluate, report)
+COMMANDS = (info, synth, convert, train, profile, plan, compare, predict, evaluate, export, report)
 
 DESCRIPTION = """\
 bigmem trains 3D U-Nets on whole volumetric scans (CT, MRI) in the RAM of one large CPU server.
@@ -32,6 +32,7 @@ examples:
   bigmem report runs/small-20261130-101500      plots and a summary of a run (finished or running)
   bigmem predict runs/small-20261130-101500 scans/ -o predictions/  segment new scans, whole volumes
   bigmem evaluate predictions/ Task05/labelsTr  Dice, IoU, volumes and HD95 per case and class
+  bigmem export runs/small-20261130-101500 -o models/small  a portable model folder (predict needs only it)
 
 exit codes: 0 ok, 1 error (bad input, corrupt file, ...), 2 usage error, 3 does not fit in memory.
 """
