@@ -107,6 +107,8 @@ def run(args) -> int:
                          max_write_rate=rate, block_bytes=block, spacing=spacing, normalization=args.normalization)
     for line in report.preprocessing:
         console.print(f"normalisation {line}", highlight=False)
+    for note in report.notes:
+        console.print(f"note: {note}", style="yellow", highlight=False)
     skipped = f"; {len(report.skipped)} skipped" if report.skipped else ""
     console.print(f"Wrote {len(report.converted)} cases to {report.store}{skipped}; manifest {report.manifest}")
     return 0

@@ -114,6 +114,7 @@ class ConvertReport:
     converted: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)  # one message per skipped case
     preprocessing: list[str] = field(default_factory=list)  # the normalisation chosen, one line per channel
+    notes: list[str] = field(default_factory=list)  # what the user should know about the result
 
 
 class _Conversion:
@@ -133,6 +134,7 @@ class _Conversion:
         self.seen_values: set[int] = set()
         self.stats: list[dict] = []  # every case's case_statistics, for the dataset's normalisation
         self.samples: list[np.ndarray] = []  # every case's foreground sample, for the CT statistics
+        self.spacing_off: tuple[float, str, tuple] = (0.0, "", ())  # the furthest from --spacing
         # who expects num_channels and label_values, for a case's message (set by convert for --append)
         self.channels_from, self.labels_from = "dataset.json names", "dataset.json's labels"
 
@@ -142,6 +144,22 @@ class _Conversion:
         self.report.skipped.append(message)
         if self.warn:
             self.warn(f"skipped: {message}")
+
+    def note_spacing(self, case_id: str, spacing: Sequence[float]) -> None:
+        """Keep the case whose grid is furthest from --spacing: a grid of whole voxels is rarely exact."""
+        off = max(abs(got - want) / want for got, want in zip(spacing, self.spacing))
+        if off > self.spacing_off[0]:
+            self.spacing_off = (off, case_id, tuple(spacing))
+
+    def spacing_note(self) -> str | None:
+        """One line when some case's spacing is not exactly --spacing (round(shape x spacing / target) voxels)."""
+        off, case_id, spacing = self.spacing_off
+        if off <= 1e-6:
+            return None
+        asked, got = ",".join(f"{s:g}" for s in self.spacing), "x".join(f"{s:.4g}" for s in spacing)
+        return (f"--spacing {asked}: each case is resampled to a whole number of voxels over its field of view, "
+                f"so its spacing is the nearest that gives one (furthest: {case_id!r} at {got} mm, "
+                f"{100 * off:.2f}% off); the manifest lists every case's.")
 
     def add(self, case, writer: StoreWriter) -> None:
         """Load, check, fit and write one case (or report it as a problem)."""
@@ -159,6 +177,7 @@ class _Conversion:
             self.channels_from = f"the first case ({case.case_id!r}) has"
         if self.spacing is not None:
             loaded = resample(loaded, self.spacing)
+            self.note_spacing(case.case_id, loaded.spacing)
         image, label, offsets = loaded.image, loaded.label, [(0, 0)] * 3
         if self.shape is not None:
             image, label, offsets = centre_fit(image, label, self.shape)
@@ -450,6 +469,7 @@ def convert(dataset: SourceDataset, out: str | Path, *, force: bool = False, app
         preprocessing = choose_schemes(names, old_stats + state.stats, old_samples + state.samples, normalization)
         writer.set_root_attr(PREPROCESSING_ATTR, preprocessing.to_json())
         report.preprocessing = preprocessing.describe(names)
+        report.notes = [note for note in (state.spacing_note(),) if note]
         manifest = {"store": out.name, "source": dataset.origin, "num_classes": int(writer.root_attr("num_classes")),
                     "channel_names": [str(n) for n in writer.root_attr("channel_names")],
                     "label_names": [str(n) for n in writer.root_attr("label_names")],

@@ -353,3 +353,11 @@ def test_spacing_resamples_and_keeps_world_positions(tmp_path, capsys):
     np.testing.assert_allclose(np.linalg.norm(new_affine[:3, :3], axis=0), [1.0, 1.0, 1.0])
     code, _, err = run_cli(["convert", src, "-o", tmp_path / "t.h5", "--spacing", "1,0,1"], capsys)
     assert code == 2 and "Invalid --spacing '1,0,1': expected three positive numbers (mm)" in err
+    # 2 mm does not divide the 20 mm x 20 mm x 24 mm field of view on its last axis: 12 voxels of 2 mm
+    # does, 3.5 mm gives round(24 / 3.5) = 7 voxels of 3.43 mm, and convert says so
+    code, stdout, err = run_cli(["convert", src, "-o", tmp_path / "u.h5", "--spacing", "2,2,3.5"], capsys)
+    assert code == 0, err
+    assert ("note: --spacing 2,2,3.5: each case is resampled to a whole number of voxels over its field of view, "
+            "so its spacing is the nearest that gives one (furthest: 'r' at 2x2x3.429 mm, 2.04% off)") in stdout
+    code, stdout, _ = run_cli(["convert", src, "-o", tmp_path / "v.h5", "--spacing", "2,2,2"], capsys)
+    assert code == 0 and "note: --spacing" not in stdout
