@@ -1,4 +1,7 @@
-"""Byte sizes: parsed once at the edge ("512GiB", "1.5TiB", "200MB"), printed in binary units."""
+"""Byte sizes: parsed once at the edge ("512GiB", "1.5TiB", "200MB"), printed in binary units.
+
+Shapes and counts are printed here too, one formatter each.
+"""
 
 from __future__ import annotations
 
@@ -81,3 +84,13 @@ def format_shape(shape) -> str:
     """
     shape = tuple(int(s) for s in shape)
     return f"{shape[0]}^3" if len(set(shape)) == 1 else "x".join(map(str, shape))
+
+
+def format_count(number: int, noun: str, plural: str | None = None) -> str:
+    """A count and its noun as messages print it: '1 case', '2 cases' (``plural`` default: noun + 's').
+
+    Example:
+        >>> format_count(1, "case"), format_count(3, "case"), format_count(2, "class", "classes")
+        ('1 case', '3 cases', '2 classes')
+    """
+    return f"{number} {noun if number == 1 else (plural or noun + 's')}"

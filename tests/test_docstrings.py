@@ -41,6 +41,8 @@ DOCUMENTED: list[str | tuple[str, tuple[str, ...]]] = [
     ("bigmem.infer.predict.load_predictor", ("Args:", "Returns:", "Raises:", "Example:")),
     ("bigmem.infer.sliding.sliding_window", ("Args:", "Returns:")),
     ("bigmem.infer.evaluate.evaluate", ("Args:", "Returns:")),
+    ("bigmem.infer.evaluate.store_reference", ("Args:", "Returns:", "Raises:", "Example:")),
+    ("bigmem.infer.metrics.region_metrics", ("Args:", "Returns:", "Raises:", "Example:")),
     *((f"bigmem.config.schema.{name}", ("Attributes:", "Example:")) for name in (
         "ModelConfig", "DataConfig", "TrainConfig", "MemoryConfig", "DistributeConfig", "NUMAConfig",
         "ExperimentConfig")),
@@ -55,6 +57,7 @@ MODULES = [
     "memory/measure.py", "compare.py", "distribute/execution.py",
     "train/trainer.py", "train/loop.py", "train/callbacks.py", "train/job.py",
     "infer/predict.py", "infer/plan.py", "infer/validate.py", "infer/forward.py", "infer/metrics.py",
+    "infer/evaluate.py",
     "numa/apply.py", "numa/capacity.py", "numa/observe.py", "numa/policy.py", "numa/topology.py",
     "monitor/report.py", "monitor/sampler.py",
 ]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from bigmem.errors import UsageError
-from bigmem.units import format_bytes, parse_bytes
+from bigmem.units import format_bytes, format_count, parse_bytes
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -27,3 +27,11 @@ def test_parse_bytes_rejects(text):
 ])
 def test_format_bytes(value, expected):
     assert format_bytes(value) == expected
+
+
+@pytest.mark.parametrize("number, words, expected", [
+    (0, ("case",), "0 cases"), (1, ("case",), "1 case"), (2, ("case",), "2 cases"),
+    (1, ("class", "classes"), "1 class"), (3, ("class", "classes"), "3 classes"),
+])
+def test_counts_are_singular_only_for_one(number, words, expected):
+    assert format_count(number, *words) == expected

@@ -6,18 +6,24 @@ import argparse
 
 from bigmem.errors import UsageError
 
-HELP = "score predicted label maps against references: Dice, IoU, TP/FP/FN, volumes, HD95"
+HELP = "score predicted label maps against references: Dice, IoU, TP/FP/FN, volumes, HD95, per class and region"
 
 # The empty rule is bigmem.infer.metrics.EMPTY_RULE; it is restated here so that --help does not
 # import numpy (tests/cli/test_evaluate.py checks the two say the same).
 DESCRIPTION = """\
 Compare each predicted label map in PRED (a folder of <case>.nii.gz or .nii) with its reference
-in REF (a folder of NIfTI label maps with the same case ids, or a bigmem store, whose labels are
-mapped back to the source geometry), voxel for voxel, with the reference's voxel spacing. Per case
-and per class: Dice, IoU, TP/FP/FN voxel counts, reference and predicted volumes in mL, and the
-95th percentile Hausdorff distance (HD95) in mm between the two surfaces (MONAI's definition).
-Writes summary.json (nnU-Net v2's layout: metric_per_case, mean per class, foreground_mean) and
-prints the means.
+in REF (a folder of NIfTI label maps with the same case ids, or a bigmem store, whose cases are
+scored on their source grid: against the source label file where convert resampled or cropped
+them), voxel for voxel, with the reference's voxel spacing. Per case and per class: Dice, IoU,
+TP/FP/FN voxel counts, reference and predicted volumes in mL, and the 95th percentile Hausdorff
+distance (HD95) in mm between the two surfaces (MONAI's definition). Writes summary.json (nnU-Net
+v2's layout: metric_per_case, mean per class, foreground_mean) and prints the means.
+
+names and regions: Classes are named, and regions (label values scored together, such as BraTS's
+whole_tumor [1, 2, 3], tumor_core [2, 3] and enhancing_tumor [3]) are scored beside them, from the
+REF store, else the --run (its preprocessing.json or training store), else a dataset.json beside
+the REF folder (MSD's {"0": "background"} or nnU-Net v2's {"background": 0, "whole_tumor": [1, 2,
+3]}). A class nothing names is class1, class2, ...
 
 empty classes: A class absent from both reference and prediction has Dice, IoU and HD95 undefined
 (NaN in the API, null in summary.json) and is left out of the means, as nnU-Net v2 does; absent from
@@ -32,6 +38,7 @@ number of classes. Affines that differ by more than 1e-3 are a warning.
 examples:
   bigmem evaluate runs/kits19/predictions Task05/labelsTr
   bigmem evaluate predictions/ brats.h5 --allow-missing --classes 1,2,3 -o eval/summary.json
+  bigmem evaluate predictions/ Task01_BrainTumour/labelsTr --run runs/brats
 """
 
 
@@ -51,6 +58,9 @@ def register(subparsers, parents) -> None:
     parser.add_argument("--allow-missing", action="store_true",
                         help="score the cases found in both PRED and REF instead of failing on the others")
     parser.add_argument("--no-hausdorff", action="store_true", help="skip HD95 (the slow part on large volumes)")
+    parser.add_argument("--run", dest="run_dir", metavar="RUN_DIR",
+                        help="the run that made the predictions: its model's number of classes, and the class names "
+                             "and regions it was trained with (its preprocessing.json, or its training store)")
     parser.set_defaults(run=run)
 
 
@@ -77,6 +87,7 @@ def run(args) -> int:
     from rich.table import Table
 
     from bigmem.infer.evaluate import evaluate
+    from bigmem.units import format_count
 
     classes = parse_classes(args.classes) if args.classes else None
     if args.num_classes is not None and args.num_classes < 2:
@@ -86,23 +97,33 @@ def run(args) -> int:
     with console.status("evaluating", spinner="dots") as status:
         summary = evaluate(args.pred, args.ref, classes=classes, num_classes=args.num_classes,
                            allow_missing=args.allow_missing, out=out, hausdorff=not args.no_hausdorff,
-                           warn=lambda m: console.print(f"warning: {m}", style="yellow"),
+                           run=args.run_dir, warn=lambda m: console.print(f"warning: {m}", style="yellow"),
                            progress=lambda case_id: status.update(f"evaluating: {case_id} done"))
-    table = Table(title=f"{summary['num_cases']} cases; means over the cases where defined")
-    for column in ("class", "Dice", "IoU", "HD95 mm", "undefined Dice/HD95"):
-        table.add_column(column, justify="left" if column == "class" else "right")
+    table = Table(title=f"{format_count(summary['num_cases'], 'case')}; means over the cases where defined")
+    table.add_column("class / region" if summary["regions"] else "class")
+    for column in ("Dice", "IoU", "HD95 mm", "undefined Dice/HD95"):
+        table.add_column(column, justify="right")
     for c in summary["classes"]:
         key = str(c)
-        name = summary["label_names"].get(key)
-        mean, undefined = summary["mean"][key], summary["num_undefined"][key]
-        table.add_row(f"{c} {name}" if name else key, _number(mean["Dice"]), _number(mean["IoU"]),
-                      _number(mean["HD95_mm"], 2), f"{undefined['Dice']}/{undefined['HD95_mm']}")
-    foreground = summary["foreground_mean"]
-    table.add_row("foreground mean", _number(foreground["Dice"]), _number(foreground["IoU"]),
-                  _number(foreground["HD95_mm"], 2), "", style="bold")
+        name = summary["label_names"][key]
+        _add_row(table, key if name == f"class{c}" else f"{c} {name}", summary["mean"][key],
+                 summary["num_undefined"][key])
+    _add_row(table, "foreground mean", summary["foreground_mean"], None)
+    for region, values in summary["regions"].items():
+        _add_row(table, f"{region} ({','.join(map(str, values))})", summary["region_mean"][region],
+                 summary["region_num_undefined"][region])
+    if summary["regions"]:
+        _add_row(table, "region mean", summary["region_foreground_mean"], None)
     console.print(table)
     console.print(f"wrote {out}")
     return 0
+
+
+def _add_row(table, label: str, mean: dict, undefined: dict | None) -> None:
+    """One row of the means table: a class or region (with its undefined counts), or a mean of them (bold)."""
+    table.add_row(label, _number(mean["Dice"]), _number(mean["IoU"]), _number(mean["HD95_mm"], 2),
+                  f"{undefined['Dice']}/{undefined['HD95_mm']}" if undefined is not None else "",
+                  style=None if undefined is not None else "bold")
 
 
 def _number(value: float | None, digits: int = 4) -> str:

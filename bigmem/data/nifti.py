@@ -2,7 +2,8 @@
 load each in nibabel's closest canonical orientation (RAS), checked.
 
 Both dataset.json conventions are read: MSD's (``"modality": {"0": "FLAIR"}``, ``"labels":
-{"0": "background"}``) and nnU-Net v2's (``"channel_names"``, ``"labels": {"background": 0}``).
+{"0": "background"}``) and nnU-Net v2's (``"channel_names"``, ``"labels": {"background": 0}``, and
+its regions: ``"labels": {"background": 0, "whole_tumor": [1, 2, 3], "enhancing_tumor": 3}``).
 """
 
 from __future__ import annotations
@@ -69,6 +70,37 @@ def _label_table(labels, where: str) -> list[str]:
     return [table[v] for v in range(len(table))]
 
 
+def _region_table(labels, where: str) -> tuple[list[str], dict[str, list[int]]] | None:
+    """nnU-Net v2's region labels, or None where no label value is a list (then they are classes).
+
+    As nnU-Net v2 reads them, once one entry is a list every entry but background (0) is a region,
+    a single value standing for its one-element list. The label values are then 0..the largest
+    region value, named ``class<N>`` (a region dataset names regions, not values).
+    """
+    if not isinstance(labels, dict) or not any(isinstance(v, list) for v in labels.values()):
+        return None
+    background, regions = None, {}
+    for name, value in labels.items():
+        values = [value] if isinstance(value, int) else value
+        if not (isinstance(values, list) and values and all(isinstance(v, int) and not isinstance(v, bool)
+                                                            and 0 <= v <= 255 for v in values)):
+            raise DataError(f"{where}: label {name!r} is {json.dumps(value)}; expected a label value 0..255 or, "
+                            'for a region, a list of them, such as {"background": 0, "whole_tumor": [1, 2, 3], '
+                            '"tumor_core": [2, 3], "enhancing_tumor": 3}.')
+        if values == [0]:
+            background = str(name)
+        elif 0 in values:
+            raise DataError(f"{where}: region {name!r} holds label 0 ({json.dumps(value)}); background belongs to no "
+                            "region.")
+        else:
+            regions[str(name)] = sorted(set(values))
+    if background is None:
+        raise DataError(f"{where}: 'labels' defines regions but no background (a label with value 0), such as "
+                        '{"background": 0, "whole_tumor": [1, 2, 3]}.')
+    largest = max(v for values in regions.values() for v in values) if regions else 0
+    return [background] + [f"class{v}" for v in range(1, largest + 1)], regions
+
+
 def _kind(value) -> str:
     """'a list', 'a string', ... for messages about a JSON value of the wrong type."""
     names = {list: "a list", str: "a string", int: "a number", float: "a number", bool: "true/false",
@@ -113,9 +145,10 @@ def read_dataset_json(json_path: str | Path) -> dict:
         json_path: the dataset.json file.
 
     Returns:
-        ``{"channel_names": [...], "label_names": [...], "training": [(image, label), ...]}``:
-        names in channel and label-value order, and each training entry's two paths as written
-        (relative to the file's folder).
+        ``{"channel_names": [...], "label_names": [...], "regions": {...}, "training": [(image, label),
+        ...]}``: names in channel and label-value order, nnU-Net v2's regions (``{name: [label
+        values]}``; ``{}`` where the labels are classes, and then the values are named ``class<N>``),
+        and each training entry's two paths as written (relative to the file's folder).
 
     Raises:
         DataError: the file is unreadable, not UTF-8 JSON (a NIfTI file given by mistake is named
@@ -149,7 +182,9 @@ def read_dataset_json(json_path: str | Path) -> dict:
         channel_names = _channel_table(meta["modality"], where, "modality")
     else:
         channel_names = ["image"]
-    label_names = _label_table(meta.get("labels"), where) if "labels" in meta else None
+    label_names, regions = None, {}
+    if "labels" in meta:
+        label_names, regions = _region_table(meta["labels"], where) or (_label_table(meta["labels"], where), {})
     if label_names is None:
         raise DataError(f"{where} has no 'labels': expected label values mapped to names, such as "
                         '{"0": "background", "1": "tumour"}.')
@@ -163,7 +198,7 @@ def read_dataset_json(json_path: str | Path) -> dict:
             raise DataError(f"{where}: each 'training' entry needs 'image' and 'label' paths (entry {number}: "
                             f"{json.dumps(entry)[:80]}).")
         pairs.append((entry["image"], entry["label"]))
-    return {"channel_names": channel_names, "label_names": label_names, "training": pairs}
+    return {"channel_names": channel_names, "label_names": label_names, "regions": regions, "training": pairs}
 
 
 def read_msd(src: str | Path) -> SourceDataset:

@@ -2,11 +2,17 @@
 
 Predictions are a folder of NIfTI label maps (``<case>.nii.gz`` or ``.nii``); references are a
 folder of NIfTI label maps matched by case id (:func:`label_case_id`: the file name) or a bigmem
-HDF5 store, whose labels are compared in the source geometry
-(:func:`bigmem.infer.geometry.source_label_from_store`). Both are compared voxel for voxel as
-stored (no reorientation), with the reference's spacing. The summary follows nnU-Net v2's
-``summary.json`` (``metric_per_case``, ``mean``, ``foreground_mean``); undefined values
-(:data:`bigmem.infer.metrics.EMPTY_RULE`) are written as null.
+HDF5 store, whose cases are compared in the source geometry (:func:`store_reference`: the source
+label where convert resampled or cropped it). Both are compared voxel for voxel as stored (no
+reorientation), with the reference's spacing. The summary follows nnU-Net v2's ``summary.json``
+(``metric_per_case``, ``mean``, ``foreground_mean``); undefined values
+(:data:`bigmem.infer.metrics.EMPTY_RULE`) are written as null. Where regions are defined (BraTS's
+whole tumour, tumour core, enhancing tumour: label values per region), each is scored beside the
+classes (:func:`bigmem.infer.metrics.region_metrics`).
+
+Class names and regions come from the reference store, else the run (``run``: its
+``preprocessing.json``, or its training store), else a dataset.json beside the reference folder
+(MSD's or nnU-Net v2's); a class without a name is ``class<N>``.
 """
 
 from __future__ import annotations
@@ -19,9 +25,12 @@ from typing import Callable, Sequence
 import numpy as np
 
 from bigmem.errors import DataError, UsageError
-from bigmem.infer.metrics import EMPTY_RULE, absent_class_metrics, aggregate, case_metrics
+from bigmem.infer.metrics import EMPTY_RULE, absent_class_metrics, aggregate, case_metrics, region_metrics
+from bigmem.units import format_count
 
 MAX_LABEL = 255  # label maps are held as uint8, as in the store (README.md, "The store format")
+REGIONS_ATTR = "regions"  # a store's root attribute: JSON {region name: [label values]}
+REGIONS_EXAMPLE = '{"whole_tumor": [1, 2, 3], "tumor_core": [2, 3], "enhancing_tumor": [3]}'
 _SLAB_PLANES = 16  # float label files are checked 16 planes at a time: temporaries of a slab, not a volume
 
 
@@ -123,54 +132,215 @@ def read_label_map(path: Path, case_id: str, what: str) -> tuple[np.ndarray, np.
     return _as_label_map(data, case_id, what, str(path)), np.asarray(image.affine, np.float64), spacing
 
 
-class _FolderReferences:
-    """References from a folder of NIfTI label maps."""
+def checked_regions(raw, where: str, num_classes: int | None = None) -> dict[str, list[int]]:
+    """Regions as a store or dataset.json holds them, checked: name -> sorted foreground label values.
 
-    def __init__(self, folder: Path):
+    Args:
+        raw: ``{name: [values]}`` (a single value may stand for its one-element list, as nnU-Net v2
+            writes ``"enhancing_tumor": 3``), or a JSON string of it (a store's ``regions`` attribute).
+        where: what held them, for messages (``"store 'brats.h5'"``).
+        num_classes: labels are ``0..num_classes - 1``; None: up to 255.
+
+    Returns:
+        ``{name: sorted values}`` in the order given; ``{}`` for None or an empty mapping.
+
+    Raises:
+        DataError: not a mapping of names to label values, an empty region, or a value outside
+            ``1..num_classes - 1`` (background belongs to no region).
+
+    Example:
+        >>> checked_regions('{"whole_tumor": [3, 1, 2], "enhancing_tumor": 3}', "store 'brats.h5'", 4)
+        {'whole_tumor': [1, 2, 3], 'enhancing_tumor': [3]}
+    """
+    import json
+
+    if raw is None:
+        return {}
+    if isinstance(raw, (bytes, str)):
+        try:
+            raw = json.loads(raw)
+        except ValueError as exc:
+            raise DataError(f"{where}: regions are not valid JSON ({exc}); expected {REGIONS_EXAMPLE}.") from None
+    if not isinstance(raw, dict):
+        raise DataError(f"{where}: regions must map region names to label values, such as {REGIONS_EXAMPLE}.")
+    limit = num_classes - 1 if num_classes is not None else MAX_LABEL
+    regions = {}
+    for name, values in raw.items():
+        values = [values] if isinstance(values, int) and not isinstance(values, bool) else values
+        if not (isinstance(values, list) and values and
+                all(isinstance(v, int) and not isinstance(v, bool) for v in values)):
+            raise DataError(f"{where}: region {name!r} is {json.dumps(values)}; expected a list of label values, "
+                            f"such as {REGIONS_EXAMPLE}.")
+        wrong = [v for v in values if not 1 <= v <= limit]
+        if wrong:
+            raise DataError(f"{where}: region {name!r} has label values {wrong}; expected labels 1..{limit} "
+                            "(background belongs to no region).")
+        regions[str(name)] = sorted(set(values))
+    return regions
+
+
+def store_regions(store) -> dict[str, list[int]]:
+    """A store's regions (its ``regions`` root attribute), checked; ``{}`` where it defines none.
+
+    Args:
+        store: an open ``HDF5VolumeStore``.
+
+    Returns:
+        ``{name: sorted label values}``, as :func:`checked_regions` gives them.
+
+    Raises:
+        DataError: regions not of the form :func:`checked_regions` accepts.
+    """
+    raw = getattr(store, "regions", None)
+    if raw is None:  # a store reader without the property reads the attribute itself
+        import h5py
+
+        with h5py.File(store.path, "r") as handle:
+            raw = handle.attrs.get(REGIONS_ATTR)
+    return checked_regions(raw, f"Store {str(store.path)!r}", store.num_classes)
+
+
+def _dataset_json_labels(folder: Path, warning: Callable[[str], None]) -> tuple[list[str], dict[str, list[int]]]:
+    """(label names, regions) from the dataset.json beside a reference folder; ``([], {})`` without a usable one."""
+    from bigmem.data.nifti import read_dataset_json
+
+    path = folder.absolute().parent / "dataset.json"
+    if not path.is_file():
+        return [], {}
+    try:
+        meta = read_dataset_json(path)
+    except DataError as exc:  # only names come from it: the scores do not need it
+        warning(f"{exc} Classes are named class1, class2, ... and no regions are scored.")
+        return [], {}
+    return meta["label_names"], meta["regions"]
+
+
+def _run_labels(run_dir: Path, warning: Callable[[str], None]) -> tuple[int, list[str], dict[str, list[int]]]:
+    """(number of classes, label names, regions) of a run: its model's classes, named by its model card.
+
+    The names and regions are the run's ``preprocessing.json``'s (``infer.modelcard``), else, for a
+    run from before that file, its training store's; with neither, a warning and no names.
+    """
+    from bigmem.infer.modelcard import CARD_NAME, ModelCard
+    from bigmem.infer.predict import run_config
+
+    config = run_config(run_dir)
+    store = config.data.store
+    if not (run_dir / CARD_NAME).is_file() and not (store and Path(store).is_file()):
+        warning(f"Run {str(run_dir)!r} has no {CARD_NAME} and its training store {store!r} is gone: nothing names "
+                "its classes; they are class1, class2, ...")
+        return config.model.num_classes, [], {}
+    card = ModelCard.of_run(run_dir, store)
+    regions = checked_regions(card.regions, f"Run {str(run_dir)!r}", config.model.num_classes)
+    return config.model.num_classes, list(card.label_names), regions
+
+
+class _FolderReferences:
+    """References from a folder of NIfTI label maps; names and regions from a dataset.json beside it."""
+
+    def __init__(self, folder: Path, warning: Callable[[str], None]):
         self.files = _nifti_files(folder, "REF")
         self.case_ids = list(self.files)
         self.num_classes: int | None = None
-        self.label_names: list[str] = []
-
-    def where(self, case_id: str) -> str:
-        return str(self.files[case_id])
+        self.label_names, self.regions = _dataset_json_labels(folder, warning)
 
     def load(self, case_id: str):
-        return read_label_map(self.files[case_id], case_id, "reference")
+        path = self.files[case_id]
+        return (*read_label_map(path, case_id, "reference"), str(path))
 
     def close(self) -> None:
         pass
 
 
 class _StoreReferences:
-    """References from a bigmem store: its labels mapped back to the source geometry."""
+    """References from a bigmem store: its cases' labels on their source grids (``store_reference``)."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, warning: Callable[[str], None]):
         from bigmem.data.store import HDF5VolumeStore
 
         self.store = HDF5VolumeStore(path)
         self.case_ids = self.store.case_ids
         self.num_classes: int | None = self.store.num_classes
         self.label_names = self.store.label_names
-
-    def where(self, case_id: str) -> str:
-        return f"{self.store.path}:{case_id}"
+        self.regions = store_regions(self.store)
+        self.warning = warning
 
     def load(self, case_id: str):
-        from bigmem.infer.geometry import source_label_from_store
-
-        label, affine, spacing = source_label_from_store(self.store, case_id)
-        label = _as_label_map(np.asarray(label), case_id, "reference", self.where(case_id))
-        return label, np.asarray(affine, np.float64), tuple(float(s) for s in spacing)
+        return store_reference(self.store, case_id, warn=self.warning)
 
     def close(self) -> None:
         self.store.close()
 
 
-def _open_references(ref: Path):
+def _open_references(ref: Path, warning: Callable[[str], None]):
     if ref.suffix == ".h5" or ref.is_file():
-        return _StoreReferences(ref)
-    return _FolderReferences(ref)
+        return _StoreReferences(ref, warning)
+    return _FolderReferences(ref, warning)
+
+
+def _read_source_label(geometry):
+    """``(label, affine, spacing)`` of a case's source label file, checked against its geometry; else why not."""
+    from bigmem.data.nifti import AFFINE_TOLERANCE_MM
+
+    if not geometry.source_label:
+        return "the store records no source label file"
+    path = Path(geometry.source_label)
+    if not path.is_file():
+        return f"its source label {str(path)!r} is gone"
+    try:
+        label, affine, spacing = read_label_map(path, geometry.case_id, "reference")
+    except DataError as exc:
+        return str(exc).rstrip(".")
+    if label.shape != geometry.source_shape:
+        return f"its source label {str(path)!r} has shape {label.shape}, not the case's {geometry.source_shape}"
+    if not np.allclose(affine, geometry.source_affine, atol=AFFINE_TOLERANCE_MM):
+        return f"its source label {str(path)!r} has another affine than the case's source"
+    return label, affine, spacing
+
+
+def store_reference(store, case_id: str, *, warn: Callable[[str], None] | None = None):
+    """A store case's reference label on its source file's grid, where ``bigmem predict`` writes predictions.
+
+    Where the store keeps the case's voxels as they were (``CaseGeometry.lossless``: not resampled,
+    nothing cropped away), it is the store's label mapped back (``source_label_from_store``): exact,
+    and no file is read. Where convert resampled it (``--spacing``) or cropped some of it away
+    (``--shape``), it is the source label file convert read (the case's ``source_label``), so that
+    validation while training scores what ``bigmem predict`` + ``bigmem evaluate`` score against the
+    original labels. If that file is gone, or no longer has the case's source shape and affine, it
+    is the store's label mapped back (close, not equal: a nearest-neighbour resampling and back),
+    and ``warn`` is told.
+
+    Args:
+        store: an open ``HDF5VolumeStore`` or its path.
+        case_id: the case.
+        warn: called with a one-line message when the source label cannot be used.
+
+    Returns:
+        ``(label, affine, spacing, where)``: ``source_shape`` uint8 labels, the source's 4x4 affine,
+        the voxel size in mm, and what was read (the source label file, or ``STORE:case``).
+
+    Raises:
+        DataError: the case is not in the store, or its labels are not labels (0..255).
+
+    Example:
+        >>> label, affine, spacing, where = store_reference("brats.h5", "BRATS_001")
+        >>> where  # 'MSD/Task01_BrainTumour/labelsTr/BRATS_001.nii.gz' for a store converted with --spacing
+    """
+    from bigmem.infer.geometry import CaseGeometry, source_label_from_store
+
+    geometry = CaseGeometry.from_store(store, case_id)
+    stored = f"{Path(getattr(store, 'path', store))}:{case_id}"
+    if not geometry.lossless:
+        source = _read_source_label(geometry)
+        if not isinstance(source, str):
+            return (*source, geometry.source_label)
+        if warn is not None:
+            changed = "resampled by convert's --spacing" if geometry.resampled else "cropped by convert's --shape"
+            warn(f"Case {case_id!r}: the store's label was {changed} and {source}; scored against the store's "
+                 "label mapped back to the source grid (close to the source label, not equal).")
+    label, affine, spacing = source_label_from_store(store, case_id)
+    label = _as_label_map(np.asarray(label), case_id, "reference", stored)
+    return label, np.asarray(affine, np.float64), tuple(float(s) for s in spacing), stored
 
 
 def _count(n: int, noun: str) -> str:
@@ -200,7 +370,8 @@ def _match(pred_ids: Sequence[str], ref_ids: Sequence[str], pred: Path, ref: Pat
         if no_prediction:
             parts.append(f"{_count(len(no_prediction), 'reference')} no prediction in {str(pred)!r}: "
                          f"{_listed(no_prediction)}")
-        raise DataError("; ".join(parts) + f". Pass --allow-missing to evaluate only the {len(both)} cases in both.")
+        raise DataError("; ".join(parts) + f". Pass --allow-missing to evaluate only the "
+                        f"{format_count(len(both), 'case')} in both.")
     return both, no_reference, no_prediction
 
 
@@ -239,7 +410,7 @@ def _json_ready(value):
 
 def evaluate(pred: str | os.PathLike, ref: str | os.PathLike, *, classes: Sequence[int] | None = None,
              num_classes: int | None = None, allow_missing: bool = False, out: str | os.PathLike | None = None,
-             hausdorff: bool = True, warn: Callable[[str], None] | None = None,
+             hausdorff: bool = True, run: str | os.PathLike | None = None, warn: Callable[[str], None] | None = None,
              progress: Callable[[str], None] | None = None) -> dict:
     """Compare every predicted label map with its reference; optionally write ``summary.json``.
 
@@ -247,30 +418,39 @@ def evaluate(pred: str | os.PathLike, ref: str | os.PathLike, *, classes: Sequen
         pred: folder of predicted label maps, ``<case>.nii.gz`` or ``<case>.nii`` (integer labels).
         ref: folder of reference label maps with the same case ids, or a bigmem store (``.h5``).
         classes: foreground labels to evaluate; default: ``1..num_classes - 1`` where the number of
-            classes is known (a store, or ``num_classes``), else ``1..`` the largest label seen.
+            classes is known (a store, ``run`` or ``num_classes``), else ``1..`` the largest label seen.
         num_classes: labels are ``0..num_classes - 1``; a larger value is an error. Default: the
-            store's, or unchecked (up to 255) for a folder.
+            store's, else the run's model's, else unchecked (up to 255) for a folder.
         allow_missing: evaluate only the cases in both PRED and REF instead of failing when a
             case is on one side only (the missing ones are listed in the summary).
         out: where to write ``summary.json`` (atomically); None writes nothing.
         hausdorff: compute HD95 (most of the time on large volumes); False leaves it null.
+        run: the run directory that made the predictions (default None): its model's number of
+            classes, and the class names and regions it was trained with (its ``preprocessing.json``,
+            or the store it was trained on).
         warn: called with a one-line message for each warning (affines that differ, ...).
         progress: called with the case id after each case.
 
     Returns:
-        The summary: ``{"pred", "ref", "empty_rule", "classes", "label_names", "num_cases",
+        The summary: ``{"pred", "ref", "empty_rule", "classes", "label_names", "regions", "num_cases",
         "metric_per_case": [{"case_id", "prediction_file", "reference_file", "spacing_mm",
         "metrics": {class: {"Dice", "IoU", "TP", "FP", "FN", "n_ref", "n_pred", "ref_volume_ml",
         "pred_volume_ml", "HD95_mm"}}}], "mean": {class: {metric: ...}}, "foreground_mean":
         {metric: ...}, "num_undefined": {class: {"Dice", "IoU", "HD95_mm"}}, "missing":
         {"no_reference", "no_prediction"}, "warnings": [...]}``, with class keys as strings and
-        undefined values as None (it is what ``summary.json`` holds).
+        undefined values as None (it is what ``summary.json`` holds). ``label_names`` names every
+        class evaluated (``class<N>`` where nothing names it); ``regions`` maps region names to label
+        values (``{}`` where none are defined). With regions, each case also has ``region_metrics``
+        ``{region: {metric: ...}}``, and the summary ``region_mean``, ``region_foreground_mean`` (the
+        mean over regions) and ``region_num_undefined``, as for classes.
 
     Raises:
         DataError: a missing folder or file, cases on one side only (without ``allow_missing``),
             prediction and reference shapes that differ, non-integer labels, labels >= the number
-            of classes.
-        UsageError: ``classes`` outside ``1..num_classes - 1``.
+            of classes, regions not of the form :func:`checked_regions` accepts, ``run`` not a run
+            directory or trained on a store with another number of classes than REF's.
+        UsageError: ``classes`` outside ``1..num_classes - 1``, or ``num_classes`` that differs
+            from the store's or the run's.
 
     Example:
         >>> summary = evaluate("runs/x/predictions", "Task04/labelsTr", out="runs/x/predictions/summary.json")
@@ -280,7 +460,6 @@ def evaluate(pred: str | os.PathLike, ref: str | os.PathLike, *, classes: Sequen
 
     pred, ref = Path(pred), Path(ref)
     pred_files = _nifti_files(pred, "PRED")
-    references = _open_references(ref)
     warnings: list[str] = []
 
     def warning(message: str) -> None:
@@ -288,12 +467,12 @@ def evaluate(pred: str | os.PathLike, ref: str | os.PathLike, *, classes: Sequen
         if warn is not None:
             warn(message)
 
+    run_classes, run_names, run_regions = _run_labels(Path(run), warning) if run is not None else (None, [], {})
+    references = _open_references(ref, warning)
     try:
-        if num_classes is None:
-            num_classes = references.num_classes
-        elif references.num_classes is not None and num_classes != references.num_classes:
-            raise UsageError(f"Invalid --num-classes {num_classes}: store {str(ref)!r} has {references.num_classes} "
-                             "classes; drop --num-classes.")
+        num_classes = _resolved_num_classes(num_classes, references.num_classes, run_classes, ref, run)
+        label_names = references.label_names or run_names
+        regions = references.regions or run_regions
         wanted = _checked_classes(classes, num_classes)
         if wanted is None and num_classes is not None:
             wanted = list(range(1, num_classes))
@@ -303,11 +482,12 @@ def evaluate(pred: str | os.PathLike, ref: str | os.PathLike, *, classes: Sequen
             if ids:
                 warning(f"{_count(len(ids), 'case')} no {kind} and {'is' if len(ids) == 1 else 'are'} not evaluated: "
                         f"{_listed(ids)} (all listed in the summary's 'missing').")
-        per_case, records, largest = [], [], 0
+        per_case, per_case_regions, records, largest = [], [], [], 0
         for case_id in case_ids:
-            metrics, record, case_max = _score_case(case_id, pred_files[case_id], references, num_classes, wanted,
-                                                    hausdorff, warning)
+            metrics, in_regions, record, case_max = _score_case(case_id, pred_files[case_id], references, num_classes,
+                                                                wanted, regions, hausdorff, warning)
             per_case.append(metrics)
+            per_case_regions.append(in_regions)
             records.append(record)
             largest = max(largest, case_max)
             if progress is not None:
@@ -321,27 +501,47 @@ def evaluate(pred: str | os.PathLike, ref: str | os.PathLike, *, classes: Sequen
                 metrics.setdefault(c, absent_class_metrics())
         if not wanted:
             warning("No foreground label in any prediction or reference: nothing to evaluate.")
-    for record, metrics in zip(records, per_case):
+    for record, metrics, in_regions in zip(records, per_case, per_case_regions):
         record["metrics"] = {c: metrics[c] for c in wanted}
+        if regions:
+            record["region_metrics"] = in_regions
     means = aggregate(per_case, wanted)
     summary = {
         "pred": str(pred), "ref": str(ref), "empty_rule": EMPTY_RULE, "classes": wanted,
-        "label_names": {c: references.label_names[c] for c in wanted if c < len(references.label_names)},
-        "num_cases": len(records), "metric_per_case": records, **means,
-        "missing": {"no_reference": no_reference, "no_prediction": no_prediction}, "warnings": warnings,
+        "label_names": {c: label_names[c] if c < len(label_names) else f"class{c}" for c in wanted},
+        "regions": regions, "num_cases": len(records), "metric_per_case": records, **means,
     }
+    if regions:
+        region_means = aggregate(per_case_regions, list(regions))
+        summary.update({"region_mean": region_means["mean"], "region_foreground_mean": region_means["foreground_mean"],
+                        "region_num_undefined": region_means["num_undefined"]})
+    summary.update({"missing": {"no_reference": no_reference, "no_prediction": no_prediction}, "warnings": warnings})
     summary = _json_ready(summary)
     if out is not None:
         atomic_write_json(out, summary)
     return summary
 
 
+def _resolved_num_classes(given: int | None, of_store: int | None, of_run: int | None, ref: Path,
+                          run: str | os.PathLike | None) -> int | None:
+    """The number of classes: ``given``, else the store's, else the run's; any two that differ are refused."""
+    if given is not None and of_store is not None and given != of_store:
+        raise UsageError(f"Invalid --num-classes {given}: store {str(ref)!r} has {of_store} classes; drop "
+                         "--num-classes.")
+    if given is not None and of_run is not None and given != of_run:
+        raise UsageError(f"Invalid --num-classes {given}: run {str(run)!r} has {of_run} classes; drop "
+                         "--num-classes.")
+    if of_store is not None and of_run is not None and of_store != of_run:
+        raise DataError(f"Run {str(run)!r} has {of_run} classes but store REF {str(ref)!r} has {of_store}; expected "
+                        "the store the run was trained on (or one converted like it).")
+    return next((n for n in (given, of_store, of_run) if n is not None), None)
+
+
 def _score_case(case_id: str, pred_path: Path, references, num_classes: int | None, classes: list[int] | None,
-                hausdorff: bool, warning: Callable[[str], None]):
-    """(metrics per class, the case's record, its largest label) for one prediction/reference pair, checked."""
+                regions: dict[str, list[int]], hausdorff: bool, warning: Callable[[str], None]):
+    """(metrics per class, per region, the case's record, its largest label) for one pair, checked."""
     prediction, pred_affine, _ = read_label_map(pred_path, case_id, "prediction")
-    reference, ref_affine, spacing = references.load(case_id)
-    where = references.where(case_id)
+    reference, ref_affine, spacing, where = references.load(case_id)
     if prediction.shape != reference.shape:
         raise DataError(f"Case {case_id!r}: prediction shape {prediction.shape} != reference shape {reference.shape} "
                         f"({pred_path} vs {where}); expected the prediction on the reference's voxel grid.")
@@ -354,9 +554,10 @@ def _score_case(case_id: str, pred_path: Path, references, num_classes: int | No
     case_max = max(int(prediction.max(initial=0)), int(reference.max(initial=0)))
     metrics = case_metrics(reference, prediction, classes if classes is not None else range(1, case_max + 1),
                            spacing, hausdorff=hausdorff)
+    in_regions = region_metrics(reference, prediction, regions, spacing, hausdorff=hausdorff) if regions else {}
     record = {"case_id": case_id, "prediction_file": str(pred_path), "reference_file": where,
               "spacing_mm": list(spacing)}
-    return metrics, record, case_max
+    return metrics, in_regions, record, case_max
 
 
 def _warn_affine(pred_affine: np.ndarray, ref_affine: np.ndarray, case_id: str, where: str, warning) -> None:

@@ -2,8 +2,10 @@
 
 Overlap comes from one confusion matrix per case (TP/FP/FN of every class in one pass); the 95th
 percentile Hausdorff distance from the two masks' surfaces, on a crop to their joint bounding box.
-The definitions follow nnU-Net v2's ``evaluate_predictions.py`` (Dice, IoU, NaN for an empty
-class, ``nanmean`` over cases, a foreground mean) and MONAI's
+A region (BraTS's whole tumour, tumour core, enhancing tumour) is scored as a class whose mask is
+the voxels whose label is one of its values, from the same confusion counts. The definitions follow
+nnU-Net v2's ``evaluate_predictions.py`` (Dice, IoU, NaN for an empty class or region, ``nanmean``
+over cases, a foreground mean) and MONAI's
 ``compute_hausdorff_distance(percentile=95)`` (surface = mask minus its erosion; the larger of
 the two directed 95th percentiles of surface-to-surface distances, in mm through the spacing).
 """
@@ -219,17 +221,58 @@ def case_metrics(ref: np.ndarray, pred: np.ndarray, classes: Iterable[int], spac
         >>> case_metrics(ref, pred, [1, 2], (1, 1, 1))[1]["Dice"]
         0.6666666666666666
     """
-    classes = [int(c) for c in classes]
-    num_labels = int(max([int(ref.max(initial=0)), int(pred.max(initial=0))] + classes)) + 1
+    return _label_set_metrics(ref, pred, {int(c): (int(c),) for c in classes}, spacing, hausdorff)
+
+
+def region_metrics(ref: np.ndarray, pred: np.ndarray, regions: Mapping[str, Sequence[int]],
+                   spacing: Sequence[float], *, hausdorff: bool = True) -> dict[str, dict[str, float | int]]:
+    """Every metric of every region in one case; a region's mask is the voxels whose label is one of its values.
+
+    Args:
+        ref: reference label map, ``(D, H, W)`` uint8.
+        pred: predicted label map, same shape and dtype.
+        regions: region name -> its label values, e.g. BraTS's ``{"whole_tumor": [1, 2, 3],
+            "tumor_core": [2, 3], "enhancing_tumor": [3]}``.
+        spacing: voxel size in mm per axis, ``(sD, sH, sW)``.
+        hausdorff: compute HD95 (the costly part); False leaves it NaN.
+
+    Returns:
+        ``{region: {"Dice", "IoU", "TP", "FP", "FN", "n_ref", "n_pred", "ref_volume_ml",
+        "pred_volume_ml", "HD95_mm"}}``, under :data:`EMPTY_RULE` as classes are.
+
+    Raises:
+        ValueError: if the shapes differ.
+
+    Example:
+        >>> ref = np.array([[[0, 1, 2, 2]]], np.uint8); pred = np.array([[[0, 2, 2, 1]]], np.uint8)
+        >>> region_metrics(ref, pred, {"tumor": [1, 2]}, (1, 1, 1))["tumor"]["Dice"]
+        1.0
+    """
+    return _label_set_metrics(ref, pred, {str(name): tuple(int(v) for v in values) for name, values in regions.items()},
+                              spacing, hausdorff)
+
+
+def _label_set_metrics(ref: np.ndarray, pred: np.ndarray, sets: Mapping, spacing: Sequence[float],
+                       hausdorff: bool) -> dict:
+    """``{key: metrics}`` for each key's set of labels, from one confusion matrix of the case."""
+    largest = max([int(ref.max(initial=0)), int(pred.max(initial=0))] + [v for values in sets.values() for v in values])
+    num_labels = largest + 1
     counts = confusion_counts(ref, pred, num_labels)
     voxel_ml = voxel_volume_ml(spacing)
     result = {}
-    for c in classes:
-        tp = counts[c, c]
-        metrics = overlap_metrics(tp, counts[:, c].sum() - tp, counts[c, :].sum() - tp, voxel_ml)
+    for key, values in sets.items():
+        inside = np.zeros(num_labels, bool)
+        inside[list(values)] = True
+        tp = counts[np.ix_(inside, inside)].sum()
+        metrics = overlap_metrics(tp, counts[:, inside].sum() - tp, counts[inside, :].sum() - tp, voxel_ml)
         both = metrics["n_ref"] > 0 and metrics["n_pred"] > 0
-        metrics["HD95_mm"] = hausdorff95_mm(ref == c, pred == c, spacing) if (hausdorff and both) else math.nan
-        result[c] = metrics
+        if hausdorff and both:  # one label: a comparison; several: a lookup table, one pass over each map
+            ref_mask, pred_mask = ((ref == values[0], pred == values[0]) if len(values) == 1
+                                   else (inside[ref], inside[pred]))
+            metrics["HD95_mm"] = hausdorff95_mm(ref_mask, pred_mask, spacing)
+        else:
+            metrics["HD95_mm"] = math.nan
+        result[key] = metrics
     return result
 
 

@@ -2,26 +2,28 @@
 
 ``validate`` predicts each held-out case exactly as ``bigmem predict`` does: whole (normalise,
 pad to the size contract, one forward pass, probabilities mapped to the source geometry, argmax),
-or, for a run trained on patches, in sliding windows of its patch; and scores it against the
-store's labels in that geometry with ``infer/metrics.py`` (the empty rule of ``bigmem evaluate``).
-So the final ``val_dice`` of a run equals ``bigmem predict`` + ``bigmem evaluate`` on the same
-cases with the final model.
+or, for a run trained on patches, in sliding windows of its patch; and scores it in that geometry
+against the reference ``bigmem evaluate`` uses (``infer.evaluate.store_reference``: the source label
+file where convert resampled or cropped the case) with ``infer/metrics.py`` (the empty rule of
+``bigmem evaluate``). So the final ``val_dice`` of a run equals ``bigmem predict`` + ``bigmem
+evaluate`` against the original label files on the same cases with the final model.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Sequence
+from typing import Callable, Sequence
 
 from bigmem.data.store import HDF5VolumeStore
-from bigmem.infer.geometry import CaseGeometry, labels_to_source, source_label_from_store
-from bigmem.infer.metrics import aggregate, case_metrics
+from bigmem.infer.evaluate import store_reference, store_regions
+from bigmem.infer.geometry import CaseGeometry, labels_to_source
+from bigmem.infer.metrics import aggregate, case_metrics, region_metrics
 from bigmem.infer.predict import DEFAULT_OVERLAP, Mode, Predictor, predict_probabilities
 
 
 def validate(predictor: Predictor, store_path: str | os.PathLike, case_ids: Sequence[str], *,
-             overlap: float = DEFAULT_OVERLAP) -> dict:
-    """Dice of ``predictor`` on ``case_ids`` of a store, per class and its foreground mean.
+             overlap: float = DEFAULT_OVERLAP, warn: Callable[[str], None] | None = None) -> dict:
+    """Dice of ``predictor`` on ``case_ids`` of a store, per class and its foreground mean, and per region.
 
     Args:
         predictor: the network being trained (``Predictor(model, config, "training")``).
@@ -30,17 +32,23 @@ def validate(predictor: Predictor, store_path: str | os.PathLike, case_ids: Sequ
         overlap: the sliding windows' overlap fraction (default 0.5), for a network trained on
             patches (``predictor.training_edge``), which is used, and so validated, in sliding
             windows of its patch; any other goes through whole.
+        warn: called with a one-line message where a case's source label cannot be used
+            (``store_reference``: it is scored against the store's label mapped back).
 
     Returns:
-        ``{"val_dice": foreground mean, "val_dice_per_class": {"1": mean Dice, ...}}``; a class
-        absent from every case's reference and prediction is NaN and left out of the mean.
+        ``{"val_dice": foreground mean, "val_dice_per_class": {"1": mean Dice, ...}}``, and
+        ``"val_dice_per_region": {"whole_tumor": mean Dice, ...}`` where the store defines regions
+        (``store_regions``); a class or region absent from every case's reference and prediction is
+        NaN and left out of the mean.
 
     Example:
         >>> validate(Predictor(model, config, "training"), "kits19.h5", ["case_00209"])["val_dice"]
     """
     classes = list(range(1, predictor.num_classes))
     mode = Mode.SLIDING if predictor.training_edge else Mode.WHOLE
-    per_case = []
+    with HDF5VolumeStore(store_path) as store:
+        regions = store_regions(store)
+    per_case, per_case_regions = [], []
     for case_id in case_ids:
         with HDF5VolumeStore(store_path) as store:
             image = store.read_case(case_id)[0]
@@ -48,8 +56,14 @@ def validate(predictor: Predictor, store_path: str | os.PathLike, case_ids: Sequ
         del image
         predicted = labels_to_source(probabilities, CaseGeometry.from_store(store_path, case_id))
         del probabilities
-        reference, _, spacing = source_label_from_store(store_path, case_id)
+        reference, _, spacing, _ = store_reference(store_path, case_id, warn=warn)
         per_case.append(case_metrics(reference, predicted, classes, spacing, hausdorff=False))
+        if regions:  # one more pass over the case's counts: no HD95 here either
+            per_case_regions.append(region_metrics(reference, predicted, regions, spacing, hausdorff=False))
     summary = aggregate(per_case, classes)
-    return {"val_dice": float(summary["foreground_mean"]["Dice"]),
-            "val_dice_per_class": {str(c): float(summary["mean"][c]["Dice"]) for c in classes}}
+    result = {"val_dice": float(summary["foreground_mean"]["Dice"]),
+              "val_dice_per_class": {str(c): float(summary["mean"][c]["Dice"]) for c in classes}}
+    if regions:
+        in_regions = aggregate(per_case_regions, list(regions))["mean"]
+        result["val_dice_per_region"] = {name: float(in_regions[name]["Dice"]) for name in regions}
+    return result

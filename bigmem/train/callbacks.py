@@ -202,9 +202,10 @@ class Monitor(Callback):
 class Validation(Callback):
     """Every ``every`` steps and at the last: the held-out cases' Dice through the prediction path.
 
-    ``val_dice`` (the foreground mean) and ``val_dice_per_class`` join the step's metrics row;
-    a better ``val_dice`` than any before (a resumed run remembers it) replaces
-    ``checkpoints/best``. A run ended by its time budget is validated once more at its last step.
+    ``val_dice`` (the foreground mean) and ``val_dice_per_class`` (and ``val_dice_per_region``, where
+    the store defines regions) join the step's metrics row; a better ``val_dice`` than any before
+    (a resumed run remembers it) replaces ``checkpoints/best``. A run ended by its time budget is
+    validated once more at its last step.
     The cases go through the network as the run's model is used (``infer.validate``: whole
     volumes, or sliding windows of the patch a run on patches trained on); the time it takes is
     left out of the time budget (``LoopState.excluded_s``).
@@ -221,18 +222,26 @@ class Validation(Callback):
         state = checkpoints.read_state(kept) if kept else {}
         self.best_dice = float(state.get("val_dice", -math.inf))
         self.best_step = state.get("step")
+        self.warned: set[str] = set()
+
+    def _warn(self, message: str) -> None:
+        """Print a validation warning the first time it comes (every validation would repeat it)."""
+        if message not in self.warned:
+            self.warned.add(message)
+            self.console.print(f"warning: {message}", style="yellow", highlight=False)
 
     def _validate(self, state: LoopState) -> dict:
         from bigmem.infer.validate import validate
 
         started = self.clock()
-        result = validate(self.predictor, self.store_path, self.case_ids)
+        result = validate(self.predictor, self.store_path, self.case_ids, warn=self._warn)
         self.last, self.validated_step = result, state.step
         dice = result["val_dice"]
         if math.isfinite(dice) and dice > self.best_dice:
             self.best_dice, self.best_step = dice, state.step
             self.checkpoints.save_best(state.step, self.predictor.model, dict(result))
-        per_class = ", ".join(f"{c}: {d:.3f}" for c, d in result["val_dice_per_class"].items())
+        per_class = ", ".join(f"{c}: {d:.3f}" for c, d in {**result["val_dice_per_class"],
+                                                            **result.get("val_dice_per_region", {})}.items())
         self.console.print(f"validation at step {state.step}: Dice {dice:.3f} ({per_class}); best {self.best_dice:.3f} "
                            f"at step {self.best_step}", highlight=False)
         state.excluded_s += self.clock() - started
@@ -352,3 +361,5 @@ class TensorBoard(Callback):
                 tf.summary.scalar("dice", row["val_dice"])
                 for label, dice in row["val_dice_per_class"].items():
                     tf.summary.scalar(f"dice/class_{label}", dice)
+                for region, dice in row.get("val_dice_per_region", {}).items():
+                    tf.summary.scalar(f"dice/region_{region}", dice)

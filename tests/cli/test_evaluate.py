@@ -1,17 +1,16 @@
-"""bigmem evaluate: summary.json values on hand-computed NIfTI cases, the empty rule, one-line errors."""
+"""bigmem evaluate: summary.json values on hand-computed cases, the empty rule, regions, names, one-line errors."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
-import types
 
 import nibabel as nib
 import numpy as np
 import pytest
 
-from helpers import run_cli
+from helpers import copy_store, run_cli
 
 SPACING = (2.0, 1.0, 0.5)  # 1 mm^3 per voxel: volumes in mL are voxels / 1000
 
@@ -217,8 +216,7 @@ def test_store_reference_uses_source_geometry(tiny_store, tmp_path, capsys, monk
         calls.append(case_id)
         return store.read_label(case_id), np.diag([2.0, 2.0, 2.0, 1.0]), (2.0, 2.0, 2.0)
 
-    monkeypatch.setitem(sys.modules, "bigmem.infer.geometry",
-                        types.SimpleNamespace(source_label_from_store=source_label_from_store))
+    monkeypatch.setattr("bigmem.infer.geometry.source_label_from_store", source_label_from_store)
     with HDF5VolumeStore(tiny_store) as store:
         case_id = store.case_ids[0]
         label = store.read_label(case_id)
@@ -268,3 +266,174 @@ def test_an_image_given_as_the_reference_is_named_as_one(folders, capsys):
     assert err.strip() == (f"bigmem evaluate: error: Case 'case_a': reference {ref / 'case_a.nii.gz'} looks like an "
                            "image, not a label map: values -1000..40; expected labels 0..255 (is it the scan, e.g. "
                            "imaging.nii.gz, instead of its segmentation?).")
+
+
+def test_one_case_in_both_is_one_case(folders, capsys):
+    pred, ref = folders
+    (pred / "case_a.nii.gz").unlink()
+    code, _, err = run_cli(["evaluate", pred, ref], capsys)
+    assert code == 1
+    assert err.strip().endswith("Pass --allow-missing to evaluate only the 1 case in both.")
+    code, out, err = run_cli(["evaluate", pred, ref, "--allow-missing"], capsys)
+    assert code == 0, err
+    assert "1 case; means over the cases where defined" in out and "1 cases" not in out
+
+
+def _named_store(tiny_store, path, regions=None, label_names=("background", "kidney", "tumour")):
+    import h5py
+
+    copy_store(tiny_store, path)
+    with h5py.File(path, "r+") as handle:
+        handle.attrs["label_names"] = list(label_names)
+        if regions is not None:
+            handle.attrs["regions"] = regions if isinstance(regions, str) else json.dumps(regions)
+    return path
+
+
+def test_store_regions_are_scored_beside_the_classes(tiny_store, tmp_path, capsys):
+    from bigmem.data.store import HDF5VolumeStore
+
+    store = _named_store(tiny_store, tmp_path / "named.h5", {"tumour": [1, 2], "core": [2]})
+    with HDF5VolumeStore(store) as opened:
+        case_id = opened.case_ids[0]
+        label = opened.read_label(case_id)
+    n1, n2 = int(np.count_nonzero(label == 1)), int(np.count_nonzero(label == 2))
+    assert n1 and n2
+    merged = label.copy()
+    merged[merged == 2] = 1  # every class-2 voxel predicted as class 1: the region of both is exact
+    pred = tmp_path / "pred"
+    pred.mkdir()
+    _write(pred / f"{case_id}.nii.gz", merged, spacing=(1.0, 1.0, 1.0))
+    code, out, err = run_cli(["evaluate", pred, store, "--allow-missing"], capsys)
+    assert code == 0, err
+    summary = json.loads((pred / "summary.json").read_text())
+    assert summary["label_names"] == {"1": "kidney", "2": "tumour"}
+    assert summary["regions"] == {"tumour": [1, 2], "core": [2]}
+    case = summary["metric_per_case"][0]
+    assert case["metrics"]["1"]["Dice"] == pytest.approx(2 * n1 / (2 * n1 + n2))
+    assert case["metrics"]["2"]["Dice"] == 0.0
+    tumour, core = case["region_metrics"]["tumour"], case["region_metrics"]["core"]
+    assert (tumour["Dice"], tumour["HD95_mm"], tumour["TP"], tumour["FP"]) == (1.0, 0.0, n1 + n2, 0)
+    assert (core["Dice"], core["FN"], core["HD95_mm"]) == (0.0, n2, None)
+    assert summary["region_mean"]["tumour"]["Dice"] == 1.0 and summary["region_mean"]["core"]["Dice"] == 0.0
+    assert summary["region_foreground_mean"]["Dice"] == 0.5
+    assert summary["region_num_undefined"] == {"tumour": {"Dice": 0, "IoU": 0, "HD95_mm": 0},
+                                               "core": {"Dice": 0, "IoU": 0, "HD95_mm": 1}}
+    rows = {line.split("│")[1].strip(): line for line in out.splitlines() if line.count("│") > 2}
+    assert set(rows) >= {"1 kidney", "2 tumour", "foreground mean", "tumour (1,2)", "core (2)", "region mean"}
+    assert "1.0000" in rows["tumour (1,2)"] and "0.5000" in rows["region mean"]
+
+
+@pytest.mark.parametrize("regions, message", [
+    ('["tumour"]', "regions must map region names to label values, such as {"),
+    ({"tumour": []}, "region 'tumour' is []; expected a list of label values"),
+    ({"tumour": [0, 1]}, "region 'tumour' has label values [0]; expected labels 1..2 (background belongs to no "
+                         "region)."),
+    ({"tumour": [3]}, "region 'tumour' has label values [3]; expected labels 1..2"),
+    ("{oops", "regions are not valid JSON"),
+])
+def test_bad_store_regions_are_one_line(tiny_store, tmp_path, capsys, regions, message):
+    store = _named_store(tiny_store, tmp_path / "bad.h5", regions)
+    pred = tmp_path / "pred"
+    pred.mkdir()
+    _write(pred / "synth_0000.nii.gz", np.zeros((16, 16, 16)))
+    code, _, err = run_cli(["evaluate", pred, store, "--allow-missing"], capsys)
+    assert code == 1
+    assert err.startswith(f"bigmem evaluate: error: Store {str(store)!r}: ") and message in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_dataset_json_beside_the_references_names_classes(folders, capsys):
+    pred, ref = folders
+    (ref.parent / "dataset.json").write_text(json.dumps(
+        {"modality": {"0": "CT"}, "labels": {"0": "background", "1": "kidney", "2": "tumour"}, "training": []}))
+    code, out, err = run_cli(["evaluate", pred, ref, "--no-hausdorff"], capsys)
+    assert code == 0, err
+    summary = json.loads((pred / "summary.json").read_text())
+    assert summary["label_names"] == {"1": "kidney", "2": "tumour"} and summary["regions"] == {}
+    assert "region_mean" not in summary and "region_metrics" not in summary["metric_per_case"][0]
+    assert "1 kidney" in out and "region mean" not in out
+
+
+def test_nnunet_regions_in_dataset_json_are_scored(folders, capsys):
+    pred, ref = folders
+    (ref.parent / "dataset.json").write_text(json.dumps(
+        {"channel_names": {"0": "T1"}, "labels": {"background": 0, "lesion": [1, 2], "core": 2},
+         "regions_class_order": [1, 2], "file_ending": ".nii.gz"}))
+    code, _, err = run_cli(["evaluate", pred, ref], capsys)
+    assert code == 0, err
+    summary = json.loads((pred / "summary.json").read_text())
+    assert summary["regions"] == {"lesion": [1, 2], "core": [2]}
+    assert summary["label_names"] == {"1": "class1", "2": "class2"}  # a region dataset names regions, not values
+    cases = {case["case_id"]: case["region_metrics"] for case in summary["metric_per_case"]}
+    # case_a: the lesion is class 1 (TP 90, FN 30); patient_0001: class 1's 30 voxels found, class 2's 30 missed
+    assert cases["case_a"]["lesion"]["Dice"] == pytest.approx(180 / 210)
+    assert cases["case_a"]["lesion"]["HD95_mm"] == pytest.approx(2.0)
+    assert cases["case_a"]["core"]["Dice"] is None
+    assert (cases["patient_0001"]["lesion"]["TP"], cases["patient_0001"]["lesion"]["FN"]) == (30, 30)
+    assert cases["patient_0001"]["lesion"]["Dice"] == pytest.approx(60 / 90)
+    assert summary["region_mean"]["lesion"]["Dice"] == pytest.approx((180 / 210 + 60 / 90) / 2)
+    assert summary["region_mean"]["core"]["Dice"] == 0.0
+    assert summary["region_num_undefined"]["core"]["Dice"] == 1
+
+
+def test_an_unreadable_dataset_json_is_a_warning(folders, capsys):
+    pred, ref = folders
+    (ref.parent / "dataset.json").write_text('{"labels": {"background": 0, "lesion": [1, "x"]}}')
+    code, out, err = run_cli(["evaluate", pred, ref, "--no-hausdorff"], capsys)
+    assert code == 0, err
+    summary = json.loads((pred / "summary.json").read_text())
+    assert summary["label_names"] == {"1": "class1", "2": "class2"} and summary["regions"] == {}
+    assert summary["warnings"] == [f"{ref.parent / 'dataset.json'}: label 'lesion' is [1, \"x\"]; expected a label "
+                                   "value 0..255 or, for a region, a list of them, such as {\"background\": 0, "
+                                   "\"whole_tumor\": [1, 2, 3], \"tumor_core\": [2, 3], \"enhancing_tumor\": 3}. "
+                                   "Classes are named class1, class2, ... and no regions are scored."]
+
+
+def _fake_run(path, store, num_classes=3):
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"model": {"num_classes": num_classes},
+                                                  "data": {"store": str(store)}}))
+    return path
+
+
+def test_run_names_the_classes_and_sets_their_number(folders, tiny_store, tmp_path, capsys):
+    import dataclasses
+
+    from bigmem.infer.modelcard import ModelCard
+
+    pred, ref = folders
+    store = _named_store(tiny_store, tmp_path / "named.h5")
+    run = _fake_run(tmp_path / "run", store)
+    code, _, err = run_cli(["evaluate", pred, ref, "--run", run, "--no-hausdorff"], capsys)
+    assert code == 0, err  # a run without preprocessing.json: its training store names the classes
+    assert json.loads((pred / "summary.json").read_text())["label_names"] == {"1": "kidney", "2": "tumour"}
+    # a run's preprocessing.json names them (and its regions) even once the store is gone
+    dataclasses.replace(ModelCard.from_store(store), regions={"both": [1, 2]}).write(run)
+    store.unlink()
+    code, out, err = run_cli(["evaluate", pred, ref, "--run", run, "--no-hausdorff"], capsys)
+    assert code == 0, err
+    summary = json.loads((pred / "summary.json").read_text())
+    assert summary["label_names"] == {"1": "kidney", "2": "tumour"} and summary["regions"] == {"both": [1, 2]}
+    assert summary["region_mean"]["both"]["Dice"] == pytest.approx((180 / 210 + 60 / 90) / 2)
+    assert "2 tumour" in out and "both (1,2)" in out
+    code, _, err = run_cli(["evaluate", pred, ref, "--run", run, "--num-classes", "4"], capsys)
+    assert (code, err.strip()) == (2, f"bigmem evaluate: error: Invalid --num-classes 4: run {str(run)!r} has 3 "
+                                      "classes; drop --num-classes.")
+    small = _fake_run(tmp_path / "small", store, num_classes=2)  # its model has no class 2
+    code, _, err = run_cli(["evaluate", pred, ref, "--run", small], capsys)
+    assert code == 1 and "reference label value 2 >= number of classes 2" in err
+
+
+def test_a_run_whose_store_is_gone_leaves_classes_unnamed(folders, tmp_path, capsys):
+    pred, ref = folders
+    run = _fake_run(tmp_path / "run", tmp_path / "gone.h5")
+    code, out, err = run_cli(["evaluate", pred, ref, "--run", run, "--no-hausdorff"], capsys)
+    assert code == 0, err
+    summary = json.loads((pred / "summary.json").read_text())
+    assert summary["label_names"] == {"1": "class1", "2": "class2"}
+    assert summary["warnings"] == [f"Run {str(run)!r} has no preprocessing.json and its training store "
+                                   f"{str(tmp_path / 'gone.h5')!r} is gone: nothing names its classes; they are "
+                                   "class1, class2, ..."]
+    code, _, err = run_cli(["evaluate", pred, ref, "--run", tmp_path / "nowhere"], capsys)
+    assert code == 1 and "is not a bigmem run directory: no config.json there." in err

@@ -14,6 +14,7 @@ from bigmem.infer.metrics import (
     confusion_counts,
     hausdorff95_mm,
     overlap_metrics,
+    region_metrics,
     voxel_volume_ml,
 )
 
@@ -197,3 +198,32 @@ def test_aggregate_all_undefined_is_nan():
     assert math.isnan(result["mean"][1]["Dice"]) and math.isnan(result["foreground_mean"]["Dice"])
     assert result["mean"][1]["TP"] == 0.0
 
+
+
+def test_region_counts_unite_their_labels_by_hand():
+    # BraTS-like: reference necrosis (1) x 0, edema (2) x 1..2, enhancing (3) x 3; prediction swaps 1 and 2
+    ref = _labels((6, 2, 2), [(1, np.s_[0:1]), (2, np.s_[1:3]), (3, np.s_[3:4])])
+    pred = _labels((6, 2, 2), [(2, np.s_[0:1]), (1, np.s_[1:3]), (3, np.s_[3:5])])
+    regions = {"whole_tumor": [1, 2, 3], "tumor_core": [1, 3], "enhancing_tumor": [3]}
+    metrics = region_metrics(ref, pred, regions, (1.0, 1.0, 1.0), hausdorff=False)
+    assert list(metrics) == ["whole_tumor", "tumor_core", "enhancing_tumor"]
+    whole = metrics["whole_tumor"]  # reference x 0..3 (16), prediction x 0..4 (20)
+    assert (whole["TP"], whole["FP"], whole["FN"]) == (16, 4, 0)
+    assert whole["Dice"] == pytest.approx(32 / 36)
+    core = metrics["tumor_core"]  # reference x 0 and 3 (8), prediction x 1..2 and 3..4 (16): overlap x 3 (4)
+    assert (core["TP"], core["FP"], core["FN"]) == (4, 12, 4)
+    assert core["IoU"] == pytest.approx(4 / 20)
+    # a one-label region is that class
+    assert metrics["enhancing_tumor"] == case_metrics(ref, pred, [3], (1.0, 1.0, 1.0), hausdorff=False)[3]
+
+
+def test_region_hd95_is_the_united_masks_and_empty_regions_follow_the_empty_rule():
+    ref = _labels((9, 1, 1), [(1, np.s_[0:2]), (2, np.s_[2:4])])  # the union is x 0..3
+    pred = _labels((9, 1, 1), [(2, np.s_[0:6])])  # x 0..5: the far face moved 2 voxels
+    metrics = region_metrics(ref, pred, {"both": [1, 2], "absent": [4], "missed": [1]}, (2.0, 1.0, 1.0))
+    assert metrics["both"]["HD95_mm"] == hausdorff95_mm(ref > 0, pred > 0, (2.0, 1.0, 1.0))
+    # every voxel of a 1-voxel-thick line is surface: prediction -> union distances 0, 0, 0, 0, 2, 4 mm, whose
+    # 95th percentile (linear, position 4.75) is 2 + 0.75 * 2; union -> prediction all 0
+    assert metrics["both"]["HD95_mm"] == pytest.approx(3.5)
+    assert math.isnan(metrics["absent"]["Dice"]) and metrics["absent"]["n_ref"] == 0
+    assert metrics["missed"]["Dice"] == 0.0 and math.isnan(metrics["missed"]["HD95_mm"])
