@@ -11,7 +11,7 @@ The scheme is chosen per channel from the dataset, as nnU-Net chooses it:
 
 * ``ct``: clip to the 0.5 and 99.5 percentiles of the dataset's foreground voxels, then subtract
   their mean and divide by their standard deviation (nnU-Net's CT normalisation; MLPerf's KiTS19
-  window, [-79, 304] HU with mean 101.0 and std 76.9, is this computed on KiTS19's foreground).
+  reference applies the same kind of figures, fixed: [-79, 304] HU, mean 101.0, std 76.9).
   Values mean the same Hounsfield units in every case, so the statistics are the dataset's.
 * ``zscore``: per case and channel, subtract the mean and divide by the standard deviation (MRI,
   whose intensities have no absolute unit).
