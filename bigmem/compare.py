@@ -241,7 +241,8 @@ def _evaluate_run(run_dir: str, store: str, held_out: list[str], *, sliding_wind
     from bigmem.infer.predict import predict
 
     mode = "sliding" if sliding_window else "whole"
-    results = list(predict(run_dir, store, out, cases=held_out, mode=mode, window=sliding_window, overlap=OVERLAP))
+    results = list(predict(run_dir, store, out, cases=held_out, mode=mode, window=sliding_window, overlap=OVERLAP,
+                           force=True))  # timed and scored: every case predicted now, none kept from before
     summary = evaluate(out, store, allow_missing=True, out=out / "summary.json")
     classes = [str(c) for c in summary["classes"]]
     return {"mode": mode if not sliding_window else f"sliding {sliding_window}^3, overlap {OVERLAP:g}",

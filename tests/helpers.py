@@ -50,3 +50,31 @@ def poison_labels(value: int, voxel=(0, 0, 0)):
             data[...] = values
 
     return mutate
+
+
+def save_nifti(path: Path, data, affine=None) -> Path:
+    """Write ``data`` as a NIfTI file (identity affine unless given); returns ``path``."""
+    import nibabel as nib
+    import numpy as np
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    nib.save(nib.Nifti1Image(data, np.eye(4) if affine is None else affine), str(path))
+    return path
+
+
+def make_kits(root: Path, cases: dict) -> Path:
+    """KiTS case folders: ``{case_id: (shape, label values or None for a test case)}``, e.g.
+    ``{"case_00000": ((20, 24, 16), (0, 1, 2))}``; each label holds its values in blocks, the image
+    is CT-like noise brighter where the label is. Returns ``root``."""
+    import numpy as np
+
+    rng = np.random.default_rng(len(cases))
+    for case_id, (shape, values) in cases.items():
+        label = np.zeros(shape, np.uint8)
+        for index, value in enumerate(values or ()):
+            label[2 + 2 * index:6 + 2 * index, 3:9, 2:7] = value
+        image = (rng.normal(-100, 30, shape) + 80 * label).astype(np.float32)
+        save_nifti(root / case_id / "imaging.nii.gz", image)
+        if values is not None:
+            save_nifti(root / case_id / "segmentation.nii.gz", label)
+    return root

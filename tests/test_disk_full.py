@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from bigmem.data.convert import estimate_store_bytes
-from bigmem.data.nifti import read_msd
+from bigmem.data.layouts import read_msd
 from bigmem.errors import DiskFullError
 from bigmem.rundir import RunDir
 from bigmem.units import format_bytes

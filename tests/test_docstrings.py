@@ -43,6 +43,9 @@ DOCUMENTED: list[str | tuple[str, tuple[str, ...]]] = [
     ("bigmem.infer.evaluate.evaluate", ("Args:", "Returns:")),
     ("bigmem.infer.evaluate.store_reference", ("Args:", "Returns:", "Raises:", "Example:")),
     ("bigmem.infer.metrics.region_metrics", ("Args:", "Returns:", "Raises:", "Example:")),
+    *((f"bigmem.data.layouts.{name}", ("Args:", "Returns:", "Raises:", "Example:")) for name in (
+        "detect_layout", "read_dataset", "read_nnunet", "read_kits", "list_images")),
+    ("bigmem.data.nifti.load_channels", ("Args:", "Returns:", "Raises:", "Example:")),
     *((f"bigmem.config.schema.{name}", ("Attributes:", "Example:")) for name in (
         "ModelConfig", "DataConfig", "TrainConfig", "MemoryConfig", "DistributeConfig", "NUMAConfig",
         "ExperimentConfig")),
@@ -53,7 +56,7 @@ DOCUMENTED: list[str | tuple[str, tuple[str, ...]]] = [
 MODULES = [
     "nets/unet3d.py", "nets/conv.py", "nets/norm_act.py", "nets/slabs.py", "nets/blocks.py", "nets/pooling.py",
     "nets/reduce.py", "nets/limits.py", "nets/choices.py",
-    "data/pipeline.py", "data/store.py", "data/nifti.py",
+    "data/pipeline.py", "data/store.py", "data/nifti.py", "data/layouts.py",
     "memory/measure.py", "compare.py", "distribute/execution.py",
     "train/trainer.py", "train/loop.py", "train/callbacks.py", "train/job.py",
     "infer/predict.py", "infer/plan.py", "infer/validate.py", "infer/forward.py", "infer/metrics.py",

@@ -1,4 +1,4 @@
-"""``bigmem convert``: NIfTI / Medical Segmentation Decathlon datasets -> a bigmem HDF5 store."""
+"""``bigmem convert``: NIfTI datasets (MSD, nnU-Net v2 raw, KiTS case folders, globs) -> a bigmem HDF5 store."""
 
 from __future__ import annotations
 
@@ -8,15 +8,29 @@ from bigmem.cli.common import check_output_file, check_positive, parse_shape, pa
 from bigmem.errors import UsageError
 from bigmem.units import parse_bytes
 
-HELP = "convert NIfTI / Medical Segmentation Decathlon data to an HDF5 store"
+HELP = "convert NIfTI data (MSD, nnU-Net v2, KiTS folders) to an HDF5 store"
 
 DESCRIPTION = """\
-Convert the training cases of a Medical Segmentation Decathlon folder (dataset.json, imagesTr/,
-labelsTr/; 3D or 4D images) or of --images/--labels globs into a bigmem store. Every case is
+Convert the training cases of SRC, or of --images/--labels globs, into a bigmem store. SRC is:
+  - a Medical Segmentation Decathlon folder: dataset.json lists the training image/label pairs
+    (3D or 4D images);
+  - an nnU-Net v2 raw folder (DatasetXXX_Name): dataset.json names the channels ("channel_names"),
+    labels and "file_ending"; each case is imagesTr/CASE_0000.nii.gz, CASE_0001.nii.gz, ... (one
+    file per channel, converted in channel order) with labelsTr/CASE.nii.gz. Region labels
+    ("whole_tumor": [1, 2, 3] with "regions_class_order") train the label values as classes and
+    are kept in the store for scoring as regions;
+  - KiTS19/21/23 case folders (case_00000/imaging.nii.gz, segmentation.nii.gz): the case id is the
+    folder's name; classes background, kidney, tumor (and cyst where a label holds 3); folders
+    without a segmentation (test cases) are skipped and counted.
+The first line says which layout was found, with its channels, classes and cases. Every case is
 reoriented to nibabel's closest canonical orientation (RAS), checked (shapes, affines, finite
 values, label values), and written with its source affine and shape; per-channel intensity
 statistics are stored. STORE.manifest.json is written beside the store. The store is written
 under a temporary name and renamed: an interrupted conversion leaves nothing behind.
+
+--images GLOB that matches one channel file of cases that have several (CASE_0000.nii.gz beside
+CASE_0001.nii.gz, ...) converts that channel only, and says so: give the dataset folder as SRC to
+convert all of them.
 
 Chunks: by default 64^3 voxels x all channels (whole-volume reads touch few, large chunks;
 patch reads skip most of a case); --chunks none writes contiguous datasets (no compression).
@@ -26,7 +40,8 @@ patch reads skip most of a case); --chunks none writes contiguous datasets (no c
 def register(subparsers, parents) -> None:
     parser = subparsers.add_parser("convert", help=HELP, description=DESCRIPTION, parents=parents,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("src", nargs="?", metavar="SRC", help="an MSD folder or its dataset.json")
+    parser.add_argument("src", nargs="?", metavar="SRC", help="an MSD or nnU-Net v2 folder (or its dataset.json), "
+                                                              "or a folder of KiTS case folders")
     parser.add_argument("-o", "--out", required=True, metavar="STORE.h5", help="the store to write")
     parser.add_argument("--images", metavar="GLOB", help="image files, e.g. 'data/*_0000.nii.gz' (instead of SRC)")
     parser.add_argument("--labels", metavar="GLOB", help="label files, paired with --images by case id")
@@ -61,7 +76,8 @@ def run(args) -> int:
     if args.src and (args.images or args.labels):
         raise UsageError("Give either SRC or --images/--labels, not both.")
     if not args.src and not (args.images and args.labels):
-        raise UsageError("Give SRC (an MSD folder or dataset.json), or both --images and --labels.")
+        raise UsageError("Give SRC (an MSD or nnU-Net v2 folder, its dataset.json, or KiTS case folders), or both "
+                         "--images and --labels.")
     if args.append and args.force:
         raise UsageError("Give either --append or --force, not both.")
     if args.chunks.lower() == "none":
@@ -90,10 +106,14 @@ def run(args) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     from bigmem.data.convert import convert
-    from bigmem.data.nifti import read_globs, read_msd
+    from bigmem.data.layouts import describe_dataset, read_dataset, read_globs
+    from bigmem.units import format_count
 
-    dataset = read_msd(args.src) if args.src else read_globs(args.images, args.labels)
+    dataset = read_dataset(args.src) if args.src else read_globs(args.images, args.labels)
     console = Console(soft_wrap=True, stderr=False)
+    console.print(describe_dataset(dataset), highlight=False)
+    for note in dataset.notes:
+        console.print(note, style="yellow", highlight=False)
     with Progress(TextColumn("[bold]convert"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
                   TimeRemainingColumn(), console=console, disable=not console.is_terminal) as progress:
         task = progress.add_task("", total=len(dataset.cases))
@@ -110,5 +130,6 @@ def run(args) -> int:
     for note in report.notes:
         console.print(f"note: {note}", style="yellow", highlight=False)
     skipped = f"; {len(report.skipped)} skipped" if report.skipped else ""
-    console.print(f"Wrote {len(report.converted)} cases to {report.store}{skipped}; manifest {report.manifest}")
+    console.print(f"Wrote {format_count(len(report.converted), 'case')} to {report.store}{skipped}; manifest "
+                  f"{report.manifest}", highlight=False)
     return 0

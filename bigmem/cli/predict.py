@@ -16,8 +16,15 @@ preprocessing of training applied and undone: canonical orientation, --spacing r
 class probabilities are resampled back, then the argmax taken), --shape crop/pad, per-case z-score.
 
 INPUT is a NIfTI file, a folder of them (one case per file, or nnU-Net's <case>_0000.nii.gz per
-channel), a Medical Segmentation Decathlon folder (its test images), or a bigmem store (all its
-cases, or --cases). NIfTI input is prepared as bigmem convert prepared the run's training store.
+channel), a Medical Segmentation Decathlon or nnU-Net v2 folder (its imagesTs/, else imagesTr/;
+nnU-Net's channel files grouped by case), KiTS case folders (case_00000/imaging.nii.gz, with or
+without a segmentation) or one of them, or a bigmem store (all its cases, or --cases); one line
+says what was found. NIfTI input is prepared as bigmem convert prepared the run's training store.
+
+Outputs are named after the case id of INPUT's layout (OUT/case_00000.nii.gz for a KiTS case
+folder); two inputs that would share an output name are refused before anything is written. A
+case whose OUT/<case>.nii.gz exists is kept and counted (a second run resumes an interrupted
+one); --force segments it again and overwrites it.
 
 modes: whole (default where the inference memory plan fits the budget) sends the whole volume
 through the network in one pass: no tiles, no seams. sliding predicts Gaussian-weighted windows
@@ -28,6 +35,8 @@ says which. --tta averages the 8 mirrored passes.
 
 examples:
   bigmem predict runs/kits19 kits19/imagesTs -o predictions/
+  bigmem predict runs/kits23 kits23/dataset -o predictions/          # KiTS case folders -> case_XXXXX.nii.gz
+  bigmem predict runs/brats Dataset137_BraTS2021 -o predictions/      # nnU-Net v2: imagesTs/, 4 channel files each
   bigmem predict runs/small data/brats.h5 --cases BRATS_480,BRATS_481 -o out --checkpoint best
   bigmem predict runs/small scan.nii.gz -o out --mode sliding --overlap 0.5 --tta --save-probabilities
 """
@@ -37,7 +46,8 @@ def register(subparsers, parents) -> None:
     parser = subparsers.add_parser("predict", help=HELP, description=DESCRIPTION, parents=parents,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dir", metavar="RUN_DIR", help="a bigmem train run directory")
-    parser.add_argument("input", metavar="INPUT", help="NIfTI file, folder of NIfTI files, MSD folder, or store (.h5)")
+    parser.add_argument("input", metavar="INPUT", help="NIfTI file, folder of NIfTI files, MSD or nnU-Net v2 folder, "
+                                                       "KiTS case folders (or one), or store (.h5)")
     parser.add_argument("-o", "--out", metavar="OUT_DIR", required=True, help="where <case>.nii.gz are written")
     parser.add_argument("--checkpoint", default="final", metavar="WHICH",
                         help="final (model.keras, default), best (best validation Dice, --val-every), latest, or "
@@ -58,8 +68,10 @@ def register(subparsers, parents) -> None:
     parser.add_argument("--save-probabilities", action="store_true",
                         help="also write <case>_probabilities.npz: the class probabilities (float16, X,Y,Z,K) in the "
                              "same geometry, with its affine (NIfTI-1 has no float16; nnU-Net also uses .npz)")
-    parser.add_argument("--force", action="store_true",
+    parser.add_argument("--ignore-plan", action="store_true",
                         help="--mode whole even where the inference plan says the volume does not fit")
+    parser.add_argument("--force", action="store_true",
+                        help="overwrite existing outputs (default: a case whose OUT/<case>.nii.gz exists is kept)")
     add_budget_flag(parser, help_text="memory the inference plan may use (default: what the NUMA placement can "
                                       "use, else MemAvailable)")
     parser.set_defaults(run=run)
@@ -82,8 +94,8 @@ def run(args) -> int:
     from rich.console import Console
 
     from bigmem.infer.plan import mode_chooser
-    from bigmem.infer.predict import predict
-    from bigmem.units import format_bytes
+    from bigmem.infer.predict import KeptOutput, predict
+    from bigmem.units import format_bytes, format_count
 
     cases = [c.strip() for c in args.cases.split(",") if c.strip()] if args.cases else None
     if args.cases is not None and not cases:
@@ -91,17 +103,24 @@ def run(args) -> int:
     check_output_dir(args.out, "-o")  # before TensorFlow starts, as predict checks its own arguments
     console = Console(soft_wrap=True)
     budget_bytes, flag = budget_arguments(args)
-    choose = mode_chooser(args.mode, budget_bytes, flag=flag, force=args.force, console=console)
-    done = 0
+    choose = mode_chooser(args.mode, budget_bytes, flag=flag, ignore_plan=args.ignore_plan, console=console)
+    done = kept = 0
     for result in predict(args.run_dir, args.input, args.out, checkpoint=args.checkpoint, cases=cases,
                           mode="auto", window=_window(args.window), overlap=args.overlap, accumulate=args.accumulate,
                           tta=args.tta, save_probabilities=args.save_probabilities, choose_mode=choose,
-                          verbose=getattr(args, "verbose", False)):
+                          verbose=getattr(args, "verbose", False), force=args.force,
+                          say=lambda line: console.print(line, highlight=False)):
+        if isinstance(result, KeptOutput):
+            kept += 1
+            console.print(f"{result.case_id}: {result.labels_path} exists, kept (--force overwrites it)",
+                          highlight=False)
+            continue
         done += 1
         shape = "x".join(map(str, result.shape))
         extra = f" and {result.probabilities_path.name}" if result.probabilities_path else ""
         console.print(f"{result.case_id}: {result.mode}{' +tta' if args.tta else ''}, {shape}, "
                       f"{result.seconds:.1f} s, peak RSS {format_bytes(result.peak_rss_bytes)} -> "
                       f"{result.labels_path}{extra}", highlight=False)
-    console.print(f"Segmented {done} case{'s' if done != 1 else ''} into {args.out}.")
+    also = f"; kept {format_count(kept, 'existing output')} (--force overwrites them)" if kept else ""
+    console.print(f"Segmented {format_count(done, 'case')} into {args.out}{also}.", highlight=False)
     return 0

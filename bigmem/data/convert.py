@@ -26,7 +26,7 @@ import numpy as np
 from bigmem.data.nifti import LoadedCase, SourceCase, SourceDataset, check_header_size, load_case, sha256
 from bigmem.data.preprocess import (PREPROCESSING_ATTR, SCHEMES, STATS_ATTR, case_statistics, choose_schemes,
                                     foreground_sample, storage_dtype)
-from bigmem.data.store import HDF5VolumeStore, StoreWriter, WriteThrottle
+from bigmem.data.store import REGIONS_ATTR, HDF5VolumeStore, StoreWriter, WriteThrottle
 from bigmem.errors import DataError, InsufficientMemoryError, UsageError
 from bigmem.rundir import atomic_output, require_free_space
 from bigmem.units import format_bytes
@@ -107,6 +107,12 @@ def resample(loaded: LoadedCase, target: Sequence[float]) -> LoadedCase:
     return LoadedCase(loaded.case_id, image, label, affine, loaded.source_affine, loaded.source_shape, spacing)
 
 
+def _per_file(case: SourceCase, value: Callable = str):
+    """``value`` of the case's image file, or a list of it per channel file (nnU-Net v2's CASE_0000, ...)."""
+    values = [value(path) for path in case.image_files]
+    return values[0] if len(values) == 1 else values
+
+
 @dataclass
 class ConvertReport:
     store: Path
@@ -184,7 +190,7 @@ class _Conversion:
         try:  # the statistics of the case as converted, before any crop or pad (as predict computes them)
             stats = case_statistics(loaded.image)
         except DataError as exc:
-            self.problem(f"Case {case.case_id!r}: {exc} ({case.image}).")
+            self.problem(f"Case {case.case_id!r}: {exc} ({case.image_text}).")
             return
         rng = np.random.default_rng(zlib.crc32(case.case_id.encode()))  # the same sample on every conversion
         foreground = foreground_sample(loaded.image, loaded.label, rng)
@@ -193,7 +199,7 @@ class _Conversion:
         dtype = storage_dtype(image, stats)
         image = image.astype(dtype, copy=False)
         writer.add_case(case.case_id, image, label, spacing=loaded.spacing, affine=loaded.affine,
-                        source_affine=loaded.source_affine, source_image=str(case.image), source_label=str(case.label),
+                        source_affine=loaded.source_affine, source_image=_per_file(case), source_label=str(case.label),
                         attrs={"source_shape": list(loaded.source_shape), "canonical_shape": list(loaded.label.shape),
                                "crop_pad": np.asarray(offsets, np.int64), STATS_ATTR: json.dumps(stats)},
                         foreground=foreground)
@@ -202,8 +208,8 @@ class _Conversion:
         self.entries[case.case_id] = {
             "shape": list(image.shape), "source_shape": list(loaded.source_shape), "spacing": list(loaded.spacing),
             "image_dtype": dtype.name, "label_dtype": "uint8", "label_values": values, "intensity_stats": stats,
-            "source_image": str(case.image), "source_label": str(case.label),
-            "source_sha256": {"image": sha256(case.image), "label": sha256(case.label)},
+            "source_image": _per_file(case), "source_label": str(case.label),
+            "source_sha256": {"image": _per_file(case, sha256), "label": sha256(case.label)},
         }
         self.report.converted.append(case.case_id)
 
@@ -231,17 +237,27 @@ def check_arguments(*, shape: Sequence[int] | None = None, spacing: Sequence[flo
         raise UsageError(f"Invalid chunk_edge {chunk_edge}: expected a positive edge in voxels, or None.")
 
 
-def check_append(dataset: SourceDataset, out: Path, num_channels: int, num_classes: int) -> None:
-    """Refuse appending a dataset whose dataset.json names other channels or more classes than the store has."""
+def check_append(dataset: SourceDataset, out: Path, num_channels: int, num_classes: int,
+                 regions: dict[str, list[int]] | None = None) -> None:
+    """Refuse appending a dataset whose dataset.json names other channels, more classes or other regions than
+    the store has (``regions``: the store's, ``HDF5VolumeStore.regions``)."""
     if not dataset.declared_labels:
         return  # --images/--labels: each case is checked against the store as it loads
     channels = len(dataset.channel_names)
     if channels != num_channels:
         raise DataError(f"Cannot --append {dataset.origin}'s {channels} channel{'s' if channels != 1 else ''} "
                         f"({', '.join(dataset.channel_names)}) to {str(out)!r}, whose cases have {num_channels}.")
-    if len(dataset.label_names) > num_classes:
-        raise DataError(f"Cannot --append {dataset.origin}'s {len(dataset.label_names)} classes to {str(out)!r}, "
+    classes = dataset.min_classes or len(dataset.label_names)
+    if classes > num_classes:
+        raise DataError(f"Cannot --append {dataset.origin}'s {classes} classes to {str(out)!r}, "
                         f"which has {num_classes}.")
+    if regions is not None and dataset.regions != regions:
+        raise DataError(f"Cannot --append {dataset.origin}'s regions ({_regions_text(dataset.regions)}) to "
+                        f"{str(out)!r}, whose regions are {_regions_text(regions)}.")
+
+
+def _regions_text(regions: dict[str, list[int]]) -> str:
+    return "; ".join(f"{name}: {values}" for name, values in regions.items()) or "none"
 
 
 def preflight(dataset: SourceDataset, *, shape: Sequence[int] | None, spacing: Sequence[float] | None,
@@ -270,7 +286,7 @@ def preflight(dataset: SourceDataset, *, shape: Sequence[int] | None, spacing: S
     for case in dataset.cases:
         try:
             images = [(nib.load(str(path)), what_file, path) for what_file, path in
-                      (("image", case.image), ("label", case.label))]
+                      (*(("image", p) for p in case.image_files), ("label", case.label))]
         except Exception:  # noqa: BLE001  (reported, with the case, when the case is loaded)
             continue
         try:
@@ -322,18 +338,18 @@ def estimate_store_bytes(cases: Iterable[SourceCase], *, shape: Sequence[int] | 
         The estimate in bytes.
 
     Example:
-        >>> estimate_store_bytes(read_msd("Task04_Hippocampus").cases, shape=(32, 48, 32))  # cases x 49152 x 5 B
+        >>> estimate_store_bytes(read_dataset("Task04_Hippocampus").cases, shape=(32, 48, 32))  # cases x 49152 x 5 B
     """
     import nibabel as nib
 
     total = 0
     for case in cases:
         try:
-            image = nib.load(str(case.image))  # the header only
-            check_header_size(image, case.case_id, "image", case.image)  # a corrupt header is the case's problem
+            image = nib.load(str(case.image_files[0]))  # the header only (of the first channel file)
+            check_header_size(image, case.case_id, "image", case.image_files[0])  # a corrupt header: the case's problem
             header = image.header
             file_shape = header.get_data_shape()
-            channels = int(np.prod(file_shape[3:])) if len(file_shape) > 3 else 1
+            channels = (int(np.prod(file_shape[3:])) if len(file_shape) > 3 else 1) * len(case.image_files)
             if shape is not None:
                 voxels = int(np.prod(shape))
             elif spacing is not None:  # resample_zoom works on the canonical (RAS) axes
@@ -365,7 +381,8 @@ def convert(dataset: SourceDataset, out: str | Path, *, force: bool = False, app
     written under temporary names and renamed, so neither is ever left half-written.
 
     Args:
-        dataset: the cases (``read_msd`` or ``read_globs``).
+        dataset: the cases (``layouts.read_dataset`` or ``layouts.read_globs``); its ``regions`` are
+            written as the store's ``regions`` attribute and in the manifest.
         out: the store to write.
         force: overwrite an existing ``out`` (default False).
         append: add ``dataset``'s new cases to the existing ``out`` (default False).
@@ -399,7 +416,7 @@ def convert(dataset: SourceDataset, out: str | Path, *, force: bool = False, app
             the free space, or the disk filled or failed while writing; nothing is left behind.
 
     Example:
-        >>> report = convert(read_msd("Task01_BrainTumour"), "brats.h5", shape=(160, 192, 160))
+        >>> report = convert(read_dataset("Task01_BrainTumour"), "brats.h5", shape=(160, 192, 160))
         >>> report.converted, report.manifest  # the case ids written, PosixPath('brats.manifest.json')
     """
     out = Path(out)
@@ -420,16 +437,16 @@ def convert(dataset: SourceDataset, out: str | Path, *, force: bool = False, app
     old_samples: list[np.ndarray] = []
     num_channels = len(dataset.channel_names) if dataset.declared_labels else None
     label_values = len(dataset.label_names) if dataset.declared_labels else None
-    channel_names, label_names = dataset.channel_names, dataset.label_names
+    channel_names, label_names, regions = dataset.channel_names, dataset.label_names, dataset.regions
     if append:
         with HDF5VolumeStore(out) as store:
             existing = set(store.case_ids)
             num_channels, label_values = store.num_channels, store.num_classes
-            channel_names, label_names = store.channel_names, store.label_names
+            channel_names, label_names, regions = store.channel_names, store.label_names, store.regions
             # the dataset's normalisation is chosen again from every case, the old ones' figures included
             old_stats = [store.case_stats(c) or {} for c in store.case_ids]
             old_samples = [s for s in (store.foreground_sample(c) for c in store.case_ids) if s is not None]
-        check_append(dataset, out, num_channels, label_values)
+        check_append(dataset, out, num_channels, label_values, regions)
         if report.manifest.exists():
             old_entries = json.loads(report.manifest.read_text()).get("cases", {})
     preflight(dataset, shape=shape, spacing=spacing, num_channels=num_channels or 1, skip_bad=skip_bad)
@@ -437,6 +454,8 @@ def convert(dataset: SourceDataset, out: str | Path, *, force: bool = False, app
                         label_values=label_values, shape=shape, spacing=spacing)
     if append:
         state.channels_from, state.labels_from = f"the store {out.name!r} has", f"the store {out.name!r}'s classes"
+    else:
+        state.channels_from, state.labels_from = dataset.channels_from, dataset.labels_from
     for message in dataset.problems:
         state.problem(message)
     # The new store is written beside the old one (with --append, beside a copy of it): all of it must
@@ -461,6 +480,12 @@ def convert(dataset: SourceDataset, out: str | Path, *, force: bool = False, app
             writer.set_root_attr("num_classes", num_classes)
             writer.set_root_attr("label_names", [f"class{i}" for i in range(num_classes)])
             writer.set_root_attr("channel_names", [f"channel{i}" for i in range(state.num_channels or 1)])
+        if dataset.declared_labels and dataset.min_classes and not append:  # KiTS: cyst where a label holds it
+            num_classes = max(dataset.min_classes, max(state.seen_values) + 1)
+            writer.set_root_attr("num_classes", num_classes)
+            writer.set_root_attr("label_names", [str(n) for n in dataset.label_names[:num_classes]])
+        if regions and not append:  # nnU-Net v2 regions: trained as classes, kept for scoring
+            writer.set_root_attr(REGIONS_ATTR, json.dumps(regions))
         if not append:  # what a new case needs to be prepared as these were (bigmem.infer.geometry.prepare_nifti)
             writer.set_root_attr(CONVERT_OPTIONS_ATTR, json.dumps(
                 {"spacing": None if spacing is None else [float(s) for s in spacing],
@@ -472,7 +497,7 @@ def convert(dataset: SourceDataset, out: str | Path, *, force: bool = False, app
         report.notes = [note for note in (state.spacing_note(),) if note]
         manifest = {"store": out.name, "source": dataset.origin, "num_classes": int(writer.root_attr("num_classes")),
                     "channel_names": [str(n) for n in writer.root_attr("channel_names")],
-                    "label_names": [str(n) for n in writer.root_attr("label_names")],
+                    "label_names": [str(n) for n in writer.root_attr("label_names")], "regions": regions,
                     "preprocessing": json.loads(preprocessing.to_json()),
                     "cases": {**old_entries, **state.entries}}
         text = json.dumps(manifest, indent=2, default=str) + "\n"

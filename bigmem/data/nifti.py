@@ -1,19 +1,21 @@
-"""NIfTI sources: find the cases of a Medical Segmentation Decathlon folder (or two globs), and
-load each in nibabel's closest canonical orientation (RAS), checked.
+"""NIfTI sources: the cases to convert, a dataset.json read and checked, and each case loaded in
+nibabel's closest canonical orientation (RAS), checked. Which files make a case is the folder
+layout's business (``bigmem/data/layouts.py``).
 
 Both dataset.json conventions are read: MSD's (``"modality": {"0": "FLAIR"}``, ``"labels":
 {"0": "background"}``) and nnU-Net v2's (``"channel_names"``, ``"labels": {"background": 0}``, and
-its regions: ``"labels": {"background": 0, "whole_tumor": [1, 2, 3], "enhancing_tumor": 3}``).
+its regions: ``"labels": {"background": 0, "whole_tumor": [1, 2, 3], "enhancing_tumor": 3}``, with
+``"regions_class_order"`` for the label value the label files hold for each region).
 """
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 
@@ -25,16 +27,38 @@ _NIFTI_SUFFIX = re.compile(r"(_\d{4})?\.nii(\.gz)?$")  # nnU-Net names channel f
 
 @dataclass
 class SourceCase:
-    """One case to convert: its id and its image and label files."""
+    """One case to convert: its id, its image file(s) and its label file.
+
+    ``image`` is one 3D or 4D (channels last) file, or a list of 3D files, one per channel in
+    channel order (nnU-Net v2's ``CASE_0000.nii.gz``, ``CASE_0001.nii.gz``, ...).
+    """
 
     case_id: str
-    image: Path
+    image: Path | list[Path]
     label: Path
+
+    @property
+    def image_files(self) -> list[Path]:
+        """The image files as a list: ``[image]`` for one file, else the channel files in order."""
+        return [Path(p) for p in self.image] if isinstance(self.image, (list, tuple)) else [Path(self.image)]
+
+    @property
+    def image_text(self) -> str:
+        """The image file(s) as messages name them: the path, or the channel files' paths joined by ', '."""
+        return ", ".join(map(str, self.image_files))
 
 
 @dataclass
 class SourceDataset:
-    """The cases of a source folder (or of two globs), with its channel and class names."""
+    """The cases of a source folder (or of two globs), with its channel and class names.
+
+    ``layout`` is the folder's layout (``bigmem.data.layouts.Layout``; "" for --images/--labels);
+    ``regions`` maps nnU-Net region names to the label values they unite (``{}``: plain classes);
+    ``notes`` are lines to show before converting (test cases skipped, a glob that matches one
+    channel of several). With ``min_classes``, the store has at least that many classes and the
+    later names of ``label_names`` only where a case's label holds their values (KiTS's cyst).
+    ``channels_from`` and ``labels_from`` say who declared the channels and labels, for messages.
+    """
 
     cases: list[SourceCase]
     channel_names: list[str]
@@ -42,6 +66,12 @@ class SourceDataset:
     origin: str
     declared_labels: bool = True  # False: label values come from the data (--images/--labels)
     problems: list[str] = field(default_factory=list)  # duplicate ids found while listing
+    layout: str = ""
+    regions: dict[str, list[int]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    min_classes: int | None = None
+    channels_from: str = "dataset.json names"
+    labels_from: str = "dataset.json's labels"
 
 
 def case_id_of(path: Path) -> str:
@@ -101,6 +131,57 @@ def _region_table(labels, where: str) -> tuple[list[str], dict[str, list[int]]] 
     return [background] + [f"class{v}" for v in range(1, largest + 1)], regions
 
 
+def region_classes(background: str, regions: dict[str, list[int]], order, where: str) -> list[str]:
+    """The classes bigmem trains for nnU-Net v2 regions, from their ``regions_class_order``.
+
+    nnU-Net v2 paints region i of ``labels`` (in its order) with the label value ``order[i]``, so
+    the label files hold the values 0..K-1 (K = the regions + background); bigmem trains those as K
+    softmax classes, class v named after the region painted v, and scores the regions from them.
+
+    Args:
+        background: the name of label 0.
+        regions: region name -> the label values it unites, in the order of ``labels``.
+        order: dataset.json's ``regions_class_order`` (None where it has none).
+        where: the dataset.json, for messages.
+
+    Returns:
+        The class names in label-value order: ``[background, region painted 1, region painted 2, ...]``.
+
+    Raises:
+        DataError: no ``order``; an ``order`` that is not 1..K-1, one value per region; or a region
+            whose values are not among 1..K-1, or that does not hold the value it is painted with;
+            each message says how to map them (add regions_class_order, or give each label a
+            single value).
+
+    Example:
+        >>> region_classes("background", {"whole_tumor": [1, 2, 3], "tumor_core": [2, 3], "enhancing_tumor": [3]},
+        ...                [1, 2, 3], "dataset.json")
+        ['background', 'whole_tumor', 'tumor_core', 'enhancing_tumor']
+    """
+    shown = "; ".join(f"{name}: {values}" for name, values in regions.items())
+    if order is None:
+        raise DataError(f"{where}: 'labels' gives regions ({shown}) but no 'regions_class_order'; add "
+                        "\"regions_class_order\" (the label value the label files hold for each region, in the order "
+                        "of 'labels', as nnU-Net v2 writes it), or give each label a single value.")
+    num_classes = len(regions) + 1
+    if (not isinstance(order, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in order)
+            or sorted(order) != list(range(1, num_classes))):
+        raise DataError(f"{where}: 'regions_class_order' {json.dumps(order)} is not the label values "
+                        f"1..{num_classes - 1}, one per region ({shown}); bigmem trains the label files' values "
+                        f"0..{num_classes - 1} as classes: remap the label files, or give each label a single value.")
+    for (name, values), painted in zip(regions.items(), order):
+        outside = [v for v in values if not 0 < v < num_classes]
+        if outside or painted not in values:
+            why = (f"label values {outside} are not among the label files' 1..{num_classes - 1}" if outside
+                   else f"it does not hold {painted}, its regions_class_order value")
+            raise DataError(f"{where}: region {name!r} {values}: {why} (regions_class_order {order}); map each "
+                            "region to the label values its class order paints, or give each label a single value.")
+    names = [background] + [""] * len(regions)
+    for name, painted in zip(regions, order):
+        names[painted] = name
+    return names
+
+
 def _kind(value) -> str:
     """'a list', 'a string', ... for messages about a JSON value of the wrong type."""
     names = {list: "a list", str: "a string", int: "a number", float: "a number", bool: "true/false",
@@ -145,15 +226,20 @@ def read_dataset_json(json_path: str | Path) -> dict:
         json_path: the dataset.json file.
 
     Returns:
-        ``{"channel_names": [...], "label_names": [...], "regions": {...}, "training": [(image, label),
-        ...]}``: names in channel and label-value order, nnU-Net v2's regions (``{name: [label
-        values]}``; ``{}`` where the labels are classes, and then the values are named ``class<N>``),
-        and each training entry's two paths as written (relative to the file's folder).
+        ``{"channel_names": [...], "label_names": [...], "regions": {...}, "regions_class_order": [...] | None,
+        "training": [(image, label), ...], "has_training": bool, "test": [image, ...], "file_ending": str,
+        "num_training": int | None}``: names in channel and label-value order; nnU-Net v2's regions
+        (``{name: [label values]}``; ``{}`` where the labels are classes; with regions the values are
+        named ``class<N>``) and their ``regions_class_order`` as written (``region_classes`` checks it
+        and names the classes bigmem trains); each training entry's two paths and each test image as
+        written (relative to the file's folder); whether a ``training`` list is there at all (MSD
+        lists its cases, nnU-Net v2 does not); nnU-Net v2's ``file_ending`` (default ".nii.gz") and
+        ``numTraining``.
 
     Raises:
         DataError: the file is unreadable, not UTF-8 JSON (a NIfTI file given by mistake is named
-            as one), not a JSON object, or its ``modality``/``channel_names``, ``labels`` or
-            ``training`` are not of the documented form.
+            as one), not a JSON object, or its ``modality``/``channel_names``, ``labels`` (regions
+            included), ``training``, ``test`` or ``file_ending`` are not of the documented form.
 
     Example:
         >>> read_dataset_json("Task01_BrainTumour/dataset.json")["channel_names"]  # ['FLAIR', 'T1w', ...]
@@ -198,79 +284,45 @@ def read_dataset_json(json_path: str | Path) -> dict:
             raise DataError(f"{where}: each 'training' entry needs 'image' and 'label' paths (entry {number}: "
                             f"{json.dumps(entry)[:80]}).")
         pairs.append((entry["image"], entry["label"]))
-    return {"channel_names": channel_names, "label_names": label_names, "regions": regions, "training": pairs}
+    test = meta.get("test", [])
+    if not isinstance(test, list):
+        raise DataError(f"{where}: 'test' must be a list of image paths; got {_kind(test)}.")
+    images = []
+    for number, entry in enumerate(test, 1):
+        image = entry.get("image") if isinstance(entry, dict) else entry
+        if not isinstance(image, str):
+            raise DataError(f"{where}: each 'test' entry must be an image path (entry {number}: "
+                            f"{json.dumps(entry)[:80]}).")
+        images.append(image)
+    ending = meta.get("file_ending", ".nii.gz")
+    if not isinstance(ending, str) or not ending.endswith((".nii", ".nii.gz")):
+        raise DataError(f"{where}: 'file_ending' is {json.dumps(ending)}; bigmem reads NIfTI files (\".nii.gz\" or "
+                        "\".nii\"): convert the images to NIfTI first.")
+    count = meta.get("numTraining")
+    return {"channel_names": channel_names, "label_names": label_names, "regions": regions,
+            "regions_class_order": meta.get("regions_class_order"), "training": pairs,
+            "has_training": "training" in meta, "test": images, "file_ending": ending,
+            "num_training": count if isinstance(count, int) and not isinstance(count, bool) else None}
 
 
-def read_msd(src: str | Path) -> SourceDataset:
-    """The training cases listed by an MSD folder's dataset.json (or that file itself).
+def read_dataset_labels(json_path: str | Path) -> tuple[list[str], dict[str, list[int]]]:
+    """The class names and regions of a dataset.json (``read_dataset_json``'s, checked the same way).
 
     Args:
-        src: the folder holding dataset.json, imagesTr/ and labelsTr/, or dataset.json itself.
+        json_path: an MSD or nnU-Net v2 dataset.json.
 
     Returns:
-        A ``SourceDataset`` with declared channel and label names; a case id listed twice is
-        kept once and reported in ``problems``.
+        ``(label_names, regions)``: names in label-value order, and nnU-Net v2's regions as region
+        name -> the label values it unites (``{}`` where the labels are plain classes).
 
     Raises:
-        DataError: no dataset.json, or one ``read_dataset_json`` refuses (unreadable, not a JSON
-            object, channels, labels or training entries not of the documented form, labels that
-            are not 0..K-1), or no training cases.
+        DataError: as ``read_dataset_json``.
 
     Example:
-        >>> dataset = read_msd("Task01_BrainTumour")
-        >>> dataset.channel_names, len(dataset.cases)  # (['FLAIR', 'T1w', 't1gd', 'T2w'], 484)
+        >>> read_dataset_labels("Dataset137_BraTS2021/dataset.json")[1]  # {'whole_tumor': [1, 2, 3], ...}
     """
-    src = Path(src)
-    json_path = src / "dataset.json" if src.is_dir() else src
-    if not json_path.is_file():
-        raise DataError(f"No dataset.json in {str(src)!r}: expected a Medical Segmentation Decathlon folder "
-                        "(dataset.json, imagesTr/, labelsTr/) or --images/--labels globs.")
     meta = read_dataset_json(json_path)
-    root = json_path.parent
-    cases, seen, problems = [], set(), []
-    for image_name, label_name in meta["training"]:
-        image, label = root / image_name, root / label_name
-        case_id = case_id_of(image)
-        if case_id in seen:
-            problems.append(f"Case {case_id!r}: listed twice in {json_path}.")
-            continue
-        seen.add(case_id)
-        cases.append(SourceCase(case_id, image, label))
-    if not cases and not problems:
-        raise DataError(f"{json_path} lists no training cases.")
-    return SourceDataset(cases, meta["channel_names"], meta["label_names"], str(json_path), True, problems)
-
-
-def read_globs(images: str, labels: str) -> SourceDataset:
-    """Cases from two globs, paired by case id (the file name without .nii[.gz] and _0000).
-
-    Args:
-        images: a glob of image files, e.g. ``"imagesTr/*.nii.gz"``.
-        labels: a glob of label files.
-
-    Returns:
-        A ``SourceDataset`` whose classes come from the data (``declared_labels=False``); an
-        image without a label, or a case id matched twice, is reported in ``problems``.
-
-    Raises:
-        DataError: ``images`` matches no file.
-    """
-    image_paths = sorted(Path(p) for p in glob.glob(images))
-    label_paths = {case_id_of(Path(p)): Path(p) for p in glob.glob(labels)}
-    if not image_paths:
-        raise DataError(f"--images {images!r} matches no file.")
-    cases, seen, problems = [], set(), []
-    for image in image_paths:
-        case_id = case_id_of(image)
-        if case_id in seen:
-            problems.append(f"Case {case_id!r}: two images match --images ({image}).")
-            continue
-        seen.add(case_id)
-        if case_id not in label_paths:
-            problems.append(f"Case {case_id!r}: no label matches --labels {labels!r} for {image}.")
-            continue
-        cases.append(SourceCase(case_id, image, label_paths[case_id]))
-    return SourceDataset(cases, ["image"], [], f"--images {images} --labels {labels}", False, problems)
+    return meta["label_names"], meta["regions"]
 
 
 def sha256(path: Path) -> str:
@@ -391,12 +443,60 @@ def load_image(path: Path, case_id: str, *, num_channels: int | None = None,
                        tuple(int(s) for s in image_img.shape), zooms)
 
 
+def load_channels(paths: Sequence[str | Path], case_id: str, *, num_channels: int | None = None,
+                  channels_from: str = "dataset.json names") -> LoadedImage:
+    """Load a case's image: one 3D/4D file, or one 3D file per channel (nnU-Net's CASE_0000, CASE_0001, ...).
+
+    Args:
+        paths: the image file, or the channel files in channel order.
+        case_id: the case's id, for messages.
+        num_channels: the number of channels expected, or None to accept any.
+        channels_from: who expects ``num_channels``, for the message (as ``load_image``'s).
+
+    Returns:
+        A ``LoadedImage`` as ``load_image`` gives it; with several files, ``image`` holds them as
+        channels ``(D, H, W, len(paths))`` and the geometry is the first file's.
+
+    Raises:
+        DataError: as ``load_image``; or one of several files has more than one channel, or is not
+            on the first file's grid (shape and affine).
+
+    Example:
+        >>> loaded = load_channels([Path("imagesTr/BraTS_001_0000.nii.gz"), Path("imagesTr/BraTS_001_0001.nii.gz")],
+        ...                        "BraTS_001", num_channels=2)
+        >>> loaded.image.shape  # (D, H, W, 2)
+    """
+    paths = [Path(p) for p in paths]
+    if not paths:
+        raise DataError(f"Case {case_id!r}: no image file given; expected one 3D/4D file or one 3D file per channel.")
+    if len(paths) == 1:
+        return load_image(paths[0], case_id, num_channels=num_channels, channels_from=channels_from)
+    if num_channels is not None and len(paths) != num_channels:
+        raise DataError(f"Case {case_id!r}: {len(paths)} channel files; {channels_from} {num_channels} "
+                        f"({', '.join(map(str, paths))}).")
+    first, image = None, None
+    for index, path in enumerate(paths):  # one channel at a time into the case's array: no second copy of it
+        loaded = load_image(path, case_id)
+        if loaded.image.shape[3] != 1:
+            raise DataError(f"Case {case_id!r}: {path} has {loaded.image.shape[3]} channels; expected one 3D file "
+                            "per channel when several files are given.")
+        if first is None:
+            first, image = loaded, np.empty(loaded.image.shape[:3] + (len(paths),), np.float32)
+        elif loaded.source_shape != first.source_shape or not np.allclose(loaded.source_affine, first.source_affine,
+                                                                          atol=AFFINE_TOLERANCE_MM):
+            raise DataError(f"Case {case_id!r}: {path} is not on the grid of {paths[0]} (shape "
+                            f"{loaded.source_shape} vs {first.source_shape}, or a different affine).")
+        image[..., index] = loaded.image[..., 0]
+    first.image = image
+    return first
+
+
 def load_case(case: SourceCase, *, num_channels: int | None, label_values: int | None,
               channels_from: str = "dataset.json names", labels_from: str = "dataset.json's labels") -> LoadedCase:
     """Load one case in canonical orientation, checking what can be checked.
 
     Args:
-        case: the case's files.
+        case: the case's files (one image file, or one file per channel: ``load_channels``).
         num_channels: the channels expected, or None to accept any.
         label_values: the number of classes expected (values 0..N-1), or None for any uint8.
         channels_from, labels_from: who expects them, for messages (default: dataset.json; an
@@ -409,10 +509,11 @@ def load_case(case: SourceCase, *, num_channels: int | None, label_values: int |
 
     Raises:
         DataError: a file is missing or unreadable; the image is not 3D/4D or has the wrong
-            channel count or NaN/Inf; the label is not 3D, has another shape or grid than the
-            image, or holds non-integer, negative, undeclared or > 255 values.
+            channel count or NaN/Inf (a channel file not 3D or not on the first's grid); the label
+            is not 3D, has another shape or grid than the image, or holds non-integer, negative,
+            undeclared or > 255 values.
     """
-    loaded = load_image(case.image, case.case_id, num_channels=num_channels, channels_from=channels_from)
+    loaded = load_channels(case.image_files, case.case_id, num_channels=num_channels, channels_from=channels_from)
     image = loaded.image
     label_img, _, label = _load(case.label, case.case_id, "label")
     if label.ndim == 4 and label.shape[3] == 1:

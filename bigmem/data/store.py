@@ -5,7 +5,8 @@ Case attributes: ``spacing``, ``affine``, ``source_affine``, ``source_image``, `
 ``intensity_stats`` (JSON: ``bigmem.data.preprocess.case_statistics``); ``/cases/<case_id>/foreground``
 (N, C) float32 holds a sample of the case's foreground voxels where the CT statistics need it.
 Root attributes: ``bigmem_store_version``, ``num_classes``, ``channel_names``, ``label_names``,
-``preprocessing`` (JSON: ``bigmem.data.preprocess.Preprocessing``; absent: per-case z-score).
+``preprocessing`` (JSON: ``bigmem.data.preprocess.Preprocessing``; absent: per-case z-score), and
+``regions`` where the classes stand for nnU-Net regions (JSON ``{"whole_tumor": [1, 2, 3], ...}``).
 Images are stored as int16, float16 or float32 (``preprocess.storage_dtype``) and read as float32.
 
 h5py serialises every call behind one global lock and a file handle must never cross a fork:
@@ -33,6 +34,56 @@ STORE_VERSION = 1
 # Whole-volume reads touch every chunk of a case; 64^3 voxels (1 MiB of float32 per channel)
 # keeps the per-chunk overhead small while letting partial (patch) reads skip most of a case.
 DEFAULT_CHUNK_EDGE = 64
+# Root attribute: JSON {region name: [label values]}: nnU-Net v2 regions, trained as the classes whose label
+# values they unite and scored as regions (written by convert for region labels; absent: plain classes).
+REGIONS_ATTR = "regions"
+REGIONS_EXAMPLE = '{"whole_tumor": [1, 2, 3], "tumor_core": [2, 3], "enhancing_tumor": [3]}'
+
+
+def checked_regions(raw, where: str, num_classes: int | None = None) -> dict[str, list[int]]:
+    """Regions as a store (or a dataset.json) holds them, checked: name -> sorted foreground label values.
+
+    Args:
+        raw: ``{name: [values]}`` (a single value may stand for its one-element list, as nnU-Net v2
+            writes ``"enhancing_tumor": 3``), a JSON string of it (a store's ``regions`` attribute),
+            or None.
+        where: what held them, for messages (``"Store 'brats.h5'"``).
+        num_classes: labels are ``0..num_classes - 1``; None: up to 255.
+
+    Returns:
+        ``{name: sorted values}`` in the order given; ``{}`` for None or an empty mapping.
+
+    Raises:
+        DataError: not a mapping of names to label values, an empty region, or a value outside
+            ``1..num_classes - 1`` (background belongs to no region).
+
+    Example:
+        >>> checked_regions('{"whole_tumor": [3, 1, 2], "enhancing_tumor": 3}', "Store 'brats.h5'", 4)
+        {'whole_tumor': [1, 2, 3], 'enhancing_tumor': [3]}
+    """
+    if raw is None:
+        return {}
+    if isinstance(raw, (bytes, str)):
+        try:
+            raw = json.loads(raw)
+        except ValueError as exc:
+            raise DataError(f"{where}: regions are not valid JSON ({exc}); expected {REGIONS_EXAMPLE}.") from None
+    if not isinstance(raw, dict):
+        raise DataError(f"{where}: regions must map region names to label values, such as {REGIONS_EXAMPLE}.")
+    limit = num_classes - 1 if num_classes is not None else 255
+    regions = {}
+    for name, values in raw.items():
+        values = [values] if isinstance(values, int) and not isinstance(values, bool) else values
+        if not (isinstance(values, list) and values and
+                all(isinstance(v, int) and not isinstance(v, bool) for v in values)):
+            raise DataError(f"{where}: region {name!r} is {json.dumps(values)}; expected a list of label values, "
+                            f"such as {REGIONS_EXAMPLE}.")
+        wrong = [v for v in values if not 1 <= v <= limit]
+        if wrong:
+            raise DataError(f"{where}: region {name!r} has label values {wrong}; expected labels 1..{limit} "
+                            "(background belongs to no region).")
+        regions[str(name)] = sorted(set(values))
+    return regions
 
 
 @dataclass(frozen=True)
@@ -87,6 +138,7 @@ class HDF5VolumeStore:
         self.num_classes = self._num_classes(handle)
         self.channel_names = [str(n) for n in handle.attrs.get("channel_names", [])]
         self.label_names = [str(n) for n in handle.attrs.get("label_names", [])]
+        self._regions = self._read_regions(handle)
         self.cases = self._check_layout(handle)
         self.preprocessing = Preprocessing.from_json(handle.attrs.get(PREPROCESSING_ATTR), self.cases[0].num_channels,
                                                      f"Store {str(self.path)!r}")
@@ -157,6 +209,9 @@ class HDF5VolumeStore:
                             "written by bigmem: write it again with 'bigmem convert' or 'bigmem synth'.")
         return num_classes
 
+    def _read_regions(self, handle: h5py.File) -> dict[str, list[int]]:
+        return checked_regions(handle.attrs.get(REGIONS_ATTR), f"Store {str(self.path)!r}", self.num_classes)
+
     def _open(self) -> h5py.File:
         if not self.path.exists():
             raise DataError(f"Cannot open store {str(self.path)!r}: no such file. Create one with "
@@ -214,6 +269,12 @@ class HDF5VolumeStore:
     def case_ids(self) -> list[str]:
         """The training cases' ids, sorted (held-out cases excluded)."""
         return [c.case_id for c in self.cases]
+
+    @property
+    def regions(self) -> dict[str, list[int]]:
+        """nnU-Net v2 regions: region name -> the label values it unites, such as ``{"whole_tumor": [1, 2, 3],
+        "tumor_core": [2, 3], "enhancing_tumor": [3]}``; ``{}`` for a store of plain classes."""
+        return {name: list(values) for name, values in self._regions.items()}
 
     @property
     def num_channels(self) -> int:
@@ -509,8 +570,8 @@ class StoreWriter:
 
     def add_case(self, case_id: str, image: np.ndarray, label: np.ndarray, *,
                  spacing: Sequence[float] = (1.0, 1.0, 1.0), affine: np.ndarray | None = None,
-                 source_affine: np.ndarray | None = None, source_image: str = "", source_label: str = "",
-                 attrs: dict | None = None, foreground: np.ndarray | None = None) -> None:
+                 source_affine: np.ndarray | None = None, source_image: str | Sequence[str] = "",
+                 source_label: str = "", attrs: dict | None = None, foreground: np.ndarray | None = None) -> None:
         """Write one case under ``/cases/<case_id>``.
 
         Args:
@@ -520,7 +581,8 @@ class StoreWriter:
             spacing: voxel spacing in mm (default 1 mm on each axis).
             affine: the 4x4 voxel-to-world affine (default identity).
             source_affine: the source file's affine (default ``affine``).
-            source_image, source_label: the source files' paths.
+            source_image, source_label: the source files' paths (``source_image``: one per channel file
+                where the image came as several, nnU-Net v2's CASE_0000, CASE_0001, ...).
             attrs: more case attributes; without ``intensity_stats`` the statistics of ``image`` as given
                 are recorded (convert gives those of the case before its crop or pad).
             foreground: a sample of the case's foreground voxels ``(N, C)``, kept for the CT statistics.

@@ -378,26 +378,6 @@ def source_label_from_store(store: HDF5VolumeStore | str | os.PathLike, case_id:
 # ---- a new NIfTI case, prepared as its store's were -------------------------------------
 
 
-def _load_channels(paths: Sequence[Path], case_id: str):
-    """One 3D/4D file, or one 3D file per channel (nnU-Net's CASE_0000, CASE_0001, ...), canonical."""
-    from bigmem.data.nifti import AFFINE_TOLERANCE_MM, load_image
-
-    loaded = [load_image(path, case_id) for path in paths]
-    first = loaded[0]
-    if len(loaded) == 1:
-        return first
-    for path, other in zip(paths[1:], loaded[1:]):
-        if other.image.shape[3] != 1:
-            raise DataError(f"Case {case_id!r}: {path} has {other.image.shape[3]} channels; expected one 3D file "
-                            "per channel when several files are given.")
-        if other.image.shape != first.image.shape or not np.allclose(other.source_affine, first.source_affine,
-                                                                      atol=AFFINE_TOLERANCE_MM):
-            raise DataError(f"Case {case_id!r}: {path} is not on the grid of {paths[0]} (shape "
-                            f"{other.source_shape} vs {first.source_shape}, or a different affine).")
-    first.image = np.concatenate([item.image for item in loaded], axis=3)
-    return first
-
-
 def prepare_nifti(image_paths: str | os.PathLike | Sequence[str | os.PathLike],
                   card: "ModelCard | HDF5VolumeStore | str | os.PathLike"):
     """Prepare a NIfTI case exactly as ``bigmem convert`` prepared the cases a model trained on.
@@ -424,7 +404,7 @@ def prepare_nifti(image_paths: str | os.PathLike | Sequence[str | os.PathLike],
         >>> image, geometry, stats = prepare_nifti("imagesTs/BRATS_485.nii.gz", ModelCard.of_run("runs/brats"))
     """
     from bigmem.data.convert import centre_fit, resample_image
-    from bigmem.data.nifti import case_id_of
+    from bigmem.data.nifti import case_id_of, load_channels
     from bigmem.data.preprocess import case_statistics
     from bigmem.infer.modelcard import ModelCard
 
@@ -434,7 +414,7 @@ def prepare_nifti(image_paths: str | os.PathLike | Sequence[str | os.PathLike],
     if not isinstance(card, ModelCard):
         card = ModelCard.from_store(card.path if isinstance(card, HDF5VolumeStore) else card)
     case_id = case_id_of(paths[0])
-    loaded = _load_channels(paths, case_id)
+    loaded = load_channels(paths, case_id)
     if loaded.image.shape[3] != card.num_channels:
         raise DataError(f"Case {case_id!r}: {loaded.image.shape[3]} channel{'s' if loaded.image.shape[3] != 1 else ''}"
                         f" in {', '.join(map(str, paths))}; the model takes {card.num_channels} "

@@ -32,7 +32,8 @@ def whole_volume_estimate(predictor: Predictor, shape: Sequence[int]):
     return estimate_inference(predictor.config, counts_function(predictor.config)(padded), padded)
 
 
-def mode_chooser(mode: str, budget_bytes: int | None = None, *, flag: str = "--memory-budget", force: bool = False,
+def mode_chooser(mode: str, budget_bytes: int | None = None, *, flag: str = "--memory-budget",
+                 ignore_plan: bool = False,
                  console: Console | None = None) -> Callable[[Predictor, Sequence[int]], Mode]:
     """``(predictor, spatial_shape) -> Mode`` for ``--mode``: fixed, checked (whole) or chosen (auto).
 
@@ -40,20 +41,20 @@ def mode_chooser(mode: str, budget_bytes: int | None = None, *, flag: str = "--m
         mode: 'auto', 'whole' or 'sliding'.
         budget_bytes: an explicit budget (``--memory-budget``), else the placement's or MemAvailable.
         flag: how the budget was spelled, for messages.
-        force: run ``whole`` even where it does not fit.
+        ignore_plan: run ``whole`` even where the plan says it does not fit (``--ignore-plan``).
         console: where auto's choice and its reason are printed.
 
     Returns:
         The chooser ``bigmem.infer.predict.predict`` calls once per case, when its shape is known.
 
     Raises:
-        InsufficientMemoryError: (from the chooser; exit 3) ``whole`` does not fit, unless ``force``.
+        InsufficientMemoryError: (from the chooser; exit 3) ``whole`` does not fit, unless ``ignore_plan``.
     """
     from bigmem.config.options import look_up_option
     from bigmem.memory.preflight import resolve_budget
 
     chosen = look_up_option(mode, Mode, flag="--mode")
-    if chosen is Mode.SLIDING or (chosen is Mode.WHOLE and force):
+    if chosen is Mode.SLIDING or (chosen is Mode.WHOLE and ignore_plan):
         return lambda predictor, shape: chosen
     budget = resolve_budget(budget_bytes, flag=flag)
 
@@ -63,13 +64,13 @@ def mode_chooser(mode: str, budget_bytes: int | None = None, *, flag: str = "--m
         what = (f"whole {'x'.join(map(str, padded_shape(shape, predictor.divisor)))} needs "
                 f"{format_bytes(predicted)} of a {format_bytes(budget.budget_bytes)} budget ({budget.source})")
         if chosen is Mode.WHOLE:
-            if not fits and not force:
+            if not fits and not ignore_plan:
                 raise InsufficientMemoryError(
                     f"Predicted peak {format_bytes(predicted)} for {predictor.config.model.name} at "
                     f"{'x'.join(map(str, padded_shape(shape, predictor.divisor)))} (inference, "
                     f"{predictor.config.train.precision.value}) exceeds the memory budget "
                     f"{format_bytes(budget.budget_bytes)} ({budget.source}): use --mode sliding (or auto), or pass "
-                    "--force to try anyway.", predicted, budget.budget_bytes)
+                    "--ignore-plan to try anyway.", predicted, budget.budget_bytes)
             return Mode.WHOLE
         if console is not None:
             console.print(f"auto: {'whole' if fits else 'sliding'} ({what})", highlight=False)

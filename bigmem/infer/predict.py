@@ -12,7 +12,6 @@ the class probabilities are mapped back to the source grid before the argmax.
 from __future__ import annotations
 
 import functools
-import json
 import math
 import os
 import time
@@ -192,58 +191,36 @@ def _existing_input(source: str | os.PathLike) -> Path:
 
 
 def find_inputs(source: str | os.PathLike, card: ModelCard, *,
-                cases: Sequence[str] | None = None) -> list[CaseInput]:
-    """The cases of INPUT: a NIfTI file, a folder of them, an MSD folder, or a bigmem store.
+                cases: Sequence[str] | None = None, say: Callable[[str], None] | None = None) -> list[CaseInput]:
+    """The cases of INPUT: a NIfTI file, a folder of them, an MSD or nnU-Net v2 folder, KiTS case folders, or a
+    bigmem store (NIfTI input as ``bigmem.data.layouts.list_images`` finds and names its cases).
 
     Args:
         source: the input path.
         card: what the model expects (``Predictor.preparation``); NIfTI inputs are prepared as
             ``bigmem convert`` prepared its training cases.
         cases: only these case ids (a store or folder); None: all.
+        say: called with one line saying what NIfTI input holds ("KiTS case folders: 3 cases in kits/").
 
     Returns:
         One ``CaseInput`` per case, sorted by id.
 
     Raises:
-        DataError: nothing to read, or an unknown case.
+        DataError: nothing to read, an unknown case, two inputs that would be written to one output
+            name, or a case missing a channel file.
     """
-    from bigmem.data.nifti import case_id_of
+    from bigmem.data.layouts import list_images
 
     path = _existing_input(source)
     if path.suffix == ".h5":
         return _pick(_store_inputs(path), cases, str(path))
-    if path.is_file():
-        if not _nifti_name(path):
-            raise DataError(f"INPUT {str(path)!r} is not a NIfTI file (.nii, .nii.gz) or a bigmem store (.h5).")
-        files = {case_id_of(path): [path]}
-    else:
-        files = _folder_cases(path)
-    inputs = [_nifti_input(case_id, paths, card) for case_id, paths in sorted(files.items())]
+    if path.is_file() and not _nifti_name(path):
+        raise DataError(f"INPUT {str(path)!r} is not a NIfTI file (.nii, .nii.gz) or a bigmem store (.h5).")
+    listing = list_images(path)
+    if say is not None:
+        say(listing.summary)
+    inputs = [_nifti_input(case_id, paths, card) for case_id, paths in listing.cases.items()]
     return _pick(inputs, cases, str(path))
-
-
-def _folder_cases(folder: Path) -> dict[str, list[Path]]:
-    """Case id -> its channel files (nnU-Net's ``_0000`` suffixes, in order) of a folder or an MSD folder."""
-    from bigmem.data.nifti import case_id_of
-
-    if (folder / "dataset.json").is_file():  # MSD: the test images, else imagesTs/, else imagesTr/
-        try:
-            listed = json.loads((folder / "dataset.json").read_text()).get("test") or []
-        except ValueError as exc:
-            raise DataError(f"Cannot read {folder / 'dataset.json'}: {exc}") from None
-        files = [folder / (entry if isinstance(entry, str) else entry.get("image", "")) for entry in listed]
-        files = [f for f in files if _nifti_name(f)]
-        if not files:
-            sub = folder / "imagesTs" if (folder / "imagesTs").is_dir() else folder / "imagesTr"
-            files = [f for f in sorted(sub.glob("*")) if _nifti_name(f)]
-    else:
-        files = [f for f in sorted(folder.iterdir()) if _nifti_name(f) and not f.name.startswith(".")]
-    if not files:
-        raise DataError(f"No NIfTI files (.nii, .nii.gz) in {str(folder)!r}.")
-    grouped: dict[str, list[Path]] = {}
-    for file in sorted(files):
-        grouped.setdefault(case_id_of(file), []).append(file)
-    return grouped
 
 
 def _nifti_input(case_id: str, paths: list[Path], card: ModelCard) -> CaseInput:
@@ -363,6 +340,19 @@ class CaseResult:
     probabilities_path: Path | None
 
 
+@dataclass(frozen=True)
+class KeptOutput:
+    """A case whose output was there already and is kept (``predict`` without ``force``): nothing computed."""
+
+    case_id: str
+    labels_path: Path
+
+
+def labels_path_of(out_dir: Path, case_id: str) -> Path:
+    """Where ``predict`` writes a case's labels: ``OUT/<case id>.nii.gz``."""
+    return Path(out_dir) / f"{case_id}.nii.gz"
+
+
 def predict_case(predictor: Predictor, item: CaseInput, out_dir: Path, *, mode: Mode | Callable,
                  window: int | tuple[int, int, int] | None = None, overlap: float = DEFAULT_OVERLAP,
                           accumulate: str = "float32",
@@ -393,7 +383,7 @@ def predict_case(predictor: Predictor, item: CaseInput, out_dir: Path, *, mode: 
                                           accumulate=accumulate, tta=tta)
     del image
     labels_path = write_nifti(labels_to_source(probabilities, geometry), geometry.source_affine,
-                              out_dir / f"{item.case_id}.nii.gz")
+                              labels_path_of(out_dir, item.case_id))
     probabilities_path = None
     if save_probabilities:
         mapped = scores_to_source(probabilities, geometry).astype(np.float16)
@@ -408,22 +398,32 @@ def predict(run_dir: str | os.PathLike, source: str | os.PathLike, out_dir: str 
             window: int | tuple[int, int, int] | None = None, overlap: float = DEFAULT_OVERLAP,
                           accumulate: str = "float32",
             tta: bool = False, save_probabilities: bool = False, choose_mode=None,
-            verbose: bool = False) -> Iterator[CaseResult]:
+            verbose: bool = False, force: bool = False,
+            say: Callable[[str], None] | None = None) -> Iterator[CaseResult | KeptOutput]:
     """Segment every case of ``source`` with the run in ``run_dir``; yields each case's result as it is written.
 
     Args:
         run_dir: a ``bigmem train`` run directory.
-        source: a NIfTI file, a folder of them, an MSD folder, or a bigmem store.
-        out_dir: where ``<case>.nii.gz`` go (created).
+        source: a NIfTI file, a folder of them, an MSD or nnU-Net v2 folder, KiTS case folders (or one),
+            or a bigmem store.
+        out_dir: where ``<case>.nii.gz`` go (created), named after each case's id in its layout
+            (``case_00000.nii.gz`` for a KiTS case folder, never ``imaging.nii.gz``).
         checkpoint: 'final', 'best', 'latest' or 'ckpt-N'.
         cases: only these case ids.
         mode: 'whole', 'sliding' or 'auto' (``choose_mode(predictor, spatial_shape) -> Mode``
             decides per case, e.g. by the inference memory plan).
         window, overlap, accumulate, tta: as ``predict_probabilities``.
         save_probabilities: also write the class probabilities (float16) in the source geometry.
+        force: overwrite existing outputs (default False: a case whose ``<case>.nii.gz`` exists is
+            kept, and yielded as a ``KeptOutput``).
+        say: called with one line saying what NIfTI input holds (``find_inputs``).
+
+    Yields:
+        A ``CaseResult`` per case segmented, a ``KeptOutput`` per case whose output was kept.
 
     Raises:
-        DataError: bad run directory, input or checkpoint.
+        DataError: bad run directory, input or checkpoint; two inputs that would be written to one
+            output name (before anything is written).
         UsageError: a bad mode, window or overlap.
     """
     chosen = look_up_option(mode, Mode, flag="--mode")
@@ -443,10 +443,13 @@ def predict(run_dir: str | os.PathLike, source: str | os.PathLike, out_dir: str 
                          f"(the network downsamples {predictor.config.model.depth} times).")
     if window is not None:
         check_shape("--window", window, predictor.config.model)
-    inputs = find_inputs(source, predictor.preparation, cases=cases)
+    inputs = find_inputs(source, predictor.preparation, cases=cases, say=say)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for item in inputs:
+        if not force and labels_path_of(out, item.case_id).exists():
+            yield KeptOutput(item.case_id, labels_path_of(out, item.case_id))
+            continue
         yield predict_case(predictor, item, out, mode=chosen if chosen is not Mode.AUTO else choose_mode,
                            window=window, overlap=overlap, accumulate=accumulate, tta=tta,
                            save_probabilities=save_probabilities)

@@ -427,7 +427,7 @@ def inference_plan(config: ExperimentConfig, counts_for: CountsFor, budget: Budg
             f"Predicted peak {format_bytes(candidate.predicted_peak_bytes)} for {config.model.name} at "
             f"{candidate.shape_text} (inference, {candidate.precision}) exceeds the memory budget "
             f"{format_bytes(budget.budget_bytes)} ({budget.source}): {fix}; segment it in sliding windows, "
-            "or pass --force to try anyway.", candidate.predicted_peak_bytes, budget.budget_bytes)
+            "or predict with --ignore-plan to try anyway.", candidate.predicted_peak_bytes, budget.budget_bytes)
     return Plan(candidate.fits, budget.budget_bytes, budget.source, candidate, candidate, [candidate], [candidate],
                 forced=force and not candidate.fits, calibration=calibration, kind="inference")
 

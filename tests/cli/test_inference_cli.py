@@ -84,7 +84,7 @@ def test_plan_inference_fixed_volume_exits_3_naming_what_fits(tmp_path, capsys):
     assert err.startswith("bigmem plan: error: Predicted peak ")
     assert (f"for small at {largest['volume'] + 64}^3 (inference, fp32) exceeds the memory budget 2.00 GiB "
             f"(--budget): the largest whole volume that fits is {largest['volume']}^3 (est. ") in err
-    assert "; segment it in sliding windows, or pass --force to try anyway." in err
+    assert "; segment it in sliding windows, or predict with --ignore-plan to try anyway." in err
     plan = json.loads(fixed.read_text())  # written before the refusal, as bigmem plan does
     assert plan["kind"] == "inference" and not plan["fits"] and plan["chosen"]["volume"] == largest["volume"] + 64
     assert f"{largest['volume'] + 64}^3 does not fit" in stdout

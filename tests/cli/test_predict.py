@@ -47,7 +47,7 @@ def _labels(path):
 def test_held_out_dice_from_predict_and_evaluate_equals_val_dice(trained, tmp_path, capsys):
     run, store = trained
     code, stdout, err = run_cli(["predict", run, store, "--cases", "synth_0003", "-o", tmp_path / "pred",
-                                 "--mode", "whole", "--force"], capsys)
+                                 "--mode", "whole", "--ignore-plan"], capsys)
     assert code == 0, err
     assert stdout.startswith("synth_0003: whole, 16x16x16, ") and "Segmented 1 case into" in stdout
     labels, affine = _labels(tmp_path / "pred" / "synth_0003.nii.gz")
@@ -64,7 +64,7 @@ def test_one_window_over_the_whole_volume_is_the_whole_pass(trained, tmp_path, c
     """Sliding with the window = the volume is one window: its Gaussian weights cancel exactly."""
     run, store = trained
     whole = ["predict", run, store, "--cases", "synth_0000", "--save-probabilities"]
-    assert run_cli([*whole, "-o", tmp_path / "w", "--mode", "whole", "--force"], capsys)[0] == 0
+    assert run_cli([*whole, "-o", tmp_path / "w", "--mode", "whole", "--ignore-plan"], capsys)[0] == 0
     assert run_cli([*whole, "-o", tmp_path / "s", "--mode", "sliding", "--window", "16"], capsys)[0] == 0
     assert run_cli([*whole, "-o", tmp_path / "d", "--mode", "sliding", "--window", "16,16,16"], capsys)[0] == 0
     a = np.load(tmp_path / "w" / "synth_0000_probabilities.npz")
@@ -165,3 +165,77 @@ def test_bad_input_is_one_line(trained, tmp_path, capsys, argv, code, message):
     fill = {"tmp": str(tmp_path), "store": str(store), "run": str(run)}
     got, _, err = run_cli([a.format(**fill) for a in argv], capsys)
     assert (got, err.strip()) == (code, message.format(**fill))
+
+
+@pytest.fixture(scope="module")
+def kits_run(tmp_path_factory):
+    """A tiny run trained on two KiTS case folders (converted to 16^3), and the folders with a third, test case."""
+    import io
+    import sys
+
+    from bigmem.cli.main import main
+    from bigmem.data.layouts import read_dataset
+    from helpers import make_kits
+
+    root = tmp_path_factory.mktemp("kits")
+    kits = make_kits(root / "kits", {"case_00000": ((20, 24, 16), (0, 1, 2)), "case_00001": ((18, 22, 14), (0, 1)),
+                                     "case_00002": ((17, 20, 15), None)})
+    store = root / "kits.h5"
+    convert(read_dataset(kits), store, shape=(16, 16, 16))
+    out, sys.stdout = sys.stdout, io.StringIO()
+    try:
+        code = main(["train", "--model", "tiny", "--data", str(store), "--steps", "2", "--volume", "16",
+                     "--out", str(root / "run")])
+    finally:
+        sys.stdout = out
+    assert code == 0
+    return root / "run", kits
+
+
+def test_kits_folders_predict_into_one_folder_named_by_case(kits_run, tmp_path, capsys):
+    run, kits = kits_run
+    out = tmp_path / "out"
+    code, stdout, err = run_cli(["predict", run, kits, "-o", out, "--mode", "sliding"], capsys)
+    assert code == 0, err
+    assert stdout.splitlines()[0] == f"KiTS case folders: 3 cases in {kits}"
+    assert sorted(p.name for p in out.iterdir()) == ["case_00000.nii.gz", "case_00001.nii.gz", "case_00002.nii.gz"]
+    for case_id, shape in (("case_00000", (20, 24, 16)), ("case_00001", (18, 22, 14)), ("case_00002", (17, 20, 15))):
+        labels, affine = _labels(out / f"{case_id}.nii.gz")
+        assert labels.shape == shape and labels.dtype == np.uint8
+        np.testing.assert_allclose(affine, nib.load(str(kits / case_id / "imaging.nii.gz")).affine)
+    assert stdout.splitlines()[-1] == f"Segmented 3 cases into {out}."
+    first = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    # a second run keeps what is there, and says so; a case of its own folder is named after the folder
+    nib.save(nib.Nifti1Image(np.zeros((20, 24, 16), np.uint8), np.eye(4)), str(out / "case_00000.nii.gz"))
+    stale = (out / "case_00000.nii.gz").read_bytes()
+    code, stdout, err = run_cli(["predict", run, kits, "-o", out, "--mode", "sliding"], capsys)
+    assert code == 0, err
+    assert stdout.splitlines()[1:] == [
+        f"case_0000{i}: {out / f'case_0000{i}.nii.gz'} exists, kept (--force overwrites it)" for i in range(3)] + [
+        f"Segmented 0 cases into {out}; kept 3 existing outputs (--force overwrites them)."]
+    assert (out / "case_00000.nii.gz").read_bytes() == stale
+
+    # --force segments again and overwrites
+    code, stdout, err = run_cli(["predict", run, kits / "case_00000", "-o", out, "--mode", "sliding", "--force"],
+                                capsys)
+    assert code == 0, err
+    assert stdout.splitlines()[0] == f"KiTS case folder: 1 case in {kits / 'case_00000'}"
+    assert stdout.splitlines()[-1] == f"Segmented 1 case into {out}."
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == first
+
+
+def test_two_inputs_for_one_output_are_refused_before_writing(kits_run, tmp_path, capsys):
+    run, kits = kits_run
+    scans = tmp_path / "scans"
+    scans.mkdir()
+    image = kits / "case_00001" / "imaging.nii.gz"
+    (scans / "a.nii.gz").write_bytes(image.read_bytes())
+    (scans / "a_0000.nii.gz").write_bytes(image.read_bytes())
+    (scans / "b.nii.gz").write_bytes(image.read_bytes())
+    code, _, err = run_cli(["predict", run, scans, "-o", tmp_path / "out", "--mode", "sliding"], capsys)
+    assert code == 1
+    assert err.strip() == (f"bigmem predict: error: Case 'a': {scans / 'a.nii.gz'} and {scans / 'a_0000.nii.gz'} "
+                           "would both be segmented into a.nii.gz; rename one of them, or predict them into different "
+                           "folders.")
+    assert not (tmp_path / "out").exists()

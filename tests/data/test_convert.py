@@ -137,6 +137,57 @@ def test_4d_images_and_nnunet_style_json(tmp_path, capsys):
     np.testing.assert_array_equal(image, expected[d:d + 16, h:h + 16, w:w + 16].astype(stored).astype(np.float32))
 
 
+def _nnunet(root: Path, rng, cases=("BraTS_001", "BraTS_002"), channels=("FLAIR", "T1w", "T1gd")) -> Path:
+    """An nnU-Net v2 raw folder: one file per channel (imagesTr/CASE_000c.nii.gz), no case list in dataset.json."""
+    (root / "imagesTr").mkdir(parents=True)
+    (root / "labelsTr").mkdir()
+    for case_id in cases:
+        image, label, affine = _case((13, 11, 9), rng, channels=len(channels))
+        for c in range(len(channels)):
+            _save(root / "imagesTr" / f"{case_id}_{c:04d}.nii.gz", np.round(image[..., c]).astype(np.int16), affine)
+        _save(root / "labelsTr" / f"{case_id}.nii.gz", label, affine)
+    (root / "dataset.json").write_text(json.dumps({
+        "channel_names": {str(i): c for i, c in enumerate(channels)}, "labels": {"background": 0, "a": 1, "b": 2},
+        "numTraining": len(cases), "file_ending": ".nii.gz"}))
+    return root
+
+
+def test_nnunet_v2_converts_every_channel_in_order(tmp_path, capsys):
+    src = _nnunet(tmp_path / "Dataset001_BrainTumour", np.random.default_rng(6))
+    out = tmp_path / "n.h5"
+    code, stdout, err = run_cli(["convert", src, "-o", out], capsys)
+    assert code == 0, err
+    assert stdout.splitlines()[0] == ("nnU-Net v2 raw: 3 channels (FLAIR, T1w, T1gd), 3 classes (background, a, b), "
+                                      "2 training cases")
+    store = HDF5VolumeStore(out)
+    assert store.case_ids == ["BraTS_001", "BraTS_002"] and store.channel_names == ["FLAIR", "T1w", "T1gd"]
+    image, label = store.read_case("BraTS_002")
+    files = [src / "imagesTr" / f"BraTS_002_{c:04d}.nii.gz" for c in range(3)]
+    for c, path in enumerate(files):  # each channel is its own file's canonical data, exactly (int16 is kept)
+        np.testing.assert_array_equal(image[..., c], _canonical(path).astype(np.float32))
+    np.testing.assert_array_equal(label, _canonical(src / "labelsTr" / "BraTS_002.nii.gz"))
+    with h5py.File(out) as handle:
+        assert [str(p) for p in handle["cases/BraTS_002"].attrs["source_image"]] == [str(f) for f in files]
+    entry = json.loads((tmp_path / "n.manifest.json").read_text())["cases"]["BraTS_002"]
+    assert entry["source_image"] == [str(f) for f in files]
+    assert entry["source_sha256"]["image"] == [hashlib.sha256(f.read_bytes()).hexdigest() for f in files]
+
+
+def test_nnunet_v2_case_missing_a_channel(tmp_path, capsys):
+    src = _nnunet(tmp_path / "Dataset002", np.random.default_rng(7))
+    missing = src / "imagesTr" / "BraTS_001_0002.nii.gz"
+    missing.unlink()
+    code, _, err = run_cli(["convert", src, "-o", tmp_path / "n.h5"], capsys)
+    assert code == 1
+    assert err.strip() == (f"bigmem convert: error: Case 'BraTS_001': no file for channel 2 (T1gd): {missing} is "
+                           "missing; dataset.json names 3 channels (FLAIR, T1w, T1gd).")
+    assert not (tmp_path / "n.h5").exists()
+    code, stdout, err = run_cli(["convert", src, "-o", tmp_path / "n.h5", "--skip-bad"], capsys)
+    assert code == 0, err
+    assert f"Wrote 1 case to {tmp_path / 'n.h5'}; 1 skipped" in stdout
+    assert HDF5VolumeStore(tmp_path / "n.h5").case_ids == ["BraTS_002"]
+
+
 def test_globs_append_and_force(tmp_path, capsys):
     rng = np.random.default_rng(2)
     data = tmp_path / "raw"
@@ -266,7 +317,7 @@ def test_skip_bad_keeps_the_good_cases(kind, tmp_path, capsys):
     out = tmp_path / "s.h5"
     code, stdout, err = run_cli(["convert", src, "-o", out, "--skip-bad"], capsys)
     assert code == 0, err
-    assert "skipped: Case '" in stdout and f"Wrote 1 cases to {out}; 1 skipped" in stdout
+    assert "skipped: Case '" in stdout and f"Wrote 1 case to {out}; 1 skipped" in stdout
     assert HDF5VolumeStore(out).case_ids == ["good"]
 
 
@@ -282,7 +333,8 @@ def test_non_consecutive_labels_in_dataset_json(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    ([], "Give SRC (an MSD folder or dataset.json), or both --images and --labels."),
+    ([], "Give SRC (an MSD or nnU-Net v2 folder, its dataset.json, or KiTS case folders), or both --images and "
+         "--labels."),
     (["SRC", "--images", "x"], "Give either SRC or --images/--labels, not both."),
     (["SRC", "--chunks", "0"], "Invalid --chunks '0': expected a chunk edge in voxels (e.g. 64) or none."),
     (["SRC", "--chunks", "none", "--compression", "lzf"], "--chunks none writes contiguous datasets, which HDF5 "
@@ -299,9 +351,10 @@ def test_usage_errors(tmp_path, capsys, argv, message):
 def test_not_an_msd_folder(tmp_path, capsys):
     code, _, err = run_cli(["convert", tmp_path, "-o", tmp_path / "s.h5"], capsys)
     assert code == 1
-    assert err.strip() == (f"bigmem convert: error: No dataset.json in {str(tmp_path)!r}: expected a Medical "
-                           "Segmentation Decathlon folder (dataset.json, imagesTr/, labelsTr/) or --images/--labels "
-                           "globs.")
+    assert err.strip() == (f"bigmem convert: error: No dataset.json in {str(tmp_path)!r} and no KiTS case folders: "
+                           "expected a Medical Segmentation Decathlon or nnU-Net v2 folder (dataset.json, imagesTr/, "
+                           "labelsTr/), KiTS case folders (case_00000/imaging.nii.gz, segmentation.nii.gz), or "
+                           "--images/--labels globs.")
 
 
 def test_throttled_writes_are_identical_and_rate_limited(msd_3d, tmp_path, capsys):

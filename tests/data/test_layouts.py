@@ -1,0 +1,341 @@
+"""Dataset layouts: MSD, nnU-Net v2 raw (channel files, regions) and KiTS case folders, detected and listed."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bigmem.data.layouts import (Layout, describe_dataset, detect_layout, list_images, read_dataset, read_globs,
+                                 read_kits)
+from bigmem.data.nifti import load_channels
+from bigmem.data.store import HDF5VolumeStore
+from bigmem.errors import DataError
+from helpers import make_kits, run_cli, save_nifti
+
+SHAPE = (10, 12, 8)
+BRATS_REGIONS = {"background": 0, "whole_tumor": [1, 2, 3], "tumor_core": [2, 3], "enhancing_tumor": [3]}
+
+
+def make_nnunet(root: Path, cases=("BraTS_001", "BraTS_002"), *, channels=("FLAIR", "T1w"), labels=None,
+                tests=(), **extra) -> Path:
+    """An nnU-Net v2 raw folder: imagesTr/CASE_000c.nii.gz per channel, labelsTr/CASE.nii.gz, imagesTs/."""
+    rng = np.random.default_rng(0)
+    labels = labels or {"background": 0, "edema": 1, "tumour": 2}
+    root.mkdir(parents=True, exist_ok=True)
+    for case_id in cases:
+        for c in range(len(channels)):
+            save_nifti(root / "imagesTr" / f"{case_id}_{c:04d}.nii.gz", rng.normal(c, 1, SHAPE).astype(np.float32))
+        save_nifti(root / "labelsTr" / f"{case_id}.nii.gz", rng.integers(0, 3, SHAPE).astype(np.uint8))
+    for case_id in tests:
+        for c in range(len(channels)):
+            save_nifti(root / "imagesTs" / f"{case_id}_{c:04d}.nii.gz", np.zeros(SHAPE, np.float32))
+    meta = {"channel_names": {str(i): c for i, c in enumerate(channels)}, "labels": labels,
+            "numTraining": len(cases), "file_ending": ".nii.gz", **extra}
+    (root / "dataset.json").write_text(json.dumps(meta))
+    return root
+
+
+def make_msd(root: Path, cases=("a", "b"), *, test=None) -> Path:
+    for case_id in cases:
+        save_nifti(root / "imagesTr" / f"{case_id}.nii.gz", np.zeros(SHAPE + (2,), np.float32))
+        save_nifti(root / "labelsTr" / f"{case_id}.nii.gz", np.zeros(SHAPE, np.uint8))
+    meta = {"modality": {"0": "T1", "1": "T2"}, "labels": {"0": "background", "1": "lesion"},
+            "training": [{"image": f"./imagesTr/{c}.nii.gz", "label": f"./labelsTr/{c}.nii.gz"} for c in cases]}
+    if test is not None:
+        for case_id in test:
+            save_nifti(root / "imagesTs" / f"{case_id}.nii.gz", np.zeros(SHAPE + (2,), np.float32))
+        meta["test"] = [f"./imagesTs/{c}.nii.gz" for c in test]
+    (root / "dataset.json").write_text(json.dumps(meta))
+    return root
+
+
+def _meta(root: Path, **changes) -> None:
+    meta = json.loads((root / "dataset.json").read_text())
+    meta.update(changes)
+    (root / "dataset.json").write_text(json.dumps(meta))
+
+
+# ---- detection and listing for convert -----------------------------------------------------
+
+
+def test_each_layout_is_detected(tmp_path):
+    assert detect_layout(make_msd(tmp_path / "Task05")) is Layout.MSD
+    assert detect_layout(make_nnunet(tmp_path / "Dataset001_BraTS")) is Layout.NNUNET
+    kits = make_kits(tmp_path / "kits", {"case_00000": (SHAPE, (0, 1, 2))})
+    assert detect_layout(kits) is Layout.KITS
+    assert detect_layout(kits / "case_00000") is Layout.KITS_CASE
+    save_nifti(tmp_path / "loose" / "scan.nii.gz", np.zeros(SHAPE, np.float32))
+    assert detect_layout(tmp_path / "loose") is Layout.FILES
+    (tmp_path / "empty").mkdir()
+    assert detect_layout(tmp_path / "empty") is None
+
+
+def test_nnunet_cases_list_every_channel_file_in_order(tmp_path):
+    root = make_nnunet(tmp_path / "Dataset001_BraTS", cases=("BraTS_002", "BraTS_001"))
+    dataset = read_dataset(root)
+    assert [c.case_id for c in dataset.cases] == ["BraTS_001", "BraTS_002"]
+    assert dataset.cases[0].image_files == [root / "imagesTr" / "BraTS_001_0000.nii.gz",
+                                            root / "imagesTr" / "BraTS_001_0001.nii.gz"]
+    assert dataset.cases[0].label == root / "labelsTr" / "BraTS_001.nii.gz"
+    assert (dataset.layout, dataset.regions, dataset.notes, dataset.problems) == (Layout.NNUNET, {}, [], [])
+    assert describe_dataset(dataset) == ("nnU-Net v2 raw: 2 channels (FLAIR, T1w), 3 classes (background, edema, "
+                                         "tumour), 2 training cases")
+
+
+def test_nnunet_problems_name_the_case_and_the_file(tmp_path):
+    root = make_nnunet(tmp_path / "Dataset002", cases=("a", "b", "c", "d"))
+    (root / "imagesTr" / "b_0001.nii.gz").unlink()
+    save_nifti(root / "imagesTr" / "c_0002.nii.gz", np.zeros(SHAPE, np.float32))
+    (root / "labelsTr" / "d.nii.gz").unlink()
+    save_nifti(root / "imagesTr" / "e.nii.gz", np.zeros(SHAPE, np.float32))
+    _meta(root, numTraining=5)
+    dataset = read_dataset(root)
+    assert [c.case_id for c in dataset.cases] == ["a"]
+    images = root / "imagesTr"
+    assert dataset.problems == [
+        f"{images / 'e.nii.gz'}: no channel suffix; nnU-Net v2 names image files CASE_0000.nii.gz (channel 0), "
+        "CASE_0001.nii.gz, ...",
+        f"Case 'b': no file for channel 1 (T1w): {images / 'b_0001.nii.gz'} is missing; dataset.json names 2 "
+        "channels (FLAIR, T1w).",
+        f"Case 'c': {images / 'c_0002.nii.gz'} is channel 2, but dataset.json names 2 channels (FLAIR, T1w).",
+        f"Case 'd': no label {root / 'labelsTr' / 'd.nii.gz'} (nnU-Net v2 keeps labelsTr/CASE.nii.gz for "
+        "imagesTr/CASE_0000.nii.gz).",
+    ]
+    assert dataset.notes == [f"{root / 'dataset.json'} says numTraining 5; {images} holds 4 cases."]
+
+
+def test_nnunet_folder_without_images_or_with_another_file_ending(tmp_path):
+    root = make_nnunet(tmp_path / "Dataset003", cases=())
+    with pytest.raises(DataError, match=re.escape(
+            f"{root / 'dataset.json'} has no 'training' list (MSD) and {root / 'imagesTr'} no nnU-Net v2 training "
+            "images: expected imagesTr/CASE_0000.nii.gz (one file per channel) and labelsTr/CASE.nii.gz.")):
+        read_dataset(root)
+    _meta(root, file_ending=".mha")
+    with pytest.raises(DataError, match=re.escape(
+            f"{root / 'dataset.json'}: 'file_ending' is \".mha\"; bigmem reads NIfTI files (\".nii.gz\" or \".nii\"): "
+            "convert the images to NIfTI first.")):
+        read_dataset(root)
+
+
+def test_regions_train_as_the_painted_label_values(tmp_path):
+    root = make_nnunet(tmp_path / "Dataset137_BraTS", labels=BRATS_REGIONS, regions_class_order=[1, 2, 3])
+    dataset = read_dataset(root)
+    assert dataset.label_names == ["background", "whole_tumor", "tumor_core", "enhancing_tumor"]
+    assert dataset.regions == {"whole_tumor": [1, 2, 3], "tumor_core": [2, 3], "enhancing_tumor": [3]}
+    assert dataset.notes == ["Regions (whole_tumor: 1, 2, 3; tumor_core: 2, 3; enhancing_tumor: 3) are trained as 4 "
+                             "classes (the label values 0..3 that regions_class_order paints) and scored as regions."]
+    # class v is named after the region painted v, whatever the order of 'labels'
+    _meta(root, labels={"background": 0, "inner": [2], "outer": [1, 2]}, regions_class_order=[2, 1])
+    dataset = read_dataset(root)
+    assert dataset.label_names == ["background", "outer", "inner"]
+    assert dataset.regions == {"inner": [2], "outer": [1, 2]}
+
+
+@pytest.mark.parametrize("labels, order, message", [
+    (BRATS_REGIONS, None,
+     "'labels' gives regions (whole_tumor: [1, 2, 3]; tumor_core: [2, 3]; enhancing_tumor: [3]) but no "
+     "'regions_class_order'; add \"regions_class_order\" (the label value the label files hold for each region, in "
+     "the order of 'labels', as nnU-Net v2 writes it), or give each label a single value."),
+    (BRATS_REGIONS, [1, 2, 4],
+     "'regions_class_order' [1, 2, 4] is not the label values 1..3, one per region (whole_tumor: [1, 2, 3]; "
+     "tumor_core: [2, 3]; enhancing_tumor: [3]); bigmem trains the label files' values 0..3 as classes: remap the "
+     "label files, or give each label a single value."),
+    ({"background": 0, "whole_tumor": [1, 2, 4], "tumor_core": [2, 4], "enhancing_tumor": [4]}, [1, 2, 3],
+     "region 'whole_tumor' [1, 2, 4]: label values [4] are not among the label files' 1..3 (regions_class_order "
+     "[1, 2, 3]); map each region to the label values its class order paints, or give each label a single value."),
+    (BRATS_REGIONS, [3, 2, 1],
+     "region 'enhancing_tumor' [3]: it does not hold 1, its regions_class_order value (regions_class_order [3, 2, 1]); "
+     "map each region to the label values its class order paints, or give each label a single value."),
+    ({"whole_tumor": [1, 2], "core": [2]}, [1, 2],
+     "'labels' defines regions but no background (a label with value 0), such as {\"background\": 0, "
+     "\"whole_tumor\": [1, 2, 3]}."),
+])
+def test_bad_regions_say_how_to_map_them(tmp_path, labels, order, message):
+    extra = {} if order is None else {"regions_class_order": order}
+    root = make_nnunet(tmp_path / "Dataset137", labels=labels, **extra)
+    with pytest.raises(DataError, match=f"^{re.escape(str(root / 'dataset.json') + ': ' + message)}$"):
+        read_dataset(root)
+
+
+def test_regions_reach_the_store_and_its_manifest(tmp_path, capsys):
+    root = make_nnunet(tmp_path / "Dataset137", labels=BRATS_REGIONS, regions_class_order=[1, 2, 3])
+    out = tmp_path / "brats.h5"
+    code, stdout, err = run_cli(["convert", root, "-o", out], capsys)
+    assert code == 0, err
+    assert stdout.splitlines()[:2] == [
+        "nnU-Net v2 raw: 2 channels (FLAIR, T1w), 4 classes (background, whole_tumor, tumor_core, enhancing_tumor), "
+        "2 training cases",
+        "Regions (whole_tumor: 1, 2, 3; tumor_core: 2, 3; enhancing_tumor: 3) are trained as 4 classes (the label "
+        "values 0..3 that regions_class_order paints) and scored as regions."]
+    with HDF5VolumeStore(out) as store:
+        assert store.regions == {"whole_tumor": [1, 2, 3], "tumor_core": [2, 3], "enhancing_tumor": [3]}
+        assert store.num_classes == 4 and store.num_channels == 2
+    assert json.loads((tmp_path / "brats.manifest.json").read_text())["regions"] == store.regions
+
+
+def test_store_regions_absent_or_damaged(tmp_path, tiny_store):
+    import h5py
+
+    assert HDF5VolumeStore(tiny_store).regions == {}
+    damaged = tmp_path / "damaged.h5"
+    damaged.write_bytes(tiny_store.read_bytes())
+    with h5py.File(damaged, "a") as handle:
+        handle.attrs["regions"] = json.dumps({"whole": [1, 5]})  # the store has 3 classes
+    with pytest.raises(DataError, match=re.escape(
+            f"Store {str(damaged)!r}: region 'whole' has label values [5]; expected labels 1..2 (background belongs "
+            "to no region).")):
+        HDF5VolumeStore(damaged)
+
+
+def test_kits_case_ids_are_the_folder_names_and_test_cases_are_skipped(tmp_path, capsys):
+    kits = make_kits(tmp_path / "kits", {"case_00000": ((12, 12, 10), (0, 1, 2)), "case_00001": (SHAPE, (0, 1)),
+                                         "case_00002": (SHAPE, None)})
+    dataset = read_dataset(kits)
+    assert [c.case_id for c in dataset.cases] == ["case_00000", "case_00001"]
+    assert dataset.cases[0].image == kits / "case_00000" / "imaging.nii.gz"
+    assert dataset.notes == ["Skipped 1 test case (case folders without segmentation.nii.gz): case_00002."]
+    assert describe_dataset(dataset) == ("KiTS case folders: 1 channel (CT), 3 classes (background, kidney, tumor; "
+                                         "cyst too where a label holds 3), 2 training cases")
+    out = tmp_path / "kits.h5"
+    code, stdout, err = run_cli(["convert", kits, "-o", out], capsys)
+    assert code == 0, err
+    assert stdout.splitlines()[1] == "Skipped 1 test case (case folders without segmentation.nii.gz): case_00002."
+    assert f"Wrote 2 cases to {out}; manifest" in stdout
+    with HDF5VolumeStore(out) as store:
+        assert store.case_ids == ["case_00000", "case_00001"]
+        assert (store.num_classes, store.label_names, store.channel_names) == (
+            3, ["background", "kidney", "tumor"], ["CT"])
+
+
+def test_kits21_cyst_adds_the_fourth_class(tmp_path, capsys):
+    kits = make_kits(tmp_path / "kits21", {"case_00000": ((12, 12, 10), (0, 1, 2, 3))})
+    out = tmp_path / "kits21.h5"
+    code, stdout, err = run_cli(["convert", kits / "case_00000", "-o", out], capsys)  # one case folder
+    assert code == 0, err
+    assert stdout.startswith("KiTS case folder: 1 channel (CT), 3 classes (background, kidney, tumor; cyst too where "
+                             "a label holds 3), 1 training case\n")
+    assert f"Wrote 1 case to {out}" in stdout
+    with HDF5VolumeStore(out) as store:
+        assert store.case_ids == ["case_00000"]
+        assert (store.num_classes, store.label_names) == (4, ["background", "kidney", "tumor", "cyst"])
+    make_kits(kits, {"case_00001": ((12, 12, 10), (0, 5))})
+    code, _, err = run_cli(["convert", kits, "-o", tmp_path / "bad.h5"], capsys)
+    assert code == 1
+    assert err.strip() == (f"bigmem convert: error: Case 'case_00001': label values [5] are not in KiTS's labels "
+                           f"(0..3) ({kits / 'case_00001' / 'segmentation.nii.gz'}).")
+
+
+def test_kits_folder_of_test_cases_only(tmp_path):
+    kits = make_kits(tmp_path / "kits", {"case_00300": (SHAPE, None), "case_00301": (SHAPE, None)})
+    with pytest.raises(DataError, match=re.escape(
+            f"No KiTS training cases in {str(kits)!r}: none of its 2 case folders has a segmentation.nii.gz (test "
+            "cases are segmented with 'bigmem predict').")):
+        read_kits(kits)
+
+
+def test_a_glob_of_one_channel_says_so(tmp_path, capsys):
+    root = make_nnunet(tmp_path / "Dataset001", channels=("FLAIR", "T1w", "T1gd", "T2w"))
+    images = f"{root}/imagesTr/*_0000.nii.gz"
+    dataset = read_globs(images, f"{root}/labelsTr/*.nii.gz")
+    assert [c.case_id for c in dataset.cases] == ["BraTS_001", "BraTS_002"]
+    warning = (f"--images {images!r} matches one channel file of 2 cases with 4 channel files beside it (e.g. "
+               f"BraTS_001_0000.nii.gz of BraTS_001_0000.nii.gz .. BraTS_001_0003.nii.gz): only that channel is "
+               f"converted. To convert all 4 channels, give the dataset folder {str(root)!r} as SRC.")
+    assert dataset.notes == [warning]
+    code, stdout, err = run_cli(["convert", "--images", images, "--labels", f"{root}/labelsTr/*.nii.gz",
+                                 "-o", tmp_path / "one.h5"], capsys)
+    assert code == 0, err
+    assert stdout.splitlines()[:2] == ["--images/--labels: 2 training cases; channels and classes from the data",
+                                       warning]
+    assert HDF5VolumeStore(tmp_path / "one.h5").num_channels == 1
+    assert read_globs(f"{root}/labelsTr/*.nii.gz", f"{root}/labelsTr/*.nii.gz").notes == []  # no channel files
+
+
+def test_msd_is_still_read(tmp_path):
+    dataset = read_dataset(make_msd(tmp_path / "Task05_Prostate"))
+    assert [c.case_id for c in dataset.cases] == ["a", "b"] and dataset.layout is Layout.MSD
+    assert describe_dataset(dataset) == ("Medical Segmentation Decathlon: 2 channels (T1, T2), 2 classes "
+                                         "(background, lesion), 2 training cases")
+
+
+def test_load_channels_checks_every_channel_file(tmp_path):
+    rng = np.random.default_rng(1)
+    a = save_nifti(tmp_path / "c_0000.nii.gz", rng.normal(size=SHAPE).astype(np.float32))
+    b = save_nifti(tmp_path / "c_0001.nii.gz", rng.normal(size=SHAPE).astype(np.float32))
+    loaded = load_channels([a, b], "c", num_channels=2)
+    assert loaded.image.shape == SHAPE + (2,)
+    np.testing.assert_array_equal(loaded.image[..., 1], np.asanyarray(__import__("nibabel").load(str(b)).dataobj))
+    with pytest.raises(DataError, match=re.escape(f"Case 'c': 2 channel files; dataset.json names 3 ({a}, {b}).")):
+        load_channels([a, b], "c", num_channels=3)
+    shifted = save_nifti(tmp_path / "c_0002.nii.gz", np.zeros(SHAPE, np.float32), np.diag([2.0, 1, 1, 1]))
+    with pytest.raises(DataError, match=re.escape(f"Case 'c': {shifted} is not on the grid of {a} (shape {SHAPE} vs "
+                                                  f"{SHAPE}, or a different affine).")):
+        load_channels([a, shifted], "c")
+    both = save_nifti(tmp_path / "two.nii.gz", np.zeros(SHAPE + (2,), np.float32))
+    with pytest.raises(DataError, match=re.escape(f"Case 'c': {both} has 2 channels; expected one 3D file per "
+                                                  "channel when several files are given.")):
+        load_channels([a, both], "c")
+
+
+# ---- listing for predict ------------------------------------------------------------------
+
+
+def test_predict_listing_of_each_layout(tmp_path):
+    nnunet = make_nnunet(tmp_path / "Dataset001", tests=("BraTS_101", "BraTS_100"))
+    listing = list_images(nnunet)
+    assert listing.cases == {case: [nnunet / "imagesTs" / f"{case}_{c:04d}.nii.gz" for c in (0, 1)]
+                             for case in ("BraTS_100", "BraTS_101")}
+    assert listing.summary == f"nnU-Net v2 raw: 2 cases of 2 channel files in {nnunet / 'imagesTs'}"
+    assert list(list_images(make_nnunet(tmp_path / "Dataset002")).cases) == ["BraTS_001", "BraTS_002"]  # imagesTr
+    msd = make_msd(tmp_path / "Task05", test=("t1",))
+    assert list_images(msd).cases == {"t1": [msd / "imagesTs" / "t1.nii.gz"]}
+    kits = make_kits(tmp_path / "kits", {"case_00000": (SHAPE, (0, 1)), "case_00001": (SHAPE, None)})
+    listing = list_images(kits)
+    assert listing.cases == {c: [kits / c / "imaging.nii.gz"] for c in ("case_00000", "case_00001")}
+    assert listing.summary == f"KiTS case folders: 2 cases in {kits}"
+    assert list_images(kits / "case_00001").cases == {"case_00001": [kits / "case_00001" / "imaging.nii.gz"]}
+    single = list_images(kits / "case_00001" / "imaging.nii.gz")  # named after its folder, not 'imaging'
+    assert list(single.cases) == ["case_00001"] and single.layout is Layout.FILE
+    loose = tmp_path / "loose"
+    for name in ("x_0000.nii.gz", "x_0001.nii.gz", "y.nii"):
+        save_nifti(loose / name, np.zeros(SHAPE, np.float32))
+    assert list_images(loose).cases == {"x": [loose / "x_0000.nii.gz", loose / "x_0001.nii.gz"],
+                                        "y": [loose / "y.nii"]}
+
+
+@pytest.mark.parametrize("names, message", [
+    (("a.nii", "a.nii.gz"), "Case 'a': {d}/a.nii and {d}/a.nii.gz would both be segmented into a.nii.gz; rename one "
+                            "of them, or predict them into different folders."),
+    (("a.nii.gz", "a_0000.nii.gz"), "Case 'a': {d}/a.nii.gz and {d}/a_0000.nii.gz would both be segmented into "
+                                    "a.nii.gz; rename one of them, or predict them into different folders."),
+    (("s_0001.nii.gz", "s_0002.nii.gz"), "Case 's': channel files s_0001.nii.gz, s_0002.nii.gz in {d} but no s_0000 "
+                                         "file: nnU-Net names the channel files of a case CASE_0000, CASE_0001, ... "
+                                         "with none left out; rename the files if each is a case of its own."),
+])
+def test_predict_listing_refuses_two_inputs_for_one_output(tmp_path, names, message):
+    for name in names:
+        save_nifti(tmp_path / name, np.zeros(SHAPE, np.float32))
+    with pytest.raises(DataError, match=f"^{re.escape(message.format(d=tmp_path))}$"):
+        list_images(tmp_path)
+
+
+def test_predict_listing_errors(tmp_path):
+    nnunet = make_nnunet(tmp_path / "Dataset001", tests=("BraTS_100",))
+    (nnunet / "imagesTs" / "BraTS_100_0001.nii.gz").unlink()
+    with pytest.raises(DataError, match=re.escape(
+            f"Case 'BraTS_100': no file for channel 1 (T1w): {nnunet / 'imagesTs' / 'BraTS_100_0001.nii.gz'} is "
+            "missing; dataset.json names 2 channels (FLAIR, T1w).")):
+        list_images(nnunet)
+    msd = make_msd(tmp_path / "Task05", test=("t1",))
+    (msd / "imagesTs" / "t1.nii.gz").unlink()
+    with pytest.raises(DataError, match=re.escape(f"{msd / 'dataset.json'} lists test image "
+                                                  f"{msd / 'imagesTs' / 't1.nii.gz'}, which does not exist.")):
+        list_images(msd)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match=re.escape(f"No NIfTI files (.nii, .nii.gz) in {str(tmp_path / 'empty')!r}: "
+                                                  "expected NIfTI files, or a Medical Segmentation Decathlon")):
+        list_images(tmp_path / "empty")
