@@ -6,7 +6,8 @@ data, each as a real ``bigmem train`` run in its own process (its own peak memor
 devices stay in that process):
 
 - ``cpu_bigmem``: whole volumes; evaluated with one whole-volume pass per case;
-- ``data_parallel``: ``tf.distribute.MirroredStrategy`` on the largest patch that fits one GPU
+- ``data_parallel``: ``tf.distribute.MirroredStrategy`` on the largest patch that fits one GPU,
+  proportioned after the dataset's median shape as nnU-Net's (``distribute.planning.largest_patch``)
   (the planner's choice for ``gpu_memory_bytes``); evaluated as nnU-Net and MLPerf evaluate a
   patch-trained network: Gaussian sliding windows of its patch, overlap 0.5.
 
@@ -29,7 +30,7 @@ from typing import Callable
 from bigmem.config.schema import ExperimentConfig
 from bigmem.errors import BigmemError, UsageError
 from bigmem.rundir import RunDir, atomic_output, atomic_write_json, atomic_write_text
-from bigmem.units import format_bytes, format_shape
+from bigmem.units import format_bytes, format_count, format_shape
 
 PATHS = ("cpu_bigmem", "data_parallel")
 LABELS = {"cpu_bigmem": "whole volumes in RAM (bigmem)", "data_parallel": "GPU data parallel on patches"}
@@ -156,6 +157,7 @@ def preflight(config: ExperimentConfig, counts_for, settings: Settings):
         InsufficientMemoryError: (exit 3) the whole volumes do not fit the host's budget, or not
             even the smallest patch fits one GPU, or the data-parallel host's batch does not fit.
     """
+    from bigmem.data.derived import median_shape
     from bigmem.distribute.execution import data_parallel
     from bigmem.distribute.strategy import Replicas
     from bigmem.memory.preflight import job_plan, resolve_budget
@@ -163,7 +165,7 @@ def preflight(config: ExperimentConfig, counts_for, settings: Settings):
     budget = resolve_budget(settings.memory_budget_bytes)
     cpu_plan = job_plan(config, counts_for, budget, shape=whole_shape(config))
     parallel = data_parallel(_dp_config(config, settings), Replicas(None, settings.replicas, settings.simulate, ()),
-                             counts_for, volume_edge=max(whole_shape(config)))
+                             counts_for, aspect=median_shape(config))
     if parallel.host_checked:
         job_plan(parallel.host_config(config), counts_for, budget)
     return cpu_plan, parallel
@@ -233,7 +235,12 @@ def _run_train(argv: list[str], out: Path) -> dict:
                        **({"val_dice": r["val_dice"]} if "val_dice" in r else {})} for r, t in zip(rows, elapsed)]}
 
 
-def _evaluate_run(run_dir: str, store: str, held_out: list[str], *, sliding_window: int | None, out: Path) -> dict:
+def _patch_text(patch) -> str:
+    """A report's patch: an edge (reports written before patches took the dataset's aspect) or a shape."""
+    return format_shape([patch] * 3 if isinstance(patch, int) else patch)
+
+
+def _evaluate_run(run_dir: str, store: str, held_out: list[str], *, sliding_window: tuple | None, out: Path) -> dict:
     """``bigmem predict`` (whole, or sliding windows) then ``bigmem evaluate`` on the held-out cases."""
     import numpy as np  # not at import: the CLI imports this module before a NUMA placement applies
 
@@ -245,7 +252,7 @@ def _evaluate_run(run_dir: str, store: str, held_out: list[str], *, sliding_wind
                            force=True))  # timed and scored: every case predicted now, none kept from before
     summary = evaluate(out, store, allow_missing=True, out=out / "summary.json")
     classes = [str(c) for c in summary["classes"]]
-    return {"mode": mode if not sliding_window else f"sliding {sliding_window}^3, overlap {OVERLAP:g}",
+    return {"mode": mode if not sliding_window else f"sliding {format_shape(sliding_window)}, overlap {OVERLAP:g}",
             "dice": summary["foreground_mean"]["Dice"], "hd95_mm": summary["foreground_mean"]["HD95_mm"],
             "per_class": {c: {"dice": summary["mean"][c]["Dice"], "hd95_mm": summary["mean"][c]["HD95_mm"]}
                           for c in classes},
@@ -311,7 +318,7 @@ def compare(config: ExperimentConfig, out: Path, settings: Settings, *,
             length = _length_argv(max(1, round(cpu["train_flops"] / dp_step_flops)), None)
         else:
             length = _length_argv(None, settings.cpu_time_budget_s or cpu["train_s"])
-        progress(f"seed {seed}: training data parallel on {patch}^3 patches ({where}) ...")
+        progress(f"seed {seed}: training data parallel on {format_shape(patch)} patches ({where}) ...")
         dp_dir = out / "data_parallel" / f"seed-{seed}"
         dp = _run_train([*common, *length, "--val-every", str(dp_val_every), "--strategy", "mirrored",
                          "--gpu-memory", str(settings.gpu_memory.bytes),
@@ -326,7 +333,7 @@ def compare(config: ExperimentConfig, out: Path, settings: Settings, *,
     report = {"simulated": settings.simulate, "replicas": settings.replicas,
               "gpu_memory_bytes": settings.gpu_memory.bytes, "gpu_memory_stand_in": settings.gpu_memory.stand_in,
               "model": config.model.name, "volume": max(volume), "shape": list(volume),
-              "native_shapes": config.data.shape is None, "patch_size": patch,
+              "native_shapes": config.data.shape is None, "patch_size": list(patch),
               "batch": {"cpu_bigmem": config.train.batch_size, "data_parallel": parallel.global_batch},
               "held_out_cases": held_out, "budget": _budget_text(settings), "seeds": settings.seeds,
               "paths": {name: _aggregate(runs[name]) for name in PATHS}}
@@ -341,7 +348,7 @@ def compare(config: ExperimentConfig, out: Path, settings: Settings, *,
 
 def _budget_text(settings: Settings) -> str:
     length = (f"{settings.cpu_time_budget_s:g} s" if settings.cpu_time_budget_s is not None
-              else f"{settings.steps} steps")
+              else format_count(settings.steps, "step"))
     if settings.budget == "flops":
         return f"equal training FLOPs ({length} on whole volumes, the same FLOPs on patches)"
     if settings.cpu_time_budget_s is None:
@@ -404,7 +411,8 @@ def conclude(report: dict) -> dict:
     if spread is None:
         text += "); one seed, so the seed-to-seed spread is unknown (--seeds 3 measures it)."
     else:
-        text += (f"), {'more' if exceeds else 'no more'} than the spread over {seeds} seeds ({spread:.3f})"
+        text += (f"), {'more' if exceeds else 'no more'} than the spread over {format_count(seeds, 'seed')} "
+                 f"({spread:.3f})"
                  + ("." if exceeds else ": the difference is not established."))
     return {"higher": higher, "difference": difference, "spread": spread, "exceeds_spread": exceeds, "text": text}
 
@@ -457,7 +465,7 @@ def rows(report: dict) -> list[tuple[str, str, str]]:
                             if report.get("native_shapes") else
                             f"whole {format_shape(report.get('shape') or [report['volume']] * 3)} volumes")
          + f", batch {report['batch']['cpu_bigmem']}",
-         f"{report['patch_size']}^3 patches, global batch {report['batch']['data_parallel']}"),
+         f"{_patch_text(report['patch_size'])} patches, global batch {report['batch']['data_parallel']}"),
         ("held-out Dice" + (f" (mean ± sd, {seeds} seeds)" if seeds > 1 else ""), _dice_text(cpu), _dice_text(dp)),
     ]
     for c in cpu["per_class"]:

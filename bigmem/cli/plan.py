@@ -205,13 +205,13 @@ def _print_cases(console, rows: list[dict], config) -> None:
     """The per-case table, one row per padded shape (largest first; a store of hundreds has far fewer)."""
     from rich.table import Table
 
-    from bigmem.units import format_bytes
+    from bigmem.units import format_bytes, format_count
 
     groups: dict[tuple, list[dict]] = {}
     for row in rows:
         groups.setdefault(tuple(row["padded_shape"]), []).append(row)
     fixed = config.data.shape is not None
-    table = Table(title=f"{len(rows)} cases " + ("cropped/padded to one shape" if fixed else
+    table = Table(title=f"{format_count(len(rows), 'case')} " + ("cropped/padded to one shape" if fixed else
                                                  "whole at their own shapes, padded to the size contract"))
     for column in ("trained shape", "cases", "source shapes", "predicted peak", "fits"):
         table.add_column(column, justify="right")

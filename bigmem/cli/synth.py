@@ -31,7 +31,7 @@ def run(args) -> int:
     from rich.progress import Progress
 
     from bigmem.data.synth import write_synthetic_store
-    from bigmem.units import format_bytes
+    from bigmem.units import format_bytes, format_count
 
     if args.cases < 1:
         raise UsageError(f"Invalid --cases {args.cases}: expected a positive integer.")
@@ -49,6 +49,6 @@ def run(args) -> int:
         task = progress.add_task("phantoms", total=args.cases)
         write_synthetic_store(out, num_cases=args.cases, volume=args.volume, num_classes=args.classes, seed=args.seed,
                               progress=lambda done, total: progress.update(task, completed=done))
-    console.print(f"Wrote {args.cases} phantoms of {args.volume}^3 ({args.classes} classes) to {out} "
+    console.print(f"Wrote {format_count(args.cases, 'phantom')} of {args.volume}^3 ({args.classes} classes) to {out} "
                   f"({format_bytes(out.stat().st_size)}).")
     return 0

@@ -12,6 +12,8 @@ import contextlib
 import os
 from typing import Callable, ContextManager
 
+import numpy as np
+
 from bigmem.config.schema import ExperimentConfig
 from bigmem.data.store import HDF5VolumeStore
 from bigmem.data.synth import cached_synthetic_store
@@ -72,3 +74,13 @@ def trained_shapes(config: ExperimentConfig) -> list[tuple[str, tuple[int, int, 
         infos = list(store.cases)
     fixed = tuple(config.data.shape) if config.data.shape is not None else None
     return [(i.case_id, i.shape, fixed or padded_shape(i.shape, multiple)) for i in infos]
+
+
+def median_shape(config: ExperimentConfig) -> tuple[int, int, int]:
+    """The per-axis median of the training cases' own shapes (``data.shape`` when fixed): what the
+    data-parallel patch is proportioned after, as nnU-Net's planner shapes its patch after the
+    dataset's median shape (``distribute.planning.largest_patch``)."""
+    if config.data.shape is not None:
+        return tuple(int(s) for s in config.data.shape)
+    shapes = np.array([own for _, own, _ in trained_shapes(config)])
+    return tuple(int(round(v)) for v in np.median(shapes, axis=0))

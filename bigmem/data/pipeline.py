@@ -40,6 +40,11 @@ PAD_LABEL = 255
 Shape = tuple[int, int, int]
 
 
+def as_patch(patch: int | Sequence[int]) -> Shape:
+    """A patch edge N as ``(N, N, N)``; a ``(D, H, W)`` as itself."""
+    return (int(patch),) * 3 if isinstance(patch, (int, np.integer)) else tuple(int(s) for s in patch)
+
+
 def padded_shape(shape: Sequence[int], multiple: int) -> Shape:
     """``shape`` with each axis rounded up to a multiple of ``multiple``.
 
@@ -245,13 +250,14 @@ def load_sample(store: HDF5VolumeStore, sample_index: int, *, case_index: int, s
 FOREGROUND_FRACTION = 0.4  # MLPerf 3D U-Net: share of patches centred on a foreground voxel
 
 
-def patch_start(label: np.ndarray | None, shape: tuple[int, ...], patch: int, rng: np.random.Generator) -> tuple:
+def patch_start(label: np.ndarray | None, shape: tuple[int, ...], patch: Sequence[int],
+                rng: np.random.Generator) -> tuple:
     """A patch origin: centred on a random foreground voxel of ``label`` if given (and any), else uniform.
 
     Args:
         label: ``(D, H, W)``, or None for a uniform origin.
         shape: the case's ``(D, H, W)``.
-        patch: the patch edge in voxels.
+        patch: the patch ``(D, H, W)`` in voxels.
         rng: draws the voxel or the origin.
 
     Returns:
@@ -261,13 +267,13 @@ def patch_start(label: np.ndarray | None, shape: tuple[int, ...], patch: int, rn
         foreground = np.flatnonzero(label)
         if foreground.size:
             centre = np.unravel_index(int(foreground[rng.integers(foreground.size)]), shape)
-            return tuple(int(min(max(c - patch // 2, 0), max(s - patch, 0))) for c, s in zip(centre, shape))
-    return tuple(int(rng.integers(0, max(s - patch, 0) + 1)) for s in shape)
+            return tuple(int(min(max(c - p // 2, 0), max(s - p, 0))) for c, s, p in zip(centre, shape, patch))
+    return tuple(int(rng.integers(0, max(s - p, 0) + 1)) for s, p in zip(shape, patch))
 
 
 def load_patch(store: HDF5VolumeStore, sample_index: int, *, patch: int, seed: int, flip: bool,
                foreground_fraction: float = FOREGROUND_FRACTION, intensity: tuple[float, float] = (0.0, 0.0)):
-    """One training patch (patch^3), foreground-centred with probability ``foreground_fraction``.
+    """One training patch, foreground-centred with probability ``foreground_fraction``.
 
     Only the chunks the patch overlaps are read (plus the label, 1 byte/voxel, for a foreground
     patch). The patch is normalised with the whole case's statistics, so its voxels get the values
@@ -275,12 +281,13 @@ def load_patch(store: HDF5VolumeStore, sample_index: int, *, patch: int, seed: i
 
     Args:
         store, sample_index, seed, flip, intensity: as ``load_sample``.
-        patch: the patch edge in voxels (smaller cases are padded to it, as ``fit_to_shape`` pads).
+        patch: the patch ``(D, H, W)``, or an edge N for N^3 (smaller cases are padded to it, as
+            ``fit_to_shape`` pads).
         foreground_fraction: the probability of a foreground-centred patch (default
             FOREGROUND_FRACTION, MLPerf's 0.4).
 
     Returns:
-        ``(image (patch, patch, patch, C) float32, label (patch, patch, patch) uint8)``.
+        ``(image (*patch, C) float32, label patch uint8)``.
 
     Raises:
         DataError: as ``load_sample``.
@@ -288,13 +295,14 @@ def load_patch(store: HDF5VolumeStore, sample_index: int, *, patch: int, seed: i
     info = store.cases[case_for_sample(sample_index, len(store), seed)]
     rng = np.random.default_rng([seed, sample_index, 2])
     label = store.read_label(info.case_id) if rng.random() < foreground_fraction else None
+    patch = as_patch(patch)
     start = patch_start(label, info.shape, patch, rng)
-    size = tuple(min(patch, s) for s in info.shape)
+    size = tuple(min(p, s) for p, s in zip(patch, info.shape))
     image, label = store.read_patch(info.case_id, start, size)
     image, background = normalized(store, info.case_id, image, whole=False)
     if any(intensity):
         background = augment_intensity(image, background, np.random.default_rng([seed, sample_index, 3]), intensity)
-    image, label = fit_to_shape(image, label, (patch,) * 3, rng, background)
+    image, label = fit_to_shape(image, label, patch, rng, background)
     if flip:
         image, label = _flip(image, label, rng)
     return np.ascontiguousarray(image, dtype=np.float32), np.ascontiguousarray(label, dtype=np.uint8)
@@ -319,7 +327,7 @@ def _slot_views(buffer, shape: Sequence[int], channels: int):
 
 
 def _worker_load(slot: str, sample_index: int, case_index: int, shape: tuple, seed: int, flip: bool,
-                 patch: int | None, intensity: tuple[float, float] = (0.0, 0.0)) -> None:
+                 patch: Shape | None, intensity: tuple[float, float] = (0.0, 0.0)) -> None:
     """Load one sample into the shared-memory ``slot``: only the slot's name crosses the pipe,
     not the volume (pickling one would cost two extra copies of it and the pipe)."""
     if slot not in _WORKER_SLOTS:
@@ -338,7 +346,7 @@ def _worker_load(slot: str, sample_index: int, case_index: int, shape: tuple, se
 
 
 class WholeVolumeLoader:
-    """Batches of whole volumes (or, with ``patch``, of patch^3 patches) in a deterministic order.
+    """Batches of whole volumes (or, with ``patch``, of patches) in a deterministic order.
 
     Each case is read whole and normalised (``normalized``). With ``shape`` None it keeps its own shape,
     padded (never cropped) to a multiple of ``pad_multiple`` on each axis; a batch of different
@@ -366,8 +374,8 @@ class WholeVolumeLoader:
             reader processes keep ``(prefetch + 1) * batch_size`` samples in flight.
         cold_cache: drop the store's pages from the page cache after every read (default False),
             to behave as a dataset larger than RAM.
-        patch: read ``patch``^3 patches instead of whole volumes, foreground-centred with
-            probability FOREGROUND_FRACTION (default None: whole volumes).
+        patch: read patches of this ``(D, H, W)`` (or N^3 for an edge N) instead of whole volumes,
+            foreground-centred with probability FOREGROUND_FRACTION (default None: whole volumes).
         holdout: the last N cases (sorted ids) are kept out, for evaluation (default 0).
         shard: ``(index, count)``: load only slice ``index`` of each global batch of
             ``count * batch_size`` samples (default ``(0, 1)``: all of it).
@@ -384,7 +392,7 @@ class WholeVolumeLoader:
 
     def __init__(self, store_path: str | os.PathLike, *, shape: Sequence[int] | None = None, pad_multiple: int = 16,
                  batch_size: int, seed: int = 0, flip: bool = True, num_workers: int = 0, prefetch: int = 2,
-                 cold_cache: bool = False, patch: int | None = None, holdout: int = 0,
+                 cold_cache: bool = False, patch: int | Sequence[int] | None = None, holdout: int = 0,
                  shard: tuple[int, int] = (0, 1), intensity: tuple[float, float] = (0.0, 0.0)):
         self.store = HDF5VolumeStore(store_path, cold_cache=cold_cache, holdout=holdout)
         # (index, count): this process loads only its slice of each global batch of count x batch_size
@@ -394,7 +402,7 @@ class WholeVolumeLoader:
             raise ValueError(f"shard {shard}: expected (index, count) with 0 <= index < count")
         self.holdout = holdout
         self.cold_cache = cold_cache
-        self.patch = patch
+        self.patch = as_patch(patch) if patch else None
         self.shape = tuple(int(s) for s in shape) if shape is not None else None
         self.pad_multiple = int(pad_multiple)
         self.batch_size = int(batch_size)
@@ -425,7 +433,7 @@ class WholeVolumeLoader:
     def case_shape(self, case_index: int) -> Shape:
         """The shape case ``case_index`` is trained at on its own: its padded shape, the fixed shape or the patch."""
         if self.patch:
-            return (int(self.patch),) * 3
+            return self.patch
         if self.shape is not None:
             return self.shape  # type: ignore[return-value]
         return padded_shape(self.store.cases[case_index].shape, self.pad_multiple)
@@ -622,7 +630,7 @@ class WholeVolumeLoader:
         sources = {info.shape for info in cases}
         counted = f"{len(cases)} case{'' if len(cases) == 1 else 's'}"
         if self.patch:
-            return f"{self.patch}^3 patches of {counted}"
+            return f"{format_shape(self.patch)} patches of {counted}"
         if self.shape is not None:
             cropped = self.cropped_share()
             what = f"cropped (random offset)/padded to {format_shape(self.shape)}"

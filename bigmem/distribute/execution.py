@@ -19,14 +19,14 @@ Two shapes of job:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 from bigmem.config.options import Strategy
 from bigmem.config.schema import ExperimentConfig
-from bigmem.distribute.planning import gpu_footprint_bytes, largest_edge
+from bigmem.distribute.planning import as_patch, gpu_footprint_bytes, largest_patch
 from bigmem.distribute.strategy import Replicas, make_distributed_step, scaled_learning_rate
 from bigmem.errors import ConfigError, InsufficientMemoryError
-from bigmem.units import format_bytes
+from bigmem.units import format_bytes, format_shape
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ class DataParallel:
 
     Attributes:
         replicas: the strategy and its devices.
-        patch: the patch edge, or None for whole volumes (each case's own shape, or ``config.data.shape``).
+        patch: the patch ``(D, H, W)``, or None for whole volumes (each case's own shape, or ``config.data.shape``).
         per_replica_batch: samples per replica per step (``train.batch_size``).
         global_batch: samples per step over every replica of every worker.
         num_workers: processes (hosts) taking part; 1 for ``mirrored``.
@@ -45,7 +45,7 @@ class DataParallel:
     """
 
     replicas: Replicas
-    patch: int | None
+    patch: tuple[int, int, int] | None
     per_replica_batch: int
     global_batch: int
     num_workers: int = 1
@@ -69,7 +69,7 @@ class DataParallel:
 
     def host_config(self, config: ExperimentConfig) -> ExperimentConfig:
         """The job one host runs, for its memory pre-flight: its samples per step at the input shape."""
-        data = {"shape": [self.patch] * 3} if self.patch else {}
+        data = {"shape": list(self.patch)} if self.patch else {}
         return config.updated({"data": data, "train": {"batch_size": self.worker_batch}})
 
     @property
@@ -113,7 +113,7 @@ class DataParallel:
         """
         where = "logical CPU devices (simulated on CPU)" if self.replicas.simulated else (
             "CPU hosts" if self.whole_volumes and self.num_workers > 1 else "GPUs")
-        what = f"whole volumes ({data})" if self.whole_volumes else f"{self.patch}^3 patches"
+        what = f"whole volumes ({data})" if self.whole_volumes else f"{format_shape(self.patch)} patches"
         hosts = f" on {self.num_workers} workers" if self.num_workers > 1 else ""
         return (f"{self.global_batch} x {what} over {self.replicas.num_replicas} {where}{hosts}, lr {lr:g}")
 
@@ -121,21 +121,23 @@ class DataParallel:
         """plan.json's ``data_parallel`` section."""
         return {"replicas": self.replicas.num_replicas, "simulated": self.replicas.simulated,
                 "devices": list(self.replicas.devices), "workers": self.num_workers, "worker_index": self.worker_index,
-                "whole_volumes": self.whole_volumes, "gpu_memory_bytes": self.gpu_memory_bytes, "patch": self.patch,
+                "whole_volumes": self.whole_volumes, "gpu_memory_bytes": self.gpu_memory_bytes,
+                "patch": list(self.patch) if self.patch else None,
                 "per_replica_batch": self.per_replica_batch, "global_batch": self.global_batch,
                 "per_gpu_predicted_bytes": self.per_gpu_predicted_bytes}
 
 
 def data_parallel(config: ExperimentConfig, replicas: Replicas, counts_for,
-                  volume_edge: int | None = None) -> DataParallel:
+                  aspect: Sequence[int] | None = None) -> DataParallel:
     """Decide how ``config`` runs over ``replicas``: whole volumes or the patch that fits one GPU.
 
     Args:
         config: the resolved job (``distribute`` section; ``train.batch_size`` is per replica).
         replicas: the strategy and devices (``strategy.setup_replicas``).
         counts_for: ``(D, H, W) -> NetworkCounts`` of the model, for the per-GPU footprint.
-        volume_edge: the largest edge of the volumes trained (the patch is never larger); default:
-            that of ``data.shape``, else ``data.reference_volume``.
+        aspect: the shape the patch is proportioned after, as nnU-Net shapes its patch after the
+            dataset's median shape (``largest_patch``; its longest axis bounds the patch's); default:
+            ``data.shape``, else the ``data.reference_volume`` cube. ``distribute.patch`` N is a cube.
 
     Returns:
         The ``DataParallel`` decisions; ``config`` is not changed.
@@ -162,8 +164,9 @@ def data_parallel(config: ExperimentConfig, replicas: Replicas, counts_for,
         raise ConfigError("distribute.gpu_memory_bytes", "Give {field} SIZE (e.g. 80GiB) or {distribute.patch} N: "
                           "the patch size is chosen to fit one GPU's memory"
                           + (", and these replicas are simulated on CPU." if replicas.simulated else "."))
-    upper = volume_edge or (max(config.data.shape) if config.data.shape else config.data.reference_volume)
-    patch = settings.patch or largest_edge(config, counts_for, gpu_memory, per_replica, upper)
+    aspect = tuple(aspect or config.data.shape or (config.data.reference_volume,) * 3)
+    patch = as_patch(settings.patch) if settings.patch else largest_patch(config, counts_for, gpu_memory, per_replica,
+                                                                           aspect)
     if patch is None:
         need = gpu_footprint_bytes(config, counts_for, config.model.divisor, per_replica)
         raise InsufficientMemoryError(

@@ -8,8 +8,11 @@ framework's host memory) are replaced by an allowance for the CUDA context and l
 from __future__ import annotations
 
 import dataclasses
+from typing import Sequence
+
 
 from bigmem.config.schema import ExperimentConfig
+from bigmem.data.pipeline import Shape, as_patch
 from bigmem.memory.estimate import estimate
 
 # CUDA context, cuDNN/cuBLAS handles and TensorFlow's GPU runtime: an allowance, not a measurement
@@ -18,19 +21,57 @@ GPU_RUNTIME_BYTES = 1 << 30
 HOST_ONLY = ("framework", "input_pipeline", "hdf5_chunk_cache")
 
 
-def gpu_footprint_bytes(config: ExperimentConfig, counts_for, edge: int, batch: int) -> int:
+def gpu_footprint_bytes(config: ExperimentConfig, counts_for, patch: int | Sequence[int], batch: int) -> int:
+    """The predicted footprint of one GPU replica training ``batch`` patches of ``patch`` (an edge or a shape)."""
+    shape = as_patch(patch)
     sized = dataclasses.replace(config, train=dataclasses.replace(config.train, batch_size=batch))
-    predicted = estimate(sized, counts_for((edge,) * 3), (edge,) * 3)
+    predicted = estimate(sized, counts_for(shape), shape)
     return sum(v for k, v in predicted.components.items() if k not in HOST_ONLY) + GPU_RUNTIME_BYTES
+
+
+def patch_shape(aspect: Sequence[int], longest: int, divisor: int) -> Shape:
+    """The patch of ``aspect``'s proportions whose longest axis is ``longest``: each axis a multiple of ``divisor``.
+
+    As nnU-Net shapes its patch after the dataset's median shape: a 240x240x155 median at longest 128 gives
+    128x128x80, a cube gives a cube; no axis is shorter than ``divisor`` or longer than ``aspect``'s own
+    (rounded up to the divisor).
+
+    Example:
+        >>> patch_shape((240, 240, 155), 128, 16)
+        (128, 128, 80)
+    """
+    top = max(aspect)
+    return tuple(int(min(max(divisor, round(a * longest / top / divisor) * divisor), -(-a // divisor) * divisor))
+                 for a in aspect)
+
+
+def largest_patch(config: ExperimentConfig, counts_for, gpu_memory_bytes: int, batch: int,
+                  aspect: Sequence[int]) -> Shape | None:
+    """The largest patch of ``aspect``'s proportions (``patch_shape``) whose footprint at ``batch`` fits one GPU.
+
+    Args:
+        config: the job (its model).
+        counts_for: ``(D, H, W) -> NetworkCounts``.
+        gpu_memory_bytes: one GPU's memory.
+        batch: patches per replica per step.
+        aspect: the shape the patch is proportioned after (the dataset's median trained shape); its
+            longest axis bounds the patch's.
+
+    Returns:
+        The patch ``(D, H, W)``, or None when not even the smallest fits.
+    """
+    divisor = config.model.divisor
+    best = None
+    for longest in range(divisor, max(aspect) + 1, divisor):
+        shape = patch_shape(aspect, longest, divisor)
+        if gpu_footprint_bytes(config, counts_for, shape, batch) > gpu_memory_bytes:
+            break
+        best = shape
+    return best
 
 
 def largest_edge(config: ExperimentConfig, counts_for, gpu_memory_bytes: int, batch: int,
                  upper: int) -> int | None:
-    """The largest multiple of 2^depth, at most ``upper``, whose footprint at ``batch`` fits."""
-    divisor = config.model.divisor
-    best = None
-    for edge in range(divisor, upper + 1, divisor):
-        if gpu_footprint_bytes(config, counts_for, edge, batch) > gpu_memory_bytes:
-            break
-        best = edge
-    return best
+    """The largest cube edge, a multiple of 2^depth at most ``upper``, whose footprint at ``batch`` fits."""
+    best = largest_patch(config, counts_for, gpu_memory_bytes, batch, (upper,) * 3)
+    return best[0] if best else None

@@ -50,7 +50,7 @@ class Predictor:
         model: the built ``UNet3D``.
         config: the run's config (``data.store`` is the store it was trained on).
         source: what the weights came from ('model.keras', 'checkpoints/best', ...).
-        training_edge: the patch edge the network was trained on (a data-parallel run on
+        training_patch: the patch ``(D, H, W)`` the network was trained on (a data-parallel run on
             patches), or None: it was trained on whole volumes.
         trained_shape: the largest step shape of a run on whole volumes (its plan.json's), or None.
         card: what the network expects of its input (the run's ``preprocessing.json``); None: that of
@@ -60,7 +60,7 @@ class Predictor:
     model: object
     config: ExperimentConfig
     source: str
-    training_edge: int | None = None
+    training_patch: tuple[int, int, int] | None = None
     trained_shape: tuple[int, int, int] | None = None
     card: ModelCard | None = None
 
@@ -73,8 +73,8 @@ class Predictor:
     def window(self) -> tuple[int, int, int]:
         """The sliding window's default ``(D, H, W)``: what the network saw in training (its patch, its largest
         whole volume, or the fixed ``data.shape``; the reference cube for a run that recorded none)."""
-        if self.training_edge:
-            return (self.training_edge,) * 3
+        if self.training_patch:
+            return tuple(self.training_patch)
         return tuple(self.trained_shape or self.config.data.shape or (self.config.data.reference_volume,) * 3)
 
     @property
@@ -117,6 +117,16 @@ def _largest_trained_shape(plan) -> tuple[int, int, int] | None:
     return max(shapes, key=lambda s: (math.prod(s), s)) if shapes else None
 
 
+def _patch_of(patch) -> tuple[int, int, int] | None:
+    """plan.json's ``data_parallel.patch``: a ``[D, H, W]``, or an edge (plans from before patches took the
+    dataset's aspect); None for whole volumes or anything else."""
+    if isinstance(patch, int) and not isinstance(patch, bool) and patch > 0:
+        return (patch,) * 3
+    if isinstance(patch, list) and len(patch) == 3 and all(isinstance(v, int) and v > 0 for v in patch):
+        return tuple(patch)
+    return None
+
+
 def load_predictor(run_dir: str | os.PathLike, checkpoint: str = "final", *, verbose: bool = False) -> Predictor:
     """The trained network of a run directory.
 
@@ -147,7 +157,7 @@ def load_predictor(run_dir: str | os.PathLike, checkpoint: str = "final", *, ver
     plan = run.read_plan() if run.plan.is_file() else None
     parallel = plan.get("data_parallel") if isinstance(plan, dict) else None
     patch = parallel.get("patch") if isinstance(parallel, dict) else None
-    edge = int(patch) if isinstance(patch, int) and patch > 0 else None
+    trained_patch = _patch_of(patch)
     trained = _largest_trained_shape(plan)
     import_tensorflow(verbose=verbose)
     import keras
@@ -159,11 +169,11 @@ def load_predictor(run_dir: str | os.PathLike, checkpoint: str = "final", *, ver
             model = keras.models.load_model(run.model)
         except Exception as exc:  # Keras raises many types for a damaged archive
             raise DataError(f"Cannot load {run.model}: {type(exc).__name__}: {exc}") from None
-        return Predictor(model, config, "model.keras", edge, trained, card)
+        return Predictor(model, config, "model.keras", trained_patch, trained, card)
     policy = "mixed_bfloat16" if config.train.precision is Precision.BF16 else "float32"
     model = UNet3D(config.model, dtype=policy, name="unet3d").build_for()
     CheckpointManager(run.checkpoints).restore(path, model)
-    return Predictor(model, config, f"checkpoints/{path.name}", edge, trained, card)
+    return Predictor(model, config, f"checkpoints/{path.name}", trained_patch, trained, card)
 
 
 # ---- inputs ---------------------------------------------------------------------------------

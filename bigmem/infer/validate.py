@@ -30,7 +30,7 @@ def validate(predictor: Predictor, store_path: str | os.PathLike, case_ids: Sequ
         store_path: the store holding the cases (their labels are the reference).
         case_ids: the held-out cases.
         overlap: the sliding windows' overlap fraction (default 0.5), for a network trained on
-            patches (``predictor.training_edge``), which is used, and so validated, in sliding
+            patches (``predictor.training_patch``), which is used, and so validated, in sliding
             windows of its patch; any other goes through whole.
         warn: called with a one-line message where a case's source label cannot be used
             (``store_reference``: it is scored against the store's label mapped back).
@@ -45,14 +45,14 @@ def validate(predictor: Predictor, store_path: str | os.PathLike, case_ids: Sequ
         >>> validate(Predictor(model, config, "training"), "kits19.h5", ["case_00209"])["val_dice"]
     """
     classes = list(range(1, predictor.num_classes))
-    mode = Mode.SLIDING if predictor.training_edge else Mode.WHOLE
+    mode = Mode.SLIDING if predictor.training_patch else Mode.WHOLE
     with HDF5VolumeStore(store_path) as store:
         regions = store_regions(store)
     per_case, per_case_regions = [], []
     for case_id in case_ids:
         with HDF5VolumeStore(store_path) as store:
-            image = store.read_case(case_id)[0]
-        probabilities = predict_probabilities(predictor, image, mode=mode, overlap=overlap)
+            image, stats = store.read_case(case_id)[0], store.case_stats(case_id)
+        probabilities = predict_probabilities(predictor, image, stats=stats, mode=mode, overlap=overlap)
         del image
         predicted = labels_to_source(probabilities, CaseGeometry.from_store(store_path, case_id))
         del probabilities

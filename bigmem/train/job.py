@@ -18,12 +18,13 @@ from rich.console import Console
 
 from bigmem.config.options import Precision, Strategy
 from bigmem.config.schema import ExperimentConfig
-from bigmem.data.derived import with_data_fields
+from bigmem.data.derived import median_shape, with_data_fields
 from bigmem.data.pipeline import WholeVolumeLoader
 from bigmem.errors import TrainingError, UsageError
 from bigmem.memory.planner import Plan
 from bigmem.rundir import RunDir
 from bigmem.tfenv import import_tensorflow
+from bigmem.units import format_count
 from bigmem.checkpoints import CheckpointManager
 
 # The AVX2 measurement of the `make demo` configuration: 0.016 Mvox/s in bf16 against
@@ -171,15 +172,11 @@ def check_something_to_do(run: RunDir, checkpoint: Path, total_steps: int) -> No
                       f"--steps N, N > {step}.", step, total_steps, summary if finished else None)
 
 
-def _count(number: int, noun: str, plural: str) -> str:
-    return f"{number} {noun if number == 1 else plural}"
-
-
 def data_fields_note(preset, model) -> str:
     """One line: the store's channels and classes replace the preset's (``in_channels``, ``num_classes``)."""
-    return (f"The store has {_count(model.in_channels, 'channel', 'channels')} and "
-            f"{_count(model.num_classes, 'class', 'classes')}; the {preset.name!r} preset's {preset.in_channels} and "
-            f"{preset.num_classes} are replaced.")
+    return (f"The store has {format_count(model.in_channels, 'channel')} and "
+            f"{format_count(model.num_classes, 'class', 'classes')}; the {preset.name!r} preset's "
+            f"{preset.in_channels} and {preset.num_classes} are replaced.")
 
 
 def current_placement(config: ExperimentConfig):
@@ -248,11 +245,12 @@ def prepare_job(config: ExperimentConfig, run_dir, *, resume: bool = False, forc
         from bigmem.distribute.strategy import setup_replicas
 
         replicas = setup_replicas(config)  # before any TensorFlow operation initialises devices
-        parallel = data_parallel(config, replicas, counts_function(config), volume_edge=_largest_edge(config))
+        parallel = data_parallel(config, replicas, counts_function(config), aspect=median_shape(config))
     settings = parallel.loader_settings() if parallel else {"batch_size": config.train.batch_size}
     data = config.data
     loader = WholeVolumeLoader(data.store, shape=data.shape, pad_multiple=data.pad_multiple or config.model.divisor,
-                               seed=config.train.seed, flip=data.flip, num_workers=data.num_workers,
+                               seed=config.train.seed, flip=data.flip,
+                               intensity=(data.intensity_scale, data.intensity_shift), num_workers=data.num_workers,
                                prefetch=data.prefetch, cold_cache=data.cold_cache, holdout=data.holdout, **settings)
     try:
         total_steps = total_steps_for(config, loader.steps_per_epoch)
@@ -265,13 +263,6 @@ def prepare_job(config: ExperimentConfig, run_dir, *, resume: bool = False, forc
     except BaseException:
         loader.close()
         raise
-
-
-def _largest_edge(config: ExperimentConfig) -> int:
-    """The largest edge of the volumes this job trains: ``data.shape``'s, else the store's largest padded case's."""
-    from bigmem.data.derived import trained_shapes
-
-    return max(max(trained) for _, _, trained in trained_shapes(config))
 
 
 def preflight(config: ExperimentConfig, parallel, recompute_stages: list[str] | None, *, force: bool,

@@ -77,7 +77,7 @@ def test_compare_tiles_and_scores_both_paths_as_their_users_would(tmp_path, tiny
     assert "SIMULATED ON CPU" in result.stdout and "scaled stand-in" in result.stderr
     assert (out / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     report = json.loads((out / "compare.json").read_text())
-    assert report["patch_size"] == 8 and report["volume"] == 16  # the GPU path tiles
+    assert report["patch_size"] == [8, 8, 8] and report["volume"] == 16  # the GPU path tiles
     assert report["held_out_cases"] == ["synth_0003"] and report["seeds"] == 1
     assert report["conclusion"]["text"] in result.stdout and report["conclusion"]["text"] in (
         out / "compare.md").read_text()

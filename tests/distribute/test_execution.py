@@ -6,7 +6,7 @@ import pytest
 
 from bigmem.config import resolve_config
 from bigmem.distribute.execution import data_parallel
-from bigmem.distribute.planning import gpu_footprint_bytes
+from bigmem.distribute.planning import gpu_footprint_bytes, patch_shape
 from bigmem.distribute.strategy import Replicas
 from bigmem.errors import ConfigError, InsufficientMemoryError
 from bigmem.memory.profile import counts_function
@@ -68,20 +68,38 @@ def test_mirrored_picks_the_largest_patch_that_fits_one_gpu(counts_for):
     parallel = data_parallel(config, _replicas(2), counts_for)
     patch = parallel.patch
     divisor = config.model.divisor
-    assert patch is not None and patch % divisor == 0 and patch <= 64
+    assert patch is not None and len(set(patch)) == 1  # a cube for cubes (data.shape 64^3)
+    edge = patch[0]
+    assert edge % divisor == 0 and edge <= 64
     assert gpu_footprint_bytes(config, counts_for, patch, 2) <= config.distribute.gpu_memory_bytes
-    if patch < 64:
-        assert gpu_footprint_bytes(config, counts_for, patch + divisor, 2) > config.distribute.gpu_memory_bytes
+    if edge < 64:
+        assert gpu_footprint_bytes(config, counts_for, edge + divisor, 2) > config.distribute.gpu_memory_bytes
     assert parallel.loader_settings() == {"batch_size": 4, "patch": patch, "shard": (0, 1)}
     host = parallel.host_config(config)  # the simulated replicas all live on this host
-    assert (host.data.shape, host.train.batch_size) == ((patch,) * 3, 4)
+    assert (host.data.shape, host.train.batch_size) == (patch, 4)
+    assert parallel.to_dict()["patch"] == list(patch)
     real = data_parallel(config, _replicas(2, simulated=False), counts_for)
     assert not real.host_checked  # real GPUs: the host holds only the input
 
 
+def test_the_patch_takes_the_datasets_median_aspect(counts_for):
+    """As nnU-Net's planner: a flat dataset gets a flat patch, the largest of its proportions that fits."""
+    config = _config(strategy="mirrored", gpu_memory_bytes=GIB + 300 * 2**20)
+    flat = data_parallel(config, _replicas(2), counts_for, aspect=(64, 64, 16))
+    cube = data_parallel(config, _replicas(2), counts_for).patch
+    assert flat.patch[2] < flat.patch[0] == flat.patch[1] and flat.patch[2] % config.model.divisor == 0
+    assert flat.patch[0] >= cube[0]  # fewer voxels per unit of edge: a longer edge fits
+    assert patch_shape((64, 64, 16), flat.patch[0], config.model.divisor) == flat.patch
+    bigger = patch_shape((64, 64, 16), flat.patch[0] + config.model.divisor, config.model.divisor)
+    assert bigger == flat.patch or gpu_footprint_bytes(config, counts_for, bigger, 2) > GIB + 300 * 2**20
+    assert patch_shape((240, 240, 155), 128, 16) == (128, 128, 80)
+    assert patch_shape((512, 512, 29), 256, 16) == (256, 256, 16)  # never thinner than 2^depth
+    assert patch_shape((100, 30, 30), 96, 16) == (96, 32, 32)  # nor longer than the median, rounded up
+
+
 def test_a_given_patch_needs_no_gpu_size(counts_for):
     parallel = data_parallel(_config(strategy="mirrored", patch=32), _replicas(2), counts_for)
-    assert (parallel.patch, parallel.gpu_memory_bytes) == (32, None)
+    assert (parallel.patch, parallel.gpu_memory_bytes) == ((32, 32, 32), None)
 
 
 def test_learning_rate_scales_with_the_global_batch(counts_for):

@@ -85,7 +85,7 @@ def test_a_run_on_patches_is_validated_in_windows_of_its_patch(tmp_path, tiny_st
                              "--simulate-replicas", "2", "--patch", "8", "--out", str(out)],
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
-    assert json.loads((out / "plan.json").read_text())["data_parallel"]["patch"] == 8
+    assert json.loads((out / "plan.json").read_text())["data_parallel"]["patch"] == [8, 8, 8]
     code, stdout, err = run_cli(["predict", out, tiny_store, "--cases", "synth_0003", "-o", tmp_path / "pred",
                                  "--mode", "sliding"], capsys)
     assert code == 0, err
