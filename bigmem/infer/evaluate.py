@@ -29,8 +29,6 @@ from bigmem.infer.metrics import EMPTY_RULE, absent_class_metrics, aggregate, ca
 from bigmem.units import format_count
 
 MAX_LABEL = 255  # label maps are held as uint8, as in the store (README.md, "The store format")
-REGIONS_ATTR = "regions"  # a store's root attribute: JSON {region name: [label values]}
-REGIONS_EXAMPLE = '{"whole_tumor": [1, 2, 3], "tumor_core": [2, 3], "enhancing_tumor": [3]}'
 _SLAB_PLANES = 16  # float label files are checked 16 planes at a time: temporaries of a slab, not a volume
 
 
@@ -132,87 +130,26 @@ def read_label_map(path: Path, case_id: str, what: str) -> tuple[np.ndarray, np.
     return _as_label_map(data, case_id, what, str(path)), np.asarray(image.affine, np.float64), spacing
 
 
-def checked_regions(raw, where: str, num_classes: int | None = None) -> dict[str, list[int]]:
-    """Regions as a store or dataset.json holds them, checked: name -> sorted foreground label values.
-
-    Args:
-        raw: ``{name: [values]}`` (a single value may stand for its one-element list, as nnU-Net v2
-            writes ``"enhancing_tumor": 3``), or a JSON string of it (a store's ``regions`` attribute).
-        where: what held them, for messages (``"store 'brats.h5'"``).
-        num_classes: labels are ``0..num_classes - 1``; None: up to 255.
-
-    Returns:
-        ``{name: sorted values}`` in the order given; ``{}`` for None or an empty mapping.
-
-    Raises:
-        DataError: not a mapping of names to label values, an empty region, or a value outside
-            ``1..num_classes - 1`` (background belongs to no region).
-
-    Example:
-        >>> checked_regions('{"whole_tumor": [3, 1, 2], "enhancing_tumor": 3}', "store 'brats.h5'", 4)
-        {'whole_tumor': [1, 2, 3], 'enhancing_tumor': [3]}
-    """
-    import json
-
-    if raw is None:
-        return {}
-    if isinstance(raw, (bytes, str)):
-        try:
-            raw = json.loads(raw)
-        except ValueError as exc:
-            raise DataError(f"{where}: regions are not valid JSON ({exc}); expected {REGIONS_EXAMPLE}.") from None
-    if not isinstance(raw, dict):
-        raise DataError(f"{where}: regions must map region names to label values, such as {REGIONS_EXAMPLE}.")
-    limit = num_classes - 1 if num_classes is not None else MAX_LABEL
-    regions = {}
-    for name, values in raw.items():
-        values = [values] if isinstance(values, int) and not isinstance(values, bool) else values
-        if not (isinstance(values, list) and values and
-                all(isinstance(v, int) and not isinstance(v, bool) for v in values)):
-            raise DataError(f"{where}: region {name!r} is {json.dumps(values)}; expected a list of label values, "
-                            f"such as {REGIONS_EXAMPLE}.")
-        wrong = [v for v in values if not 1 <= v <= limit]
-        if wrong:
-            raise DataError(f"{where}: region {name!r} has label values {wrong}; expected labels 1..{limit} "
-                            "(background belongs to no region).")
-        regions[str(name)] = sorted(set(values))
-    return regions
-
-
-def store_regions(store) -> dict[str, list[int]]:
-    """A store's regions (its ``regions`` root attribute), checked; ``{}`` where it defines none.
-
-    Args:
-        store: an open ``HDF5VolumeStore``.
-
-    Returns:
-        ``{name: sorted label values}``, as :func:`checked_regions` gives them.
-
-    Raises:
-        DataError: regions not of the form :func:`checked_regions` accepts.
-    """
-    raw = getattr(store, "regions", None)
-    if raw is None:  # a store reader without the property reads the attribute itself
-        import h5py
-
-        with h5py.File(store.path, "r") as handle:
-            raw = handle.attrs.get(REGIONS_ATTR)
-    return checked_regions(raw, f"Store {str(store.path)!r}", store.num_classes)
-
-
 def _dataset_json_labels(folder: Path, warning: Callable[[str], None]) -> tuple[list[str], dict[str, list[int]]]:
-    """(label names, regions) from the dataset.json beside a reference folder; ``([], {})`` without a usable one."""
-    from bigmem.data.nifti import read_dataset_json
+    """(label names, regions) from the dataset.json beside a reference folder; ``([], {})`` without a usable one.
+
+    nnU-Net v2's region labels name each class after the region its ``regions_class_order`` paints
+    with it, as ``bigmem convert`` names them (``nifti.region_classes``).
+    """
+    from bigmem.data.nifti import read_dataset_json, region_classes
 
     path = folder.absolute().parent / "dataset.json"
     if not path.is_file():
         return [], {}
-    try:
+    try:  # only names and regions come from it: the scores do not need it
         meta = read_dataset_json(path)
-    except DataError as exc:  # only names come from it: the scores do not need it
+        names, regions, order = meta["label_names"], meta["regions"], meta["regions_class_order"]
+        if regions and order is not None:
+            names = region_classes(names[0], regions, order, str(path))
+    except DataError as exc:
         warning(f"{exc} Classes are named class1, class2, ... and no regions are scored.")
         return [], {}
-    return meta["label_names"], meta["regions"]
+    return names, regions
 
 
 def _run_labels(run_dir: Path, warning: Callable[[str], None]) -> tuple[int, list[str], dict[str, list[int]]]:
@@ -221,6 +158,7 @@ def _run_labels(run_dir: Path, warning: Callable[[str], None]) -> tuple[int, lis
     The names and regions are the run's ``preprocessing.json``'s (``infer.modelcard``), else, for a
     run from before that file, its training store's; with neither, a warning and no names.
     """
+    from bigmem.data.store import checked_regions
     from bigmem.infer.modelcard import CARD_NAME, ModelCard
     from bigmem.infer.predict import run_config
 
@@ -231,7 +169,7 @@ def _run_labels(run_dir: Path, warning: Callable[[str], None]) -> tuple[int, lis
                 "its classes; they are class1, class2, ...")
         return config.model.num_classes, [], {}
     card = ModelCard.of_run(run_dir, store)
-    regions = checked_regions(card.regions, f"Run {str(run_dir)!r}", config.model.num_classes)
+    regions = checked_regions(card.regions, f"Run {str(run_dir)!r}", config.model.num_classes)  # card: unchecked
     return config.model.num_classes, list(card.label_names), regions
 
 
@@ -262,7 +200,7 @@ class _StoreReferences:
         self.case_ids = self.store.case_ids
         self.num_classes: int | None = self.store.num_classes
         self.label_names = self.store.label_names
-        self.regions = store_regions(self.store)
+        self.regions = self.store.regions
         self.warning = warning
 
     def load(self, case_id: str):
@@ -447,7 +385,7 @@ def evaluate(pred: str | os.PathLike, ref: str | os.PathLike, *, classes: Sequen
     Raises:
         DataError: a missing folder or file, cases on one side only (without ``allow_missing``),
             prediction and reference shapes that differ, non-integer labels, labels >= the number
-            of classes, regions not of the form :func:`checked_regions` accepts, ``run`` not a run
+            of classes, regions not of the form ``store.checked_regions`` accepts, ``run`` not a run
             directory or trained on a store with another number of classes than REF's.
         UsageError: ``classes`` outside ``1..num_classes - 1``, or ``num_classes`` that differs
             from the store's or the run's.

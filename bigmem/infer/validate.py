@@ -15,7 +15,7 @@ import os
 from typing import Callable, Sequence
 
 from bigmem.data.store import HDF5VolumeStore
-from bigmem.infer.evaluate import store_reference, store_regions
+from bigmem.infer.evaluate import store_reference
 from bigmem.infer.geometry import CaseGeometry, labels_to_source
 from bigmem.infer.metrics import aggregate, case_metrics, region_metrics
 from bigmem.infer.predict import DEFAULT_OVERLAP, Mode, Predictor, predict_probabilities
@@ -38,7 +38,7 @@ def validate(predictor: Predictor, store_path: str | os.PathLike, case_ids: Sequ
     Returns:
         ``{"val_dice": foreground mean, "val_dice_per_class": {"1": mean Dice, ...}}``, and
         ``"val_dice_per_region": {"whole_tumor": mean Dice, ...}`` where the store defines regions
-        (``store_regions``); a class or region absent from every case's reference and prediction is
+        (``HDF5VolumeStore.regions``); a class or region absent from every case's reference and prediction is
         NaN and left out of the mean.
 
     Example:
@@ -47,7 +47,7 @@ def validate(predictor: Predictor, store_path: str | os.PathLike, case_ids: Sequ
     classes = list(range(1, predictor.num_classes))
     mode = Mode.SLIDING if predictor.training_patch else Mode.WHOLE
     with HDF5VolumeStore(store_path) as store:
-        regions = store_regions(store)
+        regions = store.regions
     per_case, per_case_regions = [], []
     for case_id in case_ids:
         with HDF5VolumeStore(store_path) as store:

@@ -364,7 +364,7 @@ def test_nnunet_regions_in_dataset_json_are_scored(folders, capsys):
     assert code == 0, err
     summary = json.loads((pred / "summary.json").read_text())
     assert summary["regions"] == {"lesion": [1, 2], "core": [2]}
-    assert summary["label_names"] == {"1": "class1", "2": "class2"}  # a region dataset names regions, not values
+    assert summary["label_names"] == {"1": "lesion", "2": "core"}  # the region regions_class_order paints each with
     cases = {case["case_id"]: case["region_metrics"] for case in summary["metric_per_case"]}
     # case_a: the lesion is class 1 (TP 90, FN 30); patient_0001: class 1's 30 voxels found, class 2's 30 missed
     assert cases["case_a"]["lesion"]["Dice"] == pytest.approx(180 / 210)
