@@ -107,7 +107,12 @@ def resample(loaded: LoadedCase, target: Sequence[float]) -> LoadedCase:
     return LoadedCase(loaded.case_id, image, label, affine, loaded.source_affine, loaded.source_shape, spacing)
 
 
-def _per_file(case: SourceCase, value: Callable = str):
+def _absolute(path: Path) -> str:
+    """A source path as the store records it: absolute, so evaluate finds the file from any folder."""
+    return str(Path(path).absolute())
+
+
+def _per_file(case: SourceCase, value: Callable = _absolute):
     """``value`` of the case's image file, or a list of it per channel file (nnU-Net v2's CASE_0000, ...)."""
     values = [value(path) for path in case.image_files]
     return values[0] if len(values) == 1 else values
@@ -199,7 +204,8 @@ class _Conversion:
         dtype = storage_dtype(image, stats)
         image = image.astype(dtype, copy=False)
         writer.add_case(case.case_id, image, label, spacing=loaded.spacing, affine=loaded.affine,
-                        source_affine=loaded.source_affine, source_image=_per_file(case), source_label=str(case.label),
+                        source_affine=loaded.source_affine, source_image=_per_file(case),
+                        source_label=_absolute(case.label),
                         attrs={"source_shape": list(loaded.source_shape), "canonical_shape": list(loaded.label.shape),
                                "crop_pad": np.asarray(offsets, np.int64), STATS_ATTR: json.dumps(stats)},
                         foreground=foreground)
@@ -208,7 +214,7 @@ class _Conversion:
         self.entries[case.case_id] = {
             "shape": list(image.shape), "source_shape": list(loaded.source_shape), "spacing": list(loaded.spacing),
             "image_dtype": dtype.name, "label_dtype": "uint8", "label_values": values, "intensity_stats": stats,
-            "source_image": _per_file(case), "source_label": str(case.label),
+            "source_image": _per_file(case), "source_label": _absolute(case.label),
             "source_sha256": {"image": _per_file(case, sha256), "label": sha256(case.label)},
         }
         self.report.converted.append(case.case_id)

@@ -305,26 +305,6 @@ def read_dataset_json(json_path: str | Path) -> dict:
             "num_training": count if isinstance(count, int) and not isinstance(count, bool) else None}
 
 
-def read_dataset_labels(json_path: str | Path) -> tuple[list[str], dict[str, list[int]]]:
-    """The class names and regions of a dataset.json (``read_dataset_json``'s, checked the same way).
-
-    Args:
-        json_path: an MSD or nnU-Net v2 dataset.json.
-
-    Returns:
-        ``(label_names, regions)``: names in label-value order, and nnU-Net v2's regions as region
-        name -> the label values it unites (``{}`` where the labels are plain classes).
-
-    Raises:
-        DataError: as ``read_dataset_json``.
-
-    Example:
-        >>> read_dataset_labels("Dataset137_BraTS2021/dataset.json")[1]  # {'whole_tumor': [1, 2, 3], ...}
-    """
-    meta = read_dataset_json(json_path)
-    return meta["label_names"], meta["regions"]
-
-
 def sha256(path: Path) -> str:
     """The SHA-256 of a file's bytes, as hex (read in 1 MiB blocks)."""
     digest = hashlib.sha256()

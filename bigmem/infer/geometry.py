@@ -379,7 +379,7 @@ def source_label_from_store(store: HDF5VolumeStore | str | os.PathLike, case_id:
 
 
 def prepare_nifti(image_paths: str | os.PathLike | Sequence[str | os.PathLike],
-                  card: "ModelCard | HDF5VolumeStore | str | os.PathLike"):
+                  card: "ModelCard | HDF5VolumeStore | str | os.PathLike", case_id: str | None = None):
     """Prepare a NIfTI case exactly as ``bigmem convert`` prepared the cases a model trained on.
 
     Canonical (RAS) orientation, the ``--spacing`` resampling and ``--shape`` crop/pad convert used,
@@ -391,6 +391,8 @@ def prepare_nifti(image_paths: str | os.PathLike | Sequence[str | os.PathLike],
         image_paths: one 3D or 4D (channels last) NIfTI file, or one 3D file per channel in channel order.
         card: the model's ``ModelCard`` (a run directory's ``preprocessing.json``), or a store (or its
             path) whose cases the model was trained on.
+        case_id: the case's id, for messages and the geometry (default: the first file's name without
+            .nii[.gz] and _0000; a KiTS case folder's files are all 'imaging').
 
     Returns:
         ``(image, geometry, stats)``: ``(D, H, W, C)`` float32 on the grid convert would have written,
@@ -413,7 +415,7 @@ def prepare_nifti(image_paths: str | os.PathLike | Sequence[str | os.PathLike],
         raise DataError("prepare_nifti: no image file given; expected one 3D/4D file or one 3D file per channel.")
     if not isinstance(card, ModelCard):
         card = ModelCard.from_store(card.path if isinstance(card, HDF5VolumeStore) else card)
-    case_id = case_id_of(paths[0])
+    case_id = case_id or case_id_of(paths[0])
     loaded = load_channels(paths, case_id)
     if loaded.image.shape[3] != card.num_channels:
         raise DataError(f"Case {case_id!r}: {loaded.image.shape[3]} channel{'s' if loaded.image.shape[3] != 1 else ''}"

@@ -29,6 +29,7 @@ from bigmem.infer.forward import forward_probabilities, normalize_image
 from bigmem.infer.geometry import CaseGeometry, crop_padding, labels_to_source, pad_to_multiple, scores_to_source
 from bigmem.infer.modelcard import ModelCard
 from bigmem.rundir import RunDir, atomic_output
+from bigmem.units import format_count
 
 NIFTI_SUFFIXES = (".nii.gz", ".nii")
 DEFAULT_OVERLAP = 0.5  # nnU-Net's sliding-window overlap
@@ -236,7 +237,7 @@ def find_inputs(source: str | os.PathLike, card: ModelCard, *,
 def _nifti_input(case_id: str, paths: list[Path], card: ModelCard) -> CaseInput:
     from bigmem.infer.geometry import prepare_nifti
 
-    return CaseInput(case_id, ", ".join(map(str, paths)), lambda: prepare_nifti(paths, card))
+    return CaseInput(case_id, ", ".join(map(str, paths)), lambda: prepare_nifti(paths, card, case_id))
 
 
 def _store_inputs(path: Path) -> list[CaseInput]:
@@ -261,7 +262,7 @@ def _pick(inputs: list[CaseInput], cases: Sequence[str] | None, where: str) -> l
     unknown = [c for c in cases if c not in by_id]
     if unknown:
         raise DataError(f"--cases: {', '.join(map(repr, unknown))} not in {where!r} "
-                        f"(it has {len(by_id)} cases, e.g. {', '.join(list(by_id)[:3])}).")
+                        f"(it has {format_count(len(by_id), 'case')}, e.g. {', '.join(list(by_id)[:3])}).")
     return [by_id[c] for c in cases]
 
 
