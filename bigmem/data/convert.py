@@ -404,8 +404,9 @@ def convert(dataset: SourceDataset, out: str | Path, *, force: bool = False, app
         block_bytes: bytes per write and flush (default None: whole datasets).
         spacing: voxel spacing ``(x, y, z)`` in mm to resample to (default None: keep).
         normalization: ``auto`` (default: per channel, ``ct`` for a channel named CT, else a z-score,
-            within the nonzero mask where the cases are mostly zero; ``preprocess.choose_schemes``),
-            or one of ``preprocess.SCHEMES`` for every channel.
+            within the nonzero mask where the cases are mostly zero; ``preprocess.choose_schemes``;
+            with ``append``, the store's schemes, the CT figures taken again from every case), or one
+            of ``preprocess.SCHEMES`` for every channel.
 
     Returns:
         A ``ConvertReport``: the store and manifest paths, the converted case ids and one
@@ -452,6 +453,8 @@ def convert(dataset: SourceDataset, out: str | Path, *, force: bool = False, app
             # the dataset's normalisation is chosen again from every case, the old ones' figures included
             old_stats = [store.case_stats(c) or {} for c in store.case_ids]
             old_samples = [s for s in (store.foreground_sample(c) for c in store.case_ids) if s is not None]
+            if normalization == "auto" and store.preprocessing_recorded:  # appended cases keep the store's schemes
+                normalization = [c.scheme for c in store.preprocessing.channels]
         check_append(dataset, out, num_channels, label_values, regions)
         if report.manifest.exists():
             old_entries = json.loads(report.manifest.read_text()).get("cases", {})

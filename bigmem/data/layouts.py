@@ -138,6 +138,15 @@ def read_dataset(src: str | Path) -> SourceDataset:
                     "--images/--labels globs.")
 
 
+def _dataset_json_path(src: str | Path, expected: str) -> Path:
+    """SRC's dataset.json (SRC a folder, or the file itself); refused, saying what was ``expected``, if missing."""
+    src = Path(src)
+    json_path = src / "dataset.json" if src.is_dir() else src
+    if not json_path.is_file():
+        raise DataError(f"No dataset.json in {str(src)!r}: expected {expected}.")
+    return json_path
+
+
 def _training_json(json_path: Path) -> dict:
     """``read_dataset_json`` for training: regions become the classes their ``regions_class_order`` paints
     (class v named after the region painted v), and are refused without one (``nifti.region_classes``)."""
@@ -175,11 +184,8 @@ def read_msd(src: str | Path) -> SourceDataset:
         >>> dataset = read_msd("Task01_BrainTumour")
         >>> dataset.channel_names, len(dataset.cases)  # (['FLAIR', 'T1w', 't1gd', 'T2w'], 484)
     """
-    src = Path(src)
-    json_path = src / "dataset.json" if src.is_dir() else src
-    if not json_path.is_file():
-        raise DataError(f"No dataset.json in {str(src)!r}: expected a Medical Segmentation Decathlon folder "
-                        "(dataset.json, imagesTr/, labelsTr/) or --images/--labels globs.")
+    json_path = _dataset_json_path(src, "a Medical Segmentation Decathlon folder (dataset.json, imagesTr/, "
+                                        "labelsTr/) or --images/--labels globs")
     meta = _training_json(json_path)
     root = json_path.parent
     cases, seen, problems = [], set(), []
@@ -252,11 +258,7 @@ def read_nnunet(src: str | Path) -> SourceDataset:
         >>> dataset = read_nnunet("Dataset001_BrainTumour")
         >>> dataset.cases[0].image_files  # [.../BRATS_001_0000.nii.gz, ..., .../BRATS_001_0003.nii.gz]
     """
-    src = Path(src)
-    json_path = src / "dataset.json" if src.is_dir() else src
-    if not json_path.is_file():
-        raise DataError(f"No dataset.json in {str(src)!r}: expected an nnU-Net v2 raw folder (dataset.json, "
-                        "imagesTr/, labelsTr/).")
+    json_path = _dataset_json_path(src, "an nnU-Net v2 raw folder (dataset.json, imagesTr/, labelsTr/)")
     meta = _training_json(json_path)
     root, ending = json_path.parent, meta["file_ending"]
     images, problems, found = _nnunet_images(root / "imagesTr", ending, meta["channel_names"])

@@ -124,10 +124,9 @@ class Preprocessing:
         Returns:
             ``image``, changed in place.
         """
-        mask = None
+        # of every channel as given, taken before any channel changes
+        mask = nonzero_mask(image) if any(c.scheme == "zscore_nonzero" for c in self.channels) else None
         for c, channel in enumerate(self.channels):
-            if channel.scheme == "zscore_nonzero" and mask is None:
-                mask = nonzero_mask(image)  # of every channel, taken before any channel changes
             _normalize_channel(image[..., c], channel, stats, c)
             if channel.scheme == "zscore_nonzero":
                 image[..., c][~mask] = 0.0
@@ -172,9 +171,10 @@ def nonzero_mask(image: np.ndarray) -> np.ndarray:
 def case_statistics(image: np.ndarray) -> dict:
     """A case's per-channel statistics, as every normalisation path uses them.
 
-    Computed on the case as converted (after resampling, before any crop or pad). Sums are taken
-    in float64 (one einsum each: numpy's mean and std over the spatial axes took 0.47 s of a
-    240x240x155x4 case, these 0.11 s).
+    Computed on the case as converted (after resampling, before any crop or pad), one channel at a
+    time: beyond the image, a ``(D, H, W)`` mask and one channel's nonzero voxels (float32) are held,
+    never a float64 or whole-image copy. Sums are taken in float64 by einsum (numpy's mean and std
+    over the spatial axes took 0.47 s of a 240x240x155x4 case, einsum's sums 0.11 s).
 
     Args:
         image: ``(D, H, W, C)``, any real dtype.
@@ -186,31 +186,36 @@ def case_statistics(image: np.ndarray) -> dict:
     Raises:
         DataError: the image holds NaN or Inf (its mean is not finite).
     """
-    flat = image.reshape(-1, image.shape[-1])
-    count = max(1, flat.shape[0])
-    total = np.einsum("ij->j", flat, dtype=np.float64)
-    mean = total / count
-    if not np.all(np.isfinite(mean)):
-        raise DataError(f"image has {int(np.count_nonzero(~np.isfinite(image)))} non-finite values (NaN/Inf)")
-    squares = np.einsum("ij,ij->j", flat, flat, dtype=np.float64)
-    std = np.sqrt(np.maximum(squares / count - mean * mean, 0.0))
     mask = nonzero_mask(image)
-    inside = int(np.count_nonzero(mask))
+    count, inside = max(1, mask.size), int(np.count_nonzero(mask))
+    figures = {k: [] for k in ("mean", "std", "min", "max", "nonzero_mean", "nonzero_std")}
+    for c in range(image.shape[-1]):  # one channel at a time, as views: never a copy of the whole image
+        channel = image[..., c]
+        mean, std = _moments(channel, count, "ijk")
+        if not np.isfinite(mean):
+            raise DataError(f"image has {int(np.count_nonzero(~np.isfinite(image)))} non-finite values (NaN/Inf)")
+        figures["mean"].append(mean)
+        figures["std"].append(std)
+        figures["min"].append(float(channel.min()))
+        figures["max"].append(float(channel.max()))
+        inner = _moments(channel[mask], inside, "i") if inside else (0.0, 0.0)  # the nonzero voxels, gathered
+        figures["nonzero_mean"].append(inner[0])
+        figures["nonzero_std"].append(inner[1])
+    box = 0.0
     if inside:
-        values = image[mask].astype(np.float64)  # (n, C): the nonzero voxels only
-        nonzero_mean, nonzero_std = values.mean(axis=0), values.std(axis=0)
-        del values
         box = 1.0
         for axis in range(3):
             hits = np.flatnonzero(np.any(mask, axis=tuple(a for a in range(3) if a != axis)))
             box *= (hits[-1] - hits[0] + 1) / mask.shape[axis]
-    else:
-        nonzero_mean, nonzero_std, box = np.zeros_like(mean), np.zeros_like(std), 0.0
-    return {"mean": mean.tolist(), "std": std.tolist(),
-            "min": np.min(flat, axis=0).astype(np.float64).tolist(),
-            "max": np.max(flat, axis=0).astype(np.float64).tolist(),
-            "nonzero_mean": np.asarray(nonzero_mean).tolist(), "nonzero_std": np.asarray(nonzero_std).tolist(),
-            "nonzero_box": float(box)}
+    return {**figures, "nonzero_box": float(box)}
+
+
+def _moments(values: np.ndarray, count: int, axes: str) -> tuple[float, float]:
+    """Mean and standard deviation of ``values``, from float64 sums (einsum accumulates without a float64 copy)."""
+    total = float(np.einsum(f"{axes}->", values, dtype=np.float64))
+    squares = float(np.einsum(f"{axes},{axes}->", values, values, dtype=np.float64))
+    mean = total / max(1, count)
+    return mean, float(np.sqrt(max(squares / max(1, count) - mean * mean, 0.0)))
 
 
 REQUIRED_STATS = ("mean", "std", "min", "nonzero_mean", "nonzero_std")
@@ -220,7 +225,8 @@ def complete(stats: dict | None, num_channels: int) -> bool:
     """Whether ``stats`` has every figure ``normalize`` and ``background`` need (stores from older
     bigmem versions recorded mean and std only)."""
     return isinstance(stats, dict) and all(
-        isinstance(stats.get(k), list) and len(stats[k]) == num_channels for k in REQUIRED_STATS)
+        isinstance(stats.get(k), list) and len(stats[k]) == num_channels
+        and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in stats[k]) for k in REQUIRED_STATS)
 
 
 def foreground_sample(image: np.ndarray, label: np.ndarray, rng: np.random.Generator,
@@ -244,14 +250,14 @@ def ct_scheme(samples: np.ndarray) -> ChannelScheme:
 
 
 def choose_schemes(channel_names: Sequence[str], case_stats: Sequence[dict], samples: Sequence[np.ndarray],
-                   requested: str = "auto") -> Preprocessing:
+                   requested: str | Sequence[str] = "auto") -> Preprocessing:
     """The dataset's normalisation, per channel, as nnU-Net chooses it.
 
     Args:
         channel_names: the channels' names (a name saying CT gets ``ct`` under ``auto``).
         case_stats: every case's ``case_statistics``.
         samples: every case's ``foreground_sample`` (``(n, C)``; empty for a case without foreground).
-        requested: ``auto`` (default), or one of ``SCHEMES`` for every channel.
+        requested: ``auto`` (default), one of ``SCHEMES`` for every channel, or one per channel.
 
     Returns:
         The ``Preprocessing``: ``ct`` from the pooled foreground samples; ``zscore_nonzero`` where
@@ -264,9 +270,10 @@ def choose_schemes(channel_names: Sequence[str], case_stats: Sequence[dict], sam
     boxes = [s["nonzero_box"] for s in case_stats if "nonzero_box" in s]
     mostly_zero = bool(boxes) and float(np.median(boxes)) < NONZERO_BOX_SHARE
     channels = []
+    per_channel = [requested] * len(channel_names) if isinstance(requested, str) else list(requested)
     for index, name in enumerate(channel_names):
-        scheme = requested
-        if requested == "auto":
+        scheme = per_channel[index]
+        if scheme == "auto":
             scheme = "ct" if is_ct(name) else ("zscore_nonzero" if mostly_zero else "zscore")
         if scheme == "ct":
             if pooled is None:
@@ -283,17 +290,20 @@ def storage_dtype(image: np.ndarray, stats: dict) -> np.dtype:
 
     Integer-valued images within int16 (CT in HU, most MRI as scanners write it) are stored as
     int16, exactly. Others as float16 where rounding moves no voxel by more than 1% of its
-    channel's standard deviation (normalisation divides by it, so the error after it is under
-    0.01), else float32 (values past float16's range, or channels of tiny spread).
+    channel's spread (the smaller of its standard deviation over the case and over its nonzero
+    voxels: z-scores divide by one of them), else float32 (values past float16's range, or
+    channels of tiny spread). Checked one channel at a time.
     """
     lowest, highest = min(stats["min"]), max(stats["max"])
-    if -32768 <= lowest and highest <= 32767 and np.array_equal(image, np.round(image)):
+    channels = [image[..., c] for c in range(image.shape[-1])]
+    if -32768 <= lowest and highest <= 32767 and (
+            np.issubdtype(image.dtype, np.integer) or all(np.array_equal(ch, np.round(ch)) for ch in channels)):
         return np.dtype(np.int16)
     if -65504 <= lowest and highest <= 65504:
-        for c in range(image.shape[-1]):
-            channel = image[..., c]
+        for c, channel in enumerate(channels):
+            spreads = [v for v in (stats["std"][c], stats["nonzero_std"][c]) if v > 0]
             error = float(np.max(np.abs(channel.astype(np.float16).astype(np.float32) - channel)))
-            if error > 0.01 * max(stats["std"][c], 0.0) and error > 0:
+            if error > 0 and error > 0.01 * min(spreads, default=0.0):
                 return np.dtype(np.float32)
         return np.dtype(np.float16)
     return np.dtype(np.float32)

@@ -109,9 +109,9 @@ class HDF5VolumeStore:
             (posix_fadvise DONTNEED), to behave as a dataset larger than RAM would (default False).
         direct_read: read contiguous, uncompressed datasets with one pread at their file offset
             straight into the array, with no HDF5 layer or intermediate copy (default True).
-        check_finite: check every read image for NaN/Inf here (default True); the input pipeline
-            turns it off and checks the mean it computes for normalisation anyway, saving a pass
-            over the data.
+        check_finite: check every read image for NaN/Inf here (default True; one summing pass, no
+            temporary). The input pipeline keeps it on: it normalises with the statistics convert
+            recorded, so nothing else would see a damaged voxel.
         holdout: keep the last N cases (sorted ids) out of ``cases``, in ``held_out`` (default 0).
 
     Raises:
@@ -142,6 +142,7 @@ class HDF5VolumeStore:
         self.cases = self._check_layout(handle)
         self.preprocessing = Preprocessing.from_json(handle.attrs.get(PREPROCESSING_ATTR), self.cases[0].num_channels,
                                                      f"Store {str(self.path)!r}")
+        self.preprocessing_recorded = PREPROCESSING_ATTR in handle.attrs  # False: the default, for an older store
         self._stats: dict[str, dict] = {}
         if holdout:  # the last ``holdout`` cases are kept for evaluation
             if holdout >= len(self.cases):
@@ -328,14 +329,27 @@ class HDF5VolumeStore:
                 raw = self._handle()["cases"][case_id].attrs.get(STATS_ATTR)
             except KeyError:
                 raise DataError(f"Case {case_id!r} is not in store {str(self.path)!r}.") from None
-            stats = json.loads(raw) if raw is not None else None
+            try:
+                stats = json.loads(raw) if raw is not None else None
+            except (TypeError, ValueError):
+                raise DataError(f"Case {case_id!r}: its {STATS_ATTR} in store {str(self.path)!r} is not readable "
+                                "JSON; convert the case again.") from None
             self._stats[case_id] = stats if complete(stats, self.num_channels) else None
         return self._stats[case_id]
 
+    def remember_stats(self, case_id: str, stats: dict) -> None:
+        """Keep statistics computed for a case the store recorded none for (an older store), so they are
+        computed once per process, not once per patch."""
+        self._stats[case_id] = stats
+
     def foreground_sample(self, case_id: str) -> np.ndarray | None:
         """The sample of the case's foreground voxels convert kept, ``(N, C)`` float32, or None."""
-        case = self._handle()["cases"][case_id]
-        return np.asarray(case["foreground"][...], np.float32) if "foreground" in case else None
+        try:
+            case = self._handle()["cases"][case_id]
+            return np.asarray(case["foreground"][...], np.float32) if "foreground" in case else None
+        except (KeyError, OSError) as exc:
+            raise DataError(f"Case {case_id!r}: cannot read its foreground sample from {str(self.path)!r} "
+                            f"({exc}); the store may be damaged.") from None
 
     def read_label(self, case_id: str) -> np.ndarray:
         """The label map of one case, e.g. to find foreground for patch sampling.

@@ -62,7 +62,8 @@ def largest_patch(config: ExperimentConfig, counts_for, gpu_memory_bytes: int, b
     """
     divisor = config.model.divisor
     best = None
-    for longest in range(divisor, max(aspect) + 1, divisor):
+    # at least one try: a median thinner than 2^depth still gets the smallest patch
+    for longest in range(divisor, max(divisor, max(aspect)) + 1, divisor):
         shape = patch_shape(aspect, longest, divisor)
         if gpu_footprint_bytes(config, counts_for, shape, batch) > gpu_memory_bytes:
             break

@@ -444,7 +444,7 @@ def pad_to_multiple(image: np.ndarray, divisor: int, value: np.ndarray | float |
     """Pad each spatial axis, centred, up to the next multiple of ``divisor``, at the background value.
 
     Centred and valued as training pads (``data.pipeline.fit_to_shape``: ``(size_needed - size) // 2``
-    before, each channel's minimum after normalising, its background), so the network sees the
+    before, at what the case's darkest voxel normalises to, its background), so the network sees the
     same border in both.
 
     Args:

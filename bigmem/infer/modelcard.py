@@ -66,8 +66,12 @@ class ModelCard:
             regions = getattr(store, "regions", {})
         with h5py.File(path, "r") as handle:
             raw = handle.attrs.get(CONVERT_OPTIONS_ATTR)
-        options = json.loads(raw) if raw is not None else {}
-        spacing, shape = options.get("spacing"), options.get("shape")
+        try:
+            options = json.loads(raw) if raw is not None else {}
+            spacing, shape = options.get("spacing"), options.get("shape")
+        except (TypeError, ValueError, AttributeError):
+            raise DataError(f"Store {str(path)!r}: its {CONVERT_OPTIONS_ATTR} attribute is not readable; convert the "
+                            "data again.") from None
         return cls(tuple(channels), tuple(labels), preprocessing,
                    None if spacing is None else tuple(float(s) for s in spacing),
                    None if shape is None else tuple(int(s) for s in shape), dict(regions), str(path))

@@ -366,8 +366,7 @@ def labels_path_of(out_dir: Path, case_id: str) -> Path:
 
 def predict_case(predictor: Predictor, item: CaseInput, out_dir: Path, *, mode: Mode | Callable,
                  window: int | tuple[int, int, int] | None = None, overlap: float = DEFAULT_OVERLAP,
-                          accumulate: str = "float32",
-                 tta: bool = False, save_probabilities: bool = False) -> CaseResult:
+                 accumulate: str = "float32", tta: bool = False, save_probabilities: bool = False) -> CaseResult:
     """Segment one case and write ``<case>.nii.gz`` (uint8 labels in the source geometry).
 
     Args:
@@ -407,8 +406,7 @@ def predict_case(predictor: Predictor, item: CaseInput, out_dir: Path, *, mode: 
 def predict(run_dir: str | os.PathLike, source: str | os.PathLike, out_dir: str | os.PathLike, *,
             checkpoint: str = "final", cases: Sequence[str] | None = None, mode: str = "auto",
             window: int | tuple[int, int, int] | None = None, overlap: float = DEFAULT_OVERLAP,
-                          accumulate: str = "float32",
-            tta: bool = False, save_probabilities: bool = False, choose_mode=None,
+            accumulate: str = "float32", tta: bool = False, save_probabilities: bool = False, choose_mode=None,
             verbose: bool = False, force: bool = False,
             say: Callable[[str], None] | None = None) -> Iterator[CaseResult | KeptOutput]:
     """Segment every case of ``source`` with the run in ``run_dir``; yields each case's result as it is written.
@@ -458,7 +456,9 @@ def predict(run_dir: str | os.PathLike, source: str | os.PathLike, out_dir: str 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for item in inputs:
-        if not force and labels_path_of(out, item.case_id).exists():
+        wanted = [labels_path_of(out, item.case_id)] + ([out / f"{item.case_id}_probabilities.npz"]
+                                                        if save_probabilities else [])
+        if not force and all(path.exists() for path in wanted):  # kept only when everything asked for is there
             yield KeptOutput(item.case_id, labels_path_of(out, item.case_id))
             continue
         yield predict_case(predictor, item, out, mode=chosen if chosen is not Mode.AUTO else choose_mode,

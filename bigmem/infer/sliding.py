@@ -6,7 +6,7 @@ sigma_scale=0.125)`` (``monai/inferers/utils.py``: ``_get_scan_interval``, ``den
 nnU-Net's sliding-window predictor (sigma = window / 8, every voxel with a positive weight):
 
 - a volume smaller than the window is padded to it, ``(window - size) // 2`` before, at each
-  channel's background (its minimum), as training pads (MONAI pads with zeros);
+  channel's background (``Preprocessing.background``), as training pads (MONAI pads with zeros);
 - windows step by ``int(window * (1 - overlap))`` (at least 1) from 0, and the last one is moved
   back to end at the volume's edge, so every voxel is covered and no window leaves the volume;
 - the weight is a separable Gaussian over voxel centres ``-(w - 1) / 2 .. (w - 1) / 2`` with

@@ -20,7 +20,7 @@ from typing import Sequence
 #   avx512_bf16: AMD EPYC VM, TF 2.21.0, oneDNN on, benchmarks/results/train-vm-20261130-095928.json:
 #     small (8 base filters) 191-206 fp32, 176-189 bf16; kits19 (32) 416-428 fp32, 681-720 bf16.
 #   avx2: AMD EPYC Zen 3 (AVX2 + FMA, no AVX-512), TF 2.21.0, oneDNN forced on, the `make demo`
-#     configuration (small, 48^3, batch 2) of the oneDNN issue: 0.33 Mvox/s fp32 and 0.016 bf16
+#     configuration (small, 48^3, batch 2) measured with oneDNN forced on: 0.33 Mvox/s fp32 and 0.016 bf16
 #     (emulated) at 81.2 kFLOP per voxel = 26.8 and 1.3 GFLOP/s.
 #   amx: Intel Xeon VM (AMX tiles, avx512_fp16), TF 2.21.0, oneDNN on, 64/96/128^3,
 #     benchmarks/results/train-vm-20261201-171755.json: small 83-94 fp32, 111-124 bf16; kits19

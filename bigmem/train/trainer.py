@@ -21,7 +21,7 @@ from rich.console import Console
 from bigmem.config.options import OptimizerName, Precision
 from bigmem.config.schema import ExperimentConfig
 from bigmem.errors import TrainingError
-from bigmem.infer.modelcard import ModelCard
+from bigmem.infer.modelcard import CARD_NAME, ModelCard
 from bigmem.sysinfo import collect_sysinfo
 from bigmem.tfenv import import_tensorflow
 from bigmem.train import callbacks as cb
@@ -279,7 +279,8 @@ def _start(job: Job, model, optimizer, console: Console) -> tuple[int, dict]:
     _remove_temporaries(run.path)
     run.path.mkdir(parents=True, exist_ok=True)
     run.write_config({**job.config.to_dict(), "total_steps": job.total_steps, "effective_lr": job.learning_rate})
-    ModelCard.from_store(job.config.data.store).write(run.path)  # predict needs the run directory only
+    if job.resume_from is None or not (run.path / CARD_NAME).is_file():  # a resumed run keeps what it trained on
+        ModelCard.from_store(job.config.data.store).write(run.path)  # predict needs the run directory only
     run.write_sysinfo(collect_sysinfo())
     run.write_plan(job.plan.to_dict())
     return start_step, state

@@ -203,10 +203,14 @@ def test_globs_append_and_force(tmp_path, capsys):
     assert HDF5VolumeStore(out).case_ids == ["p1", "p2"] and HDF5VolumeStore(out).num_classes == 3
     with h5py.File(out) as handle:
         assert handle["cases/p1/image"].chunks is None  # contiguous
+    code, _, err = run_cli(["convert", "--images", f"{data}/p[12]_0000.nii.gz", "--labels", f"{data}/p?.nii.gz",
+                            "-o", out, "--chunks", "none", "--force", "--normalization", "none"], capsys)
+    assert code == 0, err
     code, _, err = run_cli(["convert", "--images", f"{data}/p3_0000.nii.gz", "--labels", f"{data}/p?.nii.gz",
                             "-o", out, "--append"], capsys)
     assert code == 0, err
     assert HDF5VolumeStore(out).case_ids == ["p1", "p2", "p3"]
+    assert HDF5VolumeStore(out).preprocessing.channels[0].scheme == "none"  # --append keeps the store's scheme
     assert sorted(json.loads((tmp_path / "g.manifest.json").read_text())["cases"]) == ["p1", "p2", "p3"]
     code, _, err = run_cli(["convert", "--images", f"{data}/p3_0000.nii.gz", "--labels", f"{data}/p?.nii.gz",
                             "-o", out, "--append"], capsys)

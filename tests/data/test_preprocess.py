@@ -49,6 +49,16 @@ def test_statistics_and_each_scheme():
     np.testing.assert_array_equal(out[..., 1], [[[7.0, 8.0, 9.0]]])  # none: as stored
 
 
+def test_the_nonzero_mask_is_the_images_before_any_channel_changes():
+    """A z-scored channel before a zscore_nonzero one must not move the mask (its zeros become nonzero)."""
+    rng = np.random.default_rng(5)
+    image = _mri(rng)
+    stats = case_statistics(image)
+    mixed = Preprocessing((ChannelScheme("zscore"), ChannelScheme("zscore_nonzero"))).normalize(image.copy(), stats)
+    outside = ~np.any(image != 0, axis=-1)
+    assert np.all(mixed[..., 1][outside] == 0) and np.count_nonzero(mixed[..., 0][outside]) == outside.sum()
+
+
 def test_a_patch_gets_the_values_of_the_same_voxels_in_the_whole_case(tmp_path):
     """The statistics are the case's, so patches (compare's baseline) match whole volumes and windows."""
     rng = np.random.default_rng(1)

@@ -95,6 +95,8 @@ def test_the_patch_takes_the_datasets_median_aspect(counts_for):
     assert patch_shape((240, 240, 155), 128, 16) == (128, 128, 80)
     assert patch_shape((512, 512, 29), 256, 16) == (256, 256, 16)  # never thinner than 2^depth
     assert patch_shape((100, 30, 30), 96, 16) == (96, 32, 32)  # nor longer than the median, rounded up
+    divisor = config.model.divisor  # a median thinner than 2^depth still gets the smallest patch
+    assert data_parallel(config, _replicas(2), counts_for, aspect=(2, 3, 2)).patch == (divisor,) * 3
 
 
 def test_a_given_patch_needs_no_gpu_size(counts_for):
