@@ -30,7 +30,7 @@ def test_run_directory_contract(tmp_path, tiny_store, capsys):
     assert code == 0, err
     assert sorted(p.name for p in out.iterdir()) == [
         "checkpoints", "config.json", "metrics.jsonl", "model.keras", "monitor.csv", "monitor.json", "numa.json",
-        "plan.json", "summary.json", "sysinfo.json", "tensorboard"]
+        "plan.json", "preprocessing.json", "summary.json", "sysinfo.json", "tensorboard"]
     config = json.loads((out / "config.json").read_text())
     assert config["model"]["name"] == "tiny" and config["train"]["seed"] == 3
     assert config["data"]["store"] == str(tiny_store) and config["total_steps"] == 4
