@@ -409,6 +409,7 @@ class RunDir:
     checkpoints/            ``CheckpointManager``'s atomic checkpoints (and ``best``, with validation)
     tensorboard/            TensorBoard event files: train/ and validation/ scalars
     model.keras             the final model
+    preprocessing.json      what the model expects of a scan (``infer.modelcard``): predict needs no store
     report/                 ``bigmem report``'s default output folder
     ======================  ==================================================================
 
