@@ -133,9 +133,16 @@ def _surface(mask: np.ndarray) -> np.ndarray:
     return mask & ~ndimage.binary_erosion(mask)
 
 
-def _surface_points_mm(surface: np.ndarray, spacing: np.ndarray) -> np.ndarray:
-    """``(N, ndim)`` float64 positions in mm of the True voxels of ``surface``."""
-    return np.argwhere(surface) * spacing
+def _surface_points_mm(mask: np.ndarray, box, spacing: np.ndarray) -> np.ndarray:
+    """``(N, ndim)`` float64 positions in mm (in ``mask``'s grid) of its surface voxels (``_surface``).
+
+    Found on the mask's own bounding box plus one voxel (``box``: ``_bounding_box``), not the box
+    around both masks: a stray false positive far from the reference then stretches only the
+    prediction's box."""
+    lo = np.maximum(box[0] - 1, 0)
+    hi = np.minimum(box[1] + 1, mask.shape)
+    crop = tuple(slice(int(a), int(b)) for a, b in zip(lo, hi))
+    return (np.argwhere(_surface(np.asarray(mask[crop], dtype=bool))) + lo) * spacing
 
 
 def _directed_distances_mm(from_points: np.ndarray, to_points: np.ndarray) -> np.ndarray:
@@ -149,7 +156,7 @@ def _directed_distances_mm(from_points: np.ndarray, to_points: np.ndarray) -> np
     """
     from scipy.spatial import cKDTree
 
-    distances, _ = cKDTree(to_points).query(from_points, k=1)
+    distances, _ = cKDTree(to_points).query(from_points, k=1, workers=-1)  # the queries split over every core
     return np.asarray(distances, dtype=np.float64)
 
 
@@ -159,9 +166,9 @@ def hausdorff95_mm(ref_mask: np.ndarray, pred_mask: np.ndarray, spacing: Sequenc
     Surfaces are the mask voxels with a face neighbour outside the mask (MONAI's
     ``get_mask_edges``). The result is the larger of the 95th percentiles (numpy's linear
     interpolation) of the distances from each surface voxel of one mask to the nearest surface
-    voxel of the other, in both directions, found in a k-d tree of the surface points. Both masks
-    are cropped to their joint bounding box plus one voxel first, for the surfaces' erosion
-    (a few bytes per voxel of that box); the tree holds 8 B per coordinate of each surface voxel.
+    voxel of the other, in both directions, found in a k-d tree of the surface points. Each mask
+    is cropped to its own bounding box plus one voxel first, for its surface's erosion (a few bytes
+    per voxel of that box); the tree holds 8 B per coordinate of each surface voxel.
 
     Args:
         ref_mask: reference mask, bool, ``(D, H, W)`` (any number of dimensions).
@@ -187,11 +194,8 @@ def hausdorff95_mm(ref_mask: np.ndarray, pred_mask: np.ndarray, spacing: Sequenc
     ref_box, pred_box = _bounding_box(ref_mask), _bounding_box(pred_mask)
     if ref_box is None or pred_box is None:
         return math.nan
-    lo = np.maximum(np.minimum(ref_box[0], pred_box[0]) - 1, 0)
-    hi = np.minimum(np.maximum(ref_box[1], pred_box[1]) + 1, ref_mask.shape)
-    crop = tuple(slice(int(a), int(b)) for a, b in zip(lo, hi))
-    ref_points = _surface_points_mm(_surface(np.asarray(ref_mask[crop], dtype=bool)), spacing)
-    pred_points = _surface_points_mm(_surface(np.asarray(pred_mask[crop], dtype=bool)), spacing)
+    ref_points = _surface_points_mm(ref_mask, ref_box, spacing)
+    pred_points = _surface_points_mm(pred_mask, pred_box, spacing)
     forward = np.percentile(_directed_distances_mm(pred_points, ref_points), HD_PERCENTILE)
     backward = np.percentile(_directed_distances_mm(ref_points, pred_points), HD_PERCENTILE)
     return float(max(forward, backward))
@@ -255,6 +259,11 @@ def region_metrics(ref: np.ndarray, pred: np.ndarray, regions: Mapping[str, Sequ
 def _label_set_metrics(ref: np.ndarray, pred: np.ndarray, sets: Mapping, spacing: Sequence[float],
                        hausdorff: bool) -> dict:
     """``{key: metrics}`` for each key's set of labels, from one confusion matrix of the case."""
+    if ref.flags.f_contiguous and pred.flags.f_contiguous and not ref.flags.c_contiguous:
+        # NIfTI files read as Fortran-ordered arrays: their transposes are C-ordered views (with the spacing
+        # reversed, every count and distance is the same), so no pass below copies or strides across memory:
+        # 2 KiTS-sized cases of 2 classes took 5.05 s to score, 2.3 s of it reshaping copies
+        ref, pred, spacing = ref.T, pred.T, tuple(spacing)[::-1]
     largest = max([int(ref.max(initial=0)), int(pred.max(initial=0))] + [v for values in sets.values() for v in values])
     num_labels = largest + 1
     counts = confusion_counts(ref, pred, num_labels)
