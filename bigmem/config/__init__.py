@@ -7,7 +7,6 @@ from bigmem.config.options import (
     OptimizerName,
     Precision,
     Recompute,
-    Upsampling,
     look_up_option,
 )
 from bigmem.config.presets import load_preset, preset_names, resolve_config
@@ -15,6 +14,6 @@ from bigmem.config.schema import DataConfig, ExperimentConfig, ModelConfig, Trai
 
 __all__ = [
     "Activation", "DataConfig", "Downsampling", "ExperimentConfig", "ModelConfig", "Norm",
-    "OptimizerName", "Precision", "Recompute", "TrainConfig", "Upsampling", "load_preset", "look_up_option",
+    "OptimizerName", "Precision", "Recompute", "TrainConfig", "load_preset", "look_up_option",
     "preset_names", "resolve_config",
 ]

@@ -37,10 +37,6 @@ class Downsampling(StrOption):
     STRIDED = "strided"
 
 
-class Upsampling(StrOption):
-    TRANSPOSED = "transposed"
-
-
 class Precision(StrOption):
     FP32 = "fp32"
     BF16 = "bf16"

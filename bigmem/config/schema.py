@@ -6,7 +6,7 @@ A config is resolved once and never changed: a different value is a new config
 
 Errors name config fields (``data.volume``), never flags: a Python caller never typed a flag.
 ``ConfigError`` carries the field, and the command line renders it as its flag
-(``bigmem.config.flags.flag_for``): ``--volume``.
+(``bigmem.cli.common.flag_for``): ``--volume``.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from bigmem.config.options import (
     Recompute,
     Strategy,
     StrOption,
-    Upsampling,
     look_up_option,
     suggest,
 )
@@ -43,7 +42,8 @@ class ModelConfig:
         base_filters, max_filters: channels at full resolution, doubling per level up to the cap.
         blocks_per_level: conv -> norm -> activation blocks per stage.
         norm, groups: instance, group (``groups`` per level), batch or none.
-        activation, downsampling, upsampling, residual, conv_bias: the block's parts.
+        activation, downsampling, residual, conv_bias: the block's parts (the decoder upsamples by
+            transposed convolutions, kernel 2 = stride 2).
         stock_layers: build from Keras's stock layers only (the speed benchmark's baseline).
         in_channels, num_classes: filled from the store (``data.derived.with_data_fields``).
 
@@ -61,7 +61,6 @@ class ModelConfig:
     groups: int = 8
     activation: Activation = Activation.RELU
     downsampling: Downsampling = Downsampling.MAXPOOL
-    upsampling: Upsampling = Upsampling.TRANSPOSED
     residual: bool = False
     conv_bias: bool = False
     # True: only Keras's stock layers (Concatenate + Conv3D for skips, GroupNormalization, ReLU), as
@@ -392,6 +391,10 @@ def migrate_sections(values: Mapping[str, Any]) -> dict[str, Any]:
         if isinstance(section, Mapping) and old_key in section:
             new_section, new_key = new.split(".")
             moved.setdefault(new_section, {})[new_key] = section.pop(old_key)
+    model = moved.get("model")
+    # Configs from before the one upsampling was no longer a setting: "transposed" is what every network does.
+    if isinstance(model, Mapping) and model.get("upsampling", "transposed") == "transposed":
+        model.pop("upsampling", None)
     data = moved.get("data")
     # Runs and presets from before shapes: a cube. Such a run resumes at its cube and sample order; where
     # a case was smaller than the cube, its padding now takes the background value and the label that no
