@@ -22,6 +22,7 @@ from bigmem.config.options import OptimizerName, Precision
 from bigmem.config.schema import ExperimentConfig
 from bigmem.errors import TrainingError
 from bigmem.infer.modelcard import CARD_NAME, ModelCard
+from bigmem.rundir import atomic_output
 from bigmem.sysinfo import collect_sysinfo
 from bigmem.tfenv import import_tensorflow
 from bigmem.train import callbacks as cb
@@ -352,10 +353,6 @@ def _finish(job: Job, model, state: LoopState, console: Console, validation: dic
 
 
 def _save_model(model, path: Path) -> None:
-    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}.keras")
-    try:
+    """model.keras through the one atomic writer: synced, renamed into place, a full disk one line."""
+    with atomic_output(path, needed_bytes=lambda: sum(int(w.numpy().nbytes) for w in model.weights)) as tmp:
         model.save(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
