@@ -326,3 +326,26 @@ def test_a_checkpoint_on_a_full_disk_is_refused_and_the_last_one_kept(small_fs):
     assert result.stderr == ""
     outcomes = result.stdout.split()
     assert outcomes[0] == "full" and outcomes[-1] == "ok", outcomes  # full at first; fits with room enough
+
+
+def test_the_final_model_on_a_full_disk_is_one_line_and_leaves_nothing(small_fs):
+    """model.keras goes through the one atomic writer: DiskFullError naming it, no temporary left."""
+    from bigmem.train.trainer import _save_model
+
+    class Weight:
+        def numpy(self):
+            return np.zeros(2**19, np.float32)  # 2 MiB
+
+    class Model:  # what _save_model uses of a Keras model
+        weights = [Weight()]
+
+        def save(self, path):
+            with open(path, "wb") as handle:
+                handle.write(bytes(2 * 2**20))
+
+    fs = small_fs(1024 * 1024)
+    target = fs / "model.keras"
+    with pytest.raises(DiskFullError) as info:
+        _save_model(Model(), target)
+    assert str(info.value).startswith(f"No space left on device writing '{target}' (needed about 2.00 MiB, ")
+    assert list(fs.iterdir()) == []
