@@ -133,6 +133,7 @@ def atomic_output(path: str | os.PathLike, *, needed_bytes: int | Callable[[], i
     """
     path = Path(path)
     tmp = temporary_name(path)
+    created = _missing_parents(path)  # made here, so removed again if the output fails: nothing is left behind
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         if directory:
@@ -146,6 +147,9 @@ def atomic_output(path: str | os.PathLike, *, needed_bytes: int | Callable[[], i
     except BaseException as exc:
         written = _size(tmp)
         _remove(tmp)
+        for folder in created:  # deepest first; one that something else has filled since stays
+            with suppress(OSError):
+                folder.rmdir()
         code = disk_errno(exc)
         if isinstance(exc, DiskFullError) and directory and Path(exc.path).is_relative_to(tmp):
             code = disk_errno(exc.__cause__) if exc.__cause__ is not None else None  # a file written in the folder:
@@ -154,6 +158,16 @@ def atomic_output(path: str | os.PathLike, *, needed_bytes: int | Callable[[], i
             raise
         needed = needed_bytes() if callable(needed_bytes) else int(needed_bytes)
         raise disk_full_error(path, max(needed, written), code=code, at_least=needed <= 0) from exc
+
+
+def _missing_parents(path: Path) -> list[Path]:
+    """The folders above ``path`` that do not exist yet, deepest first."""
+    missing = []
+    folder = Path(os.path.abspath(path)).parent
+    while not folder.exists() and folder != folder.parent:
+        missing.append(folder)
+        folder = folder.parent
+    return missing
 
 
 def _replace(tmp: Path, path: Path) -> None:

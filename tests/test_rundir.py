@@ -320,4 +320,22 @@ def test_a_full_disk_inside_a_folder_output_names_the_folder(tmp_path, one_mib_f
                 raise OSError(errno.EDQUOT, "Disk quota exceeded")
     assert str(caught.value) == (f"Disk quota exceeded writing '{target}' (needed about 3.00 MiB, 1.00 MiB free). "
                                  "Free space or choose another --out.")
-    assert list((tmp_path / "checkpoints").iterdir()) == []
+    assert not (tmp_path / "checkpoints").exists()  # made for the output, removed with it
+
+
+def test_a_failed_output_removes_the_folders_it_made(tmp_path):
+    """-o into folders that do not exist yet: they appear with the output, and go again if it fails."""
+    target = tmp_path / "new" / "deeper" / "out.json"
+    with pytest.raises(RuntimeError):
+        with atomic_output(target) as tmp:
+            tmp.write_text("half")
+            raise RuntimeError("the writer failed")
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "kept").mkdir()
+    with pytest.raises(RuntimeError):  # a folder that was there before stays
+        with atomic_output(tmp_path / "kept" / "sub" / "x.txt"):
+            raise RuntimeError("again")
+    assert [p.name for p in tmp_path.iterdir()] == ["kept"] and list((tmp_path / "kept").iterdir()) == []
+    with atomic_output(target) as tmp:
+        tmp.write_text("whole")
+    assert target.read_text() == "whole"
