@@ -462,7 +462,8 @@ def convert(dataset: SourceDataset, out: str | Path, *, force: bool = False, app
     state = _Conversion(report, skip_bad=skip_bad, warn=warn, existing=existing, num_channels=num_channels,
                         label_values=label_values, shape=shape, spacing=spacing)
     if append:
-        state.channels_from, state.labels_from = f"the store {out.name!r} has", f"the store {out.name!r}'s classes"
+        state.channels_from = f"--append: the store {out.name!r} has"
+        state.labels_from = f"--append: the store {out.name!r}'s classes"
     else:
         state.channels_from, state.labels_from = dataset.channels_from, dataset.labels_from
     for message in dataset.problems:

@@ -418,3 +418,21 @@ def test_spacing_resamples_and_keeps_world_positions(tmp_path, capsys):
             "so its spacing is the nearest that gives one (furthest: 'r' at 2x2x3.429 mm, 2.04% off)") in stdout
     code, stdout, _ = run_cli(["convert", src, "-o", tmp_path / "v.h5", "--spacing", "2,2,2"], capsys)
     assert code == 0 and "note: --spacing" not in stdout
+
+
+def test_an_append_of_other_channels_names_the_flag(tmp_path, capsys):
+    rng = np.random.default_rng(7)
+    (tmp_path / "lab").mkdir()
+    for case_id, channels in (("p1", 1), ("p2", 2)):
+        image, label, affine = _case((9, 10, 11), rng, affine=PLAIN, channels=channels)
+        _save(tmp_path / f"{case_id}.nii.gz", image, affine)
+        _save(tmp_path / "lab" / f"{case_id}.nii.gz", label, affine)
+    out = tmp_path / "g.h5"
+    code, _, err = run_cli(["convert", "--images", f"{tmp_path}/p1.nii.gz", "--labels", f"{tmp_path}/lab/*.nii.gz",
+                            "-o", out], capsys)
+    assert code == 0, err
+    code, _, err = run_cli(["convert", "--images", f"{tmp_path}/p2.nii.gz", "--labels", f"{tmp_path}/lab/*.nii.gz",
+                            "-o", out, "--append"], capsys)
+    assert code == 1
+    assert err.strip() == (f"bigmem convert: error: Case 'p2': image has 2 channels; --append: the store 'g.h5' has "
+                           f"1 ({tmp_path / 'p2.nii.gz'}).")
