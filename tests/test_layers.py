@@ -22,7 +22,8 @@ LAYERS = (
     # directory's files and atomic writes (disk-full messages name sizes); the one place
     # TensorFlow is imported (tfenv is told the thread-pool sizes by numa.apply, it never reads
     # numa); cpu: /proc/cpuinfo, read by nets' kernel choices.
-    ("rundir", "tfenv", "cpu"),
+    # child: the request/result protocol of the processes memory measures in.
+    ("rundir", "tfenv", "cpu", "child"),
     ("checkpoints",),  # the run directory's checkpoints (written atomically), read by training and prediction
     ("config",),
     ("nets", "data", "numa"),

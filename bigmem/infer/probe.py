@@ -14,13 +14,13 @@ not change the footprint.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 
 import numpy as np
 
 from bigmem.config.options import Precision
+from bigmem.child import serve
 from bigmem.config.schema import ExperimentConfig
 from bigmem.memory.procfs import peak_rss_bytes, reset_peak_rss, rss_bytes
 from bigmem.tfenv import import_tensorflow
@@ -76,12 +76,8 @@ def probe(request: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m bigmem.infer.probe REQUEST.json``: run ``probe`` and print its result as one JSON line."""
-    argv = sys.argv[1:] if argv is None else argv
-    with open(argv[0]) as handle:
-        request = json.load(handle)
-    print(json.dumps(probe(request)), flush=True)
-    return 0
+    """``python -m bigmem.infer.probe REQUEST.json``: ``probe``'s result as one JSON line (``child.serve``)."""
+    return serve(probe, argv)
 
 
 if __name__ == "__main__":

@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-import tempfile
 from dataclasses import dataclass
 from typing import Sequence
 
+from bigmem.child import run_child
 from bigmem.config.schema import ExperimentConfig
 from bigmem.data.synth import cached_synthetic_store
-from bigmem.errors import BigmemError
 from bigmem.units import format_shape
 
 # The child program that trains and prints its peak (``bigmem/train/probe.py``). It is started as
@@ -73,16 +69,9 @@ def measure(config: ExperimentConfig, *, steps: int = 3, recompute_stages: list[
     config = config.updated({"data": {"store": store}, "train": {
         "steps": steps, "epochs": None, "checkpoint_every": steps,
         "warmup_steps": min(config.train.warmup_steps, steps)}})
-    with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="bigmem-probe-") as request:
-        json.dump({"config": config.to_dict(), "recompute_stages": recompute_stages, "force": force}, request)
-        request.flush()
-        result = subprocess.run([sys.executable, "-m", PROBE_MODULE, request.name],
-                                capture_output=True, text=True, timeout=timeout_s)
-    if result.returncode != 0:
-        tail = (result.stderr.strip().splitlines() or ["no output"])[-1]
-        raise BigmemError(f"Measuring {config.model.name} at {format_shape(shape)}, batch {batch} failed in the child "
-                          f"process (exit {result.returncode}): {tail}")
-    values = json.loads(result.stdout.strip().splitlines()[-1])
+    request = {"config": config.to_dict(), "recompute_stages": recompute_stages, "force": force}
+    what = f"Measuring {config.model.name} at {format_shape(shape)}, batch {batch}"
+    values = run_child(PROBE_MODULE, request, what=what, timeout_s=timeout_s)
     return Measurement(int(values["peak_bytes"]), int(values["baseline_bytes"]),
                        {str(k): int(v) for k, v in values["node_bytes"].items()}, float(values["step_s"]),
                        int(values["cores"]))
@@ -128,15 +117,8 @@ def measure_inference(config: ExperimentConfig, shape: Sequence[int], *, timeout
         >>> measure_inference(resolve_config("tiny"), (32, 32, 32)).peak_bytes
     """
     shape = [int(s) for s in shape]
-    with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="bigmem-inference-probe-") as request:
-        json.dump({"config": config.to_dict(), "shape": shape}, request)
-        request.flush()
-        result = subprocess.run([sys.executable, "-m", INFERENCE_PROBE_MODULE, request.name],
-                                capture_output=True, text=True, timeout=timeout_s, env=env)
-    if result.returncode != 0:
-        tail = (result.stderr.strip().splitlines() or ["no output"])[-1]
-        raise BigmemError(f"Measuring inference of {config.model.name} at {'x'.join(map(str, shape))} failed in the "
-                          f"child process (exit {result.returncode}): {tail}")
-    values = json.loads(result.stdout.strip().splitlines()[-1])
+    values = run_child(INFERENCE_PROBE_MODULE, {"config": config.to_dict(), "shape": shape},
+                       what=f"Measuring inference of {config.model.name} at {'x'.join(map(str, shape))}",
+                       timeout_s=timeout_s, env=env)
     return InferenceMeasurement(int(values["peak_bytes"]), int(values["baseline_bytes"]), int(values["model_bytes"]),
                                 float(values["seconds"]))

@@ -9,7 +9,6 @@ never imports it.
 from __future__ import annotations
 
 import io
-import json
 import os
 import statistics
 import sys
@@ -17,6 +16,7 @@ import tempfile
 
 from rich.console import Console
 
+from bigmem.child import serve
 from bigmem.config.schema import ExperimentConfig
 from bigmem.memory.procfs import peak_rss_bytes, rss_bytes
 from bigmem.numa.observe import node_resident_bytes
@@ -51,11 +51,8 @@ def probe(request: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    with open(argv[0]) as handle:
-        request = json.load(handle)
-    print(json.dumps(probe(request)), flush=True)
-    return 0
+    """``python -m bigmem.train.probe REQUEST.json``: ``probe``'s result as one JSON line (``child.serve``)."""
+    return serve(probe, argv)
 
 
 if __name__ == "__main__":

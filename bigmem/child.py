@@ -1,0 +1,65 @@
+"""The one protocol between bigmem and the child processes it measures in.
+
+A measurement that must see a fresh process's peak memory (VmHWM) runs in a child: the parent
+writes the request as a JSON file, starts ``python -m MODULE REQUEST.json``, and reads the result
+from the child's last line of stdout, one JSON object; a child that fails is reported with the
+last line of its stderr. ``memory/measure.py`` runs the training and inference probes
+(``train/probe.py``, ``infer/probe.py``) this way; each probe's ``main`` is ``serve``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+from typing import Any, Callable
+
+from bigmem.errors import BigmemError
+
+
+def run_child(module: str, request: dict[str, Any], *, what: str, timeout_s: float | None = None,
+              env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run ``python -m module REQUEST.json`` and return the JSON object it printed last.
+
+    Args:
+        module: the child's module (its ``main`` calls ``serve``).
+        request: JSON-serialisable arguments.
+        what: what the child does, for the message ("Measuring tiny at 32^3, batch 2").
+        timeout_s: kill the child after this many seconds (default None: no limit).
+        env: the child's environment (default: this process's).
+
+    Returns:
+        The child's result.
+
+    Raises:
+        BigmemError: the child exited non-zero (the message ends with its last line of stderr) or
+            printed no JSON object last.
+        subprocess.TimeoutExpired: the child ran past ``timeout_s``.
+    """
+    with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="bigmem-child-") as handle:
+        json.dump(request, handle)
+        handle.flush()
+        result = subprocess.run([sys.executable, "-m", module, handle.name], capture_output=True, text=True,
+                                timeout=timeout_s, env=env)
+    if result.returncode != 0:
+        tail = (result.stderr.strip().splitlines() or ["no output"])[-1]
+        raise BigmemError(f"{what} failed in the child process (exit {result.returncode}): {tail}")
+    lines = result.stdout.strip().splitlines()
+    try:
+        values = json.loads(lines[-1])
+    except (IndexError, ValueError):
+        values = None
+    if not isinstance(values, dict):
+        raise BigmemError(f"{what}: the child process printed no result (its last line: "
+                          f"{(lines or ['nothing'])[-1][:200]!r}).")
+    return values
+
+
+def serve(handler: Callable[[dict[str, Any]], dict[str, Any]], argv: list[str] | None = None) -> int:
+    """A child's ``main``: read the request file named by ``argv[0]``, print ``handler(request)`` as one JSON line."""
+    argv = sys.argv[1:] if argv is None else argv
+    with open(argv[0]) as handle:
+        request = json.load(handle)
+    print(json.dumps(handler(request)), flush=True)
+    return 0
