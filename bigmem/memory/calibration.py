@@ -292,6 +292,16 @@ class Calibration:
     # at its largest volume, fitted_on[-1]; None where no step was timed (the shipped defaults).
     step_gflops_per_core: float | None = None
 
+    @property
+    def has_margin(self) -> bool:
+        """Whether the table was not measured here, so a safety margin is added (``unmeasured_margin``)."""
+        return bool(self.margin_fraction or self.margin_bytes)
+
+    def safety_margin(self, predicted_bytes: int) -> int:
+        """The bytes added to a prediction of ``predicted_bytes``: its fraction plus the fixed part (0 where
+        measured). Training and inference estimates both add this one number."""
+        return int(round(self.margin_fraction * predicted_bytes)) + self.margin_bytes if self.has_margin else 0
+
     def line_for(self, counted_activation_bytes: float) -> tuple[float, float]:
         """(activation_scale, framework_bytes) of the segment that holds ``counted_activation_bytes``.
 
@@ -420,9 +430,26 @@ def lookup_calibration(preset: str, precision: str, recompute: str, *, path: Pat
     return default_calibration(preset, precision, recompute, isa=isa or machine_isa_class(), key=key)
 
 
-def _last_slope(knots: Sequence[tuple[int, int, int]]) -> float:
+def last_slope(knots: Sequence[tuple[int, int, int]]) -> float:
+    """The bytes per counted byte of a table's last segment: how steeply it extrapolates (0 for one knot).
+    An unmeasured model takes the steepest measured one's table, so that its prediction errs high."""
+    if len(knots) < 2:
+        return 0.0
     (_, x0, y0), (_, x1, y1) = knots[-2], knots[-1]
     return (y1 - y0) / (x1 - x0)
+
+
+def unmeasured_margin(reasons: list[str], precision: str, isa: str) -> tuple[float, int]:
+    """The one margin rule, for training and inference tables alike: ``(fraction, bytes)`` added to a
+    prediction whose table was not measured for this machine, model or mode (``reasons`` says why;
+    none: no margin). 15% and 256 MiB; 100% for bf16 emulated on this ISA (its float32
+    temporaries), which is then appended to ``reasons``."""
+    if not reasons:
+        return 0.0, 0
+    if precision == "bf16" and isa not in NATIVE_BF16_ISA_CLASSES:
+        reasons.append("bf16 is emulated on this ISA (float32 temporaries)")
+        return EMULATED_BF16_MARGIN_FRACTION, UNMEASURED_MARGIN_BYTES
+    return UNMEASURED_MARGIN_FRACTION, UNMEASURED_MARGIN_BYTES
 
 
 def default_calibration(preset: str, precision: str, recompute: str, *, isa: str,
@@ -452,15 +479,10 @@ def default_calibration(preset: str, precision: str, recompute: str, *, isa: str
     mode_defaults = {k[1]: v for k, v in DEFAULTS.items() if (k[0], k[2], k[3]) == (source_isa, precision, recompute)}
     if base not in mode_defaults:
         # An unmeasured model or mode: the shipped preset with the largest multiplier beyond its knots.
-        fallback = max(mode_defaults, key=lambda name: _last_slope(mode_defaults[name]))
+        fallback = max(mode_defaults, key=lambda name: last_slope(mode_defaults[name]))
         reasons.append(f"no default for model {preset!r} in {precision}/{recompute}; using {fallback}'s")
         base = fallback
-    margin, margin_bytes = 0.0, 0
-    if reasons:
-        margin, margin_bytes = UNMEASURED_MARGIN_FRACTION, UNMEASURED_MARGIN_BYTES
-        if precision == "bf16" and isa not in NATIVE_BF16_ISA_CLASSES:
-            margin = EMULATED_BF16_MARGIN_FRACTION
-            reasons.append("bf16 is emulated on this ISA (float32 temporaries)")
+    margin, margin_bytes = unmeasured_margin(reasons, precision, isa)
     knots = [[x, y] for _, x, y in mode_defaults[base]]
     scale, framework = Calibration(0.0, 0, "", knots=knots).line_for(knots[-1][0] + 1)
     source = f"default for {base} on {source_isa} ({DEFAULTS_MACHINES[source_isa]})"

@@ -248,9 +248,8 @@ def estimate(config: ExperimentConfig, counts: NetworkCounts, spatial_shape: Seq
         "hdf5_chunk_cache": 2 * HDF5_CHUNK_CACHE_BYTES * max(1, data.num_workers),
     }
     notes = []
-    if calibration.margin_fraction or calibration.margin_bytes:
-        components["safety_margin"] = int(round(calibration.margin_fraction * sum(components.values()))) \
-            + calibration.margin_bytes
+    if calibration.has_margin:
+        components["safety_margin"] = calibration.safety_margin(sum(components.values()))
         notes.append(f"calibration: {calibration.source}; run `bigmem profile --calibrate --model "
                      f"{config.model.name}` to measure this machine")
     widest_plane = counts.largest_tensor // spatial_shape[0]

@@ -30,15 +30,13 @@ from typing import Sequence
 from bigmem.config.options import Precision
 from bigmem.config.schema import ExperimentConfig
 from bigmem.data.pipeline import padded_shape  # the one rounding rule: training pads as predict does
-from bigmem.memory.calibration import (
-    EMULATED_BF16_MARGIN_FRACTION, FALLBACK_ISA, UNMEASURED_MARGIN_FRACTION, Calibration, machine_isa_class,
-)
+from bigmem.memory.calibration import FALLBACK_ISA, Calibration, last_slope, machine_isa_class, unmeasured_margin
 from bigmem.memory.estimate import (
     BFLOAT16_BYTES, FLOAT32_BYTES, SLAB_FRAME_PLANES, Estimate, NetworkCounts,
 )
 from bigmem.memory.measure import InferenceMeasurement, measure_inference
 from bigmem.nets.limits import exceeds_limit, max_kernel_elements, slab_elements
-from bigmem.sysinfo import NATIVE_BF16_ISA_CLASSES
+from bigmem.units import format_bytes
 
 LABEL_BYTES = 1  # predict's labels are uint8
 BOOL_BYTES = 1  # numpy's bool: the running argmax's "better" mask
@@ -143,30 +141,19 @@ def inference_calibration(preset: str, precision: str, *, isa: str | None = None
         reasons.append(f"no inference default in {precision}; using {wanted_precision}'s")
     if base not in available:
         # The measured preset with the largest overhead per counted byte beyond its knots: errs high.
-        fallback = max(sorted(available), key=lambda name: _last_slope(
+        fallback = max(sorted(available), key=lambda name: last_slope(
             INFERENCE_DEFAULTS[(source_isa, name, wanted_precision)]))
         reasons.append(f"no inference default for model {preset!r}; using {fallback}'s")
         base = fallback
     knots = [[x, y] for _, x, y in INFERENCE_DEFAULTS[(source_isa, base, wanted_precision)]]
-    margin = 0.0
-    if reasons:
-        margin = UNMEASURED_MARGIN_FRACTION
-        if precision == "bf16" and isa not in NATIVE_BF16_ISA_CLASSES:
-            margin = EMULATED_BF16_MARGIN_FRACTION
-            reasons.append("bf16 is emulated on this ISA (float32 temporaries)")
+    margin, margin_bytes = unmeasured_margin(reasons, precision, isa)
     scale, framework = Calibration(0.0, 0, "", knots=knots).line_for(knots[-1][0] + 1)
     source = f"inference default for {base} {wanted_precision} on {source_isa} ({INFERENCE_DEFAULTS_MACHINE})"
     if reasons:
-        source += f"; {'; '.join(reasons)}: +{100 * margin:.0f}% safety margin"
+        source += f"; {'; '.join(reasons)}: +{100 * margin:.0f}% + {format_bytes(margin_bytes)} safety margin"
     volumes = [v for v, _, _ in INFERENCE_DEFAULTS[(source_isa, base, wanted_precision)]]
-    return Calibration(round(scale, 4), framework, source, key, volumes, margin_fraction=margin, knots=knots)
-
-
-def _last_slope(knots: Sequence[tuple[int, int, int]]) -> float:
-    if len(knots) < 2:
-        return 0.0
-    (_, x0, y0), (_, x1, y1) = knots[-2], knots[-1]
-    return (y1 - y0) / (x1 - x0)
+    return Calibration(round(scale, 4), framework, source, key, volumes, margin_fraction=margin,
+                       margin_bytes=margin_bytes, knots=knots)
 
 
 def forward_live_bytes(config: ExperimentConfig, counts: NetworkCounts, spatial_shape: Sequence[int]) -> int:
@@ -281,8 +268,8 @@ def estimate_inference(config: ExperimentConfig, counts: NetworkCounts, spatial_
                   "forward_activations": forward, "allocator_slack": slack, **host}
     notes = [f"host arrays peak in the {peak_phase.replace('_', ' ')} phase, after the forward pass "
              f"(phases: {', '.join(f'{k} {v:,} B' for k, v in phases.items())})"]
-    if calibration.margin_fraction:
-        components["safety_margin"] = int(round(calibration.margin_fraction * sum(components.values())))
+    if calibration.has_margin:
+        components["safety_margin"] = calibration.safety_margin(sum(components.values()))
         notes.append(f"calibration: {calibration.source}")
     sliced = [name for name, n in counts.stage_largest_tensor.items() if n > max_kernel_elements()]  # batch 1
     widest_plane = max(counts.stage_largest_tensor.values(), default=counts.largest_tensor) // spatial_shape[0]

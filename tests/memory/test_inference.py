@@ -256,3 +256,19 @@ def test_measured_peak_is_near_the_prediction(preset, volume, tiny_counts, small
     margin = result.estimate.components.get("safety_margin", 0)
     assert abs(100 * (predicted - margin - measured) / measured) < 15, (predicted, margin, measured)
     assert not margin or predicted > measured
+
+
+def test_one_margin_rule_for_training_and_inference_tables():
+    """An unmeasured machine gets the same safety margin on both: 15% + 256 MiB (100% for emulated bf16)."""
+    from bigmem.memory.calibration import UNMEASURED_MARGIN_BYTES, default_calibration
+    from bigmem.memory.inference import inference_calibration
+
+    for precision, fraction in (("fp32", 0.15), ("bf16", 1.0)):
+        inference = inference_calibration("small", precision, isa="avx2")
+        training = default_calibration("small", precision, "none", isa="avx2")
+        assert (inference.margin_fraction, inference.margin_bytes) == (training.margin_fraction,
+                                                                       training.margin_bytes) == (
+            fraction, UNMEASURED_MARGIN_BYTES)
+        assert inference.safety_margin(1000) == round(fraction * 1000) + UNMEASURED_MARGIN_BYTES
+    measured = inference_calibration("kits19", "fp32", isa="avx512_bf16")
+    assert not measured.has_margin and measured.safety_margin(10**9) == 0
