@@ -17,7 +17,7 @@ from rich.console import Console
 from bigmem.errors import TrainingError
 from bigmem.rundir import RunDir
 from bigmem.checkpoints import CheckpointManager
-from bigmem.train.loop import Callback, LoopState
+from bigmem.train.loop import Callback, LoopState, StopReason
 from bigmem.train.progress import TrainProgress
 
 
@@ -129,7 +129,7 @@ class StopOnSignal(Callback):
     def on_step_end(self, state: LoopState) -> None:
         """Stop after this step if a signal came."""
         if self.signals.signum is not None:
-            state.stop, state.interrupted_by = "signal", self.signals.signum
+            state.stop, state.interrupted_by = StopReason.SIGNAL, self.signals.signum
 
 
 class TimeBudget(Callback):
@@ -147,12 +147,12 @@ class TimeBudget(Callback):
         """Start the clock (a zero budget stops before the first step)."""
         self.started_s = self.clock()
         if self.budget_s <= 0:
-            state.stop = "time budget"
+            state.stop = StopReason.TIME_BUDGET
 
     def on_step_end(self, state: LoopState) -> None:
         """Stop once the budget has passed."""
         if self.clock() - self.started_s - state.excluded_s >= self.budget_s:
-            state.stop = "time budget"
+            state.stop = StopReason.TIME_BUDGET
 
 
 class NUMAReport(Callback):
@@ -254,7 +254,7 @@ class Validation(Callback):
 
     def on_train_end(self, state: LoopState) -> None:
         """Validate the last step of a run its time budget ended."""
-        if state.stop == "time budget" and self.validated_step != state.step:
+        if state.stop is StopReason.TIME_BUDGET and self.validated_step != state.step:
             self._validate(state)
 
     def summary(self) -> dict:

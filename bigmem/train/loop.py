@@ -8,6 +8,7 @@ the non-finite guard, progress, the resource monitor, signals) is a callback
 from __future__ import annotations
 
 import contextlib
+import enum
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
@@ -15,6 +16,16 @@ from typing import Callable, Iterator, Sequence
 import psutil
 
 from bigmem.errors import TrainingError
+
+
+class StopReason(str, enum.Enum):
+    """Why a callback stopped the loop before its last step (a string, for messages and summary.json)."""
+
+    SIGNAL = "signal"  # Ctrl-C or SIGTERM: a checkpoint is written, and --resume continues
+    TIME_BUDGET = "time budget"  # train.time_budget_s of training (validation not counted) is spent
+
+    def __str__(self) -> str:  # "time budget" in messages, as in JSON (Python 3.11 prints the member's name)
+        return self.value
 
 
 @dataclass
@@ -27,7 +38,7 @@ class LoopState:
         total_steps: the step the run ends at.
         loss, dice: the last step's loss and foreground Dice.
         row: the last step's metrics row (metrics.jsonl's fields).
-        stop: why the loop stopped early ("signal", "time budget"), or None.
+        stop: why the loop stopped early (a ``StopReason``), or None.
         interrupted_by: the signal that stopped it, if any.
         waited_s, stepped_s: this session's input wait and whole step time (the stall share).
         excluded_s: this session's time in work that is not training (validation), which the
@@ -40,7 +51,7 @@ class LoopState:
     loss: float = float("nan")
     dice: float = float("nan")
     row: dict = field(default_factory=dict)
-    stop: str | None = None
+    stop: StopReason | None = None
     interrupted_by: int | None = None
     waited_s: float = 0.0
     stepped_s: float = 0.0

@@ -27,7 +27,7 @@ from bigmem.sysinfo import collect_sysinfo
 from bigmem.tfenv import import_tensorflow
 from bigmem.train import callbacks as cb
 from bigmem.train.job import Job, NothingToDo, prepare_job
-from bigmem.train.loop import LoopState, run_loop
+from bigmem.train.loop import LoopState, StopReason, run_loop
 
 
 @dataclass
@@ -224,16 +224,19 @@ def default_callbacks(job: Job, console: Console, model, optimizer, start_step: 
                       validation: cb.Validation | None = None, shapes: cb.ShapeStats | None = None) -> list:
     """The run's callbacks, in the order they must run after each step."""
     train = job.config.train
-    callbacks = [cb.NonFiniteGuard(job.checkpoints), *([shapes] if shapes else []),
-                 *([validation] if validation else []),
-                 cb.MetricsLog(job.run, train.log_every), cb.TensorBoard(job.run.tensorboard, train.log_every),
-                 cb.Progress(console, job.total_steps, start_step),
-                 cb.Checkpoints(job.checkpoints, train.checkpoint_every, model, optimizer),
-                 cb.StopOnSignal(), numa]
-    if train.time_budget_s is not None:
-        callbacks.insert(-1, cb.TimeBudget(train.time_budget_s))
-    if train.monitor_interval_s > 0:
-        callbacks.append(cb.Monitor(job.run, train.monitor_interval_s, job.config.data.store))
+    # The order matters: the non-finite guard raises before anything records a NaN step; the stoppers
+    # (signal, time budget) run before the NUMA report, which reads placement at the first step and at
+    # the step the run stops; the checkpoint written on an early stop is Checkpoints.on_train_end's.
+    callbacks = [cb.NonFiniteGuard(job.checkpoints)]
+    callbacks += [shapes] if shapes else []
+    callbacks += [validation] if validation else []
+    callbacks += [cb.MetricsLog(job.run, train.log_every), cb.TensorBoard(job.run.tensorboard, train.log_every),
+                  cb.Progress(console, job.total_steps, start_step),
+                  cb.Checkpoints(job.checkpoints, train.checkpoint_every, model, optimizer), cb.StopOnSignal()]
+    callbacks += [cb.TimeBudget(train.time_budget_s)] if train.time_budget_s is not None else []
+    callbacks += [numa]
+    callbacks += [cb.Monitor(job.run, train.monitor_interval_s, job.config.data.store)] \
+        if train.monitor_interval_s > 0 else []
     return callbacks
 
 
@@ -324,11 +327,11 @@ def _run(job: Job, console: Console, verbose: bool) -> TrainResult:
                      input_error=lambda: loader.error)
     result = TrainResult(job.run.path, start_step, state.step, job.total_steps, state.loss, state.dice,
                          state.interrupted_by)
-    if state.stop == "signal":
+    if state.stop is StopReason.SIGNAL:
         console.print(f"Stopped by signal {state.interrupted_by} at step {state.step}; checkpoint "
                       f"{job.checkpoints.latest().name} written. Continue with --resume.")
         return result
-    if state.stop == "time budget":
+    if state.stop is StopReason.TIME_BUDGET:
         console.print(f"Time budget of {job.config.train.time_budget_s:g} s reached at step {state.step}.")
     numa.write()
     _finish(job, model, state, console, validation.summary() if validation else None, shapes.summary())
