@@ -5,10 +5,12 @@ The memory estimate reads these without importing TensorFlow; nets/slabs.py part
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import functools
 import math
 import os
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 # The most elements any one tensor handed to a TF CPU kernel may have: 2^30, the largest size
 # every op was verified correct at with TF 2.21.0 (oneDNN on, x86). Convolutions crash just past
@@ -129,3 +131,20 @@ def exceeds_limit(*shapes: Sequence[int | None], limit: int | None = None) -> bo
     """
     limit = max_kernel_elements() if limit is None else limit
     return any(None not in tuple(shape) and math.prod(shape) > limit for shape in shapes)
+
+
+# How many times each slab kernel was entered (at trace time, in graph mode): the proof that a
+# layer past the limit dispatched to its slab path, which a test of equal results alone cannot give
+# (both sides would run the same path if dispatch silently stopped partitioning).
+SLAB_CALLS: collections.Counter = collections.Counter()
+
+
+def counted(kind: str) -> Callable:
+    """Decorate a slab kernel so each entry counts in ``SLAB_CALLS[kind]``."""
+    def decorate(function: Callable) -> Callable:
+        @functools.wraps(function)
+        def wrapper(*args, **kwargs):
+            SLAB_CALLS[kind] += 1
+            return function(*args, **kwargs)
+        return wrapper
+    return decorate

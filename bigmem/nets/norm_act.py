@@ -23,6 +23,7 @@ import keras
 import tensorflow as tf
 
 from bigmem.nets.reduce import spatial_sum
+from bigmem.nets.limits import counted
 from bigmem.nets.slabs import SlabTooLargeError, as_planes, exceeds_limit, slab_elements
 
 ACTIVATIONS = ("relu", "leaky_relu", "linear")
@@ -194,6 +195,7 @@ def _over_slabs(rows, depth: int, planes: int, sample: int, body, state):
     return state
 
 
+@counted('norm_activation')
 def norm_activation_slabs(x, gamma, beta, *, groups: int, epsilon: float, activation: str,
                           negative_slope: float):
     """``fused_norm_activation`` over depth slabs, for tensors past the kernel limit (nets/slabs.py).

@@ -33,6 +33,7 @@ from bigmem.nets.limits import (  # noqa: F401  (re-exported: the slab API in on
     LIMIT_ENVIRONMENT_VARIABLE,
     MAX_KERNEL_ELEMENTS,
     MAX_SLAB_ELEMENTS,
+    counted,
     exceeds_limit,
     kernel_element_limit,
     max_kernel_elements,
@@ -304,6 +305,7 @@ def _tapwise_weight_grad(x_planes: tf.Tensor, dy_planes: tf.Tensor, depth: int, 
     return tf.stack(taps)
 
 
+@counted('conv3d')
 def conv3d_slabs(x: tf.Tensor, kernel: tf.Tensor, stride: int = 1,
                  filter_grad: Callable[[tf.Tensor, tf.Tensor], tf.Tensor] | None = None) -> tf.Tensor:
     """``tf.nn.conv3d(x, kernel, stride, "SAME")`` computed in depth slabs, with a slab-wise gradient.
@@ -445,6 +447,7 @@ def conv3d_slabs(x: tf.Tensor, kernel: tf.Tensor, stride: int = 1,
     return conv(x, kernel)
 
 
+@counted('conv3d_transpose')
 def conv3d_transpose_slabs(x: tf.Tensor, kernel: tf.Tensor, stride: int,
                            filter_grad: Callable[[tf.Tensor, tf.Tensor], tf.Tensor] | None = None) -> tf.Tensor:
     """A transposed conv whose kernel equals its stride (``Conv3DTranspose(k, strides=k)``), in depth slabs.
@@ -511,6 +514,7 @@ def conv3d_transpose_slabs(x: tf.Tensor, kernel: tf.Tensor, stride: int,
     return up(x, kernel)
 
 
+@counted('max_pool3d')
 def max_pool3d_slabs(x: tf.Tensor, pool: int) -> tf.Tensor:
     """``tf.nn.max_pool3d(x, pool, pool, "VALID")`` in depth slabs, with a slab-wise gradient.
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from bigmem.data.pipeline import PAD_LABEL
+from bigmem.nets.limits import counted
 from bigmem.nets.reduce import spatial_sum
 from bigmem.nets.slabs import PlaneWriter, as_planes, exceeds_limit, plan_slabs, slab_elements, take_planes
 
@@ -62,6 +63,7 @@ def _loss_slabs(logits: tf.Tensor) -> list[tuple[int, int]]:
     return plan_slabs(depth, lambda d0, d1: (d1 - d0) * plane <= limit, what=f"the loss on {tuple(logits.shape)}")
 
 
+@counted('loss')
 def dice_ce_per_sample_slabs(labels: tf.Tensor, logits: tf.Tensor) -> tf.Tensor:
     """``dice_ce_per_sample`` over depth slabs, for logits past the kernel limit; the same values.
 
