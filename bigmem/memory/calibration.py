@@ -408,6 +408,11 @@ def _load_all(path: Path) -> list[dict]:
         return []
 
 
+def recompute_key(recompute_stages) -> str:
+    """The calibration table's recompute mode for a step: "stages" when any stage is recomputed, else "none"."""
+    return "stages" if recompute_stages else "none"
+
+
 def lookup_calibration(preset: str, precision: str, recompute: str, *, path: Path | None = None,
                        isa: str | None = None) -> Calibration:
     """This machine's stored calibration for ``preset`` and the mode, else the shipped default.

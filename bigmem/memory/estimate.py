@@ -16,7 +16,7 @@ from typing import Sequence
 from bigmem.config.options import OptimizerName, Precision, Recompute
 from bigmem.config.schema import ExperimentConfig
 from bigmem.nets.limits import max_kernel_elements, slab_elements
-from bigmem.memory.calibration import Calibration, lookup_calibration
+from bigmem.memory.calibration import Calibration, lookup_calibration, recompute_key
 
 FLOAT32_BYTES = 4
 BFLOAT16_BYTES = 2
@@ -209,8 +209,8 @@ def estimate(config: ExperimentConfig, counts: NetworkCounts, spatial_shape: Seq
     precision = train.precision
     if recompute_stages is None:
         recompute_stages = mode_stages(config.memory.recompute, counts)
-    recompute_key = "stages" if recompute_stages else "none"
-    calibration = calibration or lookup_calibration(config.model.name, precision.value, recompute_key)
+    calibration = calibration or lookup_calibration(config.model.name, precision.value,
+                                                    recompute_key(recompute_stages))
     voxels = math.prod(spatial_shape)
     compute_bytes = BFLOAT16_BYTES if precision is Precision.BF16 else FLOAT32_BYTES
     channels = config.model.in_channels

@@ -15,7 +15,7 @@ import psutil
 from bigmem.config.options import Precision, Recompute
 from bigmem.config.schema import ExperimentConfig
 from bigmem.errors import InsufficientMemoryError
-from bigmem.memory.calibration import Calibration, lookup_calibration
+from bigmem.memory.calibration import Calibration, lookup_calibration, recompute_key
 from bigmem.memory.estimate import Estimate, NetworkCounts, estimate, mode_stages, recompute_order
 from bigmem.memory.speed import MachineSpeed, StepRate, predicted_step_s, recomputed_share, step_rate
 from bigmem.units import format_bytes, format_shape
@@ -282,8 +282,8 @@ def make_plan(config: ExperimentConfig, counts_for, budget_bytes: int, *, budget
 
 def candidate_calibration(config: ExperimentConfig, candidate: Candidate) -> dict:
     """The calibration the estimate of ``candidate`` used (as ``estimate`` looks it up)."""
-    recompute = "stages" if candidate.recompute_stages else "none"
-    return lookup_calibration(config.model.name, candidate.precision, recompute).to_dict()
+    key = recompute_key(candidate.recompute_stages)
+    return lookup_calibration(config.model.name, candidate.precision, key).to_dict()
 
 
 def cheapest_fix(config: ExperimentConfig, counts_for, budget_bytes: int, volume: int | Sequence[int], batch: int,
