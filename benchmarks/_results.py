@@ -10,7 +10,7 @@ import re
 import time
 from pathlib import Path
 
-from bigmem.rundir import atomic_write_json
+from bigmem.atomic import atomic_write_json
 
 
 def machine_slug() -> str:

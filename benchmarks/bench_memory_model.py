@@ -57,7 +57,7 @@ from bigmem.memory.estimate import estimate
 from bigmem.memory.measure import measure
 from bigmem.memory.planner import available_memory_bytes, make_plan
 from bigmem.memory.profile import calibration_point, counts_function, stages_for
-from bigmem.rundir import atomic_write_json
+from bigmem.atomic import atomic_write_json
 from bigmem.units import format_bytes, parse_bytes
 
 # The largest edge `--check-sizes auto` considers (kits19 at 512^3 needs ~0.5 TiB even in bf16).

@@ -24,7 +24,7 @@ import h5py
 import numpy as np
 
 from bigmem.errors import DataError
-from bigmem.rundir import close_hdf5, disk_errno, disk_full_error, open_hdf5_for_writing, require_free_space
+from bigmem.atomic import close_hdf5, disk_errno, disk_full_error, open_hdf5_for_writing, require_free_space
 
 PREFIX = "ckpt-"
 TMP_PREFIX = ".tmp-"

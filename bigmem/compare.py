@@ -29,7 +29,8 @@ from typing import Callable
 
 from bigmem.config.schema import ExperimentConfig
 from bigmem.errors import BigmemError, UsageError
-from bigmem.rundir import RunDir, atomic_output, atomic_write_json, atomic_write_text
+from bigmem.atomic import atomic_output, atomic_write_json, atomic_write_text
+from bigmem.rundir import RunDir
 from bigmem.units import format_bytes, format_count, format_shape
 
 PATHS = ("cpu_bigmem", "data_parallel")

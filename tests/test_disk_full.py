@@ -172,7 +172,7 @@ WRITER = textwrap.dedent("""
     import numpy as np
     from bigmem.data.store import StoreWriter, WriteThrottle
     from bigmem.errors import DiskFullError
-    from bigmem.rundir import atomic_hdf5
+    from bigmem.atomic import atomic_hdf5
 
     root, kind = sys.argv[1], sys.argv[2]
     rng = np.random.default_rng(0)

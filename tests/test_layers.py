@@ -18,13 +18,14 @@ import bigmem
 LAYERS = (
     ("", "errors"),  # "": bigmem/__init__.py (__version__); exceptions every layer raises
     ("units",),  # byte sizes and their parsing: the messages of every layer above name sizes
-    # Low-level utilities that need no other bigmem code but errors and units: the run
-    # directory's files and atomic writes (disk-full messages name sizes); the one place
-    # TensorFlow is imported (tfenv is told the thread-pool sizes by numa.apply, it never reads
-    # numa); cpu: /proc/cpuinfo, read by nets' kernel choices.
-    # child: the request/result protocol of the processes memory measures in.
-    ("rundir", "tfenv", "cpu", "child"),
-    ("checkpoints",),  # the run directory's checkpoints (written atomically), read by training and prediction
+    # Low-level utilities that need no other bigmem code but errors and units: atomic, the one
+    # writer of files (disk-full messages name sizes); the one place TensorFlow is imported
+    # (tfenv is told the thread-pool sizes by numa.apply, it never reads numa); cpu:
+    # /proc/cpuinfo, read by nets' kernel choices; child: the request/result protocol of the
+    # processes memory measures in.
+    ("atomic", "tfenv", "cpu", "child"),
+    # The run directory's files and readers, and its checkpoints: both written through atomic.
+    ("rundir", "checkpoints"),
     ("config",),
     ("nets", "data", "numa"),
     # sysinfo describes the machine: it reads numa's topology and tfenv's oneDNN reason, and

@@ -10,10 +10,11 @@ import shutil
 import numpy as np
 import pytest
 
-from bigmem import rundir
+from bigmem import atomic
+from bigmem.atomic import (atomic_hdf5, atomic_output, atomic_write_json, atomic_write_text, close_hdf5, disk_errno,
+                           open_hdf5_for_writing, require_free_space)
 from bigmem.errors import DiskFullError
-from bigmem.rundir import (RunDir, atomic_hdf5, atomic_output, atomic_write_json, atomic_write_text, close_hdf5,
-                           disk_errno, open_hdf5_for_writing, require_free_space)
+from bigmem.rundir import RunDir
 
 SUMMARY = {"steps": 12, "train_s": 3.5, "peak_rss_bytes": 2**30, "loss": 0.25, "dice": 0.75, "input_wait_s": 0.5,
            "step_time_s": 3.0, "input_stall_share": 0.5 / 3.0}
@@ -94,7 +95,7 @@ def _hidden(folder):
 @pytest.fixture
 def one_mib_free(monkeypatch):
     """The filesystem reports 1 MiB free (the errors below are simulated; tests/test_disk_full.py fills real ones)."""
-    monkeypatch.setattr(rundir, "free_bytes", lambda path: 2**20)
+    monkeypatch.setattr(atomic, "free_bytes", lambda path: 2**20)
 
 
 def test_atomic_output_renames_the_temporary_into_place(tmp_path):
@@ -161,7 +162,7 @@ def test_a_full_disk_becomes_one_line_with_path_needed_and_free(tmp_path, code, 
 
 def test_free_space_is_measured_after_the_temporary_is_removed(tmp_path, monkeypatch):
     seen = []
-    monkeypatch.setattr(rundir, "free_bytes", lambda path: seen.append(sorted(tmp_path.iterdir())) or 2**20)
+    monkeypatch.setattr(atomic, "free_bytes", lambda path: seen.append(sorted(tmp_path.iterdir())) or 2**20)
     with pytest.raises(DiskFullError):
         with atomic_output(tmp_path / "out.h5", needed_bytes=40 * 2**20) as tmp:
             tmp.write_bytes(b"x" * 100)
@@ -177,7 +178,7 @@ def test_an_estimate_short_of_the_free_space_says_more_than_free(tmp_path, one_m
 
 
 def test_unknown_needed_bytes_report_what_was_written(tmp_path, monkeypatch):
-    monkeypatch.setattr(rundir, "free_bytes", lambda path: 1024)
+    monkeypatch.setattr(atomic, "free_bytes", lambda path: 1024)
     with pytest.raises(DiskFullError, match=r"\(needed more than 2\.00 KiB, 1\.00 KiB free\)"):
         with atomic_output(tmp_path / "x.bin") as tmp:
             tmp.write_bytes(b"x" * 2048)
@@ -250,7 +251,7 @@ def test_a_failed_metrics_append_leaves_no_torn_line(tmp_path, monkeypatch):
             self.handle.flush()
             raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(rundir, "free_bytes", lambda path: 16)
+    monkeypatch.setattr(atomic, "free_bytes", lambda path: 16)
     monkeypatch.setattr("builtins.open", lambda path, mode="r", *a, **k: FullFile(real_open(path, mode, *a, **k)))
     message = r"^No space left on device writing '.*metrics\.jsonl' \(needed about 25 B, 16 B free\)\. "
     with pytest.raises(DiskFullError, match=message):

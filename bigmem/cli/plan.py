@@ -232,7 +232,7 @@ def write_plan(path: Path, plan) -> bool:
     A plan in which nothing fits (exit 3) never replaces an existing file: the plan there was
     made for another budget or model and is still the one to use.
     """
-    from bigmem.rundir import atomic_write_json
+    from bigmem.atomic import atomic_write_json
 
     if not plan.fits and path.exists():
         return True

@@ -28,7 +28,7 @@ from bigmem.data.preprocess import (PREPROCESSING_ATTR, SCHEMES, STATS_ATTR, cas
                                     foreground_sample, storage_dtype)
 from bigmem.data.store import REGIONS_ATTR, HDF5VolumeStore, StoreWriter, WriteThrottle
 from bigmem.errors import DataError, InsufficientMemoryError, UsageError
-from bigmem.rundir import atomic_output, require_free_space
+from bigmem.atomic import atomic_output, require_free_space
 from bigmem.units import format_bytes
 
 # Root attribute: JSON {"spacing": [x, y, z] | null, "shape": [d, h, w] | null}, convert's --spacing and --shape.

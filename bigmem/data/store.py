@@ -27,7 +27,7 @@ import numpy as np
 
 from bigmem.data.preprocess import PREPROCESSING_ATTR, STATS_ATTR, Preprocessing, case_statistics, complete
 from bigmem.errors import DataError
-from bigmem.rundir import atomic_hdf5
+from bigmem.atomic import atomic_hdf5
 from bigmem.units import format_bytes
 
 STORE_VERSION = 1
@@ -496,7 +496,7 @@ class StoreWriter:
 
     Used as a context manager: an exception (or a missing commit) removes the temporary file,
     so a half-written store never stays behind. The file is written through
-    ``bigmem.rundir.atomic_hdf5``: a full disk or failing device raises ``DiskFullError`` from
+    ``bigmem.atomic.atomic_hdf5``: a full disk or failing device raises ``DiskFullError`` from
     the call that hit it, after the temporary file is gone (never a crash in HDF5's close).
 
     Args:

@@ -394,7 +394,7 @@ def evaluate(pred: str | os.PathLike, ref: str | os.PathLike, *, classes: Sequen
         >>> summary = evaluate("runs/x/predictions", "Task04/labelsTr", out="runs/x/predictions/summary.json")
         >>> summary["foreground_mean"]["Dice"]
     """
-    from bigmem.rundir import atomic_write_json
+    from bigmem.atomic import atomic_write_json
 
     pred, ref = Path(pred), Path(ref)
     pred_files = _nifti_files(pred, "PRED")

@@ -11,7 +11,8 @@ from bigmem.checkpoints import CheckpointManager
 from bigmem.errors import DataError
 from bigmem.infer.modelcard import CARD_NAME, ModelCard
 from bigmem.infer.predict import run_config
-from bigmem.rundir import RunDir, atomic_output
+from bigmem.atomic import atomic_output
+from bigmem.rundir import RunDir
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,8 @@ from pathlib import Path
 
 from bigmem.data.preprocess import Preprocessing
 from bigmem.errors import DataError
-from bigmem.rundir import RunDir, atomic_write_json
+from bigmem.atomic import atomic_write_json
+from bigmem.rundir import RunDir
 
 CARD_NAME = "preprocessing.json"
 CARD_FORMAT = 1

@@ -28,7 +28,8 @@ from bigmem.errors import DataError, UsageError
 from bigmem.infer.forward import forward_probabilities, normalize_image
 from bigmem.infer.geometry import CaseGeometry, crop_padding, labels_to_source, pad_to_multiple, scores_to_source
 from bigmem.infer.modelcard import ModelCard
-from bigmem.rundir import RunDir, atomic_output
+from bigmem.atomic import atomic_output
+from bigmem.rundir import RunDir
 from bigmem.units import format_count
 
 NIFTI_SUFFIXES = (".nii.gz", ".nii")

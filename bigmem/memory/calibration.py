@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Sequence
 
 from bigmem.data.synth import default_cache_dir
-from bigmem.rundir import atomic_write_json
+from bigmem.atomic import atomic_write_json
 from bigmem.sysinfo import NATIVE_BF16_ISA_CLASSES, cpu_description, isa_class
 from bigmem.units import format_bytes
 

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bigmem.errors import DataError
-from bigmem.rundir import RunDir, atomic_output, atomic_write_json, atomic_write_text, read_jsonl_checked
+from bigmem.atomic import atomic_output, atomic_write_json, atomic_write_text
+from bigmem.rundir import RunDir, read_jsonl_checked
 from bigmem.units import format_bytes
 
 MIB = 2**20

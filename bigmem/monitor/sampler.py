@@ -27,7 +27,7 @@ import psutil
 
 from bigmem.memory.procfs import status_bytes
 from bigmem.numa.topology import NUMATopology
-from bigmem.rundir import atomic_write_json
+from bigmem.atomic import atomic_write_json
 
 BASE_COLUMNS = ("time_s", "cpu_percent", "num_threads", "rss_bytes", "peak_rss_bytes", "page_cache_bytes",
                 "disk_read_bytes_per_s", "disk_write_bytes_per_s")

@@ -22,7 +22,7 @@ from bigmem.config.options import OptimizerName, Precision
 from bigmem.config.schema import ExperimentConfig
 from bigmem.errors import TrainingError
 from bigmem.infer.modelcard import CARD_NAME, ModelCard
-from bigmem.rundir import atomic_output
+from bigmem.atomic import atomic_output
 from bigmem.sysinfo import collect_sysinfo
 from bigmem.tfenv import import_tensorflow
 from bigmem.train import callbacks as cb
