@@ -14,6 +14,7 @@ from typing import Sequence
 from bigmem.config.schema import ExperimentConfig
 from bigmem.data.pipeline import Shape, as_patch
 from bigmem.memory.estimate import estimate
+from bigmem.memory.planner import largest_fitting
 
 # CUDA context, cuDNN/cuBLAS handles and TensorFlow's GPU runtime: an allowance, not a measurement
 # (no GPU here); ~0.5-1 GiB is what a CUDA 12 context with cuDNN takes on recent GPUs.
@@ -61,14 +62,10 @@ def largest_patch(config: ExperimentConfig, counts_for, gpu_memory_bytes: int, b
         The patch ``(D, H, W)``, or None when not even the smallest fits.
     """
     divisor = config.model.divisor
-    best = None
-    # at least one try: a median thinner than 2^depth still gets the smallest patch
-    for longest in range(divisor, max(divisor, max(aspect)) + 1, divisor):
-        shape = patch_shape(aspect, longest, divisor)
-        if gpu_footprint_bytes(config, counts_for, shape, batch) > gpu_memory_bytes:
-            break
-        best = shape
-    return best
+    # the footprint grows with the longest axis; at least one try: a median thinner than 2^depth still gets
+    # the smallest patch
+    return largest_fitting(lambda k: patch_shape(aspect, k * divisor, divisor), max(1, max(aspect) // divisor),
+                           lambda shape: gpu_footprint_bytes(config, counts_for, shape, batch) <= gpu_memory_bytes)
 
 
 def largest_edge(config: ExperimentConfig, counts_for, gpu_memory_bytes: int, batch: int,

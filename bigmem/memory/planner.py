@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Sequence, TypeVar
 
 import psutil
 
@@ -30,6 +30,38 @@ MODES: tuple[tuple[Precision, Recompute], ...] = (
 FP32_MODES = tuple(mode for mode in MODES if mode[0] is Precision.FP32)
 MAX_BATCH = 4096
 MAX_VOLUME = 4096  # voxels per edge searched; 4096^3 is 64 Gi voxels
+
+
+T = TypeVar("T")
+
+
+def largest_fitting(make: Callable[[int], T], upper: int, fits: Callable[[T], bool]) -> T | None:
+    """The candidate of the largest k in [1, upper] that fits, by binary search: the one "largest that fits".
+
+    The planner's volumes and batches, the inference plan's largest cube and the data-parallel
+    patch all search with it; each gives how to make its k-th candidate and whether one fits.
+
+    Args:
+        make: k -> a candidate (a volume of k x 2^depth, a batch of k, ...).
+        upper: the largest k tried.
+        fits: whether a candidate fits; must be monotone (if k fits, every smaller k does).
+
+    Returns:
+        The largest fitting candidate, or None when not even k = 1 fits.
+
+    Example:
+        >>> largest_fitting(lambda k: k * 16, 64, lambda edge: edge ** 3 <= 100**3)
+        96
+    """
+    best, lo, hi = None, 1, upper
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        candidate = make(mid)
+        if fits(candidate):
+            best, lo = candidate, mid + 1
+        else:
+            hi = mid - 1
+    return best
 
 
 def as_shape(volume: int | Sequence[int]) -> tuple[int, int, int]:
@@ -188,16 +220,7 @@ class Planner:
         return step_rate(self.machine.isa_class, precision.value, base_filters, self.machine.native_bf16)
 
     def _largest(self, fits: Callable[[int], Candidate], upper: int) -> Candidate | None:
-        """Binary search the largest k in [1, upper] whose candidate fits (fits is monotone)."""
-        best, lo, hi = None, 1, upper
-        while lo <= hi:
-            mid = (lo + hi) // 2
-            candidate = fits(mid)
-            if candidate.fits:
-                best, lo = candidate, mid + 1
-            else:
-                hi = mid - 1
-        return best
+        return largest_fitting(fits, upper, lambda candidate: candidate.fits)
 
     def largest_volume(self, precision: Precision, recompute: Recompute) -> Candidate | None:
         return self._largest(lambda k: self.evaluate(k * self.divisor, 1, precision, recompute),

@@ -33,7 +33,8 @@ from bigmem.errors import ConfigError, InsufficientMemoryError
 from bigmem.memory.estimate import NetworkCounts, estimate, mode_stages
 from bigmem.memory.inference import estimate_inference, inference_calibration
 from bigmem.memory.planner import (
-    MAX_VOLUME, Candidate, Plan, Planner, available_memory_bytes, check_fits, machine_memory_bytes, make_plan,
+    MAX_VOLUME, Candidate, Plan, Planner, available_memory_bytes, check_fits, largest_fitting, machine_memory_bytes,
+    make_plan,
 )
 from bigmem.numa.capacity import check_nodes_fit, placement_budget
 from bigmem.numa.policy import Placement, PolicyKind
@@ -378,16 +379,12 @@ def _largest_inference_volume(config: ExperimentConfig, counts_for: CountsFor, b
                               candidates: list[Candidate]) -> Candidate | None:
     """Binary search of the largest cube (a multiple of ``2**depth``) that fits; every try kept in ``candidates``."""
     divisor = config.model.divisor
-    best, lo, hi = None, 1, MAX_VOLUME // divisor
-    while lo <= hi:
-        mid = (lo + hi) // 2
-        candidate = inference_candidate(config, counts_for, budget_bytes, (mid * divisor,) * 3)
-        candidates.append(candidate)
-        if candidate.fits:
-            best, lo = candidate, mid + 1
-        else:
-            hi = mid - 1
-    return best
+
+    def make(k: int) -> Candidate:
+        candidates.append(inference_candidate(config, counts_for, budget_bytes, (k * divisor,) * 3))
+        return candidates[-1]
+
+    return largest_fitting(make, MAX_VOLUME // divisor, lambda candidate: candidate.fits)
 
 
 def inference_plan(config: ExperimentConfig, counts_for: CountsFor, budget: Budget, shape: Sequence[int], *,

@@ -136,3 +136,18 @@ def test_without_native_bf16_the_plan_and_suggestions_keep_fp32(monkeypatch):
     assert "bf16" not in cheapest_fix(config, counts_for, 2 * 2**30, 160, 1)
     bf16 = resolve_config("small", {"train": {"batch_size": 1, "precision": "bf16"}})
     assert "bf16" in cheapest_fix(bf16, counts_for, 2 * 2**30, 160, 1)  # asked for: still suggested
+
+
+def test_largest_fitting_is_the_last_k_that_fits():
+    from bigmem.memory.planner import largest_fitting
+
+    tried = []
+
+    def make(k):
+        tried.append(k)
+        return k * 16
+
+    assert largest_fitting(make, 64, lambda edge: edge ** 3 <= 100**3) == 96
+    assert len(tried) <= 7  # a binary search: log2(64) + 1 tries, not 64
+    assert largest_fitting(lambda k: k, 10, lambda k: False) is None
+    assert largest_fitting(lambda k: k, 10, lambda k: True) == 10
