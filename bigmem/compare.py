@@ -31,7 +31,7 @@ from bigmem.config.schema import ExperimentConfig
 from bigmem.errors import BigmemError, UsageError
 from bigmem.atomic import atomic_output, atomic_write_json, atomic_write_text
 from bigmem.rundir import RunDir
-from bigmem.units import format_bytes, format_count, format_shape
+from bigmem.units import as_shape, format_bytes, format_count, format_shape
 
 PATHS = ("cpu_bigmem", "data_parallel")
 LABELS = {"cpu_bigmem": "whole volumes in RAM (bigmem)", "data_parallel": "GPU data parallel on patches"}
@@ -180,7 +180,7 @@ def train_flops(config: ExperimentConfig, edge, samples: int) -> int:
     """FLOPs of one training step on ``samples`` cubes of ``edge`` (or of a ``(D, H, W)``) (``UNet3D.train_flops``)."""
     from bigmem.nets.unet3d import UNet3D
 
-    return UNet3D(config.model).train_flops((edge,) * 3 if isinstance(edge, int) else tuple(edge), samples)
+    return UNet3D(config.model).train_flops(as_shape(edge), samples)
 
 
 def mean_step_flops(config: ExperimentConfig) -> float:
@@ -238,7 +238,7 @@ def _run_train(argv: list[str], out: Path) -> dict:
 
 def _patch_text(patch) -> str:
     """A report's patch: an edge (reports written before patches took the dataset's aspect) or a shape."""
-    return format_shape([patch] * 3 if isinstance(patch, int) else patch)
+    return format_shape(as_shape(patch))
 
 
 def _evaluate_run(run_dir: str, store: str, held_out: list[str], *, sliding_window: tuple | None, out: Path) -> dict:

@@ -5,6 +5,8 @@ Shapes and counts are printed here too, one formatter each.
 
 from __future__ import annotations
 
+import numbers
+
 import re
 
 from bigmem.errors import UsageError
@@ -73,6 +75,18 @@ def format_bytes(num_bytes: int | float) -> str:
         value /= 1024
         unit += 1
     return f"{sign}{value:.2f} {_BINARY[unit]}"
+
+
+def as_shape(volume) -> tuple[int, int, int]:
+    """A cube edge N as ``(N, N, N)``; a ``(D, H, W)`` (any sequence, numpy ints too) as a tuple of ints.
+
+    Example:
+        >>> as_shape(64), as_shape([240, 240, 155])
+        ((64, 64, 64), (240, 240, 155))
+    """
+    if isinstance(volume, numbers.Integral):
+        return (int(volume),) * 3
+    return tuple(int(s) for s in volume)
 
 
 def format_shape(shape) -> str:

@@ -31,18 +31,13 @@ import numpy as np
 from bigmem.data.preprocess import case_statistics
 from bigmem.data.store import HDF5VolumeStore
 from bigmem.errors import DataError
-from bigmem.units import format_shape
+from bigmem.units import as_shape, format_shape
 
 # The label of padded voxels. one_hot of it is all zeros, so the loss, the Dice and the metrics
 # leave those voxels out without a second mask tensor (a store's classes are 0..254: at most 255).
 PAD_LABEL = 255
 
 Shape = tuple[int, int, int]
-
-
-def as_patch(patch: int | Sequence[int]) -> Shape:
-    """A patch edge N as ``(N, N, N)``; a ``(D, H, W)`` as itself."""
-    return (int(patch),) * 3 if isinstance(patch, (int, np.integer)) else tuple(int(s) for s in patch)
 
 
 def padded_shape(shape: Sequence[int], multiple: int) -> Shape:
@@ -296,7 +291,7 @@ def load_patch(store: HDF5VolumeStore, sample_index: int, *, patch: int, seed: i
     info = store.cases[case_for_sample(sample_index, len(store), seed)]
     rng = np.random.default_rng([seed, sample_index, 2])
     label = store.read_label(info.case_id) if rng.random() < foreground_fraction else None
-    patch = as_patch(patch)
+    patch = as_shape(patch)
     start = patch_start(label, info.shape, patch, rng)
     size = tuple(min(p, s) for p, s in zip(patch, info.shape))
     image, label = store.read_patch(info.case_id, start, size)
@@ -403,7 +398,7 @@ class WholeVolumeLoader:
             raise ValueError(f"shard {shard}: expected (index, count) with 0 <= index < count")
         self.holdout = holdout
         self.cold_cache = cold_cache
-        self.patch = as_patch(patch) if patch else None
+        self.patch = as_shape(patch) if patch else None
         self.shape = tuple(int(s) for s in shape) if shape is not None else None
         self.pad_multiple = int(pad_multiple)
         self.batch_size = int(batch_size)

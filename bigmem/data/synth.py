@@ -15,6 +15,7 @@ from typing import Sequence
 import numpy as np
 
 from bigmem.data.store import StoreWriter
+from bigmem.units import as_shape
 
 SYNTH_VERSION = 2  # bump when the phantoms change, so cached datasets are regenerated
 
@@ -92,7 +93,7 @@ def write_synthetic_store(path: str | os.PathLike, *, num_cases: int, volume: in
                      label_names=["background"] + [f"class{k}" for k in range(1, num_classes)]) as writer:
         for index in range(num_cases):
             rng = np.random.default_rng([seed, index])
-            shape = tuple(shapes[index]) if shapes is not None else _as_shape(volume)
+            shape = tuple(shapes[index]) if shapes is not None else as_shape(volume)
             image, label = make_phantom(rng, shape, num_classes)
             if channels > 1:
                 extra = [image * (1.0 + c / 2) + rng.normal(0, NOISE_SIGMA, image.shape).astype(np.float32)
@@ -111,14 +112,10 @@ def default_cache_dir() -> Path:
     return Path(root)
 
 
-def _as_shape(volume: int | Sequence[int]) -> tuple[int, int, int]:
-    return (int(volume),) * 3 if isinstance(volume, (int, np.integer)) else tuple(int(s) for s in volume)
-
-
 def cached_synthetic_store(*, num_cases: int, volume: int | Sequence[int], num_classes: int, seed: int = 0,
                            progress=None) -> Path:
     """The synthetic store for these parameters (``volume`` an edge or a ``(D, H, W)``), generated once, then cached."""
-    shape = _as_shape(volume)
+    shape = as_shape(volume)
     size = str(shape[0]) if len(set(shape)) == 1 else "x".join(map(str, shape))  # cubes keep their older cache name
     key = f"v{SYNTH_VERSION}-n{num_cases}-s{size}-k{num_classes}-seed{seed}"
     digest = hashlib.sha1(key.encode()).hexdigest()[:8]

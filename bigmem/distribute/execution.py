@@ -23,10 +23,10 @@ from typing import Callable, Sequence
 
 from bigmem.config.options import Strategy
 from bigmem.config.schema import ExperimentConfig
-from bigmem.distribute.planning import as_patch, gpu_footprint_bytes, largest_patch
+from bigmem.distribute.planning import gpu_footprint_bytes, largest_patch
 from bigmem.distribute.strategy import Replicas, make_distributed_step, scaled_learning_rate
 from bigmem.errors import ConfigError, InsufficientMemoryError
-from bigmem.units import format_bytes, format_shape
+from bigmem.units import as_shape, format_bytes, format_shape
 
 
 @dataclass(frozen=True)
@@ -165,7 +165,7 @@ def data_parallel(config: ExperimentConfig, replicas: Replicas, counts_for,
                           "the patch size is chosen to fit one GPU's memory"
                           + (", and these replicas are simulated on CPU." if replicas.simulated else "."))
     aspect = tuple(aspect or config.data.shape or (config.data.reference_volume,) * 3)
-    patch = as_patch(settings.patch) if settings.patch else largest_patch(config, counts_for, gpu_memory, per_replica,
+    patch = as_shape(settings.patch) if settings.patch else largest_patch(config, counts_for, gpu_memory, per_replica,
                                                                            aspect)
     if patch is None:
         need = gpu_footprint_bytes(config, counts_for, config.model.divisor, per_replica)

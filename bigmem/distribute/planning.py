@@ -12,9 +12,10 @@ from typing import Sequence
 
 
 from bigmem.config.schema import ExperimentConfig
-from bigmem.data.pipeline import Shape, as_patch
+from bigmem.data.pipeline import Shape
 from bigmem.memory.estimate import estimate
 from bigmem.memory.planner import largest_fitting
+from bigmem.units import as_shape
 
 # CUDA context, cuDNN/cuBLAS handles and TensorFlow's GPU runtime: an allowance, not a measurement
 # (no GPU here); ~0.5-1 GiB is what a CUDA 12 context with cuDNN takes on recent GPUs.
@@ -24,7 +25,7 @@ HOST_ONLY = ("framework", "input_pipeline", "hdf5_chunk_cache")
 
 def gpu_footprint_bytes(config: ExperimentConfig, counts_for, patch: int | Sequence[int], batch: int) -> int:
     """The predicted footprint of one GPU replica training ``batch`` patches of ``patch`` (an edge or a shape)."""
-    shape = as_patch(patch)
+    shape = as_shape(patch)
     sized = dataclasses.replace(config, train=dataclasses.replace(config.train, batch_size=batch))
     predicted = estimate(sized, counts_for(shape), shape)
     return sum(v for k, v in predicted.components.items() if k not in HOST_ONLY) + GPU_RUNTIME_BYTES

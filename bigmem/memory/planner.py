@@ -18,7 +18,7 @@ from bigmem.errors import InsufficientMemoryError
 from bigmem.memory.calibration import Calibration, lookup_calibration, recompute_key
 from bigmem.memory.estimate import Estimate, NetworkCounts, estimate, mode_stages, recompute_order
 from bigmem.memory.speed import MachineSpeed, StepRate, predicted_step_s, recomputed_share, step_rate
-from bigmem.units import format_bytes, format_shape
+from bigmem.units import as_shape, format_bytes, format_shape
 
 # Modes in order of preference: on a tie the earlier (less recomputation, full precision) wins.
 MODES: tuple[tuple[Precision, Recompute], ...] = (
@@ -62,13 +62,6 @@ def largest_fitting(make: Callable[[int], T], upper: int, fits: Callable[[T], bo
         else:
             hi = mid - 1
     return best
-
-
-def as_shape(volume: int | Sequence[int]) -> tuple[int, int, int]:
-    """A cube edge N as (N, N, N); a ``(D, H, W)`` as a tuple of ints."""
-    if isinstance(volume, int):
-        return (volume,) * 3
-    return tuple(int(s) for s in volume)  # type: ignore[return-value]
 
 
 def machine_memory_bytes() -> int:
@@ -359,5 +352,5 @@ def check_fits(estimated: Estimate, config: ExperimentConfig, counts_for, budget
         f"({budget_source}): {fix}; or pass --force to try anyway.", required, budget_bytes)
 
 
-__all__ = ["Candidate", "Plan", "Planner", "as_shape", "available_memory_bytes", "candidate_calibration",
+__all__ = ["Candidate", "Plan", "Planner", "available_memory_bytes", "candidate_calibration",
            "check_fits", "cheapest_fix", "machine_memory_bytes", "make_plan"]

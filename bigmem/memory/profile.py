@@ -15,6 +15,7 @@ from bigmem.memory.estimate import Estimate, NetworkCounts, estimate, mode_stage
 from bigmem.memory.measure import Measurement, measure
 from bigmem.memory.preflight import recompute_stages as choose_stages
 from bigmem.memory.speed import measured_rate, recomputed_share
+from bigmem.units import as_shape
 
 TEBIBYTE = 2**40
 # No multiplier and no overhead: the estimate's own parts, as a calibration fit takes them.
@@ -104,7 +105,7 @@ def sweep(config: ExperimentConfig, shapes: Sequence[Sequence[int]], counts_for,
     """Measure and predict each ``(D, H, W)`` (an int N is N^3); fit the measured peaks against voxels."""
     results = []
     for shape in shapes:
-        shape = (shape,) * 3 if isinstance(shape, int) else tuple(shape)
+        shape = as_shape(shape)
         if progress:
             progress(shape)
         results.append(profile(_with_shape(config, shape), shape, counts_for, do_measure=True, steps=steps))
@@ -154,7 +155,7 @@ def calibrate(config: ExperimentConfig, shapes: Sequence[Sequence[int]], counts_
     and recompute."""
     points = []
     for shape in shapes:
-        shape = (shape,) * 3 if isinstance(shape, int) else tuple(shape)
+        shape = as_shape(shape)
         if progress:
             progress(shape)
         sized = _with_shape(config, shape)
