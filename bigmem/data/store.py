@@ -271,6 +271,10 @@ class HDF5VolumeStore:
         """The training cases' ids, sorted (held-out cases excluded)."""
         return [c.case_id for c in self.cases]
 
+    def root_attr(self, name: str, default=None):
+        """A root attribute as stored (e.g. convert's ``convert_options`` JSON), or ``default``."""
+        return self._handle().attrs.get(name, default)
+
     @property
     def regions(self) -> dict[str, list[int]]:
         """nnU-Net v2 regions: region name -> the label values it unites, such as ``{"whole_tumor": [1, 2, 3],

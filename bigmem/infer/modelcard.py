@@ -57,16 +57,13 @@ class ModelCard:
         Raises:
             DataError: the store cannot be opened.
         """
-        import h5py
-
         from bigmem.data.convert import CONVERT_OPTIONS_ATTR
         from bigmem.data.store import HDF5VolumeStore
 
-        with HDF5VolumeStore(path) as store:
-            channels, labels, preprocessing = store.channel_names, store.label_names, store.preprocessing
-            regions = getattr(store, "regions", {})
-        with h5py.File(path, "r") as handle:
-            raw = handle.attrs.get(CONVERT_OPTIONS_ATTR)
+        with HDF5VolumeStore(path) as store:  # one open: names, schemes, regions and convert's options
+            channels, labels, preprocessing, regions = (store.channel_names, store.label_names, store.preprocessing,
+                                                        store.regions)
+            raw = store.root_attr(CONVERT_OPTIONS_ATTR)
         try:
             options = json.loads(raw) if raw is not None else {}
             spacing, shape = options.get("spacing"), options.get("shape")
