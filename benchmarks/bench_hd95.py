@@ -1,12 +1,12 @@
 """HD95 on a KiTS-sized pair: bigmem's k-d tree against a distance transform over the bounding box.
 
-    python benchmarks/bench_hd95.py [--shape 512,512,211] [--repeat 3] [--out DIR]
+    python benchmarks/bench_hd95.py [--shape 512,512,211] [--repeats 3] [--warmup 0] [--quick] [--out DIR]
 
 Two kidney-like masks (two ellipsoids each, the prediction shifted and eroded so the surfaces
 differ) in a 512x512x211 volume at 0.8x0.8x3.0 mm, as KiTS19 ships; the prediction also has a
 small false positive near a corner, as a model early in training has, which stretches the joint
 bounding box over most of the volume (``--no-false-positive``: the kidneys' box alone). Times,
-side by side in one run (median and range of ``--repeat``):
+side by side in one run (median and range of ``--repeats``, after ``--warmup`` untimed calls):
 
 - ``bigmem``: ``infer.metrics.hausdorff95_mm`` (surfaces on the joint bounding box, then nearest
   surface points through a k-d tree);
@@ -18,13 +18,10 @@ Both must give the same distance (it prints both). Writes ``hd95-<machine>-<time
 
 from __future__ import annotations
 
-import argparse
-import statistics
 import sys
-import time
 
 import numpy as np
-from _results import write_results
+from harness import bench_parser, command_line, time_calls, write_results
 from rich.console import Console
 from rich.table import Table
 
@@ -66,21 +63,10 @@ def distance_transform_hd95(ref: np.ndarray, pred: np.ndarray, spacing) -> float
     return float(max(results))
 
 
-def timed(fn, repeat: int) -> tuple[float, list[float]]:
-    times, value = [], None
-    for _ in range(repeat):
-        started = time.perf_counter()
-        value = fn()
-        times.append(time.perf_counter() - started)
-    return value, times
-
-
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__, repeats=3, warmup=0, quick={"shape": "64,64,32", "repeats": 1})
     parser.add_argument("--shape", default="512,512,211")
-    parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--no-false-positive", action="store_true", help="no stray blob in the prediction")
-    parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
     console = Console(soft_wrap=True)
     shape = tuple(int(s) for s in args.shape.split(","))
@@ -92,9 +78,8 @@ def main(argv=None) -> int:
     rows = {}
     for name, fn in (("bigmem", lambda: hausdorff95_mm(ref, pred, SPACING)),
                      ("distance_transform", lambda: distance_transform_hd95(ref, pred, SPACING))):
-        value, times = timed(fn, args.repeat)
-        rows[name] = {"hd95_mm": value, "median_s": statistics.median(times), "min_s": min(times),
-                      "max_s": max(times)}
+        timed = time_calls(fn, repeats=args.repeats, warmup=args.warmup)
+        rows[name] = {"hd95_mm": timed.value, **timed.spread.as_dict()}
     table = Table(title=f"HD95 of a {'x'.join(map(str, shape))} pair at {SPACING} mm (box {box_voxels:,} voxels)")
     for column in ("method", "HD95 mm", "median s", "range s"):
         table.add_column(column, justify="right")
@@ -105,7 +90,7 @@ def main(argv=None) -> int:
     speedup = rows["distance_transform"]["median_s"] / rows["bigmem"]["median_s"]
     console.print(f"k-d tree {speedup:.1f}x faster; equal distances: "
                   f"{np.isclose(rows['bigmem']['hd95_mm'], rows['distance_transform']['hd95_mm'])}")
-    write_results("hd95", {"command": " ".join(["python", "benchmarks/bench_hd95.py", *sys.argv[1:]]),
+    write_results("hd95", {"command": command_line(__file__, argv),
                            "shape": list(shape), "spacing_mm": list(SPACING), "box_voxels": box_voxels,
                            "false_positive": not args.no_false_positive, "ref_voxels": int(ref.sum()),
                            "pred_voxels": int(pred.sum()), "rows": rows,
