@@ -102,15 +102,9 @@ def run(args) -> int:
 
     import_tensorflow(verbose=getattr(args, "verbose", False))  # quietly, before anything imports Keras
     from rich.console import Console
-    from rich.table import Table
 
     from bigmem.memory.planner import machine_memory_bytes
-    from bigmem.memory.preflight import planned_shape, search_plan
     from bigmem.memory.profile import counts_function
-    from bigmem.memory.speed import MachineSpeed
-    from bigmem.nets.limits import max_kernel_elements
-    from bigmem.sysinfo import native_bf16
-    from bigmem.train.job import EMULATED_BF16_WARNING
     from bigmem.units import format_bytes
 
     cases = []
@@ -128,59 +122,93 @@ def run(args) -> int:
         notes.print(f"note: {budget.source} {format_bytes(budget.budget_bytes)} is more than this machine's memory "
                     f"({format_bytes(total)}): this plans for a bigger machine (bigmem train refuses such a budget "
                     "here)", style="yellow")
+    plan, shape = _search(config, counts_for, budget, cases, fixed_batch, allow_bf16)
+    kept = write_plan(out, plan)
+    if args.json:
+        print(json.dumps(plan.to_dict(), indent=2))
+    else:
+        _print_plan(args, config, budget, plan, shape, cases)
+    require_plan(plan, out, kept)
+    return 0
+
+
+def _search(config, counts_for, budget, cases, fixed_batch, allow_bf16):
+    """The plan and the shape it was searched at: ``--shape``/``--volume``, or a store's cases.
+
+    Batch 1 steps at the largest case, a batch of several at the bounding shape of all: when the
+    search at the largest case chose a batch of several, it is searched again at the bounding
+    shape, and kept only if batches still reach past one there.
+    """
+    from bigmem.memory.preflight import planned_shape, search_plan
+
     shape = config.data.shape
-    if cases:  # batch 1 steps at the largest case; a batch of several at the bounding shape of all
+    if cases:
         shape = planned_shape([c.trained_shape for c in cases], fixed_batch or 1)
     plan = search_plan(config, counts_for, budget, volume=shape, batch_size=fixed_batch, allow_bf16=allow_bf16)
     if cases and fixed_batch is None and plan.chosen is not None and plan.chosen.batch_size > 1:
         bounding = planned_shape([c.trained_shape for c in cases], 2)
-        if bounding != shape:  # the batch searched at the largest case: search again where batches may reach
+        if bounding != shape:
             wider = search_plan(config, counts_for, budget, volume=bounding, allow_bf16=allow_bf16)
             plan = wider if wider.chosen is not None and wider.chosen.batch_size > 1 else plan
             shape = bounding if plan is wider else shape
     if cases:
         plan.cases = _case_rows(config, counts_for, budget, cases, plan)
-    kept = write_plan(out, plan)
-    if args.json:
-        print(json.dumps(plan.to_dict(), indent=2))
-    else:
-        console = Console(soft_wrap=True)
-        table = Table(title=f"{config.model.name} within {format_bytes(budget.budget_bytes)} ({budget.source})")
-        for column in ("precision", "recompute", "volume" if shape is not None else "largest volume", "batch",
-                       "predicted peak", "voxels vs fp32", "step (pred.)"):
-            table.add_column(column, justify="right")
-        base = next((c for c in plan.best_per_mode if (c.precision, c.recompute) == ("fp32", "none")), None)
-        for c in plan.best_per_mode:
-            ratio = (f"{(math.prod(c.shape) * c.batch_size) / (math.prod(base.shape) * base.batch_size):.2f}x"
-                     if base else "-")
-            mark = " *" if c is plan.chosen else ""
-            table.add_row(c.precision, c.recompute, f"{c.shape_text}{mark}", str(c.batch_size),
-                          format_bytes(c.predicted_peak_bytes), ratio, f"{c.predicted_step_s:.3g} s")
-        console.print(table)
-        if plan.cases:
-            _print_cases(console, plan.cases, config)
-        if args.plan_precision == "bf16" and not native_bf16():
-            console.print(EMULATED_BF16_WARNING, style="yellow")
-        if plan.chosen:
-            chosen = plan.chosen
-            shape_flag = chosen.shape_flag() if not cases or config.data.shape else "--data " + str(args.data) + (
-                f" --pad-multiple {config.data.pad_multiple}" if config.data.pad_multiple else "")
-            flags = f"{shape_flag} --batch-size {chosen.batch_size} {chosen.flags()}".rstrip()
-            console.print(f"chosen: {flags} (est. {format_bytes(chosen.predicted_peak_bytes)}); "
-                          f"{len(plan.candidates)} candidates in {args.out}")
-            console.print(f"calibration: {plan.calibration['source']}", style="dim")
-            console.print(f"step time: {chosen.predicted_step_s:.3g} s predicted on this machine's "
-                          f"{MachineSpeed.here().cores} cores ({chosen.step_rate_source}); a machine with more cores "
-                          "steps faster", style="dim")
-            breakdown = ", ".join(f"{name} {format_bytes(size)}" for name, size in
-                                  sorted(chosen.components.items(), key=lambda item: -item[1]) if size)
-            console.print(f"breakdown: {breakdown}")
-            if chosen.partitioned_stages:
-                console.print(f"depth slabs: {', '.join(chosen.partitioned_stages)} hold tensors past "
-                              f"{max_kernel_elements():,} elements (the limit bigmem keeps TF's CPU kernels under) and "
-                              "run in depth slabs")
-    require_plan(plan, out, kept)
-    return 0
+    return plan, shape
+
+
+def _print_plan(args, config, budget, plan, shape, cases) -> None:
+    """The best candidate per precision and recompute mode, the cases, and the chosen flags."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from bigmem.sysinfo import native_bf16
+    from bigmem.train.job import EMULATED_BF16_WARNING
+    from bigmem.units import format_bytes
+
+    console = Console(soft_wrap=True)
+    table = Table(title=f"{config.model.name} within {format_bytes(budget.budget_bytes)} ({budget.source})")
+    for column in ("precision", "recompute", "volume" if shape is not None else "largest volume", "batch",
+                   "predicted peak", "voxels vs fp32", "step (pred.)"):
+        table.add_column(column, justify="right")
+    base = next((c for c in plan.best_per_mode if (c.precision, c.recompute) == ("fp32", "none")), None)
+    for c in plan.best_per_mode:
+        ratio = (f"{(math.prod(c.shape) * c.batch_size) / (math.prod(base.shape) * base.batch_size):.2f}x"
+                 if base else "-")
+        mark = " *" if c is plan.chosen else ""
+        table.add_row(c.precision, c.recompute, f"{c.shape_text}{mark}", str(c.batch_size),
+                      format_bytes(c.predicted_peak_bytes), ratio, f"{c.predicted_step_s:.3g} s")
+    console.print(table)
+    if plan.cases:
+        _print_cases(console, plan.cases, config)
+    if args.plan_precision == "bf16" and not native_bf16():
+        console.print(EMULATED_BF16_WARNING, style="yellow")
+    if plan.chosen:
+        _print_chosen(console, args, config, plan, cases)
+
+
+def _print_chosen(console, args, config, plan, cases) -> None:
+    """The flags that run the chosen candidate, where its figures come from, and its breakdown."""
+    from bigmem.memory.speed import MachineSpeed
+    from bigmem.nets.limits import max_kernel_elements
+    from bigmem.units import format_bytes
+
+    chosen = plan.chosen
+    shape_flag = chosen.shape_flag() if not cases or config.data.shape else "--data " + str(args.data) + (
+        f" --pad-multiple {config.data.pad_multiple}" if config.data.pad_multiple else "")
+    flags = f"{shape_flag} --batch-size {chosen.batch_size} {chosen.flags()}".rstrip()
+    console.print(f"chosen: {flags} (est. {format_bytes(chosen.predicted_peak_bytes)}); "
+                  f"{len(plan.candidates)} candidates in {args.out}")
+    console.print(f"calibration: {plan.calibration['source']}", style="dim")
+    console.print(f"step time: {chosen.predicted_step_s:.3g} s predicted on this machine's "
+                  f"{MachineSpeed.here().cores} cores ({chosen.step_rate_source}); a machine with more cores "
+                  "steps faster", style="dim")
+    breakdown = ", ".join(f"{name} {format_bytes(size)}" for name, size in
+                          sorted(chosen.components.items(), key=lambda item: -item[1]) if size)
+    console.print(f"breakdown: {breakdown}")
+    if chosen.partitioned_stages:
+        console.print(f"depth slabs: {', '.join(chosen.partitioned_stages)} hold tensors past "
+                      f"{max_kernel_elements():,} elements (the limit bigmem keeps TF's CPU kernels under) and "
+                      "run in depth slabs")
 
 
 def _store_cases(config):
