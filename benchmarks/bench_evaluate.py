@@ -1,13 +1,14 @@
 """``bigmem evaluate`` end to end on KiTS-sized cases, for one or more bigmem checkouts side by side.
 
-    python benchmarks/bench_evaluate.py [--cases 2] [--checkout DIR ...] [--repeat 3] [--out DIR]
+    python benchmarks/bench_evaluate.py [--cases 2] [--checkout DIR ...] [--repeats 3] [--warmup 0] [--quick]
+        [--out DIR]
 
 Writes ``--cases`` reference/prediction pairs as .nii.gz, 512x512x211 at 0.8x0.8x3.0 mm as KiTS19
 ships: kidney (1) and tumour (2) in two kidney-shaped blobs; the prediction shifted and eroded,
 with a small false positive near a corner (as a model early in training has), which stretches
 the bounding box of class 1 over most of the volume. Then times ``python -m bigmem evaluate PRED
 REF`` (reading, Dice, volumes and HD95 per case and class) with each ``--checkout`` first on
-PYTHONPATH (default: this one), median and range of ``--repeat`` runs, and again with
+PYTHONPATH (default: this one), median and range of ``--repeats`` runs, and again with
 ``--no-hausdorff``: the difference is HD95's share. The same in this process, without the
 command's start and file reads: each checkout's ``case_metrics`` with and without HD95 on the
 arrays as nibabel reads them (less noisy). It checks that every
@@ -16,20 +17,16 @@ checkout reports the same HD95. Writes ``evaluate-<machine>-<time>.json``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import nibabel as nib
 import numpy as np
-from _results import write_results
 from bench_hd95 import SPACING, kidneys
+from harness import bench_parser, command_line, run_command, spread, time_calls, write_results
 from rich.console import Console
 from rich.table import Table
 
@@ -54,14 +51,12 @@ def write_pairs(root: Path, cases: int) -> tuple[Path, Path]:
 
 
 def run(checkout: Path, pred: Path, ref: Path, out: Path, *extra: str) -> float:
-    env = {**os.environ, "PYTHONPATH": str(checkout)}
-    started = time.perf_counter()
-    result = subprocess.run([sys.executable, "-m", "bigmem", "evaluate", str(pred), str(ref), "-o", str(out), *extra],
-                            capture_output=True, text=True, env=env)
-    seconds = time.perf_counter() - started
-    if result.returncode != 0:
+    """Seconds of one ``bigmem evaluate`` with ``checkout`` first on PYTHONPATH."""
+    result = run_command([sys.executable, "-m", "bigmem", "evaluate", pred, ref, "-o", out, *extra],
+                         what="bigmem evaluate", env={**os.environ, "PYTHONPATH": str(checkout)})
+    if not result.ok:
         raise SystemExit(f"bigmem evaluate with {checkout} failed:\n{result.stderr}")
-    return seconds
+    return result.wall_s
 
 
 def metrics_of(checkout: Path):
@@ -75,29 +70,26 @@ def metrics_of(checkout: Path):
     return module
 
 
-def time_metrics(checkout: Path, pairs, repeat: int) -> dict:
+def time_metrics(checkout: Path, pairs, repeats: int, warmup: int = 0) -> dict:
     """In this process: each case's ``case_metrics`` (classes 1, 2) with HD95 and without, on the arrays as
-    nibabel reads them (Fortran-ordered), median over ``repeat``; HD95's share is the difference."""
+    nibabel reads them (Fortran-ordered), median over ``repeats``; HD95's share is the difference."""
     metrics = metrics_of(checkout)
     rows = {}
     for hausdorff in (True, False):
-        times = []
-        for _ in range(repeat):
-            started = time.perf_counter()
+        def score(hausdorff=hausdorff):
             for ref, pred in pairs:
                 metrics.case_metrics(ref, pred, [1, 2], SPACING, hausdorff=hausdorff)
-            times.append(time.perf_counter() - started)
-        rows["with_hd95_s" if hausdorff else "without_hd95_s"] = statistics.median(times)
+
+        timed = time_calls(score, repeats=repeats, warmup=warmup)
+        rows["with_hd95_s" if hausdorff else "without_hd95_s"] = timed.spread.median
     rows["hd95_s"] = rows["with_hd95_s"] - rows["without_hd95_s"]
     return rows
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__, repeats=3, warmup=0, quick={"cases": 1, "repeats": 1})
     parser.add_argument("--cases", type=int, default=2)
     parser.add_argument("--checkout", action="append", help="a bigmem checkout to time (repeatable)")
-    parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args(argv)
     checkouts = [Path(c).absolute() for c in (args.checkout or [Path(__file__).parent.parent])]
     console = Console(soft_wrap=True)
@@ -106,18 +98,19 @@ def main(argv=None) -> int:
         pred, ref = write_pairs(Path(tmp), args.cases)
         pairs = [(np.asanyarray(nib.load(str(ref / p.name)).dataobj), np.asanyarray(nib.load(str(p)).dataobj))
                  for p in sorted(pred.iterdir())]
-        in_process = {str(c): time_metrics(c, pairs, args.repeat) for c in checkouts}
+        in_process = {str(c): time_metrics(c, pairs, args.repeats, args.warmup) for c in checkouts}
         del pairs
         for index, checkout in enumerate(checkouts):
             summary = Path(tmp) / f"summary-{index}.json"
-            times = [run(checkout, pred, ref, summary) for _ in range(args.repeat)]
-            rest = [run(checkout, pred, ref, Path(tmp) / "rest.json", "--no-hausdorff") for _ in range(args.repeat)]
+            for _ in range(args.warmup):
+                run(checkout, pred, ref, summary)
+            times = spread([run(checkout, pred, ref, summary) for _ in range(args.repeats)])
+            rest = spread([run(checkout, pred, ref, Path(tmp) / "rest.json", "--no-hausdorff")
+                           for _ in range(args.repeats)])
             scored = json.loads(summary.read_text())
             hd95 = {c: scored["mean"][c]["HD95_mm"] for c in ("1", "2")}
-            rows.append({"checkout": str(checkout), "median_s": statistics.median(times), "min_s": min(times),
-                         "max_s": max(times), "hd95_mm": hd95,
-                         "no_hausdorff_median_s": statistics.median(rest),
-                         "hd95_s": statistics.median(times) - statistics.median(rest)})
+            rows.append({"checkout": str(checkout), **times.as_dict(), "hd95_mm": hd95,
+                         "no_hausdorff_median_s": rest.median, "hd95_s": times.median - rest.median})
     table = Table(title=f"bigmem evaluate, {args.cases} KiTS-sized pairs ({'x'.join(map(str, SHAPE))}, 2 classes)")
     for column in ("checkout", "median s", "range s", "--no-hausdorff s", "HD95's share s", "HD95 class 1 / 2 (mm)"):
         table.add_column(column)
@@ -134,7 +127,7 @@ def main(argv=None) -> int:
     console.print(inner)
     same = all(np.allclose(list(r["hd95_mm"].values()), list(rows[0]["hd95_mm"].values())) for r in rows)
     console.print(f"equal HD95 across checkouts: {same}")
-    write_results("evaluate", {"command": " ".join(["python", "benchmarks/bench_evaluate.py", *sys.argv[1:]]),
+    write_results("evaluate", {"command": command_line(__file__, argv),
                                "cases": args.cases, "shape": list(SHAPE), "spacing_mm": list(SPACING), "rows": rows,
                                "in_process": in_process,
                                "equal_hd95": same}, args.out, console)
