@@ -133,35 +133,39 @@ def run(args) -> int:
     status = Console(soft_wrap=True, stderr=True)  # progress goes to stderr: stdout may be --json
     show = _Printer(console, config)
     if volumes:  # the measured runs train for real: refuse one that cannot fit first
-        _preflight(config, counts_for, max(volumes, key=math.prod), None, budget_arguments(args), placement,
-                   topology, "--calibrate" if args.calibrate else "--sweep")
-
-    if args.calibrate:
-        calibration, points = api.calibrate(config, volumes, counts_for, steps=args.steps,
-                                            progress=lambda v: status.print(f"measuring {format_shape(v)} ...",
-                                                                            style="dim"))
-        if args.json:
-            print(json.dumps({"calibration": calibration.to_dict(), "points": points}, indent=2))
-        else:
-            show.calibration(calibration, points)
-        return 0
-    if args.sweep:
-        results, law = api.sweep(config, volumes, counts_for, steps=args.steps,
-                                 progress=lambda v: status.print(f"measuring {format_shape(v)} ...", style="dim"))
-        if args.json:
-            print(json.dumps({"points": [r.to_dict() for r in results], "scaling_law": law.to_dict()}, indent=2))
-        else:
-            show.sweep(results, law)
-        return 0
+        _refuse_unfit_measurement(config, counts_for, max(volumes, key=math.prod), None, budget_arguments(args),
+                                  placement, topology, "--calibrate" if args.calibrate else "--sweep")
+        return _measure_sizes(args, config, volumes, counts_for, show, status)
     stages = _stages(args, config, counts_for, placement, topology, shape, status)
     if args.measure:
-        _preflight(config, counts_for, shape, stages, budget_arguments(args), placement, topology, "--measure")
+        _refuse_unfit_measurement(config, counts_for, shape, stages, budget_arguments(args), placement, topology,
+                                  "--measure")
     result = api.profile(config, shape, counts_for, do_measure=args.measure, steps=args.steps,
                          recompute_stages=stages)
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:
         show.breakdown(result)
+    return 0
+
+
+def _measure_sizes(args, config, volumes, counts_for, show, status) -> int:
+    """``--calibrate`` (a fitted calibration) or ``--sweep`` (a scaling law): each size measured in a child."""
+    from bigmem.memory import profile as api
+
+    progress = lambda v: status.print(f"measuring {format_shape(v)} ...", style="dim")  # noqa: E731
+    if args.calibrate:
+        calibration, points = api.calibrate(config, volumes, counts_for, steps=args.steps, progress=progress)
+        if args.json:
+            print(json.dumps({"calibration": calibration.to_dict(), "points": points}, indent=2))
+        else:
+            show.calibration(calibration, points)
+        return 0
+    results, law = api.sweep(config, volumes, counts_for, steps=args.steps, progress=progress)
+    if args.json:
+        print(json.dumps({"points": [r.to_dict() for r in results], "scaling_law": law.to_dict()}, indent=2))
+    else:
+        show.sweep(results, law)
     return 0
 
 
@@ -182,7 +186,7 @@ def _inference(args, config, shape, counts_for) -> int:
     return 0
 
 
-def _preflight(config, counts_for, shape, stages, budget_flag, placement, topology, what) -> None:
+def _refuse_unfit_measurement(config, counts_for, shape, stages, budget_flag, placement, topology, what) -> None:
     """Refuse (exit 3) measuring a ``shape`` whose predicted training peak exceeds the memory budget,
     or with an explicit budget above the machine's memory.
 
