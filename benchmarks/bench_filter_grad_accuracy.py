@@ -1,6 +1,6 @@
 """How accurate TF's (oneDNN's) conv3d weight gradient is as the tensor grows toward 2^31 elements.
 
-    python benchmarks/bench_filter_grad_accuracy.py [--depths 128,256,512,768,1000,1020] [--out DIR]
+    python benchmarks/bench_filter_grad_accuracy.py [--depths 128,256,512,768,1000,1020] [--quick] [--out DIR]
 
 For (1, D, 1024, 1024, 2) fp32 tensors, Conv3DBackpropFilterV2 (3x3x3, "SAME", oneDNN on) over the
 whole tensor against the float64 sum of the same op over 16-plane output slabs (each with its one
@@ -12,21 +12,18 @@ Prints a table and writes JSON keyed by machine (never run by pytest).
 
 from __future__ import annotations
 
-import argparse
-import fcntl
-import json
 import os
-import subprocess
 import sys
 import time
 
-from _results import write_results
+from harness import bench_parser, heavy_turn, run_function, write_results
 
-LOCK_PATH = "/tmp/bigmem-heavy.lock"
 HW, CHANNELS, SLAB = 1024, 2, 16
 
 
-def child(depth: int) -> dict:
+def child(request: dict) -> dict:
+    """One depth, in its own process (``run_function``): the whole op's error against the slabs' sum."""
+    depth = request["depth"]
     os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
     import numpy as np
     import tensorflow as tf
@@ -57,30 +54,24 @@ def child(depth: int) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__, quick={"depths": "16,32"})
     parser.add_argument("--depths", default="128,256,512,768,1000,1020")
-    parser.add_argument("--out", default="benchmarks/results")
-    parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.child:
-        print(json.dumps(child(args.child)), flush=True)
-        return 0
     from rich.console import Console
     from rich.table import Table
 
     from bigmem.memory.calibration import cpu_model, tensorflow_version
 
+    console = Console()
     rows = []
     for depth in (int(d) for d in args.depths.split(",")):
-        with open(LOCK_PATH, "a") as lock:
-            if depth * HW * HW * CHANNELS > 2**28:  # small tensors need no turn on the machine's memory
-                fcntl.flock(lock, fcntl.LOCK_EX)
-            result = subprocess.run([sys.executable, __file__, "--child", str(depth)], capture_output=True, text=True)
-        if result.returncode:
-            rows.append({"depth": depth, "elements": depth * HW * HW * CHANNELS, "exit_code": result.returncode,
-                         "error": (result.stderr.strip().splitlines() or ["no output"])[-1]})
+        elements = depth * HW * HW * CHANNELS
+        with heavy_turn(elements > 2**28, console.print):  # small tensors need no turn on the machine's memory
+            run = run_function(child, {"depth": depth}, what=f"Conv3DBackpropFilterV2 at depth {depth}")
+        if run.ok:
+            rows.append(run.result)
         else:
-            rows.append(json.loads(result.stdout.strip().splitlines()[-1]))
+            rows.append({"depth": depth, "elements": elements, "exit_code": run.returncode, "error": run.failure()})
     table = Table(title="Conv3DBackpropFilterV2 (oneDNN) vs float64 sum of 16-plane slabs, fp32")
     for column in ("D", "elements", "max abs err", "relative", "op s"):
         table.add_column(column, justify="right")
@@ -88,7 +79,6 @@ def main(argv=None) -> int:
         table.add_row(str(r["depth"]), f"{r['elements']:.3e}", f"{r.get('max_abs_err', float('nan')):.3g}",
                       f"{r.get('relative_err', float('nan')):.2e}" if "relative_err" in r else r.get("error", ""),
                       str(r.get("op_s", "")))
-    console = Console()
     console.print(table)
     from bigmem.sysinfo import cpu_description, isa_class
 
