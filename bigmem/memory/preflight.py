@@ -251,26 +251,35 @@ def job_plan(config: ExperimentConfig, counts_for: CountsFor, budget: Budget, *,
     peak = candidate.predicted_peak_bytes
     fits = peak <= budget.budget_bytes
     if check and not force and not fits:
-        if budget.placement is not None:
-            check_nodes_fit(peak, budget.placement, budget.topology)
-        what = ""
-        largest = [c for c in table or [] if not c["fits"]] if config.data.shape is None else []
-        if largest:  # each case at its own shape: name the one that does not fit
-            worst = max(largest, key=lambda c: c["predicted_peak_bytes"])
-            what = (f" (case {worst['case']!r}, {'x'.join(map(str, worst['shape']))}"
-                    + ("" if worst["shape"] == worst["padded_shape"] else " padded") + ")")
-        if validation is not None and validation["excess_bytes"] and predicted.predicted_peak_bytes <= \
-                budget.budget_bytes:
-            raise InsufficientMemoryError(
-                f"Validating held-out case {validation_case!r} ({'x'.join(map(str, validation_shape))}) whole "
-                f"beside the model needs {format_bytes(peak)}, more than the memory budget "
-                f"{format_bytes(budget.budget_bytes)} ({budget.source}); training alone would fit "
-                f"({format_bytes(predicted.predicted_peak_bytes)}). Drop --val-every, hold out smaller cases, or pass "
-                "--force to try anyway.", peak, budget.budget_bytes)
-        check_fits(predicted, config, counts_for, budget.budget_bytes, budget.source, shape, what)
+        _refuse(config, counts_for, budget, predicted, peak, shape, table, validation)
     return Plan(fits, budget.budget_bytes, budget.source, candidate, candidate, list(planner.candidates), [candidate],
                 forced=force and not fits, calibration=predicted.calibration.to_dict(), cases=table,
                 validation=validation)
+
+
+def _refuse(config: ExperimentConfig, counts_for: CountsFor, budget: Budget, predicted, peak: int,
+            shape: tuple[int, ...], table: list[dict] | None, validation: dict | None) -> None:
+    """Raise the one error that says why a fixed job does not fit, and what would.
+
+    The placement's nodes first (their memory set the budget); then validation, when training
+    alone would fit; else the job itself, naming its largest case that does not fit.
+    """
+    if budget.placement is not None:
+        check_nodes_fit(peak, budget.placement, budget.topology)
+    if validation is not None and validation["excess_bytes"] and predicted.predicted_peak_bytes <= budget.budget_bytes:
+        raise InsufficientMemoryError(
+            f"Validating held-out case {validation['case']!r} ({'x'.join(map(str, validation['shape']))}) whole "
+            f"beside the model needs {format_bytes(peak)}, more than the memory budget "
+            f"{format_bytes(budget.budget_bytes)} ({budget.source}); training alone would fit "
+            f"({format_bytes(predicted.predicted_peak_bytes)}). Drop --val-every, hold out smaller cases, or pass "
+            "--force to try anyway.", peak, budget.budget_bytes)
+    what = ""
+    unfit = [c for c in table or [] if not c["fits"]] if config.data.shape is None else []
+    if unfit:  # each case at its own shape: name the one that does not fit
+        worst = max(unfit, key=lambda c: c["predicted_peak_bytes"])
+        what = (f" (case {worst['case']!r}, {'x'.join(map(str, worst['shape']))}"
+                + ("" if worst["shape"] == worst["padded_shape"] else " padded") + ")")
+    check_fits(predicted, config, counts_for, budget.budget_bytes, budget.source, shape, what)
 
 
 def case_table(config: ExperimentConfig, counts_for: CountsFor, budget: Budget, cases: Sequence[CaseShape],
