@@ -13,13 +13,18 @@ from pathlib import Path
 from bigmem.atomic import atomic_write_json
 
 
+def slug(isa_class: str, cpu: str) -> str:
+    """'<ISA class>-<CPU model>' in lower case: slug('amx', 'Intel(R) Xeon(R) Processor') == 'amx-intel-xeon'."""
+    model = re.sub(r"\(r\)|\(tm\)|\bcpu\b|@.*|\bprocessor\b|\d+-core", "", cpu.lower())
+    model = re.sub(r"[^a-z0-9]+", "-", model).strip("-") or "unknown-cpu"
+    return f"{isa_class}-{model}"
+
+
 def machine_slug() -> str:
-    """'<ISA class>-<CPU model>' in lower case, e.g. 'avx512_bf16-amd-epyc' or 'amx-intel-xeon-platinum-8481c'."""
+    """This machine's slug, e.g. 'avx512_bf16-amd-epyc' or 'amx-intel-xeon-platinum-8481c'."""
     from bigmem.memory.calibration import cpu_model, machine_isa_class
 
-    model = re.sub(r"\(r\)|\(tm\)|\bcpu\b|@.*|\bprocessor\b|\d+-core", "", cpu_model().lower())
-    model = re.sub(r"[^a-z0-9]+", "-", model).strip("-") or "unknown-cpu"
-    return f"{machine_isa_class()}-{model}"
+    return slug(machine_isa_class(), cpu_model())
 
 
 def write_results(kind: str, report: dict, out: str | Path, console=None) -> Path:

@@ -33,7 +33,7 @@ from bigmem.units import format_bytes
 # development machine: AMD EPYC, 2 vCPUs, avx512_bf16 without AMX, one NUMA node, 24 GiB,
 # TensorFlow 2.21.0 with oneDNN on, Keras 3: up to 128^3 (and kits19 fp32 160^3, kits19 bf16 +
 # stages 256^3) on 2026-11-30, the largest size of each mode on 2026-12-01 (--fresh-checks);
-# results in benchmarks/results/memory_model-vm-2026113*.json and -20261201-*.json (a later file
+# results in benchmarks/results/memory_model-avx512_bf16-amd-epyc-2026113*.json and -20261201-*.json (a later file
 # wins where both measured a size). The same size measured on both days differed by 0.4-6.7%
 # (intelai-brats bf16 256^3: 17.73 and 16.54 GiB; kits19 fp32 192^3: 14.47 and 13.98), which
 # bounds how close any knot can be.
@@ -46,7 +46,7 @@ from bigmem.units import format_bytes
 # as bigmem runs today. tiny uses small's (DEFAULT_PRESET_FOR).
 # The amx entries: the same command on an Intel Xeon with AMX (amx_bf16, avx512_fp16), 2 vCPUs,
 # one NUMA node, 24 GiB, TensorFlow 2.21.0 with oneDNN on, 2026-12-01: 32-96^3 and the largest size
-# of each mode (benchmarks/results/memory_model-vm-20261201-10*.json, some re-measured in -12*.json),
+# of each mode (benchmarks/results/memory_model-amx-intel-xeon-20261201-10*.json, some re-measured in -12*.json),
 # 128^3 and a size between (-14*.json). Sizes measured twice there differed by 0.6-2.2%. Each
 # knot left out and predicted from the others: between knots -9.6% (small bf16/none at 128^3) to
 # +3.9%, 46 of 49 within 5%; the largest size from the knots below it +1.0% to +11.8% (always over:
@@ -261,7 +261,7 @@ EMULATED_BF16_MARGIN_FRACTION = 1.0
 # that the fraction does not cover at small sizes: on an Intel Xeon with AMX (not measured for
 # the defaults; TF 2.21, 2026-12-01) every preset and mode measured 10-205 MiB above the AMD
 # curve at 32-96^3, and small bf16 + stages at 96^3 came out 5.2% under the prediction with the
-# 15% alone (benchmarks/results/memory_model-vm-20261201-101443.json); 205 MiB rounded up. With
+# 15% alone (benchmarks/results/memory_model-amx-intel-xeon-20261201-101443.json); 205 MiB rounded up. With
 # both, every prediction there was high, by 8.8-23.8% at the largest size of each mode.
 UNMEASURED_MARGIN_BYTES = 256 * 2**20
 
@@ -554,7 +554,7 @@ def follow_shape(knots: list[list[int]], shape: Sequence[Sequence[int]]) -> list
     Intel Xeon with AMX (TF 2.21, 2026-12-01) the AMD curve shifted this way was -12.5% at kits19
     bf16 192^3 and -11.3% at 160^3, though within -1.1..+0.8 GiB at the largest size of each mode
     (scaling the curve instead of shifting it put five of those 7.7-19.3% high;
-    benchmarks/results/memory_model-vm-20261201-101443.json, -143623.json); so each measured ISA
+    benchmarks/results/memory_model-amx-intel-xeon-20261201-101443.json, -143623.json); so each measured ISA
     class ships its own curve (DEFAULTS).
 
     Args:

@@ -46,7 +46,7 @@ BOOL_BYTES = 1  # numpy's bool: the running argmax's "better" mask
 # (every point one whole-volume prediction in a fresh child process, bigmem/infer/probe.py) on
 # the development machine: AMD EPYC, 2 vCPUs, avx512_bf16 without AMX, 24 GiB, TensorFlow 2.21.0
 # with oneDNN on, Keras 3.15.1, 2026-11-30: kits19 from
-# benchmarks/results/inference_memory-vm-20261130-233727.json, small from -234450.json. An earlier
+# benchmarks/results/inference_memory-avx512_bf16-amd-epyc-20261130-233727.json, small from -234450.json. An earlier
 # run of each (-232056, -232406) measured every size within 1% of these (the "shipped" column of
 # the later files). Between knots the error is that of the "left out" column: kits19 fp32 -12% to
 # +11% up to 128^3 (the allocator's fragmentation jumps at 128^3), within 6.3% from 160^3; bf16

@@ -17,16 +17,16 @@ from typing import Sequence
 
 # bigmem's own training step (benchmarks/bench_train.py, batch 1, median of 5 after 2 warm-up steps),
 # GFLOP/s per core by base filters, on 2 cores:
-#   avx512_bf16: AMD EPYC VM, TF 2.21.0, oneDNN on, benchmarks/results/train-vm-20261130-095928.json:
+#   avx512_bf16: AMD EPYC VM, TF 2.21.0, oneDNN on, benchmarks/results/train-avx512_bf16-amd-epyc-20261130-095928.json:
 #     small (8 base filters) 191-206 fp32, 176-189 bf16; kits19 (32) 416-428 fp32, 681-720 bf16.
 #   avx2: AMD EPYC Zen 3 (AVX2 + FMA, no AVX-512), TF 2.21.0, oneDNN forced on, the `make demo`
 #     configuration (small, 48^3, batch 2) measured with oneDNN forced on: 0.33 Mvox/s fp32 and 0.016 bf16
 #     (emulated) at 81.2 kFLOP per voxel = 26.8 and 1.3 GFLOP/s.
 #   amx: Intel Xeon VM (AMX tiles, avx512_fp16), TF 2.21.0, oneDNN on, 64/96/128^3,
-#     benchmarks/results/train-vm-20261201-171755.json: small 83-94 fp32, 111-124 bf16; kits19
+#     benchmarks/results/train-amx-intel-xeon-20261201-171755.json: small 83-94 fp32, 111-124 bf16; kits19
 #     183-228 fp32, 402-623 bf16 (the median of the three sizes, halved, as for avx512_bf16).
 #   The same AMD VM timed kits19 at 190-201 GFLOP/s fp32 and 344-366 bf16 on 2026-12-01
-#   (train-vm-20261201-0*.json), half its figure above: a shared VM's rate moves with its host, so
+#   (train-avx512_bf16-amd-epyc-20261201-0*.json), half its figure above: a shared VM's rate moves with its host, so
 #   these are a start, and `bigmem profile --calibrate` times the machine itself.
 MEASURED_RATES: dict[tuple[str, str], dict[int, float]] = {
     ("avx512_bf16", "fp32"): {8: 99.0, 32: 211.0},

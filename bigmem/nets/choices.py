@@ -39,11 +39,11 @@ class KernelChoices:
 
 
 # Planewise where it was at least as fast at 96^3 and within 10% at 64^3 (one weight gradient,
-# forward excluded); benchmarks/results/kernel_choices-vm-20261130-195005.json, AMD EPYC 2 vCPU,
+# forward excluded); benchmarks/results/kernel_choices-avx512_bf16-amd-epyc-20261130-195005.json, AMD EPYC 2 vCPU,
 # TF 2.21.0, oneDNN on. avx512 and avx2 were measured with oneDNN capped at them
 # (ONEDNN_MAX_CPU_ISA=AVX512_CORE / AVX2) on that avx512_bf16 CPU: oneDNN's kernels are the
 # smaller CPU's, TensorFlow's own Eigen kernels are not.
-MEASURED = "benchmarks/results/kernel_choices-vm-20261130-195005.json"
+MEASURED = "benchmarks/results/kernel_choices-avx512_bf16-amd-epyc-20261130-195005.json"
 CHOICES: dict[str, KernelChoices] = {
     # bf16: planes faster from 16 channels (stride 1) and 8 (stride 2). fp32: only stride 2 from
     # 64 in-channels; at 32 -> 64 oneDNN's own is faster (timings: benchmarks/results/kernels.md).
