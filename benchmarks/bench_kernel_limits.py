@@ -1,7 +1,7 @@
 """Which TensorFlow CPU kernels of a 3D U-Net training step survive tensors past 2^31 elements.
 
     python benchmarks/bench_kernel_limits.py [--ops conv3d,relu,...] [--sizes auto|below|above|below,above]
-        [--onednn auto|1|0|1,0] [--small] [--timeout-s 1200] [--out DIR]
+        [--onednn auto|1|0|1,0] [--quick] [--timeout-s 1200] [--out DIR]
 
 Each (op, size, oneDNN setting) runs in a fresh child process (a crash kills only the child),
 under an exclusive lock on /tmp/bigmem-heavy.lock so it never shares the machine's memory with
@@ -26,24 +26,15 @@ JSON keyed by machine (never run by pytest).
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import fcntl
-import json
 import os
-import signal
 import socket
-import subprocess
 import sys
-import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from _results import write_results
+from harness import ChildRun, bench_parser, command_line, heavy_turn, run_function, write_results
 
-LOCK_PATH = "/tmp/bigmem-heavy.lock"
 INT32_LIMIT = 2**31
 # Depths of (1, D, 1024, 1024, 2): the largest multiple of 6 below 2^31 elements and the issue's
 # size above it (multiples of 6: stride-2 ops halve the depth, which must stay a multiple of PERIOD).
@@ -520,20 +511,16 @@ def compare(case: Case, outputs) -> dict:
     return results
 
 
-def peak_rss_bytes() -> int:
-    for line in open("/proc/self/status"):
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
-def child(args) -> dict:
+def child(request: dict) -> dict:
+    """One op at one size, in its own process (``run_function``): run it, then check every output."""
     import tensorflow as tf
 
-    geometry = SMALL if args.small else FULL
-    spec = OPS[args.child]
+    from bigmem.memory.procfs import peak_rss_bytes
+
+    geometry = SMALL if request["small"] else FULL
+    spec = OPS[request["op"]]
     started = time.perf_counter()
-    case = spec.build(args.depth, geometry["hw"], geometry["channels"])
+    case = spec.build(request["depth"], geometry["hw"], geometry["channels"])
     result = {"shapes": [list(t.shape) for t in case.inputs], "input_dtypes": [t.dtype.name for t in case.inputs],
               "setup_s": round(time.perf_counter() - started, 2)}
     started = time.perf_counter()
@@ -565,65 +552,28 @@ def onednn_kinds(stdout: str) -> list[str]:
     return sorted(kinds)
 
 
-def run_child(op: str, size: str, onednn: str, args) -> dict:
-    geometry = SMALL if args.small else FULL
+def run_case(op: str, size: str, onednn: str, args) -> dict:
+    """One (op, size, oneDNN setting) in a fresh process; how it ended, its peak and what it reported."""
+    geometry = SMALL if args.quick else FULL
     depth = geometry["depths"][size]
     elements = depth * geometry["hw"] ** 2 * geometry["channels"]
     env = {**os.environ, "TF_ENABLE_ONEDNN_OPTS": onednn, "ONEDNN_VERBOSE": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
-    with tempfile.TemporaryDirectory() as tmp:
-        result_path = f"{tmp}/result.json"
-        cmd = [sys.executable, os.path.abspath(__file__), "--child", op, "--depth", str(depth),
-               "--result", result_path] + (["--small"] if args.small else [])
-        started = time.perf_counter()
-        with open(f"{tmp}/out", "w+") as out, open(f"{tmp}/err", "w+") as err:
-            proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env)
-            timer = threading.Timer(args.timeout_s, os.kill, (proc.pid, signal.SIGKILL))
-            timer.start()
-            _, status, usage = os.wait4(proc.pid, 0)  # wait4: the child's own peak RSS, even if it crashed
-            timer.cancel()
-            proc.returncode = os.waitstatus_to_exitcode(status)
-            wall_s = time.perf_counter() - started
-            out.seek(0)
-            err.seek(0)
-            stdout, stderr = out.read(), err.read()
-        reported = json.loads(open(result_path).read()) if os.path.exists(result_path) else {}
+    run = run_function(child, {"op": op, "depth": depth, "small": args.quick}, env=env, timeout_s=args.timeout_s,
+                       what=f"{op} at D={depth}, oneDNN={onednn}")
     row = {"op": op, "size": size, "depth": depth, "elements": elements, "over_2_31": elements > INT32_LIMIT,
-           "dtype": OPS[op].dtype, "onednn": onednn, "exit_code": proc.returncode, "wall_s": round(wall_s, 1),
-           "peak_rss_bytes": usage.ru_maxrss * 1024, "onednn_primitives": onednn_kinds(stdout), **reported}
-    row["outcome"], row["ran"] = classify(row, stderr, timed_out=wall_s >= args.timeout_s)
+           "dtype": OPS[op].dtype, "onednn": onednn, "exit_code": run.returncode, "wall_s": round(run.wall_s, 1),
+           "peak_rss_bytes": run.peak_rss_bytes, "onednn_primitives": onednn_kinds(run.stdout), **(run.result or {})}
+    row["outcome"], row["ran"] = classify(row, run)
     if not row["ran"]:  # what the process said last (TF's fatal log lines name the failed check)
-        row["stderr_tail"] = [line[:400] for line in stderr.strip().splitlines()[-4:]]
+        row["stderr_tail"] = [line[:400] for line in run.stderr_tail(4)]
     return row
 
 
-@contextlib.contextmanager
-def heavy_turn(needed: bool, console):
-    """Hold the exclusive lock that multi-GB measurements on this machine take turns on."""
-    if not needed:  # tiny tensors need no turn on the machine's memory
-        yield
-        return
-    with open(LOCK_PATH, "a") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            console.print(f"waiting for {LOCK_PATH} ...", style="dim")
-            fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-
-
-def classify(row: dict, stderr: str, *, timed_out: bool) -> tuple[str, bool]:
-    code = row["exit_code"]
-    if code < 0:
-        name = signal.Signals(-code).name
-        what = {"SIGSEGV": "segfault", "SIGKILL": "timeout" if timed_out else "killed (out of memory?)",
-                "SIGABRT": "abort", "SIGBUS": "bus error"}.get(name, name)
-        return f"{what} ({code})", False
-    if code or "outputs" not in row:
-        last = row.get("error") or (stderr.strip().splitlines() or ["no output"])[-1][:300]
-        return f"error: {last}", False
+def classify(row: dict, run: ChildRun) -> tuple[str, bool]:
+    if run.returncode < 0 or run.timed_out:  # "segfault (-11)", "timeout (-9)", "killed (out of memory?) (-9)"
+        return run.failure(), False
+    if run.returncode or "outputs" not in row:
+        return f"error: {row.get('error') or run.failure()}", False
     rel = max(o["max_abs_err"] / max(o["ref_max_abs"], 1e-30) for o in row["outputs"].values())
     row["max_rel_err"] = rel
     row["max_abs_err"] = max(o["max_abs_err"] for o in row["outputs"].values())
@@ -652,22 +602,13 @@ def summarize(rows: list[dict]) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__, quick={}, quick_aliases=("--small",),
+                          quick_help="tiny shapes (1, 24..30, 32, 32, 2): checks the script (also --small)")
     parser.add_argument("--ops", default=",".join(OPS), help="comma-separated; default all: " + ",".join(OPS))
     parser.add_argument("--sizes", default="auto", help="auto (above, then below if above fails), or below/above")
     parser.add_argument("--onednn", default="auto", help="auto (1 and 0 where oneDNN has a kernel), or 1, 0, 1,0")
-    parser.add_argument("--small", action="store_true", help="tiny shapes (1, 24..30, 32, 32, 2): checks the script")
     parser.add_argument("--timeout-s", type=float, default=1200.0, help="per child")
-    parser.add_argument("--out", default="benchmarks/results")
-    parser.add_argument("--child", help=argparse.SUPPRESS)
-    parser.add_argument("--depth", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.child:
-        result = child(args)
-        with open(args.result, "w") as out:
-            json.dump(result, out)
-        return 0
     unknown = sorted(set(args.ops.split(",")) - set(OPS))
     if unknown:
         parser.error(f"unknown --ops {','.join(unknown)}; valid: {','.join(OPS)}")
@@ -680,10 +621,11 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for op in args.ops.split(","):
         settings = OPS[op].onednn if args.onednn == "auto" else tuple(args.onednn.split(","))
-        with heavy_turn(not args.small, console):  # one turn per op: all its settings and sizes
+        # one turn per op (all its settings and sizes); tiny tensors need no turn on the machine's memory
+        with heavy_turn(not args.quick, lambda message: console.print(message, style="dim")):
             for onednn in settings:
                 for size in ["above", "below"] if args.sizes == "auto" else args.sizes.split(","):
-                    row = run_child(op, size, onednn, args)
+                    row = run_case(op, size, onednn, args)
                     rows.append(row)
                     err = f", rel err {row['max_rel_err']:.2e}" if "max_rel_err" in row else ""
                     console.print(f"{op} {row['dtype']} oneDNN={onednn} D={row['depth']} ({row['elements']:.3e}): "
@@ -713,12 +655,12 @@ def main(argv: list[str] | None = None) -> int:
                       f"{ok['elements']:.3e} (D={ok['depth']}), {ok['max_abs_err']:.2e}" if ok else "-",
                       f"{bad['elements']:.3e} (D={bad['depth']}): {bad['outcome']}" if bad else "-", s["verdict"])
     console.print(table)
-    geometry = SMALL if args.small else FULL
+    geometry = SMALL if args.quick else FULL
     report = {"machine": {"host": socket.gethostname(), "cpu": cpu_model(), "tensorflow": tensorflow_version()},
-              "command": " ".join(["python", "benchmarks/bench_kernel_limits.py", *(argv or sys.argv[1:])]),
+              "command": command_line(__file__, argv),
               "geometry": geometry, "period_planes": PERIOD, "slab_planes": SLAB, "tolerance": TOLERANCE,
               "notes": {op: OPS[op].note for op in args.ops.split(",")}, "runs": rows, "summary": summary}
-    write_results("kernel_limits-small" if args.small else "kernel_limits", report, args.out, console)
+    write_results("kernel_limits-small" if args.quick else "kernel_limits", report, args.out, console)
     return 0
 
 
