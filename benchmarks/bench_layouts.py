@@ -24,18 +24,16 @@ each command, its first lines, the store's normalisation and dtype, val_dice and
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import nibabel as nib
 import numpy as np
-from _results import write_results
+from harness import bench_parser, run_command, write_results
 from rich.console import Console
 from rich.table import Table
 
@@ -121,10 +119,10 @@ def write_kits(root: Path, rng) -> Path:
 
 
 def bigmem(argv, env) -> tuple[str, list[str]]:
+    """``bigmem ARGV`` in a child process: the command as a user types it, and its non-blank lines of output."""
     command = ["bigmem", *map(str, argv)]
-    result = subprocess.run([sys.executable, "-m", "bigmem", *map(str, argv)], capture_output=True, text=True,
-                            env=env)
-    if result.returncode != 0:
+    result = run_command([sys.executable, "-m", "bigmem", *argv], what=" ".join(command), env=env)
+    if not result.ok:
         raise SystemExit(f"{' '.join(command)} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
     return " ".join(command), [line for line in result.stdout.splitlines() if line.strip()]
 
@@ -141,8 +139,7 @@ def reference_of(layout: str, source: Path, case_id: str) -> Path:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser = bench_parser(__doc__)
     parser.add_argument("--work", help="keep the datasets, stores and runs here (default: a temporary folder)")
     args = parser.parse_args(argv)
     console = Console()
