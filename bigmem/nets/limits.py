@@ -1,6 +1,6 @@
 """The tensor-size limit of TF's CPU kernels, and the slab size used past it (no TensorFlow import).
 
-The memory estimate reads these without importing TensorFlow; nets/slabs.py partitions by them.
+The memory estimate reads these without importing TensorFlow; nets/slabplan.py partitions by them.
 """
 
 from __future__ import annotations
@@ -93,18 +93,20 @@ def kernel_element_limit(elements: int) -> Iterator[int]:
         _limit_override.pop()
 
 
-def slab_elements(plane_elements: int = 0) -> int:
+def slab_elements(plane_elements: int = 0, limit: int | None = None) -> int:
     """The most elements a slab's tensors may have, for depth planes of ``plane_elements`` elements.
 
     MAX_SLAB_ELEMENTS, or MIN_SLAB_PLANES planes where that is more, never past the kernel limit.
 
     Args:
         plane_elements: elements of one depth plane, ``H * W * C`` (default 0).
+        limit: the kernel limit (default ``max_kernel_elements()``, the one in force).
 
     Returns:
         Elements per slab tensor.
     """
-    return min(max_kernel_elements(), max(MAX_SLAB_ELEMENTS, MIN_SLAB_PLANES * plane_elements))
+    limit = max_kernel_elements() if limit is None else limit
+    return min(limit, max(MAX_SLAB_ELEMENTS, MIN_SLAB_PLANES * plane_elements))
 
 
 def max_pool_elements() -> int:
