@@ -1,11 +1,13 @@
-"""How a data-parallel job runs: the one decision the trainer asks of this package.
+"""How a job's steps run: in this process, or data parallel. The one such decision the trainer asks of this package.
 
-``data_parallel(config, replicas, counts_for)`` chooses, once, everything that differs from the
-single-process whole-volume path: whole volumes or a patch that fits one GPU, the per-replica
-and global batch, each process's share of the data, what one host must hold (for the memory
-pre-flight), the learning rate (linear scaling), the compiled step and the distributed batches.
+``choose_execution(config)`` decides it, once, and gives an ``Execution``: ``SingleProcess`` (whole
+volumes in this process, the path bigmem is for) or the ``DataParallel`` decisions that
+``data_parallel(config, replicas, counts_for)`` makes: whole volumes or a patch that fits one GPU,
+the per-replica and global batch, each process's share of the data, what one host must hold (for
+the memory pre-flight), the learning rate (linear scaling), the compiled step and the distributed
+batches. The job asks its execution and never branches on which one it has.
 
-Two shapes of job:
+Two shapes of data-parallel job:
 
 - **Patches on GPUs** (``mirrored``, or ``multiworker`` with ``distribute.gpu_memory_bytes`` or
   ``distribute.patch``): the baseline bigmem compares itself with; the patch is the largest that
@@ -18,15 +20,163 @@ Two shapes of job:
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
 from bigmem.config.options import Strategy
 from bigmem.config.schema import ExperimentConfig
 from bigmem.distribute.planning import gpu_footprint_bytes, largest_patch
-from bigmem.distribute.strategy import Replicas, make_distributed_step, scaled_learning_rate
+from bigmem.distribute.strategy import Replicas, make_distributed_step, scaled_learning_rate, setup_replicas
 from bigmem.errors import ConfigError, InsufficientMemoryError
 from bigmem.units import as_shape, format_bytes, format_shape
+
+
+class Execution(Protocol):
+    """How a job's steps run; ``SingleProcess`` and ``DataParallel`` are the two (``choose_execution`` picks).
+
+    Each answers what the job asks of it (the loader's batch, what the memory pre-flight checks,
+    the learning rate, the step, the batches, the opening line, plan.json's ``data_parallel``
+    section), so nothing in the job depends on which one it holds.
+    """
+
+    @property
+    def patch(self) -> tuple[int, int, int] | None:
+        """The patch ``(D, H, W)`` the job trains on, or None for whole volumes."""
+
+    @property
+    def whole_volumes(self) -> bool:
+        """True: whole volumes (no patch)."""
+
+    @property
+    def worker_batch(self) -> int:
+        """Samples this process loads per step."""
+
+    @property
+    def host_checked(self) -> bool:
+        """Whether the memory pre-flight checks this host's predicted peak (it holds the activations)."""
+
+    def loader_settings(self) -> dict:
+        """Keyword arguments for this process's ``WholeVolumeLoader``: its batch (and patch and shard)."""
+
+    def host_config(self, config: ExperimentConfig) -> ExperimentConfig:
+        """The job this host runs, for its memory pre-flight."""
+
+    def learning_rate(self, lr: float, reference_batch: int | None) -> float:
+        """The peak learning rate the run uses, given ``train.lr`` and ``train.reference_batch``."""
+
+    def scope(self) -> contextlib.AbstractContextManager:
+        """The context the model and optimizer are built in (a strategy's scope, or none)."""
+
+    def make_step(self, model, optimizer, *, loss_per_sample, metric_counts, metric_from_counts,
+                  traces=None) -> Callable:
+        """The compiled step: ``step(images, labels) -> (loss, metric)``."""
+
+    def batches(self, loader, start_step: int):
+        """The step's input iterator from ``loader`` (built with ``loader_settings``), from ``start_step``."""
+
+    def describe(self, data: str, lr: float) -> str:
+        """One line for the run's opening message (``data``: ``WholeVolumeLoader.describe``)."""
+
+    def to_dict(self) -> dict | None:
+        """plan.json's ``data_parallel`` section (None when the job is not data parallel)."""
+
+
+@dataclass(frozen=True)
+class SingleProcess:
+    """Whole volumes in this process: no replicas, no patch, the learning rate as given.
+
+    Args:
+        batch_size: samples per step (``train.batch_size``).
+
+    Example:
+        >>> execution = SingleProcess(batch_size=2)
+        >>> execution.loader_settings(), execution.to_dict()
+        ({'batch_size': 2}, None)
+    """
+
+    batch_size: int
+
+    @property
+    def patch(self) -> None:
+        """None: each case trains whole."""
+        return None
+
+    @property
+    def whole_volumes(self) -> bool:
+        """True: whole volumes."""
+        return True
+
+    @property
+    def worker_batch(self) -> int:
+        """Samples per step: the whole batch, all loaded here."""
+        return self.batch_size
+
+    @property
+    def host_checked(self) -> bool:
+        """True: this host holds the activations, so its predicted peak is checked against the budget."""
+        return True
+
+    def loader_settings(self) -> dict:
+        """The loader's batch (the loader's defaults: no patch, no shard)."""
+        return {"batch_size": self.batch_size}
+
+    def host_config(self, config: ExperimentConfig) -> ExperimentConfig:
+        """``config`` itself: this host runs the whole job."""
+        return config
+
+    def learning_rate(self, lr: float, reference_batch: int | None) -> float:
+        """``lr`` unchanged: linear scaling is for a global batch over replicas."""
+        return lr
+
+    def scope(self) -> contextlib.AbstractContextManager:
+        """No strategy scope."""
+        return contextlib.nullcontext()
+
+    def make_step(self, model, optimizer, *, loss_per_sample, metric_counts, metric_from_counts,
+                  traces=None) -> Callable:
+        """One compiled update: ``step(images, labels) -> (mean loss over the batch, metric of its counts)``.
+
+        One trace per distinct batch shape, never a shape-generic one (``reduce_retracing`` off):
+        the depth-slab paths and the loss plan their slabs from static shapes.
+
+        Args:
+            model: the built Keras model.
+            optimizer: its built optimizer.
+            loss_per_sample: ``(labels, logits) -> (batch,)`` losses; the step's loss is their mean.
+            metric_counts: ``(labels, logits) -> (intersection, total)`` per-class counts of the batch.
+            metric_from_counts: ``(intersection, total) -> scalar``, the step's metric.
+            traces: an object whose ``count`` is raised each time the step traces, or None.
+
+        Returns:
+            A ``tf.function`` ``step(images, labels) -> (loss, metric)``.
+        """
+        import tensorflow as tf
+
+        @tf.function(reduce_retracing=False)
+        def step(images, labels):
+            if traces is not None:
+                traces.count += 1
+            with tf.GradientTape() as tape:
+                logits = model(images, training=True)
+                loss = tf.reduce_mean(loss_per_sample(labels, logits))
+            gradients = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply(gradients, model.trainable_variables)
+            return loss, metric_from_counts(*metric_counts(labels, logits))
+
+        return step
+
+    def batches(self, loader, start_step: int):
+        """``loader``'s batches from ``start_step``, as they come."""
+        return iter(loader.dataset(start_step))
+
+    def describe(self, data: str, lr: float) -> str:
+        """``batches of B: <data>`` (``lr`` is not shown: it is the one given)."""
+        return f"batches of {self.batch_size}: {data}"
+
+    def to_dict(self) -> None:
+        """None: plan.json's ``data_parallel`` is null for a single-process job."""
+        return None
 
 
 @dataclass(frozen=True)
@@ -80,6 +230,10 @@ class DataParallel:
     def learning_rate(self, lr: float, reference_batch: int | None) -> float:
         """``lr`` scaled linearly from the batch it was meant for (default: one replica's) to the global batch."""
         return scaled_learning_rate(lr, reference_batch or self.per_replica_batch, self.global_batch)
+
+    def scope(self) -> contextlib.AbstractContextManager:
+        """The strategy's scope, where the model and optimizer are built (their variables mirrored)."""
+        return self.replicas.strategy.scope()
 
     def make_step(self, model, optimizer, *, loss_per_sample, metric_counts, metric_from_counts,
                   traces=None) -> Callable:
@@ -175,6 +329,31 @@ def data_parallel(config: ExperimentConfig, replicas: Replicas, counts_for,
             "(distribute.gpu_memory_bytes) or a smaller --batch-size.", need, gpu_memory)
     return DataParallel(replicas, patch, per_replica, global_batch, workers, index, gpu_memory,
                         gpu_footprint_bytes(config, counts_for, patch, per_replica))
+
+
+def choose_execution(config: ExperimentConfig) -> Execution:
+    """How ``config`` runs: ``SingleProcess``, or ``DataParallel`` over the replicas ``distribute.strategy`` asks for.
+
+    Call it after importing TensorFlow and before any TensorFlow operation: a data-parallel job
+    sets its devices up here (``strategy.setup_replicas``), and its patch is proportioned after
+    the dataset's median shape (``data.derived.median_shape``).
+
+    Args:
+        config: the resolved job, with its data fields (``data.derived.with_data_fields``).
+
+    Returns:
+        The job's ``Execution``.
+
+    Raises:
+        ConfigError, InsufficientMemoryError: as ``data_parallel``; UsageError: as ``setup_replicas``.
+    """
+    if config.distribute.strategy is Strategy.NONE:
+        return SingleProcess(config.train.batch_size)
+    from bigmem.data.derived import median_shape
+    from bigmem.memory.profile import counts_function  # builds the network: TensorFlow
+
+    replicas = setup_replicas(config)  # before any TensorFlow operation initialises devices
+    return data_parallel(config, replicas, counts_function(config), aspect=median_shape(config))
 
 
 def _workers(replicas: Replicas) -> tuple[int, int]:

@@ -1,11 +1,14 @@
-"""distribute.data_parallel: the one data-parallel decision, on fake strategies (no devices needed)."""
+"""distribute.execution: single process or data parallel, decided once; fake strategies (no devices needed)."""
 
 from __future__ import annotations
+
+import contextlib
+import json
 
 import pytest
 
 from bigmem.config import resolve_config
-from bigmem.distribute.execution import data_parallel
+from bigmem.distribute.execution import Execution, SingleProcess, choose_execution, data_parallel
 from bigmem.distribute.planning import gpu_footprint_bytes, patch_shape
 from bigmem.distribute.strategy import Replicas
 from bigmem.errors import ConfigError, InsufficientMemoryError
@@ -34,6 +37,12 @@ class FakeResolver:
 class FakeStrategy:
     def __init__(self, resolver=None):
         self.cluster_resolver = resolver
+        self.scopes_entered = 0
+
+    @contextlib.contextmanager
+    def scope(self):
+        self.scopes_entered += 1
+        yield
 
 
 def _replicas(count: int, *, simulated=True, workers=None, index=0) -> Replicas:
@@ -120,3 +129,81 @@ def test_refusals_name_the_fields(counts_for):
                                                       r"\(needs .*\): give a larger --gpu-memory "
                                                       r"\(distribute.gpu_memory_bytes\) or a smaller --batch-size\.$"):
         data_parallel(_config(strategy="mirrored", gpu_memory_bytes=2**20), _replicas(2), counts_for)
+
+
+def test_a_job_without_a_strategy_runs_in_this_process_its_batch_as_given():
+    config = _config()
+    single = choose_execution(config)  # strategy none: no replicas set up, no TensorFlow devices touched
+    assert single == SingleProcess(batch_size=2)
+    assert (single.patch, single.whole_volumes, single.worker_batch, single.host_checked) == (None, True, 2, True)
+    assert single.loader_settings() == {"batch_size": 2}
+    assert single.host_config(config) is config
+    assert single.learning_rate(1e-3, 8) == 1e-3  # no global batch over replicas to scale to
+    assert single.to_dict() is None  # plan.json's data_parallel stays null
+    assert single.describe("4 cases whole", 1e-3) == "batches of 2: 4 cases whole"
+
+
+def _executions(counts_for) -> dict:
+    return {
+        "single process": SingleProcess(2),
+        "whole volumes on two workers": data_parallel(_config(strategy="multiworker"),
+                                                      _replicas(2, workers=2, index=1), counts_for),
+        "patches on simulated replicas": data_parallel(_config(strategy="mirrored", patch=16), _replicas(2),
+                                                       counts_for),
+    }
+
+
+@pytest.mark.parametrize("name", ["single process", "whole volumes on two workers", "patches on simulated replicas"])
+def test_every_execution_answers_what_the_job_asks_consistently(counts_for, name):
+    execution = _executions(counts_for)[name]
+    members = [member for member in vars(Execution) if not member.startswith("_")]
+    assert [member for member in members if not hasattr(execution, member)] == []
+    config = _config()
+    settings = execution.loader_settings()
+    assert settings["batch_size"] == execution.worker_batch and settings.get("patch") == execution.patch
+    assert execution.whole_volumes == (execution.patch is None)
+    host = execution.host_config(config)  # the memory plan checks what this host loads per step
+    assert host.train.batch_size == execution.worker_batch
+    assert host.data.shape == (execution.patch or config.data.shape)
+    section = execution.to_dict()
+    assert section is None or json.loads(json.dumps(section)) == section  # plan.json's data_parallel
+    assert execution.learning_rate(1e-3, None) >= 1e-3
+    with execution.scope():
+        pass
+    strategy = getattr(getattr(execution, "replicas", None), "strategy", None)
+    assert strategy is None or strategy.scopes_entered == 1  # the model is built under the strategy's scope
+
+
+def test_the_single_process_step_is_the_mean_loss_and_the_metric_of_the_batch():
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    from bigmem.nets.unet3d import UNet3D
+    from bigmem.train.losses import dice_ce_loss, dice_ce_per_sample, dice_counts, dice_from_counts, foreground_dice
+    from bigmem.train.optimizers import FusedAdam
+
+    config = resolve_config("tiny")
+    keras.utils.set_random_seed(0)
+    model = UNet3D(config.model, name="unet3d").build_for()
+    optimizer = FusedAdam(learning_rate=1e-3)
+    optimizer.build(model.trainable_variables)
+    rng = np.random.default_rng(0)
+    images = tf.constant(rng.normal(size=(2, 16, 16, 12, 1)), tf.float32)
+    labels = tf.constant(rng.integers(0, 3, size=(2, 16, 16, 12)), tf.int32)
+    logits = model(images, training=True)
+    expected = float(dice_ce_loss(labels, logits)), float(foreground_dice(labels, logits))
+    before = [w.numpy().copy() for w in model.trainable_variables]
+
+    class Traces:
+        count = 0
+
+    traces = Traces()
+    step = SingleProcess(2).make_step(model, optimizer, loss_per_sample=dice_ce_per_sample, metric_counts=dice_counts,
+                                      metric_from_counts=dice_from_counts, traces=traces)
+    loss, dice = step(images, labels)
+    assert (float(loss), float(dice)) == pytest.approx(expected, rel=1e-5)
+    assert any(not np.array_equal(b, w.numpy()) for b, w in zip(before, model.trainable_variables))  # it updated
+    step(images, labels)
+    step(images[:1], labels[:1])
+    assert traces.count == 2  # one trace per batch shape
