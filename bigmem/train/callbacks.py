@@ -19,6 +19,7 @@ from bigmem.rundir import RunDir
 from bigmem.checkpoints import CheckpointManager
 from bigmem.train.loop import Callback, LoopState, StopReason
 from bigmem.train.progress import TrainProgress
+from bigmem.train.resume import checkpoint_state
 
 
 class NonFiniteGuard(Callback):
@@ -79,8 +80,7 @@ class Checkpoints(Callback):
     def save(self, state: LoopState):
         """Write the checkpoint of ``state.step``; returns its path."""
         self.saved_step = state.step
-        return self.checkpoints.save(state.step, self.model, self.optimizer,
-                                     {"total_steps": state.total_steps, "loss": state.loss, "dice": state.dice})
+        return self.checkpoints.save(state.step, self.model, self.optimizer, checkpoint_state(state))
 
     def on_step_end(self, state: LoopState) -> None:
         """Save every ``every`` steps and at the last step."""
