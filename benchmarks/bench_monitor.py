@@ -1,26 +1,23 @@
 """The resource monitor's overhead: training steps/s with and without it, from one run.
 
     python benchmarks/bench_monitor.py [--model small] [--volume 48] [--steps 150] [--repeats 2]
-        [--interval 1.0] [--out DIR]
+        [--warmup 10] [--interval 1.0] [--quick] [--out DIR]
 
 Runs ``bigmem train`` in fresh processes, alternating --monitor-interval INTERVAL and 0 (off)
-``--repeats`` times each, and compares the median steps/s (first 10 steps, tracing and warm-up,
-excluded). Also times one ``ResourceMonitor.sample()`` call in this process. Prints a table and
+``--repeats`` times each, and compares the median steps/s (the first ``--warmup`` steps, tracing
+and warm-up, excluded). Also times one ``ResourceMonitor.sample()`` call in this process (the mean
+of 200, after one untimed). Prints a table and
 writes JSON keyed by machine (never run by pytest).
 """
 
 from __future__ import annotations
 
-import argparse
 import socket
-import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-from _results import write_results
+from harness import bench_parser, run_command, spread, time_calls, write_results
 from rich.console import Console
 from rich.table import Table
 
@@ -28,18 +25,16 @@ from bigmem.memory.calibration import cpu_model, tensorflow_version
 from bigmem.monitor.sampler import ResourceMonitor
 from bigmem.rundir import read_jsonl
 
-WARMUP_STEPS = 10
-
 
 def train_steps_per_s(args, interval: float, out: Path) -> dict:
-    command = [sys.executable, "-m", "bigmem", "train", "--model", args.model, "--volume", str(args.volume),
-               "--steps", str(args.steps), "--checkpoint-every", str(args.steps), "--monitor-interval",
-               str(interval), "--out", str(out)]
-    result = subprocess.run(command, capture_output=True, text=True)
-    if result.returncode != 0:
+    """One ``bigmem train`` with the monitor every ``interval`` s (0: off): its median steps/s after ``--warmup``."""
+    command = [sys.executable, "-m", "bigmem", "train", "--model", args.model, "--volume", args.volume,
+               "--steps", args.steps, "--checkpoint-every", args.steps, "--monitor-interval", interval, "--out", out]
+    result = run_command(command, what="bigmem train")
+    if not result.ok:
         raise SystemExit(f"bigmem train failed (exit {result.returncode}): {result.stderr.strip()[-500:]}")
-    rows = read_jsonl(out / "metrics.jsonl")[WARMUP_STEPS:]
-    step_s = statistics.median(r["step_s"] for r in rows)
+    rows = read_jsonl(out / "metrics.jsonl")[args.warmup:]
+    step_s = spread(r["step_s"] for r in rows).median
     samples = 0
     if (out / "monitor.csv").exists():
         samples = len((out / "monitor.csv").read_text().splitlines()) - 1
@@ -47,23 +42,21 @@ def train_steps_per_s(args, interval: float, out: Path) -> dict:
 
 
 def sample_cost_s(repeats: int = 200) -> float:
+    """Mean seconds of one ``ResourceMonitor.sample()`` over ``repeats`` calls, after one untimed."""
     with tempfile.TemporaryDirectory() as folder:
         monitor = ResourceMonitor(Path(folder) / "monitor.csv", interval_s=3600, store_path=folder)
-        monitor.sample()
-        started = time.perf_counter()
-        for _ in range(repeats):
-            monitor.sample()
-        return (time.perf_counter() - started) / repeats
+        timed = time_calls(monitor.sample, repeats=repeats, warmup=1)
+        return sum(timed.times_s) / repeats
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__, repeats=2, repeats_help="runs with the monitor and as many without",
+                          warmup=10, warmup_help="first steps of each run left out of its median",
+                          quick={"model": "tiny", "volume": 32, "steps": 15, "repeats": 1, "warmup": 5})
     parser.add_argument("--model", default="small")
     parser.add_argument("--volume", type=int, default=48)
     parser.add_argument("--steps", type=int, default=150)
-    parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--interval", type=float, default=1.0)
-    parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
     console = Console(soft_wrap=True)
     runs = []
@@ -74,8 +67,8 @@ def main(argv: list[str] | None = None) -> int:
                 runs.append(run)
                 console.print(f"monitor {'on' if interval else 'off'}: {run['steps_per_s']:.2f} steps/s "
                               f"({run['monitor_rows']} monitor rows)", style="dim")
-    on = statistics.median(r["steps_per_s"] for r in runs if r["interval_s"] > 0)
-    off = statistics.median(r["steps_per_s"] for r in runs if r["interval_s"] == 0)
+    on = spread(r["steps_per_s"] for r in runs if r["interval_s"] > 0).median
+    off = spread(r["steps_per_s"] for r in runs if r["interval_s"] == 0).median
     cost = sample_cost_s()
     table = Table(title=f"monitor overhead: bigmem train {args.model} {args.volume}^3, {args.steps} steps")
     for column in ("monitor", "steps/s (median of runs)", "runs"):
