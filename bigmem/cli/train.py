@@ -10,9 +10,9 @@ from bigmem.cli.common import (
     add_budget_flag, add_memory_flags, add_model_flags, add_numa_flags, budget_arguments, model_overrides,
     numa_overrides,
 )
-from bigmem.errors import ConfigError, DataError, UsageError
+from bigmem.errors import DataError, UsageError
 from bigmem.rundir import RunDir
-from bigmem.units import format_bytes, parse_bytes
+from bigmem.units import parse_bytes
 
 HELP = "train a 3D U-Net on whole volumes"
 
@@ -125,19 +125,12 @@ def _overrides(args) -> dict:
     return given
 
 
-# Settings that may differ from the saved run on --resume: they change neither the model nor a
-# step's samples and update (the run's length, where and how it runs, what it records); any
-# other flag must repeat the saved value.
-CHANGEABLE_ON_RESUME = ("train.steps", "train.epochs", "train.time_budget_s", "train.monitor_interval_s",
-                        "train.checkpoint_every", "train.val_every", "data.num_workers", "data.prefetch",
-                        "data.cold_cache", "memory.budget_bytes", "numa.policy", "numa.cpus", "numa.threads")
-
-
 def resolve(args):
     """The resolved ExperimentConfig and run directory for these arguments.
 
     With ``--resume`` the run's saved config.json is the base and the flags given must agree with
-    it, except those in ``CHANGEABLE_ON_RESUME``; a directory where no run was started yet is
+    it, except those in ``train.resume.CHANGEABLE_ON_RESUME`` (checked here, before TensorFlow
+    starts, by ``train.resume.check_settings``); a directory where no run was started yet is
     started from the flags when they name a --model (the same command, plus --resume, works
     after a kill at any moment).
 
@@ -146,7 +139,7 @@ def resolve(args):
             differs from the saved run's.
         DataError: the store or the saved config.json cannot be read.
     """
-    from bigmem.config.presets import preset_names, resolve_config
+    from bigmem.config.presets import resolve_config
 
     overrides = _overrides(args)
     if args.data is not None and not Path(args.data).exists():
@@ -154,83 +147,19 @@ def resolve(args):
     if args.resume:
         if args.out is None:
             raise UsageError("--resume needs --out RUN_DIR: the run to continue.")
-        saved = _saved_settings(RunDir(args.out), args.out, starting=args.model is not None)
+        from bigmem.train.resume import check_settings, saved_config, saved_settings
+
+        run = RunDir(args.out)
+        saved = saved_settings(run, starting=args.model is not None)
         if saved is not None:
-            preset = saved.get("model", {}).get("name")
-            # the saved sections are complete; the preset only fills settings newer than the run
-            preset = preset if preset in preset_names() else "small"
-            before = resolve_config(preset, base=saved)
-            if "steps" in overrides["train"] or "epochs" in overrides["train"]:  # a new length replaces the old
-                saved["train"] = {**saved.get("train", {}), "steps": None, "epochs": None}
-            after = resolve_config(preset, overrides, base=saved)
-            _refuse_changes(args, before, after, overrides)
+            before, after = saved_config(saved), saved_config(saved, overrides)
+            given = [f"{section}.{key}" for section, values in overrides.items() for key in values]
+            check_settings(run, before, after, given, model=args.model)
             return after, Path(args.out)
     preset = args.model or "small"
     config = resolve_config(preset, overrides)
     out = Path(args.out) if args.out else Path("runs") / f"{config.model.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     return config, out
-
-
-def _saved_settings(run: RunDir, out: str, *, starting: bool) -> dict | None:
-    """The saved config.json's sections; None where no run was started yet and ``starting``.
-
-    Raises:
-        DataError: config.json is missing (and not ``starting``) or is not a JSON object.
-    """
-    if not run.config.exists():
-        if starting:
-            return None
-        raise DataError(f"Cannot resume {out!r}: no config.json there (is it a bigmem run directory?). To start a "
-                        "run there, give its flags (--model ...) or leave out --resume.")
-    try:
-        saved = run.read_config()
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise DataError(f"Cannot resume {out!r}: its config.json cannot be read ({exc}).") from None
-    if not isinstance(saved, dict):
-        raise DataError(f"Cannot resume {out!r}: its config.json is not a JSON object of settings.")
-    # config.json also records derived figures (total_steps, effective_lr); only the sections are settings
-    return {k: v for k, v in saved.items() if isinstance(v, dict)}
-
-
-def _refuse_changes(args, before, after, overrides: dict) -> None:
-    """Raise ``ConfigError`` naming each flag given whose resolved value differs from the saved run's."""
-    from bigmem.config.schema import to_dict
-
-    differ = []
-    if args.model is not None:
-        name = Path(args.model).stem if args.model.endswith(".toml") else args.model
-        if name != before.model.name:
-            differ.append(("model.name", name, before.model.name))
-    for section, values in overrides.items():
-        for key in values:
-            field = f"{section}.{key}"
-            old, new = getattr(getattr(before, section), key), getattr(getattr(after, section), key)
-            if field in CHANGEABLE_ON_RESUME or _same(field, old, new):
-                continue
-            differ.append((field, to_dict(new), to_dict(old)))
-    if differ:
-        changes = "; ".join(f"{{{field}}} {_text(field, new)} (saved: {_text(field, old)})"
-                            for field, new, old in differ)
-        allowed = ", ".join(f"{{{field}}}" for field in CHANGEABLE_ON_RESUME)
-        raise ConfigError(differ[0][0], f"Cannot resume {args.out!r} with settings that differ from the saved run: "
-                                        f"{changes}. Only {allowed} may change when resuming: repeat the saved "
-                                        "values (or leave those flags out), or start a new run with another --out.")
-
-
-def _same(field: str, old, new) -> bool:
-    if field == "data.store" and old is not None and new is not None:  # the same file, however it is spelled
-        return Path(old).resolve() == Path(new).resolve()
-    return old == new
-
-
-def _text(field: str, value) -> str:
-    if field == "data.shape":
-        return "each case at its own shape" if value is None else ",".join(map(str, value))
-    if value is None:
-        return "none"
-    if field.endswith("_bytes"):
-        return format_bytes(value)
-    return str(value)
 
 
 def run(args) -> int:

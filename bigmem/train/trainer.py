@@ -1,7 +1,7 @@
 """``train(config, run_dir)``: the public entry point under ``bigmem train``.
 
 A run is three parts: a job prepared once (``train/job.py``: config, run directory, placement,
-replicas, loader, memory plan), the model and optimizer built (and restored) for it, and a loop
+execution, loader, memory plan), the model and optimizer built (and restored) for it, and a loop
 of a few lines (``train/loop.py``) whose callbacks (``train/callbacks.py``) do everything else.
 It writes the run directory (README.md, "The run directory") through ``RunDir``: config.json, sysinfo.json,
 plan.json, numa.json, metrics.jsonl, monitor.csv, checkpoints/, model.keras and, last,
@@ -26,8 +26,9 @@ from bigmem.atomic import atomic_output
 from bigmem.sysinfo import collect_sysinfo
 from bigmem.tfenv import import_tensorflow
 from bigmem.train import callbacks as cb
-from bigmem.train.job import Job, NothingToDo, prepare_job
+from bigmem.train.job import Job, prepare_job
 from bigmem.train.loop import LoopState, StopReason, run_loop
+from bigmem.train.resume import NothingToDo, Restored, restore
 
 
 @dataclass
@@ -69,31 +70,6 @@ class TraceCount:
 
     def __call__(self) -> int:
         return self.count
-
-
-def make_train_step(model, optimizer, traces: TraceCount | None = None):
-    """One compiled update of single-process whole volumes; returns ``(loss, foreground Dice)``.
-
-    One trace per distinct batch shape: never a shape-generic one (``reduce_retracing`` off),
-    since the depth-slab paths and the loss plan their slabs from static shapes.
-    """
-    import tensorflow as tf
-
-    from bigmem.train.losses import dice_ce_loss, foreground_dice
-
-    traces = traces if traces is not None else TraceCount()
-
-    @tf.function(reduce_retracing=False)
-    def train_step(images, labels):
-        traces.count += 1
-        with tf.GradientTape() as tape:
-            logits = model(images, training=True)
-            loss = dice_ce_loss(labels, logits)
-        gradients = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply(gradients, model.trainable_variables)
-        return loss, foreground_dice(labels, logits)
-
-    return train_step
 
 
 def train(config: ExperimentConfig, run_dir: str | os.PathLike, *, resume: bool = False,
@@ -186,9 +162,7 @@ def exclusive_run_dir(path: Path):
 
 
 def build(job: Job, verbose: bool = False):
-    """The model, optimizer and learning-rate schedule of ``job``, under its strategy's scope."""
-    import contextlib
-
+    """The model, optimizer and learning-rate schedule of ``job``, under its execution's scope."""
     import_tensorflow(verbose=verbose)
     import keras
 
@@ -198,10 +172,9 @@ def build(job: Job, verbose: bool = False):
     config = job.config
     keras.utils.set_random_seed(config.train.seed)
     policy = "mixed_bfloat16" if config.train.precision is Precision.BF16 else "float32"
-    scope = job.parallel.replicas.strategy.scope() if job.parallel else contextlib.nullcontext()
-    with scope:
+    with job.execution.scope():
         model = UNet3D(config.model, dtype=policy, name="unet3d").build_for()
-        model.set_recompute(job.recompute_stages)  # chosen by the pre-flight
+        model.set_recompute(job.recompute_stages)  # chosen by the memory plan
         schedule = WarmupPolynomialDecay(job.learning_rate, job.total_steps, config.train.warmup_steps,
                                          config.train.lr_decay_power, config.train.end_lr)
         optimizer = make_optimizer(config, schedule)
@@ -210,14 +183,12 @@ def build(job: Job, verbose: bool = False):
 
 
 def step_and_batches(job: Job, model, optimizer, start_step: int, traces: TraceCount | None = None):
-    """The compiled step and the input iterator: whole volumes here, or the data-parallel ones."""
-    if job.parallel is None:
-        return make_train_step(model, optimizer, traces), iter(job.loader.dataset(start_step))
+    """The compiled step (Dice + cross-entropy loss, foreground Dice) and the input iterator, from ``job.execution``."""
     from bigmem.train.losses import dice_ce_per_sample, dice_counts, dice_from_counts
 
-    step = job.parallel.make_step(model, optimizer, loss_per_sample=dice_ce_per_sample, metric_counts=dice_counts,
-                                  metric_from_counts=dice_from_counts, traces=traces)
-    return step, job.parallel.batches(job.loader, start_step)
+    step = job.execution.make_step(model, optimizer, loss_per_sample=dice_ce_per_sample, metric_counts=dice_counts,
+                                   metric_from_counts=dice_from_counts, traces=traces)
+    return step, job.execution.batches(job.loader, start_step)
 
 
 def default_callbacks(job: Job, console: Console, model, optimizer, start_step: int, numa: cb.NUMAReport,
@@ -248,7 +219,7 @@ def validation_callback(job: Job, model, console: Console) -> cb.Validation | No
     from bigmem.infer.predict import Predictor
 
     held_out = list(job.loader.store.held_out)
-    patch = job.parallel.patch if job.parallel else None  # a run on patches is validated in windows of it
+    patch = job.execution.patch  # a run on patches is validated in windows of it
     return cb.Validation(config.train.val_every, Predictor(model, config, "training", patch), config.data.store,
                          held_out, job.checkpoints, console)
 
@@ -263,23 +234,15 @@ def _numa_summary(report: dict) -> str:
             f"/ inter {requested['inter_op_threads']}; observed policy per thread: {observed}")
 
 
-def _start(job: Job, model, optimizer, console: Console) -> tuple[int, dict]:
+def _start(job: Job, model, optimizer, console: Console) -> Restored:
     """Restore the newest checkpoint that loads (if resuming) and write the run's opening files.
 
     Returns:
-        ``(start step, the checkpoint's state)``: its loss and Dice are the run's last if no
-        step is left (a run killed before its summary.json); ``{}`` for a run at step 0.
+        Where the session starts (``resume.restore``): the step, and the checkpoint's loss and
+        Dice (the run's last if no step is left: a run killed before its summary.json).
     """
-    run, start_step, state = job.run, 0, {}
-    if job.resume_from is not None:
-        path, state, skipped = job.checkpoints.restore_newest(model, optimizer)
-        for passed in skipped:
-            console.print(f"Skipped checkpoint {passed.name}: {passed.reason}; kept aside as "
-                          f"{passed.kept_as}.", style="yellow", highlight=False)
-        start_step = int(state["step"])
-        console.print(f"Resuming {run.path} from {path.name} (step {start_step} of {job.total_steps}).")
-    if run.metrics.exists():  # rows past the start step (or, starting over, every row) are redone
-        run.truncate_metrics(start_step)
+    run = job.run
+    restored = restore(run, job.checkpoints, job.resume_from, model, optimizer, job.total_steps, console)
     _remove_temporaries(run.path)
     run.path.mkdir(parents=True, exist_ok=True)
     run.write_config({**job.config.to_dict(), "total_steps": job.total_steps, "effective_lr": job.learning_rate})
@@ -287,7 +250,7 @@ def _start(job: Job, model, optimizer, console: Console) -> tuple[int, dict]:
         ModelCard.from_store(job.config.data.store).write(run.path)  # predict needs the run directory only
     run.write_sysinfo(collect_sysinfo())
     run.write_plan(job.plan.to_dict())
-    return start_step, state
+    return restored
 
 
 def _remove_temporaries(path: Path) -> None:
@@ -303,29 +266,19 @@ def _remove_temporaries(path: Path) -> None:
 
 def _run(job: Job, console: Console, verbose: bool) -> TrainResult:
     model, optimizer, schedule = build(job, verbose)
-    start_step, resumed = _start(job, model, optimizer, console)
-    requested = job.placement.to_dict() if job.placement is not None else {"policy": "none", "text": "none"}
-    numa = cb.NUMAReport(job.run, requested)
-    opening = numa.write()
-    if job.placement is not None:
-        console.print(_numa_summary(opening))
+    restored = _start(job, model, optimizer, console)
+    numa = _announce(job, model, console)
     loader = job.loader
-    what = (job.parallel.describe(loader.describe(), job.learning_rate) if job.parallel
-            else f"batches of {loader.batch_size}: {loader.describe()}")
-    console.print(f"bigmem train: {job.config.model.name} ({model.count_params():,} parameters), {what}, "
-                  f"{job.config.train.precision.value}, {job.total_steps} step{'' if job.total_steps == 1 else 's'} -> "
-                  f"{job.run.path}")
     traces = TraceCount()
-    step, batches = step_and_batches(job, model, optimizer, start_step, traces)
+    step, batches = step_and_batches(job, model, optimizer, restored.step, traces)
     validation = validation_callback(job, model, console)
     shapes = cb.ShapeStats(console, traces, loader.padding_share, loader.steps_per_epoch)
-    start = LoopState(start_step, job.total_steps, loss=float(resumed.get("loss", "nan")),
-                      dice=float(resumed.get("dice", "nan")))
+    start = LoopState(restored.step, job.total_steps, loss=restored.loss, dice=restored.dice)
     state = run_loop(start, step, batches,
-                     default_callbacks(job, console, model, optimizer, start_step, numa, validation, shapes),
+                     default_callbacks(job, console, model, optimizer, restored.step, numa, validation, shapes),
                      learning_rate=schedule, voxels_for_step=job.voxels_for_step, shape_for_step=loader.batch_shape,
                      input_error=lambda: loader.error)
-    result = TrainResult(job.run.path, start_step, state.step, job.total_steps, state.loss, state.dice,
+    result = TrainResult(job.run.path, restored.step, state.step, job.total_steps, state.loss, state.dice,
                          state.interrupted_by)
     if state.stop is StopReason.SIGNAL:
         console.print(f"Stopped by signal {state.interrupted_by} at step {state.step}; checkpoint "
@@ -336,6 +289,17 @@ def _run(job: Job, console: Console, verbose: bool) -> TrainResult:
     numa.write()
     _finish(job, model, state, console, validation.summary() if validation else None, shapes.summary())
     return result
+
+
+def _announce(job: Job, model, console: Console) -> cb.NUMAReport:
+    """numa.json as the run opens, then the opening lines: the placement, and what trains on what."""
+    numa = cb.NUMAReport(job.run, job.placement.to_dict())
+    console.print(_numa_summary(numa.write()))
+    what = job.execution.describe(job.loader.describe(), job.learning_rate)
+    console.print(f"bigmem train: {job.config.model.name} ({model.count_params():,} parameters), {what}, "
+                  f"{job.config.train.precision.value}, {job.total_steps} step{'' if job.total_steps == 1 else 's'} -> "
+                  f"{job.run.path}")
+    return numa
 
 
 def _finish(job: Job, model, state: LoopState, console: Console, validation: dict | None,

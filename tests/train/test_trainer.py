@@ -103,12 +103,12 @@ def test_sgd_and_worker_processes(tmp_path, tiny_store, capsys):
 
 
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, tiny_store, capsys, monkeypatch):
-    import bigmem.train.trainer as trainer
+    from bigmem.distribute.execution import SingleProcess
 
-    real = trainer.make_train_step
+    real = SingleProcess.make_step
 
-    def poisoned(model, optimizer, traces=None):
-        step = real(model, optimizer, traces)
+    def poisoned(self, model, optimizer, **functions):
+        step = real(self, model, optimizer, **functions)
 
         def wrapped(images, labels):
             loss, dice = step(images, labels)
@@ -116,7 +116,7 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, tiny
 
         return wrapped
 
-    monkeypatch.setattr(trainer, "make_train_step", poisoned)
+    monkeypatch.setattr(SingleProcess, "make_step", poisoned)
     out = tmp_path / "run"
     code, _, err = run_cli(tiny_train(out, tiny_store, "--steps", 6), capsys)
     assert code == 1
