@@ -89,9 +89,8 @@ def run(args) -> int:
     check_output_dir(args.out, "--out")
 
     from rich.console import Console
-    from rich.table import Table
 
-    from bigmem.compare import GpuMemory, Settings, compare, rows, scaled_gpu_memory
+    from bigmem.compare import GpuMemory, Settings, compare, console_table, scaled_gpu_memory
     from bigmem.config.presets import resolve_config
     from bigmem.data.derived import with_data_fields
     from bigmem.data.store import HDF5VolumeStore
@@ -140,14 +139,7 @@ def run(args) -> int:
     if memory.stand_in:
         status.print(f"GPU memory: {memory.stand_in}.", style="dim", highlight=False)
     report = compare(config, Path(args.out), settings, progress=lambda m: status.print(m, style="dim", highlight=False))
-    title = "bigmem compare" + (" — data-parallel path SIMULATED ON CPU" if simulate else "")
-    table = Table(title=title)
-    table.add_column("")
-    table.add_column("whole volumes in RAM (bigmem)")
-    table.add_column(f"data parallel on patches ({replicas} {'simulated replicas' if simulate else 'GPUs'})")
-    for row in rows(report):
-        table.add_row(*row)
-    console.print(table)
-    console.print(report["conclusion"]["text"], highlight=False)
+    console.print(console_table(report))
+    console.print(report.conclusion.text, highlight=False)
     console.print(f"wrote {args.out}/compare.json, compare.md, compare.png")
     return 0

@@ -27,14 +27,13 @@ import sys
 from pathlib import Path
 from typing import Callable
 
+from bigmem.atomic import atomic_write_json, atomic_write_text
+from bigmem.compare.report import PATHS, ClassScore, CompareReport, HeldOut, PathResult, SeedRun, TrainingRun
 from bigmem.config.schema import ExperimentConfig
 from bigmem.errors import BigmemError, UsageError
-from bigmem.atomic import atomic_write_json, atomic_write_text
 from bigmem.rundir import RunDir
 from bigmem.units import as_shape, format_bytes, format_count, format_shape
 
-PATHS = ("cpu_bigmem", "data_parallel")
-LABELS = {"cpu_bigmem": "whole volumes in RAM (bigmem)", "data_parallel": "GPU data parallel on patches"}
 # The proportion the default GPU memory keeps: the headline case, a 512^3 kits19 volume against
 # one 80 GiB GPU. The planner's patch there (about half the edge at batch 2) sets the fraction.
 REAL_CASE = {"model": "kits19", "volume": 512, "gpu_memory_bytes": 80 * 2**30}
@@ -217,8 +216,8 @@ def _length_argv(steps: int | None, time_budget_s: float | None) -> list[str]:
     return ["--steps", str(steps)]
 
 
-def _run_train(argv: list[str], out: Path) -> dict:
-    """Run ``bigmem train argv --out out`` in its own process; its metrics, summary and plan."""
+def _run_train(argv: list[str], out: Path) -> TrainingRun:
+    """Run ``bigmem train argv --out out`` in its own process; its figures from its run directory."""
     import numpy as np  # not at import: the CLI imports this module before a NUMA placement applies
 
     result = subprocess.run([sys.executable, "-m", "bigmem", "train", *argv, "--out", str(out)],
@@ -230,16 +229,29 @@ def _run_train(argv: list[str], out: Path) -> dict:
     rows, summary = run.read_metrics(), run.read_summary()
     steady = rows[1:] or rows  # the first step includes tracing
     elapsed = np.cumsum([r["step_s"] for r in rows])
-    return {"run_dir": str(out), "steps": summary["steps"], "train_s": float(elapsed[-1]),
-            "step_s": float(np.median([r["step_s"] for r in steady])),
-            "voxels_per_s": float(np.median([r["voxels_per_s"] for r in steady])),
-            "peak_host_bytes": summary["peak_rss_bytes"], "final_train_dice": summary["dice"],
-            "curve": [{"step": r["step"], "time_s": float(t), "train_dice": r["dice"],
-                       **({"val_dice": r["val_dice"]} if "val_dice" in r else {})} for r, t in zip(rows, elapsed)]}
+    return TrainingRun.from_dict({
+        "run_dir": str(out), "steps": summary["steps"], "train_s": float(elapsed[-1]),
+        "step_s": float(np.median([r["step_s"] for r in steady])),
+        "voxels_per_s": float(np.median([r["voxels_per_s"] for r in steady])),
+        "peak_host_bytes": summary["peak_rss_bytes"], "final_train_dice": summary["dice"],
+        "curve": [{"step": r["step"], "time_s": float(t), "train_dice": r["dice"],
+                   **({"val_dice": r["val_dice"]} if "val_dice" in r else {})} for r, t in zip(rows, elapsed)]})
 
 
-def _evaluate_run(run_dir: str, store: str, held_out: list[str], *, sliding_window: tuple | None, out: Path) -> dict:
-    """``bigmem predict`` (whole, or sliding windows) then ``bigmem evaluate`` on the held-out cases."""
+def score_run(run_dir: str, store: str, held_out: list[str], *, sliding_window: tuple | None,
+              out: Path) -> HeldOut:
+    """``bigmem predict`` (whole, or sliding windows of ``sliding_window``) then ``bigmem evaluate`` on ``held_out``.
+
+    Args:
+        run_dir: the trained run directory.
+        store: the store the held-out cases are read from.
+        held_out: their case ids.
+        sliding_window: the patch ``(D, H, W)`` the run trained on; None: one whole-volume pass per case.
+        out: the predictions' folder (evaluate's summary.json is written there too).
+
+    Returns:
+        The run's ``HeldOut`` scores, and its inference time and peak.
+    """
     import numpy as np  # not at import: the CLI imports this module before a NUMA placement applies
 
     from bigmem.infer.evaluate import evaluate
@@ -249,21 +261,29 @@ def _evaluate_run(run_dir: str, store: str, held_out: list[str], *, sliding_wind
     results = list(predict(run_dir, store, out, cases=held_out, mode=mode, window=sliding_window, overlap=OVERLAP,
                            force=True))  # timed and scored: every case predicted now, none kept from before
     summary = evaluate(out, store, allow_missing=True, out=out / "summary.json")
-    classes = [str(c) for c in summary["classes"]]
-    return {"mode": mode if not sliding_window else f"sliding {format_shape(sliding_window)}, overlap {OVERLAP:g}",
-            "dice": summary["foreground_mean"]["Dice"], "hd95_mm": summary["foreground_mean"]["HD95_mm"],
-            "per_class": {c: {"dice": summary["mean"][c]["Dice"], "hd95_mm": summary["mean"][c]["HD95_mm"]}
-                          for c in classes},
-            "inference_s_per_case": float(np.mean([r.seconds for r in results])),
-            "inference_peak_bytes": max(r.peak_rss_bytes for r in results), "predictions": str(out)}
+    per_class = {str(c): ClassScore(summary["mean"][str(c)]["Dice"], summary["mean"][str(c)]["HD95_mm"])
+                 for c in summary["classes"]}
+    return HeldOut(mode if not sliding_window else f"sliding {format_shape(sliding_window)}, overlap {OVERLAP:g}",
+                   summary["foreground_mean"]["Dice"], summary["foreground_mean"]["HD95_mm"], per_class,
+                   float(np.mean([r.seconds for r in results])), max(r.peak_rss_bytes for r in results), str(out))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Paths:
+    """Both paths as planned before either trains: the data-parallel decisions and each path's FLOPs per step."""
+
+    parallel: object  # distribute.execution.DataParallel
+    cpu_step_flops: float
+    dp_step_flops: float
+    held_out: list[str]
 
 
 def compare(config: ExperimentConfig, out: Path, settings: Settings, *,
-            progress: Callable[[str], None] = print) -> dict:
-    """Pre-flight both paths, train each for the same budget over ``settings.seeds`` seeds, score both.
+            progress: Callable[[str], None] = print) -> CompareReport:
+    """Check both paths fit, train each for the same budget over ``settings.seeds`` seeds, score both.
 
-    Each run is a ``bigmem train`` process under ``out/<path>/seed-<k>``; its predictions and
-    their ``summary.json`` are in ``out/<path>/seed-<k>-predictions``. Writes ``compare.json``,
+    Each run trains under ``out/<path>/seed-<k>``, in its own process; its predictions and their
+    ``summary.json`` are in ``out/<path>/seed-<k>-predictions``. Writes ``compare.json``,
     ``compare.md`` and ``compare.png`` to ``out``.
 
     Args:
@@ -274,76 +294,83 @@ def compare(config: ExperimentConfig, out: Path, settings: Settings, *,
         progress: called with one line per phase (default ``print``).
 
     Returns:
-        The report (``compare.json``): ``simulated``, ``replicas``, ``gpu_memory_bytes``,
-        ``gpu_memory_stand_in``, ``model``, ``volume``, ``patch_size``, ``held_out_cases``,
-        ``budget``, ``seeds``, ``paths`` (per path: per-seed runs with throughput, peak host
-        memory, training FLOPs, curves and held-out scores; their means and spread;
-        ``max_whole_volume`` from the planner) and ``conclusion`` (``conclude``).
+        The ``CompareReport`` (compare.json is its ``to_dict``): what was compared, per path the
+        per-seed runs (throughput, peak host memory, training FLOPs, curves, held-out scores), their
+        means and spread and the planner's largest whole volume, and the conclusion.
 
     Raises:
         UsageError: a setting no run could use.
-        InsufficientMemoryError: (exit 3) a path's pre-flight, before anything trains.
+        InsufficientMemoryError: (exit 3) a path does not fit (``plan_both_paths``), before anything trains.
         BigmemError: a training run failed (the message ends with its last line of stderr).
 
     Example:
         >>> settings = Settings(replicas=2, simulate=True, gpu_memory=scaled_gpu_memory(config, counts_for),
         ...                     steps=20, budget="flops", holdout=2)
-        >>> compare(config, Path("cmp"), settings)["conclusion"]["text"]
+        >>> compare(config, Path("cmp"), settings).conclusion.text
     """
+    from bigmem.compare.render import markdown, plot
     from bigmem.memory.profile import counts_function
 
     settings.check()
-    counts_for = counts_function(config)
     progress("pre-flight of both paths ...")
-    _, parallel = plan_both_paths(config, counts_for, settings)
-    patch, volume = parallel.patch, whole_shape(config)
-    cpu_step_flops = mean_step_flops(config)
-    dp_step_flops = train_flops(config, patch, parallel.global_batch)
-    ratio = cpu_step_flops / dp_step_flops
-    dp_val_every = max(1, round(settings.val_every * ratio))
-    held_out = _held_out(str(config.data.store), settings.holdout)
+    _, parallel = plan_both_paths(config, counts_function(config), settings)
+    paths = _Paths(parallel, mean_step_flops(config), train_flops(config, parallel.patch, parallel.global_batch),
+                   _held_out(str(config.data.store), settings.holdout))
     out.mkdir(parents=True, exist_ok=True)
-    where = f"{settings.replicas} {'simulated replicas' if settings.simulate else 'GPUs'}"
-    runs: dict[str, list[dict]] = {name: [] for name in PATHS}
+    runs: dict[str, list[SeedRun]] = {name: [] for name in PATHS}
     for seed in range(settings.seeds):
-        common = _train_argv(config, settings, seed)
-        progress(f"seed {seed}: training on whole volumes (up to {format_shape(volume)}) ...")
-        cpu_dir = out / "cpu_bigmem" / f"seed-{seed}"
-        cpu = _run_train([*common, *_length_argv(settings.steps, settings.cpu_time_budget_s),
-                          "--val-every", str(settings.val_every)], cpu_dir)
-        cpu.update(train_flops=cpu["steps"] * cpu_step_flops, samples_per_s=config.train.batch_size / cpu["step_s"])
-        if settings.budget == "flops":
-            length = _length_argv(max(1, round(cpu["train_flops"] / dp_step_flops)), None)
-        else:
-            length = _length_argv(None, settings.cpu_time_budget_s or cpu["train_s"])
-        progress(f"seed {seed}: training data parallel on {format_shape(patch)} patches ({where}) ...")
-        dp_dir = out / "data_parallel" / f"seed-{seed}"
-        dp = _run_train([*common, *length, "--val-every", str(dp_val_every), "--strategy", "mirrored",
-                         "--gpu-memory", str(settings.gpu_memory.bytes),
-                         "--simulate-replicas" if settings.simulate else "--gpus", str(settings.replicas)], dp_dir)
-        dp.update(train_flops=dp["steps"] * dp_step_flops, samples_per_s=parallel.global_batch / dp["step_s"])
-        progress(f"seed {seed}: predicting and scoring {len(held_out)} held-out cases ...")
-        for name, run, window in (("cpu_bigmem", cpu, None), ("data_parallel", dp, patch)):
-            run["held_out"] = _evaluate_run(run["run_dir"], str(config.data.store), held_out, sliding_window=window,
-                                            out=Path(run["run_dir"]).with_name(f"seed-{seed}-predictions"))
-            runs[name].append({"seed": seed, **run})
-    volumes = largest_whole_volumes(config, settings.gpu_memory.bytes, settings.memory_budget_bytes)
-    report = {"simulated": settings.simulate, "replicas": settings.replicas,
-              "gpu_memory_bytes": settings.gpu_memory.bytes, "gpu_memory_stand_in": settings.gpu_memory.stand_in,
-              "model": config.model.name, "volume": max(volume), "shape": list(volume),
-              "native_shapes": config.data.shape is None, "patch_size": list(patch),
-              "batch": {"cpu_bigmem": config.train.batch_size, "data_parallel": parallel.global_batch},
-              "held_out_cases": held_out, "budget": _budget_text(settings), "seeds": settings.seeds,
-              "paths": {name: _aggregate(runs[name]) for name in PATHS}}
-    report["paths"]["cpu_bigmem"].update(max_whole_volume=volumes["host"], max_whole_volume_mode=volumes["host_mode"])
-    report["paths"]["data_parallel"]["max_whole_volume"] = volumes["gpu"]
-    report["conclusion"] = conclude(report)
-    atomic_write_json(out / "compare.json", report)
-    from bigmem.compare.render import markdown, plot
-
+        for name, run in zip(PATHS, _train_and_score(config, settings, paths, seed, out, progress)):
+            runs[name].append(run)
+    report = _report(config, settings, paths, runs)
+    atomic_write_json(out / "compare.json", report.to_dict())
     atomic_write_text(out / "compare.md", markdown(report))
     plot(report, out / "compare.png")
     return report
+
+
+def _train_and_score(config: ExperimentConfig, settings: Settings, paths: _Paths, seed: int, out: Path,
+                     progress: Callable[[str], None]) -> tuple[SeedRun, SeedRun]:
+    """One seed: the whole-volume run, the data-parallel run for the same budget, then both scored."""
+    parallel = paths.parallel
+    common = _train_argv(config, settings, seed)
+    progress(f"seed {seed}: training on whole volumes (up to {format_shape(whole_shape(config))}) ...")
+    cpu = _run_train([*common, *_length_argv(settings.steps, settings.cpu_time_budget_s),
+                      "--val-every", str(settings.val_every)], out / "cpu_bigmem" / f"seed-{seed}")
+    cpu_flops = cpu.steps * paths.cpu_step_flops
+    if settings.budget == "flops":
+        length = _length_argv(max(1, round(cpu_flops / paths.dp_step_flops)), None)
+    else:
+        length = _length_argv(None, settings.cpu_time_budget_s or cpu.train_s)
+    where = f"{settings.replicas} {'simulated replicas' if settings.simulate else 'GPUs'}"
+    progress(f"seed {seed}: training data parallel on {format_shape(parallel.patch)} patches ({where}) ...")
+    dp_val_every = max(1, round(settings.val_every * paths.cpu_step_flops / paths.dp_step_flops))
+    dp = _run_train([*common, *length, "--val-every", str(dp_val_every), "--strategy", "mirrored",
+                     "--gpu-memory", str(settings.gpu_memory.bytes),
+                     "--simulate-replicas" if settings.simulate else "--gpus", str(settings.replicas)],
+                    out / "data_parallel" / f"seed-{seed}")
+    progress(f"seed {seed}: predicting and scoring {len(paths.held_out)} held-out cases ...")
+    scored = []
+    for training, step_flops, batch, window in ((cpu, paths.cpu_step_flops, config.train.batch_size, None),
+                                                (dp, paths.dp_step_flops, parallel.global_batch, parallel.patch)):
+        held_out = score_run(training.run_dir, str(config.data.store), paths.held_out, sliding_window=window,
+                             out=Path(training.run_dir).with_name(f"seed-{seed}-predictions"))
+        scored.append(SeedRun(seed, training, training.steps * step_flops, batch / training.step_s, held_out))
+    return scored[0], scored[1]
+
+
+def _report(config: ExperimentConfig, settings: Settings, paths: _Paths,
+            runs: dict[str, list[SeedRun]]) -> CompareReport:
+    volumes = largest_whole_volumes(config, settings.gpu_memory.bytes, settings.memory_budget_bytes)
+    shape, parallel = whole_shape(config), paths.parallel
+    return CompareReport(
+        simulated=settings.simulate, replicas=settings.replicas, gpu_memory_bytes=settings.gpu_memory.bytes,
+        gpu_memory_stand_in=settings.gpu_memory.stand_in, model=config.model.name, volume=max(shape),
+        shape=tuple(shape), native_shapes=config.data.shape is None, patch_size=tuple(parallel.patch),
+        batch={"cpu_bigmem": config.train.batch_size, "data_parallel": parallel.global_batch},
+        held_out_cases=tuple(paths.held_out), budget=_budget_text(settings), seeds=settings.seeds,
+        paths={"cpu_bigmem": PathResult.over_seeds(runs["cpu_bigmem"], max_whole_volume=volumes.host,
+                                                   max_whole_volume_mode=volumes.host_mode),
+               "data_parallel": PathResult.over_seeds(runs["data_parallel"], max_whole_volume=volumes.gpu)})
 
 
 def _budget_text(settings: Settings) -> str:
@@ -363,62 +390,25 @@ def _held_out(store_path: str, holdout: int) -> list[str]:
         return list(store.held_out)
 
 
-def _aggregate(runs: list[dict]) -> dict:
-    """A path's runs, and over seeds: mean throughput and peaks, held-out Dice mean, std and range."""
-    import numpy as np  # not at import: the CLI imports this module before a NUMA placement applies
+@dataclasses.dataclass(frozen=True)
+class WholeVolumes:
+    """The planner's largest whole volume (batch 1) on one GPU and in this host's RAM.
 
-    dice = [r["held_out"]["dice"] for r in runs]
-    classes = list(runs[0]["held_out"]["per_class"])
-
-    def mean_of(values):
-        values = [v for v in values if v is not None and v == v]
-        return float(np.mean(values)) if values else None
-
-    return {
-        "runs": runs,
-        "dice": float(np.mean(dice)), "dice_std": float(np.std(dice, ddof=1)) if len(dice) > 1 else None,
-        "dice_range": float(max(dice) - min(dice)),
-        "per_class": {c: {"dice": mean_of(r["held_out"]["per_class"][c]["dice"] for r in runs),
-                          "hd95_mm": mean_of(r["held_out"]["per_class"][c]["hd95_mm"] for r in runs)} for c in classes},
-        "hd95_mm": mean_of(r["held_out"]["hd95_mm"] for r in runs),
-        **{k: float(np.mean([r[k] for r in runs])) for k in ("steps", "train_s", "step_s", "voxels_per_s",
-                                                               "samples_per_s", "train_flops", "peak_host_bytes")},
-        "inference_mode": runs[0]["held_out"]["mode"],
-        "inference_s_per_case": float(np.mean([r["held_out"]["inference_s_per_case"] for r in runs])),
-    }
-
-
-def conclude(report: dict) -> dict:
-    """Which path reached the higher held-out Dice, by how much, and whether that exceeds the seed spread.
-
-    The spread is the larger of the two paths' ranges (max - min) of held-out Dice over seeds;
-    with one seed it is unknown and the conclusion says so.
-
-    Returns:
-        ``{"higher", "difference", "spread", "exceeds_spread", "text"}``; ``exceeds_spread`` is
-        None with one seed.
+    Attributes:
+        gpu: the largest edge on one GPU (None: none fits).
+        host: the largest edge in the host's budget (None: none fits).
+        host_mode: the host's precision and recomputed stages for it ("bf16, recompute stages"; None: none fits).
+        host_budget_bytes: the host's budget it was searched in.
     """
-    cpu, dp = report["paths"]["cpu_bigmem"]["dice"], report["paths"]["data_parallel"]["dice"]
-    higher = "cpu_bigmem" if cpu >= dp else "data_parallel"
-    difference = abs(cpu - dp)
-    seeds = report["seeds"]
-    spread = (max(report["paths"][name]["dice_range"] for name in PATHS) if seeds > 1 else None)
-    exceeds = None if spread is None else difference > spread
-    first, second = (cpu, dp) if higher == "cpu_bigmem" else (dp, cpu)
-    label = LABELS[higher]
-    text = (f"{label[0].upper() + label[1:]} reached the higher held-out Dice within {report['budget']}: "
-            f"{first:.3f} against {second:.3f} ({difference:+.3f}")
-    if spread is None:
-        text += "); one seed, so the seed-to-seed spread is unknown (--seeds 3 measures it)."
-    else:
-        text += (f"), {'more' if exceeds else 'no more'} than the spread over {format_count(seeds, 'seed')} "
-                 f"({spread:.3f})"
-                 + ("." if exceeds else ": the difference is not established."))
-    return {"higher": higher, "difference": difference, "spread": spread, "exceeds_spread": exceeds, "text": text}
+
+    gpu: int | None
+    host: int | None
+    host_mode: str | None
+    host_budget_bytes: int
 
 
 def largest_whole_volumes(config: ExperimentConfig, gpu_memory_bytes: int,
-                          memory_budget_bytes: int | None = None) -> dict:
+                          memory_budget_bytes: int | None = None) -> WholeVolumes:
     """From the planner: the largest whole volume (batch 1) on one GPU and in this host's RAM.
 
     Args:
@@ -429,7 +419,7 @@ def largest_whole_volumes(config: ExperimentConfig, gpu_memory_bytes: int,
             MemAvailable).
 
     Returns:
-        ``{gpu, host, host_mode, host_budget_bytes}``: edges (None when none fits), the host's mode.
+        ``WholeVolumes``: edges (None when none fits) and the host's mode.
     """
     from bigmem.distribute.planning import largest_edge
     from bigmem.memory.preflight import resolve_budget, search_plan
@@ -438,6 +428,6 @@ def largest_whole_volumes(config: ExperimentConfig, gpu_memory_bytes: int,
     counts_for = counts_function(config)
     host = search_plan(config, counts_for, resolve_budget(memory_budget_bytes), batch_size=1)
     gpu = largest_edge(config, counts_for, gpu_memory_bytes, 1, 4096)
-    return {"gpu": gpu, "host": host.chosen.volume if host.chosen else None,
-            "host_mode": (f"{host.chosen.precision}, recompute {host.chosen.recompute}" if host.chosen else None),
-            "host_budget_bytes": host.budget_bytes}
+    chosen = host.chosen
+    return WholeVolumes(gpu, chosen.volume if chosen else None,
+                        f"{chosen.precision}, recompute {chosen.recompute}" if chosen else None, host.budget_bytes)

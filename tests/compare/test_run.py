@@ -1,4 +1,4 @@
-"""bigmem compare: the GPU path tiles, both paths scored as their users would, budgets stated, a computed conclusion."""
+"""compare's runs: the GPU path tiles, both paths scored as their users would, refusals before training."""
 
 from __future__ import annotations
 
@@ -6,10 +6,9 @@ import json
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
-from bigmem.compare import Settings, conclude, scaled_gpu_memory
+from bigmem.compare.run import GpuMemory, Settings, scaled_gpu_memory
 from bigmem.config.presets import resolve_config
 from bigmem.infer.evaluate import evaluate
 from bigmem.memory.profile import counts_function
@@ -31,7 +30,6 @@ def test_the_scaled_stand_in_keeps_the_real_proportion():
 
 
 def test_settings_refuse_what_no_run_could_use():
-    from bigmem.compare import GpuMemory
     from bigmem.errors import UsageError
 
     good = dict(replicas=2, simulate=True, gpu_memory=GpuMemory(2**30))
@@ -40,30 +38,6 @@ def test_settings_refuse_what_no_run_could_use():
         with pytest.raises(UsageError, match=message):
             Settings(**{**good, **bad}).check()
     assert Settings(**good).cpu_time_budget_s == 120.0 and Settings(**good, steps=5).cpu_time_budget_s is None
-
-
-def _report(cpu: list[float], dp: list[float]) -> dict:
-    def path(dice):
-        return {"dice": float(np.mean(dice)), "dice_range": max(dice) - min(dice)}
-
-    return {"seeds": len(cpu), "budget": "equal training time (120 s of training each)",
-            "paths": {"cpu_bigmem": path(cpu), "data_parallel": path(dp)}}
-
-
-def test_the_conclusion_is_computed_from_the_numbers():
-    one = conclude(_report([0.9], [0.8]))
-    assert (one["higher"], one["difference"], one["spread"], one["exceeds_spread"]) == (
-        "cpu_bigmem", pytest.approx(0.1), None, None)
-    assert one["text"] == ("Whole volumes in RAM (bigmem) reached the higher held-out Dice within equal training time "
-                           "(120 s of training each): 0.900 against 0.800 (+0.100); one seed, so the seed-to-seed "
-                           "spread is unknown (--seeds 3 measures it).")
-    clear = conclude(_report([0.90, 0.91, 0.92], [0.80, 0.82, 0.81]))
-    assert clear["exceeds_spread"] is True and clear["spread"] == pytest.approx(0.02)
-    assert clear["text"].endswith("(+0.100), more than the spread over 3 seeds (0.020).")
-    noise = conclude(_report([0.80, 0.90, 0.85], [0.86, 0.84, 0.88]))
-    assert (noise["higher"], noise["exceeds_spread"]) == ("data_parallel", False)
-    assert noise["text"].startswith("GPU data parallel on patches reached the higher held-out Dice")
-    assert noise["text"].endswith("no more than the spread over 3 seeds (0.100): the difference is not established.")
 
 
 @pytest.mark.slow
@@ -111,7 +85,7 @@ def test_a_refusal_comes_before_any_training(tmp_path, tiny_store, capsys):
 
 
 def test_the_whole_volume_path_plans_and_counts_each_case_at_its_own_shape(tmp_path):
-    from bigmem.compare import mean_step_flops, train_flops, whole_shape
+    from bigmem.compare.run import mean_step_flops, train_flops, whole_shape
     from bigmem.data.synth import write_synthetic_store
 
     shapes = [(16, 16, 8), (16, 16, 24), (8, 32, 16)]
