@@ -8,7 +8,7 @@ One uninterrupted run (the reference, which also times start-up and a step), the
 launches of the same command (``--resume`` added from the second on), each killed in one of four
 phases in turn: during start-up (before the first step); mid-step (at a random step inside the
 interval after the next checkpoint past the last logged step, a random fraction of a step
-later); during a checkpoint write (as soon as the launch's ``.tmp-ckpt-*`` appears); and at any
+later); during a checkpoint write (as soon as the launch's temporary ``.ckpt-*.tmp-<pid>-*`` appears); and at any
 moment of the time the launch needs (start-up, the steps left, the end). After every kill: every
 JSON file of the run directory must parse (temporaries, hidden names, are not outputs) and
 metrics.jsonl may only have its last line torn; the steps lost are the last logged step less the
@@ -33,7 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bigmem.checkpoints import CheckpointManager
+from bigmem.atomic import temporary_of
+from bigmem.checkpoints import PREFIX, CheckpointManager
 
 PHASES = ("start-up", "mid-step", "checkpoint write", "any moment")
 POLL_S = 0.0005
@@ -78,7 +79,7 @@ class Kill:
     at_s: float  # seconds after launch
     exited_first: bool  # the launch ended before the kill came (it finished)
     started: str | None  # the launch's own line: "from ckpt-N", "over", "new", or None (killed before it)
-    in_checkpoint_write: bool  # the launch's .tmp-ckpt-* was there when it died
+    in_checkpoint_write: bool  # the launch's temporary checkpoint folder was there when it died
     last_logged_step: int
     checkpoint_step: int
     lost_steps: int
@@ -160,6 +161,12 @@ def reference_run(settings: Settings, out: Path, log: Path) -> Timing:
                   (wall_s - first_row_s) / max(1, settings.steps - 1))
 
 
+def _writing_checkpoint(name: str, pid: int) -> bool:
+    """Whether ``name`` is launch ``pid``'s temporary of a checkpoint (``atomic.temporary_name``'s scheme)."""
+    owner = temporary_of(name)
+    return owner is not None and owner[1] == pid and owner[0].startswith(PREFIX)
+
+
 def _wait_for_kill(process: subprocess.Popen, phase: str, run: Path, settings: Settings, timing: Timing,
                    rng: np.random.Generator, started: float) -> None:
     """Return at the phase's random moment (or when the launch ends by itself)."""
@@ -181,12 +188,11 @@ def _wait_for_kill(process: subprocess.Popen, phase: str, run: Path, settings: S
             deadline = time.monotonic() + rng.uniform(0, timing.step_s)
             alive_until(lambda: time.monotonic() >= deadline)
     elif phase == "checkpoint write":
-        mine = f"-{process.pid}"
         folder = run / "checkpoints"
 
         def writing() -> bool:
             try:
-                return any(e.name.startswith(".tmp-ckpt-") and e.name.endswith(mine) for e in os.scandir(folder))
+                return any(_writing_checkpoint(e.name, process.pid) for e in os.scandir(folder))
             except FileNotFoundError:
                 return False
 
@@ -213,8 +219,7 @@ def kill_once(number: int, phase: str, settings: Settings, run: Path, logs: Path
         os.kill(process.pid, signal.SIGKILL)
     process.wait()
     folder = run / "checkpoints"
-    in_write = folder.exists() and any(p.name.endswith(f"-{process.pid}") and p.name.startswith(".tmp-ckpt-")
-                                       for p in folder.iterdir())
+    in_write = folder.exists() and any(_writing_checkpoint(p.name, process.pid) for p in folder.iterdir())
     state = check_run_dir(run)
     return Kill(number, phase, resume, round(at_s, 3), exited_first, started_line(log, run), in_write,
                 state["last_logged_step"], state["checkpoint_step"],

@@ -6,8 +6,9 @@ removed on any failure, so a reader sees the old file or the new one and a faile
 nothing behind. A full disk (ENOSPC), an exhausted quota (EDQUOT) or a failing device (EIO)
 becomes ``DiskFullError`` (exit 1), naming the path, the bytes needed and the bytes free. HDF5
 files are written through ``atomic_hdf5``, which keeps HDF5 from crashing the process when a
-write fails (see there). The run directory (``rundir``), checkpoints, stores, predictions and
-reports all write through here.
+write fails (see there). The run directory (``rundir``), checkpoints (folders, through
+``atomic_output(directory=True)``), stores, predictions and reports all write through here, and
+``remove_atomically`` and ``leftover_temporaries`` handle what a killed writer leaves.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO})
 # h5py raises some HDF5 write failures (a failed flush or close) as RuntimeError, with the
 # system's errno only in HDF5's text: "... errno = 28, error message = 'No space left on device' ...".
 _HDF5_ERRNO = re.compile(r"\berrno = (\d+)")
+# temporary_name's scheme, read back: .<stem>.tmp-<pid>-<n><suffix> (without -<n>: before the counter existed)
+_TEMPORARY = re.compile(r"^\.(?P<stem>.+)\.tmp-(?P<pid>\d+)(?:-\d+)?(?P<suffix>.*)$")
 _counter = itertools.count()
 
 
@@ -103,6 +106,40 @@ def temporary_name(path: str | os.PathLike) -> Path:
     return path.with_name(f".{stem}.tmp-{os.getpid()}-{next(_counter)}{suffix}")
 
 
+def temporary_of(name: str) -> tuple[str, int] | None:
+    """What a ``temporary_name`` stands for: ``(the output's name, the writer's process id)``; None for
+    any other name.
+
+    Example:
+        >>> temporary_of(".ckpt-00000004.tmp-4242-0")
+        ('ckpt-00000004', 4242)
+    """
+    match = _TEMPORARY.match(name)
+    return (match["stem"] + match["suffix"], int(match["pid"])) if match else None
+
+
+def leftover_temporaries(folder: str | os.PathLike) -> list[Path]:
+    """The temporaries in ``folder`` that another process made (one that was killed mid-write), by name.
+
+    This process's own are not listed: they may be in the middle of being written.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.iterdir() if (owner := temporary_of(p.name)) and owner[1] != os.getpid())
+
+
+def remove_atomically(path: str | os.PathLike) -> None:
+    """Remove the file or folder ``path`` as one rename, then delete it: a reader (or a kill) sees it whole or gone.
+
+    A kill before the delete leaves a hidden temporary (``leftover_temporaries`` finds it).
+    """
+    path = Path(path)
+    doomed = temporary_name(path)
+    os.replace(path, doomed)
+    _remove(doomed)
+
+
 @contextmanager
 def atomic_output(path: str | os.PathLike, *, needed_bytes: int | Callable[[], int] = 0, directory: bool = False,
                   fsync: bool = True) -> Iterator[Path]:
@@ -110,8 +147,9 @@ def atomic_output(path: str | os.PathLike, *, needed_bytes: int | Callable[[], i
 
     On leaving the block normally the temporary (a file, or with ``directory`` a folder and the
     files in it) is fsynced, renamed onto ``path`` (an existing folder is moved aside first and
-    removed after), and the parent folder fsynced. On any exception the temporary is removed and
-    an existing ``path`` is left as it was.
+    removed once the rename is durable), and the parent folder fsynced, with the parent of each
+    folder made for ``path``. On any exception the temporary, and the folders made for it, are
+    removed and an existing ``path`` is left as it was.
 
     Args:
         path: the output.
@@ -136,6 +174,7 @@ def atomic_output(path: str | os.PathLike, *, needed_bytes: int | Callable[[], i
     path = Path(path)
     tmp = temporary_name(path)
     created = _missing_parents(path)  # made here, so removed again if the output fails: nothing is left behind
+    replaced = None  # the folder an output folder replaced, moved aside
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         if directory:
@@ -143,10 +182,15 @@ def atomic_output(path: str | os.PathLike, *, needed_bytes: int | Callable[[], i
         yield tmp
         if fsync:
             _fsync_tree(tmp)
-        _replace(tmp, path)
+        replaced = _replace(tmp, path)
         if fsync:
-            _fsync_dir(path.parent)
+            for folder in (path, *created):  # the rename, then each new folder's name in its parent
+                fsync_dir(folder.parent)
+        if replaced is not None:  # deleted only once the new folder's name is durable
+            _remove(replaced)
     except BaseException as exc:
+        if replaced is not None:
+            _remove(replaced)
         written = _size(tmp)
         _remove(tmp)
         for folder in created:  # deepest first; one that something else has filled since stays
@@ -172,26 +216,29 @@ def _missing_parents(path: Path) -> list[Path]:
     return missing
 
 
-def _replace(tmp: Path, path: Path) -> None:
+def _replace(tmp: Path, path: Path) -> Path | None:
+    """Rename ``tmp`` onto ``path``; an existing folder ``path`` is moved aside first and returned (the caller
+    deletes it), as ``os.replace`` cannot replace a non-empty folder."""
     if not (tmp.is_dir() and path.is_dir()):
         os.replace(tmp, path)
-        return
-    old = temporary_name(path)  # os.replace cannot replace a non-empty folder: move it aside first
+        return None
+    old = temporary_name(path)
     os.replace(path, old)
     try:
         os.replace(tmp, path)
     except BaseException:
         os.replace(old, path)
         raise
-    shutil.rmtree(old, ignore_errors=True)
+    return old
 
 
 def _fsync_tree(path: Path) -> None:
+    """A file's data, or a folder's files (by name) and then the folder's entries."""
     if path.is_dir():
-        for child in path.rglob("*"):
+        for child in sorted(path.rglob("*")):
             if child.is_file():
                 _fsync_file(child)
-        _fsync_dir(path)
+        fsync_dir(path)
     elif path.exists():
         _fsync_file(path)
 
@@ -204,7 +251,12 @@ def _fsync_file(path: Path) -> None:
         os.close(fd)
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Make the entries of the folder ``path`` (names created, renamed or removed in it) durable.
+
+    Raises:
+        OSError: the device failed (ENOSPC, EDQUOT, EIO); a filesystem that cannot fsync a folder is not an error.
+    """
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     except OSError:

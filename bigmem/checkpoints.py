@@ -1,10 +1,12 @@
 """Atomic checkpoints: the newest complete one is always loadable.
 
 A checkpoint is a directory ``ckpt-<step>`` holding ``variables.h5`` (every model weight and
-optimizer variable, in order, with its path and CRC-32) and ``state.json``. It is written under a
-temporary name, flushed to disk, and renamed into place; the checkpoint directory, ``checkpoints/``
-and the run directory above it are fsynced, so a checkpoint reported written survives a power
-loss. Readers ignore temporary names. ``best`` (the model weights at the best validation Dice,
+optimizer variable, in order, with its path and CRC-32) and ``state.json``. It is written through
+``bigmem.atomic.atomic_output`` as a folder: under a hidden temporary name, flushed to disk, and
+renamed into place; the checkpoint directory, ``checkpoints/`` (and the run directory above it
+when the write made ``checkpoints/``) are fsynced, so a checkpoint reported written survives a
+power loss, and a full disk is the one-line ``DiskFullError`` every output gives. Readers ignore
+hidden names. ``best`` (the model weights at the best validation Dice,
 ``--val-every``) is written the same way and never pruned. A checkpoint that cannot be read is
 kept aside as ``.damaged-<name>`` (``restore_newest``) and ignored from then on. Both training
 (resume) and prediction (``--checkpoint``) read them, so this module sits below both.
@@ -23,11 +25,14 @@ from typing import Any
 import h5py
 import numpy as np
 
+from bigmem.atomic import (atomic_hdf5, atomic_output, fsync_dir, leftover_temporaries, remove_atomically,
+                           require_free_space)
 from bigmem.errors import DataError
-from bigmem.atomic import close_hdf5, disk_errno, disk_full_error, open_hdf5_for_writing, require_free_space
 
 PREFIX = "ckpt-"
-TMP_PREFIX = ".tmp-"
+# The temporaries of bigmem versions that named their own (.tmp-<name>-<pid>): a run killed by one of
+# those and resumed by this one still has them swept.
+LEGACY_TMP_PREFIX = ".tmp-"
 DAMAGED_PREFIX = ".damaged-"
 BEST = "best"
 FILES = ("state.json", "variables.h5")
@@ -54,15 +59,6 @@ class Skipped:
     name: str
     reason: str
     kept_as: Path
-
-
-def _fsync_dir(path: Path) -> None:
-    """Make ``path``'s entries (names created, renamed or removed in it) durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _crc32(array: np.ndarray) -> int:
@@ -153,55 +149,27 @@ class CheckpointManager:
         return self._write(BEST, step, (("model", model.weights),), state, prune=False)
 
     def _write(self, name: str, step: int, groups, state: dict[str, Any], *, prune: bool) -> Path:
-        """Write checkpoint ``name`` under its temporary name and rename it into place.
+        """Write checkpoint ``name`` as one atomic folder output (``atomic_output(directory=True)``).
 
         Raises:
             DiskFullError: the disk has too little space for the variables (checked before
-                writing), or filled or failed while writing; nothing is left behind and the
-                checkpoints already there are untouched.
+                writing), or filled or failed while writing; nothing is left behind (not even
+                ``checkpoints/``, where this write would have made it) and the checkpoints already
+                there are untouched.
         """
-        self.directory.mkdir(parents=True, exist_ok=True)
         final = self.directory / name
         needed = sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for _, vs in groups for v in vs)
         require_free_space(final, needed)
-        tmp = self.directory / f"{TMP_PREFIX}{name}-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        try:
-            tmp.mkdir()
-            self._write_files(tmp, step, groups, state)
-        except BaseException as exc:  # a failed write (a full disk, say) leaves nothing behind
-            shutil.rmtree(tmp, ignore_errors=True)
-            code = disk_errno(exc)
-            if code is not None:
-                raise disk_full_error(final, needed, code=code) from exc
-            raise
-        old = None
-        if final.exists():  # a re-save of the same step (e.g. final == periodic), or a new best: swap it out
-            old = self.directory / f"{TMP_PREFIX}old-{name}-{os.getpid()}"
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-        try:
-            os.replace(tmp, final)
-        except BaseException:
-            if old is not None:
-                os.replace(old, final)
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        _fsync_dir(self.directory)  # the rename
-        _fsync_dir(self.directory.parent)  # checkpoints/ itself, when this write created it
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        with atomic_output(final, needed_bytes=needed, directory=True) as folder:
+            self._write_files(folder, step, groups, state)
         if prune:
             self._prune()
         return final
 
     @staticmethod
     def _write_files(folder: Path, step: int, groups, state: dict[str, Any]) -> None:
-        """variables.h5 and state.json in ``folder``, each flushed to disk, then the folder's entries."""
-        # Written as rundir writes HDF5 (no deferred raw-data writes, discarded without a second
-        # close after a failure): a full disk is an error here, not a crash at garbage collection.
-        handle = open_hdf5_for_writing(folder / "variables.h5")
-        try:
+        """variables.h5 and state.json in ``folder`` (``atomic_output`` flushes them, then the folder's names)."""
+        with atomic_hdf5(folder / "variables.h5", fsync=False) as handle:
             for group_name, variables in groups:
                 group = handle.create_group(group_name)
                 for index, variable in enumerate(variables):
@@ -209,31 +177,18 @@ class CheckpointManager:
                     dataset = group.create_dataset(f"{index:05d}", data=value)
                     dataset.attrs["path"] = variable.path
                     dataset.attrs["crc32"] = _crc32(value)
-            handle.flush()
-            os.fsync(handle.id.get_vfd_handle())
-        except BaseException:
-            close_hdf5(handle, discard=True)
-            raise
-        close_hdf5(handle)
         with open(folder / "state.json", "w") as handle:
             json.dump({**state, "step": int(step)}, handle, indent=2)
-            handle.flush()
-            os.fsync(handle.fileno())
-        _fsync_dir(folder)  # the two files' names, before the folder is renamed into place
 
     def _prune(self) -> None:
         for old in self.all()[:-self.keep]:
-            self._remove(old)
-        for stale in self.directory.glob(f"{TMP_PREFIX}*"):  # left by a process that was killed
-            if not stale.name.endswith(f"-{os.getpid()}"):
+            remove_atomically(old)  # one rename: a kill never leaves half a checkpoint under its name
+        # left by a process that was killed mid-write
+        for stale in leftover_temporaries(self.directory) + sorted(self.directory.glob(f"{LEGACY_TMP_PREFIX}*")):
+            if stale.is_dir() and not stale.is_symlink():
                 shutil.rmtree(stale, ignore_errors=True)
-
-    def _remove(self, path: Path) -> None:
-        """Remove ``path`` as one rename (then delete the temporary): a kill never leaves half a checkpoint."""
-        doomed = self.directory / f"{TMP_PREFIX}pruned-{path.name}-{os.getpid()}"
-        shutil.rmtree(doomed, ignore_errors=True)
-        os.replace(path, doomed)
-        shutil.rmtree(doomed, ignore_errors=True)
+            else:
+                stale.unlink(missing_ok=True)
 
     def keep_aside(self, path: Path) -> Path:
         """Rename the unreadable checkpoint ``path`` to ``.damaged-<name>`` (never read or pruned again).
@@ -247,7 +202,7 @@ class CheckpointManager:
             target = self.directory / f"{DAMAGED_PREFIX}{path.name}.{number}"
             number += 1
         os.replace(path, target)
-        _fsync_dir(self.directory)
+        fsync_dir(self.directory)
         return target
 
     @staticmethod

@@ -45,13 +45,16 @@ def test_newest_complete_checkpoint_wins_and_temporaries_are_ignored(tmp_path):
     for step in (2, 4, 6, 8):
         manager.save(step, model, optimizer, {})
     assert [p.name for p in manager.all()] == ["ckpt-00000004", "ckpt-00000006", "ckpt-00000008"]
-    # A crash mid-write leaves a temporary directory, or a directory without its state file.
-    (tmp_path / ".tmp-ckpt-00000010-99999").mkdir()
-    (tmp_path / ".tmp-ckpt-00000010-99999" / "variables.h5").write_bytes(b"half")
+    # A crash mid-write leaves a temporary directory (atomic_output's name, or an older bigmem's), a
+    # replaced checkpoint moved aside, or a directory without its state file.
+    for stale in (".ckpt-00000010.tmp-99999-0", ".tmp-ckpt-00000011-99999", ".ckpt-00000008.tmp-99999-1"):
+        (tmp_path / stale).mkdir()
+        (tmp_path / stale / "variables.h5").write_bytes(b"half")
     (tmp_path / "ckpt-00000012").mkdir()
     assert manager.latest().name == "ckpt-00000008"
     manager.save(9, model, optimizer, {})
-    assert not (tmp_path / ".tmp-ckpt-00000010-99999").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-00000006", "ckpt-00000008", "ckpt-00000009",
+                                                          "ckpt-00000012"]  # no temporary left
 
 
 def test_checkpoint_from_another_model_is_refused(tmp_path):
@@ -167,7 +170,7 @@ def test_none_loads(tmp_path):
 def test_a_checkpoint_its_directory_and_their_parents_are_fsynced(tmp_path, monkeypatch):
     import os
 
-    import bigmem.checkpoints as checkpoints
+    from bigmem import atomic
 
     synced: list[str] = []
     real_fsync = os.fsync
@@ -176,15 +179,36 @@ def test_a_checkpoint_its_directory_and_their_parents_are_fsynced(tmp_path, monk
         synced.append(os.readlink(f"/proc/self/fd/{fd}"))
         return real_fsync(fd)
 
-    monkeypatch.setattr(checkpoints.os, "fsync", fsync)
+    monkeypatch.setattr(atomic.os, "fsync", fsync)
     model, optimizer = _model_and_optimizer(0)
     run = tmp_path / "run"
     run.mkdir()
-    saved = CheckpointManager(run / "checkpoints").save(3, model, optimizer, {})
-    tmp = run / "checkpoints" / f".tmp-ckpt-00000003-{os.getpid()}"
-    assert synced == [str(tmp / "variables.h5"), str(tmp / "state.json"), str(tmp),  # contents, then names
+    manager = CheckpointManager(run / "checkpoints")
+    saved = manager.save(3, model, optimizer, {})
+    tmp = synced[2]
+    assert atomic.temporary_of(os.path.basename(tmp)) == ("ckpt-00000003", os.getpid())
+    assert synced == [f"{tmp}/state.json", f"{tmp}/variables.h5", tmp,  # contents, then names
                       str(run / "checkpoints"), str(run)]  # the rename into place, and checkpoints/ itself
     assert saved == run / "checkpoints" / "ckpt-00000003"
+    synced.clear()
+    manager.save(4, model, optimizer, {})
+    assert synced[3:] == [str(run / "checkpoints")]  # checkpoints/ was there: run/ has no new name to sync
+
+
+def test_a_failed_first_checkpoint_leaves_no_checkpoints_folder(tmp_path, monkeypatch):
+    import errno
+
+    import bigmem.checkpoints as checkpoints
+
+    def full(array):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoints, "_crc32", full)
+    model, optimizer = _model_and_optimizer(0)
+    with pytest.raises(DiskFullError, match=r"^No space left on device writing '.*/checkpoints/ckpt-00000001' "
+                                            r"\(needed .* free\)\. Free space or choose another --out\.$"):
+        CheckpointManager(tmp_path / "run" / "checkpoints").save(1, model, optimizer, {})
+    assert list(tmp_path.iterdir()) == []  # neither run/ nor checkpoints/: the write made them, the failure removed them
 
 
 def test_a_re_save_of_the_same_step_replaces_it_whole(tmp_path):
