@@ -1,33 +1,28 @@
 """Training step time alone vs beside a concurrent `bigmem convert`, by write block size and rate limit.
 
     python benchmarks/bench_ingest_interference.py [--cases 12] [--volume 128] [--train-volume 64]
-        [--steps 40] [--out DIR]
+        [--steps 40] [--warmup 5] [--quick] [--out DIR]
 
 Makes an MSD-layout folder of synthetic NIfTI cases, then runs `bigmem train` (small preset)
 alone and while a converter loops `bigmem convert --force` on that folder with: 128 KiB blocks,
 1 MiB blocks, and 1 MiB blocks capped at --rate. Step time = median of the steps after the first
-five (from metrics.jsonl). Prints the slowdown table and writes JSON (never run by pytest).
+``--warmup`` (from metrics.jsonl). Prints the slowdown table and writes JSON (never run by pytest).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from _results import write_results
-
 import numpy as np
-
-WARMUP_STEPS = 5
+from harness import bench_parser, run_command, spread, write_results
 
 
 def make_source(root: Path, cases: int, volume: int) -> Path:
@@ -48,23 +43,24 @@ def make_source(root: Path, cases: int, volume: int) -> Path:
     return root
 
 
-def train_step_s(tmp: Path, name: str, train_volume: int, steps: int) -> float:
+def train_step_s(tmp: Path, name: str, train_volume: int, steps: int, warmup: int) -> float:
+    """The median step of one ``bigmem train`` (small), the first ``warmup`` steps left out."""
     out = tmp / f"run-{name}"
-    subprocess.run([sys.executable, "-m", "bigmem", "train", "--model", "small", "--volume", str(train_volume),
-                    "--steps", str(steps), "--checkpoint-every", str(steps), "--out", str(out)], check=True,
-                   capture_output=True)
+    run_command([sys.executable, "-m", "bigmem", "train", "--model", "small", "--volume", train_volume,
+                 "--steps", steps, "--checkpoint-every", steps, "--out", out],
+                what="bigmem train").check(f"bigmem train ({name})")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return statistics.median(r["step_s"] for r in rows[WARMUP_STEPS:])
+    return spread(r["step_s"] for r in rows[warmup:]).median
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__, warmup=5, warmup_help="first training steps left out of the median",
+                          quick={"cases": 2, "volume": 32, "train_volume": 32, "steps": 8, "warmup": 2})
     parser.add_argument("--cases", type=int, default=12)
     parser.add_argument("--volume", type=int, default=128)
     parser.add_argument("--train-volume", type=int, default=64)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--rate", default="100MB/s")
-    parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--tmp", default=None)
     args = parser.parse_args(argv)
     from rich.console import Console
@@ -86,7 +82,7 @@ def main(argv=None) -> int:
             time.sleep(3)  # let the first conversion get going
         try:
             step_s = train_step_s(tmp, name.split(",")[0].replace(" ", "_") + str(len(rows)), args.train_volume,
-                                  args.steps)
+                                  args.steps, args.warmup)
         finally:
             if converter is not None:
                 os.killpg(converter.pid, signal.SIGTERM)
