@@ -30,17 +30,14 @@ Run on a quiet machine: the peak reads low when other work competes for the CPUs
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-from _results import write_results
+from harness import bench_parser, command_line, run_command, write_results
 from rich.console import Console
 from rich.table import Table
 
@@ -86,9 +83,8 @@ def train_run(preset: str, store: Path, out: Path, *, epochs: int, batch_size: i
             "--monitor-interval", "0"]
     if shape is not None:
         argv += ["--volume", str(shape)]
-    started = time.monotonic()
-    result = subprocess.run(argv, capture_output=True, text=True)
-    if result.returncode != 0:
+    result = run_command(argv, what="bigmem train")
+    if not result.ok:
         raise RuntimeError(f"{' '.join(argv[3:])} failed (exit {result.returncode}): "
                            f"{(result.stderr.strip().splitlines() or result.stdout.strip().splitlines() or [''])[-1]}")
     summary = json.loads((out / "summary.json").read_text())
@@ -101,7 +97,7 @@ def train_run(preset: str, store: Path, out: Path, *, epochs: int, batch_size: i
                            "max_rss_bytes": max(r["rss_bytes"] for r in chunk),
                            "shapes": sorted({"x".join(map(str, r["shape"])) for r in chunk})})
     opening = next((line for line in result.stdout.splitlines() if line.startswith("bigmem train:")), "")
-    return {"argv": argv[3:], "wall_s": round(time.monotonic() - started, 1),
+    return {"argv": argv[3:], "wall_s": round(result.wall_s, 1),
             "peak_rss_bytes": summary["peak_rss_bytes"],
             "traces": summary.get("traces"), "compile_s": summary.get("compile_s"),
             "padding_share_per_epoch": summary.get("padding_share_per_epoch"), "epochs": epochs_out,
@@ -218,7 +214,7 @@ def run_batch(args, console: Console) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__)
     parser.add_argument("what", choices=["epochs", "memory", "batch", "stores"])
     parser.add_argument("--preset", default="small")
     parser.add_argument("--presets", default="tiny,small,intelai-brats,kits19")
@@ -229,7 +225,6 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--shape", default="64,64,64")
     parser.add_argument("--batches", default="1,2,4,8")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args(argv)
     console = Console(soft_wrap=True)
     from bigmem.sysinfo import collect_sysinfo
@@ -239,7 +234,7 @@ def main(argv=None) -> int:
             make_store(name, Path(args.stores or "."), console)
         return 0
     run = {"epochs": run_epochs, "memory": run_memory, "batch": run_batch}[args.what]
-    report = {"what": args.what, "command": " ".join(["python", "benchmarks/bench_native_shapes.py", *sys.argv[1:]]),
+    report = {"what": args.what, "command": command_line(__file__, argv),
               "machine": collect_sysinfo(), "cores": len(os.sched_getaffinity(0)), **run(args, console)}
     write_results(f"native_shapes_{args.what}", report, args.out, console)
     return 0
