@@ -1,34 +1,31 @@
 """Read throughput of the store against reading the same bytes raw, and samples/s delivered.
 
-    python benchmarks/bench_pipeline.py [--cases 8] [--volume 192] [--patch 64] [--out DIR]
+    python benchmarks/bench_pipeline.py [--cases 8] [--volume 192] [--patch 64] [--repeats 5] [--warmup 1]
+        [--quick] [--out DIR]
 
 Writes two synthetic stores (contiguous uncompressed, and 64^3-chunked) plus a raw file with the
 same bytes, then times, warm and cold (pages dropped with posix_fadvise DONTNEED before each
 pass): reading every case whole (store) vs np.fromfile of the raw file; patch reads; and
-samples/s from WholeVolumeLoader into a consumer that only touches each batch. Median of 5
-passes with the spread; prints a table and writes JSON keyed by machine (never run by pytest).
+samples/s from WholeVolumeLoader into a consumer that only touches each batch. Median of
+``--repeats`` passes (after ``--warmup`` untimed ones, which also fill the page cache for the warm
+runs) with the spread; prints a table and writes JSON keyed by machine (never run by pytest).
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import socket
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from _results import write_results
-
 import numpy as np
+from harness import bench_parser, spread, time_calls, write_results
 
 from bigmem.data.pipeline import WholeVolumeLoader
 from bigmem.data.store import HDF5VolumeStore, StoreWriter
 from bigmem.data.synth import make_phantom
-
-PASSES = 5
 
 
 def drop_cache(path: Path) -> None:
@@ -40,24 +37,20 @@ def drop_cache(path: Path) -> None:
         os.close(fd)
 
 
-def timed(fn, path: Path, cold: bool, nbytes: int) -> dict:
-    rates = []
-    fn()  # warm-up pass (also fills the page cache for the warm runs)
-    for _ in range(PASSES):
-        if cold:
-            drop_cache(path)
-        started = time.perf_counter()
-        fn()
-        rates.append(nbytes / (time.perf_counter() - started))
-    return {"bytes_per_s": statistics.median(rates), "min": min(rates), "max": max(rates)}
+def timed(fn, path: Path, cold: bool, nbytes: int, *, repeats: int, warmup: int) -> dict:
+    """Bytes per second of ``fn`` reading ``nbytes`` of ``path``: median and range over ``repeats`` passes."""
+    passes = time_calls(fn, repeats=repeats, warmup=warmup, before=(lambda: drop_cache(path)) if cold else None)
+    rates = spread(nbytes / t for t in passes.times_s)
+    return {"bytes_per_s": rates.median, "min": rates.min, "max": rates.max}
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__, repeats=5, repeats_help="timed passes of each read", warmup=1,
+                          warmup_help="untimed passes first (they fill the page cache for the warm runs)",
+                          quick={"cases": 2, "volume": 32, "patch": 16, "repeats": 2})
     parser.add_argument("--cases", type=int, default=8)
     parser.add_argument("--volume", type=int, default=192)
     parser.add_argument("--patch", type=int, default=64)
-    parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--tmp", default=None, help="folder for the test files (default: a temporary one)")
     args = parser.parse_args(argv)
     from rich.console import Console
@@ -82,27 +75,29 @@ def main(argv=None) -> int:
     nbytes = raw.stat().st_size
     console.print(f"{args.cases} cases of {args.volume}^3: {nbytes / 2**20:.0f} MiB in {tmp}", style="dim")
     results = []
+    passes = {"repeats": args.repeats, "warmup": args.warmup}
 
     def raw_read():
         np.fromfile(raw, dtype=np.uint8)
 
     for cold in (False, True):
-        results.append({"what": "raw np.fromfile", "cold": cold, **timed(raw_read, raw, cold, nbytes)})
+        results.append({"what": "raw np.fromfile", "cold": cold, **timed(raw_read, raw, cold, nbytes, **passes)})
         for name, path in stores.items():
             store = HDF5VolumeStore(path)
             results.append({"what": f"store whole volume ({name})", "cold": cold,
-                            **timed(lambda: [store.read_case(c) for c in store.case_ids], path, cold, nbytes)})
+                            **timed(lambda: [store.read_case(c) for c in store.case_ids], path, cold, nbytes,
+                                    **passes)})
             loader_store = HDF5VolumeStore(path, check_finite=False)  # as the input pipeline reads
             results.append({"what": f"store whole volume, pipeline's read ({name})", "cold": cold,
                             **timed(lambda: [loader_store.read_case(c) for c in loader_store.case_ids], path, cold,
-                                    nbytes)})
+                                    nbytes, **passes)})
             loader_store.close()
             rng = np.random.default_rng(0)
             starts = [tuple(int(v) for v in rng.integers(0, args.volume - args.patch + 1, 3)) for _ in range(32)]
             patch_bytes = 32 * args.patch**3 * 5
             results.append({"what": f"store {args.patch}^3 patches ({name})", "cold": cold, **timed(
                 lambda: [store.read_patch(store.case_ids[i % args.cases], s, (args.patch,) * 3)
-                         for i, s in enumerate(starts)], path, cold, patch_bytes)})
+                         for i, s in enumerate(starts)], path, cold, patch_bytes, **passes)})
             store.close()
     delivered = []
     for workers in (0, 2):
