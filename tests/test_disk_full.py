@@ -349,3 +349,39 @@ def test_the_final_model_on_a_full_disk_is_one_line_and_leaves_nothing(small_fs)
         _save_model(Model(), target)
     assert str(info.value).startswith(f"No space left on device writing '{target}' (needed about 2.00 MiB, ")
     assert list(fs.iterdir()) == []
+
+
+# ---- bigmem train ---------------------------------------------------------------------------------
+
+def test_a_run_stopped_by_a_full_disk_leaves_no_event_file(small_fs, tiny_store):
+    """The first checkpoint cannot fit: one line naming it, and the TensorBoard files the run began are gone."""
+    fs = small_fs(96 * 1024)  # the run directory's JSON and logs fit; the tiny model's ~120 KiB checkpoint cannot
+    result = _bigmem("train", "--model", "tiny", "--data", tiny_store, "--out", fs / "run", "--steps", 4,
+                     "--checkpoint-every", 2)
+    line = _one_line(result)
+    assert line.startswith(f"bigmem train: error: No space left on device writing "
+                           f"'{fs / 'run' / 'checkpoints' / 'ckpt-00000002'}' (needed about "), line
+    left = sorted(p.relative_to(fs).as_posix() for p in fs.rglob("*"))
+    assert "run/metrics.jsonl" in left  # steps 1 and 2 were logged (TensorBoard too) before the checkpoint
+    assert not [name for name in left if "tensorboard" in name or "/." in name], left
+
+
+def test_event_files_on_a_full_disk_are_one_line_and_removed(small_fs):
+    import tensorflow as tf
+
+    from bigmem.monitor.events import EventWriters
+
+    fs = small_fs(256 * 1024)
+    events = EventWriters(fs / "tensorboard")
+    with pytest.raises(DiskFullError) as caught:
+        with events:
+            with events.writing("train", 0):
+                tf.summary.scalar("loss", 1.0)
+            _fill(fs, 0)
+            for step in range(1, 1000):  # TensorFlow flushes every 10 events: one of those finds the disk full
+                with events.writing("train", step):
+                    tf.summary.text("note", "x" * 1000)
+    event_file = events.directory / "train"
+    assert str(caught.value).startswith(f"No space left on device writing '{event_file}/events.out.tfevents.")
+    assert str(caught.value).endswith(" free). Free space or choose another --out.") and "\n" not in str(caught.value)
+    assert _listing(fs) == []  # the event file and the folders made for it

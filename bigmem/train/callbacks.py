@@ -15,6 +15,7 @@ import time
 from rich.console import Console
 
 from bigmem.errors import TrainingError
+from bigmem.monitor.events import EventWriters
 from bigmem.rundir import RunDir
 from bigmem.checkpoints import CheckpointManager
 from bigmem.train.loop import Callback, LoopState, StopReason
@@ -322,30 +323,17 @@ class ShapeStats(Callback):
 
 
 class TensorBoard(Callback):
-    """TensorBoard event files: train/ (loss, dice, lr, voxels/s per logged step) and validation/ (Dice)."""
+    """TensorBoard event files: train/ (loss, dice, lr, voxels/s per logged step) and validation/ (Dice).
+
+    Written through ``monitor.events.EventWriters``: a run stopped by a full disk leaves no event file of its own.
+    """
 
     def __init__(self, directory, log_every: int):
-        self.directory, self.log_every = directory, log_every
-        self.writers: dict = {}
+        self.events, self.log_every = EventWriters(directory), log_every
 
     def context(self):
-        """Closes (flushes) the event writers when the loop ends."""
-        import contextlib
-
-        def close():
-            for writer in self.writers.values():
-                writer.close()
-
-        stack = contextlib.ExitStack()
-        stack.callback(close)
-        return stack
-
-    def _writer(self, name: str):
-        import tensorflow as tf
-
-        if name not in self.writers:
-            self.writers[name] = tf.summary.create_file_writer(str(self.directory / name))
-        return self.writers[name]
+        """Closes (flushes) the event writers when the loop ends (removes them if a full disk stopped it)."""
+        return self.events
 
     def on_step_end(self, state: LoopState) -> None:
         """Write the logged step's training scalars and any validation Dice."""
@@ -353,11 +341,11 @@ class TensorBoard(Callback):
 
         row = state.row
         if state.step % self.log_every == 0 or state.step == state.total_steps:
-            with self._writer("train").as_default(step=state.step):
+            with self.events.writing("train", state.step):
                 for name in ("loss", "dice", "lr", "voxels_per_s"):
                     tf.summary.scalar(name, row[name])
         if "val_dice" in row:
-            with self._writer("validation").as_default(step=state.step):
+            with self.events.writing("validation", state.step):
                 tf.summary.scalar("dice", row["val_dice"])
                 for label, dice in row["val_dice_per_class"].items():
                     tf.summary.scalar(f"dice/class_{label}", dice)
