@@ -4,8 +4,8 @@
 (preset, precision, recompute), ``measured - exact parts = framework_bytes + activation_scale * counted``
 by least squares; the result is stored in the user's cache directory, keyed by CPU model,
 ISA class, TensorFlow version, preset, precision and recompute mode. Without a stored fit the
-estimate uses the shipped defaults for this ISA class and preset; where there are none it uses
-another's and adds a stated safety margin, and says so.
+estimate uses the shipped defaults for this ISA class and preset (bigmem/measured/training_memory.json);
+where there are none it uses another's and adds a stated safety margin, and says so.
 """
 
 from __future__ import annotations
@@ -21,42 +21,22 @@ from typing import Sequence
 
 from bigmem.data.synth import default_cache_dir
 from bigmem.atomic import atomic_write_json
+from bigmem.config import tables
 from bigmem.sysinfo import NATIVE_BF16_ISA_CLASSES, cpu_description, isa_class
 from bigmem.units import format_bytes
 
-# Defaults per (ISA class, preset, precision, recompute): knots (volume edge, counted activation
-# bytes, measured overhead bytes = VmHWM - the estimate's exact parts) at batch 1, see
-# Calibration. Measured by
-#   python benchmarks/bench_memory_model.py --model intelai-brats,small,kits19 --check-sizes reused
-#       --checks-per-mode 9 --reuse <the results files it names in "reused_from">
-# (every point trained 3 steps in a fresh child process; its printed "defaults_fit"), on the
-# development machine: AMD EPYC, 2 vCPUs, avx512_bf16 without AMX, one NUMA node, 24 GiB,
-# TensorFlow 2.21.0 with oneDNN on, Keras 3: up to 128^3 (and kits19 fp32 160^3, kits19 bf16 +
-# stages 256^3) on 2026-11-30, the largest size of each mode on 2026-12-01 (--fresh-checks);
-# results in benchmarks/results/memory_model-avx512_bf16-amd-epyc-2026113*.json and -20261201-*.json (a later file
-# wins where both measured a size). The same size measured on both days differed by 0.4-6.7%
-# (intelai-brats bf16 256^3: 17.73 and 16.54 GiB; kits19 fp32 192^3: 14.47 and 13.98), which
-# bounds how close any knot can be.
-# intelai-brats fp32 at 256^3 (none) and 288^3 (stages) were killed by the kernel at 22.80 and
-# 22.76 GiB resident, against 18.10 and 18.42 GiB predicted from the knots below them: their
-# knots are those lower bounds (the peak was at least that), so a plan does not start them in
-# 24 GiB. Run alone, 256^3 held 18.0 GiB after its first step and grew to 23.15 GiB in its second;
-# with TF_ONEDNN_USE_SYSTEM_ALLOCATOR=1 (malloc instead of TF's oneDNN BFC pool, which never
-# returns memory and fragments) it peaked at 16.4 GiB. The defaults are measured with the pool,
-# as bigmem runs today. tiny uses small's (DEFAULT_PRESET_FOR).
-# The amx entries: the same command on an Intel Xeon with AMX (amx_bf16, avx512_fp16), 2 vCPUs,
-# one NUMA node, 24 GiB, TensorFlow 2.21.0 with oneDNN on, 2026-12-01: 32-96^3 and the largest size
-# of each mode (benchmarks/results/memory_model-amx-intel-xeon-20261201-10*.json, some re-measured in -12*.json),
-# 128^3 and a size between (-14*.json). Sizes measured twice there differed by 0.6-2.2%. Each
-# knot left out and predicted from the others: between knots -9.6% (small bf16/none at 128^3) to
-# +3.9%, 46 of 49 within 5%; the largest size from the knots below it +1.0% to +11.8% (always over:
-# Calibration.line_for's rule beyond the last knot). A <= 96^3 calibration on this machine that
-# followed the AMD curve instead predicted up to 12.5% low (kits19 bf16/none at 192^3), which is
-# why each class has its own.
-DEFAULTS_MACHINES = {
-    "avx512_bf16": "AMD EPYC 2 vCPU avx512_bf16, TF 2.21.0, 2026-11-30/12-01",
-    "amx": "Intel Xeon 2 vCPU amx, TF 2.21.0, 2026-12-01",
-}
+
+def knot_tuples(table: dict) -> tuple[tuple[int, int, int], ...]:
+    """A shipped table's knots as ``(volume edge, counted activation bytes, overhead bytes)``, ascending."""
+    return tuple((k["volume"], k["counted_activation_bytes"], k["overhead_bytes"]) for k in table["knots"])
+
+
+# The shipped knots per (ISA class, preset, precision, recompute), at DEFAULTS_BATCH_SIZE: the
+# overhead (VmHWM - the estimate's exact parts) at each measured counted activation bytes, see
+# Calibration. Data, with the machine, command, results files and notes on how well they hold:
+# bigmem/measured/training_memory.json (benchmarks/bench_memory_model.py --write-table).
+_TRAINING = tables.serving(tables.load("training_memory"), "isa_class")
+DEFAULTS_MACHINES = {isa: entry["summary"] for (isa,), entry in _TRAINING.items()}
 # The class whose defaults an unmeasured class starts from, before its margin: the margins below
 # were sized against it (AVX2 and AVX-512 without bf16 have no AMX tiles either).
 FALLBACK_ISA = "avx512_bf16"
@@ -65,187 +45,8 @@ FALLBACK_ISA = "avx512_bf16"
 # stages, 96^3 x 2 measured 2.74 GiB, 0.27 GiB (13% of the overhead) above the batch-1 curve; 2026-12-01).
 DEFAULTS_BATCH_SIZE = 1
 DEFAULTS: dict[tuple[str, str, str, str], tuple[tuple[int, int, int], ...]] = {
-    ("avx512_bf16", "small", "fp32", "none"): (
-        (32, 24_551_424, 695_568_720),
-        (64, 196_411_392, 849_606_992),
-        (96, 662_888_448, 1_265_551_696),
-        (128, 1_571_291_136, 2_057_447_760),
-        (304, 21_049_777_152, 17_375_328_592),
-    ),
-    ("avx512_bf16", "small", "bf16", "none"): (
-        (32, 13_520_896, 711_051_600),
-        (64, 108_167_168, 857_418_064),
-        (96, 365_064_192, 1_097_779_536),
-        (128, 865_337_344, 1_608_710_480),
-        (344, 16_796_966_848, 14_831_989_072),
-    ),
-    ("avx512_bf16", "small", "fp32", "stages"): (
-        (32, 19_283_968, 700_430_672),
-        (64, 154_271_744, 793_753_936),
-        (96, 520_667_136, 1_068_386_640),
-        (128, 1_234_173_952, 1_552_689_488),
-        (352, 25_666_961_408, 17_965_578_576),
-    ),
-    ("avx512_bf16", "small", "bf16", "stages"): (
-        (32, 10_887_168, 722_626_896),
-        (64, 87_097_344, 811_624_784),
-        (96, 293_953_536, 986_872_144),
-        (128, 696_778_752, 1_371_658_576),
-        (384, 18_813_026_304, 13_151_160_656),
-    ),
-    ("avx512_bf16", "intelai-brats", "fp32", "none"): (
-        (32, 59_478_016, 847_618_528),
-        (64, 475_824_128, 1_107_259_872),
-        (96, 1_605_906_432, 1_755_529_696),
-        (240, 25_092_288_000, 15_734_088_160),
-        (256, 30_452_744_192, 24_054_063_584),  # a lower bound: killed at 22.80 GiB resident (see above)
-    ),
-    ("avx512_bf16", "intelai-brats", "bf16", "none"): (
-        (32, 31_967_232, 837_767_648),
-        (64, 255_737_856, 1_131_295_200),
-        (96, 863_115_264, 1_695_150_560),
-        (256, 16_367_222_784, 17_332_761_056),
-    ),
-    ("avx512_bf16", "intelai-brats", "fp32", "stages"): (
-        (32, 41_754_624, 842_314_208),
-        (64, 334_036_992, 1_040_880_096),
-        (96, 1_127_374_848, 1_525_883_360),
-        (272, 25_642_558_464, 16_562_717_152),
-        (288, 30_439_120_896, 23_872_979_424),  # a lower bound: killed at 22.76 GiB resident (see above)
-    ),
-    ("avx512_bf16", "intelai-brats", "bf16", "stages"): (
-        (32, 23_105_536, 839_877_088),
-        (64, 184_844_288, 1_056_006_624),
-        (96, 623_849_472, 1_578_230_240),
-        (272, 14_189_687_296, 15_078_142_432),
-    ),
-    ("avx512_bf16", "kits19", "fp32", "none"): (
-        (32, 95_734_784, 885_110_108),
-        (64, 765_878_272, 1_419_109_724),
-        (96, 2_584_839_168, 2_863_961_436),
-        (128, 6_127_026_176, 5_380_838_748),
-        (160, 11_966_848_000, 9_255_101_788),
-        (192, 20_678_713_344, 14_494_664_028),
-    ),
-    ("avx512_bf16", "kits19", "bf16", "none"): (
-        (32, 52_258_304, 943_375_708),
-        (64, 418_066_432, 1_229_227_356),
-        (96, 1_410_974_208, 1_980_990_812),
-        (128, 3_344_531_456, 3_302_958_428),
-        (224, 17_924_598_272, 12_998_083_932),
-    ),
-    ("avx512_bf16", "kits19", "fp32", "stages"): (
-        (32, 74_863_872, 925_582_684),
-        (64, 598_910_976, 1_244_034_396),
-        (96, 2_021_324_544, 2_160_117_084),
-        (128, 4_791_287_808, 3_579_942_236),
-        (224, 25_678_308_096, 15_208_211_804),
-    ),
-    ("avx512_bf16", "kits19", "bf16", "stages"): (
-        (32, 41_822_848, 978_457_948),
-        (64, 334_582_784, 1_210_717_532),
-        (96, 1_129_216_896, 1_586_447_708),
-        (128, 2_676_662_272, 2_488_800_604),
-        (256, 21_413_298_176, 13_843_834_204),
-        (288, 30_488_856_192, 17_806_493_020),
-    ),
-    ("amx", "intelai-brats", "fp32", "none"): (
-        (32, 59_478_016, 860_574_176),
-        (64, 475_824_128, 1_094_312_416),
-        (96, 1_605_906_432, 1_868_693_984),
-        (128, 3_806_593_024, 3_177_120_224),
-        (192, 12_847_251_456, 8_625_471_968),
-        (240, 25_092_288_000, 15_832_474_080),
-    ),
-    ("amx", "intelai-brats", "bf16", "none"): (
-        (32, 31_967_232, 870_543_840),
-        (64, 255_737_856, 1_129_165_280),
-        (96, 863_115_264, 1_865_630_176),
-        (128, 2_045_902_848, 3_026_936_288),
-        (192, 6_904_922_112, 7_841_219_040),
-        (256, 16_367_222_784, 16_674_554_336),
-    ),
-    ("amx", "intelai-brats", "fp32", "stages"): (
-        (32, 41_754_624, 871_076_320),
-        (64, 334_036_992, 1_057_759_712),
-        (96, 1_127_374_848, 1_569_276_384),
-        (128, 2_672_295_936, 2_599_211_488),
-        (192, 9_018_998_784, 6_512_644_576),
-        (272, 25_642_558_464, 16_699_818_464),
-    ),
-    ("amx", "intelai-brats", "bf16", "stages"): (
-        (32, 23_105_536, 847_884_768),
-        (64, 184_844_288, 1_032_446_432),
-        (96, 623_849_472, 1_542_914_528),
-        (128, 1_478_754_304, 2_483_618_272),
-        (224, 7_925_198_848, 9_687_781_856),
-        (288, 16_843_935_744, 19_484_201_440),
-    ),
-    ("amx", "small", "fp32", "none"): (
-        (32, 24_551_424, 700_877_136),
-        (64, 196_411_392, 849_992_016),
-        (96, 662_888_448, 1_259_972_944),
-        (128, 1_571_291_136, 2_039_249_232),
-        (224, 8_421_138_432, 7_334_324_560),
-        (312, 22_755_717_504, 17_803_477_328),
-    ),
-    ("amx", "small", "bf16", "none"): (
-        (32, 13_520_896, 771_230_032),
-        (64, 108_167_168, 946_379_088),
-        (96, 365_064_192, 1_274_857_808),
-        (128, 865_337_344, 1_898_482_000),
-        (256, 6_922_698_752, 7_005_047_120),
-        (352, 17_996_312_576, 16_335_911_248),
-    ),
-    ("amx", "small", "fp32", "stages"): (
-        (32, 19_283_968, 754_002_256),
-        (64, 154_271_744, 843_290_960),
-        (96, 520_667_136, 1_128_659_280),
-        (128, 1_234_173_952, 1_554_585_936),
-        (256, 9_873_391_616, 7_541_254_480),
-        (352, 25_666_961_408, 18_034_178_384),
-    ),
-    ("amx", "small", "bf16", "stages"): (
-        (32, 10_887_168, 787_745_104),
-        (64, 87_097_344, 931_731_792),
-        (96, 293_953_536, 1_202_309_456),
-        (128, 696_778_752, 1_456_855_376),
-        (288, 7_936_745_472, 6_438_590_800),
-        (400, 21_264_000_000, 14_986_606_928),
-    ),
-    ("amx", "kits19", "fp32", "none"): (
-        (32, 95_734_784, 971_691_356),
-        (64, 765_878_272, 1_406_891_356),
-        (96, 2_584_839_168, 2_666_333_532),
-        (128, 6_127_026_176, 5_313_164_636),
-        (160, 11_966_848_000, 9_231_168_860),
-        (192, 20_678_713_344, 14_434_915_676),
-    ),
-    ("amx", "kits19", "bf16", "none"): (
-        (32, 52_258_304, 952_010_076),
-        (64, 418_066_432, 1_228_784_988),
-        (96, 1_410_974_208, 2_049_754_460),
-        (128, 3_344_531_456, 3_504_321_884),
-        (160, 6_532_288_000, 6_252_266_844),
-        (192, 11_287_793_664, 9_966_175_580),
-        (224, 17_924_598_272, 13_616_797_020),
-    ),
-    ("amx", "kits19", "fp32", "stages"): (
-        (32, 74_863_872, 948_540_764),
-        (64, 598_910_976, 1_289_635_164),
-        (96, 2_021_324_544, 2_170_119_516),
-        (128, 4_791_287_808, 3_605_460_316),
-        (160, 9_357_984_000, 6_152_197_468),
-        (224, 25_678_308_096, 15_280_133_468),
-    ),
-    ("amx", "kits19", "bf16", "stages"): (
-        (32, 41_822_848, 1_032_865_116),
-        (64, 334_582_784, 1_263_785_308),
-        (96, 1_129_216_896, 1_783_260_508),
-        (128, 2_676_662_272, 2_873_812_316),
-        (192, 9_033_735_168, 6_969_189_724),
-        (256, 21_413_298_176, 14_234_342_748),
-    ),
+    (isa, table["preset"], table["precision"], table["recompute"]): knot_tuples(table)
+    for (isa,), entry in _TRAINING.items() for table in entry["tables"]
 }
 # Presets without defaults of their own that use another's: tiny has small's blocks (instance
 # norm, max pooling) at a quarter of its width; its test-sized runs are framework-dominated.
@@ -261,8 +62,8 @@ EMULATED_BF16_MARGIN_FRACTION = 1.0
 # that the fraction does not cover at small sizes: on an Intel Xeon with AMX (not measured for
 # the defaults; TF 2.21, 2026-12-01) every preset and mode measured 10-205 MiB above the AMD
 # curve at 32-96^3, and small bf16 + stages at 96^3 came out 5.2% under the prediction with the
-# 15% alone (benchmarks/results/memory_model-amx-intel-xeon-20261201-101443.json); 205 MiB rounded up. With
-# both, every prediction there was high, by 8.8-23.8% at the largest size of each mode.
+# 15% alone (benchmarks/results/memory_model-amx-intel-xeon-20261201-101443.json); 205 MiB rounded
+# up. With both, every prediction there was high, by 8.8-23.8% at the largest size of each mode.
 UNMEASURED_MARGIN_BYTES = 256 * 2**20
 
 
@@ -554,8 +355,8 @@ def follow_shape(knots: list[list[int]], shape: Sequence[Sequence[int]]) -> list
     Intel Xeon with AMX (TF 2.21, 2026-12-01) the AMD curve shifted this way was -12.5% at kits19
     bf16 192^3 and -11.3% at 160^3, though within -1.1..+0.8 GiB at the largest size of each mode
     (scaling the curve instead of shifting it put five of those 7.7-19.3% high;
-    benchmarks/results/memory_model-amx-intel-xeon-20261201-101443.json, -143623.json); so each measured ISA
-    class ships its own curve (DEFAULTS).
+    benchmarks/results/memory_model-amx-intel-xeon-20261201-101443.json, -143623.json); so each
+    measured ISA class ships its own curve (DEFAULTS).
 
     Args:
         knots: ``[[counted, overhead], ...]`` ascending, from this machine.

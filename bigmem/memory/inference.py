@@ -27,10 +27,13 @@ import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from bigmem.config import tables
 from bigmem.config.options import Precision
 from bigmem.config.schema import ExperimentConfig
 from bigmem.data.pipeline import padded_shape  # the one rounding rule: training pads as predict does
-from bigmem.memory.calibration import FALLBACK_ISA, Calibration, last_slope, machine_isa_class, unmeasured_margin
+from bigmem.memory.calibration import (
+    FALLBACK_ISA, Calibration, knot_tuples, last_slope, machine_isa_class, unmeasured_margin,
+)
 from bigmem.memory.estimate import (
     BFLOAT16_BYTES, FLOAT32_BYTES, SLAB_FRAME_PLANES, Estimate, NetworkCounts,
 )
@@ -40,49 +43,15 @@ from bigmem.units import format_bytes
 
 LABEL_BYTES = 1  # predict's labels are uint8
 BOOL_BYTES = 1  # numpy's bool: the running argmax's "better" mask
-# Knots (volume edge, counted bytes, overhead bytes = VmHWM - the estimate's exact parts) per
-# (ISA class, preset, precision), as the training calibration's DEFAULTS: the "defaults_fit" of
-#   flock /tmp/bigmem-heavy.lock python benchmarks/bench_inference_memory.py [--model small ...]
-# (every point one whole-volume prediction in a fresh child process, bigmem/infer/probe.py) on
-# the development machine: AMD EPYC, 2 vCPUs, avx512_bf16 without AMX, 24 GiB, TensorFlow 2.21.0
-# with oneDNN on, Keras 3.15.1, 2026-11-30: kits19 from
-# benchmarks/results/inference_memory-avx512_bf16-amd-epyc-20261130-233727.json, small from -234450.json. An earlier
-# run of each (-232056, -232406) measured every size within 1% of these (the "shipped" column of
-# the later files). Between knots the error is that of the "left out" column: kits19 fp32 -12% to
-# +11% up to 128^3 (the allocator's fragmentation jumps at 128^3), within 6.3% from 160^3; bf16
-# and small within 7.5%. tiny uses small's (INFERENCE_PRESET_FOR).
-INFERENCE_DEFAULTS_MACHINE = "AMD EPYC 2 vCPU avx512_bf16, TF 2.21.0, 2026-11-30"
+# Knots per (ISA class, preset, precision), as the training calibration's DEFAULTS: the overhead
+# (VmHWM - the estimate's exact parts) at each measured count of live bytes. Data, one entry per
+# machine and model with its command, results files and notes on how well the knots hold:
+# bigmem/measured/inference_memory.json (benchmarks/bench_inference_memory.py --write-table).
+_INFERENCE = tables.serving(tables.load("inference_memory"), "isa_class", "preset")
+INFERENCE_DEFAULTS_MACHINES = {key: entry["summary"] for key, entry in _INFERENCE.items()}  # by (ISA class, preset)
 INFERENCE_DEFAULTS: dict[tuple[str, str, str], tuple[tuple[int, int, int], ...]] = {
-    ("avx512_bf16", "kits19", "fp32"): (
-        (32, 22_151_168, 704_740_468),
-        (64, 177_209_344, 905_059_444),
-        (96, 598_081_536, 1_358_437_492),
-        (128, 1_417_674_752, 2_728_709_236),
-        (160, 2_768_896_000, 4_060_232_820),
-        (192, 4_784_652_288, 6_716_914_804),
-        (224, 7_597_850_624, 9_607_507_060),
-        (256, 11_341_398_016, 14_192_655_476),
-    ),
-    ("avx512_bf16", "kits19", "bf16"): (
-        (32, 11_206_656, 691_686_516),
-        (64, 89_653_248, 790_350_964),
-        (128, 717_225_984, 1_619_291_252),
-        (192, 2_420_637_696, 3_750_161_524),
-        (256, 5_737_807_872, 7_711_091_828),
-    ),
-    ("avx512_bf16", "small", "fp32"): (
-        (32, 6_684_672, 642_352_724),
-        (48, 22_560_768, 663_443_028),
-        (64, 53_477_376, 702_563_924),
-        (96, 180_486_144, 876_963_412),
-        (128, 427_819_008, 1_195_968_084),
-        (192, 1_443_889_152, 2_660_341_332),
-    ),
-    ("avx512_bf16", "small", "bf16"): (
-        (32, 3_473_408, 646_633_044),
-        (64, 27_787_264, 690_161_236),
-        (128, 222_298_112, 968_562_260),
-    ),
+    (isa, table["preset"], table["precision"]): knot_tuples(table)
+    for (isa, _), entry in _INFERENCE.items() for table in entry["tables"]
 }
 # Presets without knots of their own that use another's (tiny has small's blocks at a quarter of its width).
 INFERENCE_PRESET_FOR = {"tiny": "small"}
@@ -148,7 +117,8 @@ def inference_calibration(preset: str, precision: str, *, isa: str | None = None
     knots = [[x, y] for _, x, y in INFERENCE_DEFAULTS[(source_isa, base, wanted_precision)]]
     margin, margin_bytes = unmeasured_margin(reasons, precision, isa)
     scale, framework = Calibration(0.0, 0, "", knots=knots).line_for(knots[-1][0] + 1)
-    source = f"inference default for {base} {wanted_precision} on {source_isa} ({INFERENCE_DEFAULTS_MACHINE})"
+    machine = INFERENCE_DEFAULTS_MACHINES[(source_isa, base)]
+    source = f"inference default for {base} {wanted_precision} on {source_isa} ({machine})"
     if reasons:
         source += f"; {'; '.join(reasons)}: +{100 * margin:.0f}% + {format_bytes(margin_bytes)} safety margin"
     volumes = [v for v, _, _ in INFERENCE_DEFAULTS[(source_isa, base, wanted_precision)]]

@@ -15,39 +15,26 @@ import os
 from dataclasses import dataclass
 from typing import Sequence
 
-# bigmem's own training step (benchmarks/bench_train.py, batch 1, median of 5 after 2 warm-up steps),
-# GFLOP/s per core by base filters, on 2 cores:
-#   avx512_bf16: AMD EPYC VM, TF 2.21.0, oneDNN on, benchmarks/results/train-avx512_bf16-amd-epyc-20261130-095928.json:
-#     small (8 base filters) 191-206 fp32, 176-189 bf16; kits19 (32) 416-428 fp32, 681-720 bf16.
-#   avx2: AMD EPYC Zen 3 (AVX2 + FMA, no AVX-512), TF 2.21.0, oneDNN forced on, the `make demo`
-#     configuration (small, 48^3, batch 2) measured with oneDNN forced on: 0.33 Mvox/s fp32 and 0.016 bf16
-#     (emulated) at 81.2 kFLOP per voxel = 26.8 and 1.3 GFLOP/s.
-#   amx: Intel Xeon VM (AMX tiles, avx512_fp16), TF 2.21.0, oneDNN on, 64/96/128^3,
-#     benchmarks/results/train-amx-intel-xeon-20261201-171755.json: small 83-94 fp32, 111-124 bf16; kits19
-#     183-228 fp32, 402-623 bf16 (the median of the three sizes, halved, as for avx512_bf16).
-#   The same AMD VM timed kits19 at 190-201 GFLOP/s fp32 and 344-366 bf16 on 2026-12-01
-#   (train-avx512_bf16-amd-epyc-20261201-0*.json), half its figure above: a shared VM's rate moves with its host, so
-#   these are a start, and `bigmem profile --calibrate` times the machine itself.
+from bigmem.config import tables
+
+# GFLOP/s per core of bigmem's own training step (benchmarks/bench_train.py), per (ISA class,
+# precision) by base filters, and where each class's figures came from. Data, one entry per
+# measuring machine with its command, results files and notes (a shared VM's rate moves with its
+# host, so these are a start; `bigmem profile --calibrate` times the machine itself):
+# bigmem/measured/step_rates.json (benchmarks/bench_train.py --write-table).
+_RATES = tables.serving(tables.load("step_rates"), "isa_class")
 MEASURED_RATES: dict[tuple[str, str], dict[int, float]] = {
-    ("avx512_bf16", "fp32"): {8: 99.0, 32: 211.0},
-    ("avx512_bf16", "bf16"): {8: 91.0, 32: 350.0},
-    ("amx", "fp32"): {8: 44.5, 32: 109.5},
-    ("amx", "bf16"): {8: 61.5, 32: 288.5},
-    ("avx2", "fp32"): {8: 13.4},
-    ("avx2", "bf16"): {8: 0.65},
+    (isa, precision): {r["base_filters"]: r["gflops_per_core"] for r in entry["rates"] if r["precision"] == precision}
+    for (isa,), entry in _RATES.items() for precision in dict.fromkeys(r["precision"] for r in entry["rates"])
 }
-RATE_SOURCES = {
-    "avx512_bf16": "avx512_bf16: measured (bench_train, AMD EPYC, TF 2.21.0)",
-    "avx2": "avx2: measured at 8 base filters (the demo on an AVX2 EPYC, TF 2.21.0); other widths scaled as on "
-            "avx512_bf16",
-    "amx": "amx: measured (bench_train, Intel Xeon with AMX, TF 2.21.0)",
-}
+RATE_SOURCES = {isa: entry["summary"] for (isa,), entry in _RATES.items()}
 # Classes that were not measured, and the measured class whose figures they use.
 BORROWED_RATES = {
     "avx512": "avx512_bf16",  # the same fp32 kernels; bf16 emulated (below)
     "baseline": "avx2",
 }
-# Without native bf16 oneDNN emulates it: 20x slower than fp32 (0.016 vs 0.33 Mvox/s, above).
+# Without native bf16 oneDNN emulates it: 20x slower than fp32 (0.016 vs 0.33 Mvox/s on AVX2, the
+# avx2 entry's notes in bigmem/measured/step_rates.json).
 EMULATED_BF16_SLOWDOWN = 20.0
 # A recomputed stage runs its forward pass twice: the step does 1/3 more of that stage's work
 # (forward 1 + backward 2 -> 4).

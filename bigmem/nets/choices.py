@@ -1,7 +1,8 @@
 """Speed-motivated kernel choices, per ISA class: which weight gradient each convolution uses.
 
-The numbers behind each entry are in benchmarks/results/kernel_choices-*.json (measured with
-``python benchmarks/bench_kernel_choices.py``); this module holds only the decisions. A class
+The decisions are data, bigmem/measured/kernel_choices.json, each with where it came from
+(``python benchmarks/bench_kernel_choices.py --write-table`` writes the classes it measured; the
+timings are in benchmarks/results/kernel_choices-*.json); this module reads them. A class
 measured with oneDNN capped at it (``ONEDNN_MAX_CPU_ISA``) on a bigger CPU says so in its
 ``source``. TensorFlow-free, so the planner and ``bigmem info`` can read it.
 """
@@ -11,6 +12,8 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass, field
+
+from bigmem.config import tables
 
 # ONEDNN_MAX_CPU_ISA values -> the ISA class they cap oneDNN at (oneDNN's names, upper case).
 ONEDNN_ISA_CAPS = {"SSE41": "baseline", "AVX": "baseline", "AVX2": "avx2", "AVX2_VNNI": "avx2",
@@ -37,41 +40,30 @@ class KernelChoices:
     planewise_others: frozenset[str] = frozenset()
     source: str = ""
 
+    @classmethod
+    def from_table(cls, entry: dict) -> "KernelChoices":
+        """The choices of one entry of bigmem/measured/kernel_choices.json.
 
-# Planewise where it was at least as fast at 96^3 and within 10% at 64^3 (one weight gradient,
-# forward excluded); benchmarks/results/kernel_choices-avx512_bf16-amd-epyc-20261130-195005.json, AMD EPYC 2 vCPU,
-# TF 2.21.0, oneDNN on. avx512 and avx2 were measured with oneDNN capped at them
-# (ONEDNN_MAX_CPU_ISA=AVX512_CORE / AVX2) on that avx512_bf16 CPU: oneDNN's kernels are the
-# smaller CPU's, TensorFlow's own Eigen kernels are not.
-MEASURED = "benchmarks/results/kernel_choices-avx512_bf16-amd-epyc-20261130-195005.json"
+        Args:
+            entry: ``planewise``, a list of ``{precision, stride, in_channels: [fewest, most]}``;
+                ``summary``; optionally ``correctness``, paths the class must take whatever their
+                speed (``planewise`` entries that override the speed choice, ``planewise_others``).
+
+        Returns:
+            The KernelChoices, ``source`` the entry's summary.
+        """
+        correctness = entry.get("correctness", {})
+        planewise = {(item["precision"], item["stride"]): tuple(item["in_channels"])
+                     for item in entry["planewise"] + correctness.get("planewise", [])}
+        return cls(planewise, frozenset(correctness.get("planewise_others", ())), entry["summary"])
+
+
+# The decisions per ISA class, with the machine, command, results files and notes behind each
+# (AMX's bf16 entry is for correctness, not speed): bigmem/measured/kernel_choices.json.
 CHOICES: dict[str, KernelChoices] = {
-    # bf16: planes faster from 16 channels (stride 1) and 8 (stride 2). fp32: only stride 2 from
-    # 64 in-channels; at 32 -> 64 oneDNN's own is faster (timings: benchmarks/results/kernels.md).
-    "avx512_bf16": KernelChoices(
-        planewise={("bf16", 1): (16, 64), ("bf16", 2): (8, 64), ("fp32", 2): (64, 64)},
-        source=f"measured on avx512_bf16: {MEASURED}"),
-    # fp32 only (bf16 is emulated here and never chosen): stride 2 from 32 in-channels.
-    "avx512": KernelChoices(planewise={("fp32", 2): (32, 64)},
-                            source=f"measured with oneDNN capped at AVX512_CORE: {MEASURED}"),
-    # oneDNN's AVX2 weight gradients are its weakest: planes faster up to 32 channels (stride 1;
-    # 64 -> 64 is slower) and up to 64 (stride 2) (timings: benchmarks/results/kernels.md).
-    "avx2": KernelChoices(planewise={("fp32", 1): (8, 32), ("fp32", 2): (8, 64)},
-                          source=f"measured with oneDNN capped at AVX2: {MEASURED}"),
-    "baseline": KernelChoices(planewise={}, source="no oneDNN fast path to beat: TF's own kernels"),
+    isa: KernelChoices.from_table(entry)
+    for (isa,), entry in tables.serving(tables.load("kernel_choices"), "isa_class").items()
 }
-# AMX: bf16 weight gradients of 3x3x3 convs are always planewise, for correctness, not speed: on an
-# Intel Xeon with AMX (2 vCPU VM, TF 2.21, oneDNN on, 2026-12-01) TF's bf16 Conv3DBackpropFilterV2
-# killed the process (SIGSEGV, or SIGILL) at planes of 512^2 for every channel count tried (1-16
-# in, 2 out, 2-8 planes; stride 2 32 -> 64 too), and ran at 384^2 and below; fp32 ran, and the 2-D
-# bf16 weight gradient ran at 512^2 and 1024^2 (benchmarks/results/kernels.md). The head's 1x1x1
-# kernel gradient and the 2x2x2 transposed conv's died the same way from 256^2 planes when the
-# depth was short (4-32 planes; a last depth slab can be that short) or gave NaN; their 2-D forms
-# ran and matched float32. fp32 keeps avx512_bf16's choices, on paper (not timed on AMX).
-CHOICES["amx"] = KernelChoices(
-    planewise={**CHOICES["avx512_bf16"].planewise, ("bf16", 1): (1, 4096), ("bf16", 2): (1, 4096)},
-    planewise_others=frozenset({"bf16"}),
-    source="bf16: every weight gradient 2-D (oneDNN's AMX 3-D bf16 weight gradients crashed from "
-           "256^2 planes); fp32 on paper: avx512_bf16's choices")
 
 
 def effective_isa_class(detected: str, environ: dict | None = None) -> str:
