@@ -9,13 +9,15 @@ in place (``InplaceUpdate`` on an uninitialised buffer, so no concatenated copy)
 gradient is a custom gradient computed slab by slab too (slicing's own gradient would
 materialise a full-size zero tensor per slab).
 
-Slabs run one after another (each waits for the previous slab's write), so at most one slab's
-temporaries are alive at once: the peak is the unpartitioned op's plus about one slab. Slices
-of whole depth planes of one sample are views (TF's Slice aliases a range of the first axis), so
-taking a slab copies nothing. Every slab of an op but the last is as long as the limit allows
-(``plan_slabs``), so TensorFlow's pooled allocator hands each slab the buffer the one before it
-freed, and the full-size output is allocated only once the first slab's result exists
-(``PlaneWriter``), as an unpartitioned kernel allocates its output when it runs.
+Which planes each slab reads and writes is planned without TensorFlow (nets/slabplan.py); every
+kernel here runs its plan through one loop (``write_slabs``). Slabs run one after another (each
+waits for the previous slab's write), so at most one slab's temporaries are alive at once: the
+peak is the unpartitioned op's plus about one slab. Slices of whole depth planes of one sample
+are views (TF's Slice aliases a range of the first axis), so taking a slab copies nothing. Every
+slab of an op but the last is as long as the limit allows (``plan_slabs``), so TensorFlow's
+pooled allocator hands each slab the buffer the one before it freed, and the full-size output is
+allocated only once the first slab's result exists (``PlaneWriter``), as an unpartitioned kernel
+allocates its output when it runs.
 
 Shapes are channels-last ``(batch, D, H, W, C)`` with static sizes; every function here works on
 any size, so tests lower the limit (``kernel_element_limit``) to run the slab path on small
@@ -24,7 +26,7 @@ volumes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
 from typing import Callable, Sequence
 
 import tensorflow as tf
@@ -40,129 +42,21 @@ from bigmem.nets.limits import (  # noqa: F401  (re-exported: the slab API in on
     max_pool_elements,
     slab_elements,
 )
-
-class SlabTooLargeError(ValueError):
-    """One depth plane (with its halo) is already past the kernel limit: depth slabs cannot help."""
-
-
-# ---- slab geometry -----------------------------------------------------------------------------
-
-
-def same_padding(length: int, kernel: int, stride: int) -> tuple[int, int]:
-    """(output length, padding before) of TF's "SAME" padding along one axis.
-
-    Args:
-        length: the input's length in planes.
-        kernel: the kernel's length.
-        stride: the stride.
-
-    Returns:
-        ``(ceil(length / stride), padding before)``; TF puts the odd plane of padding after.
-    """
-    out = -(-length // stride)
-    total = max((out - 1) * stride + kernel - length, 0)
-    return out, total // 2
-
-
-@dataclass(frozen=True)
-class ConvFrame:
-    """How to compute output planes [o0, o1) of a "SAME" conv from input planes [a, b) alone.
-
-    A "SAME" conv of the input planes [a, b) yields ``out_len`` planes, of which [j0, j0 + o1 - o0)
-    are the wanted outputs: the padding TF adds to that slab is zero exactly where the whole
-    volume's padding is, and the wanted outputs line up with the slab's stride.
-    """
-
-    o0: int
-    o1: int
-    a: int
-    b: int
-    j0: int
-    out_len: int
-
-
-def conv_frame(depth: int, kernel: int, stride: int, o0: int, o1: int) -> ConvFrame:
-    """The ``ConvFrame`` of output planes [o0, o1) of a "SAME" conv over ``depth`` input planes.
-
-    Args:
-        depth: input planes of the whole volume.
-        kernel, stride: the conv's kernel length and stride along depth.
-        o0, o1: the wanted output planes, ``[o0, o1)``.
-
-    Returns:
-        The input range [a, b) to convolve and where the wanted planes sit in its output.
-
-    Raises:
-        ValueError: no input range lines up (not reached for ``kernel <= stride + 2``).
-    """
-    _, pad = same_padding(depth, kernel, stride)
-    window_start, window_stop = o0 * stride - pad, (o1 - 1) * stride - pad + kernel
-    starts = [0] if window_start <= 0 else range(window_start, max(window_start - stride, 0) - 1, -1)
-    stops = [depth] if window_stop >= depth else range(window_stop, min(window_stop + stride, depth) + 1)
-    for a in starts:
-        for b in stops:
-            out_len, slab_pad = same_padding(b - a, kernel, stride)
-            offset = window_start - (a - slab_pad)
-            if offset % stride == 0 and 0 <= offset // stride and offset // stride + o1 - o0 <= out_len:
-                return ConvFrame(o0, o1, a, b, offset // stride, out_len)
-    raise ValueError(f"no aligned slab for outputs [{o0}, {o1}) of a kernel-{kernel} stride-{stride} "
-                     f"SAME conv over {depth} planes")  # not reached for kernel <= stride + 2
-
-
-def plan_slabs(length: int, fits: Callable[[int, int], bool], *, what: str) -> list[tuple[int, int]]:
-    """The fewest ranges of ``length`` planes for which ``fits(start, stop)`` holds: each as long as fits, in order.
-
-    Every slab but the last is as long as the limit allows, and the last is the rest, so all slabs
-    of an op allocate the same temporaries but the last, which are smaller: TensorFlow's CPU
-    allocator (a best-fit pool) reuses a freed slab's buffer for the next one. Near-equal slabs
-    differ by a plane or by the halo the first slab lacks, and a slab one plane larger than the
-    freed one takes fresh memory (a stride-1 conv at 128^3 x 32 in 5 slabs: about one slab more).
-
-    Args:
-        length: planes to partition.
-        fits: whether the slab ``[start, stop)`` stays under the limit; a range inside one that
-            fits must fit too.
-        what: the op and shape, for the error message.
-
-    Returns:
-        ``[(start, stop), ...]`` covering ``[0, length)`` in order.
-
-    Raises:
-        SlabTooLargeError: if even one plane per slab does not fit.
-    """
-    if not all(fits(p, p + 1) for p in (0, length // 2, length - 1)):
-        raise SlabTooLargeError(f"{what}: a single depth plane with its halo exceeds the kernel limit of "
-                                f"{max_kernel_elements()} elements; depth slabs cannot bring it under")
-    slabs, start = [], 0
-    while start < length:
-        if not fits(start, start + 1):
-            raise SlabTooLargeError(f"{what}: depth plane {start} with its halo exceeds the kernel limit of "
-                                    f"{max_kernel_elements()} elements")
-        stop = start + 1
-        while stop < length and fits(start, stop + 1):
-            stop += 1
-        slabs.append((start, stop))
-        start = stop
-    return slabs
-
-
-# The share of the limit a slab takes in the ops whose backward holds a slab-sized piece beside a
-# slab-sized result (max_pool3d_slabs, and conv3d_slabs at stride 1): at full-size slabs they
-# peaked 1.55 slabs (pool) and 1.25 slabs (stride-1 conv: +80 MiB with 64 MiB slabs) over the
-# unpartitioned op; at half they peak +42 and +23 MiB (bench_slabs --shared, 2026-12-01).
-SLAB_FRACTION = 0.5
-
-
-def slab_target(limit: int, smallest: int) -> int:
-    """``SLAB_FRACTION`` of ``limit``, but never below ``smallest`` (the op's least piece) nor above ``limit``.
-
-    A piece past ``limit`` itself is still refused by ``plan_slabs``.
-
-    Example:
-        >>> slab_target(1000, 100), slab_target(1000, 700), slab_target(1000, 1200)
-        (500, 700, 1000)
-    """
-    return min(limit, max(int(limit * SLAB_FRACTION), smallest))
+from bigmem.nets.slabplan import (  # noqa: F401  (re-exported, as above)
+    SLAB_FRACTION,
+    ConvPlan,
+    InputGradSlab,
+    Slab,
+    SlabPlan,
+    SlabTooLargeError,
+    conv_frame,
+    plan_conv,
+    plan_conv_transpose,
+    plan_pool,
+    plan_slabs,
+    same_padding,
+    slab_target,
+)
 
 
 # ---- reading and writing rows of depth planes ---------------------------------------------------
@@ -248,6 +142,62 @@ def _pad_depth(t: tf.Tensor, before: int, after: int) -> tf.Tensor:
     return tf.pad(t, [[0, 0], [before, after], [0, 0], [0, 0], [0, 0]])
 
 
+def write_slabs(shape: Sequence[int], dtype, slabs: Sequence[Slab | InputGradSlab],
+                compute: Callable[[int, Slab | InputGradSlab], tf.Tensor]) -> tf.Tensor:
+    """A (B, D, H, W, C) tensor written slab by slab, in place: ``compute(sample, slab)`` fills its planes.
+
+    Every sample's slabs run in order, each after the previous write (``PlaneWriter.after``), so
+    one slab's temporaries are alive at a time.
+
+    Args:
+        shape: the full tensor's static shape ``(B, D, H, W, C)``.
+        dtype: its dtype.
+        slabs: the plan; their written planes ``[out_start, out_stop)`` tile ``[0, D)``.
+        compute: ``f(sample, slab) -> (1, slab.out_planes, H, W, C)`` values.
+
+    Returns:
+        The filled tensor, ``shape``.
+
+    Example:
+        >>> planes = as_planes(x)  # x: (1, 4, 8, 8, 2)
+        >>> y = write_slabs(x.shape, x.dtype, [Slab(0, 2, 0, 2), Slab(2, 4, 2, 4)],
+        ...                 lambda sample, s: take_planes(planes, 4, sample, s.in_start, s.in_stop))  # a copy of x
+    """
+    writer = PlaneWriter(shape, dtype)
+    for sample in range(int(shape[0])):
+        for slab in slabs:
+            with tf.control_dependencies(writer.after):
+                values = compute(sample, slab)
+            writer.write(sample, slab.out_start, values)
+    return writer.result()
+
+
+def sum_slabs(shape: Sequence[int], batch: int, slabs: Sequence[Slab], compute: Callable[[int, Slab], tf.Tensor],
+              after: Sequence[tf.Tensor]) -> tf.Tensor:
+    """The float32 sum of ``compute(sample, slab)`` over every sample's slabs, one at a time, after ``after``.
+
+    Summed in float32: a bfloat16 running sum rounds at every slab, and over many slabs drifts
+    well past one unpartitioned call's error (benchmarks/results/kernels.md).
+
+    Args:
+        shape: each term's shape (a kernel's).
+        batch: samples.
+        slabs: the plan.
+        compute: ``f(sample, slab) -> term``, any float dtype.
+        after: tensors every term waits for (the input gradient, so the terms' temporaries are
+            never alive beside its slabs').
+
+    Returns:
+        float32 ``shape``.
+    """
+    total = tf.zeros(shape, tf.float32)
+    for sample in range(batch):
+        for slab in slabs:
+            with tf.control_dependencies([*after, total]):  # one slab at a time
+                total = total + tf.cast(compute(sample, slab), tf.float32)
+    return total
+
+
 # ---- convolution -----------------------------------------------------------------------------
 
 
@@ -256,23 +206,33 @@ def _filter_grad_3d(x, dy, kernel_shape, strides):
                                             out_backprop=dy, strides=strides, padding="SAME")
 
 
-def _conv_frames_into(source: tf.Tensor, kernel: tf.Tensor, frames: Sequence[ConvFrame], out_shape: Sequence[int],
-                      strides: list[int]) -> tf.Tensor:
-    """A "SAME" conv of ``source`` computed frame by frame, each frame's wanted planes written in place.
+def _conv_slab(planes: tf.Tensor, kernel: tf.Tensor, depth: int, strides: list[int], sample: int,
+               frame: Slab) -> tf.Tensor:
+    """One frame of a "SAME" conv: its input planes are a view, its wanted output planes a view of the result."""
+    y = tf.nn.conv3d(take_planes(planes, depth, sample, frame.in_start, frame.in_stop), kernel, strides=strides,
+                     padding="SAME")
+    return crop_planes(y, frame.pad_before, frame.pad_before + frame.out_planes)
 
-    Every slab's input is a view of ``source`` and its wanted output planes a view of the slab's
-    result, so per slab only the result (the frame's output planes) is allocated.
-    """
-    batch, depth = source.shape[0], source.shape[1]
-    planes = as_planes(source)
-    writer = PlaneWriter(out_shape, source.dtype)
-    for sample in range(batch):
-        for frame in frames:
-            with tf.control_dependencies(writer.after):
-                y = tf.nn.conv3d(take_planes(planes, depth, sample, frame.a, frame.b), kernel, strides=strides,
-                                 padding="SAME")
-            writer.write(sample, frame.o0, crop_planes(y, frame.j0, frame.j0 + frame.o1 - frame.o0))
-    return writer.result()
+
+def _frame_dy(dy_planes: tf.Tensor, out_depth: int, sample: int, frame: Slab) -> tf.Tensor:
+    """dy of the frame's outputs, zero-padded to the slab conv's output planes (a view where it needs none)."""
+    dy = take_planes(dy_planes, out_depth, sample, frame.out_start, frame.out_stop)
+    return _pad_depth(dy, frame.pad_before, frame.pad_after)
+
+
+def _conv_input_grad_slab(dy_planes: tf.Tensor, kernel: tf.Tensor, out_depth: int, x_shape: Sequence[int],
+                          strides: list[int], sample: int, slab: InputGradSlab) -> tf.Tensor:
+    """The input gradient of the slab's input planes: TF's backprop kernel over its frame, cut to them."""
+    frame, (_, _, height, width, in_channels) = slab.frame, x_shape
+    dx_frame = tf.raw_ops.Conv3DBackpropInputV2(
+        input_sizes=tf.constant([1, frame.in_planes, height, width, in_channels], tf.int32),
+        filter=kernel, out_backprop=_frame_dy(dy_planes, out_depth, sample, frame), strides=strides,
+        padding="SAME")
+    lo, hi = slab.covered
+    if hi <= lo:  # no output reads these planes (a 1x1x1 kernel with stride 2 skips planes)
+        return tf.zeros((1, slab.out_planes, height, width, in_channels), dx_frame.dtype)
+    return _pad_depth(crop_planes(dx_frame, lo - frame.in_start, hi - frame.in_start), lo - slab.out_start,
+                      slab.out_stop - hi)
 
 
 def _tapwise_weight_grad(x_planes: tf.Tensor, dy_planes: tf.Tensor, depth: int, sample: int, o0: int, o1: int,
@@ -305,6 +265,25 @@ def _tapwise_weight_grad(x_planes: tf.Tensor, dy_planes: tf.Tensor, depth: int, 
     return tf.stack(taps)
 
 
+def _tapwise_weight_grads(x: tf.Tensor, dy: tf.Tensor, kernel_shape: Sequence[int], frames: Sequence[Slab],
+                          after: Sequence[tf.Tensor]) -> tf.Tensor:
+    """The weight gradient of a stride-1 conv with an odd cubic kernel: each frame's, tap by tap, summed (float32)."""
+    x_planes, dy_planes, depth = as_planes(x), as_planes(dy), x.shape[1]
+    return sum_slabs(kernel_shape, x.shape[0], frames,
+                     lambda sample, frame: _tapwise_weight_grad(x_planes, dy_planes, depth, sample, frame.out_start,
+                                                                frame.out_stop, kernel_shape), after)
+
+
+def _whole_weight_grads(x: tf.Tensor, dy: tf.Tensor, kernel_shape: Sequence[int], frames: Sequence[Slab],
+                        after: Sequence[tf.Tensor], *,
+                        filter_grad: Callable[[tf.Tensor, tf.Tensor], tf.Tensor]) -> tf.Tensor:
+    """The weight gradient as ``filter_grad`` of each frame's input planes and zero-padded dy, summed (float32)."""
+    x_planes, dy_planes = as_planes(x), as_planes(dy)
+    return sum_slabs(kernel_shape, x.shape[0], frames, lambda sample, frame: filter_grad(
+        take_planes(x_planes, x.shape[1], sample, frame.in_start, frame.in_stop),
+        _frame_dy(dy_planes, dy.shape[1], sample, frame)), after)
+
+
 @counted('conv3d')
 def conv3d_slabs(x: tf.Tensor, kernel: tf.Tensor, stride: int = 1,
                  filter_grad: Callable[[tf.Tensor, tf.Tensor], tf.Tensor] | None = None) -> tf.Tensor:
@@ -314,7 +293,7 @@ def conv3d_slabs(x: tf.Tensor, kernel: tf.Tensor, stride: int = 1,
     tap by tap over whole planes (``_tapwise_weight_grad``: views, no zero-padded dy copy, and no
     3-D bf16 weight-gradient kernel, which crashed on an AMX CPU at 512^2 planes). Its input
     gradient is TF's backprop kernel over a window of planes whose outputs are exactly the dy
-    planes it needs, a view (``grad_window``); other strides and kernels take it on a zero-padded
+    planes it needs, a view (``plan_conv``); other strides and kernels take it on a zero-padded
     dy slab. (Taking it as the forward conv of dy with the flipped kernel, all views, was dropped:
     TF's bf16 forward conv with one output channel died with SIGFPE on (1, 64, 1024, 1024, 2) on
     that CPU; benchmarks/results/kernels.md.)
@@ -334,117 +313,38 @@ def conv3d_slabs(x: tf.Tensor, kernel: tf.Tensor, stride: int = 1,
     Raises:
         SlabTooLargeError: if one depth plane with its halo is already past the limit.
     """
-    batch, depth, height, width, in_channels = x.shape
-    k = kernel.shape[0]
-    out_depth, _ = same_padding(depth, k, stride)
-    out_height, out_width = -(-height // stride), -(-width // stride)
-    out_plane = out_height * out_width * kernel.shape[-1]
-    in_plane = height * width * in_channels
-    strides = [1, stride, stride, stride, 1]
+    batch, depth, height, width, _ = x.shape
     kernel_shape = [int(s) for s in kernel.shape]
-    out_shape = (batch, out_depth, out_height, out_width, kernel_shape[-1])
-    filter_grad = filter_grad or (lambda xs, dys: _filter_grad_3d(xs, dys, kernel_shape, strides))
-    limit = slab_elements(max(in_plane, out_plane))
-    tapwise = stride == 1 and len(set(kernel_shape[:3])) == 1 and k % 2 == 1
-    if tapwise:
-        # slab_target's share: each slab's result (a frame's output planes, an input-gradient
-        # window) is allocated beside the full-size output; the least piece is one output plane
-        # with its k input planes. Strided convs peak well under a slab over the unpartitioned op
-        # at full size (+17 MiB with 64 MiB slabs) and keep it.
-        limit = slab_target(limit, k * max(in_plane, out_plane))
-
-    def frame_fits(frame: ConvFrame) -> bool:
-        return (frame.b - frame.a) * in_plane <= limit and frame.out_len * out_plane <= limit
-
-    out_slabs = plan_slabs(out_depth, lambda o0, o1: frame_fits(conv_frame(depth, k, stride, o0, o1)),
-                           what=f"conv3d on {tuple(x.shape)}")
-    frames = [conv_frame(depth, k, stride, o0, o1) for o0, o1 in out_slabs]
-
-    def input_frame(i0: int, i1: int) -> ConvFrame:
-        """The frame of every output that reads an input plane in [i0, i1)."""
-        _, pad = same_padding(depth, k, stride)
-        o_lo = max(0, -(-(i0 + pad - k + 1) // stride))
-        o_hi = min(out_depth, (i1 - 1 + pad) // stride + 1)
-        return conv_frame(depth, k, stride, o_lo, max(o_hi, o_lo + 1))
-
-    halo = k // 2  # stride 1, odd cubic kernel: input plane i reads output planes [i - halo, i + halo]
-
-    def grad_window(i0: int, i1: int) -> tuple[int, int]:
-        """Stride 1: the input (and output) planes [a, b) whose "SAME" input gradient covers [i0, i1).
-
-        The outputs [i0 - halo, i1 + halo) are all the input planes [i0, i1) read; a "SAME" conv
-        over input planes [a, b) = those same planes has exactly them as outputs, so dy is a view
-        (no zero-padded copy) and [i0, i1) of its input gradient are complete.
-        """
-        return max(0, i0 - halo), min(depth, i1 + halo)
-
-    def input_slab_fits(i0: int, i1: int) -> bool:
-        if tapwise:
-            a, b = grad_window(i0, i1)
-            return (b - a) * max(in_plane, out_plane) <= limit
-        return frame_fits(input_frame(i0, i1)) and (i1 - i0) * in_plane <= limit
-
-    in_slabs = plan_slabs(depth, input_slab_fits, what=f"conv3d input gradient on {tuple(x.shape)}")
-
-    def dy_for(dy_planes, sample, frame: ConvFrame):
-        """dy of the frame's outputs, zero-padded to the slab conv's out_len planes."""
-        dy = take_planes(dy_planes, out_depth, sample, frame.o0, frame.o1)
-        return _pad_depth(dy, frame.j0, frame.out_len - frame.j0 - (frame.o1 - frame.o0))
-
-    def gradients(x, dy, kernel):
-        x_planes, dy_planes = as_planes(x), as_planes(dy)
-        dx = PlaneWriter(x.shape, x.dtype)
-        for sample in range(batch):
-            for i0, i1 in in_slabs:
-                if tapwise:
-                    a, b = grad_window(i0, i1)
-                    with tf.control_dependencies(dx.after):
-                        dx_window = tf.raw_ops.Conv3DBackpropInputV2(
-                            input_sizes=tf.constant([1, b - a, height, width, in_channels], tf.int32),
-                            filter=kernel, out_backprop=take_planes(dy_planes, out_depth, sample, a, b),
-                            strides=strides, padding="SAME")
-                    dx.write(sample, i0, crop_planes(dx_window, i0 - a, i1 - a))
-                    continue
-                frame = input_frame(i0, i1)
-                with tf.control_dependencies(dx.after):
-                    dx_frame = tf.raw_ops.Conv3DBackpropInputV2(
-                        input_sizes=tf.constant([1, frame.b - frame.a, height, width, in_channels], tf.int32),
-                        filter=kernel, out_backprop=dy_for(dy_planes, sample, frame), strides=strides,
-                        padding="SAME")
-                # Planes of [i0, i1) outside the frame are read by no output (a 1x1x1 kernel
-                # with stride 2 skips planes): their gradient is 0.
-                lo, hi = max(i0, frame.a), min(i1, frame.b)
-                if hi > lo:
-                    piece = _pad_depth(crop_planes(dx_frame, lo - frame.a, hi - frame.a), lo - i0, i1 - hi)
-                else:
-                    piece = tf.zeros((1, i1 - i0, height, width, in_channels), x.dtype)
-                dx.write(sample, i0, piece)
-        dx = dx.result()
-        # Summed in float32: a bfloat16 running sum rounds at every slab, and over many slabs
-        # drifts well past one unpartitioned call's error (benchmarks/results/kernels.md).
-        dkernel = tf.zeros(kernel_shape, tf.float32)
-        for sample in range(batch):
-            for frame in frames:
-                with tf.control_dependencies([dx, dkernel]):  # one slab at a time, after the input gradient
-                    if tapwise:
-                        piece = _tapwise_weight_grad(x_planes, dy_planes, depth, sample, frame.o0, frame.o1,
-                                                     kernel_shape)
-                    else:
-                        piece = tf.cast(filter_grad(take_planes(x_planes, depth, sample, frame.a, frame.b),
-                                                    dy_for(dy_planes, sample, frame)), tf.float32)
-                    dkernel = dkernel + piece
-        return dx, tf.cast(dkernel, kernel.dtype)
+    plan = plan_conv(x.shape, kernel_shape, stride)
+    strides = [1, stride, stride, stride, 1]
+    out_shape = (batch, -(-depth // stride), -(-height // stride), -(-width // stride), kernel_shape[-1])
+    weight_grads = _tapwise_weight_grads if plan.tapwise else functools.partial(
+        _whole_weight_grads, filter_grad=filter_grad or functools.partial(
+            _filter_grad_3d, kernel_shape=kernel_shape, strides=strides))
 
     @tf.custom_gradient
     def conv(x, kernel):
-        y = _conv_frames_into(x, kernel, frames, out_shape, strides)
+        y = write_slabs(out_shape, x.dtype, plan.forward,
+                        functools.partial(_conv_slab, as_planes(x), kernel, depth, strides))
 
         def grad(dy):
-            return gradients(x, dy, kernel)
+            dx = write_slabs(x.shape, x.dtype, plan.backward, functools.partial(
+                _conv_input_grad_slab, as_planes(dy), kernel, out_shape[1], x.shape, strides))
+            dkernel = weight_grads(x, dy, kernel_shape, plan.forward, [dx])
+            return dx, tf.cast(dkernel, kernel.dtype)
 
         return y, grad
 
     return conv(x, kernel)
+
+
+def _transposed_slab(x_planes: tf.Tensor, kernel: tf.Tensor, depth: int, out_shape: Sequence[int],
+                     strides: list[int], sample: int, slab: Slab) -> tf.Tensor:
+    """The output planes of one slab of input planes: TF's transposed conv (the conv's input gradient)."""
+    return tf.raw_ops.Conv3DBackpropInputV2(
+        input_sizes=tf.constant([1, slab.out_planes, *out_shape[2:]], tf.int32), filter=kernel,
+        out_backprop=take_planes(x_planes, depth, sample, slab.in_start, slab.in_stop), strides=strides,
+        padding="SAME")
 
 
 @counted('conv3d_transpose')
@@ -469,49 +369,57 @@ def conv3d_transpose_slabs(x: tf.Tensor, kernel: tf.Tensor, stride: int,
         ValueError: the kernel is not ``stride`` on every axis.
         SlabTooLargeError: if one depth plane is already past the limit.
     """
-    batch, depth, height, width, in_channels = x.shape
-    k = kernel.shape[0]
+    batch, depth, height, width, _ = x.shape
+    k = stride
     if tuple(kernel.shape[:3]) != (stride,) * 3:
         raise ValueError(f"conv3d_transpose_slabs needs kernel == stride, got kernel {tuple(kernel.shape[:3])}, "
                          f"stride {stride}")
-    out_channels = kernel.shape[3]
-    in_plane, out_plane = height * width * in_channels, k * height * k * width * out_channels
-    limit = slab_elements(max(in_plane, k * out_plane))
-    slabs = plan_slabs(depth, lambda i0, i1: (i1 - i0) * max(in_plane, k * out_plane) <= limit,
-                       what=f"conv3d_transpose on {tuple(x.shape)}")
+    plan = plan_conv_transpose(x.shape, kernel.shape, stride)
     strides = [1, k, k, k, 1]
-    out_shape = (batch, k * depth, k * height, k * width, out_channels)
-    filter_grad = filter_grad or (lambda dys, xs: _filter_grad_3d(dys, xs, kernel.shape.as_list(), strides))
+    out_shape = (batch, k * depth, k * height, k * width, kernel.shape[3])
+    filter_grad = filter_grad or functools.partial(_filter_grad_3d, kernel_shape=kernel.shape.as_list(),
+                                                   strides=strides)
 
     @tf.custom_gradient
     def up(x, kernel):
         x_planes = as_planes(x)
-        writer = PlaneWriter(out_shape, x.dtype)
-        for sample in range(batch):
-            for i0, i1 in slabs:
-                with tf.control_dependencies(writer.after):
-                    y = tf.raw_ops.Conv3DBackpropInputV2(
-                        input_sizes=tf.constant([1, k * (i1 - i0), *out_shape[2:]], tf.int32), filter=kernel,
-                        out_backprop=take_planes(x_planes, depth, sample, i0, i1), strides=strides, padding="SAME")
-                writer.write(sample, k * i0, y)
+        y = write_slabs(out_shape, x.dtype, plan.forward,
+                        functools.partial(_transposed_slab, x_planes, kernel, depth, out_shape, strides))
 
         def grad(dy):
             dy_planes = as_planes(dy)
-            dx = PlaneWriter(x.shape, x.dtype)
-            dkernel = tf.zeros(kernel.shape, tf.float32)  # float32, as in conv3d_slabs
-            for sample in range(batch):
-                for i0, i1 in slabs:
-                    with tf.control_dependencies(dx.after + [dkernel]):
-                        dy_slab = take_planes(dy_planes, k * depth, sample, k * i0, k * i1)
-                        dx.write(sample, i0, tf.nn.conv3d(dy_slab, kernel, strides=strides, padding="SAME"))
-                    with tf.control_dependencies(dx.after):
-                        dkernel = dkernel + tf.cast(
-                            filter_grad(dy_slab, take_planes(x_planes, depth, sample, i0, i1)), tf.float32)
-            return dx.result(), tf.cast(dkernel, kernel.dtype)
+            dx = write_slabs(x.shape, x.dtype, plan.backward, lambda sample, slab: tf.nn.conv3d(
+                take_planes(dy_planes, k * depth, sample, slab.in_start, slab.in_stop), kernel, strides=strides,
+                padding="SAME"))
+            dkernel = sum_slabs(kernel.shape, batch, plan.backward, lambda sample, slab: filter_grad(
+                take_planes(dy_planes, k * depth, sample, slab.in_start, slab.in_stop),
+                take_planes(x_planes, depth, sample, slab.out_start, slab.out_stop)), [dx])
+            return dx, tf.cast(dkernel, kernel.dtype)
 
-        return writer.result(), grad
+        return y, grad
 
     return up(x, kernel)
+
+
+# ---- pooling ---------------------------------------------------------------------------------
+
+
+def _pool_grad_slab(x_planes: tf.Tensor, dy_planes: tf.Tensor, x_shape: Sequence[int], out_depth: int,
+                    window: list[int], sample: int, slab: Slab) -> tf.Tensor:
+    """The input gradient of one slab of whole windows: TF's own gradient of the slab's pool.
+
+    The forward is recomputed under a tape: a bare MaxPool3DGrad cannot use oneDNN's forward
+    workspace and is far slower (benchmarks/results/kernels.md). A slab that reads no pooled
+    planes (those past the last whole window) gets zeros, as in TF's own gradient.
+    """
+    if slab.in_planes == 0:
+        return tf.zeros((1, slab.out_planes, *x_shape[2:]), x_planes.dtype)
+    x_slab = take_planes(x_planes, x_shape[1], sample, slab.out_start, slab.out_stop)
+    with tf.GradientTape() as tape:
+        tape.watch(x_slab)
+        y_slab = tf.nn.max_pool3d(x_slab, window, window, "VALID")
+    return tape.gradient(y_slab, x_slab,
+                         output_gradients=take_planes(dy_planes, out_depth, sample, slab.in_start, slab.in_stop))
 
 
 @counted('max_pool3d')
@@ -532,48 +440,19 @@ def max_pool3d_slabs(x: tf.Tensor, pool: int) -> tf.Tensor:
         SlabTooLargeError: if ``pool`` depth planes are already past the limit.
     """
     batch, depth, height, width, channels = x.shape
-    out_depth = depth // pool
-    in_plane = height * width * channels
-    limit = min(slab_elements(in_plane), max_pool_elements())
-    # Whole windows (at least `pool` planes) in slab_target's share of the limit: the backward holds
-    # each slab's gradient piece with its recomputed forward's output and oneDNN workspace.
-    target = slab_target(limit, pool * in_plane)
-    slabs = plan_slabs(out_depth, lambda o0, o1: pool * (o1 - o0) * in_plane <= target,
-                       what=f"max_pool3d on {tuple(x.shape)}")
+    plan = plan_pool(x.shape, pool)
+    out_shape = (batch, depth // pool, height // pool, width // pool, channels)
     window = [1, pool, pool, pool, 1]
 
     @tf.custom_gradient
     def pool_op(x):
         x_planes = as_planes(x)
-        writer = PlaneWriter((batch, out_depth, height // pool, width // pool, channels), x.dtype)
-        for sample in range(batch):
-            for o0, o1 in slabs:
-                with tf.control_dependencies(writer.after):
-                    y = tf.nn.max_pool3d(take_planes(x_planes, depth, sample, pool * o0, pool * o1), window, window,
-                                         "VALID")
-                writer.write(sample, o0, y)
-        y = writer.result()
+        y = write_slabs(out_shape, x.dtype, plan.forward, lambda sample, slab: tf.nn.max_pool3d(
+            take_planes(x_planes, depth, sample, slab.in_start, slab.in_stop), window, window, "VALID"))
 
         def grad(dy):
-            # TF's own gradient of each slab's pool (the forward recomputed under a tape): a bare
-            # MaxPool3DGrad cannot use oneDNN's forward workspace and is far slower
-            # (benchmarks/results/kernels.md).
-            dy_planes = as_planes(dy)
-            dx = PlaneWriter(x.shape, x.dtype)
-            for sample in range(batch):
-                for o0, o1 in slabs:
-                    with tf.control_dependencies(dx.after):
-                        x_slab = take_planes(x_planes, depth, sample, pool * o0, pool * o1)
-                        with tf.GradientTape() as tape:
-                            tape.watch(x_slab)
-                            y_slab = tf.nn.max_pool3d(x_slab, window, window, "VALID")
-                        piece = tape.gradient(y_slab, x_slab,
-                                              output_gradients=take_planes(dy_planes, out_depth, sample, o0, o1))
-                    dx.write(sample, pool * o0, piece)
-                if depth > pool * out_depth:
-                    dx.write(sample, pool * out_depth,
-                             tf.zeros((1, depth - pool * out_depth, height, width, channels), x.dtype))
-            return dx.result()
+            return write_slabs(x.shape, x.dtype, plan.backward, functools.partial(
+                _pool_grad_slab, x_planes, as_planes(dy), x.shape, out_shape[1], window))
 
         return y, grad
 

@@ -11,12 +11,12 @@ from bigmem.nets.slabs import (
     SlabTooLargeError,
     conv3d_slabs,
     conv3d_transpose_slabs,
-    conv_frame,
     exceeds_limit,
     kernel_element_limit,
     max_kernel_elements,
     max_pool3d_slabs,
-    same_padding,
+    plan_conv,
+    plan_pool,
 )
 
 
@@ -76,25 +76,6 @@ def test_pooling_has_its_own_limit_unless_a_test_sets_one(monkeypatch):
         graph = tf.function(pool).get_concrete_function(x).graph
         assert sum(op.type == "InplaceUpdate" for op in graph.get_operations()) == slab_writes, pool_limit
         _close(pool(x), tf.nn.max_pool3d(x, 2, 2, "VALID"))
-
-
-@pytest.mark.parametrize("depth", [1, 2, 5, 8, 33, 34, 35])
-@pytest.mark.parametrize("kernel,stride", [(3, 1), (3, 2), (1, 1), (1, 2), (2, 2)])
-def test_conv_frames_reproduce_same_padding(depth, kernel, stride):
-    """Every output plane of every slab frame reads exactly the planes the whole-volume conv reads."""
-    out_depth, pad = same_padding(depth, kernel, stride)
-    for o0 in range(out_depth):
-        for o1 in range(o0 + 1, min(out_depth, o0 + 4) + 1):
-            frame = conv_frame(depth, kernel, stride, o0, o1)
-            assert 0 <= frame.a < frame.b <= depth
-            _, slab_pad = same_padding(frame.b - frame.a, kernel, stride)
-            for j, o in enumerate(range(o0, o1)):
-                first_read = frame.a - slab_pad + (frame.j0 + j) * stride
-                assert first_read == o * stride - pad
-                for t in range(kernel):
-                    read = first_read + t
-                    # A plane the slab pads with zeros must be padding in the whole volume too.
-                    assert (frame.a <= read < frame.b) == (0 <= read < depth)
 
 
 CONV_CASES = [
@@ -194,6 +175,32 @@ def test_stride1_conv_slabs_take_half_the_limit_and_strided_convs_all_of_it():
     assert input_depths(4 * plane, 1) == [3] * 14  # one output and its halo where half the limit holds less
     assert input_depths(16 * plane, 2) == [16]  # stride 2: the whole limit (one slab here)
     assert input_depths(8 * plane, 2) == [8, 8, 4]
+
+
+@pytest.mark.parametrize("shape,kernel,stride,out_channels,planes", CONV_CASES)
+def test_the_kernels_run_their_plans(shape, kernel, stride, out_channels, planes):
+    """Each slab conv, input-gradient conv and pool reads the planes its plan (nets/slabplan.py) says."""
+    limit = planes * shape[2] * shape[3] * max(shape[4], out_channels)
+    kernel_shape = (kernel,) * 3 + (shape[-1], out_channels)
+
+    def conv_and_grad(x, w):
+        with tf.GradientTape() as tape:
+            tape.watch([x, w])
+            y = conv3d_slabs(x, w, stride)
+        return tape.gradient(y, [x, w])
+
+    with kernel_element_limit(limit):
+        graph = tf.function(conv_and_grad).get_concrete_function(
+            tf.TensorSpec(shape, tf.float32), tf.TensorSpec(kernel_shape, tf.float32)).graph
+        plan = plan_conv(shape, kernel_shape, stride)
+        pools = _forward_ops(lambda x: max_pool3d_slabs(x, 2), limit, shape, op_type="MaxPool3D")
+        pool_plan = plan_pool(shape, 2)
+    ops = graph.get_operations()
+    assert [op.inputs[0].shape[1] for op in ops if op.type == "Conv3D"] == [
+        s.in_planes for s in plan.forward] * shape[0]
+    assert [int(tf.get_static_value(op.inputs[0])[1]) for op in ops if op.type == "Conv3DBackpropInputV2"] == [
+        s.frame.in_planes for s in plan.backward] * shape[0]
+    assert [op.inputs[0].shape[1] for op in pools] == [s.in_planes for s in pool_plan.forward] * shape[0]
 
 
 @pytest.mark.parametrize("shape", [(1, 9, 3, 4, 4), (2, 5, 2, 2, 3)])
