@@ -1,10 +1,10 @@
 """Whole-volume prediction against sliding windows, and bigmem's sliding window against MONAI's.
 
     python benchmarks/bench_predict.py [--run RUN_DIR] [--windows 48,24,16] [--overlap 0.5]
-        [--monai-window 24] [--out benchmarks/results]
+        [--monai-window 24] [--train-steps 600] [--quick] [--out benchmarks/results]
 
 Without --run it first trains the `make demo` configuration (the small preset on the embedded
-synthetic phantoms, 48^3) with the last 4 cases held out and validated at the end, so the
+synthetic phantoms, 48^3, ``--train-steps`` steps) with the last 4 cases held out and validated at the end, so the
 trainer's own val_dice is known. Then, in a fresh process per configuration (so each peak RSS
 is its own), it segments the held-out cases with ``bigmem.infer.predict``:
 
@@ -25,16 +25,12 @@ absolute difference of the probabilities. Prints a table and writes JSON (never 
 
 from __future__ import annotations
 
-import argparse
-import json
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from _results import write_results
+from harness import bench_parser, run_command, run_function, spread, write_results
 from rich.console import Console
 from rich.table import Table
 
@@ -99,38 +95,33 @@ def child_monai(request: dict) -> dict:
             "argmax_agreement": float(np.mean(ours.argmax(-1) == theirs.argmax(-1)))}
 
 
-def _child(kind: str, request: dict, timeout_s: float = 3600.0) -> dict:
-    result = subprocess.run([sys.executable, __file__, "--child", kind, json.dumps(request)], capture_output=True,
-                            text=True, timeout=timeout_s)
-    if result.returncode != 0:
-        raise SystemExit(f"{kind} child failed: {result.stderr.strip().splitlines()[-1:]}")
-    return json.loads(result.stdout.strip().splitlines()[-1])
+def _child(function, request: dict, timeout_s: float = 3600.0) -> dict:
+    """``function(request)`` in a fresh process (so its peak RSS is its own); exits if it fails."""
+    run = run_function(function, request, what=function.__name__, timeout_s=timeout_s)
+    if not run.ok:
+        raise SystemExit(f"{function.__name__} failed: {run.failure()}")
+    return run.result
 
 
-def _train_demo(folder: Path, console: Console) -> Path:
+def _train_demo(folder: Path, steps: int, console: Console) -> Path:
     run = folder / "demo"
     console.print(f"training the demo configuration with {HOLDOUT} held-out cases -> {run} ...")
-    steps = "600"  # the small preset's steps (make demo)
-    result = subprocess.run([sys.executable, "-m", "bigmem", "train", "--holdout", str(HOLDOUT), "--val-every", steps,
-                             "--steps", steps, "--out", str(run)], capture_output=True, text=True)
-    if result.returncode != 0:
+    result = run_command([sys.executable, "-m", "bigmem", "train", "--holdout", HOLDOUT, "--val-every", steps,
+                          "--steps", steps, "--out", run], what="bigmem train")
+    if not result.ok:
         raise SystemExit(f"training failed: {result.stderr.strip()}")
     return run
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__, quick={"train_steps": 20, "windows": "24"})
     parser.add_argument("--run", help="a finished run trained with --holdout (default: train the demo)")
     parser.add_argument("--windows", default="48,24,16", help="sliding window edges to compare (default 48,24,16)")
     parser.add_argument("--overlap", type=float, default=0.5)
     parser.add_argument("--monai-window", type=int, default=24)
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
-    parser.add_argument("--child", nargs=2, metavar=("KIND", "REQUEST"), help=argparse.SUPPRESS)
+    parser.add_argument("--train-steps", type=int, default=600, help="steps of the demo run trained without --run "
+                        "(default 600, the small preset's, as make demo)")
     args = parser.parse_args(argv)
-    if args.child:
-        kind, request = args.child
-        print(json.dumps((child_predict if kind == "predict" else child_monai)(json.loads(request))))
-        return 0
 
     from bigmem.infer.evaluate import evaluate
     from bigmem.rundir import RunDir
@@ -139,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
 
     console = Console()
     with tempfile.TemporaryDirectory(prefix="bigmem-bench-predict-") as tmp:
-        run = Path(args.run) if args.run else _train_demo(Path(tmp), console)
+        run = Path(args.run) if args.run else _train_demo(Path(tmp), args.train_steps, console)
         config = RunDir(run).read_config()
         store, holdout = config["data"]["store"], config["data"]["holdout"]
         summary = RunDir(run).read_summary() or {}
@@ -147,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
 
         with HDF5VolumeStore(store, holdout=holdout) as opened:
             cases = list(opened.held_out)
+            whole_edge = max((max(c.shape) for c in opened.held_out_cases), default=None)  # whole mode's "window"
         if not cases:
             raise SystemExit(f"{run} was trained without --holdout: nothing held out to predict.")
         configs = [("whole", None, False), ("whole", None, True)]
@@ -156,15 +148,15 @@ def main(argv: list[str] | None = None) -> int:
             name = f"{mode}{window or ''}{'-tta' if tta else ''}"
             out = Path(tmp) / name
             started = time.perf_counter()
-            timed = _child("predict", {"run": str(run), "store": store, "cases": cases, "mode": mode,
+            timed = _child(child_predict, {"run": str(run), "store": store, "cases": cases, "mode": mode,
                                        "window": window, "overlap": args.overlap, "tta": tta, "out": str(out)})
             scored = evaluate(out, store, allow_missing=True, hausdorff=False)
-            rows.append({"mode": mode, "window": window or config["data"]["volume"], "overlap": args.overlap,
+            rows.append({"mode": mode, "window": window or whole_edge, "overlap": args.overlap,
                          "tta": tta, "cases": len(cases), "dice": scored["foreground_mean"]["Dice"],
                          "dice_per_class": {str(k): v["Dice"] for k, v in scored["mean"].items()},
-                         "seconds_per_case": statistics.median(timed["seconds"]),
+                         "seconds_per_case": spread(timed["seconds"]).median,
                          "peak_rss_bytes": max(timed["peak_rss_bytes"]), "wall_s": time.perf_counter() - started})
-        monai = _child("monai", {"run": str(run), "store": store, "case": cases[0], "window": args.monai_window,
+        monai = _child(child_monai, {"run": str(run), "store": store, "case": cases[0], "window": args.monai_window,
                                  "overlap": args.overlap})
 
     base = {(r["tta"]): r["seconds_per_case"] for r in rows if r["mode"] == "whole"}
