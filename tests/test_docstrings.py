@@ -57,7 +57,7 @@ MODULES = [
     "nets/unet3d.py", "nets/conv.py", "nets/norm_act.py", "nets/slabs.py", "nets/blocks.py", "nets/pooling.py",
     "nets/reduce.py", "nets/limits.py", "nets/choices.py",
     "data/pipeline.py", "data/store.py", "data/nifti.py", "data/layouts.py",
-    "memory/measure.py", "compare/run.py", "compare/report.py", "compare/render.py", "distribute/execution.py",
+    "memory/measure.py", "compare/run.py", "compare/child.py", "compare/report.py", "compare/render.py", "distribute/execution.py",
     "train/trainer.py", "train/loop.py", "train/callbacks.py", "train/job.py",
     "infer/predict.py", "infer/plan.py", "infer/validate.py", "infer/forward.py", "infer/metrics.py",
     "infer/evaluate.py",

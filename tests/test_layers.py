@@ -35,7 +35,10 @@ LAYERS = (
     # monitor reads memory's /proc readers; infer (predict, evaluate, sliding windows, the source
     # geometry) reads memory's inference plan; the trainer runs both.
     ("distribute", "monitor", "infer"),
-    ("train", "compare"),  # compare runs train as processes, predicts and evaluates both paths (infer)
+    ("train",),
+    # compare's child process trains each path through train's Python API; compare predicts and
+    # evaluates both paths (infer)
+    ("compare",),
     ("cli",),
     ("__main__",),  # python -m bigmem: the command line
 )

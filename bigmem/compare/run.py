@@ -2,8 +2,8 @@
 
 The question a user brings: what does training on whole volumes in RAM buy over data parallel
 on patches that fit one GPU, and at what cost? Both paths train the same model on the same
-data, each as a real ``bigmem train`` run in its own process (its own peak memory; simulated
-devices stay in that process):
+data, each run through ``bigmem.train``'s Python API in a process of its own (``compare/child.py``:
+its own peak memory; simulated devices stay in that process):
 
 - ``cpu_bigmem``: whole volumes; evaluated with one whole-volume pass per case;
 - ``data_parallel``: ``tf.distribute.MirroredStrategy`` on the largest patch that fits one GPU,
@@ -11,8 +11,9 @@ devices stay in that process):
   (the planner's choice for ``gpu_memory_bytes``); evaluated as nnU-Net and MLPerf evaluate a
   patch-trained network: Gaussian sliding windows of its patch, overlap 0.5.
 
-Both are pre-flighted before either trains. The budget is equal training time (validation is
-not counted) or equal training FLOPs. Both are scored on the same held-out cases by
+Both paths' memory plans are made before either trains (``plan_both_paths``), so a path that does
+not fit is refused in seconds. The budget is equal training time (validation is not counted) or
+equal training FLOPs. Both are scored on the same held-out cases by
 ``bigmem predict``'s and ``bigmem evaluate``'s code, over one or more seeds, and the conclusion
 (which path reached the higher held-out Dice, by how much, and whether that exceeds the
 seed-to-seed spread) is computed from those numbers.
@@ -22,17 +23,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import subprocess
-import sys
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from bigmem.atomic import atomic_write_json, atomic_write_text
+from bigmem.child import run_child
 from bigmem.compare.report import PATHS, ClassScore, CompareReport, HeldOut, PathResult, SeedRun, TrainingRun
 from bigmem.config.schema import ExperimentConfig
-from bigmem.errors import BigmemError, UsageError
-from bigmem.rundir import RunDir
+from bigmem.errors import UsageError
 from bigmem.units import as_shape, format_bytes, format_count, format_shape
+
+if TYPE_CHECKING:
+    from bigmem.distribute.execution import DataParallel
 
 # The proportion the default GPU memory keeps: the headline case, a 512^3 kits19 volume against
 # one 80 GiB GPU. The planner's patch there (about half the edge at batch 2) sets the fraction.
@@ -41,7 +43,6 @@ DEFAULT_PHANTOM_VOLUME = 64  # the default dataset: synthetic phantoms of this e
 DEFAULT_TIME_BUDGET_S = 120.0
 DEFAULT_VAL_EVERY = 10
 OVERLAP = 0.5  # nnU-Net's and MLPerf's sliding-window overlap
-NO_CHECKPOINTS = "1000000"  # compare's runs are never resumed: no periodic checkpoints
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,44 +199,30 @@ def mean_step_flops(config: ExperimentConfig) -> float:
     return sum(train_flops(config, shape, 1) for shape in shapes) / len(shapes) * config.train.batch_size
 
 
-def _train_argv(config: ExperimentConfig, settings: Settings, seed: int) -> list[str]:
-    shape = ["--shape", ",".join(map(str, config.data.shape))] if config.data.shape else []  # else native shapes
-    argv = ["--model", config.model.name, "--data", str(config.data.store), *shape,
-            "--batch-size", str(config.train.batch_size), "--holdout", str(settings.holdout), "--seed", str(seed),
-            "--checkpoint-every", NO_CHECKPOINTS]
+def _run_config(config: ExperimentConfig, settings: Settings, seed: int, val_every: int, *,
+                data_parallel: bool) -> ExperimentConfig:
+    """The job a path's run trains: ``config`` at ``seed`` with compare's held-out cases, validation and budgets."""
+    values: dict = {"data": {"holdout": settings.holdout}, "train": {"seed": seed, "val_every": val_every}}
     if settings.memory_budget_bytes is not None:
-        argv += ["--memory-budget", str(settings.memory_budget_bytes)]
+        values["memory"] = {"budget_bytes": settings.memory_budget_bytes}
     if settings.monitor_interval_s is not None:
-        argv += ["--monitor-interval", str(settings.monitor_interval_s)]
-    return argv
+        values["train"]["monitor_interval_s"] = settings.monitor_interval_s
+    run = config.updated(values)
+    if not data_parallel:
+        return run
+    replicas = {"simulate_replicas" if settings.simulate else "gpus": settings.replicas}
+    return _dp_config(run, settings).updated({"distribute": replicas})
 
 
-def _length_argv(steps: int | None, time_budget_s: float | None) -> list[str]:
-    if time_budget_s is not None:
-        return ["--time-budget", f"{time_budget_s:.6g}", "--steps", str(steps or 10**7)]
-    return ["--steps", str(steps)]
+def _train(config: ExperimentConfig, run_dir: Path, steps: int | None, time_budget_s: float | None) -> TrainingRun:
+    """Train ``config`` into ``run_dir`` in a process of its own (``compare/child.py``); the run's figures."""
+    # Imported here: ``python -m bigmem.compare.child`` imports this package first, and runpy warns
+    # when the module it is to run was imported before it.
+    from bigmem.compare.child import MODULE, RunRequest
 
-
-def _run_train(argv: list[str], out: Path) -> TrainingRun:
-    """Run ``bigmem train argv --out out`` in its own process; its figures from its run directory."""
-    import numpy as np  # not at import: the CLI imports this module before a NUMA placement applies
-
-    result = subprocess.run([sys.executable, "-m", "bigmem", "train", *argv, "--out", str(out)],
-                            capture_output=True, text=True)
-    if result.returncode != 0:
-        tail = (result.stderr.strip().splitlines() or ["no output"])[-1]
-        raise BigmemError(f"The {out.parent.name}/{out.name} run failed (exit {result.returncode}): {tail}")
-    run = RunDir(out)
-    rows, summary = run.read_metrics(), run.read_summary()
-    steady = rows[1:] or rows  # the first step includes tracing
-    elapsed = np.cumsum([r["step_s"] for r in rows])
-    return TrainingRun.from_dict({
-        "run_dir": str(out), "steps": summary["steps"], "train_s": float(elapsed[-1]),
-        "step_s": float(np.median([r["step_s"] for r in steady])),
-        "voxels_per_s": float(np.median([r["voxels_per_s"] for r in steady])),
-        "peak_host_bytes": summary["peak_rss_bytes"], "final_train_dice": summary["dice"],
-        "curve": [{"step": r["step"], "time_s": float(t), "train_dice": r["dice"],
-                   **({"val_dice": r["val_dice"]} if "val_dice" in r else {})} for r, t in zip(rows, elapsed)]})
+    request = RunRequest(config, str(run_dir), steps, time_budget_s)  # never resumed: no periodic checkpoints
+    return TrainingRun.from_dict(run_child(MODULE, request.to_dict(),
+                                           what=f"Training {run_dir.parent.name}/{run_dir.name}"))
 
 
 def score_run(run_dir: str, store: str, held_out: list[str], *, sliding_window: tuple | None,
@@ -269,13 +256,14 @@ def score_run(run_dir: str, store: str, held_out: list[str], *, sliding_window: 
 
 
 @dataclasses.dataclass(frozen=True)
-class _Paths:
-    """Both paths as planned before either trains: the data-parallel decisions and each path's FLOPs per step."""
+class _Plan:
+    """Both paths as planned before either trains: the data-parallel decisions, each path's FLOPs per step,
+    and the held-out cases both are scored on."""
 
-    parallel: object  # distribute.execution.DataParallel
+    parallel: DataParallel
     cpu_step_flops: float
     dp_step_flops: float
-    held_out: list[str]
+    held_out: tuple[str, ...]
 
 
 def compare(config: ExperimentConfig, out: Path, settings: Settings, *,
@@ -314,60 +302,56 @@ def compare(config: ExperimentConfig, out: Path, settings: Settings, *,
     settings.check()
     progress("pre-flight of both paths ...")
     _, parallel = plan_both_paths(config, counts_function(config), settings)
-    paths = _Paths(parallel, mean_step_flops(config), train_flops(config, parallel.patch, parallel.global_batch),
-                   _held_out(str(config.data.store), settings.holdout))
+    plan = _Plan(parallel, mean_step_flops(config), train_flops(config, parallel.patch, parallel.global_batch),
+                 _held_out(str(config.data.store), settings.holdout))
     out.mkdir(parents=True, exist_ok=True)
     runs: dict[str, list[SeedRun]] = {name: [] for name in PATHS}
     for seed in range(settings.seeds):
-        for name, run in zip(PATHS, _train_and_score(config, settings, paths, seed, out, progress)):
+        for name, run in zip(PATHS, _train_and_score(config, settings, plan, seed, out, progress)):
             runs[name].append(run)
-    report = _report(config, settings, paths, runs)
+    report = _report(config, settings, plan, runs)
     atomic_write_json(out / "compare.json", report.to_dict())
     atomic_write_text(out / "compare.md", markdown(report))
     plot(report, out / "compare.png")
     return report
 
 
-def _train_and_score(config: ExperimentConfig, settings: Settings, paths: _Paths, seed: int, out: Path,
+def _train_and_score(config: ExperimentConfig, settings: Settings, plan: _Plan, seed: int, out: Path,
                      progress: Callable[[str], None]) -> tuple[SeedRun, SeedRun]:
     """One seed: the whole-volume run, the data-parallel run for the same budget, then both scored."""
-    parallel = paths.parallel
-    common = _train_argv(config, settings, seed)
+    parallel = plan.parallel
     progress(f"seed {seed}: training on whole volumes (up to {format_shape(whole_shape(config))}) ...")
-    cpu = _run_train([*common, *_length_argv(settings.steps, settings.cpu_time_budget_s),
-                      "--val-every", str(settings.val_every)], out / "cpu_bigmem" / f"seed-{seed}")
-    cpu_flops = cpu.steps * paths.cpu_step_flops
-    if settings.budget == "flops":
-        length = _length_argv(max(1, round(cpu_flops / paths.dp_step_flops)), None)
+    cpu = _train(_run_config(config, settings, seed, settings.val_every, data_parallel=False),
+                 out / "cpu_bigmem" / f"seed-{seed}", settings.steps, settings.cpu_time_budget_s)
+    if settings.budget == "flops":  # the steps of patches that train as many FLOPs
+        steps, time_budget_s = max(1, round(cpu.steps * plan.cpu_step_flops / plan.dp_step_flops)), None
     else:
-        length = _length_argv(None, settings.cpu_time_budget_s or cpu.train_s)
+        steps, time_budget_s = None, settings.cpu_time_budget_s or cpu.train_s
     where = f"{settings.replicas} {'simulated replicas' if settings.simulate else 'GPUs'}"
     progress(f"seed {seed}: training data parallel on {format_shape(parallel.patch)} patches ({where}) ...")
-    dp_val_every = max(1, round(settings.val_every * paths.cpu_step_flops / paths.dp_step_flops))
-    dp = _run_train([*common, *length, "--val-every", str(dp_val_every), "--strategy", "mirrored",
-                     "--gpu-memory", str(settings.gpu_memory.bytes),
-                     "--simulate-replicas" if settings.simulate else "--gpus", str(settings.replicas)],
-                    out / "data_parallel" / f"seed-{seed}")
-    progress(f"seed {seed}: predicting and scoring {len(paths.held_out)} held-out cases ...")
+    val_every = max(1, round(settings.val_every * plan.cpu_step_flops / plan.dp_step_flops))  # at equal FLOPs
+    dp = _train(_run_config(config, settings, seed, val_every, data_parallel=True),
+                out / "data_parallel" / f"seed-{seed}", steps, time_budget_s)
+    progress(f"seed {seed}: predicting and scoring {len(plan.held_out)} held-out cases ...")
     scored = []
-    for training, step_flops, batch, window in ((cpu, paths.cpu_step_flops, config.train.batch_size, None),
-                                                (dp, paths.dp_step_flops, parallel.global_batch, parallel.patch)):
-        held_out = score_run(training.run_dir, str(config.data.store), paths.held_out, sliding_window=window,
+    for training, step_flops, batch, window in ((cpu, plan.cpu_step_flops, config.train.batch_size, None),
+                                                (dp, plan.dp_step_flops, parallel.global_batch, parallel.patch)):
+        held_out = score_run(training.run_dir, str(config.data.store), list(plan.held_out), sliding_window=window,
                              out=Path(training.run_dir).with_name(f"seed-{seed}-predictions"))
         scored.append(SeedRun(seed, training, training.steps * step_flops, batch / training.step_s, held_out))
     return scored[0], scored[1]
 
 
-def _report(config: ExperimentConfig, settings: Settings, paths: _Paths,
+def _report(config: ExperimentConfig, settings: Settings, plan: _Plan,
             runs: dict[str, list[SeedRun]]) -> CompareReport:
     volumes = largest_whole_volumes(config, settings.gpu_memory.bytes, settings.memory_budget_bytes)
-    shape, parallel = whole_shape(config), paths.parallel
+    shape, parallel = whole_shape(config), plan.parallel
     return CompareReport(
         simulated=settings.simulate, replicas=settings.replicas, gpu_memory_bytes=settings.gpu_memory.bytes,
         gpu_memory_stand_in=settings.gpu_memory.stand_in, model=config.model.name, volume=max(shape),
         shape=tuple(shape), native_shapes=config.data.shape is None, patch_size=tuple(parallel.patch),
         batch={"cpu_bigmem": config.train.batch_size, "data_parallel": parallel.global_batch},
-        held_out_cases=tuple(paths.held_out), budget=_budget_text(settings), seeds=settings.seeds,
+        held_out_cases=plan.held_out, budget=_budget_text(settings), seeds=settings.seeds,
         paths={"cpu_bigmem": PathResult.over_seeds(runs["cpu_bigmem"], max_whole_volume=volumes.host,
                                                    max_whole_volume_mode=volumes.host_mode),
                "data_parallel": PathResult.over_seeds(runs["data_parallel"], max_whole_volume=volumes.gpu)})
@@ -383,11 +367,11 @@ def _budget_text(settings: Settings) -> str:
     return f"equal training time ({length} of training each)"
 
 
-def _held_out(store_path: str, holdout: int) -> list[str]:
+def _held_out(store_path: str, holdout: int) -> tuple[str, ...]:
     from bigmem.data.store import HDF5VolumeStore
 
     with HDF5VolumeStore(store_path, holdout=holdout) as store:
-        return list(store.held_out)
+        return tuple(store.held_out)
 
 
 @dataclasses.dataclass(frozen=True)
