@@ -1,6 +1,7 @@
 """Store size of a BraTS-like dataset: what ``bigmem convert`` writes for MSD Task01-shaped cases.
 
-    python benchmarks/bench_store_size.py [--cases 4] [--source-dtype int16|float32] [--chunks 64|none] [--out DIR]
+    python benchmarks/bench_store_size.py [--cases 4] [--source-dtype int16|float32] [--chunks 64|none] [--quick]
+        [--out DIR]
 
 Writes ``--cases`` MSD Task01-like cases as NIfTI (.nii.gz): 240x240x155, four MRI channels
 (FLAIR, T1w, t1gd, T2w), zero outside a head-shaped ellipsoid, tissue intensities of a few hundred
@@ -8,13 +9,12 @@ with noise, labels 0..3 in a tumour-shaped blob, in the source dtype BraTS ships
 float32). Converts them (uncompressed; 64^3 chunks, the default, or --chunks), and prints per case and in
 total: the .nii.gz bytes, the store bytes and the image dtype the store chose. Run it once with
 the bigmem to measure (``PYTHONPATH=<old checkout> python benchmarks/bench_store_size.py`` for an
-older one: it uses only ``nifti.read_msd`` and ``convert.convert``). Writes
-``store-size-<machine>-<time>.json``.
+older one: it uses only ``read_msd``, in ``data.layouts`` or, before it, ``data.nifti``, and
+``convert.convert``). Writes ``store-size-<machine>-<time>.json``.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import tempfile
@@ -24,7 +24,7 @@ from pathlib import Path
 import h5py
 import nibabel as nib
 import numpy as np
-from _results import write_results
+from harness import bench_parser, write_results
 from rich.console import Console
 from rich.table import Table
 
@@ -67,15 +67,17 @@ def write_dataset(root: Path, cases: int, dtype: str) -> Path:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__, quick={"cases": 1})
     parser.add_argument("--cases", type=int, default=4)
     parser.add_argument("--source-dtype", choices=["int16", "float32"], default="int16")
     parser.add_argument("--chunks", default="64", help="convert's chunk edge, or none (contiguous)")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args(argv)
     import bigmem
     from bigmem.data.convert import convert
-    from bigmem.data.nifti import read_msd
+    try:
+        from bigmem.data.layouts import read_msd
+    except ImportError:  # an older checkout: read_msd was in data.nifti
+        from bigmem.data.nifti import read_msd
 
     console = Console()
     with tempfile.TemporaryDirectory() as tmp:
