@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
-
 
 import bigmem
 from bigmem.cli import main as cli_main
@@ -76,31 +74,3 @@ def test_internal_error_shows_traceback_with_v(capsys, monkeypatch):
     code, _, err = run_cli(["info", "-v"], capsys)
     assert code == 1
     assert "Traceback (most recent call last)" in err
-
-
-def test_info_json_without_tensorflow(capsys):
-    code, out, _ = run_cli(["info", "--json", "--no-tensorflow"], capsys)
-    assert code == 0
-    info = json.loads(out)
-    assert info["cpu"]["logical_cpus"] >= 1
-    assert set(info["cpu"]["isa"]) >= {"avx512f", "avx512_bf16", "amx_bf16"}
-    assert info["numa"]["nodes"][0]["node"] == 0
-    assert info["numa"]["nodes"][0]["cpus"]
-    assert info["numa"]["libnuma"] == "available"
-    assert info["memory"]["total_bytes"] > 0
-    assert "tensorflow" not in info
-
-
-def test_info_reports_tensorflow_and_onednn(capsys):
-    code, out, _ = run_cli(["info", "--json"], capsys)
-    assert code == 0
-    tf_info = json.loads(out)["tensorflow"]
-    assert int(tf_info["tensorflow"].split(".")[1]) >= 16 or int(tf_info["tensorflow"].split(".")[0]) > 2
-    assert tf_info["keras"].startswith("3.")
-    assert isinstance(tf_info["onednn_enabled"], bool)
-
-
-def test_info_table(capsys):
-    code, out, _ = run_cli(["info", "--no-tensorflow"], capsys)
-    assert code == 0
-    assert "NUMA nodes" in out and "avx512f" in out

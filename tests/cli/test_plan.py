@@ -1,0 +1,121 @@
+"""``bigmem plan`` (training and ``--inference``): the candidates, plan.json, exit codes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from helpers import run_cli
+
+
+def test_plan_writes_every_candidate(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    code, stdout, err = run_cli(["plan", "--budget", "4GiB", "--model", "small", "--batch-size", 1,
+                                 "--out", out], capsys)
+    assert code == 0, err
+    plan = json.loads(out.read_text())
+    assert plan["fits"] and plan["budget_bytes"] == 4 * 2**30 and plan["budget_source"] == "--budget"
+    assert plan["predicted_peak_bytes"] <= 4 * 2**30
+    assert set(plan["chosen"]) >= {"volume", "batch_size", "precision", "recompute"}
+    assert len(plan["candidates"]) > 10
+    assert all({"volume", "batch_size", "precision", "recompute", "predicted_peak_bytes", "fits"} <= set(c)
+               for c in plan["candidates"])
+    assert f"chosen: --volume {plan['chosen']['volume']} --batch-size 1" in stdout
+
+
+@pytest.mark.parametrize("flag", ["--memory-budget", "--budget"])
+def test_plan_budget_flag_and_its_alias(tmp_path, capsys, flag):
+    out = tmp_path / "plan.json"
+    code, _, err = run_cli(["plan", flag, "2GiB", "--model", "tiny", "--volume", 16, "--out", out], capsys)
+    assert code == 0, err
+    plan = json.loads(out.read_text())
+    assert (plan["budget_bytes"], plan["budget_source"]) == (2 * 2**30, flag)
+    code, _, err = run_cli(["plan", flag, "lots", "--out", out], capsys)
+    assert code == 2 and f"Invalid {flag} 'lots'" in err
+
+
+def test_plan_nothing_fits_exits_3(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    code, _, err = run_cli(["plan", "--budget", "10MiB", "--model", "small", "--out", out], capsys)
+    assert code == 3
+    assert err.startswith("bigmem plan: error: Nothing fits 10.00 MiB (--budget): the closest candidate, 8^3 x "
+                          "batch 1 ")
+    assert json.loads(out.read_text())["fits"] is False
+
+
+def test_plan_bad_budget(capsys, tmp_path):
+    code, _, err = run_cli(["plan", "--budget", "lots", "--out", tmp_path / "p.json"], capsys)
+    assert code == 2
+    assert err.strip() == ("bigmem plan: error: Invalid --budget 'lots': expected a size such as 512GiB, 1.5TiB, "
+                           "200MB or 1048576.")
+
+
+@pytest.mark.parametrize("precision,native,precisions,warned", [
+    ("auto", "1", {"fp32", "bf16"}, False), ("auto", "0", {"fp32"}, False), ("fp32", "1", {"fp32"}, False),
+    ("bf16", "0", {"fp32", "bf16"}, True)])
+def test_plan_precision_and_predicted_step_time(tmp_path, capsys, monkeypatch, precision, native, precisions, warned):
+    monkeypatch.setenv("BIGMEM_NATIVE_BF16", native)
+    out = tmp_path / "plan.json"
+    code, stdout, err = run_cli(["plan", "--budget", "2GiB", "--model", "small", "--batch-size", 1,
+                                 "--precision", precision, "--out", out], capsys)
+    assert code == 0, err
+    plan = json.loads(out.read_text())
+    assert {c["precision"] for c in plan["candidates"]} == precisions
+    assert all(c["predicted_step_s"] > 0 and c["step_rate_source"] for c in plan["candidates"])
+    assert plan["chosen"]["predicted_step_s"] > 0
+    assert f"step time: {plan['chosen']['predicted_step_s']:.3g} s predicted" in stdout
+    assert ("bf16 is emulated" in stdout) == warned
+
+
+def test_plan_inference_finds_the_largest_volume(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    code, stdout, err = run_cli(["plan", "--inference", "--model", "small", "--budget", "2GiB", "--out", out], capsys)
+    assert code == 0, err
+    plan = json.loads(out.read_text())
+    assert plan["kind"] == "inference" and plan["fits"] and plan["budget_source"] == "--budget"
+    chosen = plan["chosen"]
+    assert chosen["batch_size"] == 1 and chosen["precision"] == "fp32" and chosen["recompute"] == "none"
+    assert chosen["spatial_shape"] == [chosen["volume"]] * 3 and chosen["volume"] % 8 == 0
+    assert plan["predicted_peak_bytes"] <= 2 * 2**30
+    above = [c for c in plan["candidates"] if c["volume"] == chosen["volume"] + 8]
+    assert above and not above[0]["fits"] and above[0]["predicted_peak_bytes"] > 2 * 2**30
+    assert f"largest whole volume: {chosen['volume']}^3" in stdout
+    assert "small inference (fp32, one whole volume) within 2.00 GiB (--budget)" in stdout
+
+
+def test_plan_inference_fixed_volume_exits_3_naming_what_fits(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    code, _, err = run_cli(["plan", "--inference", "--model", "small", "--budget", "2GiB", "--out", out], capsys)
+    largest = json.loads(out.read_text())["chosen"]
+    fixed = tmp_path / "fixed.json"
+    code, stdout, err = run_cli(["plan", "--inference", "--model", "small", "--budget", "2GiB",
+                                 "--volume", largest["volume"] + 64, "--out", fixed], capsys)
+    assert code == 3
+    assert err.startswith("bigmem plan: error: Predicted peak ")
+    assert (f"for small at {largest['volume'] + 64}^3 (inference, fp32) exceeds the memory budget 2.00 GiB "
+            f"(--budget): the largest whole volume that fits is {largest['volume']}^3 (est. ") in err
+    assert "; segment it in sliding windows, or predict with --ignore-plan to try anyway." in err
+    plan = json.loads(fixed.read_text())  # written before the refusal, as bigmem plan does
+    assert plan["kind"] == "inference" and not plan["fits"] and plan["chosen"]["volume"] == largest["volume"] + 64
+    assert f"{largest['volume'] + 64}^3 does not fit" in stdout
+
+
+def test_plan_inference_nothing_fits_exits_3(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    code, _, err = run_cli(["plan", "--inference", "--model", "small", "--budget", "10MiB", "--out", out], capsys)
+    assert code == 3
+    assert err.startswith("bigmem plan: error: Nothing fits 10.00 MiB (--budget): the smallest whole volume, 8^3 "
+                          "(inference, fp32), needs ")
+    assert json.loads(out.read_text())["fits"] is False
+
+
+def test_plan_inference_takes_the_precision_and_refuses_a_batch(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    code, _, err = run_cli(["plan", "--inference", "--model", "small", "--budget", "2GiB", "--precision", "bf16",
+                            "--out", out], capsys)
+    assert code == 0, err
+    assert json.loads(out.read_text())["chosen"]["precision"] == "bf16"
+    code, _, err = run_cli(["plan", "--inference", "--model", "small", "--batch-size", 2, "--out", out], capsys)
+    assert code == 2
+    assert err.strip() == "bigmem plan: error: --inference segments one volume at a time: --batch-size does not apply."
