@@ -1,12 +1,12 @@
 """What depth slabs cost, and proof that every partitioned op is right past 2^31 elements (bigmem/nets/slabs.py).
 
-    python benchmarks/bench_slabs.py [--shared] [--proof] [--small] [--ops conv3d,...] [--warmup 2] [--repeat 7]
+    python benchmarks/bench_slabs.py [--shared] [--proof] [--quick] [--ops conv3d,...] [--warmup 2] [--repeats 7]
         [--out DIR]
 
 ``--shared``: each op forward + backward at one size both paths run (fp32, (1, 128, 128, 128, 32)
 or the op's neighbour in a U-Net), unpartitioned (TF's op; for the norm, the path NormActivation
 takes below the limit) against partitioned (the slab function with the limit lowered by
-BIGMEM_MAX_KERNEL_ELEMENTS so it runs in 4-5 slabs). Median and spread of ``--repeat`` timed
+BIGMEM_MAX_KERNEL_ELEMENTS so it runs in 4-5 slabs). Median and spread of ``--repeats`` timed
 calls after ``--warmup``; GFLOP/s for the convolutions (2 x multiply-adds forward, x 3 forward +
 backward); peak resident bytes of the child (VmHWM, reset once the inputs exist), and how far the
 partitioned peak is above the unpartitioned one, against one slab (the limit x 4 bytes). The
@@ -43,23 +43,14 @@ run by pytest).
 
 from __future__ import annotations
 
-import argparse
-import fcntl
-import json
 import math
 import os
-import signal
 import socket
-import statistics
-import subprocess
 import sys
-import tempfile
-import threading
 import time
 
-from _results import write_results
+from harness import bench_parser, command_line, heavy_turn, run_function, spread, time_calls, write_results
 
-LOCK_PATH = "/tmp/bigmem-heavy.lock"
 LIMIT_VARIABLE = "BIGMEM_MAX_KERNEL_ELEMENTS"  # bigmem.nets.slabs.LIMIT_ENVIRONMENT_VARIABLE
 INT32_LIMIT = 2**31
 # TF's oneDNN CPU allocator (a BFC allocator) counts every region it has reserved, used or not,
@@ -159,6 +150,7 @@ def _shared_case(op: str, path: str, edge: int, channels: int, depth: int | None
 
 
 def child_shared(request: dict) -> dict:
+    """--shared: one op on one path, in its own process (``run_function``): timed steps, peak, copy floor."""
     from bigmem.memory.procfs import peak_rss_bytes, reset_peak_rss, rss_bytes
     from bigmem.sysinfo import tensorflow_description
     from bigmem.tfenv import import_tensorflow
@@ -186,21 +178,16 @@ def child_shared(request: dict) -> dict:
 
     reset = reset_peak_rss()
     baseline_bytes = rss_bytes()
-    times = []
-    for _ in range(request["warmup"] + request["repeat"]):
-        started = time.perf_counter()
-        step(inputs, dy).numpy()
-        times.append(time.perf_counter() - started)
-    times = times[request["warmup"]:]
+    times = time_calls(lambda: step(inputs, dy).numpy(), repeats=request["repeats"], warmup=request["warmup"]).times_s
     peak = peak_rss_bytes()
     copy = {} if request["path"] == "unpartitioned" else {
-        "copy_s": _copy_floor_s([inputs[0], dy], request["warmup"], request["repeat"])}
+        "copy_s": _copy_floor_s([inputs[0], dy], request["warmup"], request["repeats"])}
     return {"times_s": times, "forward_macs": macs, "slabs": slabs or 1, "peak_bytes": peak,
             "baseline_bytes": baseline_bytes, "op_peak_bytes": peak - baseline_bytes, "peak_reset": reset,
             **copy, "tensorflow": tensorflow_description()}
 
 
-def _copy_floor_s(tensors, warmup: int, repeat: int) -> float:
+def _copy_floor_s(tensors, warmup: int, repeats: int) -> float:
     """Median seconds to write each tensor, one after another, into a new buffer with InplaceUpdate (as PlaneWriter)."""
     import tensorflow as tf
 
@@ -216,12 +203,7 @@ def _copy_floor_s(tensors, warmup: int, repeat: int) -> float:
             total += tf.reduce_sum(out[:1, :1])
         return total
 
-    times = []
-    for _ in range(warmup + repeat):
-        started = time.perf_counter()
-        copy(tensors).numpy()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times[warmup:])
+    return time_calls(lambda: copy(tensors).numpy(), repeats=repeats, warmup=warmup).spread.median
 
 
 # ---- child side: the proof past 2^31 --------------------------------------------------------------
@@ -707,6 +689,7 @@ SHARED_OP_SIZES = {"norm_relu_large": ({"edge": 256, "channels": 8}, {"edge": 32
 
 
 def child_proof(request: dict) -> dict:
+    """--proof: one partitioned op past 2^31 elements, in its own process (``run_function``), against its reference."""
     from bigmem.memory.procfs import peak_rss_bytes
     from bigmem.sysinfo import tensorflow_description
     from bigmem.tfenv import import_tensorflow
@@ -728,45 +711,19 @@ def child_proof(request: dict) -> dict:
 # ---- parent side ----------------------------------------------------------------------------------
 
 
-def run_child(request: dict, limit: int | None, timeout_s: float, *, lock_path: str | None = LOCK_PATH,
-              env_extra: dict | None = None) -> dict:
-    """One measurement in its own process, under the heavy-memory lock unless ``lock_path`` is None (--small)."""
+def run_measurement(child, request: dict, limit: int | None, timeout_s: float, *, heavy: bool,
+                    env_extra: dict | None = None) -> dict:
+    """``child(request)`` in its own process, kernel limit ``limit``, under the heavy-memory lock if ``heavy``."""
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **(env_extra or {})}
     env.pop(LIMIT_VARIABLE, None)
     if limit is not None:
         env[LIMIT_VARIABLE] = str(limit)
-    with tempfile.TemporaryDirectory() as tmp, open(lock_path or os.devnull, "a") as lock:
-        result_path = f"{tmp}/result.json"
-        cmd = [sys.executable, os.path.abspath(__file__), "--child", json.dumps(request), "--result", result_path]
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            print(f"  waiting for {lock_path} ...", flush=True)
-            fcntl.flock(lock, fcntl.LOCK_EX)
-        started = time.perf_counter()
-        try:
-            with open(f"{tmp}/err", "w+") as err:
-                proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env)
-                timer = threading.Timer(timeout_s, os.kill, (proc.pid, signal.SIGKILL))
-                timer.start()
-                _, status, usage = os.wait4(proc.pid, 0)  # the child's own peak RSS, even if it was killed
-                timer.cancel()
-                err.seek(0)
-                stderr = err.read()
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-        wall_s = time.perf_counter() - started
-        code = os.waitstatus_to_exitcode(status)
-        row = {"exit_code": code, "wall_s": wall_s, "child_max_rss_bytes": usage.ru_maxrss * 1024}
-        if code == 0 and os.path.exists(result_path):
-            with open(result_path) as handle:
-                return {**row, **json.load(handle)}
-    if code < 0:
-        name = signal.Signals(-code).name
-        why = "timeout" if wall_s >= timeout_s else "killed (out of memory?)" if name == "SIGKILL" else name
-    else:
-        why = (stderr.strip().splitlines() or ["no output"])[-1][:300]
-    return {**row, "error": why, "stderr_tail": stderr.strip().splitlines()[-20:]}
+    with heavy_turn(heavy, lambda message: print(f"  {message}", flush=True)):
+        run = run_function(child, request, env=env, timeout_s=timeout_s, what=f"{request['op']} ({child.__name__})")
+    row = {"exit_code": run.returncode, "wall_s": run.wall_s, "child_max_rss_bytes": run.peak_rss_bytes}
+    if run.ok:
+        return {**row, **run.result}
+    return {**row, "error": run.failure(), "stderr_tail": run.stderr_tail(20)}
 
 
 def _bytes(n: float | None) -> str:
@@ -778,7 +735,7 @@ def _bytes(n: float | None) -> str:
 def run_shared(args, console) -> list[dict]:
     from rich.table import Table
 
-    size = SHARED_SMALL if args.small else SHARED
+    size = SHARED_SMALL if args.quick else SHARED
     itemsize = 4  # float32
     rows = []
     for op in [o for o in args.ops if o in SHARED_OPS]:
@@ -787,17 +744,16 @@ def run_shared(args, console) -> list[dict]:
             paths.insert(1, ("slab code, 1 slab", None))
         base = None
         for path, limit in paths:
-            shape = SHARED_OP_SIZES.get(op, (size, size))[1 if args.small else 0]
-            request = {"part": "shared", "op": op, "path": path, "edge": shape["edge"], "depth": shape.get("depth"),
-                       "channels": shape["channels"], "warmup": args.warmup, "repeat": args.repeat}
+            shape = SHARED_OP_SIZES.get(op, (size, size))[1 if args.quick else 0]
+            request = {"op": op, "path": path, "edge": shape["edge"], "depth": shape.get("depth"),
+                       "channels": shape["channels"], "warmup": args.warmup, "repeats": args.repeats}
             row_shape = (1, shape.get("depth") or shape["edge"], shape["edge"], shape["edge"], shape["channels"])
             row = {"op": op, "path": path, "shape": list(row_shape), "limit": limit,
                    "slab_bytes": limit * itemsize if limit else None,
-                   **run_child(request, limit, args.timeout_s, lock_path=None if args.small else LOCK_PATH)}
+                   **run_measurement(child_shared, request, limit, args.timeout_s, heavy=not args.quick)}
             if "error" not in row:
-                times = row["times_s"]
-                row.update(median_s=statistics.median(times), min_s=min(times), max_s=max(times),
-                           spread_pct=100.0 * (max(times) - min(times)) / statistics.median(times))
+                times = spread(row["times_s"])
+                row.update(**times.as_dict(), spread_pct=times.spread_pct)
                 if row["forward_macs"]:
                     row["gflops"] = 3 * 2 * row["forward_macs"] / row["median_s"] / 1e9
                 if path == "unpartitioned":
@@ -838,15 +794,14 @@ def run_shared(args, console) -> list[dict]:
 def run_proof(args, console) -> list[dict]:
     from rich.table import Table
 
-    geometry = PROOF_SMALL if args.small else PROOF
+    geometry = PROOF_SMALL if args.quick else PROOF
     rows = []
     for op in [o for o in args.ops if o in PROOF_OPS]:
         dtype, what, _ = PROOF_OPS[op]
-        request = {"part": "proof", "op": op, "geometry": geometry}
+        request = {"op": op, "geometry": geometry}
         row = {"op": op, "dtype": dtype, "what": what,
-               **run_child(request, geometry["limit"], args.proof_timeout_s,
-                           lock_path=None if args.small else LOCK_PATH,
-                           env_extra={"TF_MKL_ALLOC_MAX_BYTES": str(ALLOCATOR_CAP_BYTES)})}
+               **run_measurement(child_proof, request, geometry["limit"], args.proof_timeout_s, heavy=not args.quick,
+                                 env_extra={"TF_MKL_ALLOC_MAX_BYTES": str(ALLOCATOR_CAP_BYTES)})}
         if "error" not in row:
             row["max_rel_err"] = max(e["rel_err"] for e in row["errors"].values())
             row["right"] = row["max_rel_err"] <= TOLERANCE[dtype]
@@ -887,26 +842,16 @@ def _elements(shape) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__, repeats=7, repeats_help="timed calls per --shared child", warmup=2,
+                          warmup_help="untimed calls first, per --shared child", quick={}, quick_aliases=("--small",),
+                          quick_help="tiny sizes with a lowered limit: checks the script (also --small)")
     parser.add_argument("--shared", action="store_true", help="partitioned vs unpartitioned at one size")
     parser.add_argument("--proof", action="store_true", help="every partitioned op past 2^31 elements")
-    parser.add_argument("--small", action="store_true", help="tiny sizes with a lowered limit: checks the script")
     parser.add_argument("--ops", default=",".join(dict.fromkeys([*SHARED_OPS, *PROOF_OPS])),
                         help="comma-separated subset (default all)")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--timeout-s", type=float, default=600.0, help="per --shared child")
     parser.add_argument("--proof-timeout-s", type=float, default=1200.0, help="per --proof child")
-    parser.add_argument("--out", default="benchmarks/results")
-    parser.add_argument("--child", help=argparse.SUPPRESS)
-    parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.child:
-        request = json.loads(args.child)
-        result = (child_shared if request["part"] == "shared" else child_proof)(request)
-        with open(args.result, "w") as out:
-            json.dump(result, out)
-        return 0
     args.ops = args.ops.split(",")
     unknown = sorted(set(args.ops) - set(SHARED_OPS) - set(PROOF_OPS))
     if unknown:
@@ -919,15 +864,14 @@ def main(argv: list[str] | None = None) -> int:
     from bigmem.sysinfo import cpu_description
 
     console = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 200)
-    report = {"command": " ".join(["python", "benchmarks/bench_slabs.py", *(argv if argv is not None else
-                                                                           sys.argv[1:])]),
-              "small": args.small, "warmup": args.warmup, "repeat": args.repeat, "tolerance": TOLERANCE}
+    report = {"command": command_line(__file__, argv), "small": args.quick, "warmup": args.warmup,
+              "repeat": args.repeats, "tolerance": TOLERANCE}
     if args.proof:
-        report["proof_geometry"] = PROOF_SMALL if args.small else PROOF
+        report["proof_geometry"] = PROOF_SMALL if args.quick else PROOF
         report["proof_env"] = {"TF_MKL_ALLOC_MAX_BYTES": ALLOCATOR_CAP_BYTES}
         report["proof"] = run_proof(args, console)
     if args.shared:
-        report["shared_size"] = SHARED_SMALL if args.small else SHARED
+        report["shared_size"] = SHARED_SMALL if args.quick else SHARED
         report["shared"] = run_shared(args, console)
     children = report.get("shared", []) + report.get("proof", [])
     tensorflow = next((r["tensorflow"] for r in children if "tensorflow" in r), None)
@@ -941,7 +885,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{'on' if tensorflow and tensorflow['onednn_enabled'] else 'off'}, "
                   f"threads intra {tensorflow and tensorflow['intra_op_threads']} inter "
                   f"{tensorflow and tensorflow['inter_op_threads']} (0 = TF's default: one per CPU)")
-    write_results("slabs-small" if args.small else "slabs", report, args.out, console)
+    write_results("slabs-small" if args.quick else "slabs", report, args.out, console)
     return 0
 
 
