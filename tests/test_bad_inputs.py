@@ -152,6 +152,28 @@ def _set_num_classes(value: int):
     return mutate
 
 
+def _bad_values_store(name: str, *, label: int = 0, nan: bool = False, records: bool = True):
+    """A 3-class store of two 16^3 cases whose 'b' has ``label`` at one voxel (a NaN voxel with ``nan``); without
+    ``records`` the per-case label_max/nonfinite_voxels are gone, as in a store written by an older bigmem."""
+    def setup(tmp: Path, sources: dict) -> None:
+        from bigmem.data.store import StoreWriter
+
+        with StoreWriter(tmp / name, num_classes=3, channel_names=["x"]) as writer:
+            for case_id in ("a", "b"):
+                image = np.random.default_rng(0).normal(size=(16, 16, 16, 1)).astype(np.float32)
+                values = np.zeros((16, 16, 16), np.uint8)
+                if case_id == "b":
+                    values[2, 3, 4] = label
+                    image[5, 6, 7, 0] = np.nan if nan else image[5, 6, 7, 0]
+                writer.add_case(case_id, image, values)
+            writer.commit()
+        if not records:
+            with h5py.File(tmp / name, "r+") as handle:
+                for case in handle["cases"].values():
+                    del case.attrs["label_max"], case.attrs["nonfinite_voxels"]
+    return setup
+
+
 # ---- the cases -------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -236,6 +258,19 @@ CASES = [
          "Cannot open store '{tmp}/nc0.h5': its num_classes (root attribute) is 0; expected 2..256 (background + at "
          "least one class). The store is damaged or was not written by bigmem: write it again with 'bigmem "
          "convert' or 'bigmem synth'.", _store_copy("nc0.h5", _set_num_classes(0))),
+    # refused where the job opens the store, before the first step: no run directory, no checkpoint
+    Case("store-label-past-its-classes", 6, ("train", "--data", "{tmp}/l5.h5", "--model", "tiny", "--steps", "2",
+                                             "--out", "{tmp}/run"), 1,
+         "Case 'b': label value 5 >= number of classes 3 ({tmp}/l5.h5); expected values 0..2: fix the label and "
+         "convert again.", _bad_values_store("l5.h5", label=5)),
+    Case("store-nan-voxel", 6, ("train", "--data", "{tmp}/nan.h5", "--model", "tiny", "--steps", "2",
+                                "--out", "{tmp}/run"), 1,
+         "Case 'b': image has 1 non-finite values (NaN/Inf) ({tmp}/nan.h5); fix the source and convert again.",
+         _bad_values_store("nan.h5", nan=True)),
+    Case("older-store-label-past-its-classes", 6, ("train", "--data", "{tmp}/old.h5", "--model", "tiny", "--steps",
+                                                   "2", "--out", "{tmp}/run"), 1,
+         "Case 'b': label value 7 >= number of classes 3 ({tmp}/old.h5); expected values 0..2: fix the label and "
+         "convert again.", _bad_values_store("old.h5", label=7, records=False)),
     # train/trainer.py's exclusive_run_dir refuses these before TensorFlow starts (the resume and chaos work)
     Case("out-is-a-file", 4, ("train", "--data", "{store}", "--model", "tiny", "--steps", "1", "--out",
                               "{tmp}/afile"), 1,
@@ -445,3 +480,23 @@ def test_report_leaves_out_bad_lines_and_says_so(tmp_path, capsys):
     report = json.loads((run / "report" / "report.json").read_text())
     assert report["runs"][0]["steps"] == 3 and len(report["runs"][0]["notes"]) == 2
     assert "| left out while reading |" in (run / "report" / "report.md").read_text()
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"label": 5}, "Case 'b': label value 5 >= number of classes 3 ({store}); expected values 0..2: fix the label and "
+                   "convert again."),
+    ({"nan": True}, "Case 'b': image has 1 non-finite values (NaN/Inf) ({store}); fix the source and convert again."),
+], ids=["label-5-of-3-classes", "nan-voxel"])
+def test_bad_store_values_are_refused_before_the_first_step(tmp_path, capsys, monkeypatch, bad, message):
+    """Refused where the job opens the store: the loop never starts, no run directory or checkpoint is written."""
+    import bigmem.train.trainer as trainer
+    from bigmem.errors import DataError
+
+    started = []
+    monkeypatch.setattr(trainer, "run_loop", lambda *args, **kwargs: started.append(True) or pytest.fail("stepped"))
+    _bad_values_store("s.h5", **bad)(tmp_path, {})
+    code, _, err = run_cli(["train", "--model", "tiny", "--data", tmp_path / "s.h5", "--steps", 2, "--out",
+                            tmp_path / "run"], capsys)
+    assert err.strip() == "bigmem train: error: " + message.format(store=tmp_path / "s.h5")
+    assert (code, started) == (DataError.exit_code, [])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.h5"]  # no run directory, so no checkpoint or step

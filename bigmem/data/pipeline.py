@@ -351,7 +351,8 @@ class WholeVolumeLoader:
     to it. Padding takes the channel's background value and the label ``PAD_LABEL``. Samples
     are randomly flipped; the order, crops and flips are a pure function of ``(seed, sample
     index)``, so a resumed run continues exactly where it stopped. Image and label values are
-    checked as they are read.
+    checked when the loader is made (``HDF5VolumeStore.validate_for_training``: from the store's
+    records, or one scan of a store without them), and again as they are read.
 
     Args:
         store_path: a bigmem HDF5 store (``bigmem synth`` or ``bigmem convert`` writes one).
@@ -378,7 +379,8 @@ class WholeVolumeLoader:
 
     Raises:
         DataError: the store is missing, not a bigmem store, newer than this bigmem, has no
-            cases or an inconsistent case, or ``holdout`` leaves no case to train on.
+            cases or an inconsistent case, a case with a label value >= its ``num_classes`` or a
+            NaN/Inf voxel, or ``holdout`` leaves no case to train on.
         ValueError: ``shard`` is not ``(index, count)`` with ``0 <= index < count``.
 
     Example:
@@ -391,6 +393,11 @@ class WholeVolumeLoader:
                  cold_cache: bool = False, patch: int | Sequence[int] | None = None, holdout: int = 0,
                  shard: tuple[int, int] = (0, 1), intensity: tuple[float, float] = (0.0, 0.0)):
         self.store = HDF5VolumeStore(store_path, cold_cache=cold_cache, holdout=holdout)
+        try:  # a bad label or voxel is refused here, before the first training step, not when its case is read
+            self.store.validate_for_training()
+        except BaseException:
+            self.store.close()
+            raise
         # (index, count): this process loads only its slice of each global batch of count x batch_size
         # samples (a worker of a multi-host run); the sample order stays that of one process.
         self.shard_index, self.num_shards = (int(shard[0]), int(shard[1]))

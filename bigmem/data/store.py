@@ -2,8 +2,11 @@
 
 Layout: ``/cases/<case_id>/image`` (D, H, W, C) and ``/cases/<case_id>/label`` (D, H, W) uint8.
 Case attributes: ``spacing``, ``affine``, ``source_affine``, ``source_image``, ``source_label``,
-``intensity_stats`` (JSON: ``bigmem.data.preprocess.case_statistics``); ``/cases/<case_id>/foreground``
-(N, C) float32 holds a sample of the case's foreground voxels where the CT statistics need it.
+``intensity_stats`` (JSON: ``bigmem.data.preprocess.case_statistics``), ``label_max`` and
+``nonfinite_voxels`` (the largest label value and the count of NaN/Inf image voxels, as written:
+what ``HDF5VolumeStore.validate_for_training`` checks without reading the voxels);
+``/cases/<case_id>/foreground`` (N, C) float32 holds a sample of the case's foreground voxels
+where the CT statistics need it.
 Root attributes: ``bigmem_store_version``, ``num_classes``, ``channel_names``, ``label_names``,
 ``preprocessing`` (JSON: ``bigmem.data.preprocess.Preprocessing``; absent: per-case z-score), and
 ``regions`` where the classes stand for nnU-Net regions (JSON ``{"whole_tumor": [1, 2, 3], ...}``).
@@ -38,6 +41,24 @@ DEFAULT_CHUNK_EDGE = 64
 # values they unite and scored as regions (written by convert for region labels; absent: plain classes).
 REGIONS_ATTR = "regions"
 REGIONS_EXAMPLE = '{"whole_tumor": [1, 2, 3], "tumor_core": [2, 3], "enhancing_tumor": [3]}'
+# Case attributes StoreWriter records as it writes a case (it holds every voxel then), so that training can
+# refuse bad values before its first step without reading the store; stores written before them are scanned.
+LABEL_MAX_ATTR = "label_max"
+NONFINITE_ATTR = "nonfinite_voxels"
+
+
+def nonfinite_voxels(image: np.ndarray) -> int:
+    """How many values of ``image`` are NaN or Inf (0 for an integer image).
+
+    One summing pass without a full-size temporary: the sum (float32 at least) is finite unless a
+    value is NaN/Inf, or finite values overflow it, which the exact count then clears. As fast as
+    ``isfinite`` without its temporary (timings: benchmarks/results/input_pipeline.md).
+    """
+    if not np.issubdtype(image.dtype, np.floating):
+        return 0
+    if np.isfinite(np.sum(image, dtype=np.result_type(image.dtype, np.float32))):
+        return 0
+    return int(np.count_nonzero(~np.isfinite(image)))
 
 
 def checked_regions(raw, where: str, num_classes: int | None = None) -> dict[str, list[int]]:
@@ -304,6 +325,11 @@ class HDF5VolumeStore:
             DataError: no such case, a read error (truncated or corrupt file), NaN/Inf image
                 values (when ``check_finite``), or a label value >= ``num_classes``.
         """
+        image, label = self._read_whole(case_id)
+        return self._checked(case_id, np.asarray(image, dtype=np.float32), label)
+
+    def _read_whole(self, case_id: str) -> tuple[np.ndarray, np.ndarray]:
+        """A case's image and label as stored (the image in its storage dtype), unchecked."""
         handle = self._handle()
         try:
             if case_id not in self._layout:  # looked up once: h5py object access is slow per case
@@ -316,14 +342,74 @@ class HDF5VolumeStore:
             else:
                 case = handle["cases"][case_id]
                 image, label = case["image"][...], case["label"][...]
-            image = np.asarray(image, dtype=np.float32)
             self._drop_cache()
         except KeyError:
             raise DataError(f"Case {case_id!r} is not in store {str(self.path)!r}.") from None
         except OSError as exc:
             raise DataError(f"Case {case_id!r}: cannot read from {str(self.path)!r} ({exc}); the store may be "
                             "truncated or corrupt.") from None
-        return self._checked(case_id, image, label)
+        return image, label
+
+    def validate_for_training(self, num_classes: int | None = None, *, show_progress: bool = True) -> None:
+        """Refuse, before any training step, a case whose labels reach ``num_classes`` or whose image holds NaN/Inf.
+
+        Every case is checked, held-out ones too (validation reads them). The checks use what the
+        writer recorded per case (``label_max``, ``nonfinite_voxels``); the cases of a store written
+        before those records are read once, with a progress bar while it lasts (one line in a log). A store
+        damaged after it was written is still refused by ``read_case`` when the case is read.
+
+        Args:
+            num_classes: the classes the network predicts (default None: the store's ``num_classes``).
+            show_progress: show the progress bar of a scan (default True).
+
+        Raises:
+            DataError: naming the first bad case, its value and what was expected, e.g.
+                "Case 'x': label value 5 >= number of classes 3 (store.h5); expected values 0..2: fix the
+                label and convert again."
+
+        Example:
+            >>> HDF5VolumeStore("brats.h5").validate_for_training()  # returns, or raises before the first step
+        """
+        num_classes = self.num_classes if num_classes is None else int(num_classes)
+        unrecorded = []
+        for info in self.cases + self.held_out_cases:
+            recorded = self._recorded_values(info.case_id)
+            if recorded is None:
+                unrecorded.append(info)
+            else:
+                self._refuse_values(info.case_id, *recorded, num_classes)
+        if not unrecorded:
+            return
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+        console = Console()
+        what = f"Checking the labels and voxels of {len(unrecorded)} cases (the store records none)"
+        if show_progress and not console.is_terminal:  # a log: one line, not a bar's redraws
+            console.print(f"{what} ...")
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), transient=True,
+                      console=console, disable=not (show_progress and console.is_terminal)) as progress:
+            task = progress.add_task(what, total=len(unrecorded))
+            for info in unrecorded:
+                image, label = self._read_whole(info.case_id)
+                self._refuse_values(info.case_id, int(label.max()) if label.size else 0, nonfinite_voxels(image),
+                                    num_classes)
+                progress.advance(task)
+
+    def _recorded_values(self, case_id: str) -> tuple[int, int] | None:
+        """``(label_max, nonfinite_voxels)`` as the writer recorded them, or None (a store from before the records)."""
+        attrs = self._handle()["cases"][case_id].attrs
+        if LABEL_MAX_ATTR not in attrs or NONFINITE_ATTR not in attrs:
+            return None
+        return int(attrs[LABEL_MAX_ATTR]), int(attrs[NONFINITE_ATTR])
+
+    def _refuse_values(self, case_id: str, label_max: int, nonfinite: int, num_classes: int) -> None:
+        if nonfinite:
+            raise DataError(f"Case {case_id!r}: image has {nonfinite} non-finite values (NaN/Inf) ({self.path}); "
+                            "fix the source and convert again.")
+        if label_max >= num_classes:
+            raise DataError(f"Case {case_id!r}: label value {label_max} >= number of classes {num_classes} "
+                            f"({self.path}); expected values 0..{num_classes - 1}: fix the label and convert again.")
 
     def case_stats(self, case_id: str) -> dict | None:
         """The case's intensity statistics as convert recorded them (``preprocess.case_statistics``), or None
@@ -399,19 +485,10 @@ class HDF5VolumeStore:
         return self._checked(case_id, image, label)
 
     def _checked(self, case_id: str, image: np.ndarray, label: np.ndarray):
-        # One pass, no temporary: the sum is finite unless a value is NaN/Inf (or finite values
-        # overflow float32, which the exact count below then clears). As fast as isfinite without
-        # its full-size temporary (timings: benchmarks/results/input_pipeline.md).
-        if not self.check_finite or np.isfinite(np.sum(image)):
-            bad = 0
-        else:
-            bad = np.count_nonzero(~np.isfinite(image))
-        if bad:
-            raise DataError(f"Case {case_id!r}: image has {bad} non-finite values (NaN/Inf) ({self.path}); "
-                            "fix the source and convert again.")
-        if label.size and int(label.max()) >= self.num_classes:
-            raise DataError(f"Case {case_id!r}: label value {int(label.max())} >= number of classes "
-                            f"{self.num_classes} ({self.path}); expected values 0..{self.num_classes - 1}.")
+        """The values as read, checked again: ``validate_for_training`` trusts the records, and a store
+        damaged after they were written would otherwise reach the network."""
+        self._refuse_values(case_id, int(label.max()) if label.size else 0,
+                            nonfinite_voxels(image) if self.check_finite else 0, self.num_classes)
         return image, label.astype(np.uint8, copy=False)
 
     def close(self) -> None:
@@ -602,7 +679,8 @@ class StoreWriter:
             source_image, source_label: the source files' paths (``source_image``: one per channel file
                 where the image came as several, nnU-Net v2's CASE_0000, CASE_0001, ...).
             attrs: more case attributes; without ``intensity_stats`` the statistics of ``image`` as given
-                are recorded (convert gives those of the case before its crop or pad).
+                are recorded (convert gives those of the case before its crop or pad). ``label_max`` and
+                ``nonfinite_voxels`` are always those of the arrays written.
             foreground: a sample of the case's foreground voxels ``(N, C)``, kept for the CT statistics.
 
         Raises:
@@ -622,7 +700,9 @@ class StoreWriter:
             try:
                 attrs[STATS_ATTR] = json.dumps(case_statistics(image))
             except DataError:
-                pass  # NaN/Inf values: no statistics to record, and reading the case refuses it
+                pass  # NaN/Inf values: no statistics to record, and training refuses the case
+        attrs[LABEL_MAX_ATTR] = int(label.max()) if label.size else 0
+        attrs[NONFINITE_ATTR] = nonfinite_voxels(image)
         with self._writing():
             group = self._cases.create_group(case_id)
             self._write_case(group, image, label)

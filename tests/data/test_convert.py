@@ -114,6 +114,10 @@ def test_manifest(msd_3d, tmp_path, capsys):
                                                        "std": None}]}  # FLAIR: MRI, no zero background
     digest = hashlib.sha256((msd_3d / "imagesTr" / "c_033.nii.gz").read_bytes()).hexdigest()
     assert entry["source_sha256"]["image"] == digest
+    with h5py.File(out, "r") as handle:  # what training checks before its first step, without reading voxels
+        for case_id, case in manifest["cases"].items():
+            attrs = handle["cases"][case_id].attrs
+            assert (int(attrs["label_max"]), int(attrs["nonfinite_voxels"])) == (max(case["label_values"]), 0)
 
 
 def test_4d_images_and_nnunet_style_json(tmp_path, capsys):

@@ -266,3 +266,22 @@ def test_shards_split_every_global_batch_in_the_order_of_one_process(tiny_store)
                 np.testing.assert_array_equal(labels, whole[step][1][2 * index:2 * index + 2])
     with pytest.raises(ValueError, match=r"shard \(2, 2\)"):
         WholeVolumeLoader(tiny_store, batch_size=2, shard=(2, 2))
+
+
+@pytest.mark.parametrize("bad", ["label", "nan"])
+def test_the_loader_refuses_a_bad_case_when_it_is_made_not_when_it_is_read(tmp_path, bad):
+    """Before the first step: the loader's construction is where a training job opens the store."""
+    from bigmem.data.store import StoreWriter
+
+    with StoreWriter(tmp_path / "s.h5", num_classes=3, channel_names=["x"]) as writer:
+        for index in range(3):
+            image, label = np.ones((8, 8, 8, 1), np.float32), np.zeros((8, 8, 8), np.uint8)
+            if index == 2:
+                label[1, 1, 1] = 5 if bad == "label" else 0
+                image[1, 1, 1, 0] = np.nan if bad == "nan" else 1.0
+            writer.add_case(f"c{index}", image, label)
+        writer.commit()
+    message = {"label": r"^Case 'c2': label value 5 >= number of classes 3 \(",
+               "nan": r"^Case 'c2': image has 1 non-finite values \(NaN/Inf\) \("}[bad]
+    with pytest.raises(DataError, match=message):
+        WholeVolumeLoader(tmp_path / "s.h5", batch_size=1)

@@ -150,7 +150,7 @@ def _label_out_of_range(handle):
     (_nan_image, r"^Case 'synth_0000': image has 2 non-finite values \(NaN/Inf\) \(.*bad.h5\); fix the source "
                  r"and convert again\.$"),
     (_label_out_of_range, r"^Case 'synth_0000': label value 7 >= number of classes 3 \(.*bad.h5\); expected "
-                          r"values 0\.\.2\.$"),
+                          r"values 0\.\.2: fix the label and convert again\.$"),
 ])
 def test_value_errors_on_read(corrupt_store, mutate, message):
     store = HDF5VolumeStore(corrupt_store(mutate))
@@ -195,3 +195,72 @@ def test_damaged_store_through_train_is_one_line(damage, tiny_store, corrupt_sto
     assert len(lines) == 1 and lines[0].startswith("bigmem train: error: ") and "Traceback" not in err
     assert str(path) in lines[0]
     assert not (tmp_path / "r").exists()
+
+
+# ---- values checked before training: the writer's records, or one scan -----------------------------
+
+def _write(path, labels: dict[str, int], nan_in: str | None = None, num_classes: int = 3):
+    """A store of 8x9x10 cases whose label holds ``labels[case]`` at one voxel (a NaN image voxel in ``nan_in``)."""
+    rng = np.random.default_rng(0)
+    with StoreWriter(path, num_classes=num_classes, channel_names=["x"]) as writer:
+        for case_id, value in labels.items():
+            image = rng.normal(size=(8, 9, 10, 1)).astype(np.float32)
+            if case_id == nan_in:
+                image[1, 2, 3, 0] = np.nan
+            label = np.zeros((8, 9, 10), np.uint8)
+            label[4, 4, 4] = value
+            writer.add_case(case_id, image, label)
+        writer.commit()
+    return path
+
+
+def _forget_records(path):
+    """The store as an older bigmem wrote it: no label_max, no nonfinite_voxels."""
+    with h5py.File(path, "r+") as handle:
+        for case in handle["cases"].values():
+            del case.attrs["label_max"], case.attrs["nonfinite_voxels"]
+    return path
+
+
+def test_the_writer_records_each_case_s_label_max_and_non_finite_voxels(tmp_path):
+    with h5py.File(_write(tmp_path / "s.h5", {"a": 2, "b": 0, "c": 1}, nan_in="c"), "r") as handle:
+        assert [(int(c.attrs["label_max"]), int(c.attrs["nonfinite_voxels"])) for c in handle["cases"].values()] == [
+            (2, 0), (0, 0), (1, 1)]
+
+
+@pytest.mark.parametrize("recorded", [True, False], ids=["recorded", "scanned"])
+@pytest.mark.parametrize("labels, nan_in, message", [
+    ({"a": 1, "b": 5}, None, r"^Case 'b': label value 5 >= number of classes 3 \(.*s\.h5\); expected values 0\.\.2: "
+                             r"fix the label and convert again\.$"),
+    ({"a": 1, "b": 2}, "a", r"^Case 'a': image has 1 non-finite values \(NaN/Inf\) \(.*s\.h5\); fix the source and "
+                            r"convert again\.$"),
+], ids=["label-5-of-3-classes", "nan-voxel"])
+def test_validate_for_training_refuses_a_bad_case(tmp_path, capsys, recorded, labels, nan_in, message):
+    path = _write(tmp_path / "s.h5", labels, nan_in)
+    if not recorded:
+        _forget_records(path)
+    with pytest.raises(DataError, match=message):
+        HDF5VolumeStore(path).validate_for_training()
+    scanned = "Checking the labels and voxels of 2 cases (the store records none) ...\n"
+    assert capsys.readouterr().out == ("" if recorded else scanned)  # one line in a log, not a bar's redraws
+
+
+def test_validate_for_training_reads_no_voxel_of_a_store_with_records(tmp_path, monkeypatch):
+    store = HDF5VolumeStore(_write(tmp_path / "s.h5", {"a": 1, "b": 1, "c": 2}), holdout=1)
+
+    def no_reads(case_id):
+        raise AssertionError(f"read {case_id}")
+
+    monkeypatch.setattr(store, "_read_whole", no_reads)
+    store.validate_for_training()
+    with pytest.raises(DataError, match=r"^Case 'c': label value 2 >= number of classes 2 "):
+        store.validate_for_training(2)  # the held-out case is checked too: validation reads it
+
+
+def test_validate_for_training_scans_an_older_store_once_and_passes_a_good_one(tmp_path, monkeypatch):
+    store = HDF5VolumeStore(_forget_records(_write(tmp_path / "s.h5", {"a": 1, "b": 2})))
+    read = []
+    real = store._read_whole
+    monkeypatch.setattr(store, "_read_whole", lambda case_id: read.append(case_id) or real(case_id))
+    store.validate_for_training(show_progress=False)
+    assert read == ["a", "b"]
