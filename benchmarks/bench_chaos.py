@@ -2,7 +2,7 @@
 run with an uninterrupted one of the same seed.
 
     python benchmarks/bench_chaos.py [--kills 20] [--steps 200] [--checkpoint-every 4] [--volume 32]
-        [--seed 0] [--out DIR]
+        [--seed 0] [--quick] [--out DIR]
 
 One uninterrupted run (the reference, which also times start-up and a step), then ``--kills``
 launches of the same command (``--resume`` added from the second on), each killed in one of four
@@ -19,7 +19,6 @@ pytest; tests/train/test_chaos.py runs the same driver with 3 kills).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -271,20 +270,19 @@ def chaos(settings: Settings, folder: Path, kills: int, seed: int = 0, phases=PH
 
 
 def main(argv: list[str] | None = None) -> int:
-    from _results import write_results
+    from harness import bench_parser, write_results  # here: tests/train/test_chaos.py imports this file alone
     from rich.console import Console
     from rich.table import Table
 
     from bigmem.data.synth import write_synthetic_store
     from bigmem.memory.calibration import cpu_model, tensorflow_version
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__, quick={"kills": 4, "steps": 12})  # one kill per phase
     parser.add_argument("--kills", type=int, default=20)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--checkpoint-every", type=int, default=4)
     parser.add_argument("--volume", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0, help="seed of the kill moments (the runs use --seed 1)")
-    parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
     console = Console(soft_wrap=True, width=max(Console().width, 120))  # the table's nine columns
     with tempfile.TemporaryDirectory(prefix="bigmem-bench-chaos-") as folder:
