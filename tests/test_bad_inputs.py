@@ -110,6 +110,18 @@ def _store_copy(name: str, mutate: Callable | None = None) -> Callable[[Path, di
     return setup
 
 
+def _msd_with_a_nan_case(tmp: Path, sources: dict) -> None:
+    """A copy of the shared MSD folder whose second case ('b') has a NaN voxel: it fails after 'a' was written."""
+    import shutil
+
+    shutil.copytree(sources["msd"], tmp / "nanmsd")
+    path = tmp / "nanmsd" / "imagesTr" / "b.nii.gz"
+    image = nib.load(str(path))
+    data = np.asarray(image.dataobj, np.float32)
+    data[1, 2, 3] = np.nan
+    nib.save(nib.Nifti1Image(data, image.affine), str(path))
+
+
 def _a_dir(tmp: Path, sources: dict) -> None:
     (tmp / "adir").mkdir()
     (tmp / "adir" / "keep.txt").write_text("keep me")
@@ -216,6 +228,9 @@ CASES = [
          "Cannot write -o '{tmp}/adir': it is a directory; expected a file name.", _a_dir),
     Case("out-in-unwritable-directory", 4, ("convert", "{msd}", "-o", "{ro}/sub/out.h5"), 1,
          "Cannot write -o '{ro}/sub/out.h5': directory '{ro}' is not writable (<*>)."),
+    Case("out-in-missing-nested-folders", 2, ("convert", "{tmp}/nanmsd", "-o", "{tmp}/a/b/c/out.h5"), 1,
+         "Case 'b': image has 1 non-finite values (NaN/Inf) ({tmp}/nanmsd/imagesTr/b.nii.gz).",
+         _msd_with_a_nan_case),  # 'a' was written first: the folders made for the store go with it
     Case("spacing-nan", 4, ("convert", "{msd}", "-o", "{tmp}/out.h5", "--spacing", "nan,1,1"), 2,
          "Invalid --spacing 'nan,1,1': expected three positive numbers (mm) such as 1,1,1.5."),
     Case("spacing-too-fine-for-memory", 4, ("convert", "{msd}", "-o", "{tmp}/out.h5", "--spacing", "1e-9,1,1"), 3,

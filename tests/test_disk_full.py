@@ -114,11 +114,12 @@ def test_convert_refuses_a_store_that_cannot_fit_before_reading_a_case(msd, smal
     assert _listing(fs) == []
 
 
-def test_convert_that_fills_the_disk_exits_1_with_one_line_and_leaves_nothing(msd, small_fs):
+@pytest.mark.parametrize("out", ["out.h5", "a/b/c/out.h5"], ids=["beside", "in-missing-folders"])
+def test_convert_that_fills_the_disk_exits_1_with_one_line_and_leaves_nothing(msd, small_fs, out):
     fs = small_fs(256 * 1024)  # lzf cannot squeeze ~600 KiB of random floats into it; compressed: no pre-check
-    line = _one_line(_bigmem("convert", msd, "-o", fs / "out.h5", "--compression", "lzf"))
-    assert line == MESSAGE.format(path=fs / "out.h5", needed="more than 256.00 KiB", free="256.00 KiB")
-    assert _listing(fs) == []
+    line = _one_line(_bigmem("convert", msd, "-o", fs / out, "--compression", "lzf"))
+    assert line == MESSAGE.format(path=fs / out, needed="more than 256.00 KiB", free="256.00 KiB")
+    assert _listing(fs) == []  # nor the folders a/b/c made for it
 
 
 @pytest.mark.parametrize("flags", [["--chunks", "none"], ["--chunks", "16"], ["--block-size", "8KiB"]],
