@@ -18,8 +18,8 @@ after its exit the parent finds no VmHWM left), and RUSAGE_CHILDREN in the bench
 largest of *all* the children it has waited for, so every child after a big one would read big.
 ru_maxrss is the same high-water mark as VmHWM (Linux keeps it in KiB), taken when the child is
 reaped, however it ended (for a child that starts processes of its own: the largest of them and
-it, not their sum). A child that resets its own VmHWM (``procfs.reset_peak_rss``) resets
-this one too; such a child reports the peak it wants in its result.
+it, not their sum). The kernel keeps one mark: a child that resets its VmHWM
+(``procfs.reset_peak_rss``) lowers this one too, and reports the peak it wants in its result.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from _results import machine_slug, write_results
 
@@ -136,7 +136,7 @@ class Spread:
         return {f"median{suffix}": self.median, f"min{suffix}": self.min, f"max{suffix}": self.max}
 
 
-def spread(values: Sequence[float]) -> Spread:
+def spread(values: Iterable[float]) -> Spread:
     """The median, min and max of ``values``.
 
     Raises:
@@ -227,11 +227,14 @@ class ChildRun:
         """Why the child failed, in a few words: 'timeout (-9)', 'segfault (-11)', or its last line of stderr."""
         code = self.returncode
         if code < 0:
-            name = signal.Signals(-code).name
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:  # a real-time signal has no name
+                name = f"signal {-code}"
             if name == "SIGKILL":
                 return f"{'timeout' if self.timed_out else 'killed (out of memory?)'} ({code})"
             return f"{SIGNAL_NAMES.get(name, name)} ({code})"
-        if code == 0 and not self.timed_out:
+        if code == 0 and self.function is not None and self.result is None:
             last = (self.stdout.strip().splitlines() or ["nothing"])[-1]
             return f"printed no result (its last line: {last[:200]!r})"
         return (self.stderr_tail() or ["no output"])[0][:300]
@@ -309,8 +312,8 @@ def run_function(function: Callable[[dict], dict], request: dict, *, what: str, 
         raise ValueError(f"run_function needs a function defined at the top level of a file; got "
                          f"{function.__qualname__!r}.")
     with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="bigmem-bench-call-") as handle:
-        json.dump({"call": {"path": inspect.getfile(function), "function": function.__name__}, "request": request},
-                  handle)
+        json.dump({"call": {"path": os.path.abspath(inspect.getfile(function)), "function": function.__name__},
+                   "request": request}, handle)
         handle.flush()
         run = run_command([sys.executable, "-m", "harness", handle.name], what=what, timeout_s=timeout_s,
                           env=_with_benchmarks_on_path(env))

@@ -104,6 +104,8 @@ def test_a_crashed_child_still_reports_its_exit_signal_and_peak(child):
 
 
 def test_run_command_reports_exit_codes_and_timeouts():
+    done = harness.run_command([sys.executable, "-c", "print('hi')"], what="Greeting")
+    assert done.check("Greeting") is done and done.stdout == "hi\n" and done.peak_rss_bytes > 0
     failed = harness.run_command([sys.executable, "-c", "print('out'); raise SystemExit('the last word')"],
                                  what="Failing")
     assert (failed.returncode, failed.stdout, failed.failure()) == (1, "out\n", "the last word")
