@@ -1,10 +1,12 @@
-"""The one protocol between bigmem and the child processes it measures in.
+"""The one protocol between bigmem and the child processes it starts.
 
-A measurement that must see a fresh process's peak memory (VmHWM) runs in a child: the parent
-writes the request as a JSON file, starts ``python -m MODULE REQUEST.json``, and reads the result
-from the child's last line of stdout, one JSON object; a child that fails is reported with the
-last line of its stderr. ``memory/measure.py`` runs the training and inference probes
-(``train/probe.py``, ``infer/probe.py``) this way; each probe's ``main`` is ``serve``.
+Work that must run in a fresh process (a measurement of its peak memory, VmHWM; a training run
+of its own) runs in a child: the parent writes the request as a JSON file, starts
+``python -m MODULE REQUEST.json``, and reads the result from the child's last line of stdout,
+one JSON object; a child that fails is reported with the last line of its stderr. Its users:
+``memory/measure.py`` runs the training and inference probes (``train/probe.py``,
+``infer/probe.py``), ``compare/run.py`` each run of a comparison (``compare/child.py``), and the
+benchmarks' harness its children; each child's ``main`` is ``serve``.
 """
 
 from __future__ import annotations
