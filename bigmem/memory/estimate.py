@@ -16,6 +16,7 @@ from typing import Sequence
 from bigmem.config.options import OptimizerName, Precision, Recompute
 from bigmem.config.schema import ExperimentConfig
 from bigmem.nets.limits import max_kernel_elements, slab_elements
+from bigmem.nets.slabplan import min_frame_planes, plane_runnable
 from bigmem.memory.calibration import Calibration, lookup_calibration, recompute_key
 
 FLOAT32_BYTES = 4
@@ -34,10 +35,6 @@ WORKSPACE_FLOAT32_TENSORS = 1
 # The input pipeline holds `prefetch` finished batches, the batch the step consumes and the one
 # being assembled.
 PIPELINE_EXTRA_BATCHES = 2
-# The fewest depth planes a slab of a 3x3x3 conv's input gradient needs: one plane is read by
-# three output planes, which read two more on each side (nets/slabs.py). Wider planes than the
-# kernel limit over this many cannot be run at all.
-SLAB_FRAME_PLANES = 5
 
 
 @dataclass
@@ -54,7 +51,7 @@ class Estimate:
     train_flops_per_step: int = 0
     notes: list[str] = field(default_factory=list)
     partitioned_stages: list[str] = field(default_factory=list)  # stages run in depth slabs
-    runnable: bool = True  # False where one depth plane is too wide for any slab (see SLAB_FRAME_PLANES)
+    runnable: bool = True  # False where one depth plane is too wide for any slab (see slab_verdict)
 
     @property
     def predicted_peak_bytes(self) -> int:
@@ -149,6 +146,29 @@ def partitioned_stages(counts: NetworkCounts, batch_size: int) -> list[str]:
     """Stages with a tensor past the kernel limit: their ops run in depth slabs (nets/slabs.py)."""
     limit = max_kernel_elements()
     return [name for name, n in counts.stage_largest.items() if n * batch_size > limit]
+
+
+def slab_verdict(widest_plane: int) -> tuple[bool, list[str]]:
+    """Whether a shape runs at all, by its widest depth plane, and the note that says why not.
+
+    The planner's rule (``nets.slabplan.plane_runnable``): a plane too wide for
+    ``min_frame_planes()`` of it under the kernel limit makes a conv the planner refuses
+    (``SlabTooLargeError``), so the shape is not runnable at any budget.
+
+    Args:
+        widest_plane: elements of the widest tensor's depth plane, ``H * W * C``.
+
+    Returns:
+        ``(runnable, notes)``: notes is empty when runnable, else one ``"not runnable: ..."`` line.
+
+    Example:
+        >>> slab_verdict(512 * 512 * 32)
+        (True, [])
+    """
+    if plane_runnable(widest_plane):
+        return True, []
+    return False, [f"not runnable: a depth plane of {widest_plane:,} elements is too wide for any slab under the "
+                   f"kernel limit of {max_kernel_elements():,} elements (needs {min_frame_planes()} planes)"]
 
 
 def activation_elements(counts: NetworkCounts, recompute: Sequence[str]) -> int:
@@ -252,11 +272,8 @@ def estimate(config: ExperimentConfig, counts: NetworkCounts, spatial_shape: Seq
         components["safety_margin"] = calibration.safety_margin(sum(components.values()))
         notes.append(f"calibration: {calibration.source}; run `bigmem profile --calibrate --model "
                      f"{config.model.name}` to measure this machine")
-    widest_plane = counts.largest_tensor // spatial_shape[0]
-    runnable = widest_plane * SLAB_FRAME_PLANES <= max_kernel_elements()
-    if not runnable:
-        notes.append(f"not runnable: a depth plane of {widest_plane:,} elements is too wide for any slab under the "
-                     f"kernel limit of {max_kernel_elements():,} elements (needs {SLAB_FRAME_PLANES} planes)")
+    runnable, unrunnable = slab_verdict(counts.largest_tensor // spatial_shape[0])
+    notes += unrunnable
     if sliced:
         notes.append(f"{len(sliced)} stages hold tensors past {max_kernel_elements():,} elements, the limit bigmem "
                      f"keeps TF's CPU kernels under, and run in depth slabs of at most "

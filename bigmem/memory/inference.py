@@ -35,7 +35,7 @@ from bigmem.memory.calibration import (
     FALLBACK_ISA, Calibration, knot_tuples, last_slope, machine_isa_class, unmeasured_margin,
 )
 from bigmem.memory.estimate import (
-    BFLOAT16_BYTES, FLOAT32_BYTES, SLAB_FRAME_PLANES, Estimate, NetworkCounts,
+    BFLOAT16_BYTES, FLOAT32_BYTES, Estimate, NetworkCounts, slab_verdict,
 )
 from bigmem.memory.measure import InferenceMeasurement, measure_inference
 from bigmem.nets.limits import exceeds_limit, max_kernel_elements, slab_elements
@@ -243,10 +243,8 @@ def estimate_inference(config: ExperimentConfig, counts: NetworkCounts, spatial_
         notes.append(f"calibration: {calibration.source}")
     sliced = [name for name, n in counts.stage_largest_tensor.items() if n > max_kernel_elements()]  # batch 1
     widest_plane = max(counts.stage_largest_tensor.values(), default=counts.largest_tensor) // spatial_shape[0]
-    runnable = widest_plane * SLAB_FRAME_PLANES <= max_kernel_elements()
-    if not runnable:
-        notes.append(f"not runnable: a depth plane of {widest_plane:,} elements is too wide for any slab under the "
-                     f"kernel limit of {max_kernel_elements():,} elements (needs {SLAB_FRAME_PLANES} planes)")
+    runnable, unrunnable = slab_verdict(widest_plane)
+    notes += unrunnable
     if sliced:
         notes.append(f"{len(sliced)} stages hold tensors past {max_kernel_elements():,} elements, the limit bigmem "
                      f"keeps TF's CPU kernels under, and run in depth slabs of at most "

@@ -11,6 +11,7 @@ allocator then hands each slab the buffer the one before it freed.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -426,3 +427,60 @@ def plan_pool(in_shape: Sequence[int], pool: int, *, limit: int | None = None) -
     tail = (Slab(out_depth, out_depth, pool * out_depth, depth),) if depth > pool * out_depth else ()
     return SlabPlan(tuple(Slab(pool * o0, pool * o1, o0, o1) for o0, o1 in ranges),
                     tuple(Slab(o0, o1, pool * o0, pool * o1) for o0, o1 in ranges) + tail)
+
+
+# ---- the narrowest limit every op plans under ---------------------------------------------------
+
+
+# The slab ops reading the most planes per plane written: the U-Nets' 3x3x3 convs, (kernel,
+# stride). Pooling reads its window, the transposed conv writes k planes per plane, the norm and
+# the loss read one plane.
+_WIDEST_CONVS = ((3, 1), (3, 2))
+
+
+@functools.cache
+def min_frame_planes() -> int:
+    """The fewest depth planes (of the widest plane) a limit must hold for every slab op to plan: 6.
+
+    The most planes any one-plane slab of ``_WIDEST_CONVS`` reads, forward or input gradient,
+    from the planner's own frames (interior planes of odd and even depths): a stride-2 3x3x3
+    conv's input gradient reads 6 (an input plane is read by two outputs, which read 5 planes,
+    and a "SAME" conv of 5 planes pads one before, out of step with the stride); stride 1 reads 3.
+
+    Returns:
+        Planes.
+
+    Example:
+        >>> min_frame_planes()
+        6
+    """
+    most = 0
+    for kernel, stride in _WIDEST_CONVS:
+        tapwise = is_tapwise((kernel,) * 3, stride)
+        for depth in (16, 17):
+            out_depth, _ = same_padding(depth, kernel, stride)
+            frames = [conv_frame(depth, kernel, stride, o, o + 1) for o in range(out_depth)]
+            frames += [_input_grad_slab(depth, kernel, stride, tapwise, i, i + 1).frame for i in range(depth)]
+            most = max(most, *(max(frame.in_planes, frame.result_planes) for frame in frames))
+    return most
+
+
+def plane_runnable(plane_elements: int, limit: int | None = None) -> bool:
+    """Whether ops on depth planes of ``plane_elements`` elements run at all, in depth slabs if need be.
+
+    The memory estimates call a shape runnable by this, for its widest plane, so that a shape
+    they pass is one the planner plans (``plan_conv`` would otherwise raise ``SlabTooLargeError``).
+
+    Args:
+        plane_elements: elements of the widest depth plane, ``H * W * C``.
+        limit: the kernel element limit (default ``max_kernel_elements()``).
+
+    Returns:
+        True when ``min_frame_planes()`` such planes fit under the limit.
+
+    Example:
+        >>> plane_runnable(100, limit=600), plane_runnable(100, limit=599)
+        (True, False)
+    """
+    limit = max_kernel_elements() if limit is None else limit
+    return plane_elements * min_frame_planes() <= limit

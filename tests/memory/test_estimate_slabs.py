@@ -50,14 +50,35 @@ def test_a_plane_too_wide_for_any_slab_is_not_runnable(counts):
 
     config = resolve_config("tiny")
     plane = counts.largest_tensor // 32  # the widest tensor's depth plane at 32^3
-    with kernel_element_limit(5 * plane):
+    with kernel_element_limit(6 * plane):
         assert estimate(config, counts, (32,) * 3, calibration=UNIT).runnable
-    with kernel_element_limit(5 * plane - 1):
+    with kernel_element_limit(6 * plane - 1):
         result = estimate(config, counts, (32,) * 3, calibration=UNIT)
         assert not result.runnable and result.to_dict()["runnable"] is False
-        assert any(note.startswith("not runnable: a depth plane of") for note in result.notes)
+        assert any(note.startswith("not runnable: a depth plane of") and note.endswith("(needs 6 planes)")
+                   for note in result.notes)
         model = UNet3D(config.model).build_for()
         plan = make_plan(config, lambda shape: NetworkCounts.from_model(model, shape), 2**40, budget_source="test",
                          batch_size=1)
     # 1 TiB is plenty, yet no volume whose planes are this wide is chosen
     assert plan.fits and plan.chosen.volume < 32
+
+
+@pytest.mark.parametrize("planes, runnable", [(5.5, False), (6, True)])
+def test_the_estimates_verdict_is_the_planners(counts, planes, runnable):
+    """A plane between limit/6 and limit/5 was called runnable, yet a stride-2 3x3x3 conv on it was refused."""
+    from bigmem.memory.inference import estimate_inference
+    from bigmem.nets.slabplan import SlabTooLargeError, plan_conv
+
+    config = resolve_config("tiny")
+    plane = counts.largest_tensor // 32  # (1, 32, 32, 32, 8): dec0's skip and upsampled maps
+    limit = int(planes * plane)
+    with kernel_element_limit(limit):
+        verdicts = {estimate(config, counts, (32,) * 3, calibration=UNIT).runnable,
+                    estimate_inference(config, counts, (32,) * 3, calibration=UNIT).runnable}
+    try:
+        plan_conv((1, 32, 32, 32, plane // 32**2), (3, 3, 3, 8, 8), 2, limit=limit)
+        planned = True
+    except SlabTooLargeError:
+        planned = False
+    assert verdicts == {planned} == {runnable}

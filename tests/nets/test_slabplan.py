@@ -17,10 +17,12 @@ from bigmem.nets.slabplan import (
     SlabTooLargeError,
     conv_frame,
     is_tapwise,
+    min_frame_planes,
     plan_conv,
     plan_conv_transpose,
     plan_pool,
     plan_slabs,
+    plane_runnable,
     same_padding,
     slab_target,
 )
@@ -251,3 +253,20 @@ def test_transposed_plan_writes_k_planes_per_input_plane(depth):
     assert all((s.out_start, s.out_stop) == (2 * s.in_start, 2 * s.in_stop) for s in plan.forward)
     assert _tiles(_written(plan.forward), 2 * depth) and _tiles(_written(plan.backward), depth)
     assert [(s.in_start, s.in_stop) for s in plan.backward] == _written(plan.forward)
+
+
+def test_the_fewest_planes_every_op_needs_is_the_strided_convs():
+    """plane_runnable is the planner's verdict: it passes a plane exactly where every slab op plans."""
+    assert min_frame_planes() == max(FEWEST_PLANES.values()) == 6
+    plane = 4 * 4 * 2
+    for limit in (6 * plane, 6 * plane - 1, int(5.5 * plane), 5 * plane):
+        try:
+            for depth in (20, 35):
+                plan_conv((1, depth, 4, 4, 2), (3, 3, 3, 2, 2), 2, limit=limit)
+                plan_conv((1, depth, 4, 4, 2), (3, 3, 3, 2, 2), 1, limit=limit)
+                plan_pool((1, depth, 4, 4, 2), 2, limit=limit)
+                plan_conv_transpose((1, depth, 2, 2, 2), (2, 2, 2, 2, 2), 2, limit=limit)  # writes 4x4x2 planes
+            planned = True
+        except SlabTooLargeError:
+            planned = False
+        assert plane_runnable(plane, limit=limit) is planned is (limit >= 6 * plane), limit
