@@ -2,7 +2,7 @@
 
     flock /tmp/bigmem-heavy.lock python benchmarks/bench_inference_memory.py [--model kits19]
         [--fp32-sizes 32,64,...] [--bf16-sizes 32,64,...] [--knot-sizes N,N,...] [--slab-check SIZE:LIMIT,...]
-        [--largest | --no-largest] [--reuse RESULTS.json,...] [--no-measure] [--out DIR]
+        [--largest | --no-largest] [--reuse RESULTS.json,...] [--no-measure] [--out DIR] [--write-table]
 
 Every point segments one random volume by ``bigmem predict``'s whole-volume path in a fresh child
 process (``bigmem.infer.probe``: normalise, pad, forward pass and softmax, the source mapping's
@@ -22,7 +22,9 @@ it was in the sweep).
 
 Run it alone on the machine (under the heavy-job lock): the peak depends on how the allocator's
 free buffers line up, and another process's memory use lowers MemAvailable and so the plan.
-Prints a table and writes ``inference_memory-<host>-<time>.json`` (never run by pytest).
+Prints a table and writes ``inference_memory-<machine>-<time>.json`` (never run by pytest);
+``--write-table`` replaces this machine's entry for the model in bigmem/measured/inference_memory.json
+with the fitted knots.
 """
 
 from __future__ import annotations
@@ -33,8 +35,9 @@ import os
 import socket
 import sys
 import time
+from pathlib import Path
 
-from _results import write_results
+from _results import machine_slug, write_results, write_table
 from rich.console import Console
 from rich.table import Table
 
@@ -239,7 +242,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reuse", help="measured points of earlier results files (comma-separated)")
     parser.add_argument("--no-measure", action="store_true", help="measure nothing: --reuse only")
     parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--write-table", action="store_true",
+                        help="replace this machine's entry for --model in bigmem/measured/inference_memory.json with "
+                             "the fitted knots")
     args = parser.parse_args(argv)
+    here = machine_isa_class()
+    elsewhere = [p for p in (args.reuse.split(",") if args.write_table and args.reuse else [])
+                 if json.loads(Path(p).read_text())["machine"].get("isa_class", here) != here]
+    if elsewhere:  # the entry would record this machine as the one that measured them
+        parser.error(f"--write-table with points another ISA class measured ({', '.join(elsewhere)}): run it there")
     from bigmem.sysinfo import tensorflow_description
     from bigmem.tfenv import import_tensorflow
 
@@ -265,7 +276,15 @@ def main(argv: list[str] | None = None) -> int:
     report["defaults_fit"] = fit(table_rows, _sizes(args.knot_sizes) if args.knot_sizes else None, isa, console)
     print_table(table_rows, machine, console)
     report["points"], report["largest"] = rows, result
-    write_results("inference_memory", report, args.out, console)
+    path = write_results("inference_memory", report, args.out, console)
+    if args.write_table:
+        write_table("inference_memory", {"preset": args.model, "tables": [
+            {"preset": fit["model"], "precision": fit["precision"],
+             "knots": [{"volume": v, "counted_activation_bytes": x, "overhead_bytes": y} for v, x, y in fit["knots"]]}
+            for fit in report["defaults_fit"]]}, key=f"{machine_slug()}/{args.model}", results=path, console=console,
+            notes=["The defaults_fit of this run: every point one whole-volume prediction in a fresh child process "
+                   "(bigmem/infer/probe.py) reading its VmHWM. Each point's error with its own knot left out is the "
+                   "'error_left_out_pct' of the results file's points."])
     return 0
 
 

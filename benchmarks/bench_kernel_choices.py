@@ -1,7 +1,7 @@
 """The speed-motivated kernel choices of bigmem.nets, timed per ISA class: what nets/choices.py ships.
 
     python benchmarks/bench_kernel_choices.py [--isa native,avx512,avx2] [--volumes 64,96]
-        [--warmup 2] [--repeat 5] [--out DIR]
+        [--warmup 2] [--repeat 5] [--out DIR] [--write-table]
 
 For each ISA class it starts child processes with oneDNN capped at that class
 (``ONEDNN_MAX_CPU_ISA``: ``avx2`` -> AVX2, ``avx512`` -> AVX512_CORE; ``native`` leaves it alone)
@@ -17,6 +17,9 @@ A capped run is an emulation of the smaller CPU on this one: oneDNN picks its ke
 capped ISA, while TensorFlow's own Eigen kernels keep the full ISA of this CPU. Each row says
 which is faster; a choice that flips between classes is one nets/choices.py must make per class.
 Prints a table and writes JSON keyed by machine (never run by pytest). Run on a quiet machine.
+``--write-table`` replaces each measured class's entry of bigmem/measured/kernel_choices.json with
+the weight-gradient choice of ``planewise_ranges`` (keeping an entry's ``correctness``, which no
+timing decides); review its diff against the shipped choices' notes.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import subprocess
 import sys
 import time
 
-from _results import write_results
+from _results import write_results, write_table
 from rich.console import Console
 from rich.table import Table
 
@@ -108,6 +111,29 @@ def child(request: dict) -> dict:
     return {"rows": rows}
 
 
+def planewise_ranges(results: list[dict], isa: str) -> list[dict]:
+    """The planewise weight gradient's input-channel range per (precision, stride) for ``isa``, from its rows.
+
+    Planewise at an input-channel count where its time summed over the volumes is at most oneDNN's
+    (the largest volume weighs most, as the sizes bigmem trains at do); a range only where those
+    counts are consecutive among the measured ones (scattered wins are noise: none is chosen).
+    On the shipped avx512_bf16, avx512 and avx2 runs this gives the shipped choices.
+    """
+    seconds: dict[tuple, list[float]] = {}  # (precision, stride, in channels) -> [planewise, oneDNN]
+    for result in results:
+        for row in result.get("rows", []) if result["isa"] == isa else []:
+            if row["op"] == "wgrad":
+                total = seconds.setdefault((result["precision"], row["stride"], row["in_channels"]), [0.0, 0.0])
+                total[0], total[1] = total[0] + row["planewise_s"], total[1] + row["onednn_s"]
+    ranges = []
+    for precision, stride in dict.fromkeys(key[:2] for key in seconds):
+        counts = sorted(c for p, s, c in seconds if (p, s) == (precision, stride))
+        wins = [c for c in counts if seconds[(precision, stride, c)][0] <= seconds[(precision, stride, c)][1]]
+        if wins and counts.index(wins[-1]) - counts.index(wins[0]) == len(wins) - 1:
+            ranges.append({"precision": precision, "stride": stride, "in_channels": [wins[0], wins[-1]]})
+    return ranges
+
+
 def run_child(request: dict, cap: str | None) -> dict:
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
     env.pop("ONEDNN_MAX_CPU_ISA", None)
@@ -128,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--write-table", action="store_true",
+                        help="replace each measured class's entry of bigmem/measured/kernel_choices.json")
     args = parser.parse_args(argv)
     if args.child:
         print(json.dumps(child(json.loads(args.child))))
@@ -176,8 +204,15 @@ def main(argv: list[str] | None = None) -> int:
     onednn = "on" if machine["tensorflow_runtime"]["onednn_enabled"] else "off"
     console.print(f"{cpu['model']} ({native}), oneDNN {onednn}")
     command = "python benchmarks/bench_kernel_choices.py " + " ".join(argv or sys.argv[1:])
-    write_results("kernel_choices", {"command": command, "warmup": args.warmup, "repeat": args.repeat,
-                                     "results": results, "machine": machine}, args.out, console)
+    path = write_results("kernel_choices", {"command": command, "warmup": args.warmup, "repeat": args.repeat,
+                                            "results": results, "machine": machine}, args.out, console)
+    for isa, cap in dict.fromkeys((r["isa"], r["onednn_max_cpu_isa"]) for r in results) if args.write_table else ():
+        where = f"measured with oneDNN capped at {cap}" if cap else f"measured on {isa}"
+        write_table("kernel_choices", {"planewise": planewise_ranges(results, isa)}, key=isa, isa_class=isa,
+                    results=path, console=console, summary=f"{where}: {path}", keep=("correctness",),
+                    machine={"keras": machine["tensorflow_runtime"]["keras"], "onednn_max_cpu_isa": cap},
+                    notes=[f"planewise_ranges of this run (median of {args.repeat} after {args.warmup} warm-up runs, "
+                           f"forward excluded, at {args.volumes.replace(',', ', ')}^3)."])
     return 0
 
 

@@ -4,7 +4,7 @@
         [--check-sizes auto | N,N,...] [--checks-per-mode 2] [--max-peak 20GiB]
         [--modes fp32/none,bf16/none,fp32/stages,bf16/stages] [--reuse RESULTS.json,...] [--no-measure]
         [--fresh-checks] [--fresh-calibration]
-        [--lock PATH] [--budget 20GiB] [--out DIR]
+        [--lock PATH] [--budget 20GiB] [--out DIR] [--write-table]
 
 For each preset and mode it measures the calibration sizes (all <= 96^3 by default), fits a
 calibration from them in the run (as ``bigmem profile --calibrate`` does: past its sizes it
@@ -25,7 +25,9 @@ be re-analysed against measurements without repeating them (--no-measure: nothin
 --lock holds an flock on PATH around each measurement (for a machine shared with other
 memory-heavy jobs). With --budget, it asks the planner for the largest volume per mode within
 that budget (first --model) and measures a --steps run at the bf16+stages size. The printed
-"defaults_fit" is what calibration.DEFAULTS holds. Writes JSON keyed by machine (never run by pytest).
+"defaults_fit" is what calibration.DEFAULTS holds; --write-table replaces this machine's entry of
+bigmem/measured/training_memory.json with it (only what this run measured: run every preset and
+mode). Writes JSON keyed by machine (never run by pytest).
 
 Run it on a quiet machine: the peak depends on how many ops TensorFlow's executor runs at once,
 so it can read low when other work competes for the CPUs (small, 256^3, fp32: 8.9 GiB once with
@@ -43,15 +45,15 @@ import sys
 import time
 from pathlib import Path
 
-from _results import write_results
+from _results import machine_slug, write_results, write_table
 from rich.console import Console
 from rich.table import Table
 
 from bigmem.config import resolve_config
 from bigmem.errors import BigmemError
 from bigmem.memory.calibration import (
-    Calibration, default_calibration, fit_calibration, knots_from, machine_isa_class, cpu_model, shipped_shape,
-    tensorflow_version,
+    DEFAULTS_BATCH_SIZE, Calibration, default_calibration, fit_calibration, knots_from, machine_isa_class, cpu_model,
+    shipped_shape, tensorflow_version,
 )
 from bigmem.memory.estimate import estimate
 from bigmem.memory.measure import measure
@@ -256,7 +258,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lock", help="hold an flock on this file around each measurement")
     parser.add_argument("--budget", help="also check the planner (first --model) at this budget, e.g. 20GiB")
     parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--write-table", action="store_true",
+                        help="replace this machine's entry of bigmem/measured/training_memory.json with this run's "
+                             "defaults_fit")
     args = parser.parse_args(argv)
+    if args.write_table and args.batch_size != DEFAULTS_BATCH_SIZE:
+        parser.error(f"--write-table needs --batch-size {DEFAULTS_BATCH_SIZE}: the shipped knots are at that batch "
+                     f"(a calibration at another batch does not follow them); got {args.batch_size}")
+    here = machine_isa_class()
+    elsewhere = [p for p in (args.reuse.split(",") if args.write_table and args.reuse else [])
+                 if json.loads(Path(p).read_text())["machine"].get("isa_class", here) != here]
+    if elsewhere:  # the entry would record this machine as the one that measured them
+        parser.error(f"--write-table with points another ISA class measured ({', '.join(elsewhere)}): run it there")
     args.calibrate_sizes = [int(s) for s in args.calibrate_sizes.split(",")]
     args.max_peak = args.max_peak or str(int(0.85 * available_memory_bytes()))
     console = Console(soft_wrap=True, width=160)
@@ -265,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
                           "tensorflow": tensorflow_version()},
               "model": args.model, "batch_size": args.batch_size, "calibrate_sizes": args.calibrate_sizes,
               "reused_from": args.reuse, "points": campaign.rows, "failures": campaign.failures}
-    partial = Path(args.out) / f"memory_model-partial-{socket.gethostname()}.json"
+    partial = Path(args.out) / f"memory_model-partial-{machine_slug()}.json"
     for model in args.model.split(","):
         base = resolve_config(model)
         counts_for = counts_function(base)
@@ -278,8 +291,17 @@ def main(argv: list[str] | None = None) -> int:
     report["defaults_fit"] = fit_defaults(campaign.rows, campaign.isa, args.batch_size, console)
     if args.budget:
         report["budget_check"] = budget_check(args, args.model.split(",")[0], console)
-    write_results("memory_model", report, args.out, console)
+    path = write_results("memory_model", report, args.out, console)
     partial.unlink(missing_ok=True)  # the whole report is written: the crash copy has served
+    if args.write_table:
+        write_table("training_memory", {"batch_size": args.batch_size, "tables": [
+            {"preset": fit["model"], "precision": fit["precision"], "recompute": fit["recompute"],
+             "knots": [{"volume": v, "counted_activation_bytes": x, "overhead_bytes": y} for v, x, y in fit["knots"]],
+             "left_out_error_pct": fit["left_out_error_pct"]} for fit in report["defaults_fit"]]},
+            results=path, console=console, notes=[
+                f"The defaults_fit of this run: every point trained {args.steps} steps in a fresh child process and "
+                "read its VmHWM. 'left_out_error_pct' is each knot predicted from the others (the last one by the "
+                "rule beyond the knots). A size that failed (e.g. killed by the kernel) has no knot."])
     return 0
 
 

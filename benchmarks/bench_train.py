@@ -2,6 +2,7 @@
 
     python benchmarks/bench_train.py [--presets small,kits19] [--volumes 64,96,128] [--steps 5]
         [--warmup 2] [--paths bigmem,keras,torch] [--scaling kits19:32,48,64,96,128,160] [--out DIR]
+        [--write-table]
 
 One run, one machine, every figure it compares. Each measurement runs in a fresh child process
 (its own threads, allocator state and VmHWM), trains batch 1 whole volumes, drops ``--warmup``
@@ -23,7 +24,9 @@ median, at batch 1, and once more the smallest size with a batch that holds as m
 the next size (32^3 x 8 = 64^3), to show how much of the smallest step is per-step work, and
 the least that work can cost here: the optimizer update timed alone, plus the convolutions' own
 passes over the weights at the bandwidth that update reaches.
-Prints a table and writes JSON keyed by machine (never run by pytest).
+Prints a table and writes JSON keyed by machine (never run by pytest). ``--write-table`` replaces
+this machine's entry of bigmem/measured/step_rates.json with the bigmem path's rates: per preset
+(its base filters) and precision, the median GFLOP/s over ``--volumes`` per core.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _results import write_results
+from _results import write_results, write_table
 from rich.console import Console
 from rich.table import Table
 
@@ -303,9 +306,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variant", default="native", choices=sorted(VARIANTS),
                         help="the children's environment: oneDNN off, or oneDNN capped at a smaller ISA")
     parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--write-table", action="store_true",
+                        help="replace this machine's entry of bigmem/measured/step_rates.json with the bigmem path's "
+                             "median GFLOP/s per core")
     args = parser.parse_args(argv)
     if args.child:
         return child_main(args.child)
+    if args.write_table and (args.variant != "native" or "bigmem" not in args.paths.split(",")
+                             or set(args.precisions.split(",")) != {"fp32", "bf16"}):
+        parser.error("--write-table needs --variant native, the bigmem path and both precisions: the table is what "
+                     "bigmem's step reaches on this CPU as it is, in fp32 and bf16 (got --variant "
+                     f"{args.variant}, --paths {args.paths}, --precisions {args.precisions})")
     global _variant
     _variant = args.variant
     precisions = tuple(args.precisions.split(","))
@@ -383,7 +394,23 @@ def main(argv: list[str] | None = None) -> int:
               + [{"what": "matmul", "precision": k[0], "gflops": v.get("gflops")}
                  for k, v in ceilings.items() if len(k) == 2],
               "rows": rows, "scaling": scaling}
-    write_results("train", report, args.out, console)
+    path = write_results("train", report, args.out, console)
+    if args.write_table:
+        from bigmem.memory.speed import usable_cores
+
+        cores, rates = usable_cores(), []
+        for precision in precisions:
+            for preset in args.presets.split(","):
+                gflops = [r["gflops"] for r in rows if (r["path"], r["precision"], r["preset"]) == (
+                    "bigmem", precision, preset) and "error" not in r]
+                if gflops:
+                    rates.append({"precision": precision, "base_filters": resolve_config(preset).model.base_filters,
+                                  "gflops_per_core": round(statistics.median(gflops) / cores, 1)})
+        write_table("step_rates", {"rates": rates}, results=path, console=console,
+                    summary=f"{_isa_class()}: measured (bench_train, {cpu_model()}, TF {tensorflow_version()})",
+                    notes=[f"bigmem's own training step, batch 1, median of {args.steps} after {args.warmup} warm-up "
+                           f"steps on {cores} cores; each rate is the median over {args.volumes.replace(',', ', ')}^3, "
+                           "per core."])
     return 0
 
 

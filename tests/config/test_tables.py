@@ -81,6 +81,11 @@ def test_the_modules_read_the_tables():
     assert "kernel_choices-avx512_bf16-amd-epyc-20261130-195005.json" in CHOICES["avx512"].source
 
 
+def test_every_step_rate_entry_has_both_precisions():
+    for key, entry in tables.load("step_rates").items():  # speed.step_rate looks up fp32 and bf16 for every class
+        assert {r["precision"] for r in entry["rates"]} == {"fp32", "bf16"}, key
+
+
 def test_every_inference_entry_is_one_model():
     for key, entry in tables.load("inference_memory").items():
         assert key == f"{key.split('/')[0]}/{entry['preset']}"
