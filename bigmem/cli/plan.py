@@ -189,7 +189,6 @@ def _print_plan(args, config, budget, plan, shape, cases) -> None:
 def _print_chosen(console, args, config, plan, cases) -> None:
     """The flags that run the chosen candidate, where its figures come from, and its breakdown."""
     from bigmem.memory.speed import MachineSpeed
-    from bigmem.nets.limits import max_kernel_elements
     from bigmem.units import format_bytes
 
     chosen = plan.chosen
@@ -202,6 +201,14 @@ def _print_chosen(console, args, config, plan, cases) -> None:
     console.print(f"step time: {chosen.predicted_step_s:.3g} s predicted on this machine's "
                   f"{MachineSpeed.here().cores} cores ({chosen.step_rate_source}); a machine with more cores "
                   "steps faster", style="dim")
+    _print_breakdown(console, chosen)
+
+
+def _print_breakdown(console, chosen) -> None:
+    """A candidate's bytes per component, largest first, and the stages that run in depth slabs."""
+    from bigmem.nets.limits import max_kernel_elements
+    from bigmem.units import format_bytes
+
     breakdown = ", ".join(f"{name} {format_bytes(size)}" for name, size in
                           sorted(chosen.components.items(), key=lambda item: -item[1]) if size)
     console.print(f"breakdown: {breakdown}")
@@ -287,7 +294,6 @@ def _inference(args, config, counts_for, budget, fixed_batch) -> int:
     from rich.table import Table
 
     from bigmem.memory.preflight import inference_plan, search_inference_plan
-    from bigmem.nets.limits import max_kernel_elements
     from bigmem.units import format_bytes
 
     if fixed_batch is not None:
@@ -322,13 +328,7 @@ def _inference(args, config, counts_for, budget, fixed_batch) -> int:
             console.print(f"{what} (est. {format_bytes(chosen.predicted_peak_bytes)}); {len(plan.candidates)} "
                           f"candidates in {args.out}")
             console.print(f"calibration: {plan.calibration['source']}", style="dim")
-            breakdown = ", ".join(f"{name} {format_bytes(size)}" for name, size in
-                                  sorted(chosen.components.items(), key=lambda item: -item[1]) if size)
-            console.print(f"breakdown: {breakdown}")
-            if chosen.partitioned_stages:
-                console.print(f"depth slabs: {', '.join(chosen.partitioned_stages)} hold tensors past "
-                              f"{max_kernel_elements():,} elements (the limit bigmem keeps TF's CPU kernels under) and "
-                              "run in depth slabs")
+            _print_breakdown(console, chosen)
     if fixed is not None:  # exit 3, naming what fits, unless it fits
         require_plan(plan, out, kept, lambda: inference_plan(config, counts_for, budget, fixed))
     require_plan(plan, out, kept)

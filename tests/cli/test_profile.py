@@ -14,6 +14,19 @@ from bigmem.memory.inference import inference_calibration
 INFERENCE_COMPONENTS = {"framework", "weights", "input_tensor", "forward_activations", "allocator_slack",
                         "input_image", "network_input", "probabilities", "output_mapping"}
 
+def assert_measured_near_predicted(data: dict) -> None:
+    """A tiny model at 32^3, where the framework dominates (the benchmarks check +-10% at scale): within 15%.
+
+    On a CPU class the defaults were not measured on, the estimate without its stated margin is
+    what is judged, and the margin must keep the prediction above the measurement.
+    """
+    assert data["error_pct"] == pytest.approx(
+        100 * (data["predicted_peak_bytes"] - data["measured_peak_bytes"]) / data["measured_peak_bytes"], abs=0.01)
+    margin = data["components"].get("safety_margin", 0)
+    unmargined = data["predicted_peak_bytes"] - margin
+    assert abs(100 * (unmargined - data["measured_peak_bytes"]) / data["measured_peak_bytes"]) < 15
+    assert not margin or data["predicted_peak_bytes"] > data["measured_peak_bytes"]
+
 
 def test_profile_json_fields(capsys):
     code, out, err = run_cli(["profile", "--model", "tiny", "--volume", 32, "--json"], capsys)
@@ -93,15 +106,7 @@ def test_profile_measure_against_prediction(capsys):
     assert code == 0, err
     data = json.loads(out)
     assert data["measured_peak_bytes"] > 300 * 2**20
-    assert data["error_pct"] == pytest.approx(
-        100 * (data["predicted_peak_bytes"] - data["measured_peak_bytes"]) / data["measured_peak_bytes"], abs=0.01)
-    # tiny model: the framework dominates; the benchmark checks +-10% at scale. On a CPU class the
-    # defaults were not measured on, the estimate without its stated margin is what is judged, and
-    # the margin must keep the prediction above the measurement.
-    margin = data["components"].get("safety_margin", 0)
-    unmargined = data["predicted_peak_bytes"] - margin
-    assert abs(100 * (unmargined - data["measured_peak_bytes"]) / data["measured_peak_bytes"]) < 15
-    assert not margin or data["predicted_peak_bytes"] > data["measured_peak_bytes"]
+    assert_measured_near_predicted(data)
     assert sum(data["measured_node_bytes"].values()) > 0
 
 
@@ -193,12 +198,4 @@ def test_profile_inference_measure(capsys):
     assert code == 0, err
     data = json.loads(out)
     assert data["measured_peak_bytes"] > 300 * 2**20 and data["measured_seconds"] > 0
-    assert data["error_pct"] == pytest.approx(
-        100 * (data["predicted_peak_bytes"] - data["measured_peak_bytes"]) / data["measured_peak_bytes"], abs=0.01)
-    # Framework-dominated at 32^3; the benchmark checks the large sizes. Where the defaults were not
-    # measured for this CPU class, the estimate without its stated margin is judged, and the margin
-    # must keep the prediction above the measurement.
-    margin = data["components"].get("safety_margin", 0)
-    unmargined = data["predicted_peak_bytes"] - margin
-    assert abs(100 * (unmargined - data["measured_peak_bytes"]) / data["measured_peak_bytes"]) < 15
-    assert not margin or data["predicted_peak_bytes"] > data["measured_peak_bytes"]
+    assert_measured_near_predicted(data)
