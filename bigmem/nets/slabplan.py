@@ -429,7 +429,65 @@ def plan_pool(in_shape: Sequence[int], pool: int, *, limit: int | None = None) -
                     tuple(Slab(o0, o1, pool * o0, pool * o1) for o0, o1 in ranges) + tail)
 
 
-# ---- the narrowest limit every op plans under ---------------------------------------------------
+# ---- ops without a halo, and the narrowest limit every op plans under ----------------------------
+
+
+def planes_per_slab(in_shape: Sequence[int], *, what: str, target: int | None = None,
+                    limit: int | None = None) -> int:
+    """Depth planes per slab of an op that reads no halo (the norm, the loss): as many as fit, at least one.
+
+    Each slab reads the planes it writes. They stay under ``slab_elements`` of the plane and,
+    given ``target``, under it too, but never below one plane (the norm's float32 temporaries
+    take small slabs). Every slab but the last has this many planes, as ``plan_slabs`` makes them.
+
+    Args:
+        in_shape: ``(batch, D, H, W, C)``.
+        what: the op and shape, for the error message.
+        target: the most elements a slab should have (default: as many as the limit allows).
+        limit: the kernel element limit (default ``max_kernel_elements()``).
+
+    Returns:
+        Planes per slab, from 1 to D.
+
+    Raises:
+        SlabTooLargeError: one depth plane is already past the limit.
+
+    Example:
+        >>> planes_per_slab((1, 10, 4, 4, 2), what="a norm", target=3 * 32, limit=10**6)
+        3
+    """
+    _, depth, height, width, channels = _shape(in_shape)
+    limit = max_kernel_elements() if limit is None else limit
+    plane = height * width * channels
+    elements = slab_elements(plane, limit)
+    if target is not None:
+        elements = min(elements, max(plane, target))
+    if plane > elements:
+        raise SlabTooLargeError(f"{what}: a single depth plane exceeds the kernel limit of {limit} elements; "
+                                f"depth slabs cannot bring it under")
+    return max(1, min(depth, elements // plane))
+
+
+def plan_planewise(in_shape: Sequence[int], *, what: str, target: int | None = None,
+                   limit: int | None = None) -> tuple[Slab, ...]:
+    """The slabs of an op that reads no halo: ``planes_per_slab`` planes each, read and written alike.
+
+    Args:
+        in_shape, what, target, limit: as ``planes_per_slab``.
+
+    Returns:
+        Slabs in order, ``Slab(d0, d1, d0, d1)``, tiling ``[0, D)``.
+
+    Raises:
+        SlabTooLargeError: one depth plane is already past the limit.
+
+    Example:
+        >>> [s.out_stop for s in plan_planewise((1, 5, 4, 4, 2), what="the loss", limit=64)]
+        [2, 4, 5]
+    """
+    depth = int(in_shape[1])
+    planes = planes_per_slab(in_shape, what=what, target=target, limit=limit)
+    return tuple(Slab(d0, min(d0 + planes, depth), d0, min(d0 + planes, depth)) for d0 in range(0, depth, planes))
 
 
 # The slab ops reading the most planes per plane written: the U-Nets' 3x3x3 convs, (kernel,

@@ -20,9 +20,11 @@ from bigmem.nets.slabplan import (
     min_frame_planes,
     plan_conv,
     plan_conv_transpose,
+    plan_planewise,
     plan_pool,
     plan_slabs,
     plane_runnable,
+    planes_per_slab,
     same_padding,
     slab_target,
 )
@@ -270,3 +272,25 @@ def test_the_fewest_planes_every_op_needs_is_the_strided_convs():
         except SlabTooLargeError:
             planned = False
         assert plane_runnable(plane, limit=limit) is planned is (limit >= 6 * plane), limit
+
+
+@pytest.mark.parametrize("depth", [1, 5, 9, 35])
+def test_planewise_slabs_read_what_they_write_and_tile_the_depth(depth):
+    plane = 4 * 4 * 2
+    slabs = plan_planewise((2, depth, 4, 4, 2), what="the loss", limit=3 * plane)
+    assert all(s == Slab(s.out_start, s.out_stop, s.out_start, s.out_stop) for s in slabs)
+    assert _tiles(_written(slabs), depth)
+    assert [s.out_planes for s in slabs][:-1] == [3] * (len(slabs) - 1) and slabs[-1].out_planes <= 3
+    # the same slabs as plan_slabs makes for a limit on whole planes
+    assert _written(slabs) == plan_slabs(depth, lambda d0, d1: (d1 - d0) * plane <= 3 * plane, what="the loss")
+
+
+def test_planes_per_slab_takes_the_target_but_never_less_than_a_plane():
+    plane = 4 * 4 * 2
+    assert planes_per_slab((1, 16, 4, 4, 2), what="a norm", target=5 * plane, limit=10**6) == 5
+    assert planes_per_slab((1, 16, 4, 4, 2), what="a norm", target=plane // 2, limit=10**6) == 1
+    assert planes_per_slab((1, 16, 4, 4, 2), what="a norm", target=10**6, limit=3 * plane) == 3  # the limit rules
+    assert planes_per_slab((1, 4, 4, 4, 2), what="a norm", limit=10**6) == 4  # never past the depth
+    with pytest.raises(SlabTooLargeError, match=r"a norm: a single depth plane exceeds the kernel limit of 31 "
+                                                r"elements"):
+        planes_per_slab((1, 16, 4, 4, 2), what="a norm", target=10**6, limit=plane - 1)
