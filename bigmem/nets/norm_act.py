@@ -19,12 +19,17 @@ Statistics and gradients are computed in float32 either way.
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+from typing import NamedTuple
+
 import keras
 import tensorflow as tf
 
 from bigmem.nets.reduce import spatial_sum
 from bigmem.nets.limits import counted
-from bigmem.nets.slabs import SlabTooLargeError, as_planes, exceeds_limit, slab_elements
+from bigmem.nets.slabplan import planes_per_slab
+from bigmem.nets.slabs import as_planes, exceeds_limit
 
 ACTIVATIONS = ("relu", "leaky_relu", "linear")
 # Channel counts oneDNN's batch norm vectorises for channels-last data (AVX-512: 16 lanes; its
@@ -171,28 +176,259 @@ def fused_norm_activation(x, gamma, beta, *, groups: int, epsilon: float, activa
     return forward(x, gamma, beta)
 
 
+@dataclass(frozen=True)
+class _SlabNorm:
+    """One group norm + activation as its slab passes share it: the input's shape, the options, planes per slab.
+
+    Args:
+        shape: the input's static ``(batch, D, H, W, C)``.
+        groups, epsilon, activation, negative_slope: as ``fused_norm_activation``.
+        planes: depth planes per slab of the passes (``slabplan.planes_per_slab``).
+    """
+
+    shape: tuple[int, ...]
+    groups: int
+    epsilon: float
+    activation: str
+    negative_slope: float
+    planes: int
+
+    @property
+    def depth(self) -> int:
+        """Depth planes per sample."""
+        return self.shape[1]
+
+    @property
+    def per_group(self) -> int:
+        """Channels per group."""
+        return self.shape[4] // self.groups
+
+    @property
+    def count(self) -> int:
+        """Elements per (sample, group)."""
+        return self.shape[1] * self.shape[2] * self.shape[3] * self.per_group
+
+
+def _slab_norm(x, groups: int, epsilon: float, activation: str, negative_slope: float) -> _SlabNorm:
+    """The ``_SlabNorm`` of ``x``: slabs of at most NORM_SLAB_ELEMENTS (one plane where a plane is more).
+
+    Raises:
+        SlabTooLargeError: one depth plane of ``x`` is already past the kernel limit.
+    """
+    shape = tuple(int(s) for s in x.shape)
+    planes = planes_per_slab(shape, what=f"group norm on {shape}", target=NORM_SLAB_ELEMENTS)
+    return _SlabNorm(shape, groups, float(epsilon), activation, negative_slope, planes)
+
+
+class _Moments(NamedTuple):
+    """One sample's statistics per group, (1, 1, G, 1) float32, and per channel, (C,), as fused kernels take them."""
+
+    group_mean: tf.Tensor
+    group_variance: tf.Tensor
+    mean: tf.Tensor
+    variance: tf.Tensor
+
+
 def _slab_ranges(depth: int, planes: int) -> list[tuple[int, int, int]]:
     """(first plane, slab count, planes per slab): whole slabs of ``planes`` as one loop, the rest as another."""
     whole, rest = divmod(depth, planes)
     return [r for r in ((0, whole, planes), (whole * planes, 1 if rest else 0, rest)) if r[1]]
 
 
-def _over_slabs(rows, depth: int, planes: int, sample: int, body, state):
+def _rows_at(rows, row, planes: int):
+    """``planes`` rows of ``as_planes`` rows from ``row`` (a runtime index), as a (1, planes, H, W, C) slab."""
+    return tf.expand_dims(tf.slice(rows, tf.stack([row, 0, 0, 0]), [planes, -1, -1, -1]), 0)
+
+
+def _over_slabs(rows, norm: _SlabNorm, sample: int, body, state):
     """``state = body(first_row, slab, state)`` for each slab of one sample, in order, as tf.while_loops.
 
     ``slab`` is (1, n, H, W, C) read from ``rows`` (``as_planes``) at runtime, ``first_row`` its row.
-    A while_loop holds one slab's temporaries at a time and one copy of the body in the graph, so
-    the slabs can be small whatever the depth.
+    A while_loop holds one slab's temporaries at a time and puts one copy of the body in the graph
+    whatever the depth: the slabs are small (NORM_SLAB_ELEMENTS; one plane per slab at 512^2 x 32),
+    and unrolled, as ``slabs.write_slabs`` runs the conv's few large slabs, each of the norm's four
+    passes would put 512 copies of its body per sample in the graph at 512^3.
     """
-    for first, count, n in _slab_ranges(depth, planes):
+    depth = norm.depth
+    for first, count, n in _slab_ranges(depth, norm.planes):
         def step(i, *state, first=first, n=n):
             row = sample * depth + first + i * n
-            slab = tf.expand_dims(tf.slice(rows, tf.stack([row, 0, 0, 0]), [n, -1, -1, -1]), 0)
-            return (i + 1, *body(row, slab, tuple(state)))
+            return (i + 1, *body(row, _rows_at(rows, row, n), tuple(state)))
 
         state = tuple(tf.while_loop(lambda i, *_, count=count: i < count, step, (tf.constant(0), *state),
                                     parallel_iterations=1)[1:])
     return state
+
+
+def _channel_vector(t, norm: _SlabNorm):
+    """(1, 1, G, 1 or Cg) -> (C,): a per-group or per-channel statistic as the fused kernels take it."""
+    return tf.reshape(tf.broadcast_to(t, (1, 1, norm.groups, norm.per_group)), (norm.shape[4],))
+
+
+def _as_4d(t):
+    """(..., H, W, C) -> (1, -1, H*W, C): the 4-D view oneDNN's batch norm takes (see instance_norm_activation)."""
+    height, width, channels = t.shape[-3:]
+    return tf.reshape(t, (1, -1, height * width, channels))
+
+
+def _affine(t, scale, offset, mean, variance, epsilon: float):
+    """scale * (t - mean) / sqrt(variance + epsilon) + offset per channel, in t's shape and dtype.
+
+    FusedBatchNormV3 in inference mode on the 4-D view: oneDNN, float32 inside the kernel.
+    """
+    return tf.reshape(tf.raw_ops.FusedBatchNormV3(
+        x=_as_4d(t), scale=scale, offset=offset, mean=mean, variance=variance, epsilon=epsilon,
+        data_format="NHWC", is_training=False)[0], t.shape)
+
+
+def _chan_update(_, slab, state, *, norm: _SlabNorm):
+    """One slab folded into the running (count, mean, sum of squared deviations) per group (Chan et al.)."""
+    n, mean, m2 = state
+    xs = tf.cast(slab, tf.float32)
+    n_slab = tf.cast(tf.size(xs) // norm.groups, tf.float32)
+    mean_slab = _group_sums(xs, norm.groups) / n_slab
+    m2_slab = _group_sums(tf.math.squared_difference(xs, _per_channel(mean_slab, norm.per_group)), norm.groups)
+    delta, total = mean_slab - mean, n + n_slab
+    return total, mean + delta * (n_slab / total), m2 + m2_slab + delta * delta * (n * n_slab / total)
+
+
+def _sample_statistics(x_planes, norm: _SlabNorm) -> list[_Moments]:
+    """Each sample's mean and biased variance per group, from small slabs in float32 (pairwise updates)."""
+    moments = []
+    for sample in range(norm.shape[0]):
+        zeros = tf.zeros((1, 1, norm.groups, 1))
+        _, mean, m2 = _over_slabs(x_planes, norm, sample, functools.partial(_chan_update, norm=norm),
+                                  (tf.constant(0.0), zeros, zeros))
+        variance = m2 / norm.count
+        moments.append(_Moments(mean, variance, _channel_vector(mean, norm), _channel_vector(variance, norm)))
+    return moments
+
+
+def _activation_grad(dy, y, activation: str, negative_slope: float):
+    """dz from dy and the activation's output (its sign is the pre-activation's)."""
+    if activation == "relu":
+        return tf.raw_ops.ReluGrad(gradients=dy, features=y)
+    if activation == "leaky_relu":
+        return tf.raw_ops.LeakyReluGrad(gradients=dy, features=y, alpha=negative_slope)
+    return dy
+
+
+def _dx_coefficients(sum_dz, sum_dz_xc, rstd, gamma, norm: _SlabNorm):
+    """dgamma, dbeta and dx's per-channel (C,) coefficients ``(k1, k2 * sqrt(var + eps), k3)``.
+
+    dx = k1 dz + k2 (x - mean) + k3 (``_input_grad_coefficients``) is made as two inference-mode
+    norms (``_input_gradient``): k1 dz as a norm of dz with mean 0 and variance 1 - epsilon,
+    k2 (x - mean) + k3 as one of x with scale k2 sqrt(var + eps).
+
+    Args:
+        sum_dz, sum_dz_xc: one sample's sums of dz and dz * (x - mean), (1, 1, G, Cg) float32.
+        rstd: 1 / sqrt(variance + epsilon) per group, (1, 1, G, 1).
+        gamma: (C,) float32.
+        norm: the op.
+    """
+    g = tf.reshape(gamma, (1, 1, norm.groups, norm.per_group))
+    dgamma, dbeta, (k1, k2, k3) = _input_grad_coefficients(g, 0.0, rstd, sum_dz, sum_dz_xc, norm.count)
+    return dgamma, dbeta, (_channel_vector(k1, norm), _channel_vector(k2 / rstd, norm), _channel_vector(k3, norm))
+
+
+def _input_gradient(dz, x, coefficients, moments: _Moments, epsilon: float):
+    """dx = k1 dz + k2 (x - mean) + k3 as two inference-mode norms and an add (``_dx_coefficients``)."""
+    scale_dz, scale_x, offset_x = coefficients
+    channels = dz.shape[-1]
+    zero = tf.zeros((channels,))
+    ones = tf.ones((channels,)) - epsilon  # a variance that makes the norm's divisor 1
+    return (_affine(dz, scale_dz, zero, zero, ones, epsilon)
+            + _affine(x, scale_x, offset_x, moments.mean, moments.variance, epsilon))
+
+
+def _write_rows(rows, row, values):
+    """``rows`` with ``values`` (1, n, H, W, C) written in place from ``row`` on, in the rows' dtype."""
+    n = values.shape[1]
+    return tf.raw_ops.InplaceUpdate(x=rows, i=tf.range(row, row + n),
+                                    v=tf.cast(tf.reshape(values, (n, *rows.shape[1:])), rows.dtype))
+
+
+# ---- the slab norm's passes (norm_activation_slabs) --------------------------------------------
+
+
+def _normalise_slab(row, slab, state, *, gamma, beta, moments: _Moments, norm: _SlabNorm):
+    """The forward of one slab: the norm with the sample's statistics, the activation, written to ``state``'s rows."""
+    z = _affine(slab, gamma, beta, moments.mean, moments.variance, norm.epsilon)
+    return (_write_rows(state[0], row, _activate(z, norm.activation, norm.negative_slope)),)
+
+
+def _dz_slab(dy_planes, row, slab, *, gamma, beta, moments: _Moments, norm: _SlabNorm):
+    """The gradient at one slab's pre-activation, (1, n, H, W, C), in dy's dtype.
+
+    The pre-activation is made again from the slab rather than read from the output: keeping y
+    for backward would add a tensor of x's size to the op (block_bf16 of bench_slabs --proof then
+    ran out of 24 GiB).
+    """
+    dy_slab = _rows_at(dy_planes, row, slab.shape[1])
+    if norm.activation == "linear":
+        return dy_slab
+    z = tf.cast(_affine(slab, gamma, beta, moments.mean, moments.variance, norm.epsilon), dy_slab.dtype)
+    return _activation_grad(dy_slab, z, norm.activation, norm.negative_slope)
+
+
+def _gradient_sums_slab(row, slab, state, *, dz_of, gamma, moments: _Moments, norm: _SlabNorm):
+    """One slab's sums of dz and dz * (x - mean) / sqrt(variance + epsilon) per channel, added to ``state``.
+
+    FusedBatchNormGradV3 in inference mode: its offset_backprop is the first, its scale_backprop
+    the second, (C,) float32 each.
+    """
+    grads = tf.raw_ops.FusedBatchNormGradV3(
+        y_backprop=_as_4d(dz_of(row, slab)), x=_as_4d(slab), scale=gamma, reserve_space_1=moments.mean,
+        reserve_space_2=moments.variance, reserve_space_3=tf.constant([], tf.float32), epsilon=norm.epsilon,
+        data_format="NHWC", is_training=False)
+    return state[0] + grads[2], state[1] + grads[1]
+
+
+def _input_gradient_slab(row, slab, state, *, dz_of, coefficients, moments: _Moments, norm: _SlabNorm):
+    """One slab's dx, written to ``state``'s rows.
+
+    In bfloat16 the two terms are made and added in float32: rounded to bfloat16 first, they
+    cancel where the mean is large against the spread (a conv -> norm block's input gradient came
+    out 12% off).
+    """
+    dz, xs = dz_of(row, slab), slab
+    if slab.dtype != tf.float32:
+        dz, xs = tf.cast(dz, tf.float32), tf.cast(xs, tf.float32)
+    return (_write_rows(state[0], row, _input_gradient(dz, xs, coefficients, moments, norm.epsilon)),)
+
+
+def _normalise_slabs(x_planes, gamma, beta, moments: list[_Moments], norm: _SlabNorm):
+    """The slab norm's forward: (B*D, H, W, C) rows, each slab written in place."""
+    y_rows = tf.raw_ops.Empty(shape=x_planes.shape, dtype=x_planes.dtype, init=False)
+    for sample, sample_moments in enumerate(moments):
+        (y_rows,) = _over_slabs(x_planes, norm, sample, functools.partial(
+            _normalise_slab, gamma=gamma, beta=beta, moments=sample_moments, norm=norm), (y_rows,))
+    return y_rows
+
+
+def _slab_gradients(x_planes, dy_planes, gamma, beta, moments: list[_Moments], norm: _SlabNorm):
+    """The slab norm's backward: dx as (B*D, H, W, C) rows, dgamma and dbeta (C,).
+
+    Per sample, a first pass sums dz and dz * (x - mean) per channel, a second writes dx.
+    """
+    channels = norm.shape[4]
+    zero = tf.zeros((channels,))
+    grouped = (1, 1, norm.groups, norm.per_group)
+    dgammas, dbetas = [], []
+    dx_rows = tf.raw_ops.Empty(shape=x_planes.shape, dtype=x_planes.dtype, init=False)
+    for sample, sample_moments in enumerate(moments):
+        common = dict(moments=sample_moments, norm=norm)
+        dz_of = functools.partial(_dz_slab, dy_planes, gamma=gamma, beta=beta, **common)
+        sum_dz, sum_dz_xhat = _over_slabs(x_planes, norm, sample, functools.partial(
+            _gradient_sums_slab, dz_of=dz_of, gamma=gamma, **common), (zero, zero))
+        rstd = tf.math.rsqrt(sample_moments.group_variance + norm.epsilon)
+        dgamma, dbeta, coefficients = _dx_coefficients(
+            tf.reshape(sum_dz, grouped), tf.reshape(sum_dz_xhat, grouped) / rstd, rstd, gamma, norm)
+        (dx_rows,) = _over_slabs(x_planes, norm, sample, functools.partial(
+            _input_gradient_slab, dz_of=dz_of, coefficients=coefficients, **common), (dx_rows,))
+        dgammas.append(dgamma)
+        dbetas.append(dbeta)
+    return dx_rows, tf.add_n(dgammas), tf.add_n(dbetas)
 
 
 @counted('norm_activation')
@@ -224,112 +460,50 @@ def norm_activation_slabs(x, gamma, beta, *, groups: int, epsilon: float, activa
     Raises:
         SlabTooLargeError: one depth plane of ``x`` is already past the kernel limit.
     """
-    batch, depth, height, width, channels = x.shape
-    per_group = channels // groups
-    dtype = x.dtype
-    plane = height * width * channels
-    limit = min(slab_elements(plane), max(plane, NORM_SLAB_ELEMENTS))
-    if plane > limit:
-        raise SlabTooLargeError(f"group norm on {tuple(x.shape)}: a single depth plane exceeds the kernel limit "
-                                f"of {limit} elements; depth slabs cannot bring it under")
-    planes = max(1, min(depth, limit // plane))
-    g = tf.reshape(gamma, (1, 1, groups, per_group))
-    count = depth * height * width * per_group  # elements per (sample, group)
-    zero = tf.zeros((channels,))
-    ones = tf.ones((channels,)) - epsilon  # a variance that makes the norm's divisor 1
-    empty = tf.constant([], tf.float32)
-
-    def per_channel(t):  # (1, 1, G, 1 or Cg) -> (C,)
-        return tf.reshape(tf.broadcast_to(t, (1, 1, groups, per_group)), (channels,))
-
-    def view(t):  # (1 or n, ...) slab -> the 4-D view oneDNN's kernel takes
-        return tf.reshape(t, (1, -1, height * width, channels))
-
-    def affine(t, scale, offset, mean, variance):
-        """scale * (t - mean) / sqrt(variance + epsilon) + offset per channel, as (n, H, W, C) rows."""
-        return tf.reshape(tf.raw_ops.FusedBatchNormV3(
-            x=view(t), scale=scale, offset=offset, mean=mean, variance=variance, epsilon=epsilon,
-            data_format="NHWC", is_training=False)[0], (-1, height, width, channels))
-
-    def rows_of(planes_t, row, n):
-        return tf.slice(planes_t, tf.stack([row, 0, 0, 0]), [n, -1, -1, -1])
-
-    def write(rows_out, row, values):
-        n = values.shape[0]
-        return tf.raw_ops.InplaceUpdate(x=rows_out, i=tf.range(row, row + n), v=tf.cast(values, dtype))
+    norm = _slab_norm(x, groups, epsilon, activation, negative_slope)
 
     @tf.custom_gradient
     def forward(x, gamma, beta):
         x_planes = as_planes(x)
-        stats = [_slab_statistics(x_planes, depth, planes, sample, groups, per_group, count)
-                 for sample in range(batch)]  # (mean, variance) per sample, (1, 1, G, 1) each
-        means = [per_channel(mean) for mean, _ in stats]
-        variances = [per_channel(variance) for _, variance in stats]
-        y_rows = tf.raw_ops.Empty(shape=x_planes.shape, dtype=dtype, init=False)
-        for sample in range(batch):
-            def normalise(row, slab, state, sample=sample):
-                z = affine(slab, gamma, beta, means[sample], variances[sample])
-                return (write(state[0], row, _activate(z, activation, negative_slope)),)
-
-            (y_rows,) = _over_slabs(x_planes, depth, planes, sample, normalise, (y_rows,))
+        moments = _sample_statistics(x_planes, norm)
+        y_rows = _normalise_slabs(x_planes, gamma, beta, moments, norm)
 
         def backward(dy):
-            dy_planes = as_planes(dy)
-
-            def dz_of(row, slab, sample):
-                # The pre-activation is made again from the slab rather than read from the
-                # output: keeping y for backward would add a tensor of x's size to the op
-                # (block_bf16 of bench_slabs --proof then ran out of 24 GiB).
-                dy_slab = rows_of(dy_planes, row, slab.shape[1])
-                if activation == "linear":
-                    return dy_slab
-                z = tf.cast(affine(slab, gamma, beta, means[sample], variances[sample]), dy_slab.dtype)
-                return _activation_grad(dy_slab, z, activation, negative_slope)
-
-            dgammas, dbetas = [], []
-            dx_rows = tf.raw_ops.Empty(shape=x_planes.shape, dtype=dtype, init=False)
-            for sample in range(batch):
-                mean_g, variance_g = stats[sample]
-
-                def accumulate(row, slab, state, sample=sample):
-                    # Inference-mode gradient: offset_backprop = sum dz, scale_backprop =
-                    # sum dz * (x - mean) / sqrt(variance + epsilon), per channel, float32.
-                    grads = tf.raw_ops.FusedBatchNormGradV3(
-                        y_backprop=view(dz_of(row, slab, sample)), x=view(slab), scale=gamma,
-                        reserve_space_1=means[sample], reserve_space_2=variances[sample], reserve_space_3=empty,
-                        epsilon=epsilon, data_format="NHWC", is_training=False)
-                    return state[0] + grads[2], state[1] + grads[1]
-
-                sum_dz, sum_dz_xhat = _over_slabs(x_planes, depth, planes, sample, accumulate, (zero, zero))
-                rstd = tf.math.rsqrt(variance_g + epsilon)
-                grouped = (1, 1, groups, per_group)
-                dgamma, dbeta, (k1, k2, k3) = _input_grad_coefficients(
-                    g, 0.0, rstd, tf.reshape(sum_dz, grouped),
-                    tf.reshape(sum_dz_xhat, grouped) / rstd, count)  # sums of dz * (x - mean): centred
-                # dx = k1 dz + k2 (x - mean) + k3: k1 dz as a norm of dz with mean 0 and variance
-                # 1 - epsilon, k2 (x - mean) + k3 as one of x with scale k2 sqrt(var + eps).
-                # In bfloat16 the two terms are made and added in float32: rounded to bfloat16 first,
-                # they cancel where the mean is large against the spread (a conv -> norm block's
-                # input gradient came out 12% off).
-                scale_dz, scale_x, offset_x = per_channel(k1), per_channel(k2 / rstd), per_channel(k3)
-
-                def input_grad(row, slab, state, sample=sample, scale_dz=scale_dz, scale_x=scale_x,
-                               offset_x=offset_x):
-                    dz, xs = dz_of(row, slab, sample), slab
-                    if dtype != tf.float32:
-                        dz, xs = tf.cast(dz, tf.float32), tf.cast(xs, tf.float32)
-                    dx = (affine(dz, scale_dz, zero, zero, ones)
-                          + affine(xs, scale_x, offset_x, means[sample], variances[sample]))
-                    return (write(state[0], row, dx),)
-
-                (dx_rows,) = _over_slabs(x_planes, depth, planes, sample, input_grad, (dx_rows,))
-                dgammas.append(dgamma)
-                dbetas.append(dbeta)
-            return tf.reshape(dx_rows, x.shape), tf.add_n(dgammas), tf.add_n(dbetas)
+            dx_rows, dgamma, dbeta = _slab_gradients(x_planes, as_planes(dy), gamma, beta, moments, norm)
+            return tf.reshape(dx_rows, x.shape), dgamma, dbeta
 
         return tf.reshape(y_rows, x.shape), backward
 
     return forward(x, gamma, beta)
+
+
+# ---- the large-volume norm (norm_activation_large) ---------------------------------------------
+
+
+def _centred_sums_slab(row, slab, state, *, dz_planes, moments: _Moments, norm: _SlabNorm):
+    """One slab's sums of dz and dz * (x - mean) per (sample, channel), (1, 1, G, Cg) float32, added to ``state``."""
+    grouped = (1, -1, norm.groups, norm.per_group)
+    xc = tf.reshape(tf.cast(slab, tf.float32), grouped) - moments.group_mean
+    dz = tf.reshape(tf.cast(_rows_at(dz_planes, row, slab.shape[1]), tf.float32), grouped)
+    return (state[0] + _channel_sums(tf.reshape(dz, slab.shape), None, norm.groups),
+            state[1] + _channel_sums(tf.reshape(dz * xc, slab.shape), None, norm.groups))
+
+
+def _large_gradients(x, x_planes, dz, gamma, moments: list[_Moments], norm: _SlabNorm):
+    """The large norm's backward from dz (the activation's gradient): dx (B, D, H, W, C), dgamma and dbeta (C,)."""
+    dz_planes = as_planes(dz)
+    dgammas, dbetas, dxs = [], [], []
+    for sample, sample_moments in enumerate(moments):
+        zeros = tf.zeros((1, 1, norm.groups, norm.per_group))
+        sum_dz, sum_dz_xc = _over_slabs(x_planes, norm, sample, functools.partial(
+            _centred_sums_slab, dz_planes=dz_planes, moments=sample_moments, norm=norm), (zeros, zeros))
+        rstd = tf.math.rsqrt(sample_moments.group_variance + norm.epsilon)
+        dgamma, dbeta, coefficients = _dx_coefficients(sum_dz, sum_dz_xc, rstd, gamma, norm)
+        dxs.append(_input_gradient(dz[sample:sample + 1], x[sample:sample + 1], coefficients, sample_moments,
+                                   norm.epsilon))
+        dgammas.append(dgamma)
+        dbetas.append(dbeta)
+    return (dxs[0] if len(dxs) == 1 else tf.concat(dxs, axis=0)), tf.add_n(dgammas), tf.add_n(dbetas)
 
 
 def norm_activation_large(x, gamma, beta, *, groups: int, epsilon: float, activation: str,
@@ -353,91 +527,22 @@ def norm_activation_large(x, gamma, beta, *, groups: int, epsilon: float, activa
     Returns:
         ``(batch, D, H, W, C)`` in x's dtype, equal to ``fused_norm_activation`` (to float rounding).
     """
-    batch, depth, height, width, channels = x.shape
-    per_group = channels // groups
-    plane = height * width * channels
-    planes = max(1, min(depth, NORM_SLAB_ELEMENTS // plane))
-    count = depth * height * width * per_group  # elements per (sample, group)
-    g = tf.reshape(gamma, (1, 1, groups, per_group))
-    view = (1, depth, height * width, channels)  # 4-D: oneDNN's kernel (see instance_norm_activation)
-    zero = tf.zeros((channels,))
-
-    def affine(t, sample, scale, offset, mean, variance):
-        """scale * (t - mean) / sqrt(variance + epsilon) + offset, per channel, in float32 inside the kernel."""
-        return tf.reshape(tf.raw_ops.FusedBatchNormV3(
-            x=tf.reshape(t[sample:sample + 1], view), scale=scale, offset=offset, mean=mean, variance=variance,
-            epsilon=epsilon, data_format="NHWC", is_training=False)[0], (1, depth, height, width, channels))
-
-    def per_channel(t):  # (1, 1, G, 1 or Cg) -> (C,)
-        return tf.reshape(tf.broadcast_to(t, (1, 1, groups, per_group)), (channels,))
+    norm = _slab_norm(x, groups, epsilon, activation, negative_slope)
 
     @tf.custom_gradient
     def forward(x, gamma, beta):
         x_planes = as_planes(x)
-        stats = [_slab_statistics(x_planes, depth, planes, sample, groups, per_group, count)
-                 for sample in range(batch)]  # (mean, variance) per sample, (1, 1, G, 1) each
-        means = [per_channel(mean) for mean, _ in stats]
-        variances = [per_channel(variance) for _, variance in stats]
-        outputs = [affine(x, i, gamma, beta, means[i], variances[i]) for i in range(batch)]
-        y = _activate(outputs[0] if batch == 1 else tf.concat(outputs, axis=0), activation, negative_slope)
+        moments = _sample_statistics(x_planes, norm)
+        outputs = [_affine(x[i:i + 1], gamma, beta, m.mean, m.variance, epsilon) for i, m in enumerate(moments)]
+        y = _activate(outputs[0] if len(outputs) == 1 else tf.concat(outputs, axis=0), activation, negative_slope)
 
         def backward(dy):
-            dz = _activation_grad(dy, y, activation, negative_slope)
-            dz_planes = as_planes(dz)
-            dgammas, dbetas, dxs = [], [], []
-            for sample in range(batch):
-                mean_g, variance_g = stats[sample]
-
-                def accumulate(row, slab, state, mean_g=mean_g):
-                    dz_slab = tf.slice(dz_planes, tf.stack([row, 0, 0, 0]), [slab.shape[1], -1, -1, -1])
-                    shape5 = (1, slab.shape[1], height, width, channels)
-                    xc = tf.reshape(tf.cast(slab, tf.float32), (1, -1, groups, per_group)) - mean_g
-                    dzf = tf.reshape(tf.cast(dz_slab, tf.float32), (1, -1, groups, per_group))
-                    return (state[0] + _channel_sums(tf.reshape(dzf, shape5), None, groups),
-                            state[1] + _channel_sums(tf.reshape(dzf * xc, shape5), None, groups))
-
-                zeros = tf.zeros((1, 1, groups, per_group))
-                sum_dz, sum_dz_xc = _over_slabs(x_planes, depth, planes, sample, accumulate, (zeros, zeros))
-                rstd = tf.math.rsqrt(variance_g + epsilon)
-                dgamma, dbeta, (k1, k2, k3) = _input_grad_coefficients(g, 0.0, rstd, sum_dz, sum_dz_xc, count)
-                # dx = k1 dz + k2 (x - mean) + k3: k1 dz as a norm of dz with mean 0 and variance
-                # 1 - epsilon, k2 (x - mean) + k3 as one of x with scale k2 sqrt(var + eps).
-                ones = tf.ones((channels,)) - epsilon
-                dxs.append(affine(dz, sample, per_channel(k1), zero, zero, ones)
-                           + affine(x, sample, per_channel(k2 / rstd), per_channel(k3), means[sample],
-                                    variances[sample]))
-                dgammas.append(dgamma)
-                dbetas.append(dbeta)
-            return (dxs[0] if batch == 1 else tf.concat(dxs, axis=0)), tf.add_n(dgammas), tf.add_n(dbetas)
+            return _large_gradients(x, x_planes, _activation_grad(dy, y, activation, negative_slope), gamma,
+                                    moments, norm)
 
         return y, backward
 
     return forward(x, gamma, beta)
-
-
-def _slab_statistics(x_planes, depth, planes, sample, groups, per_group, count):
-    """Mean and biased variance per group of one sample, (1, 1, G, 1) float32, from small slabs (Chan et al.)."""
-    def stats(_, slab, state):
-        n, mean, m2 = state
-        xs = tf.cast(slab, tf.float32)
-        n_slab = tf.cast(tf.size(xs) // groups, tf.float32)
-        mean_slab = _group_sums(xs, groups) / n_slab
-        m2_slab = _group_sums(tf.math.squared_difference(xs, _per_channel(mean_slab, per_group)), groups)
-        delta, total = mean_slab - mean, n + n_slab
-        return total, mean + delta * (n_slab / total), m2 + m2_slab + delta * delta * (n * n_slab / total)
-
-    zeros = tf.zeros((1, 1, groups, 1))
-    _, mean, m2 = _over_slabs(x_planes, depth, planes, sample, stats, (tf.constant(0.0), zeros, zeros))
-    return mean, m2 / count
-
-
-def _activation_grad(dy, y, activation: str, negative_slope: float):
-    """dz from dy and the activation's output (its sign is the pre-activation's)."""
-    if activation == "relu":
-        return tf.raw_ops.ReluGrad(gradients=dy, features=y)
-    if activation == "leaky_relu":
-        return tf.raw_ops.LeakyReluGrad(gradients=dy, features=y, alpha=negative_slope)
-    return dy
 
 
 def _fused_batch_norm_float32(x, gamma, beta, epsilon: float):

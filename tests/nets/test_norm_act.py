@@ -193,3 +193,16 @@ def test_large_volume_norm_equals_fused_norm(shape, groups, activation, dtype):
         # bf16: a pre-activation within rounding of 0 may take the other slope; allow a few such elements
         outside = np.abs(a - b) > tol * max(np.abs(b).max(), 1e-6)
         assert outside.mean() <= (0.0 if dtype == "float32" else 0.01), (name, np.abs(a - b).max())
+
+
+def test_a_plane_past_the_limit_is_refused_by_the_slab_norm():
+    from bigmem.nets.limits import kernel_element_limit
+    from bigmem.nets.norm_act import norm_activation_slabs
+    from bigmem.nets.slabplan import SlabTooLargeError
+
+    x = tf.ones((1, 4, 4, 4, 2))
+    with kernel_element_limit(4 * 4 * 2 - 1), pytest.raises(
+            SlabTooLargeError, match=r"group norm on \(1, 4, 4, 4, 2\): a single depth plane exceeds the kernel "
+                                     r"limit of 31 elements"):
+        norm_activation_slabs(x, tf.ones(2), tf.zeros(2), groups=2, epsilon=1e-5, activation="relu",
+                              negative_slope=0.0)
