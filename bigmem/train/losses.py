@@ -12,12 +12,16 @@ the same logits unpadded (``tests/train/test_losses.py``).
 
 from __future__ import annotations
 
+import functools
+from typing import NamedTuple, Sequence
+
 import tensorflow as tf
 
 from bigmem.data.pipeline import PAD_LABEL
 from bigmem.nets.limits import counted
 from bigmem.nets.reduce import spatial_sum
-from bigmem.nets.slabs import PlaneWriter, as_planes, exceeds_limit, plan_slabs, slab_elements, take_planes
+from bigmem.nets.slabplan import Slab, plan_planewise
+from bigmem.nets.slabs import as_planes, exceeds_limit, sum_slabs, take_planes, write_slabs
 
 DICE_SMOOTH = 1e-5  # nnU-Net's smoothing term for the soft Dice
 
@@ -56,11 +60,81 @@ def _label_planes(labels: tf.Tensor) -> tf.Tensor:
     return tf.reshape(labels, (labels.shape[0] * labels.shape[1], *labels.shape[2:], 1))
 
 
-def _loss_slabs(logits: tf.Tensor) -> list[tuple[int, int]]:
-    batch, depth, height, width, num_classes = logits.shape
-    plane = height * width * num_classes
-    limit = slab_elements(plane)
-    return plan_slabs(depth, lambda d0, d1: (d1 - d0) * plane <= limit, what=f"the loss on {tuple(logits.shape)}")
+def _loss_slabs(logits: tf.Tensor) -> tuple[Slab, ...]:
+    """The loss's slabs: whole planes, as many as ``slab_elements`` allows (it reads no halo)."""
+    return plan_planewise(logits.shape, what=f"the loss on {tuple(logits.shape)}")
+
+
+class _LossSums(NamedTuple):
+    """One sample's sums over its slabs: the cross-entropy and valid voxels, and per class the soft Dice terms."""
+
+    cross_entropy: tf.Tensor  # ()
+    intersection: tf.Tensor  # (num_classes,)
+    predicted: tf.Tensor
+    true: tf.Tensor
+    voxels: tf.Tensor  # ()
+
+
+def _slab_probabilities(label_planes, logit_planes, depth: int, sample: int, slab: Slab):
+    """One slab's softmax (zero on padding), one-hot truth and valid mask (..., 1)."""
+    slab_labels = take_planes(label_planes, depth, sample, slab.in_start, slab.in_stop)
+    valid = _valid(slab_labels, logit_planes.dtype)
+    probs = tf.nn.softmax(take_planes(logit_planes, depth, sample, slab.in_start, slab.in_stop)) * valid
+    truth = tf.one_hot(tf.cast(slab_labels[..., 0], tf.int32), logit_planes.shape[-1], dtype=logit_planes.dtype)
+    return probs, truth, valid
+
+
+def _slab_sums(label_planes, logit_planes, depth: int, sample: int, slab: Slab) -> _LossSums:
+    """One slab's terms of ``_LossSums``."""
+    piece = take_planes(logit_planes, depth, sample, slab.in_start, slab.in_stop)
+    probs, truth, valid = _slab_probabilities(label_planes, logit_planes, depth, sample, slab)
+    axes = (0, 1, 2, 3)
+    return _LossSums(tf.reduce_sum(tf.nn.softmax_cross_entropy_with_logits(truth, piece)),
+                     spatial_sum(probs * truth, axes), spatial_sum(probs, axes), spatial_sum(truth, axes),
+                     spatial_sum(valid, axes)[0])
+
+
+def _sample_sums(label_planes, logit_planes, depth: int, sample: int, slabs: Sequence[Slab],
+                 after: list[tf.Tensor]) -> _LossSums:
+    """One sample's ``_LossSums``, slab after slab, the first after ``after`` (one slab's softmax alive at a time)."""
+    num_classes = logit_planes.shape[-1]
+    sums = _LossSums(tf.zeros(()), *(tf.zeros((num_classes,)),) * 3, tf.zeros(()))
+    for slab in slabs:
+        with tf.control_dependencies(after):
+            sums = _LossSums(*(total + term for total, term in zip(
+                sums, _slab_sums(label_planes, logit_planes, depth, sample, slab))))
+        after = list(sums)
+    return sums
+
+
+def _sample_loss(sums: _LossSums) -> tuple[tf.Tensor, tf.Tensor]:
+    """(the sample's loss, the soft Dice's denominator per class) from its sums."""
+    denominator = sums.predicted + sums.true + DICE_SMOOTH
+    dice = (2.0 * sums.intersection + DICE_SMOOTH) / denominator
+    return sums.cross_entropy / sums.voxels + 1.0 - tf.reduce_mean(dice[1:]), denominator
+
+
+def _dice_grad_coefficients(sums: _LossSums, denominator: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+    """(a, b) per class with d(1 - mean_k>=1 Dice_k) / d p_k(v) = a_k t_k(v) + b_k."""
+    num_classes = sums.intersection.shape[0]
+    foreground = tf.constant([0.0] + [1.0 / (num_classes - 1)] * (num_classes - 1))
+    a = -2.0 * foreground / denominator
+    b = foreground * (2.0 * sums.intersection + DICE_SMOOTH) / (denominator * denominator)
+    return a, b
+
+
+def _slab_logit_grad(label_planes, logit_planes, depth: int, sample_grads, upstream, sample: int,
+                     slab: Slab) -> tf.Tensor:
+    """d loss / d logits on one slab: (p - t) / N for the cross-entropy, p * (g - sum_k p_k g_k) for the Dice.
+
+    ``sample_grads[sample]`` is ``(a, b, N)``: g_k = a_k t_k + b_k, N the sample's valid voxels.
+    probs is zero on padding, and so is truth: padded logits get no gradient.
+    """
+    a, b, voxels = sample_grads[sample]
+    probs, truth, _ = _slab_probabilities(label_planes, logit_planes, depth, sample, slab)
+    g = a * truth + b
+    piece = (probs - truth) / voxels + probs * (g - tf.reduce_sum(probs * g, axis=-1, keepdims=True))
+    return piece * upstream[sample]
 
 
 @counted('loss')
@@ -69,9 +143,9 @@ def dice_ce_per_sample_slabs(labels: tf.Tensor, logits: tf.Tensor) -> tf.Tensor:
 
     Forward: one pass over each sample's slabs sums the cross-entropy and, per class, the soft
     Dice terms (intersection, predicted and true volumes). Backward: a second pass writes
-    d loss / d logits slab by slab: (p - t) / N for the cross-entropy and, for the Dice,
-    p * (g - sum_k p_k g_k) with g_k = d(1 - mean Dice) / d p_k = a_k t_k + b_k per class. Only
-    one slab's softmax and one-hot are ever alive.
+    d loss / d logits slab by slab (``write_slabs``): (p - t) / N for the cross-entropy and, for
+    the Dice, p * (g - sum_k p_k g_k) with g_k = d(1 - mean Dice) / d p_k = a_k t_k + b_k per
+    class. Only one slab's softmax and one-hot are ever alive.
 
     Args:
         labels: (batch, D, H, W) integer class indices.
@@ -79,62 +153,29 @@ def dice_ce_per_sample_slabs(labels: tf.Tensor, logits: tf.Tensor) -> tf.Tensor:
 
     Returns:
         (batch,) float32 losses.
+
+    Raises:
+        SlabTooLargeError: one depth plane of the logits is already past the kernel limit.
     """
-    batch, depth, height, width, num_classes = logits.shape
+    batch, depth = logits.shape[:2]
     slabs = _loss_slabs(logits)
     label_planes = _label_planes(labels)
-
-    def probabilities_and_truth(logit_planes, sample, d0, d1):
-        """One slab's softmax (zero on padding), one-hot truth and valid mask (..., 1)."""
-        slab_labels = take_planes(label_planes, depth, sample, d0, d1)
-        valid = _valid(slab_labels, logits.dtype)
-        probs = tf.nn.softmax(take_planes(logit_planes, depth, sample, d0, d1)) * valid
-        truth = tf.one_hot(tf.cast(slab_labels[..., 0], tf.int32), num_classes, dtype=logits.dtype)
-        return probs, truth, valid
 
     @tf.custom_gradient
     def per_sample(logits):
         logit_planes = as_planes(logits)
-        losses, terms, counts, last = [], [], [], []
+        sums, after = [], []
         for sample in range(batch):
-            cross_entropy = voxels = tf.zeros(())
-            intersection = predicted = true = tf.zeros((num_classes,))
-            for d0, d1 in slabs:
-                with tf.control_dependencies(last):
-                    piece = take_planes(logit_planes, depth, sample, d0, d1)
-                    probs, truth, valid = probabilities_and_truth(logit_planes, sample, d0, d1)
-                    cross_entropy += tf.reduce_sum(tf.nn.softmax_cross_entropy_with_logits(truth, piece))
-                    intersection += spatial_sum(probs * truth, (0, 1, 2, 3))
-                    predicted += spatial_sum(probs, (0, 1, 2, 3))
-                    true += spatial_sum(truth, (0, 1, 2, 3))
-                    voxels += spatial_sum(valid, (0, 1, 2, 3))[0]
-                last = [cross_entropy, intersection, predicted, true, voxels]
-            denominator = predicted + true + DICE_SMOOTH
-            dice = (2.0 * intersection + DICE_SMOOTH) / denominator
-            losses.append(cross_entropy / voxels + 1.0 - tf.reduce_mean(dice[1:]))
-            terms.append((intersection, denominator))
-            counts.append(voxels)
-        loss = tf.stack(losses)
+            sums.append(_sample_sums(label_planes, logit_planes, depth, sample, slabs, after))
+            after = list(sums[-1])
+        losses, denominators = zip(*(_sample_loss(s) for s in sums))
 
         def grad(upstream):  # upstream: (batch,)
-            dlogits = PlaneWriter(logits.shape, logits.dtype)
-            foreground = tf.constant([0.0] + [1.0 / (num_classes - 1)] * (num_classes - 1))
-            for sample in range(batch):
-                intersection, denominator = terms[sample]
-                # d(1 - mean_k>=1 Dice_k) / d p_k(v) = a_k t_k(v) + b_k
-                a = -2.0 * foreground / denominator
-                b = foreground * (2.0 * intersection + DICE_SMOOTH) / (denominator * denominator)
-                for d0, d1 in slabs:
-                    with tf.control_dependencies(dlogits.after):
-                        # probs is zero on padding, and so is truth: padded logits get no gradient
-                        probs, truth, _ = probabilities_and_truth(logit_planes, sample, d0, d1)
-                        g = a * truth + b
-                        piece = (probs - truth) / counts[sample] + probs * (g - tf.reduce_sum(probs * g, axis=-1,
-                                                                                               keepdims=True))
-                    dlogits.write(sample, d0, piece * upstream[sample])
-            return dlogits.result()
+            sample_grads = [(*_dice_grad_coefficients(s, d), s.voxels) for s, d in zip(sums, denominators)]
+            return write_slabs(logits.shape, logits.dtype, slabs, functools.partial(
+                _slab_logit_grad, label_planes, logit_planes, depth, sample_grads, upstream))
 
-        return loss, grad
+        return tf.stack(losses), grad
 
     return per_sample(logits)
 
@@ -153,14 +194,10 @@ def dice_counts(labels: tf.Tensor, logits: tf.Tensor) -> tuple[tf.Tensor, tf.Ten
     if exceeds_limit(logits.shape):
         batch, depth = logits.shape[:2]
         logit_planes, label_planes = as_planes(logits), _label_planes(labels)
-        intersection = total = tf.zeros((num_classes,))
-        for sample in range(batch):
-            for d0, d1 in _loss_slabs(logits):
-                with tf.control_dependencies([intersection, total]):
-                    piece_counts = dice_counts(take_planes(label_planes, depth, sample, d0, d1)[..., 0],
-                                               take_planes(logit_planes, depth, sample, d0, d1))
-                intersection, total = intersection + piece_counts[0], total + piece_counts[1]
-        return intersection, total
+        counts = sum_slabs((2, num_classes), batch, _loss_slabs(logits), lambda sample, slab: tf.stack(dice_counts(
+            take_planes(label_planes, depth, sample, slab.in_start, slab.in_stop)[..., 0],
+            take_planes(logit_planes, depth, sample, slab.in_start, slab.in_stop))), after=[])
+        return counts[0], counts[1]
     predicted = tf.one_hot(tf.argmax(logits, axis=-1, output_type=tf.int32), num_classes, dtype=tf.float32)
     predicted *= _valid(labels, tf.float32)[..., tf.newaxis]  # padding is neither predicted nor true
     truth = tf.one_hot(tf.cast(labels, tf.int32), num_classes, dtype=tf.float32)

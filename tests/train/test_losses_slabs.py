@@ -38,3 +38,13 @@ def test_loss_in_slabs_inside_a_graph():
     with kernel_element_limit(3 * 3 * 3 * 3):
         graph_loss = tf.function(dice_ce_per_sample_slabs)(labels, logits)
     np.testing.assert_allclose(graph_loss, dice_ce_per_sample(labels, logits), rtol=1e-5)
+
+
+def test_a_plane_past_the_limit_is_refused_by_the_slab_loss():
+    from bigmem.nets.slabplan import SlabTooLargeError
+
+    logits = tf.zeros((1, 4, 3, 3, 2))
+    with kernel_element_limit(3 * 3 * 2 - 1), pytest.raises(
+            SlabTooLargeError, match=r"the loss on \(1, 4, 3, 3, 2\): a single depth plane exceeds the kernel limit "
+                                     r"of 17 elements"):
+        dice_ce_per_sample_slabs(tf.zeros((1, 4, 3, 3), tf.uint8), logits)
