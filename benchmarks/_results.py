@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import re
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -62,6 +61,7 @@ def write_table(name: str, values: dict, *, results: str | Path, notes: list[str
     Returns:
         The table's path. The entry records the date and this command line; review its diff before committing.
     """
+    from harness import command_line  # here: harness imports this module
     from bigmem.config import tables
     from bigmem.memory.calibration import cpu_model, machine_isa_class, tensorflow_version
 
@@ -80,7 +80,7 @@ def write_table(name: str, values: dict, *, results: str | Path, notes: list[str
     entry = {"isa_class": isa_class or about["isa_class"], "machine": about,
              "summary": summary or f"{about['cpu']} {about['cpus']} CPUs {about['isa_class']}, "
                                    f"TF {about['tensorflow']}, {date}",
-             "date": date, "command": shlex.join(["python", *sys.argv]), "results": [recorded], "notes": notes,
+             "date": date, "command": command_line(sys.argv[0]), "results": [recorded], "notes": notes,
              **values, **{field: old[field] for field in keep if field in old}}
     measured = {_table_id(t) for t in values.get("tables", [])}
     dropped = [_table_id(t) for t in old.get("tables", []) if _table_id(t) not in measured]
