@@ -1,6 +1,6 @@
 """Inference memory: predicted vs measured peak of one whole-volume prediction, and the largest volume that fits.
 
-    flock /tmp/bigmem-heavy.lock python benchmarks/bench_inference_memory.py [--model kits19]
+    python benchmarks/bench_inference_memory.py [--model kits19]
         [--fp32-sizes 32,64,...] [--bf16-sizes 32,64,...] [--knot-sizes N,N,...] [--slab-check SIZE:LIMIT,...]
         [--largest | --no-largest] [--reuse RESULTS.json,...] [--no-measure] [--out DIR] [--write-table]
 
@@ -20,8 +20,10 @@ default budget: MemAvailable now) for the largest whole cube the model can segme
 that size, predicted with the fitted knots (it is not one of them: beyond the last knot unless
 it was in the sweep).
 
-Run it alone on the machine (under the heavy-job lock): the peak depends on how the allocator's
-free buffers line up, and another process's memory use lowers MemAvailable and so the plan.
+Run it alone on the machine: the peak depends on how the allocator's free buffers line up, and
+another process's memory use lowers MemAvailable and so the plan. It holds the heavy-job lock
+(``harness.heavy_turn``, /tmp/bigmem-heavy.lock) from its first measurement to its last, so start
+it without an outer ``flock`` on that file (it would wait for that one forever).
 Prints a table and writes ``inference_memory-<machine>-<time>.json`` (never run by pytest);
 ``--write-table`` replaces this machine's entry for the model in bigmem/measured/inference_memory.json
 with the fitted knots.
@@ -37,7 +39,8 @@ import sys
 import time
 from pathlib import Path
 
-from _results import machine_slug, write_results, write_table
+from _results import write_table
+from harness import bench_parser, command_line, heavy_turn, machine_slug, write_results
 from rich.console import Console
 from rich.table import Table
 
@@ -229,7 +232,7 @@ def _sizes(text: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--model", default="kits19")
     parser.add_argument("--fp32-sizes", default="32,64,96,128,160,192,224,256")
     parser.add_argument("--bf16-sizes", default="32,64,128,192,256", help="'' to skip bf16")
@@ -241,7 +244,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--largest", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--reuse", help="measured points of earlier results files (comma-separated)")
     parser.add_argument("--no-measure", action="store_true", help="measure nothing: --reuse only")
-    parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--write-table", action="store_true",
                         help="replace this machine's entry for --model in bigmem/measured/inference_memory.json with "
                              "the fitted knots")
@@ -258,20 +260,23 @@ def main(argv: list[str] | None = None) -> int:
     tf_info = tensorflow_description()
     console = Console(soft_wrap=True, width=170)
     isa = machine_isa_class()
-    machine = {"host": socket.gethostname(), "cpu": cpu_model(), "isa_class": isa, "tensorflow": tensorflow_version(),
-               "keras": tf_info["keras"], "onednn_enabled": tf_info["onednn_enabled"],
-               "onednn_reason": tf_info["onednn_reason"], "TF_ENABLE_ONEDNN_OPTS": tf_info["TF_ENABLE_ONEDNN_OPTS"],
-               "mem_available_bytes_at_start": available_memory_bytes()}
-    campaign = Campaign(args, console)
-    rows = []
-    for precision, sizes in (("fp32", args.fp32_sizes), ("bf16", args.bf16_sizes)):
-        for volume in _sizes(sizes):
-            rows.append(campaign.point(args.model, precision, volume, "sweep"))
-    for check in filter(None, args.slab_check.split(",")):
-        size, limit = (int(v) for v in check.split(":"))
-        rows.append(campaign.point(args.model, "fp32", size, "slab check", kernel_limit=limit))
-    report = {"machine": machine, "model": args.model, "command": " ".join(sys.argv), "reused_from": args.reuse}
-    result = largest(campaign, args.model, rows, console) if args.largest else None
+    with heavy_turn(not args.no_measure, console.print):  # MemAvailable (the plan's budget) counts too
+        machine = {"host": socket.gethostname(), "cpu": cpu_model(), "isa_class": isa,
+                   "tensorflow": tensorflow_version(), "keras": tf_info["keras"],
+                   "onednn_enabled": tf_info["onednn_enabled"], "onednn_reason": tf_info["onednn_reason"],
+                   "TF_ENABLE_ONEDNN_OPTS": tf_info["TF_ENABLE_ONEDNN_OPTS"],
+                   "mem_available_bytes_at_start": available_memory_bytes()}
+        campaign = Campaign(args, console)
+        rows = []
+        for precision, sizes in (("fp32", args.fp32_sizes), ("bf16", args.bf16_sizes)):
+            for volume in _sizes(sizes):
+                rows.append(campaign.point(args.model, precision, volume, "sweep"))
+        for check in filter(None, args.slab_check.split(",")):
+            size, limit = (int(v) for v in check.split(":"))
+            rows.append(campaign.point(args.model, "fp32", size, "slab check", kernel_limit=limit))
+        result = largest(campaign, args.model, rows, console) if args.largest else None
+    report = {"machine": machine, "model": args.model, "command": command_line(__file__, argv),
+              "reused_from": args.reuse}
     table_rows = rows + ([result] if result and result.get("measured_peak_bytes") else [])
     report["defaults_fit"] = fit(table_rows, _sizes(args.knot_sizes) if args.knot_sizes else None, isa, console)
     print_table(table_rows, machine, console)

@@ -1,7 +1,7 @@
 """The speed-motivated kernel choices of bigmem.nets, timed per ISA class: what nets/choices.py ships.
 
     python benchmarks/bench_kernel_choices.py [--isa native,avx512,avx2] [--volumes 64,96]
-        [--warmup 2] [--repeat 5] [--out DIR] [--write-table]
+        [--warmup 2] [--repeats 5] [--out DIR] [--write-table]
 
 For each ISA class it starts child processes with oneDNN capped at that class
 (``ONEDNN_MAX_CPU_ISA``: ``avx2`` -> AVX2, ``avx512`` -> AVX512_CORE; ``native`` leaves it alone)
@@ -24,15 +24,11 @@ timing decides); review its diff against the shipped choices' notes.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import statistics
-import subprocess
 import sys
-import time
 
-from _results import write_results, write_table
+from _results import write_table
+from harness import bench_parser, command_line, run_function, time_calls, write_results
 from rich.console import Console
 from rich.table import Table
 
@@ -42,15 +38,6 @@ ISA_CAPS = {"native": None, "avx512": "AVX512_CORE", "avx2": "AVX2"}
 WEIGHT_GRAD_SHAPES = [(1, 8, 8), (1, 16, 16), (1, 32, 32), (1, 64, 64), (2, 8, 16), (2, 16, 32), (2, 32, 64),
                       (2, 64, 128)]
 NORM_CHANNELS = [8, 16, 32, 64]
-
-
-def _timed(fn, warmup: int, repeat: int) -> list[float]:
-    times = []
-    for _ in range(warmup + repeat):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return times[warmup:]
 
 
 def child(request: dict) -> dict:
@@ -78,8 +65,7 @@ def child(request: dict) -> dict:
 
         row = {"op": "wgrad", "stride": stride, "in_channels": cin, "out_channels": cout}
         for name, fn in (("onednn", onednn), ("planewise", planes)):
-            times = _timed(lambda fn=fn: fn().numpy(), warmup, repeat)
-            row[f"{name}_s"] = statistics.median(times)
+            row[f"{name}_s"] = time_calls(lambda fn=fn: fn().numpy(), repeats=repeat, warmup=warmup).spread.median
         rows.append(row)
     for channels in NORM_CHANNELS:
         x = tf.cast(tf.random.normal((1, volume, volume, volume, channels)), dtype)
@@ -105,8 +91,8 @@ def child(request: dict) -> dict:
                     total = tf.reduce_sum(tf.cast(y, tf.float32) * tf.cast(x, tf.float32))
                 return tf.reduce_sum(tf.cast(tape.gradient(total, x), tf.float32))
 
-            times = _timed(lambda norm=norm: norm().numpy(), warmup, repeat)
-            row[f"{name}_s"] = statistics.median(times)
+            row[f"{name}_s"] = time_calls(lambda norm=norm: norm().numpy(), repeats=repeat,
+                                          warmup=warmup).spread.median
         rows.append(row)
     return {"rows": rows}
 
@@ -135,31 +121,20 @@ def planewise_ranges(results: list[dict], isa: str) -> list[dict]:
 
 
 def run_child(request: dict, cap: str | None) -> dict:
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
-    env.pop("ONEDNN_MAX_CPU_ISA", None)
-    if cap:
-        env["ONEDNN_MAX_CPU_ISA"] = cap
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", json.dumps(request)],
-                          env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        return {"error": (proc.stderr.strip().splitlines() or ["exit %d" % proc.returncode])[-1]}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    """``child(request)`` in a fresh process with oneDNN capped at ``cap`` (None: as the CPU is); or its error."""
+    env = {key: value for key, value in os.environ.items() if key != "ONEDNN_MAX_CPU_ISA"}
+    env.update({"TF_CPP_MIN_LOG_LEVEL": "2", **({"ONEDNN_MAX_CPU_ISA": cap} if cap else {})})
+    run = run_function(child, request, what=f"Timing the kernel choices (ONEDNN_MAX_CPU_ISA={cap})", env=env)
+    return run.result if run.ok else {"error": run.failure()}
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser = bench_parser(__doc__, repeats=5, warmup=2)
     parser.add_argument("--isa", default="native,avx512,avx2")
     parser.add_argument("--volumes", default="64,96")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--repeat", type=int, default=5)
-    parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--write-table", action="store_true",
                         help="replace each measured class's entry of bigmem/measured/kernel_choices.json")
     args = parser.parse_args(argv)
-    if args.child:
-        print(json.dumps(child(json.loads(args.child))))
-        return 0
 
     from bigmem.sysinfo import cpu_description, isa_class, native_bf16
 
@@ -172,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         precisions = ["fp32", "bf16"] if isa == "native" and native_bf16() else ["fp32"]
         for precision in precisions:
             for volume in (int(v) for v in args.volumes.split(",")):
-                request = {"precision": precision, "volume": volume, "warmup": args.warmup, "repeat": args.repeat}
+                request = {"precision": precision, "volume": volume, "warmup": args.warmup, "repeat": args.repeats}
                 result = run_child(request, ISA_CAPS[isa])
                 results.append({"isa": native if isa == "native" else isa, "onednn_max_cpu_isa": ISA_CAPS[isa],
                                 **request, **result})
@@ -203,15 +178,15 @@ def main(argv: list[str] | None = None) -> int:
                "tensorflow_runtime": tensorflow_description()}
     onednn = "on" if machine["tensorflow_runtime"]["onednn_enabled"] else "off"
     console.print(f"{cpu['model']} ({native}), oneDNN {onednn}")
-    command = "python benchmarks/bench_kernel_choices.py " + " ".join(argv or sys.argv[1:])
-    path = write_results("kernel_choices", {"command": command, "warmup": args.warmup, "repeat": args.repeat,
-                                            "results": results, "machine": machine}, args.out, console)
+    report = {"command": command_line(__file__, argv), "warmup": args.warmup, "repeat": args.repeats,
+              "results": results, "machine": machine}
+    path = write_results("kernel_choices", report, args.out, console)
     for isa, cap in dict.fromkeys((r["isa"], r["onednn_max_cpu_isa"]) for r in results) if args.write_table else ():
         where = f"measured with oneDNN capped at {cap}" if cap else f"measured on {isa}"
         write_table("kernel_choices", {"planewise": planewise_ranges(results, isa)}, key=isa, isa_class=isa,
                     results=path, console=console, summary=f"{where}: {path}", keep=("correctness",),
                     machine={"keras": machine["tensorflow_runtime"]["keras"], "onednn_max_cpu_isa": cap},
-                    notes=[f"planewise_ranges of this run (median of {args.repeat} after {args.warmup} warm-up runs, "
+                    notes=[f"planewise_ranges of this run (median of {args.repeats} after {args.warmup} warm-up runs, "
                            f"forward excluded, at {args.volumes.replace(',', ', ')}^3)."])
     return 0
 

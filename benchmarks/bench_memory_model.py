@@ -36,16 +36,14 @@ the test suite running beside it, 10.1 and 10.3 GiB in two quiet runs, 2026-11-3
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import fcntl
 import json
 import socket
 import sys
 import time
 from pathlib import Path
 
-from _results import machine_slug, write_results, write_table
+from _results import write_table
+from harness import bench_parser, heavy_turn, machine_slug, write_results
 from rich.console import Console
 from rich.table import Table
 
@@ -64,20 +62,6 @@ from bigmem.units import format_bytes, parse_bytes
 
 # The largest edge `--check-sizes auto` considers (kits19 at 512^3 needs ~0.5 TiB even in bf16).
 MAX_CHECK_VOLUME = 512
-
-
-@contextlib.contextmanager
-def held(lock_path: str | None):
-    """Hold an exclusive flock on ``lock_path`` (nothing when None)."""
-    if not lock_path:
-        yield
-        return
-    with open(lock_path, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _point_key(model: str, precision: str, recompute: str, volume: int, batch: int) -> tuple:
@@ -127,7 +111,7 @@ class Campaign:
             return None, None, "not in --reuse (--no-measure)"
         stages = stages_for(config, counts_for((config.data.shape[0],) * 3))
         try:
-            with held(self.args.lock):
+            with heavy_turn(bool(self.args.lock), self.console.print, lock_path=self.args.lock):
                 # forced: the shipped estimate must not veto a size that --max-peak admits
                 result = measure(config, steps=self.args.steps, recompute_stages=stages, force=True)
         except BigmemError as error:
@@ -232,7 +216,7 @@ def _worst(rows: list[dict], field: str) -> dict | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__)
     parser.add_argument("--model", default="small,intelai-brats,kits19", help="presets, separated by commas")
     parser.add_argument("--calibrate-sizes", default="32,64,96",
                         help="volume edges the in-run calibration is fitted on (those a preset divides)")
@@ -255,9 +239,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fresh-calibration", action="store_true",
                         help="measure the calibration sizes even where --reuse holds them: a calibration that "
                              "is not the measurement the shipped knots at those sizes came from")
-    parser.add_argument("--lock", help="hold an flock on this file around each measurement")
+    parser.add_argument("--lock", help="hold an flock on this file around each measurement (e.g. "
+                                       "/tmp/bigmem-heavy.lock, the one the other multi-GB benchmarks take turns on)")
     parser.add_argument("--budget", help="also check the planner (first --model) at this budget, e.g. 20GiB")
-    parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--write-table", action="store_true",
                         help="replace this machine's entry of bigmem/measured/training_memory.json with this run's "
                              "defaults_fit")
@@ -376,7 +360,7 @@ def budget_check(args, model: str, console) -> dict:
     run_config = resolve_config(model, {"data": {"volume": saver.volume}, "train": {
         "batch_size": args.batch_size, "precision": "bf16"}, "memory": {"recompute": "stages"}})
     try:
-        with held(args.lock):
+        with heavy_turn(bool(args.lock), console.print, lock_path=args.lock):
             measured = measure(run_config, steps=args.steps)
     except BigmemError as error:  # e.g. killed by the kernel: the plan did not fit after all
         console.print(f"measuring bf16+stages at {saver.volume}^3 FAILED: {error}")

@@ -31,24 +31,20 @@ this machine's entry of bigmem/measured/step_rates.json with the bigmem path's r
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-from _results import write_results, write_table
+from _results import write_table
+from harness import bench_parser, run_function, spread, time_calls, write_results
 from rich.console import Console
 from rich.table import Table
 
 from bigmem.config import resolve_config
 from bigmem.memory.calibration import cpu_model, tensorflow_version
-from bigmem.memory.procfs import peak_rss_bytes
 from bigmem.units import format_bytes
 
 MATMUL_EDGE = 4096
@@ -74,16 +70,18 @@ def variant_env(kind: str) -> dict[str, str]:
 BENCH_LR = 1e-3
 
 
-# ---- child processes: one measurement each --------------------------------------------------------
+# ---- child processes: one measurement each (run_function), one function per kind -------------------
 
-def _timed(step, warmup: int, steps: int) -> list[float]:
-    """Run ``step`` warmup + steps times; return the timed steps' seconds. ``step`` must block on its result."""
-    times = []
-    for _ in range(warmup + steps):
-        started = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - started)
-    return times[warmup:]
+def _with_runtime(result: dict) -> dict:
+    """``result`` with what the child ran with, where it imported TensorFlow: oneDNN on or off, its thread pools."""
+    if "tensorflow" in sys.modules:
+        from bigmem.sysinfo import tensorflow_description
+
+        runtime = tensorflow_description()
+        result["runtime"] = {key: runtime.get(key) for key in ("onednn_enabled", "intra_op_threads",
+                                                                "inter_op_threads", "TF_ENABLE_ONEDNN_OPTS")}
+        result["runtime"]["ONEDNN_MAX_CPU_ISA"] = os.environ.get("ONEDNN_MAX_CPU_ISA")
+    return result
 
 
 def _sample_case(config, volume: int):
@@ -113,8 +111,8 @@ def child_ceiling(request: dict) -> dict:
         def matmul():
             return tf.reduce_sum(tf.cast(tf.matmul(a, a), tf.float32))
 
-        times = _timed(lambda: matmul().numpy(), request["warmup"], request["steps"])
-        return {"step_s": times, "flops": 2 * MATMUL_EDGE**3}
+        times = time_calls(lambda: matmul().numpy(), repeats=request["steps"], warmup=request["warmup"]).times_s
+        return _with_runtime({"step_s": times, "flops": 2 * MATMUL_EDGE**3})
     volume, channels = request["volume"], request["channels"]
     x = tf.cast(tf.random.normal((1, volume, volume, volume, channels)), dtype)
     kernel = tf.cast(tf.random.normal((3, 3, 3, channels, channels)) * 0.05, dtype)
@@ -129,8 +127,9 @@ def child_ceiling(request: dict) -> dict:
         # The result depends on the forward output and on both gradients (nothing is pruned).
         return total + tf.reduce_sum(tf.cast(dx, tf.float32)) + tf.reduce_sum(tf.cast(dkernel, tf.float32))
 
-    times = _timed(lambda: conv_forward_backward().numpy(), request["warmup"], request["steps"])
-    return {"step_s": times, "flops": 3 * 2 * 27 * channels * channels * volume**3}
+    times = time_calls(lambda: conv_forward_backward().numpy(), repeats=request["steps"],
+                       warmup=request["warmup"]).times_s
+    return _with_runtime({"step_s": times, "flops": 3 * 2 * 27 * channels * channels * volume**3})
 
 
 def child_bigmem(request: dict) -> dict:
@@ -156,8 +155,8 @@ def child_bigmem(request: dict) -> dict:
     with tempfile.TemporaryDirectory(prefix="bigmem-bench-") as run_dir:
         train(config, f"{run_dir}/run", console=Console(file=io.StringIO()))
         rows = read_jsonl(f"{run_dir}/run/metrics.jsonl")
-    return {"step_s": [r["step_s"] for r in rows[request["warmup"]:]],
-            "input_wait_s": [r["input_wait_s"] for r in rows[request["warmup"]:]]}
+    return _with_runtime({"step_s": [r["step_s"] for r in rows[request["warmup"]:]],
+                          "input_wait_s": [r["input_wait_s"] for r in rows[request["warmup"]:]]})
 
 
 def child_keras(request: dict) -> dict:
@@ -176,8 +175,9 @@ def child_keras(request: dict) -> dict:
     model.compile(optimizer=keras.optimizers.SGD(config.train.lr, momentum=config.train.momentum, nesterov=True),
                   loss=dice_ce_loss)
     image, label = _sample_case(config, config.data.shape[0])
-    times = _timed(lambda: model.train_on_batch(image, label), request["warmup"], request["steps"])
-    return {"step_s": times, "param_count": model.count_params()}
+    times = time_calls(lambda: model.train_on_batch(image, label), repeats=request["steps"],
+                       warmup=request["warmup"]).times_s
+    return _with_runtime({"step_s": times, "param_count": model.count_params()})
 
 
 def child_torch(request: dict) -> dict:
@@ -204,9 +204,9 @@ def child_torch(request: dict) -> dict:
         optimizer.step()
         return loss.item()
 
-    times = _timed(step, request["warmup"], request["steps"])
-    return {"step_s": times, "param_count": parameter_count(model), "torch": torch.__version__,
-            "threads": torch.get_num_threads()}
+    times = time_calls(step, repeats=request["steps"], warmup=request["warmup"]).times_s
+    return _with_runtime({"step_s": times, "param_count": parameter_count(model), "torch": torch.__version__,
+                          "threads": torch.get_num_threads()})
 
 
 def child_optimizer(request: dict) -> dict:
@@ -231,48 +231,33 @@ def child_optimizer(request: dict) -> dict:
         optimizer.apply(gradients, model.trainable_variables)
         return optimizer.iterations.value  # reads back after the update, so the call blocks on it
 
-    times = _timed(lambda: update().numpy(), request["warmup"], request["steps"])
-    return {"step_s": times, "param_count": model.count_params(), "optimizer": type(optimizer).__name__}
+    times = time_calls(lambda: update().numpy(), repeats=request["steps"], warmup=request["warmup"]).times_s
+    return _with_runtime({"step_s": times, "param_count": model.count_params(), "optimizer": type(optimizer).__name__})
 
 
 CHILDREN = {"ceiling": child_ceiling, "bigmem": child_bigmem, "keras": child_keras, "torch": child_torch,
             "optimizer": child_optimizer}
 
 
-def child_main(request_path: str) -> int:
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    with open(request_path) as handle:
-        request = json.load(handle)
-    result = CHILDREN[request["kind"]](request)
-    result["peak_bytes"] = peak_rss_bytes()
-    if "tensorflow" in sys.modules:  # what the child ran with: oneDNN on or off, its thread pools
-        from bigmem.sysinfo import tensorflow_description
-
-        runtime = tensorflow_description()
-        result["runtime"] = {key: runtime.get(key) for key in ("onednn_enabled", "intra_op_threads",
-                                                                "inter_op_threads", "TF_ENABLE_ONEDNN_OPTS")}
-        result["runtime"]["ONEDNN_MAX_CPU_ISA"] = os.environ.get("ONEDNN_MAX_CPU_ISA")
-    print(json.dumps(result), flush=True)
-    return 0
-
-
 # ---- parent: plan, run, tabulate ------------------------------------------------------------------
 
 def run_child(request: dict, timeout_s: float = 3600.0) -> dict:
-    with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="bigmem-bench-") as handle:
-        json.dump(request, handle)
-        handle.flush()
-        result = subprocess.run([sys.executable, __file__, "--child", handle.name], capture_output=True, text=True,
-                                timeout=timeout_s, env={**os.environ, **variant_env(request["kind"])})
-    if result.returncode != 0:
-        tail = (result.stderr.strip().splitlines() or ["no output"])[-1]
-        return {"error": f"exit {result.returncode}: {tail}"}
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    """``CHILDREN[request["kind"]](request)`` in a fresh process with --variant's environment, and its peak.
+
+    Returns:
+        The child's result with ``peak_bytes`` (its peak resident set), or ``{"error": "exit N: why"}``.
+    """
+    kind = request["kind"]
+    run = run_function(CHILDREN[kind], request, what=f"The {kind} measurement", timeout_s=timeout_s,
+                       env={**os.environ, **variant_env(kind)})
+    if not run.ok:
+        return {"error": f"exit {run.returncode}: {run.failure()}"}
+    return {**run.result, "peak_bytes": run.peak_rss_bytes}
 
 
 def summarise(times: list[float]) -> dict:
-    return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times),
-            "spread_pct": 100.0 * (max(times) - min(times)) / statistics.median(times), "n": len(times)}
+    stats = spread(times)
+    return {**stats.as_dict(), "spread_pct": stats.spread_pct, "n": stats.n}
 
 
 def torch_available() -> str | None:
@@ -293,25 +278,20 @@ def train_flops_of(config, volume: int) -> tuple[int, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser = bench_parser(__doc__, warmup=2, warmup_help="untimed warm-up steps before the timed ones")
     parser.add_argument("--presets", default="small,kits19")
     parser.add_argument("--volumes", default="64,96,128")
     parser.add_argument("--paths", default="bigmem,keras,torch")
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5, help="timed steps (default 5)")
     parser.add_argument("--scaling", default="kits19:32,64,96,128,160,192",
                         help="PRESET:V1,V2,... timed for bigmem fp32 (cost per voxel); '' to skip")
     parser.add_argument("--precisions", default="fp32,bf16")
     parser.add_argument("--variant", default="native", choices=sorted(VARIANTS),
                         help="the children's environment: oneDNN off, or oneDNN capped at a smaller ISA")
-    parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--write-table", action="store_true",
                         help="replace this machine's entry of bigmem/measured/step_rates.json with the bigmem path's "
                              "median GFLOP/s per core")
     args = parser.parse_args(argv)
-    if args.child:
-        return child_main(args.child)
     if args.write_table and (args.variant != "native" or "bigmem" not in args.paths.split(",")
                              or set(args.precisions.split(",")) != {"fp32", "bf16"}):
         parser.error("--write-table needs --variant native, the bigmem path and both precisions: the table is what "
@@ -326,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     torch_version = torch_available()
     paths = args.paths.split(",")
     if "torch" in paths and torch_version is None:
-        console.print("torch is not installed (pip install .[bench]): the PyTorch column is skipped.")
+        console.print("torch is not installed (pip install .[bench]): the PyTorch column is skipped.", markup=False)
         paths.remove("torch")
     volumes = [int(v) for v in args.volumes.split(",")]
     common = {"warmup": args.warmup, "steps": args.steps}
