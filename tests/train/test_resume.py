@@ -131,6 +131,54 @@ def test_flags_that_differ_from_the_saved_run_are_refused_each_named(finished, t
     assert snapshot(finished) == before
 
 
+def _quiet():
+    import io
+
+    from rich.console import Console
+
+    return Console(file=io.StringIO(), soft_wrap=True)
+
+
+def test_a_python_resume_with_changed_settings_is_refused_as_the_command_line_refuses(finished, tiny_store, capsys):
+    from bigmem.cli.common import flag_for
+    from bigmem.config import resolve_config
+    from bigmem.errors import EXIT_USAGE, ConfigError
+    from bigmem.train.trainer import train
+
+    forget_after(finished, 4)  # steps are left to run: the refusal is the settings' alone
+    before = snapshot(finished)
+    code, _, err = run_cli(command(finished, tiny_store, "--steps", 6, "--lr", "0.01", "--resume"), capsys)
+    config = resolve_config("tiny", {"data": {"store": str(tiny_store), "shape": [16, 16, 16]},
+                                     "train": {"seed": 1, "steps": 6, "checkpoint_every": 2, "lr": 0.01}})
+    with pytest.raises(ConfigError) as refused:
+        train(config, finished, resume=True, console=_quiet())
+    assert code == refused.value.exit_code == EXIT_USAGE
+    assert err.strip() == f"bigmem train: error: {refused.value.render(flag_for)}"  # the same message
+    assert str(refused.value).startswith(f"Cannot resume {str(finished)!r} with settings that differ from the saved "
+                                         "run: train.lr 0.01 (saved: 0.003). Only train.steps, train.epochs, ")
+    assert snapshot(finished) == before
+    # the saved settings, with only what may change changed: the run continues where it stopped
+    result = train(config.updated({"train": {"lr": 0.003, "time_budget_s": 300}}), finished, resume=True,
+                   console=_quiet())
+    assert (result.start_step, result.final_step) == (4, 6)
+
+
+def test_a_python_resume_of_a_synthetic_run_compares_the_store_it_stands_for(tmp_path):
+    from bigmem.config import resolve_config
+    from bigmem.errors import ConfigError
+    from bigmem.train.trainer import train
+
+    run = tmp_path / "run"
+    assert train(resolve_config("tiny", {"train": {"steps": 2}}), run, console=_quiet()).final_step == 2
+    result = train(resolve_config("tiny", {"train": {"steps": 3}}), run, resume=True, console=_quiet())
+    assert (result.start_step, result.final_step) == (2, 3)
+    # every field is compared, named in the config's order
+    with pytest.raises(ConfigError, match=r"saved run: model\.base_filters 8 \(saved: 4\); train\.seed 5 "
+                                          r"\(saved: 0\)\. Only train\.steps, "):
+        train(resolve_config("tiny", {"model": {"base_filters": 8}, "train": {"seed": 5}}), run, resume=True,
+              console=_quiet())
+
+
 def test_the_saved_model_named_again_is_accepted(finished, capsys):
     code, stdout, err = run_cli(["train", "--model", "tiny", "--out", finished, "--resume"], capsys)
     assert (code, err) == (0, "") and stdout.startswith("Nothing to do:")
