@@ -208,7 +208,7 @@ def test_a_failed_first_checkpoint_leaves_no_checkpoints_folder(tmp_path, monkey
     with pytest.raises(DiskFullError, match=r"^No space left on device writing '.*/checkpoints/ckpt-00000001' "
                                             r"\(needed .* free\)\. Free space or choose another --out\.$"):
         CheckpointManager(tmp_path / "run" / "checkpoints").save(1, model, optimizer, {})
-    assert list(tmp_path.iterdir()) == []  # neither run/ nor checkpoints/: the write made them, the failure removed them
+    assert list(tmp_path.iterdir()) == []  # neither run/ nor checkpoints/: made by the write, removed on failure
 
 
 def test_a_re_save_of_the_same_step_replaces_it_whole(tmp_path):

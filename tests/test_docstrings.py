@@ -29,7 +29,7 @@ CLASS_SECTIONS = ("Args:", "Example:")
 DOCUMENTED: list[str | tuple[str, tuple[str, ...]]] = [
     "bigmem.nets.unet3d.UNet3D",
     "bigmem.nets.unet3d.UNet3D.call",
-    "bigmem.data.pipeline.WholeVolumeLoader",
+    "bigmem.data.pipeline.VolumeLoader",
     "bigmem.data.store.HDF5VolumeStore",
     "bigmem.memory.measure.measure",
     "bigmem.compare.run.compare",

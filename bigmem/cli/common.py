@@ -73,7 +73,7 @@ class _BudgetFlag(argparse.Action):
 def add_budget_flag(parser, *, help_text: str, alias: bool = False) -> None:
     """``--memory-budget SIZE`` (and ``--budget``, its older name, where ``alias``), into ``args.memory_budget``.
 
-    The budget's precedence is ``bigmem.memory.preflight.resolve_budget``'s.
+    The budget's precedence is ``bigmem.memory.budget.resolve_budget``'s.
     """
     names = ("--memory-budget", "--budget") if alias else ("--memory-budget",)
     parser.add_argument(*names, dest="memory_budget", metavar="SIZE", action=_BudgetFlag, help=help_text)

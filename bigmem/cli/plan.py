@@ -69,7 +69,7 @@ def register(subparsers, parents) -> None:
 def run(args) -> int:
     # Every flag is checked before TensorFlow is imported (seconds) or anything is computed.
     from bigmem.config.presets import resolve_config
-    from bigmem.memory.preflight import resolve_budget
+    from bigmem.memory.budget import resolve_budget
 
     check_positive("--batch-size", args.batch_size)
     explicit, flag = budget_arguments(args)
@@ -139,7 +139,7 @@ def _search(config, counts_for, budget, cases, fixed_batch, allow_bf16):
     search at the largest case chose a batch of several, it is searched again at the bounding
     shape, and kept only if batches still reach past one there.
     """
-    from bigmem.memory.preflight import planned_shape, search_plan
+    from bigmem.memory.budget import planned_shape, search_plan
 
     shape = config.data.shape
     if cases:
@@ -221,7 +221,7 @@ def _print_breakdown(console, chosen) -> None:
 def _store_cases(config):
     """``config`` with the store's channels and classes, and its training cases as ``CaseShape``s."""
     from bigmem.data.derived import trained_shapes, with_data_fields
-    from bigmem.memory.preflight import CaseShape
+    from bigmem.memory.budget import CaseShape
 
     config = with_data_fields(config)
     return config, [CaseShape(*case) for case in trained_shapes(config)]
@@ -229,7 +229,7 @@ def _store_cases(config):
 
 def _case_rows(config, counts_for, budget, cases, plan) -> list[dict]:
     """plan.json's per-case table at the chosen (else closest) candidate's batch, precision and stages."""
-    from bigmem.memory.preflight import case_table
+    from bigmem.memory.budget import case_table
 
     c = plan.chosen or plan.closest
     sized = config.updated({"train": {"batch_size": c.batch_size, "precision": c.precision}})
@@ -278,7 +278,7 @@ def write_plan(path: Path, plan) -> bool:
 def require_plan(plan, path: Path, kept: bool, check=None) -> None:
     """``require_fit(plan)`` (or ``check()``), saying in its message whether ``path`` was left as it was."""
     from bigmem.errors import InsufficientMemoryError
-    from bigmem.memory.preflight import require_fit
+    from bigmem.memory.budget import require_fit
 
     try:
         check() if check is not None else require_fit(plan)
@@ -293,7 +293,7 @@ def _inference(args, config, counts_for, budget, fixed_batch) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from bigmem.memory.preflight import inference_plan, search_inference_plan
+    from bigmem.memory.budget import inference_plan, search_inference_plan
     from bigmem.units import format_bytes
 
     if fixed_batch is not None:

@@ -195,7 +195,7 @@ def _refuse_unfit_measurement(config, counts_for, shape, stages, budget_flag, pl
     """
     from bigmem.errors import InsufficientMemoryError
     from bigmem.memory import profile as api
-    from bigmem.memory.preflight import check_budget_within_machine, resolve_budget
+    from bigmem.memory.budget import check_budget_within_machine, resolve_budget
     from bigmem.units import format_bytes
 
     explicit, flag = budget_flag
@@ -215,7 +215,7 @@ def _refuse_unfit_measurement(config, counts_for, shape, stages, budget_flag, pl
 
 def _stages(args, config, counts_for, placement, topology, shape, status) -> list[str]:
     """The recomputed stages, as ``bigmem train`` chooses them (auto: the fewest that fit the budget)."""
-    from bigmem.memory.preflight import recompute_stages, resolve_budget
+    from bigmem.memory.budget import recompute_stages, resolve_budget
 
     budget = None
     if args.recompute == "auto":

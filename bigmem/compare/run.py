@@ -73,7 +73,7 @@ class Settings:
         holdout: the held-out cases (the store's last ``holdout``).
         val_every: the cpu_bigmem path validates every this many steps; the data-parallel path
             at the same training FLOPs (its steps scaled by the FLOPs per step).
-        memory_budget_bytes: the host's budget (default: ``memory.preflight.resolve_budget``'s).
+        memory_budget_bytes: the host's budget (default: ``memory.budget.resolve_budget``'s).
         monitor_interval_s: each run's monitor.csv interval (None: train's default).
     """
 
@@ -120,7 +120,7 @@ def whole_shape(config: ExperimentConfig) -> tuple[int, int, int]:
     if config.data.shape is not None:
         return tuple(config.data.shape)  # type: ignore[return-value]
     from bigmem.data.derived import trained_shapes
-    from bigmem.memory.preflight import planned_shape
+    from bigmem.memory.budget import planned_shape
 
     return planned_shape([trained for _, _, trained in trained_shapes(config)], config.train.batch_size)
 
@@ -163,7 +163,7 @@ def plan_both_paths(config: ExperimentConfig, counts_for, settings: Settings):
     from bigmem.data.derived import median_shape
     from bigmem.distribute.execution import data_parallel
     from bigmem.distribute.strategy import Replicas
-    from bigmem.memory.preflight import job_plan, resolve_budget
+    from bigmem.memory.budget import job_plan, resolve_budget
 
     budget = resolve_budget(settings.memory_budget_bytes)
     cpu_plan = job_plan(config, counts_for, budget, shape=whole_shape(config))
@@ -300,7 +300,7 @@ def compare(config: ExperimentConfig, out: Path, settings: Settings, *,
     from bigmem.memory.profile import counts_function
 
     settings.check()
-    progress("pre-flight of both paths ...")
+    progress("planning both paths' memory ...")
     _, parallel = plan_both_paths(config, counts_function(config), settings)
     plan = _Plan(parallel, mean_step_flops(config), train_flops(config, parallel.patch, parallel.global_batch),
                  _held_out(str(config.data.store), settings.holdout))
@@ -399,14 +399,14 @@ def largest_whole_volumes(config: ExperimentConfig, gpu_memory_bytes: int,
         config: the compared model.
         gpu_memory_bytes: one GPU's memory.
         memory_budget_bytes: the host's budget (``--memory-budget``); default as
-            ``memory.preflight.resolve_budget`` decides without one (this process runs no placement:
+            ``memory.budget.resolve_budget`` decides without one (this process runs no placement:
             MemAvailable).
 
     Returns:
         ``WholeVolumes``: edges (None when none fits) and the host's mode.
     """
     from bigmem.distribute.planning import largest_edge
-    from bigmem.memory.preflight import resolve_budget, search_plan
+    from bigmem.memory.budget import resolve_budget, search_plan
     from bigmem.memory.profile import counts_function
 
     counts_for = counts_function(config)

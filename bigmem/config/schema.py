@@ -238,11 +238,11 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class MemoryConfig:
-    """How the job fits its memory (bigmem/memory/preflight.py decides the budget from these).
+    """How the job fits its memory (bigmem/memory/budget.py decides the budget from these).
 
     Attributes:
         budget_bytes: the most the predicted peak may be; None: what the NUMA placement can use,
-            else MemAvailable at start (``memory.preflight.resolve_budget``).
+            else MemAvailable at start (``memory.budget.resolve_budget``).
         recompute: none, stages (recompute every stage's activations in backward) or auto (the
             fewest stages that fit the budget).
 

@@ -266,8 +266,8 @@ def _regions_text(regions: dict[str, list[int]]) -> str:
     return "; ".join(f"{name}: {values}" for name, values in regions.items()) or "none"
 
 
-def preflight(dataset: SourceDataset, *, shape: Sequence[int] | None, spacing: Sequence[float] | None,
-              num_channels: int, skip_bad: bool = False) -> None:
+def check_cases_fit_memory(dataset: SourceDataset, *, shape: Sequence[int] | None, spacing: Sequence[float] | None,
+                           num_channels: int, skip_bad: bool = False) -> None:
     """Refuse, before any case is read, a conversion whose largest case cannot fit in available memory.
 
     Reads every case's headers (not its voxels): a file whose header claims more voxels than the
@@ -418,7 +418,7 @@ def convert(dataset: SourceDataset, out: str | Path, *, force: bool = False, app
             missing store, or of a dataset with other channels or more classes; a case fails a
             check (without ``skip_bad``); or no case could be converted.
         InsufficientMemoryError: a case at ``spacing``/``shape`` cannot fit in available memory
-            (``preflight``).
+            (``check_cases_fit_memory``).
         DiskFullError: the store (uncompressed, as ``estimate_store_bytes`` expects it) cannot fit in
             the free space, or the disk filled or failed while writing; nothing is left behind.
 
@@ -458,7 +458,7 @@ def convert(dataset: SourceDataset, out: str | Path, *, force: bool = False, app
         check_append(dataset, out, num_channels, label_values, regions)
         if report.manifest.exists():
             old_entries = json.loads(report.manifest.read_text()).get("cases", {})
-    preflight(dataset, shape=shape, spacing=spacing, num_channels=num_channels or 1, skip_bad=skip_bad)
+    check_cases_fit_memory(dataset, shape=shape, spacing=spacing, num_channels=num_channels or 1, skip_bad=skip_bad)
     state = _Conversion(report, skip_bad=skip_bad, warn=warn, existing=existing, num_channels=num_channels,
                         label_values=label_values, shape=shape, spacing=spacing)
     if append:

@@ -64,7 +64,7 @@ def trained_shapes(config: ExperimentConfig) -> list[tuple[str, tuple[int, int, 
     """Each training case of ``config.data.store`` (held-out ones left out): its id, its own shape and the shape
     it trains at: ``data.shape`` when fixed, else its own padded to ``data.pad_multiple`` (default ``2**depth``).
 
-    The one rule the loader (``WholeVolumeLoader.case_shape``), the pre-flight and ``bigmem plan`` and
+    The one rule the loader (``VolumeLoader.case_shape``), the pre-flight and ``bigmem plan`` and
     ``compare`` share.
     """
     from bigmem.data.pipeline import padded_shape

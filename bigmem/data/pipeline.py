@@ -216,7 +216,7 @@ def load_sample(store: HDF5VolumeStore, sample_index: int, *, case_index: int, s
     Args:
         store: the store to read from.
         sample_index: the sample's position in the stream.
-        case_index: which of the store's cases it is (``WholeVolumeLoader.case_index``).
+        case_index: which of the store's cases it is (``VolumeLoader.case_index``).
         shape: the ``(D, H, W)`` of the returned sample: the case's own padded shape, its
             batch's bounding shape, or the fixed training shape (cases larger are cropped).
         seed: the run's seed.
@@ -341,7 +341,7 @@ def _worker_load(slot: str, sample_index: int, case_index: int, shape: tuple, se
     label_view[...] = label
 
 
-class WholeVolumeLoader:
+class VolumeLoader:
     """Batches of whole volumes (or, with ``patch``, of patches) in a deterministic order.
 
     Each case is read whole and normalised (``normalized``). With ``shape`` None it keeps its own shape,
@@ -384,7 +384,7 @@ class WholeVolumeLoader:
         ValueError: ``shard`` is not ``(index, count)`` with ``0 <= index < count``.
 
     Example:
-        >>> with WholeVolumeLoader("synth.h5", pad_multiple=16, batch_size=2) as loader:
+        >>> with VolumeLoader("synth.h5", pad_multiple=16, batch_size=2) as loader:
         ...     images, labels = next(loader.batches())  # (2, D, H, W, C) float32, (2, D, H, W) uint8
     """
 
@@ -655,7 +655,7 @@ class WholeVolumeLoader:
         self._slots = []
         self.store.close()
 
-    def __enter__(self) -> "WholeVolumeLoader":
+    def __enter__(self) -> "VolumeLoader":
         return self
 
     def __exit__(self, *exc) -> None:
@@ -665,7 +665,7 @@ class WholeVolumeLoader:
         shape = self.max_shape
         batch_bytes = self.batch_size * math.prod(shape) * (4 * self.num_channels + 1)
         what = "native, at most " if self.native else ""
-        return (f"WholeVolumeLoader(shape: {what}{format_shape(shape)}; batch: {self.batch_size}; workers: "
+        return (f"VolumeLoader(shape: {what}{format_shape(shape)}; batch: {self.batch_size}; workers: "
                 f"{self.num_workers}; prefetch: {self.prefetch}; memory per batch: {batch_bytes / 2**20:.1f} MiB)")
 
 

@@ -57,7 +57,7 @@ class Execution(Protocol):
         """Whether the memory pre-flight checks this host's predicted peak (it holds the activations)."""
 
     def loader_settings(self) -> dict:
-        """Keyword arguments for this process's ``WholeVolumeLoader``: its batch (and patch and shard)."""
+        """Keyword arguments for this process's ``VolumeLoader``: its batch (and patch and shard)."""
 
     def host_config(self, config: ExperimentConfig) -> ExperimentConfig:
         """The job this host runs, for its memory pre-flight."""
@@ -76,7 +76,7 @@ class Execution(Protocol):
         """The step's input iterator from ``loader`` (built with ``loader_settings``), from ``start_step``."""
 
     def describe(self, data: str, lr: float) -> str:
-        """One line for the run's opening message (``data``: ``WholeVolumeLoader.describe``)."""
+        """One line for the run's opening message (``data``: ``VolumeLoader.describe``)."""
 
     def to_dict(self) -> dict | None:
         """plan.json's ``data_parallel`` section (None when the job is not data parallel)."""
@@ -214,7 +214,7 @@ class DataParallel:
         return self.global_batch // self.num_workers
 
     def loader_settings(self) -> dict:
-        """Keyword arguments for this process's ``WholeVolumeLoader``: its batch, patch and shard."""
+        """Keyword arguments for this process's ``VolumeLoader``: its batch, patch and shard."""
         return {"batch_size": self.worker_batch, "patch": self.patch, "shard": (self.worker_index, self.num_workers)}
 
     def host_config(self, config: ExperimentConfig) -> ExperimentConfig:
@@ -262,7 +262,7 @@ class DataParallel:
         """One line for the run's opening message: what trains on what, at which lr.
 
         Args:
-            data: what happens to each scan (``WholeVolumeLoader.describe``).
+            data: what happens to each scan (``VolumeLoader.describe``).
             lr: the learning rate after scaling.
         """
         where = "logical CPU devices (simulated on CPU)" if self.replicas.simulated else (

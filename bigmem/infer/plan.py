@@ -3,7 +3,7 @@
 ``bigmem predict --mode auto`` asks, per case, whether the whole (padded) volume's inference
 footprint (``memory.inference.estimate_inference``: weights, input copies, the forward pass's
 live activations, probabilities, the source mapping) fits the memory budget (the one rule,
-``memory.preflight.resolve_budget``); if not, it slides windows of what the network trained on (``Predictor.window``).
+``memory.budget.resolve_budget``); if not, it slides windows of what the network trained on (``Predictor.window``).
 ``--mode whole`` on a volume that does not fit is refused (exit 3), as training refuses a job.
 """
 
@@ -51,7 +51,7 @@ def mode_chooser(mode: str, budget_bytes: int | None = None, *, flag: str = "--m
         InsufficientMemoryError: (from the chooser; exit 3) ``whole`` does not fit, unless ``ignore_plan``.
     """
     from bigmem.config.options import look_up_option
-    from bigmem.memory.preflight import resolve_budget
+    from bigmem.memory.budget import resolve_budget
 
     chosen = look_up_option(mode, Mode, flag="--mode")
     if chosen is Mode.SLIDING or (chosen is Mode.WHOLE and ignore_plan):

@@ -119,7 +119,7 @@ class Plan:
     """What fits a memory budget: the one schema of plan.json (``bigmem plan`` and every run's).
 
     ``chosen`` is the configuration that will run: the planner's pick (None when nothing fits),
-    or, for a fixed job (``memory.preflight.job_plan``), the job itself, even when it is forced
+    or, for a fixed job (``memory.budget.job_plan``), the job itself, even when it is forced
     past the budget (then ``fits`` is False and ``forced`` True).
     """
 
@@ -133,7 +133,7 @@ class Plan:
     forced: bool = False  # a fixed job run past its budget (--force)
     calibration: dict | None = None  # the calibration behind the chosen (or closest) candidate's estimate
     data_parallel: dict | None = None  # the data-parallel run's patch and replicas (train --strategy)
-    kind: str = "train"  # "inference": whole-volume segmentation at batch 1 (memory.preflight.inference_plan)
+    kind: str = "train"  # "inference": whole-volume segmentation at batch 1 (memory.budget.inference_plan)
     # Per training case (a job on a store's own shapes): case, shape, padded_shape, predicted_peak_bytes, fits.
     cases: list[dict] | None = None
     # The held-out validation pass (--val-every): its case, shape and predicted peak beside training's.

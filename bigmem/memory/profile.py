@@ -13,7 +13,7 @@ from bigmem.memory.calibration import (
 )
 from bigmem.memory.estimate import Estimate, NetworkCounts, estimate, mode_stages
 from bigmem.memory.measure import Measurement, measure
-from bigmem.memory.preflight import recompute_stages as choose_stages
+from bigmem.memory.budget import recompute_stages as choose_stages
 from bigmem.memory.speed import measured_rate, recomputed_share
 from bigmem.units import as_shape
 
@@ -36,7 +36,7 @@ def counts_function(config: ExperimentConfig) -> Callable[[tuple[int, int, int]]
 def stages_for(config: ExperimentConfig, counts: NetworkCounts) -> list[str]:
     """The stages a fixed --recompute mode recomputes (kept for the benchmarks' imports).
 
-    bigmem's own code asks ``memory.preflight.recompute_stages``, which also chooses ``auto``'s.
+    bigmem's own code asks ``memory.budget.recompute_stages``, which also chooses ``auto``'s.
     """
     return mode_stages(config.memory.recompute, counts)
 

@@ -276,7 +276,7 @@ class ShapeStats(Callback):
     Args:
         console: where the closing line goes.
         traces: a zero-argument function, the step function's trace count so far.
-        padding_share: ``epoch -> share of padded voxels`` (``WholeVolumeLoader.padding_share``).
+        padding_share: ``epoch -> share of padded voxels`` (``VolumeLoader.padding_share``).
         steps_per_epoch: steps of one epoch.
     """
 

@@ -5,7 +5,7 @@ them: the run directory (new, or the checkpoint to resume: ``train/resume.py``),
 config fields, the NUMA placement (before TensorFlow starts threads), the execution (single
 process, or data parallel over replicas set up before TensorFlow initialises devices:
 ``distribute.execution.choose_execution``), the loader, the memory plan (``plan_memory`` over
-``memory.preflight``: budget, recomputed stages, the ``Plan`` written as plan.json) and the
+``memory.budget``: budget, recomputed stages, the ``Plan`` written as plan.json) and the
 learning rate. The loop and its callbacks only read the ``Job``.
 """
 
@@ -21,7 +21,7 @@ from bigmem.checkpoints import CheckpointManager
 from bigmem.config.options import Precision
 from bigmem.config.schema import ExperimentConfig
 from bigmem.data.derived import with_data_fields
-from bigmem.data.pipeline import WholeVolumeLoader
+from bigmem.data.pipeline import VolumeLoader
 from bigmem.distribute.execution import Execution, choose_execution
 from bigmem.errors import UsageError
 from bigmem.memory.planner import Plan
@@ -61,7 +61,7 @@ class Job:
     run: RunDir
     checkpoints: CheckpointManager
     resume_from: Path | None
-    loader: WholeVolumeLoader
+    loader: VolumeLoader
     placement: Placement
     execution: Execution
     plan: Plan
@@ -180,7 +180,7 @@ def _with_data_fields(config: ExperimentConfig, console: Console) -> ExperimentC
     return config
 
 
-def make_loader(config: ExperimentConfig, execution: Execution) -> WholeVolumeLoader:
+def make_loader(config: ExperimentConfig, execution: Execution) -> VolumeLoader:
     """This process's loader: ``config.data``, with the batch (and patch and shard) ``execution`` gives it.
 
     Args:
@@ -188,10 +188,10 @@ def make_loader(config: ExperimentConfig, execution: Execution) -> WholeVolumeLo
         execution: how the steps run (``Execution.loader_settings``).
 
     Returns:
-        The ``WholeVolumeLoader``; close it when done.
+        The ``VolumeLoader``; close it when done.
     """
     data = config.data
-    return WholeVolumeLoader(data.store, shape=data.shape, pad_multiple=data.pad_multiple or config.model.divisor,
+    return VolumeLoader(data.store, shape=data.shape, pad_multiple=data.pad_multiple or config.model.divisor,
                              seed=config.train.seed, flip=data.flip,
                              intensity=(data.intensity_scale, data.intensity_shift), num_workers=data.num_workers,
                              prefetch=data.prefetch, cold_cache=data.cold_cache, holdout=data.holdout,
@@ -199,11 +199,11 @@ def make_loader(config: ExperimentConfig, execution: Execution) -> WholeVolumeLo
 
 
 def plan_memory(config: ExperimentConfig, execution: Execution, recompute_stages: list[str] | None, *, force: bool,
-                console: Console, placement: Placement | None = None, loader: WholeVolumeLoader | None = None
+                console: Console, placement: Placement | None = None, loader: VolumeLoader | None = None
                 ) -> tuple[Plan, list[str]]:
-    """The run's memory plan (``memory.preflight.job_plan``), printed; refuses a job that cannot fit.
+    """The run's memory plan (``memory.budget.job_plan``), printed; refuses a job that cannot fit.
 
-    The step planned is the largest the loader can feed (``memory.preflight.planned_shape`` of
+    The step planned is the largest the loader can feed (``memory.budget.planned_shape`` of
     its cases' shapes), with a per-case table in plan.json; a run that validates (``--val-every``)
     also plans the whole-volume pass over its largest held-out case.
 
@@ -227,7 +227,7 @@ def plan_memory(config: ExperimentConfig, execution: Execution, recompute_stages
         InsufficientMemoryError: (exit 3) the predicted peak exceeds the budget, or an explicit
             budget exceeds the machine's memory, unless ``force``.
     """
-    from bigmem.memory.preflight import check_budget_within_machine, job_plan, resolve_budget
+    from bigmem.memory.budget import check_budget_within_machine, job_plan, resolve_budget
     from bigmem.memory.profile import counts_function
 
     budget = resolve_budget(config.memory.budget_bytes, placement=placement)
@@ -248,10 +248,10 @@ def plan_memory(config: ExperimentConfig, execution: Execution, recompute_stages
     return plan, list(plan.chosen.recompute_stages)
 
 
-def _planned_shapes(config: ExperimentConfig, loader: WholeVolumeLoader | None) -> tuple:
+def _planned_shapes(config: ExperimentConfig, loader: VolumeLoader | None) -> tuple:
     """``(step shape, per-case shapes, validation shape, its case id)`` for ``job_plan`` (None, (), None, '': none)."""
     from bigmem.data.pipeline import padded_shape
-    from bigmem.memory.preflight import CaseShape, planned_shape
+    from bigmem.memory.budget import CaseShape, planned_shape
 
     shape, cases, validation, validation_case = None, (), None, ""
     if loader is not None and loader.native:  # each case its own shape (a fixed shape or a patch: one for all)

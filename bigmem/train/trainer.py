@@ -78,7 +78,7 @@ def train(config: ExperimentConfig, run_dir: str | os.PathLike, *, resume: bool 
     """Train ``config`` into ``run_dir``, or continue it from its newest checkpoint.
 
     Before anything large is allocated the footprint is estimated and checked against the memory
-    budget (``memory.preflight.resolve_budget``: ``memory.budget_bytes``, else what the NUMA
+    budget (``memory.budget.resolve_budget``: ``memory.budget_bytes``, else what the NUMA
     placement can use, else MemAvailable).
 
     Args:

@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 
 from bigmem.data.pipeline import (
-    PAD_LABEL, WholeVolumeLoader, bounding_shape, case_for_sample, epoch_order, fit_to_shape, padded_shape,
+    PAD_LABEL, VolumeLoader, bounding_shape, case_for_sample, epoch_order, fit_to_shape, padded_shape,
 )
 from bigmem.errors import DataError
 
 
 def test_batches_are_normalised_whole_volumes(tiny_store):
-    with WholeVolumeLoader(tiny_store, batch_size=2, flip=False) as loader:
+    with VolumeLoader(tiny_store, batch_size=2, flip=False) as loader:
         images, labels = next(loader.batches())
     assert images.shape == (2, 16, 16, 16, 1) and images.dtype == np.float32
     assert labels.shape == (2, 16, 16, 16) and labels.dtype == np.uint8
@@ -52,7 +52,7 @@ def _shaped_store(tmp_path, shapes, name="shapes.h5", channels=1):
 
 def test_native_shapes_pad_never_crop_at_the_background_value(tmp_path):
     shapes = [(16, 24, 13), (20, 16, 16), (16, 16, 35)]
-    with WholeVolumeLoader(_shaped_store(tmp_path, shapes), pad_multiple=8, batch_size=1, flip=False) as loader:
+    with VolumeLoader(_shaped_store(tmp_path, shapes), pad_multiple=8, batch_size=1, flip=False) as loader:
         assert loader.shapes == [padded_shape(s, 8) for s in shapes] and loader.cropped_share() == 0.0
         seen = {}
         for step in range(3):
@@ -72,7 +72,7 @@ def test_native_shapes_pad_never_crop_at_the_background_value(tmp_path):
 
 
 def test_a_fixed_shape_crops_and_says_how_much(tmp_path):
-    with WholeVolumeLoader(_shaped_store(tmp_path, [(16, 16, 32), (16, 16, 16)]), shape=(16, 16, 16),
+    with VolumeLoader(_shaped_store(tmp_path, [(16, 16, 32), (16, 16, 16)]), shape=(16, 16, 16),
                            batch_size=2, flip=False) as loader:
         images, labels = next(loader.batches())
         assert images.shape == (2, 16, 16, 16, 1) and not np.any(labels == PAD_LABEL)
@@ -82,7 +82,7 @@ def test_a_fixed_shape_crops_and_says_how_much(tmp_path):
 
 def test_batches_of_different_shapes_pad_to_their_bounding_shape_and_group_similar_ones(tmp_path):
     shapes = [(16, 16, 8), (16, 16, 8), (16, 16, 48), (16, 16, 48), (16, 16, 16), (16, 16, 16)]
-    with WholeVolumeLoader(_shaped_store(tmp_path, shapes), pad_multiple=8, batch_size=2, seed=3) as loader:
+    with VolumeLoader(_shaped_store(tmp_path, shapes), pad_multiple=8, batch_size=2, seed=3) as loader:
         for step in range(6):  # two epochs
             images, labels = next(loader.batches(step))
             members = [loader.case_index(i) for i in loader.step_samples(step)]
@@ -105,7 +105,7 @@ def test_an_odd_number_of_shapes_keeps_every_batch_grouped_across_shards_and_epo
     every batch one shape, and the shards together load exactly one process's batches."""
     shapes = [(8, 8, 8)] * 3 + [(8, 8, 16)] * 3 + [(16, 8, 8)]
     store = _shaped_store(tmp_path, shapes)
-    with WholeVolumeLoader(store, pad_multiple=8, batch_size=4, seed=1, flip=False) as one:
+    with VolumeLoader(store, pad_multiple=8, batch_size=4, seed=1, flip=False) as one:
         assert one.steps_per_epoch == 2
         whole = [next(one.batches(step)) for step in range(6)]  # three epochs
         for step in range(6):
@@ -116,7 +116,7 @@ def test_an_odd_number_of_shapes_keeps_every_batch_grouped_across_shards_and_epo
             seen = {one.case_index(i) for step in (2 * epoch, 2 * epoch + 1) for i in one.step_samples(step)}
             assert seen == set(range(7))
     for index in range(2):
-        with WholeVolumeLoader(store, pad_multiple=8, batch_size=2, seed=1, flip=False, shard=(index, 2),
+        with VolumeLoader(store, pad_multiple=8, batch_size=2, seed=1, flip=False, shard=(index, 2),
                                num_workers=num_workers, prefetch=1) as worker:
             assert worker.steps_per_epoch == 2
             stream = worker.batches(0)
@@ -134,7 +134,7 @@ def test_every_epoch_visits_every_case_once():
 
 
 def test_order_resumes_at_any_step(tiny_store):
-    with WholeVolumeLoader(tiny_store, batch_size=3, seed=2) as loader:
+    with VolumeLoader(tiny_store, batch_size=3, seed=2) as loader:
         stream = loader.batches(0)
         from_start = [next(stream) for _ in range(4)]
         resumed = next(loader.batches(3))
@@ -144,9 +144,9 @@ def test_order_resumes_at_any_step(tiny_store):
 
 
 def test_worker_processes_deliver_the_same_batches(tiny_store):
-    with WholeVolumeLoader(tiny_store, batch_size=2, seed=1) as serial:
+    with VolumeLoader(tiny_store, batch_size=2, seed=1) as serial:
         expected = [b for b, _ in zip(serial.batches(1), range(3))]
-    with WholeVolumeLoader(tiny_store, batch_size=2, seed=1, num_workers=2, prefetch=1) as parallel:
+    with VolumeLoader(tiny_store, batch_size=2, seed=1, num_workers=2, prefetch=1) as parallel:
         got = [b for b, _ in zip(parallel.batches(1), range(3))]
     for (ei, el), (gi, gl) in zip(expected, got):
         np.testing.assert_array_equal(ei, gi)
@@ -154,7 +154,7 @@ def test_worker_processes_deliver_the_same_batches(tiny_store):
 
 
 def test_tf_dataset_matches_the_numpy_batches(tiny_store):
-    with WholeVolumeLoader(tiny_store, shape=(24, 16, 24), batch_size=2, seed=3) as loader:
+    with VolumeLoader(tiny_store, shape=(24, 16, 24), batch_size=2, seed=3) as loader:
         dataset = loader.dataset(start_step=2)
         images, labels = next(iter(dataset))
         expected = next(loader.batches(2))
@@ -168,7 +168,7 @@ def test_reader_errors_keep_their_message_through_tf_data(corrupt_store):
 
     from helpers import poison_labels
 
-    with WholeVolumeLoader(corrupt_store(poison_labels(9)), batch_size=1) as loader:
+    with VolumeLoader(corrupt_store(poison_labels(9)), batch_size=1) as loader:
         with pytest.raises(tf.errors.OpError):
             next(iter(loader.dataset()))
         assert isinstance(loader.error, DataError)
@@ -177,18 +177,18 @@ def test_reader_errors_keep_their_message_through_tf_data(corrupt_store):
 
 def test_tf_dataset_of_several_shapes_gives_each_batch_its_own(tmp_path):
     shapes = [(16, 16, 8), (16, 16, 24)]
-    with WholeVolumeLoader(_shaped_store(tmp_path, shapes), pad_multiple=8, batch_size=1, seed=0,
+    with VolumeLoader(_shaped_store(tmp_path, shapes), pad_multiple=8, batch_size=1, seed=0,
                            num_workers=1, prefetch=1) as loader:
         got = [tuple(images.shape) for (images, _), _ in zip(loader.dataset(), range(2))]
         assert sorted(got) == [(1, 16, 16, 8, 1), (1, 16, 16, 24, 1)]
 
 
 def test_repr_states_memory(tiny_store):
-    with WholeVolumeLoader(tiny_store, shape=(32, 32, 32), batch_size=2) as loader:
-        assert repr(loader) == ("WholeVolumeLoader(shape: 32^3; batch: 2; workers: 0; prefetch: 2; "
+    with VolumeLoader(tiny_store, shape=(32, 32, 32), batch_size=2) as loader:
+        assert repr(loader) == ("VolumeLoader(shape: 32^3; batch: 2; workers: 0; prefetch: 2; "
                                 "memory per batch: 0.3 MiB)")
-    with WholeVolumeLoader(tiny_store, batch_size=1) as loader:
-        assert repr(loader).startswith("WholeVolumeLoader(shape: native, at most 16^3; batch: 1;")
+    with VolumeLoader(tiny_store, batch_size=1) as loader:
+        assert repr(loader).startswith("VolumeLoader(shape: native, at most 16^3; batch: 1;")
 
 
 def test_direct_read_of_contiguous_datasets_matches_hdf5(tmp_path):
@@ -227,12 +227,12 @@ def test_patches_are_foreground_oversampled(tiny_store):
 
 
 def test_patch_loader_batches(tiny_store):
-    with WholeVolumeLoader(tiny_store, batch_size=2, patch=8, seed=1) as loader:
+    with VolumeLoader(tiny_store, batch_size=2, patch=8, seed=1) as loader:
         images, labels = next(loader.batches())
         again = next(loader.batches())
     assert images.shape == (2, 8, 8, 8, 1) and labels.shape == (2, 8, 8, 8)
     np.testing.assert_array_equal(images, again[0])
-    with WholeVolumeLoader(tiny_store, batch_size=2, patch=8, seed=1, num_workers=1) as parallel:
+    with VolumeLoader(tiny_store, batch_size=2, patch=8, seed=1, num_workers=1) as parallel:
         np.testing.assert_array_equal(next(parallel.batches())[0], images)
 
 
@@ -247,7 +247,7 @@ def test_the_pipeline_catches_non_finite_values(corrupt_store):
         data[...] = values
 
     path = corrupt_store(poison)
-    with WholeVolumeLoader(path, batch_size=4, flip=False) as loader:
+    with VolumeLoader(path, batch_size=4, flip=False) as loader:
         assert loader.store.check_finite is True
         with pytest.raises(DataError, match=r"^Case 'synth_0002': image has 1 non-finite values \(NaN/Inf\) "):
             next(loader.batches())
@@ -255,17 +255,17 @@ def test_the_pipeline_catches_non_finite_values(corrupt_store):
 
 def test_shards_split_every_global_batch_in_the_order_of_one_process(tiny_store):
     """Two workers' loaders together load exactly one process's batches of twice their size."""
-    with WholeVolumeLoader(tiny_store, batch_size=4, seed=5) as one:
+    with VolumeLoader(tiny_store, batch_size=4, seed=5) as one:
         whole = [next(one.batches(step)) for step in range(3)]
     for index in range(2):
-        with WholeVolumeLoader(tiny_store, batch_size=2, seed=5, shard=(index, 2)) as worker:
+        with VolumeLoader(tiny_store, batch_size=2, seed=5, shard=(index, 2)) as worker:
             assert worker.steps_per_epoch == one.steps_per_epoch
             for step in range(3):
                 images, labels = next(worker.batches(step))
                 np.testing.assert_array_equal(images, whole[step][0][2 * index:2 * index + 2])
                 np.testing.assert_array_equal(labels, whole[step][1][2 * index:2 * index + 2])
     with pytest.raises(ValueError, match=r"shard \(2, 2\)"):
-        WholeVolumeLoader(tiny_store, batch_size=2, shard=(2, 2))
+        VolumeLoader(tiny_store, batch_size=2, shard=(2, 2))
 
 
 @pytest.mark.parametrize("bad", ["label", "nan"])
@@ -284,4 +284,4 @@ def test_the_loader_refuses_a_bad_case_when_it_is_made_not_when_it_is_read(tmp_p
     message = {"label": r"^Case 'c2': label value 5 >= number of classes 3 \(",
                "nan": r"^Case 'c2': image has 1 non-finite values \(NaN/Inf\) \("}[bad]
     with pytest.raises(DataError, match=message):
-        WholeVolumeLoader(tmp_path / "s.h5", batch_size=1)
+        VolumeLoader(tmp_path / "s.h5", batch_size=1)

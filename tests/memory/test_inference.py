@@ -13,7 +13,7 @@ from bigmem.memory.estimate import NetworkCounts, estimate
 from bigmem.memory.inference import (
     INFERENCE_DEFAULTS, estimate_inference, inference_calibration, padded_shape, profile_inference,
 )
-from bigmem.memory.preflight import (
+from bigmem.memory.budget import (
     Budget, inference_candidate, inference_plan, require_fit, search_inference_plan,
 )
 from bigmem.nets.blocks import ConvNormAct, DecoderStage, EncoderStage

@@ -9,7 +9,7 @@ from bigmem.cli.common import flag_for
 from bigmem.errors import EXIT_NO_FIT, ConfigError, InsufficientMemoryError
 from bigmem.memory.calibration import Calibration
 from bigmem.memory.estimate import NetworkCounts, estimate
-from bigmem.memory.preflight import Budget, job_plan, recompute_stages, require_fit, resolve_budget, search_plan
+from bigmem.memory.budget import Budget, job_plan, recompute_stages, require_fit, resolve_budget, search_plan
 from bigmem.nets.unet3d import UNet3D
 from bigmem.numa.policy import resolve_placement
 from bigmem.numa.topology import NUMATopology
@@ -51,7 +51,7 @@ def no_memavailable(monkeypatch):
     def unread():
         raise AssertionError("MemAvailable was read")
 
-    monkeypatch.setattr("bigmem.memory.preflight.available_memory_bytes", unread)
+    monkeypatch.setattr("bigmem.memory.budget.available_memory_bytes", unread)
 
 
 # ---- the budget's precedence ------------------------------------------------------------------
@@ -94,7 +94,7 @@ def test_else_memavailable(two_socket, policy):
 
 
 def test_memavailable_is_read_only_when_the_rule_gets_there(monkeypatch):
-    monkeypatch.setattr("bigmem.memory.preflight.available_memory_bytes", lambda: 77 * GIB)
+    monkeypatch.setattr("bigmem.memory.budget.available_memory_bytes", lambda: 77 * GIB)
     assert resolve_budget().budget_bytes == 77 * GIB
 
 
@@ -233,7 +233,7 @@ def test_a_search_where_nothing_fits_is_refused(counts_for):
 # ---- a store's own shapes, validation, a budget above the machine -------------------------------
 
 def test_planned_shape_is_the_largest_case_or_the_bounding_shape():
-    from bigmem.memory.preflight import planned_shape
+    from bigmem.memory.budget import planned_shape
 
     shapes = [(240, 240, 160), (256, 256, 48), (160, 192, 128)]
     assert planned_shape(shapes, 1) == (240, 240, 160)  # the most voxels
@@ -241,7 +241,7 @@ def test_planned_shape_is_the_largest_case_or_the_bounding_shape():
 
 
 def test_a_case_that_does_not_fit_is_refused_by_name(counts_for):
-    from bigmem.memory.preflight import CaseShape
+    from bigmem.memory.budget import CaseShape
 
     cases = [CaseShape("small_one", (64, 64, 40), (64, 64, 40)), CaseShape("long_one", (64, 64, 300), (64, 64, 304))]
     config = resolve_config("small", {"train": {"batch_size": 1}})  # no data.shape: each case at its own
@@ -278,7 +278,7 @@ def test_validation_beside_training_is_planned(counts_for):
 
 
 def test_a_budget_above_the_machine_is_refused_unless_forced():
-    from bigmem.memory.preflight import check_budget_within_machine
+    from bigmem.memory.budget import check_budget_within_machine
 
     with pytest.raises(InsufficientMemoryError, match=r"^--memory-budget 1\.50 TiB is more than this machine's "
                                                       r"memory \(24\.00 GiB, MemTotal\)") as raised:

@@ -1,4 +1,4 @@
-"""The memory pre-flight: one budget rule, one choice of recomputed stages, one ``Plan``.
+"""The memory budget and whether a job fits it: one budget rule, one choice of recomputed stages, one ``Plan``.
 
 Every command that asks "does this fit?" asks here: ``bigmem train`` before anything large is
 allocated, ``bigmem plan`` for the largest volume and batch, ``bigmem profile --recompute auto``
