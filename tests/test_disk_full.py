@@ -367,6 +367,24 @@ def test_a_run_stopped_by_a_full_disk_leaves_no_event_file(small_fs, tiny_store)
     assert not [name for name in left if "tensorboard" in name or "/." in name], left
 
 
+def test_a_full_disk_at_the_final_model_removes_the_runs_event_files(tmp_path, tiny_store, capsys, monkeypatch):
+    """After the loop, model.keras cannot be written: the run stops with its one line, its event files go too."""
+    from helpers import run_cli
+
+    from bigmem.atomic import disk_full_error
+
+    def full(model, path):
+        raise disk_full_error(path, 2**20)
+
+    monkeypatch.setattr("bigmem.train.trainer._save_model", full)
+    out = tmp_path / "run"
+    code, _, err = run_cli(["train", "--model", "tiny", "--data", tiny_store, "--out", out, "--steps", 2], capsys)
+    assert code == 1 and f"No space left on device writing '{out / 'model.keras'}'" in err, err
+    assert (out / "checkpoints").is_dir()  # the last checkpoint stays: --resume finishes the run
+    assert (out / "metrics.jsonl").is_file()  # the run logged its steps (TensorBoard too) ...
+    assert not [p for p in out.rglob("events.out.tfevents.*")]  # ... and its event files are gone
+
+
 def test_event_files_on_a_full_disk_are_one_line_and_removed(small_fs):
     import tensorflow as tf
 

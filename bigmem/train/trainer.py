@@ -20,7 +20,7 @@ from rich.console import Console
 
 from bigmem.config.options import OptimizerName, Precision
 from bigmem.config.schema import ExperimentConfig
-from bigmem.errors import TrainingError
+from bigmem.errors import DiskFullError, TrainingError
 from bigmem.infer.modelcard import CARD_NAME, ModelCard
 from bigmem.atomic import atomic_output
 from bigmem.sysinfo import collect_sysinfo
@@ -274,10 +274,9 @@ def _run(job: Job, console: Console, verbose: bool) -> TrainResult:
     validation = validation_callback(job, model, console)
     shapes = cb.ShapeStats(console, traces, loader.padding_share, loader.steps_per_epoch)
     start = LoopState(restored.step, job.total_steps, loss=restored.loss, dice=restored.dice)
-    state = run_loop(start, step, batches,
-                     default_callbacks(job, console, model, optimizer, restored.step, numa, validation, shapes),
-                     learning_rate=schedule, voxels_for_step=job.voxels_for_step, shape_for_step=loader.batch_shape,
-                     input_error=lambda: loader.error)
+    callbacks = default_callbacks(job, console, model, optimizer, restored.step, numa, validation, shapes)
+    state = run_loop(start, step, batches, callbacks, learning_rate=schedule, voxels_for_step=job.voxels_for_step,
+                     shape_for_step=loader.batch_shape, input_error=lambda: loader.error)
     result = TrainResult(job.run.path, restored.step, state.step, job.total_steps, state.loss, state.dice,
                          state.interrupted_by)
     if state.stop is StopReason.SIGNAL:
@@ -286,8 +285,13 @@ def _run(job: Job, console: Console, verbose: bool) -> TrainResult:
         return result
     if state.stop is StopReason.TIME_BUDGET:
         console.print(f"Time budget of {job.config.train.time_budget_s:g} s reached at step {state.step}.")
-    numa.write()
-    _finish(job, model, state, console, validation.summary() if validation else None, shapes.summary())
+    try:
+        numa.write()
+        _finish(job, model, state, console, validation.summary() if validation else None, shapes.summary())
+    except DiskFullError:  # as when the loop is stopped by a full disk: the run's own event files go too
+        for events in (c.events for c in callbacks if isinstance(c, cb.TensorBoard)):
+            events.remove()
+        raise
     return result
 
 
