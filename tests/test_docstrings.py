@@ -55,15 +55,15 @@ DOCUMENTED: list[str | tuple[str, tuple[str, ...]]] = [
 # data/convert.py is not listed: only its ``convert`` is documented so far.
 MODULES = [
     "nets/unet3d.py", "nets/conv.py", "nets/norm_act.py", "nets/slabs.py", "nets/blocks.py", "nets/pooling.py",
-    "nets/reduce.py", "nets/limits.py", "nets/choices.py",
+    "nets/reduce.py", "nets/limits.py", "nets/choices.py", "nets/slabplan.py",
     "data/pipeline.py", "data/store.py", "data/nifti.py", "data/layouts.py",
-    "memory/measure.py", "distribute/execution.py",
+    "memory/measure.py", "memory/budget.py", "distribute/execution.py", "config/tables.py",
     "compare/run.py", "compare/child.py", "compare/report.py", "compare/render.py",
-    "train/trainer.py", "train/loop.py", "train/callbacks.py", "train/job.py",
+    "train/trainer.py", "train/loop.py", "train/callbacks.py", "train/job.py", "train/resume.py",
     "infer/predict.py", "infer/plan.py", "infer/validate.py", "infer/forward.py", "infer/metrics.py",
     "infer/evaluate.py",
     "numa/apply.py", "numa/capacity.py", "numa/observe.py", "numa/policy.py", "numa/topology.py",
-    "monitor/report.py", "monitor/sampler.py",
+    "monitor/report.py", "monitor/sampler.py", "monitor/events.py", "atomic.py", "child.py",
 ]
 
 
