@@ -427,6 +427,56 @@ def convert(dataset: SourceDataset, out: str | Path, *, force: bool = False, app
         >>> report.converted, report.manifest  # the case ids written, PosixPath('brats.manifest.json')
     """
     out = Path(out)
+    _check_target(out, force=force, append=append, normalization=normalization, shape=shape, spacing=spacing,
+                  chunk_edge=chunk_edge)
+    report = ConvertReport(out, manifest_path(out))
+    before = _Before.of(out, dataset, normalization) if append else _Before.none(dataset, normalization)
+    if append:
+        check_append(dataset, out, before.num_channels, before.label_values, before.regions)
+        if report.manifest.exists():
+            before.manifest_entries = json.loads(report.manifest.read_text()).get("cases", {})
+    check_cases_fit_memory(dataset, shape=shape, spacing=spacing, num_channels=before.num_channels or 1,
+                           skip_bad=skip_bad)
+    state = _Conversion(report, skip_bad=skip_bad, warn=warn, existing=before.case_ids,
+                        num_channels=before.num_channels, label_values=before.label_values, shape=shape,
+                        spacing=spacing)
+    state.channels_from, state.labels_from = (  # what a case's channels and labels are checked against
+        (f"--append: the store {out.name!r} has", f"--append: the store {out.name!r}'s classes") if append
+        else (dataset.channels_from, dataset.labels_from))
+    for message in dataset.problems:
+        state.problem(message)
+    # The new store is written beside the old one (with --append, beside a copy of it): all of it must
+    # fit. Compressed, the estimate is only an upper bound: nothing is refused before trying then.
+    expected = estimate_store_bytes([c for c in dataset.cases if c.case_id not in before.case_ids], shape=shape,
+                                    spacing=spacing) + (out.stat().st_size if append else 0)
+    if compression is None:
+        require_free_space(out, expected)
+    with StoreWriter(out, num_classes=max(before.label_values or 2, 2),
+                     channel_names=before.channel_names or ["image"], label_names=before.label_names or None,
+                     compression=compression, chunk_edge=chunk_edge, append=append,
+                     throttle=WriteThrottle(max_write_rate, block_bytes),
+                     expected_bytes=expected if compression is None else None) as writer:
+        for case in dataset.cases:
+            state.add(case, writer)
+            if progress:
+                progress(case.case_id)
+        if not report.converted:
+            raise DataError(f"No case could be converted from {dataset.origin}"
+                            + (f" ({len(report.skipped)} skipped)." if report.skipped else "."))
+        if not append:
+            _set_dataset_attrs(writer, dataset, state, before.regions, shape=shape, spacing=spacing)
+        names = [str(n) for n in writer.root_attr("channel_names")]
+        preprocessing = choose_schemes(names, before.stats + state.stats, before.samples + state.samples,
+                                       before.normalization)
+        writer.set_root_attr(PREPROCESSING_ATTR, preprocessing.to_json())
+        report.preprocessing = preprocessing.describe(names)
+        report.notes = [note for note in (state.spacing_note(),) if note]
+        _commit_with_manifest(writer, report, dataset, before, state, preprocessing)
+    return report
+
+
+def _check_target(out: Path, *, force: bool, append: bool, normalization: str, shape, spacing, chunk_edge) -> None:
+    """Refuse arguments ``convert`` cannot use and an output it must not touch, before anything is read."""
     check_arguments(shape=shape, spacing=spacing, chunk_edge=chunk_edge)
     if normalization != "auto" and normalization not in SCHEMES:
         raise UsageError(f"Invalid normalization {normalization!r}: expected auto, {', '.join(SCHEMES)}.")
@@ -437,83 +487,77 @@ def convert(dataset: SourceDataset, out: str | Path, *, force: bool = False, app
         raise DataError(f"{str(out)!r} exists: pass --force to overwrite it or --append to add cases.")
     if append and not out.exists():
         raise DataError(f"Cannot --append to {str(out)!r}: no such store.")
-    report = ConvertReport(out, manifest_path(out))
-    old_entries: dict = {}
-    existing: set[str] = set()
-    old_stats: list[dict] = []
-    old_samples: list[np.ndarray] = []
-    num_channels = len(dataset.channel_names) if dataset.declared_labels else None
-    label_values = len(dataset.label_names) if dataset.declared_labels else None
-    channel_names, label_names, regions = dataset.channel_names, dataset.label_names, dataset.regions
-    if append:
+
+
+@dataclass
+class _Before:
+    """What the store holds before this conversion: nothing for a new store; with --append, what the new cases join.
+
+    The dataset's normalisation is chosen again from every case, the old ones' figures included;
+    appended cases keep the store's schemes (``normalization``) unless one was asked for.
+    """
+
+    case_ids: set[str]
+    num_channels: int | None
+    label_values: int | None
+    channel_names: list[str]
+    label_names: list[str]
+    regions: dict
+    normalization: str | list[str]
+    stats: list[dict] = field(default_factory=list)
+    samples: list[np.ndarray] = field(default_factory=list)
+    manifest_entries: dict = field(default_factory=dict)
+
+    @classmethod
+    def none(cls, dataset: SourceDataset, normalization: str) -> "_Before":
+        declared = dataset.declared_labels
+        return cls(set(), len(dataset.channel_names) if declared else None,
+                   len(dataset.label_names) if declared else None, dataset.channel_names, dataset.label_names,
+                   dataset.regions, normalization)
+
+    @classmethod
+    def of(cls, out: Path, dataset: SourceDataset, normalization: str) -> "_Before":
         with HDF5VolumeStore(out) as store:
-            existing = set(store.case_ids)
-            num_channels, label_values = store.num_channels, store.num_classes
-            channel_names, label_names, regions = store.channel_names, store.label_names, store.regions
-            # the dataset's normalisation is chosen again from every case, the old ones' figures included
-            old_stats = [store.case_stats(c) or {} for c in store.case_ids]
-            old_samples = [s for s in (store.foreground_sample(c) for c in store.case_ids) if s is not None]
-            if normalization == "auto" and store.preprocessing_recorded:  # appended cases keep the store's schemes
+            if normalization == "auto" and store.preprocessing_recorded:
                 normalization = [c.scheme for c in store.preprocessing.channels]
-        check_append(dataset, out, num_channels, label_values, regions)
-        if report.manifest.exists():
-            old_entries = json.loads(report.manifest.read_text()).get("cases", {})
-    check_cases_fit_memory(dataset, shape=shape, spacing=spacing, num_channels=num_channels or 1, skip_bad=skip_bad)
-    state = _Conversion(report, skip_bad=skip_bad, warn=warn, existing=existing, num_channels=num_channels,
-                        label_values=label_values, shape=shape, spacing=spacing)
-    if append:
-        state.channels_from = f"--append: the store {out.name!r} has"
-        state.labels_from = f"--append: the store {out.name!r}'s classes"
-    else:
-        state.channels_from, state.labels_from = dataset.channels_from, dataset.labels_from
-    for message in dataset.problems:
-        state.problem(message)
-    # The new store is written beside the old one (with --append, beside a copy of it): all of it must
-    # fit. Compressed, the estimate is only an upper bound: nothing is refused before trying then.
-    expected = estimate_store_bytes([c for c in dataset.cases if c.case_id not in existing], shape=shape,
-                                    spacing=spacing) + (out.stat().st_size if append else 0)
-    if compression is None:
-        require_free_space(out, expected)
-    with StoreWriter(out, num_classes=max(label_values or 2, 2), channel_names=channel_names or ["image"],
-                     label_names=label_names or None, compression=compression, chunk_edge=chunk_edge,
-                     append=append, throttle=WriteThrottle(max_write_rate, block_bytes),
-                     expected_bytes=expected if compression is None else None) as writer:
-        for case in dataset.cases:
-            state.add(case, writer)
-            if progress:
-                progress(case.case_id)
-        if not report.converted:
-            raise DataError(f"No case could be converted from {dataset.origin}"
-                            + (f" ({len(report.skipped)} skipped)." if report.skipped else "."))
-        if not dataset.declared_labels and not append:  # --images/--labels: the data defines the classes
-            num_classes = max(max(state.seen_values) + 1, 2)
-            writer.set_root_attr("num_classes", num_classes)
-            writer.set_root_attr("label_names", [f"class{i}" for i in range(num_classes)])
-            writer.set_root_attr("channel_names", [f"channel{i}" for i in range(state.num_channels or 1)])
-        if dataset.declared_labels and dataset.min_classes and not append:  # KiTS: cyst where a label holds it
-            num_classes = max(dataset.min_classes, max(state.seen_values) + 1)
-            writer.set_root_attr("num_classes", num_classes)
-            writer.set_root_attr("label_names", [str(n) for n in dataset.label_names[:num_classes]])
-        if regions and not append:  # nnU-Net v2 regions: trained as classes, kept for scoring
-            writer.set_root_attr(REGIONS_ATTR, json.dumps(regions))
-        if not append:  # what a new case needs to be prepared as these were (bigmem.infer.geometry.prepare_nifti)
-            writer.set_root_attr(CONVERT_OPTIONS_ATTR, json.dumps(
-                {"spacing": None if spacing is None else [float(s) for s in spacing],
-                 "shape": None if shape is None else [int(s) for s in shape]}))
-        names = [str(n) for n in writer.root_attr("channel_names")]
-        preprocessing = choose_schemes(names, old_stats + state.stats, old_samples + state.samples, normalization)
-        writer.set_root_attr(PREPROCESSING_ATTR, preprocessing.to_json())
-        report.preprocessing = preprocessing.describe(names)
-        report.notes = [note for note in (state.spacing_note(),) if note]
-        manifest = {"store": out.name, "source": dataset.origin, "num_classes": int(writer.root_attr("num_classes")),
-                    "channel_names": [str(n) for n in writer.root_attr("channel_names")],
-                    "label_names": [str(n) for n in writer.root_attr("label_names")], "regions": regions,
-                    "preprocessing": json.loads(preprocessing.to_json()),
-                    "cases": {**old_entries, **state.entries}}
-        text = json.dumps(manifest, indent=2, default=str) + "\n"
-        # The manifest is written first and renamed last: a failure of either removes both temporaries,
-        # and leaves any existing store and manifest as they were.
-        with atomic_output(report.manifest, needed_bytes=writer.tmp_path.stat().st_size + len(text)) as tmp:
-            tmp.write_text(text)
-            writer.commit()
-    return report
+            before = cls(set(store.case_ids), store.num_channels, store.num_classes, store.channel_names,
+                         store.label_names, store.regions, normalization,
+                         [store.case_stats(c) or {} for c in store.case_ids],
+                         [s for s in (store.foreground_sample(c) for c in store.case_ids) if s is not None])
+        return before
+
+
+def _set_dataset_attrs(writer, dataset: SourceDataset, state, regions: dict, *, shape, spacing) -> None:
+    """A new store's classes, names, regions and convert options, once its cases are written."""
+    if not dataset.declared_labels:  # --images/--labels: the data defines the classes
+        num_classes = max(max(state.seen_values) + 1, 2)
+        writer.set_root_attr("num_classes", num_classes)
+        writer.set_root_attr("label_names", [f"class{i}" for i in range(num_classes)])
+        writer.set_root_attr("channel_names", [f"channel{i}" for i in range(state.num_channels or 1)])
+    if dataset.declared_labels and dataset.min_classes:  # KiTS: cyst where a label holds it
+        num_classes = max(dataset.min_classes, max(state.seen_values) + 1)
+        writer.set_root_attr("num_classes", num_classes)
+        writer.set_root_attr("label_names", [str(n) for n in dataset.label_names[:num_classes]])
+    if regions:  # nnU-Net v2 regions: trained as classes, kept for scoring
+        writer.set_root_attr(REGIONS_ATTR, json.dumps(regions))
+    # what a new case needs to be prepared as these were (bigmem.infer.geometry.prepare_nifti)
+    writer.set_root_attr(CONVERT_OPTIONS_ATTR, json.dumps(
+        {"spacing": None if spacing is None else [float(s) for s in spacing],
+         "shape": None if shape is None else [int(s) for s in shape]}))
+
+
+def _commit_with_manifest(writer, report: ConvertReport, dataset: SourceDataset, before: _Before, state,
+                          preprocessing) -> None:
+    """Write the manifest, then rename the store into place: both appear, or neither changes."""
+    manifest = {"store": report.store.name, "source": dataset.origin,
+                "num_classes": int(writer.root_attr("num_classes")),
+                "channel_names": [str(n) for n in writer.root_attr("channel_names")],
+                "label_names": [str(n) for n in writer.root_attr("label_names")], "regions": before.regions,
+                "preprocessing": json.loads(preprocessing.to_json()),
+                "cases": {**before.manifest_entries, **state.entries}}
+    text = json.dumps(manifest, indent=2, default=str) + "\n"
+    # The manifest is written first and renamed last: a failure of either removes both temporaries,
+    # and leaves any existing store and manifest as they were.
+    with atomic_output(report.manifest, needed_bytes=writer.tmp_path.stat().st_size + len(text)) as tmp:
+        tmp.write_text(text)
+        writer.commit()
