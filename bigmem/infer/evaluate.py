@@ -346,6 +346,25 @@ def _json_ready(value):
     return value
 
 
+def _summary(pred: Path, ref: Path, wanted: list[int], label_names: Sequence[str], regions: dict,
+             records: list[dict], per_case: list[dict], per_case_regions: list[dict]) -> dict:
+    """summary.json's figures: each case's metrics per class (and region), and their means."""
+    for record, metrics, in_regions in zip(records, per_case, per_case_regions):
+        record["metrics"] = {c: metrics[c] for c in wanted}
+        if regions:
+            record["region_metrics"] = in_regions
+    summary = {
+        "pred": str(pred), "ref": str(ref), "empty_rule": EMPTY_RULE, "classes": wanted,
+        "label_names": {c: label_names[c] if c < len(label_names) else f"class{c}" for c in wanted},
+        "regions": regions, "num_cases": len(records), "metric_per_case": records, **aggregate(per_case, wanted),
+    }
+    if regions:
+        region_means = aggregate(per_case_regions, list(regions))
+        summary.update({"region_mean": region_means["mean"], "region_foreground_mean": region_means["foreground_mean"],
+                        "region_num_undefined": region_means["num_undefined"]})
+    return summary
+
+
 def evaluate(pred: str | os.PathLike, ref: str | os.PathLike, *, classes: Sequence[int] | None = None,
              num_classes: int | None = None, allow_missing: bool = False, out: str | os.PathLike | None = None,
              hausdorff: bool = True, run: str | os.PathLike | None = None, warn: Callable[[str], None] | None = None,
@@ -439,20 +458,7 @@ def evaluate(pred: str | os.PathLike, ref: str | os.PathLike, *, classes: Sequen
                 metrics.setdefault(c, absent_class_metrics())
         if not wanted:
             warning("No foreground label in any prediction or reference: nothing to evaluate.")
-    for record, metrics, in_regions in zip(records, per_case, per_case_regions):
-        record["metrics"] = {c: metrics[c] for c in wanted}
-        if regions:
-            record["region_metrics"] = in_regions
-    means = aggregate(per_case, wanted)
-    summary = {
-        "pred": str(pred), "ref": str(ref), "empty_rule": EMPTY_RULE, "classes": wanted,
-        "label_names": {c: label_names[c] if c < len(label_names) else f"class{c}" for c in wanted},
-        "regions": regions, "num_cases": len(records), "metric_per_case": records, **means,
-    }
-    if regions:
-        region_means = aggregate(per_case_regions, list(regions))
-        summary.update({"region_mean": region_means["mean"], "region_foreground_mean": region_means["foreground_mean"],
-                        "region_num_undefined": region_means["num_undefined"]})
+    summary = _summary(pred, ref, wanted, label_names, regions, records, per_case, per_case_regions)
     summary.update({"missing": {"no_reference": no_reference, "no_prediction": no_prediction}, "warnings": warnings})
     summary = _json_ready(summary)
     if out is not None:
