@@ -32,6 +32,7 @@ import inspect
 import json
 import os
 import resource
+import shlex
 import signal
 import statistics
 import subprocess
@@ -109,9 +110,17 @@ def bench_parser(description: str | None, *, repeats: int | None = None, warmup:
     return parser
 
 
-def command_line(script: str, argv: Sequence[str] | None = None) -> str:
-    """``python benchmarks/SCRIPT ARGS``: how a results file says what made it (argv default: sys.argv[1:])."""
-    return " ".join(["python", f"benchmarks/{Path(script).name}", *(sys.argv[1:] if argv is None else argv)])
+def command_line(script: str | Path, argv: Sequence[str] | None = None) -> str:
+    """``python benchmarks/KIND/SCRIPT ARGS``: how a results file says what made it, runnable from the repository root.
+
+    Args:
+        script: the script's path (``__file__``, ``sys.argv[0]``), from any folder; its path below the last
+            ``benchmarks`` folder it is in is kept (the script's name alone if it is in none).
+        argv: its arguments (default ``sys.argv[1:]``), quoted where a shell needs it (``--sizes ''``).
+    """
+    parts = Path(script).resolve().parts
+    below = parts[len(parts) - parts[::-1].index("benchmarks"):] if "benchmarks" in parts[:-1] else parts[-1:]
+    return shlex.join(["python", "/".join(("benchmarks", *below)), *(sys.argv[1:] if argv is None else argv)])
 
 
 # ---- timing --------------------------------------------------------------------------------------

@@ -152,7 +152,7 @@ def _directed_distances_mm(from_points: np.ndarray, to_points: np.ndarray) -> np
     other surface's: the cost grows with the surfaces' voxels, not with the box around them. A
     distance transform over the box (MONAI's and nnU-Net's way, and bigmem's before) touches every
     voxel of it twice: 2.47 s against 0.26 s for the whole HD95 of a 512x512x211 pair whose box is
-    15.7 M voxels, the same distance (benchmarks/bench_hd95.py, hd95-avx512_bf16-amd-epyc-*.json).
+    15.7 M voxels, the same distance (benchmarks/proofs/bench_hd95.py, hd95-avx512_bf16-amd-epyc-*.json).
     """
     from scipy.spatial import cKDTree
 

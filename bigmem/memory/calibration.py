@@ -34,7 +34,7 @@ def knot_tuples(table: dict) -> tuple[tuple[int, int, int], ...]:
 # The shipped knots per (ISA class, preset, precision, recompute), at DEFAULTS_BATCH_SIZE: the
 # overhead (VmHWM - the estimate's exact parts) at each measured counted activation bytes, see
 # Calibration. Data, with the machine, command, results files and notes on how well they hold:
-# bigmem/measured/training_memory.json (benchmarks/bench_memory_model.py --write-table).
+# bigmem/measured/training_memory.json (benchmarks/tables/bench_memory_model.py --write-table).
 _TRAINING = tables.serving(tables.load("training_memory"), "isa_class")
 DEFAULTS_MACHINES = {isa: entry["summary"] for (isa,), entry in _TRAINING.items()}
 # The class whose defaults an unmeasured class starts from, before its margin: the margins below

@@ -46,7 +46,7 @@ BOOL_BYTES = 1  # numpy's bool: the running argmax's "better" mask
 # Knots per (ISA class, preset, precision), as the training calibration's DEFAULTS: the overhead
 # (VmHWM - the estimate's exact parts) at each measured count of live bytes. Data, one entry per
 # machine and model with its command, results files and notes on how well the knots hold:
-# bigmem/measured/inference_memory.json (benchmarks/bench_inference_memory.py --write-table).
+# bigmem/measured/inference_memory.json (benchmarks/tables/bench_inference_memory.py --write-table).
 _INFERENCE = tables.serving(tables.load("inference_memory"), "isa_class", "preset")
 INFERENCE_DEFAULTS_MACHINES = {key: entry["summary"] for key, entry in _INFERENCE.items()}  # by (ISA class, preset)
 INFERENCE_DEFAULTS: dict[tuple[str, str, str], tuple[tuple[int, int, int], ...]] = {

@@ -17,11 +17,11 @@ from typing import Sequence
 
 from bigmem.config import tables
 
-# GFLOP/s per core of bigmem's own training step (benchmarks/bench_train.py), per (ISA class,
+# GFLOP/s per core of bigmem's own training step (benchmarks/tables/bench_train.py), per (ISA class,
 # precision) by base filters, and where each class's figures came from. Data, one entry per
 # measuring machine with its command, results files and notes (a shared VM's rate moves with its
 # host, so these are a start; `bigmem profile --calibrate` times the machine itself):
-# bigmem/measured/step_rates.json (benchmarks/bench_train.py --write-table).
+# bigmem/measured/step_rates.json (benchmarks/tables/bench_train.py --write-table).
 _RATES = tables.serving(tables.load("step_rates"), "isa_class")
 MEASURED_RATES: dict[tuple[str, str], dict[int, float]] = {
     (isa, precision): {r["base_filters"]: r["gflops_per_core"] for r in entry["rates"] if r["precision"] == precision}

@@ -1,7 +1,7 @@
 """Speed-motivated kernel choices, per ISA class: which weight gradient each convolution uses.
 
 The decisions are data, bigmem/measured/kernel_choices.json, each with where it came from
-(``python benchmarks/bench_kernel_choices.py --write-table`` writes the classes it measured; the
+(``python benchmarks/tables/bench_kernel_choices.py --write-table`` writes the classes it measured; the
 timings are in benchmarks/results/kernel_choices-*.json); this module reads them. A class
 measured with oneDNN capped at it (``ONEDNN_MAX_CPU_ISA``) on a bigger CPU says so in its
 ``source``. TensorFlow-free, so the planner and ``bigmem info`` can read it.

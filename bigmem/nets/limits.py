@@ -16,12 +16,12 @@ from typing import Callable, Iterator, Sequence
 # every op was verified correct at with TF 2.21.0 (oneDNN on, x86). Convolutions crash just past
 # 2^31 and the weight gradient is silently wrong below that, so not 2^31: a silent wrong gradient
 # is worse than a crash, and other CPUs' oneDNN kernels may fail earlier (measurements:
-# benchmarks/results/kernels.md; benchmarks/bench_kernel_limits.py).
+# benchmarks/results/kernels.md; benchmarks/tables/bench_kernel_limits.py).
 MAX_KERNEL_ELEMENTS = 2**30
 # The most elements of one slab once an op is partitioned: 2 GiB in float32. Each slab's
 # temporaries (its conv output; for strided convs also a zero-padded gradient slab) are the extra
 # memory of the slab path, so slabs are kept well under the limit; the halo planes this adds are 2 of 64 at 512^2
-# x 32 channels (about 3% more convolution work; benchmarks/bench_slabs.py measures it).
+# x 32 channels (about 3% more convolution work; benchmarks/tables/bench_slabs.py measures it).
 MAX_SLAB_ELEMENTS = 2**29
 # ... unless that is fewer than this many depth planes (wide planes of very large volumes): then
 # slabs grow to this many planes, up to the kernel limit, so the halo stays a small share.

@@ -1,4 +1,4 @@
-"""Tests of benchmarks/: the scripts import each other by name, as they do when run from that folder."""
+"""Tests of benchmarks/: they import harness and _results by name, as the scripts do (each puts benchmarks/ first)."""
 
 from __future__ import annotations
 

@@ -77,9 +77,12 @@ def test_quick_swaps_in_the_smallest_settings_but_a_given_flag_wins():
     assert vars(bare) == {"out": "/tmp/x"}
 
 
-def test_command_line_names_the_script_and_its_flags():
-    assert harness.command_line("/x/benchmarks/bench_hd95.py", ["--repeats", "3"]) == \
-        "python benchmarks/bench_hd95.py --repeats 3"
+def test_command_line_names_the_script_below_benchmarks_and_its_flags():
+    assert harness.command_line("/x/benchmarks/proofs/bench_hd95.py", ["--repeats", "3"]) == \
+        "python benchmarks/proofs/bench_hd95.py --repeats 3"
+    assert harness.command_line(harness.BENCHMARKS / "tables" / "bench_train.py", ["--scaling", ""]) == \
+        "python benchmarks/tables/bench_train.py --scaling ''"  # quoted as a shell needs it
+    assert harness.command_line("/elsewhere/bench_copy.py", []) == "python benchmarks/bench_copy.py"
 
 
 def test_run_function_returns_the_result_and_the_childs_own_peak(child):

@@ -2,7 +2,7 @@
 
 ``bigmem train`` is killed with SIGKILL during start-up, mid-step and during a checkpoint write,
 resumed each time with the same command plus --resume, and the finished run must equal an
-uninterrupted one of the same seed. The driver is benchmarks/bench_chaos.py, which does the same
+uninterrupted one of the same seed. The driver is benchmarks/robustness/bench_chaos.py, which does the same
 with 20 kills (benchmarks/results/chaos-*.json).
 """
 
@@ -19,7 +19,7 @@ STEPS = 24
 
 
 def _driver():
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_chaos.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "robustness" / "bench_chaos.py"
     spec = importlib.util.spec_from_file_location("bench_chaos", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up

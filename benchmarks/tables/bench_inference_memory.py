@@ -1,6 +1,6 @@
 """Inference memory: predicted vs measured peak of one whole-volume prediction, and the largest volume that fits.
 
-    python benchmarks/bench_inference_memory.py [--model kits19]
+    python benchmarks/tables/bench_inference_memory.py [--model kits19]
         [--fp32-sizes 32,64,...] [--bf16-sizes 32,64,...] [--knot-sizes N,N,...] [--slab-check SIZE:LIMIT,...]
         [--largest | --no-largest] [--reuse RESULTS.json,...] [--no-measure] [--out DIR] [--write-table]
 
@@ -39,6 +39,8 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: harness, _results, the other kinds
+
 from _results import write_table
 from harness import bench_parser, command_line, heavy_turn, machine_slug, write_results
 from rich.console import Console
@@ -50,7 +52,7 @@ from bigmem.memory.calibration import Calibration, cpu_model, knots_from, machin
 from bigmem.memory.inference import estimate_inference
 from bigmem.memory.measure import measure_inference
 from bigmem.memory.planner import available_memory_bytes
-from bigmem.memory.preflight import resolve_budget, search_inference_plan
+from bigmem.memory.budget import resolve_budget, search_inference_plan
 from bigmem.memory.profile import counts_function
 from bigmem.nets.limits import LIMIT_ENVIRONMENT_VARIABLE, kernel_element_limit
 from bigmem.units import format_bytes

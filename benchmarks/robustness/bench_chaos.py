@@ -1,7 +1,7 @@
 """Kill ``bigmem train`` with SIGKILL at random moments, resume each time, and compare the finished
 run with an uninterrupted one of the same seed.
 
-    python benchmarks/bench_chaos.py [--kills 20] [--steps 200] [--checkpoint-every 4] [--volume 32]
+    python benchmarks/robustness/bench_chaos.py [--kills 20] [--steps 200] [--checkpoint-every 4] [--volume 32]
         [--seed 0] [--quick] [--out DIR]
 
 One uninterrupted run (the reference, which also times start-up and a step), then ``--kills``
@@ -29,6 +29,8 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: harness, _results, the other kinds
 
 import numpy as np
 

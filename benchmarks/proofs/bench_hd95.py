@@ -1,6 +1,6 @@
 """HD95 on a KiTS-sized pair: bigmem's k-d tree against a distance transform over the bounding box.
 
-    python benchmarks/bench_hd95.py [--shape 512,512,211] [--repeats 3] [--warmup 0] [--quick] [--out DIR]
+    python benchmarks/proofs/bench_hd95.py [--shape 512,512,211] [--repeats 3] [--warmup 0] [--quick] [--out DIR]
 
 Two kidney-like masks (two ellipsoids each, the prediction shifted and eroded so the surfaces
 differ) in a 512x512x211 volume at 0.8x0.8x3.0 mm, as KiTS19 ships; the prediction also has a
@@ -19,6 +19,9 @@ Both must give the same distance (it prints both). Writes ``hd95-<machine>-<time
 from __future__ import annotations
 
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: harness, _results, the other kinds
 
 import numpy as np
 from harness import bench_parser, command_line, time_calls, write_results

@@ -1,6 +1,6 @@
 """Training throughput side by side: bigmem, plain Keras and PyTorch, against the machine's ceilings.
 
-    python benchmarks/bench_train.py [--presets small,kits19] [--volumes 64,96,128] [--steps 5]
+    python benchmarks/tables/bench_train.py [--presets small,kits19] [--volumes 64,96,128] [--steps 5]
         [--warmup 2] [--paths bigmem,keras,torch] [--scaling kits19:32,48,64,96,128,160] [--out DIR]
         [--write-table]
 
@@ -15,7 +15,7 @@ steps (tracing, oneDNN primitive creation) and reports the median and spread of 
 - keras: the same architecture from Keras's stock layers (``model.stock_layers``: Concatenate,
   Conv3D, GroupNormalization, ReLU), ``compile`` + ``train_on_batch`` with defaults, fp32 and
   ``mixed_bfloat16``;
-- torch: the same architecture in PyTorch (benchmarks/torch_unet3d.py), eager, fp32 (needs
+- torch: the same architecture in PyTorch (benchmarks/tables/torch_unet3d.py), eager, fp32 (needs
   ``pip install .[bench]``; skipped with a note when torch is missing).
 
 GFLOP/s count 3x the forward multiply-adds x 2 (``UNet3D.train_flops``) for every path.
@@ -37,6 +37,8 @@ import statistics
 import sys
 import tempfile
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: harness, _results, the other kinds
 
 from _results import write_table
 from harness import bench_parser, run_function, spread, time_calls, write_results

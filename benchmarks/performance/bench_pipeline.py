@@ -1,12 +1,12 @@
 """Read throughput of the store against reading the same bytes raw, and samples/s delivered.
 
-    python benchmarks/bench_pipeline.py [--cases 8] [--volume 192] [--patch 64] [--repeats 5] [--warmup 1]
+    python benchmarks/performance/bench_pipeline.py [--cases 8] [--volume 192] [--patch 64] [--repeats 5] [--warmup 1]
         [--quick] [--out DIR]
 
 Writes two synthetic stores (contiguous uncompressed, and 64^3-chunked) plus a raw file with the
 same bytes, then times, warm and cold (pages dropped with posix_fadvise DONTNEED before each
 pass): reading every case whole (store) vs np.fromfile of the raw file; patch reads; and
-samples/s from WholeVolumeLoader into a consumer that only touches each batch. Median of
+samples/s from VolumeLoader into a consumer that only touches each batch. Median of
 ``--repeats`` passes (after ``--warmup`` untimed ones, which also fill the page cache for the warm
 runs) with the spread; prints a table and writes JSON keyed by machine (never run by pytest).
 """
@@ -20,10 +20,12 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: harness, _results, the other kinds
+
 import numpy as np
 from harness import bench_parser, spread, time_calls, write_results
 
-from bigmem.data.pipeline import WholeVolumeLoader
+from bigmem.data.pipeline import VolumeLoader
 from bigmem.data.store import HDF5VolumeStore, StoreWriter
 from bigmem.data.synth import make_phantom
 
@@ -102,7 +104,7 @@ def main(argv=None) -> int:
     delivered = []
     for workers in (0, 2):
         for patch in (None, args.patch):
-            with WholeVolumeLoader(stores["contiguous"], shape=(args.volume,) * 3, batch_size=1, num_workers=workers,
+            with VolumeLoader(stores["contiguous"], shape=(args.volume,) * 3, batch_size=1, num_workers=workers,
                                    patch=patch, flip=True) as loader:
                 stream = loader.batches()
                 next(stream)

@@ -1,6 +1,6 @@
 """The speed-motivated kernel choices of bigmem.nets, timed per ISA class: what nets/choices.py ships.
 
-    python benchmarks/bench_kernel_choices.py [--isa native,avx512,avx2] [--volumes 64,96]
+    python benchmarks/tables/bench_kernel_choices.py [--isa native,avx512,avx2] [--volumes 64,96]
         [--warmup 2] [--repeats 5] [--out DIR] [--write-table]
 
 For each ISA class it starts child processes with oneDNN capped at that class
@@ -26,6 +26,9 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: harness, _results, the other kinds
 
 from _results import write_table
 from harness import bench_parser, command_line, run_function, time_calls, write_results

@@ -1,6 +1,6 @@
 """The resource monitor's overhead: training steps/s with and without it, from one run.
 
-    python benchmarks/bench_monitor.py [--model small] [--volume 48] [--steps 150] [--repeats 2]
+    python benchmarks/performance/bench_monitor.py [--model small] [--volume 48] [--steps 150] [--repeats 2]
         [--warmup 10] [--interval 1.0] [--quick] [--out DIR]
 
 Runs ``bigmem train`` in fresh processes, alternating --monitor-interval INTERVAL and 0 (off)
@@ -16,6 +16,8 @@ import socket
 import sys
 import tempfile
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: harness, _results, the other kinds
 
 from harness import bench_parser, run_command, spread, time_calls, write_results
 from rich.console import Console

@@ -1,6 +1,6 @@
 """Each dataset layout end to end: convert, train 3 steps, predict, evaluate, through the CLI.
 
-    python benchmarks/bench_layouts.py [--out DIR] [--work DIR]
+    python benchmarks/robustness/bench_layouts.py [--out DIR] [--work DIR]
 
 Writes synthetic stand-ins of the three layouts users bring, with real scans' geometry in
 miniature (anisotropic spacing, an LPS or permuted affine, cases of different shapes):
@@ -30,6 +30,8 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: harness, _results, the other kinds
 
 import nibabel as nib
 import numpy as np

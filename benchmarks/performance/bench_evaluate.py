@@ -1,7 +1,7 @@
 """``bigmem evaluate`` end to end on KiTS-sized cases, for one or more bigmem checkouts side by side.
 
-    python benchmarks/bench_evaluate.py [--cases 2] [--checkout DIR ...] [--repeats 3] [--warmup 0] [--quick]
-        [--out DIR]
+    python benchmarks/performance/bench_evaluate.py [--cases 2] [--checkout DIR ...] [--repeats 3] [--warmup 0]
+        [--quick] [--out DIR]
 
 Writes ``--cases`` reference/prediction pairs as .nii.gz, 512x512x211 at 0.8x0.8x3.0 mm as KiTS19
 ships: kidney (1) and tumour (2) in two kidney-shaped blobs; the prediction shifted and eroded,
@@ -23,9 +23,11 @@ import sys
 import tempfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: harness, _results, the other kinds
+
 import nibabel as nib
 import numpy as np
-from bench_hd95 import SPACING, kidneys
+from proofs.bench_hd95 import SPACING, kidneys
 from harness import bench_parser, command_line, run_command, spread, time_calls, write_results
 from rich.console import Console
 from rich.table import Table
@@ -91,7 +93,7 @@ def main(argv=None) -> int:
     parser.add_argument("--cases", type=int, default=2)
     parser.add_argument("--checkout", action="append", help="a bigmem checkout to time (repeatable)")
     args = parser.parse_args(argv)
-    checkouts = [Path(c).absolute() for c in (args.checkout or [Path(__file__).parent.parent])]
+    checkouts = [Path(c).absolute() for c in (args.checkout or [Path(__file__).resolve().parents[2]])]
     console = Console(soft_wrap=True)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,6 +1,6 @@
 """Which TensorFlow CPU kernels of a 3D U-Net training step survive tensors past 2^31 elements.
 
-    python benchmarks/bench_kernel_limits.py [--ops conv3d,relu,...] [--sizes auto|below|above|below,above]
+    python benchmarks/tables/bench_kernel_limits.py [--ops conv3d,relu,...] [--sizes auto|below|above|below,above]
         [--onednn auto|1|0|1,0] [--quick] [--timeout-s 1200] [--out DIR]
 
 Each (op, size, oneDNN setting) runs in a fresh child process (a crash kills only the child),
@@ -31,7 +31,10 @@ import socket
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: harness, _results, the other kinds
 
 from harness import ChildRun, bench_parser, command_line, heavy_turn, run_function, write_results
 

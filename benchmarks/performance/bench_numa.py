@@ -1,6 +1,6 @@
 """Memory bandwidth and training step time under each NUMA policy available on this machine.
 
-    python benchmarks/bench_numa.py [--policies none,local,interleave,bind:0,preferred:0]
+    python benchmarks/performance/bench_numa.py [--policies none,local,interleave,bind:0,preferred:0]
         [--model small] [--volume 64] [--steps 6] [--copy-gib 1] [--repeats 5] [--quick] [--out DIR]
 
 Each policy runs in a fresh child process (a policy must be set before the memory it governs is
@@ -18,6 +18,8 @@ import sys
 import tempfile
 from functools import partial
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: harness, _results, the other kinds
 
 from harness import bench_parser, run_function, spread, time_calls, write_results
 

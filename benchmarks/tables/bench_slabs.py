@@ -1,6 +1,6 @@
 """What depth slabs cost, and proof that every partitioned op is right past 2^31 elements (bigmem/nets/slabs.py).
 
-    python benchmarks/bench_slabs.py [--shared] [--proof] [--quick] [--ops conv3d,...] [--warmup 2] [--repeats 7]
+    python benchmarks/tables/bench_slabs.py [--shared] [--proof] [--quick] [--ops conv3d,...] [--warmup 2] [--repeats 7]
         [--out DIR]
 
 ``--shared``: each op forward + backward at one size both paths run (fp32, (1, 128, 128, 128, 32)
@@ -48,6 +48,9 @@ import os
 import socket
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: harness, _results, the other kinds
 
 from harness import bench_parser, command_line, heavy_turn, run_function, spread, time_calls, write_results
 

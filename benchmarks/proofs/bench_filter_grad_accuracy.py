@@ -1,6 +1,6 @@
 """How accurate TF's (oneDNN's) conv3d weight gradient is as the tensor grows toward 2^31 elements.
 
-    python benchmarks/bench_filter_grad_accuracy.py [--depths 128,256,512,768,1000,1020] [--quick] [--out DIR]
+    python benchmarks/proofs/bench_filter_grad_accuracy.py [--depths 128,256,512,768,1000,1020] [--quick] [--out DIR]
 
 For (1, D, 1024, 1024, 2) fp32 tensors, Conv3DBackpropFilterV2 (3x3x3, "SAME", oneDNN on) over the
 whole tensor against the float64 sum of the same op over 16-plane output slabs (each with its one
@@ -15,6 +15,9 @@ from __future__ import annotations
 import os
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: harness, _results, the other kinds
 
 from harness import bench_parser, heavy_turn, run_function, write_results
 
@@ -85,7 +88,7 @@ def main(argv=None) -> int:
     write_results("filter_grad_accuracy", {
         "machine": {"cpu": cpu_model(), "isa_class": isa_class(cpu_description()["isa"]),
                     "tensorflow": tensorflow_version(), "TF_ENABLE_ONEDNN_OPTS": "1"},
-        "command": "python benchmarks/bench_filter_grad_accuracy.py --depths " + args.depths, "rows": rows},
+        "command": "python benchmarks/proofs/bench_filter_grad_accuracy.py --depths " + args.depths, "rows": rows},
         args.out, console)
     return 0
 

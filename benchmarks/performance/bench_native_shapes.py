@@ -1,10 +1,11 @@
 """Each scan at its own shape against the smallest cube that holds them all: epochs, memory, batch scaling.
 
-    python benchmarks/bench_native_shapes.py epochs [--preset small] [--epochs 3] [--batch-size 1]
+    python benchmarks/performance/bench_native_shapes.py epochs [--preset small] [--epochs 3] [--batch-size 1]
         [--sets brats,kits] [--stores DIR]
-    python benchmarks/bench_native_shapes.py memory [--presets tiny,small,intelai-brats,kits19] [--steps 2]
-    python benchmarks/bench_native_shapes.py batch [--preset intelai-brats] [--shape 64,64,64] [--batches 1,2,4,8]
-    python benchmarks/bench_native_shapes.py stores --stores DIR     # only write the two stores
+    python benchmarks/performance/bench_native_shapes.py memory [--presets tiny,small,intelai-brats,kits19] [--steps 2]
+    python benchmarks/performance/bench_native_shapes.py batch [--preset intelai-brats] [--shape 64,64,64]
+        [--batches 1,2,4,8]
+    python benchmarks/performance/bench_native_shapes.py stores --stores DIR     # only write the two stores
 
 ``epochs`` trains ``--preset`` on two synthetic stand-ins of real datasets, each at native shapes
 (every case whole, padded to a multiple of 2^depth) and as the smallest cube that holds every case
@@ -36,6 +37,8 @@ import os
 import sys
 import tempfile
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: harness, _results, the other kinds
 
 from harness import bench_parser, command_line, run_command, write_results
 from rich.console import Console

@@ -1,6 +1,6 @@
 """Predicted vs measured peak memory per preset and mode, and how far a small-size calibration extrapolates.
 
-    python benchmarks/bench_memory_model.py [--model small,intelai-brats,kits19] [--calibrate-sizes 32,64,96]
+    python benchmarks/tables/bench_memory_model.py [--model small,intelai-brats,kits19] [--calibrate-sizes 32,64,96]
         [--check-sizes auto | N,N,...] [--checks-per-mode 2] [--max-peak 20GiB]
         [--modes fp32/none,bf16/none,fp32/stages,bf16/stages] [--reuse RESULTS.json,...] [--no-measure]
         [--fresh-checks] [--fresh-calibration]
@@ -41,6 +41,8 @@ import socket
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: harness, _results, the other kinds
 
 from _results import write_table
 from harness import bench_parser, heavy_turn, machine_slug, write_results

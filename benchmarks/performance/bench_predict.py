@@ -1,6 +1,6 @@
 """Whole-volume prediction against sliding windows, and bigmem's sliding window against MONAI's.
 
-    python benchmarks/bench_predict.py [--run RUN_DIR] [--windows 48,24,16] [--overlap 0.5]
+    python benchmarks/performance/bench_predict.py [--run RUN_DIR] [--windows 48,24,16] [--overlap 0.5]
         [--monai-window 24] [--train-steps 600] [--quick] [--out benchmarks/results]
 
 Without --run it first trains the `make demo` configuration (the small preset on the embedded
@@ -29,6 +29,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: harness, _results, the other kinds
 
 from harness import bench_parser, run_command, run_function, spread, write_results
 from rich.console import Console

@@ -1,14 +1,14 @@
 """Store size of a BraTS-like dataset: what ``bigmem convert`` writes for MSD Task01-shaped cases.
 
-    python benchmarks/bench_store_size.py [--cases 4] [--source-dtype int16|float32] [--chunks 64|none] [--quick]
-        [--out DIR]
+    python benchmarks/performance/bench_store_size.py [--cases 4] [--source-dtype int16|float32] [--chunks 64|none]
+        [--quick] [--out DIR]
 
 Writes ``--cases`` MSD Task01-like cases as NIfTI (.nii.gz): 240x240x155, four MRI channels
 (FLAIR, T1w, t1gd, T2w), zero outside a head-shaped ellipsoid, tissue intensities of a few hundred
 with noise, labels 0..3 in a tumour-shaped blob, in the source dtype BraTS ships (int16; or
 float32). Converts them (uncompressed; 64^3 chunks, the default, or --chunks), and prints per case and in
 total: the .nii.gz bytes, the store bytes and the image dtype the store chose. Run it once with
-the bigmem to measure (``PYTHONPATH=<old checkout> python benchmarks/bench_store_size.py`` for an
+the bigmem to measure (``PYTHONPATH=<old checkout> python benchmarks/performance/bench_store_size.py`` for an
 older one: it uses only ``read_msd``, in ``data.layouts`` or, before it, ``data.nifti``, and
 ``convert.convert``). Writes ``store-size-<machine>-<time>.json``.
 """
@@ -20,6 +20,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: harness, _results, the other kinds
 
 import h5py
 import nibabel as nib

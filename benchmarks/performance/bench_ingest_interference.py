@@ -1,6 +1,6 @@
 """Training step time alone vs beside a concurrent `bigmem convert`, by write block size and rate limit.
 
-    python benchmarks/bench_ingest_interference.py [--cases 12] [--volume 128] [--train-volume 64]
+    python benchmarks/performance/bench_ingest_interference.py [--cases 12] [--volume 128] [--train-volume 64]
         [--steps 40] [--warmup 5] [--quick] [--out DIR]
 
 Makes an MSD-layout folder of synthetic NIfTI cases, then runs `bigmem train` (small preset)
@@ -20,6 +20,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: harness, _results, the other kinds
 
 import numpy as np
 from harness import bench_parser, run_command, spread, write_results
