@@ -6,11 +6,11 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from bigmem.config.options import Recompute
 from bigmem.config.schema import ExperimentConfig
 from bigmem.memory.calibration import (
-    Calibration, fit_calibration, fit_line, machine_isa_class, save_calibration, shipped_shape,
+    Calibration, fit_calibration, fit_line, machine_isa_class, recompute_key, save_calibration, shipped_shape,
 )
+from bigmem.errors import UsageError
 from bigmem.memory.estimate import Estimate, NetworkCounts, estimate, mode_stages
 from bigmem.memory.measure import Measurement, measure
 from bigmem.memory.budget import recompute_stages as choose_stages
@@ -153,16 +153,23 @@ def calibrate(config: ExperimentConfig, shapes: Sequence[Sequence[int]], counts_
               progress: Callable[[tuple], None] | None = None, save: bool = True) -> tuple[Calibration, list]:
     """Measure ``shapes`` (an int N is N^3) and fit this machine's calibration for the config's preset, precision
     and recompute."""
+    shapes = [as_shape(shape) for shape in shapes]
+    stages = [choose_stages(_with_shape(config, shape), counts_for, shape) for shape in shapes]
+    # The fit is stored under the key an estimate of these steps looks it up by (recompute_key): one
+    # key, so every size must recompute stages, or none (auto may choose either), before any is measured.
+    keys = {recompute_key(chosen) for chosen in stages}
+    if len(keys) > 1:
+        raise UsageError(f"--recompute {config.memory.recompute.value} recomputes stages at some --calibrate sizes "
+                         "and none at others, which are two calibrations: give --recompute none or --recompute "
+                         "stages.")
     points = []
-    for shape in shapes:
-        shape = as_shape(shape)
+    for shape, chosen in zip(shapes, stages):
         if progress:
             progress(shape)
         sized = _with_shape(config, shape)
-        stages = choose_stages(sized, counts_for, shape)
-        measured = measure(sized, steps=steps, recompute_stages=stages)
+        measured = measure(sized, steps=steps, recompute_stages=chosen)
         points.append(calibration_point(sized, counts_for, measured.peak_bytes, measured))
-    recompute = "stages" if config.memory.recompute is Recompute.STAGES else "none"
+    recompute = keys.pop()
     precision = config.train.precision.value
     shape = shipped_shape(config.model.name, precision, recompute, machine_isa_class(), config.train.batch_size)
     calibration = fit_calibration(config.model.name, precision, recompute, points, shape)
