@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.bigmem-installed
 
-.PHONY: demo test lint install clean
+.PHONY: demo test test-numa lint install clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -21,6 +21,11 @@ lint: $(STAMP)
 
 test: lint
 	$(BIN)/python -m pytest
+
+# The `numa` tests, inside a 4-node kernel under QEMU (tools/numa-vm; ~15 min on 2 cores without KVM).
+# They live in tests/numa: collecting the whole suite would import TensorFlow, minutes under emulation.
+test-numa: $(STAMP)
+	tools/numa-vm -- python -m pytest -p no:cacheprovider -m numa tests/numa
 
 clean:
 	rm -rf $(VENV) build *.egg-info runs
