@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
@@ -166,7 +167,9 @@ def run(args) -> int:
     from bigmem.numa.apply import place
 
     config, out = resolve(args)
-    place(config.numa.policy, config.numa.cpus, config.numa.threads)  # before TensorFlow or numpy start threads
+    placement = place(config.numa.policy, config.numa.cpus, config.numa.threads)  # before TF or numpy start threads
+    if placement.note:
+        print(f"bigmem train: note: {placement.note}", file=sys.stderr)
     from bigmem.train.trainer import train
 
     result = train(config, out, resume=args.resume, verbose=getattr(args, "verbose", False), force=args.force)

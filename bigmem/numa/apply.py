@@ -11,14 +11,21 @@ only when a policy other than 'none' is asked for.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
+from pathlib import Path
 
 from bigmem.errors import BigmemError
-from bigmem.numa.policy import Placement, PolicyKind
+from bigmem.numa.policy import Placement, PolicyKind, format_nodes
+from bigmem.numa.topology import parse_cpulist
 from bigmem.tfenv import set_thread_pools
 
 _applied: Placement | None = None
+
+# <linux/mempolicy.h>: the mode get_mempolicy reports once each policy is in force
+_MPOL_MODE = {PolicyKind.PREFERRED: 1, PolicyKind.BIND: 2, PolicyKind.INTERLEAVE: 3, PolicyKind.LOCAL: 4}
+_MPOL_MODE_FLAGS = 0xE000  # MPOL_F_STATIC_NODES | MPOL_F_RELATIVE_NODES | MPOL_F_NUMA_BALANCING
 
 
 def current() -> Placement | None:
@@ -62,6 +69,7 @@ def apply_placement(placement: Placement) -> Placement:
                           "and its threads would not inherit the policy. Apply the placement first (the bigmem "
                           "command does), or start a new process.")
     if placement.kind is not PolicyKind.NONE:
+        _check_mems_allowed(placement)
         numa = _libnuma()
         if placement.kind is PolicyKind.INTERLEAVE:
             numa.memory.set_interleave_nodes(*placement.nodes)
@@ -71,8 +79,39 @@ def apply_placement(placement: Placement) -> Placement:
             numa.schedule.set_preferred_node(placement.nodes[0])
         elif placement.kind is PolicyKind.LOCAL:
             numa.memory.set_local_alloc()
+        _check_in_force(placement, numa)
     if placement.cpus and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, placement.cpus)
     set_thread_pools(placement.intra_op_threads, placement.inter_op_threads)
     _applied = placement
     return placement
+
+
+def _check_mems_allowed(placement: Placement, proc_root: str = "/proc") -> None:
+    """Refuse nodes outside this process's cpuset in one line: libnuma only warns, then crashes or carries on."""
+    if placement.kind is PolicyKind.LOCAL:
+        return
+    try:
+        status = Path(proc_root, "self/status").read_text().splitlines()
+    except OSError:
+        return
+    listed = [line.split(":", 1)[1] for line in status if line.startswith("Mems_allowed_list:")]
+    allowed = parse_cpulist(listed[0]) if listed else ()
+    outside = [n for n in placement.nodes if n not in allowed]
+    if allowed and outside:
+        example = format_nodes(allowed[:1] if placement.kind is PolicyKind.PREFERRED else allowed)
+        raise BigmemError(f"Cannot apply --numa {placement.text}: node {outside[0]} is outside the memory this "
+                          f"process may use, node(s) {format_nodes(allowed)} (Mems_allowed_list in /proc/self/status, "
+                          f"set by a cpuset cgroup, Slurm or numactl). Name only those nodes, e.g. "
+                          f"--numa {placement.kind.value}:{example}.")
+
+
+def _check_in_force(placement: Placement, numa) -> None:
+    """Read the policy back from the kernel: libnuma reports a refused set_mempolicy only on stderr."""
+    mode = ctypes.c_int(-1)
+    if numa.LIBNUMA.get_mempolicy(ctypes.byref(mode), None, ctypes.c_ulong(0), None, ctypes.c_ulong(0)) != 0:
+        return  # cannot read it back (an old kernel): the numa.json report still shows what is in force
+    if mode.value & ~_MPOL_MODE_FLAGS != _MPOL_MODE[placement.kind]:
+        raise BigmemError(f"Cannot apply --numa {placement.text}: the kernel refused the memory policy (get_mempolicy "
+                          f"reports mode {mode.value}, expected {_MPOL_MODE[placement.kind]}). Check the nodes with "
+                          "`bigmem info`, or run with --numa none.")

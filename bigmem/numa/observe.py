@@ -13,13 +13,29 @@ _NODE_RE = re.compile(r"\bN(\d+)=(\d+)")
 _PAGESIZE_RE = re.compile(r"kernelpagesize_kB=(\d+)")
 
 
-def node_resident_bytes(pid: int | str = "self", proc_root: str = "/proc") -> dict[int, int]:
-    """Resident bytes of a process per NUMA node, summed over /proc/PID/numa_maps."""
+def node_resident_bytes(pid: int | str = "self", proc_root: str = "/proc", *,
+                        anonymous: bool = False) -> dict[int, int]:
+    """Resident bytes of a process per NUMA node, summed over /proc/PID/numa_maps.
+
+    Args:
+        pid: the process (default: this one).
+        proc_root: where procfs is mounted.
+        anonymous: count only mappings without a file (heap, stack, anonymous mmaps), where the
+            process's memory policy decides placement; file pages (libraries, page cache, shared
+            memory) were often placed by whoever read them first.
+
+    Returns:
+        ``{node: bytes}``; empty when the process does not exist.
+    """
     totals: dict[int, int] = {}
     path = Path(proc_root, str(pid), "numa_maps")
-    if not path.exists():
+    try:
+        text = path.read_text()
+    except OSError:  # no such process (or it ended meanwhile)
         return totals
-    for line in path.read_text().splitlines():
+    for line in text.splitlines():
+        if anonymous and " file=" in line:
+            continue
         page = _PAGESIZE_RE.search(line)
         page_bytes = int(page.group(1)) * 1024 if page else os.sysconf("SC_PAGE_SIZE")
         for node, pages in _NODE_RE.findall(line):

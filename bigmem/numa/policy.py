@@ -41,11 +41,12 @@ class Placement:
     intra_op_threads: int
     inter_op_threads: int
     text: str = field(default="none")  # what the user asked for
+    note: str = ""  # where the threads run when that is not where the memory is (bind to memory-only nodes)
 
     @property
     def numa_maps_policy(self) -> str:
         """How /proc/PID/numa_maps spells this policy (for comparing requested with observed)."""
-        nodes = _format_nodes(self.nodes)
+        nodes = format_nodes(self.nodes)
         return {PolicyKind.INTERLEAVE: f"interleave:{nodes}", PolicyKind.BIND: f"bind:{nodes}",
                 PolicyKind.PREFERRED: f"prefer:{nodes}", PolicyKind.LOCAL: "local",
                 PolicyKind.NONE: "default"}[self.kind]
@@ -54,13 +55,14 @@ class Placement:
         """The placement as JSON values (``numa.json``'s ``requested``).
 
         Returns:
-            ``{policy, text, nodes, cpus, intra_op_threads, inter_op_threads}``.
+            ``{policy, text, nodes, cpus, intra_op_threads, inter_op_threads, note}``.
         """
         return {"policy": self.kind.value, "text": self.text, "nodes": list(self.nodes), "cpus": list(self.cpus),
-                "intra_op_threads": self.intra_op_threads, "inter_op_threads": self.inter_op_threads}
+                "intra_op_threads": self.intra_op_threads, "inter_op_threads": self.inter_op_threads,
+                "note": self.note}
 
 
-def _format_nodes(nodes) -> str:
+def format_nodes(nodes) -> str:
     """(0, 1, 2, 5) -> '0-2,5' (the kernel's nodelist format)."""
     parts, start = [], None
     nodes = sorted(nodes)
@@ -83,7 +85,7 @@ def _parse_nodes(text: str, topology: NUMATopology, flag: str, spec: str) -> tup
     missing = [n for n in nodes if n not in existing]
     if missing:
         raise UsageError(f"Invalid {flag} {spec!r}: node {missing[0]} does not exist; this machine has "
-                         f"node{'s' if len(existing) > 1 else ''} {_format_nodes(existing)}.")
+                         f"node{'s' if len(existing) > 1 else ''} {format_nodes(existing)}.")
     return nodes
 
 
@@ -143,7 +145,7 @@ def _check_cpu_ranges(text: str, allowed_cpus: set[int]) -> None:
             outside = max(low, top + 1)
         if outside is not None:
             raise UsageError(f"Invalid --cpus {text!r}: CPU {outside} is outside the CPUs this process may use "
-                             f"({_format_nodes(sorted(allowed_cpus))}).")
+                             f"({format_nodes(sorted(allowed_cpus))}).")
 
 
 # Intel's guide for TensorFlow on Xeon says inter = sockets, written for MKL builds whose ops each
@@ -158,24 +160,51 @@ def resolve_placement(policy: str | None, cpus: str | None, threads: int | None,
                       allowed_cpus: set[int]) -> Placement:
     """The full placement: policy, CPU set, and TF intra-/inter-op thread counts.
 
-    CPUs default to the allowed CPUs of the policy's nodes for bind (threads follow their memory)
-    and to every allowed CPU otherwise. Intra-op threads default to the number of CPUs; inter-op
-    threads to INTER_OP_PER_NODE per node those CPUs span.
+    CPUs default to the allowed CPUs of the policy's nodes for bind (threads follow their memory;
+    nodes without CPUs, such as CXL memory expanders, lend the CPUs of the nearest nodes that have
+    some, and ``Placement.note`` says so) and to every allowed CPU otherwise. Intra-op threads
+    default to the number of CPUs; inter-op threads to INTER_OP_PER_NODE per node those CPUs span.
     """
     kind, nodes = parse_policy(policy or "none", topology)
     node_of = {cpu: n.node_id for n in topology.nodes for cpu in n.cpus}
+    note = ""
     if cpus:
         _check_cpu_ranges(cpus, allowed_cpus)  # before expanding: '0-99999999' is 10^8 CPUs
         chosen = parse_cpulist(cpus)
     elif kind is PolicyKind.BIND:
-        chosen = tuple(c for c in sorted(allowed_cpus) if node_of.get(c) in nodes)
-        if not chosen:
-            raise UsageError(f"Invalid --numa {policy!r}: none of the CPUs this process may use are on node(s) "
-                             f"{_format_nodes(nodes)}.")
+        chosen, note = _bound_cpus(nodes, topology, allowed_cpus, policy)
     else:
         chosen = tuple(sorted(allowed_cpus))
     if threads is not None and threads < 1:
         raise UsageError(f"Invalid --threads {threads}: expected a positive integer.")
     intra = threads or len(chosen)
     inter = INTER_OP_PER_NODE * max(1, len({node_of.get(c, 0) for c in chosen}))
-    return Placement(kind, nodes, tuple(chosen), intra, inter, text=policy or "none")
+    return Placement(kind, nodes, tuple(chosen), intra, inter, text=policy or "none", note=note)
+
+
+def _bound_cpus(nodes: tuple[int, ...], topology: NUMATopology, allowed_cpus: set[int],
+                policy: str) -> tuple[tuple[int, ...], str]:
+    """(CPUs, note) for bind:NODES: the nodes' own allowed CPUs, or, when none of them has CPUs, the
+    allowed CPUs of the nodes nearest to them by the kernel's distances."""
+    none_allowed = UsageError(f"Invalid --numa {policy!r}: none of the CPUs this process may use are on node(s) "
+                              f"{format_nodes(nodes)}.")
+    if any(topology.node(n).cpus for n in nodes):
+        chosen = tuple(c for c in sorted(allowed_cpus) if any(c in topology.node(n).cpus for n in nodes))
+        if not chosen:
+            raise none_allowed
+        return chosen, ""
+    index = {node.node_id: i for i, node in enumerate(topology.nodes)}
+
+    def distance(node) -> int:  # from the nearest bound node; 255 (unreachable) where sysfs has no distances
+        return min((topology.node(b).distances[index[node.node_id]]
+                    if index[node.node_id] < len(topology.node(b).distances) else 255) for b in nodes)
+
+    lending = [node for node in topology.nodes if any(c in allowed_cpus for c in node.cpus)]
+    if not lending:
+        raise none_allowed
+    nearest = min(distance(node) for node in lending)
+    near = [node for node in lending if distance(node) == nearest]
+    chosen = tuple(sorted(c for node in near for c in node.cpus if c in allowed_cpus))
+    return chosen, (f"node(s) {format_nodes(nodes)} have memory but no CPUs; threads run on the nearest node(s) "
+                    f"{format_nodes([node.node_id for node in near])} (CPUs {format_nodes(chosen)}, distance "
+                    f"{nearest}).")

@@ -100,3 +100,22 @@ def test_bind_to_a_missing_node_names_the_nodes(tmp_path, capsys):
     assert code == 2
     assert err.strip() == ("bigmem train: error: Invalid --numa 'bind:1': node 1 does not exist; this machine has "
                            "node 0.")
+
+
+@pytest.mark.parametrize("policy, message", [
+    ("bind:1", "node 1 is outside the memory this process may use, node(s) 0 "),
+    ("preferred:1", "node 1 is outside the memory this process may use, node(s) 0 "),
+])
+def test_nodes_outside_the_cpuset_are_refused_in_one_line(tmp_path, policy, message):
+    from bigmem.numa import apply
+    from bigmem.numa.policy import Placement, PolicyKind
+
+    (tmp_path / "self").mkdir()
+    (tmp_path / "self/status").write_text("Name:\tpython\nMems_allowed_list:\t0\n")
+    kind = PolicyKind(policy.split(":")[0])
+    with pytest.raises(apply.BigmemError) as info:
+        apply._check_mems_allowed(Placement(kind, (1,), (0,), 1, 2, text=policy), proc_root=str(tmp_path))
+    assert str(info.value) == (f"Cannot apply --numa {policy}: {message}(Mems_allowed_list in /proc/self/status, set "
+                               f"by a cpuset cgroup, Slurm or numactl). Name only those nodes, e.g. --numa "
+                               f"{kind.value}:0.")
+    apply._check_mems_allowed(Placement(kind, (0,), (0,), 1, 2, text="bind:0"), proc_root=str(tmp_path))

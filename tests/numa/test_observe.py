@@ -24,6 +24,10 @@ def test_fake_numa_maps(tmp_path):
         "7f20 default file=/lib/x.so\n")
     assert node_resident_bytes(123, proc_root=str(tmp_path)) == {0: 4 * 4096, 1: 2 * 4096 + 2 * 2**20}
     assert node_resident_bytes(456, proc_root=str(tmp_path)) == {}  # no such process: nothing resident
+    (proc / "numa_maps").write_text(
+        "7f00 interleave:0-1 heap anon=6 dirty=6 N0=4 N1=2 kernelpagesize_kB=4\n"
+        "7f20 default file=/lib/x.so anon=1 mapped=3 N0=3 kernelpagesize_kB=4\n")
+    assert node_resident_bytes(123, proc_root=str(tmp_path), anonymous=True) == {0: 4 * 4096, 1: 2 * 4096}
 
 
 def test_peaks_per_node_and_wait_scaled_by_the_read_time(monkeypatch):

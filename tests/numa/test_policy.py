@@ -7,6 +7,7 @@ import pytest
 from bigmem.errors import UsageError
 from bigmem.numa.policy import PolicyKind, parse_policy, resolve_placement
 from bigmem.numa.topology import NUMATopology
+from helpers import make_sysfs
 
 
 def _all_cpus(topology):
@@ -84,3 +85,17 @@ def test_cpu_and_thread_errors(two_socket, cpus, threads, message):
     with pytest.raises(UsageError) as info:
         resolve_placement("none", cpus, threads, topology, _all_cpus(topology))
     assert str(info.value) == message
+
+
+def test_bind_to_memory_only_nodes_runs_threads_on_the_nearest_cpus(tmp_path):
+    # two sockets and a CXL expander (no CPUs) nearer socket 1, as sysfs shows them
+    topology = NUMATopology.from_sysfs(make_sysfs(tmp_path, [("0-3", 64, 60), ("4-7", 64, 60), ("", 256, 250)],
+                                                  [[10, 21, 24], [21, 10, 14], [24, 14, 10]]))
+    placement = resolve_placement("bind:2", None, None, topology, _all_cpus(topology))
+    assert (placement.nodes, placement.cpus, placement.numa_maps_policy) == ((2,), (4, 5, 6, 7), "bind:2")
+    assert placement.note == ("node(s) 2 have memory but no CPUs; threads run on the nearest node(s) 1 "
+                              "(CPUs 4-7, distance 14).")
+    assert resolve_placement("bind:1,2", None, None, topology, _all_cpus(topology)).cpus == (4, 5, 6, 7)
+    assert resolve_placement("bind:1", None, None, topology, _all_cpus(topology)).note == ""
+    # the nearest node's CPUs are not ours (a cgroup): the next nearest lends them
+    assert resolve_placement("bind:2", None, None, topology, {0, 1}).cpus == (0, 1)

@@ -1,0 +1,250 @@
+"""Placement on a real multi-node kernel: `make test-numa` boots one (tools/numa-vm, four nodes, two memory-only).
+
+Each test places a fresh process and reads back from /proc where its pages and threads are. Most
+children are plain Python touching numpy arrays: under QEMU's emulation TensorFlow takes minutes
+to import, and a touched array proves the same placement. Two `bigmem train` runs cover the
+whole path, reading the trainer's numa_maps while it runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from bigmem.errors import InsufficientMemoryError
+from bigmem.numa.capacity import check_nodes_fit, placement_budget
+from bigmem.numa.policy import resolve_placement
+from bigmem.numa.topology import NUMATopology, parse_cpulist
+
+pytestmark = pytest.mark.numa
+
+MIB = 2**20
+
+# Places itself (argv: policy, cpus or ''), touches an array of argv[3] bytes, and prints where the
+# array's mapping is: its pages per node, the mapping's policy, the CPUs the process may use.
+CHILD = """
+import json, os, sys
+from bigmem.numa.apply import place
+placement = place(sys.argv[1], sys.argv[2] or None)
+import numpy as np
+array = np.ones(int(sys.argv[3]) // 8)
+address, start, found = array.ctypes.data, 0, None
+for line in open('/proc/self/numa_maps'):
+    fields = line.split()
+    if start < int(fields[0], 16) <= address:
+        start, found = int(fields[0], 16), fields
+pages = {int(f[1:].split('=')[0]): int(f.split('=')[1]) for f in found if f[0] == 'N' and f[1:].split('=')[0].isdigit()}
+print(json.dumps({'pages': pages, 'policy': found[1], 'cpus': sorted(os.sched_getaffinity(0)),
+                  'note': placement.note}))
+"""
+
+
+def _touch(policy: str, size_bytes: int, cpus: str | None = None) -> dict:
+    """Run CHILD; its report with ``shares`` ({node: fraction of the array's pages}) added."""
+    result = subprocess.run([sys.executable, "-c", CHILD, policy, cpus or "", str(size_bytes)],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    total = sum(report["pages"].values())
+    report["shares"] = {int(node): pages / total for node, pages in report["pages"].items()}
+    return report
+
+
+@pytest.fixture(scope="module")
+def topology() -> NUMATopology:
+    return NUMATopology.from_sysfs()
+
+
+def _memory_only(topology: NUMATopology) -> list[int]:
+    return [n.node_id for n in topology.nodes if not n.cpus and n.total_bytes]
+
+
+def _node_or_skip(topology: NUMATopology, node: int):
+    if node not in {n.node_id for n in topology.nodes}:
+        pytest.skip(f"this kernel has no node {node}")
+    return topology.node(node)
+
+
+def test_topology_is_the_kernels(topology):
+    base = Path("/sys/devices/system/node")
+    assert [n.node_id for n in topology.nodes] == list(parse_cpulist((base / "online").read_text()))
+    assert topology.source == str(base)
+    for i, node in enumerate(topology.nodes):
+        assert node.cpus == parse_cpulist((base / f"node{node.node_id}/cpulist").read_text())
+        assert len(node.distances) == topology.num_nodes and node.distances[i] == 10
+        assert 0 < node.free_bytes <= node.total_bytes
+    machine_kb = next(int(line.split()[1]) for line in open("/proc/meminfo") if line.startswith("MemTotal:"))
+    assert topology.total_bytes == pytest.approx(machine_kb * 1024, rel=0.02)
+    assert sorted(c for n in topology.nodes for c in n.cpus) == sorted(os.sched_getaffinity(0))
+    if not _memory_only(topology):
+        pytest.skip("no memory-only node on this kernel (tools/numa-vm without --vcpu-per-node has two)")
+
+
+def test_info_lists_every_node(topology):
+    result = subprocess.run([sys.executable, "-m", "bigmem.cli.main", "info", "--no-tensorflow", "--json"],
+                            capture_output=True, text=True, check=True)
+    nodes = json.loads(result.stdout)["numa"]["nodes"]
+    assert [(n["node"], tuple(n["cpus"]), n["total_bytes"], tuple(n["distances"])) for n in nodes] == [
+        (n.node_id, n.cpus, n.total_bytes, n.distances) for n in topology.nodes]
+
+
+@pytest.mark.parametrize("node", [0, 1, 2, 3])
+def test_bind_puts_every_page_on_the_node(topology, node):
+    info = _node_or_skip(topology, node)
+    report = _touch(f"bind:{node}", 64 * MIB)
+    assert report["policy"] == f"bind:{node}"
+    assert report["shares"].get(node, 0) >= 0.99, report
+    if info.cpus:
+        assert tuple(report["cpus"]) == info.cpus and report["note"] == ""
+    else:  # a memory-only node: threads run on the nearest nodes with CPUs, and the placement says so
+        assert report["cpus"] and not set(report["cpus"]) & set(info.cpus)
+        assert report["note"].startswith(f"node(s) {node} have memory but no CPUs; threads run on the nearest node(s)")
+
+
+def test_preferred_fills_the_node_then_spills(topology):
+    node = (_memory_only(topology) or [topology.nodes[-1].node_id])[-1]
+    assert _touch(f"preferred:{node}", 64 * MIB)["shares"].get(node, 0) >= 0.99
+    # more than the node holds: preferred takes the rest elsewhere where bind would fail
+    size = topology.node(node).total_bytes + 256 * MIB
+    report = _touch(f"preferred:{node}", size)
+    assert report["policy"] == f"prefer:{node}"
+    assert 0.75 <= report["shares"].get(node, 0) < 0.99, report
+
+
+@pytest.mark.parametrize("cpu", [0, 1])
+def test_local_puts_pages_on_the_touching_cpus_node(topology, cpu):
+    if cpu not in {c for n in topology.nodes for c in n.cpus}:
+        pytest.skip(f"no CPU {cpu}")
+    node = next(n.node_id for n in topology.nodes if cpu in n.cpus)
+    report = _touch("local", 64 * MIB, cpus=str(cpu))
+    assert report["cpus"] == [cpu]
+    assert report["shares"].get(node, 0) >= 0.99, report
+
+
+def test_interleave_spreads_an_array_evenly(topology):
+    report = _touch("interleave", 512 * MIB)
+    assert report["policy"] == f"interleave:0-{topology.num_nodes - 1}"
+    even = 1 / topology.num_nodes
+    assert all(abs(report["shares"].get(n.node_id, 0) - even) <= 0.02 for n in topology.nodes), report
+
+
+def test_budgets_are_what_the_nodes_hold(topology):
+    node = (_memory_only(topology) or [topology.nodes[-1].node_id])[-1]
+    allowed = set(os.sched_getaffinity(0))
+    bind = resolve_placement(f"bind:{node}", None, None, topology, allowed)
+    budget, source = placement_budget(bind, topology, machine_available_bytes=0)
+    assert budget == topology.node(node).free_bytes and source == f"free memory of node(s) {node}"
+    assert 0.8 * topology.node(node).total_bytes < budget <= topology.node(node).total_bytes
+    with pytest.raises(InsufficientMemoryError, match=rf"does not fit --numa bind:{node} \(node {node}: "):
+        check_nodes_fit(budget + 256 * MIB, bind, topology)
+    # the figure is real: 90 % of it, bound to the node, fits there
+    assert _touch(f"bind:{node}", int(0.9 * budget))["shares"].get(node, 0) >= 0.99
+    interleave = resolve_placement("interleave", None, None, topology, allowed)
+    smallest = min(n.free_bytes for n in topology.nodes)
+    assert placement_budget(interleave, topology, 0)[0] == smallest * topology.num_nodes
+
+
+@pytest.fixture(scope="module")
+def cpuset_without_the_last_nodes(topology):
+    """A cgroup whose cpuset gives only the first two nodes' memory (as Slurm or a container may)."""
+    root = Path("/sys/fs/cgroup")
+    group = root / "bigmem-numa-test"
+    try:
+        if "cpuset" not in (root / "cgroup.subtree_control").read_text().split():
+            (root / "cgroup.subtree_control").write_text("+cpuset")
+        group.mkdir(exist_ok=True)
+        (group / "cpuset.mems").write_text("0-1")
+    except OSError as exc:
+        pytest.skip(f"cannot make a cpuset cgroup here ({exc})")
+    yield group
+    group.rmdir()
+
+
+@pytest.mark.parametrize("policy", ["bind:2", "interleave:1-2", "preferred:3"])
+def test_kernel_refusal_is_one_line(topology, cpuset_without_the_last_nodes, policy, tmp_path):
+    _node_or_skip(topology, 3)
+    procs = cpuset_without_the_last_nodes / "cgroup.procs"
+    result = subprocess.run(["sh", "-c", f'echo $$ > {procs} && exec "$@"', "sh", sys.executable, "-m",
+                             "bigmem.cli.main", "train", "--model", "tiny", "--steps", "1", "--numa", policy,
+                             "--out", str(tmp_path / "run")], capture_output=True, text=True, timeout=300)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode in (1, 2) and len(lines) == 1, result.stderr
+    assert lines[0].startswith(f"bigmem train: error: Cannot apply --numa {policy}: "), lines[0]
+    assert "Traceback" not in result.stderr
+
+
+def _train_and_watch(args: list[str], out: Path, interval_s: float = 2.0) -> tuple[dict, dict, int]:
+    """Run ``bigmem train ARGS --out OUT`` and read its numa_maps every ``interval_s``.
+
+    Returns:
+        (anonymous bytes per node at the sample with the most, that sample's largest anonymous
+        mappings as {"address kind policy": {node: bytes}}, the exit code).
+    """
+    proc = subprocess.Popen([sys.executable, "-m", "bigmem.cli.main", "train", *args, "--out", str(out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    peak: dict[int, int] = {}
+    mappings: dict[str, dict[int, int]] = {}
+    while proc.poll() is None:
+        try:
+            lines = Path(f"/proc/{proc.pid}/numa_maps").read_text().splitlines()
+        except OSError:
+            break
+        sample, by_mapping = {}, {}
+        for line in lines:
+            fields = line.split()
+            if " file=" in line:
+                continue
+            nodes = {int(f[1:].split("=")[0]): int(f.split("=")[1]) * 4096 for f in fields
+                     if f[0] == "N" and f[1:].split("=")[0].isdigit()}
+            kind = "heap" if "heap" in fields else "stack" if "stack" in fields else "anon"
+            by_mapping[f"{fields[0]} {kind} {fields[1]}"] = nodes
+            for node, value in nodes.items():
+                sample[node] = sample.get(node, 0) + value
+        if sum(sample.values()) > sum(peak.values()):
+            peak = sample
+            mappings = dict(sorted(by_mapping.items(), key=lambda kv: -sum(kv[1].values()))[:12])
+        time.sleep(interval_s)
+    stderr = proc.communicate()[1]
+    assert proc.returncode == 0, stderr[-3000:]
+    return peak, mappings, proc.returncode
+
+
+def _record(name: str, data: dict) -> None:
+    """Keep a measurement where tools/numa-vm brings it back ($NUMA_VM_OUT)."""
+    if os.environ.get("NUMA_VM_OUT"):
+        Path(os.environ["NUMA_VM_OUT"], f"{name}.json").write_text(json.dumps(data, indent=1) + "\n")
+
+
+@pytest.mark.slow
+def test_train_bind_keeps_the_run_on_the_node(topology, tmp_path):
+    _node_or_skip(topology, 1)
+    peak, mappings, _ = _train_and_watch(["--model", "tiny", "--volume", "32", "--steps", "2", "--numa", "bind:1"],
+                                         tmp_path / "run")
+    _record("train-bind1", {"peak_anonymous_bytes": peak, "mappings": mappings})
+    assert peak.get(1, 0) / sum(peak.values()) >= 0.99, peak
+    report = json.loads((tmp_path / "run" / "numa.json").read_text())
+    assert set(report["observed"]) == {"bind:1"} and report["cpus_allowed"] == list(topology.node(1).cpus)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "pages faulted before the policy is set, and the heap, stay off the interleave: measured in this guest, "
+    "small 64^3 batch 2 (776 MiB anonymous) 42/22/18/18 %, tiny 32^3 53/16/14/17 %"))
+def test_train_interleave_spreads_activations_evenly(topology, tmp_path):
+    args = ["--model", "small", "--volume", "64", "--batch-size", "4", "--steps", "2", "--numa", "interleave"]
+    peak, mappings, _ = _train_and_watch(args, tmp_path / "run")
+    total = sum(peak.values())
+    shares = {node: value / total for node, value in sorted(peak.items())}
+    _record("train-interleave", {"args": args, "peak_anonymous_bytes": peak, "shares": shares, "mappings": mappings})
+    if total < 2**30:
+        raise RuntimeError(f"the run's anonymous memory peaked at {total / MIB:.0f} MiB, under the 1 GiB this "
+                           "test needs for activations to dominate; raise the batch size")
+    even = 1 / topology.num_nodes
+    assert all(abs(shares.get(n.node_id, 0) - even) <= 0.05 for n in topology.nodes), shares
