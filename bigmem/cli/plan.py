@@ -38,6 +38,11 @@ profile --measure refuse one.
 optimizer): the largest cube, a multiple of 2^depth, whose predicted inference peak fits, in the
 model's precision (the preset's, or --precision fp32/bf16); with --volume, whether that one fits
 (exit code 3 with the largest that does when not).
+
+On a machine of several NUMA nodes, plan also weighs the chosen candidate's two layouts against
+each node's free memory: one process interleaved over all nodes (each holds peak / nodes; --numa
+interleave), or one worker per node with CPUs (bigmem train --strategy per-node: each holds its
+whole peak on its own node, global batch = workers x --batch-size). plan.json then has `layouts`.
 """
 
 
@@ -87,14 +92,15 @@ def run(args) -> int:
     config = resolve_config(args.model or "small", overrides)
     if getattr(args, "inference", False) and args.data is not None:
         raise UsageError("--inference plans one whole volume of --shape; --data does not apply.")
-    placement = topology = None
+    from bigmem.numa.topology import NUMATopology
+
+    placement = None
+    topology = NUMATopology.from_sysfs()  # also for the layouts table on a machine of several nodes
     if args.numa:
         import os
 
         from bigmem.numa.policy import resolve_placement
-        from bigmem.numa.topology import NUMATopology
 
-        topology = NUMATopology.from_sysfs()
         placement = resolve_placement(args.numa, None, None, topology, set(os.sched_getaffinity(0)))
     budget = resolve_budget(explicit, flag=flag, placement=placement, topology=topology)
 
@@ -123,13 +129,65 @@ def run(args) -> int:
                     f"({format_bytes(total)}): this plans for a bigger machine (bigmem train refuses such a budget "
                     "here)", style="yellow")
     plan, shape = _search(config, counts_for, budget, cases, fixed_batch, allow_bf16)
-    kept = write_plan(out, plan)
+    layouts = plan_layouts(plan, topology)
+    kept = write_plan(out, plan, layouts)
     if args.json:
-        print(json.dumps(plan.to_dict(), indent=2))
+        print(json.dumps(plan_dict(plan, layouts), indent=2))
     else:
         _print_plan(args, config, budget, plan, shape, cases)
+        if layouts is not None:
+            _print_layouts(Console(soft_wrap=True), layouts)
     require_plan(plan, out, kept)
     return 0
+
+
+def plan_layouts(plan, topology):
+    """Interleave vs one worker per node for the chosen (else closest) candidate; None on one node."""
+    from bigmem.memory.layouts import evaluate_layouts
+
+    c = plan.chosen or plan.closest
+    return evaluate_layouts(c.predicted_peak_bytes, c.batch_size, topology)
+
+
+def plan_dict(plan, layouts=None) -> dict:
+    """plan.json: ``plan.to_dict()``, with ``layouts`` only on a machine of several nodes."""
+    data = plan.to_dict()
+    if layouts is not None:
+        data["layouts"] = layouts.to_dict()
+    return data
+
+
+# Why one would pick each layout (the published local/remote figures behind it: README, NUMA section).
+LAYOUTS_WHY = ("why: per-node keeps each worker's memory traffic on its own node; interleave sends (N-1)/N = {remote} "
+               "of one process's accesses to other nodes, but it is the only layout for a job whose batch of 1 needs "
+               "more than one node's memory. Neither layout's throughput was measured here.")
+
+
+def _print_layouts(console, layouts) -> None:
+    """The two layouts on this machine's nodes: processes, batches, each process's peak, fits, and why."""
+    from rich.table import Table
+
+    from bigmem.units import format_bytes
+
+    rows = (layouts.interleave, layouts.per_node)
+    table = Table(title=f"layouts on {len(layouts.interleave.nodes)} NUMA nodes (against each node's free memory)")
+    for column in ("layout", "processes", "batch", "global batch", "peak per process", "fits"):
+        table.add_column(column, justify="right")
+    for layout in rows:
+        mark = " *" if layout.name == layouts.recommended else ""
+        table.add_row(f"{layout.name}{mark}", str(layout.num_processes), str(layout.batch_size),
+                      str(layout.global_batch_size), format_bytes(layout.predicted_peak_bytes),
+                      "yes" if layout.fits else "no")
+    console.print(table)
+    for layout in rows:
+        console.print(f"{layout.name}: {layout.reason}")
+    flags = {"interleave": "bigmem train --numa interleave", "per-node": "bigmem train --strategy per-node"}
+    if layouts.recommended is not None:
+        console.print(f"layout: {layouts.recommended} ({flags[layouts.recommended]})")
+    else:
+        console.print("layout: neither fits this machine's nodes")
+    n = len(layouts.interleave.nodes)
+    console.print(LAYOUTS_WHY.format(remote=f"{n - 1}/{n}"), style="dim")
 
 
 def _search(config, counts_for, budget, cases, fixed_batch, allow_bf16):
@@ -261,17 +319,17 @@ def _print_cases(console, rows: list[dict], config) -> None:
         console.print(f"... and {len(ordered) - 20} smaller shapes (every case is in plan.json)", style="dim")
 
 
-def write_plan(path: Path, plan) -> bool:
-    """Write ``plan`` to ``path`` unless nothing fits and ``path`` already exists; True when it was kept.
+def write_plan(path: Path, plan, layouts=None) -> bool:
+    """Write ``plan`` (and ``layouts``, ``plan_dict``) to ``path`` unless nothing fits and ``path`` exists.
 
     A plan in which nothing fits (exit 3) never replaces an existing file: the plan there was
-    made for another budget or model and is still the one to use.
+    made for another budget or model and is still the one to use. Returns True when it was kept.
     """
     from bigmem.atomic import atomic_write_json
 
     if not plan.fits and path.exists():
         return True
-    atomic_write_json(path, plan.to_dict())
+    atomic_write_json(path, plan_dict(plan, layouts))
     return False
 
 

@@ -119,3 +119,51 @@ def test_plan_inference_takes_the_precision_and_refuses_a_batch(tmp_path, capsys
     code, _, err = run_cli(["plan", "--inference", "--model", "small", "--batch-size", 2, "--out", out], capsys)
     assert code == 2
     assert err.strip() == "bigmem plan: error: --inference segments one volume at a time: --batch-size does not apply."
+
+
+def _fake_topology(monkeypatch, root):
+    """Make ``bigmem plan`` read the nodes of the fake sysfs tree at ``root``."""
+    from bigmem.numa.topology import NUMATopology
+
+    read = NUMATopology.from_sysfs.__func__
+    monkeypatch.setattr(NUMATopology, "from_sysfs", classmethod(lambda cls, _root="/": read(cls, root)))
+
+
+def test_plan_shows_both_layouts_on_several_nodes(tmp_path, capsys, monkeypatch):
+    from helpers import make_sysfs
+
+    # Node 1's 2 GiB free: interleaved, 2 x 2 GiB holds anything the 4 GiB budget admits; a whole
+    # worker on node 1 does not (the largest volume within 4 GiB needs more than 2).
+    _fake_topology(monkeypatch, make_sysfs(tmp_path / "sysfs", [("0-1", 8, 5), ("2-3", 8, 2)], [[10, 21], [21, 10]]))
+    out = tmp_path / "plan.json"
+    code, stdout, err = run_cli(["plan", "--budget", "4GiB", "--model", "small", "--batch-size", 1, "--out", out],
+                                capsys)
+    assert code == 0, err
+    plan = json.loads(out.read_text())
+    layouts = plan["layouts"]
+    peak = plan["predicted_peak_bytes"]
+    assert 2 * 2**30 < peak <= 4 * 2**30
+    assert layouts["recommended"] == "interleave"
+    assert layouts["interleave"]["fits"] and layouts["interleave"]["predicted_peak_bytes"] == peak
+    assert not layouts["per_node"]["fits"] and layouts["per_node"]["num_processes"] == 2
+    assert layouts["per_node"]["reason"].endswith("on its own node; node 1 has 2.00 GiB free")
+    assert "layouts on 2 NUMA nodes" in stdout
+    assert "interleave *" in stdout and "per-node: each worker needs" in stdout
+    assert "layout: interleave (bigmem train --numa interleave)" in stdout
+    assert ("why: per-node keeps each worker's memory traffic on its own node; interleave sends (N-1)/N = 1/2 of "
+            "one process's accesses to other nodes, but it is the only layout for a job whose batch of 1 needs more "
+            "than one node's memory. Neither layout's throughput was measured here.") in stdout
+    code, stdout, err = run_cli(["plan", "--budget", "4GiB", "--model", "small", "--batch-size", 1, "--json",
+                                 "--out", tmp_path / "again.json"], capsys)
+    assert code == 0, err
+    assert json.loads(stdout)["layouts"] == layouts
+
+
+def test_plan_on_one_node_has_no_layouts(tmp_path, capsys, monkeypatch):
+    from helpers import make_sysfs
+
+    _fake_topology(monkeypatch, make_sysfs(tmp_path / "sysfs", [("0-1", 8, 6)], [[10]]))
+    out = tmp_path / "plan.json"
+    code, stdout, err = run_cli(["plan", "--budget", "2GiB", "--model", "tiny", "--volume", 16, "--out", out], capsys)
+    assert code == 0, err
+    assert "layouts" not in json.loads(out.read_text()) and "layout" not in stdout
