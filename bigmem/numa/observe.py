@@ -27,20 +27,32 @@ def node_resident_bytes(pid: int | str = "self", proc_root: str = "/proc", *,
     Returns:
         ``{node: bytes}``; empty when the process does not exist.
     """
-    totals: dict[int, int] = {}
-    path = Path(proc_root, str(pid), "numa_maps")
+    anonymous_bytes, file_bytes = resident_bytes_by_kind(pid, proc_root)
+    if anonymous:
+        return anonymous_bytes
+    return {node: anonymous_bytes.get(node, 0) + file_bytes.get(node, 0)
+            for node in sorted(set(anonymous_bytes) | set(file_bytes))}
+
+
+def resident_bytes_by_kind(pid: int | str = "self", proc_root: str = "/proc") -> tuple[dict[int, int], dict[int, int]]:
+    """``({node: anonymous bytes}, {node: file-backed bytes})`` of a process, from one read of its numa_maps.
+
+    The two are apart because only the first is placed by the process's memory policy: whether
+    an interleave spread the activations is read from the anonymous pages, while file pages
+    (libraries, page cache, shared memory) sit where whoever read them first put them.
+    """
+    kinds: tuple[dict[int, int], dict[int, int]] = ({}, {})
     try:
-        text = path.read_text()
+        text = Path(proc_root, str(pid), "numa_maps").read_text()
     except OSError:  # no such process (or it ended meanwhile)
-        return totals
+        return kinds
     for line in text.splitlines():
-        if anonymous and " file=" in line:
-            continue
+        totals = kinds[1] if " file=" in line else kinds[0]
         page = _PAGESIZE_RE.search(line)
         page_bytes = int(page.group(1)) * 1024 if page else os.sysconf("SC_PAGE_SIZE")
         for node, pages in _NODE_RE.findall(line):
             totals[int(node)] = totals.get(int(node), 0) + int(pages) * page_bytes
-    return totals
+    return kinds
 
 
 def thread_policies(pid: int | str = "self", proc_root: str = "/proc") -> dict[str, int]:
@@ -89,7 +101,9 @@ class NodePeakSampler:
     def __init__(self, interval_s: float = 1.0, pid: int | str = "self", clock=time.perf_counter):
         self.interval_s = interval_s
         self.pid = pid
-        self.peak_bytes: dict[int, int] = {}
+        self.peak_bytes: dict[int, int] = {}  # all resident pages, per node
+        self.anonymous_peak_bytes: dict[int, int] = {}  # those the memory policy placed
+        self.file_peak_bytes: dict[int, int] = {}  # libraries, page cache, shared memory
         self.wait_s = interval_s
         self._clock = clock
         self._stop = threading.Event()
@@ -98,8 +112,12 @@ class NodePeakSampler:
     def sample(self) -> None:
         """Read the per-node resident bytes once, raise ``peak_bytes`` where higher, and set the next wait."""
         start = self._clock()
-        for node, value in node_resident_bytes(self.pid).items():
-            self.peak_bytes[node] = max(self.peak_bytes.get(node, 0), value)
+        anonymous, files = resident_bytes_by_kind(self.pid)
+        for peaks, values in ((self.anonymous_peak_bytes, anonymous), (self.file_peak_bytes, files),
+                              (self.peak_bytes, {n: anonymous.get(n, 0) + files.get(n, 0)
+                                                 for n in set(anonymous) | set(files)})):
+            for node, value in values.items():
+                peaks[node] = max(peaks.get(node, 0), value)
         self.wait_s = max(self.interval_s, (self._clock() - start) / self.MAX_DUTY)
 
     def _loop(self) -> None:
@@ -124,5 +142,11 @@ def observed(placement_dict: dict, sampler: NodePeakSampler | None = None) -> di
         "observed": thread_policies(),
         "cpus_allowed": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "thread_cpus": thread_cpus(),
-        "node_peak_bytes": {str(k): v for k, v in sorted((sampler.peak_bytes if sampler else {}).items())},
+        "node_peak_bytes": _by_node(sampler.peak_bytes if sampler else {}),
+        "node_peak_anonymous_bytes": _by_node(sampler.anonymous_peak_bytes if sampler else {}),
+        "node_peak_file_bytes": _by_node(sampler.file_peak_bytes if sampler else {}),
     }
+
+
+def _by_node(peaks: dict[int, int]) -> dict[str, int]:
+    return {str(node): value for node, value in sorted(peaks.items())}

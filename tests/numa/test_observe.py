@@ -6,7 +6,7 @@ import pytest
 
 import bigmem.numa.observe as observe
 from bigmem.memory.procfs import rss_bytes
-from bigmem.numa.observe import NodePeakSampler, node_resident_bytes
+from bigmem.numa.observe import NodePeakSampler, node_resident_bytes, resident_bytes_by_kind
 
 
 def test_real_numa_maps_cover_the_resident_set():
@@ -28,18 +28,20 @@ def test_fake_numa_maps(tmp_path):
         "7f00 interleave:0-1 heap anon=6 dirty=6 N0=4 N1=2 kernelpagesize_kB=4\n"
         "7f20 default file=/lib/x.so anon=1 mapped=3 N0=3 kernelpagesize_kB=4\n")
     assert node_resident_bytes(123, proc_root=str(tmp_path), anonymous=True) == {0: 4 * 4096, 1: 2 * 4096}
+    assert resident_bytes_by_kind(123, proc_root=str(tmp_path)) == ({0: 4 * 4096, 1: 2 * 4096}, {0: 3 * 4096})
 
 
 def test_peaks_per_node_and_wait_scaled_by_the_read_time(monkeypatch):
-    readings = iter([{0: 100, 1: 50}, {0: 80, 1: 70}])
-    monkeypatch.setattr(observe, "node_resident_bytes", lambda pid: next(readings))
+    readings = iter([({0: 100, 1: 50}, {0: 10}), ({0: 80, 1: 70}, {0: 30, 1: 5})])  # (anonymous, file)
+    monkeypatch.setattr(observe, "resident_bytes_by_kind", lambda pid: next(readings))
     ticks = iter([0.0, 0.001, 10.0, 10.2])  # a 1 ms read, then a 200 ms one
     sampler = NodePeakSampler(interval_s=1.0, clock=lambda: next(ticks))
     sampler.sample()
-    assert sampler.peak_bytes == {0: 100, 1: 50}
+    assert sampler.peak_bytes == {0: 110, 1: 50}
     assert sampler.wait_s == 1.0  # a cheap read keeps the interval asked for
     sampler.sample()
-    assert sampler.peak_bytes == {0: 100, 1: 70}
+    assert sampler.peak_bytes == {0: 110, 1: 75}
+    assert sampler.anonymous_peak_bytes == {0: 100, 1: 70} and sampler.file_peak_bytes == {0: 30, 1: 5}
     assert sampler.wait_s == pytest.approx(0.2 / NodePeakSampler.MAX_DUTY)  # 40 s: 0.5 % of the time at most
 
 
