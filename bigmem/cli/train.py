@@ -46,9 +46,14 @@ def register(subparsers, parents) -> None:
     add_memory_flags(parser)
     add_numa_flags(parser)
     dp = parser.add_argument_group("data parallel (the GPU baseline bigmem compares itself with)")
-    dp.add_argument("--strategy", choices=["none", "mirrored", "multiworker"],
+    dp.add_argument("--strategy", choices=["none", "mirrored", "multiworker", "per-node"],
                     help="none (default): whole volumes in this process; mirrored: tf.distribute.MirroredStrategy "
-                         "on this host's GPUs; multiworker: MultiWorkerMirroredStrategy across hosts (TF_CONFIG)")
+                         "on this host's GPUs; multiworker: MultiWorkerMirroredStrategy across hosts (TF_CONFIG); "
+                         "per-node: one multiworker worker per NUMA node of this host, each bound to its node's "
+                         "CPUs and memory and pre-flighted against its free memory; each takes --batch-size, so "
+                         "the global batch is workers x --batch-size; worker 0 writes RUN_DIR")
+    dp.add_argument("--workers-per-node", type=int, metavar="N",
+                    help="with --strategy per-node: N workers on each node, its CPUs split between them (default 1)")
     dp.add_argument("--gpus", type=int, metavar="N", help="GPUs to use with --strategy mirrored (default: all)")
     dp.add_argument("--simulate-replicas", type=int, metavar="N",
                     help="run the data-parallel path on N logical CPU devices instead of GPUs (results are "
@@ -101,7 +106,7 @@ def register(subparsers, parents) -> None:
     run_group.add_argument("--monitor-interval", type=float, metavar="S",
                            help="seconds between rows of RUN_DIR/monitor.csv (CPU, memory, page cache, disk, NUMA "
                                 "nodes, GPUs; default 1; 0 turns the monitor off)")
-    parser.set_defaults(run=run)
+    parser.set_defaults(run=run, train_parser=parser)
 
 
 def _overrides(args) -> dict:
@@ -166,6 +171,10 @@ def resolve(args):
 def run(args) -> int:
     from bigmem.numa.apply import place
 
+    if getattr(args, "strategy", None) == "per-node":
+        return run_per_node(args)
+    if getattr(args, "workers_per_node", None) is not None:
+        raise UsageError("--workers-per-node is for --strategy per-node.")
     config, out = resolve(args)
     placement = place(config.numa.policy, config.numa.cpus, config.numa.threads)  # before TF or numpy start threads
     if placement.note:
@@ -176,3 +185,76 @@ def run(args) -> int:
     if result.interrupted_by is not None:
         return 128 + result.interrupted_by
     return 0
+
+
+# Flags the per-node launcher sets for each worker itself; the rest pass through unchanged.
+LAUNCHER_FLAGS = ("strategy", "workers_per_node", "out", "resume", "numa", "cpus")
+
+
+def worker_argv(args, parser: argparse.ArgumentParser) -> list[str]:
+    """The flags given to this command, as argv for each per-node worker (without ``LAUNCHER_FLAGS``)."""
+    argv: list[str] = []
+    for action in parser._actions:
+        value = getattr(args, action.dest, None)
+        if not action.option_strings or action.dest in LAUNCHER_FLAGS or value in (None, False, argparse.SUPPRESS):
+            continue
+        flag = max(action.option_strings, key=len)
+        argv += [flag] if action.nargs == 0 else [flag, str(value)]
+    return argv
+
+
+def worker_peak_bytes(config) -> int:
+    """One per-node worker's predicted peak: the job's own pre-flight (``train.job.plan_memory``) at its batch."""
+    import io
+
+    from rich.console import Console
+
+    from bigmem.data.derived import with_data_fields
+    from bigmem.distribute.execution import SingleProcess
+    from bigmem.tfenv import import_tensorflow
+    from bigmem.train.job import make_loader, plan_memory
+
+    config = with_data_fields(config)
+    import_tensorflow()  # the network's counts come from building it; the workers are fresh processes
+    execution = SingleProcess(config.train.batch_size)  # what one worker holds: its own --batch-size
+    loader = make_loader(config, execution)
+    try:
+        plan, _ = plan_memory(config, execution, None, force=True, console=Console(file=io.StringIO()),
+                              loader=loader)
+    finally:
+        loader.close()
+    return plan.predicted_peak_bytes
+
+
+def run_per_node(args, topology=None) -> int:
+    """``--strategy per-node``: plan a worker per NUMA node, check each node's free memory, launch and supervise.
+
+    Args:
+        args: the parsed flags.
+        topology: the machine's nodes (default: read from sysfs).
+
+    Returns:
+        0, or 128 + the signal that stopped the run.
+
+    Raises:
+        UsageError: ``--numa``/``--cpus`` given (each worker is placed on its node).
+        InsufficientMemoryError: (exit 3) a node's free memory cannot hold its workers, unless ``--force``.
+        WorkerFailed: a worker died (the others were stopped).
+    """
+    from bigmem.distribute.pernode import check_node_memory, plan_workers
+    from bigmem.distribute.pernode import run_per_node as launch
+    from bigmem.numa.topology import NUMATopology
+
+    if args.numa is not None or args.cpus is not None:
+        raise UsageError("--strategy per-node binds each worker to its own node's CPUs and memory: leave out "
+                         "--numa and --cpus (--workers-per-node N splits each node's CPUs).")
+    topology = topology or NUMATopology.from_sysfs()
+    plan = plan_workers(topology, workers_per_node=args.workers_per_node or 1)
+    for note in plan.notes():
+        print(f"bigmem train: {note}", file=sys.stderr)
+    as_worker = argparse.Namespace(**{**vars(args), "strategy": "multiworker"})  # what each worker resolves
+    config, out = resolve(as_worker)
+    if not args.force:
+        check_node_memory(plan, topology, worker_peak_bytes(config))
+    print(plan.describe(config.train.batch_size), flush=True)
+    return launch(plan, worker_argv(args, args.train_parser), out, resume=args.resume)

@@ -52,6 +52,7 @@ class Strategy(StrOption):
     NONE = "none"  # the big-memory path: whole volumes in one process
     MIRRORED = "mirrored"  # data parallel on one host (GPUs, or simulated on CPU)
     MULTIWORKER = "multiworker"  # data parallel across hosts, configured by TF_CONFIG
+    PER_NODE = "per_node"  # one multiworker worker per NUMA node of this host (distribute/pernode.py launches them)
 
 
 class OptimizerName(StrOption):

@@ -77,6 +77,10 @@ def setup_replicas(config) -> Replicas:
 
     if config.distribute.strategy is Strategy.MULTIWORKER:
         return multiworker()
+    if config.distribute.strategy is Strategy.PER_NODE:  # a launcher of processes, not a strategy of this one
+        raise UsageError("distribute.strategy per_node starts one process per NUMA node: run `bigmem train "
+                         "--strategy per-node`, or bigmem.distribute.pernode.run_per_node; each worker "
+                         "trains with strategy multiworker.")
     return mirrored(simulate_replicas=config.distribute.simulate_replicas, gpus=config.distribute.gpus)
 
 
