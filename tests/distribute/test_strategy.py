@@ -119,3 +119,12 @@ def test_simulated_replicas_need_gpu_memory(tmp_path, tiny_store):
     assert result.returncode == 2
     assert result.stderr.strip() == ("bigmem train: error: Give --gpu-memory SIZE (e.g. 80GiB) or --patch N: the patch "
                                      "size is chosen to fit one GPU's memory, and these replicas are simulated on CPU.")
+
+
+def test_multiworker_without_tf_config_says_how_a_per_node_run_resumes(monkeypatch):
+    from bigmem.distribute.strategy import multiworker
+    from bigmem.errors import UsageError
+
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    with pytest.raises(UsageError, match=r"needs TF_CONFIG .* resumes with --resume --strategy per-node\.$"):
+        multiworker()
