@@ -263,7 +263,8 @@ class DistributeConfig:
     ``gpu_memory_bytes`` or ``patch`` trains whole volumes on several CPU hosts.
 
     Attributes:
-        strategy: none, mirrored (one host) or multiworker (TF_CONFIG).
+        strategy: none, mirrored (one host), multiworker (TF_CONFIG) or per_node (a launcher starting one
+            multiworker worker per NUMA node, ``distribute/pernode``).
         simulate_replicas: N logical CPU devices instead of GPUs.
         gpus: GPUs to use (default: every one found).
         gpu_memory_bytes: the per-GPU memory the patch must fit.
@@ -274,7 +275,7 @@ class DistributeConfig:
         True
     """
 
-    strategy: Strategy = Strategy.NONE  # none (whole volumes) | mirrored | multiworker
+    strategy: Strategy = Strategy.NONE  # none (whole volumes) | mirrored | multiworker | per_node
     simulate_replicas: int | None = None  # N logical CPU devices instead of GPUs
     gpus: int | None = None  # default: every GPU found
     gpu_memory_bytes: int | None = None  # per-GPU memory the patch must fit
