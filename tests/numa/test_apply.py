@@ -35,6 +35,24 @@ def test_policies_reach_every_thread(policy, observed):
     assert json.loads(result.stdout) == {observed: 2}
 
 
+THP_CHILD = """
+import ctypes, subprocess, sys
+from bigmem.numa.apply import place
+place(sys.argv[1])
+libc = ctypes.CDLL(None)
+child = subprocess.run([sys.executable, "-c", "import ctypes; print(ctypes.CDLL(None).prctl(42, 0, 0, 0, 0))"],
+                       capture_output=True, text=True, check=True)
+print(libc.prctl(42, 0, 0, 0, 0), child.stdout.strip())
+"""
+
+
+@pytest.mark.parametrize("policy, disabled", [("interleave", "1 1"), ("bind:0", "0 0"), ("none", "0 0")])
+def test_interleave_turns_huge_pages_off_here_and_in_children(policy, disabled):
+    """khugepaged would gather interleaved pages on node 0: PR_GET_THP_DISABLE reads 1 under interleave only."""
+    result = subprocess.run([sys.executable, "-c", THP_CHILD, policy], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == disabled
+
+
 def test_refuses_after_tensorflow_is_imported():
     code = ("import tensorflow\nfrom bigmem.numa.apply import place\ntry:\n    place('bind:0')\nexcept Exception as e:"
             "\n    print(type(e).__name__, e)")
@@ -91,6 +109,9 @@ def test_training_threads_checked_from_outside(tmp_path, tiny_store, policy, exp
     assert report["observed"] == {expected: sum(report["observed"].values())}
     assert report["cpus_allowed"] == sorted(os.sched_getaffinity(0))
     assert int(report["node_peak_bytes"]["0"]) > 100 * 2**20
+    # apart: the anonymous pages (what the policy placed: TF's heap, the tensors) and the file pages
+    anonymous, files = report["node_peak_anonymous_bytes"]["0"], report["node_peak_file_bytes"]["0"]
+    assert 50 * 2**20 < anonymous < report["node_peak_bytes"]["0"] and 0 < files < report["node_peak_bytes"]["0"]
 
 
 def test_bind_to_a_missing_node_names_the_nodes(tmp_path, capsys):
