@@ -207,7 +207,7 @@ def _train_and_watch(args: list[str], out: Path, interval_s: float = 2.0) -> tup
             if " file=" in line:
                 continue
             page = next((int(f.split("=")[1]) * 1024 for f in fields if f.startswith("kernelpagesize_kB=")), 4096)
-            nodes = {int(f[1:].split("=")[0]): int(f.split("=")[1]) * page for f in fields  # huge pages count 2 MiB
+            nodes = {int(f[1:].split("=")[0]): int(f.split("=")[1]) * page for f in fields  # hugetlb: its page size
                      if f[0] == "N" and f[1:].split("=")[0].isdigit()}
             kind = "heap" if "heap" in fields else "stack" if "stack" in fields else "anon"
             by_mapping[f"{fields[0]} {kind} {fields[1]}"] = nodes
