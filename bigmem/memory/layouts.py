@@ -157,9 +157,8 @@ def _interleave(peak: int, batch_size: int, topology: NUMATopology) -> Layout:
     budget, _ = placement_budget(placement, topology, 0)
     share = -(-peak // len(nodes))
     shares = tuple(NodeShare(n.node_id, n.free_bytes, share) for n in topology.nodes)
-    short = [s for s in shares if not s.fits]
-    if short:
-        worst = min(short, key=lambda s: s.free_bytes)
+    worst = _tightest(shares)
+    if worst:
         reason = (f"{format_bytes(peak)} over {len(nodes)} nodes puts {format_bytes(share)} on each; node "
                   f"{worst.node_id} has {format_bytes(worst.free_bytes)} free")
     else:
@@ -177,11 +176,15 @@ def _per_node(peak: int, batch_size: int, topology: NUMATopology) -> Layout:
     budget = min(s.free_bytes for s in workers)
     memory_only = [s.node_id for s in shares if not s.worker]
     spare = f"; node(s) {','.join(map(str, memory_only))} have no CPUs and carry no worker" if memory_only else ""
-    short = [s for s in workers if not s.fits]
-    if short:
-        worst = min(short, key=lambda s: s.free_bytes)
+    worst = _tightest(workers)
+    if worst:
         reason = (f"each worker needs {format_bytes(peak)} on its own node; node {worst.node_id} has "
                   f"{format_bytes(worst.free_bytes)} free{spare}")
     else:
         reason = f"{len(workers)} workers x {format_bytes(peak)}, each within its own node's free memory{spare}"
     return Layout(PER_NODE, len(workers), batch_size, peak, budget, shares, reason)
+
+
+def _tightest(shares) -> NodeShare | None:
+    """The node with the least free memory among those its share does not fit, the one a refusal names."""
+    return min((s for s in shares if not s.fits), key=lambda s: s.free_bytes, default=None)
