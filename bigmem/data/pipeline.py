@@ -23,7 +23,7 @@ import math
 import multiprocessing
 import os
 from concurrent.futures import Future, ProcessPoolExecutor
-from multiprocessing import resource_tracker, shared_memory
+from multiprocessing import shared_memory
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -327,9 +327,10 @@ def _worker_load(slot: str, sample_index: int, case_index: int, shape: tuple, se
     """Load one sample into the shared-memory ``slot``: only the slot's name crosses the pipe,
     not the volume (pickling one would cost two extra copies of it and the pipe)."""
     if slot not in _WORKER_SLOTS:
+        # Attaching registers the slot with the resource tracker, which a spawned reader shares with the
+        # training process (one tracker, one entry per name): the slot is unlinked once, by its owner, and
+        # unregistering it here as well made the tracker print a KeyError traceback at that unlink.
         _WORKER_SLOTS[slot] = shared_memory.SharedMemory(name=slot)
-        # The training process owns the slot; this process must not unlink it when it exits.
-        resource_tracker.unregister(_WORKER_SLOTS[slot]._name, "shared_memory")
     if patch:
         image, label = load_patch(_WORKER_STORE, sample_index, patch=patch, seed=seed, flip=flip,
                                   intensity=intensity)

@@ -86,8 +86,29 @@ def thread_cpus(pid: int | str = "self", proc_root: str = "/proc") -> dict[str, 
     return dict(counts)
 
 
+def _children(pid: int | str) -> list[int]:
+    """The pids of a process's descendants (its input readers); empty when it has ended."""
+    import psutil
+
+    try:
+        process = psutil.Process() if pid == "self" else psutil.Process(int(pid))
+        return [child.pid for child in process.children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+def _raise(peaks: dict[int, int], values: dict[int, int]) -> None:
+    for node, value in values.items():
+        peaks[node] = max(peaks.get(node, 0), value)
+
+
 class NodePeakSampler:
     """Samples the process's resident bytes per NUMA node every ``interval_s`` and keeps each maximum.
+
+    Its descendants (the input reader processes) are sampled too and kept apart, summed over
+    those alive at each read: they place their own pages, under the policy they inherited. The
+    shared-memory slots they fill are mapped by both sides, so they count among the file pages of
+    each.
 
     Reading /proc/PID/numa_maps walks the page tables of every mapping under the process's mmap
     lock, so its cost grows with the resident set: on the dev machine a 6 GB training process
@@ -104,20 +125,35 @@ class NodePeakSampler:
         self.peak_bytes: dict[int, int] = {}  # all resident pages, per node
         self.anonymous_peak_bytes: dict[int, int] = {}  # those the memory policy placed
         self.file_peak_bytes: dict[int, int] = {}  # libraries, page cache, shared memory
+        self.children_anonymous_peak_bytes: dict[int, int] = {}  # the input readers', summed
+        self.children_file_peak_bytes: dict[int, int] = {}
+        self.children_peak_count = 0  # the most descendants seen at once
         self.wait_s = interval_s
         self._clock = clock
         self._stop = threading.Event()
+        self._lock = threading.Lock()  # its own thread samples, and so does whoever writes a report
         self._thread = threading.Thread(target=self._loop, name="bigmem-numa-sampler", daemon=True)
 
     def sample(self) -> None:
         """Read the per-node resident bytes once, raise ``peak_bytes`` where higher, and set the next wait."""
+        with self._lock:
+            self._sample()
+
+    def _sample(self) -> None:
         start = self._clock()
         anonymous, files = resident_bytes_by_kind(self.pid)
-        for peaks, values in ((self.anonymous_peak_bytes, anonymous), (self.file_peak_bytes, files),
-                              (self.peak_bytes, {n: anonymous.get(n, 0) + files.get(n, 0)
-                                                 for n in set(anonymous) | set(files)})):
-            for node, value in values.items():
-                peaks[node] = max(peaks.get(node, 0), value)
+        _raise(self.anonymous_peak_bytes, anonymous)
+        _raise(self.file_peak_bytes, files)
+        _raise(self.peak_bytes, {n: anonymous.get(n, 0) + files.get(n, 0) for n in set(anonymous) | set(files)})
+        children = _children(self.pid)
+        self.children_peak_count = max(self.children_peak_count, len(children))
+        summed: tuple[dict[int, int], dict[int, int]] = ({}, {})
+        for child in children:
+            for total, values in zip(summed, resident_bytes_by_kind(child)):
+                for node, value in values.items():
+                    total[node] = total.get(node, 0) + value
+        _raise(self.children_anonymous_peak_bytes, summed[0])
+        _raise(self.children_file_peak_bytes, summed[1])
         self.wait_s = max(self.interval_s, (self._clock() - start) / self.MAX_DUTY)
 
     def _loop(self) -> None:
@@ -136,7 +172,8 @@ class NodePeakSampler:
 
 
 def observed(placement_dict: dict, sampler: NodePeakSampler | None = None) -> dict:
-    """numa.json's content: requested, observed policy per thread, CPU affinity, per-node peak."""
+    """numa.json's content: requested, observed policy per thread, CPU affinity, per-node peaks (its own and its
+    input readers')."""
     return {
         "requested": placement_dict,
         "observed": thread_policies(),
@@ -145,6 +182,11 @@ def observed(placement_dict: dict, sampler: NodePeakSampler | None = None) -> di
         "node_peak_bytes": _by_node(sampler.peak_bytes if sampler else {}),
         "node_peak_anonymous_bytes": _by_node(sampler.anonymous_peak_bytes if sampler else {}),
         "node_peak_file_bytes": _by_node(sampler.file_peak_bytes if sampler else {}),
+        "input_workers": {
+            "processes": sampler.children_peak_count if sampler else 0,
+            "node_peak_anonymous_bytes": _by_node(sampler.children_anonymous_peak_bytes if sampler else {}),
+            "node_peak_file_bytes": _by_node(sampler.children_file_peak_bytes if sampler else {}),
+        },
     }
 
 

@@ -174,9 +174,10 @@ class NUMAReport(Callback):
         return self.sampler
 
     def write(self) -> dict:
-        """Write numa.json as observed now; returns the report."""
+        """Write numa.json as observed now (the peaks include a read made now); returns the report."""
         from bigmem.numa.observe import observed
 
+        self.sampler.sample()
         report = observed(self.requested, self.sampler)
         self.run.write_numa(report)
         return report

@@ -91,7 +91,8 @@ def test_the_command_line_starts_no_thread_pool_before_the_placement():
 def test_training_threads_checked_from_outside(tmp_path, tiny_store, policy, expected):
     out = tmp_path / "run"
     process = subprocess.Popen([sys.executable, "-m", "bigmem", "train", "--model", "tiny", "--data", str(tiny_store),
-                                "--volume", "32", "--steps", "100000", "--numa", policy, "--out", str(out)],
+                                "--volume", "32", "--steps", "100000", "--numa", policy, "--num-workers", "1",
+                                "--out", str(out)],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
@@ -103,7 +104,8 @@ def test_training_threads_checked_from_outside(tmp_path, tiny_store, policy, exp
         assert seen == {expected: sum(seen.values())} and sum(seen.values()) > 3, seen
     finally:
         process.send_signal(signal.SIGTERM)
-        process.communicate(timeout=120)
+        _, err = process.communicate(timeout=120)
+    assert "Traceback" not in err, err[-2000:]
     report = json.loads((out / "numa.json").read_text())
     assert report["requested"]["policy"] == policy.split(":")[0]
     assert report["observed"] == {expected: sum(report["observed"].values())}
@@ -112,6 +114,10 @@ def test_training_threads_checked_from_outside(tmp_path, tiny_store, policy, exp
     # apart: the anonymous pages (what the policy placed: TF's heap, the tensors) and the file pages
     anonymous, files = report["node_peak_anonymous_bytes"]["0"], report["node_peak_file_bytes"]["0"]
     assert 50 * 2**20 < anonymous < report["node_peak_bytes"]["0"] and 0 < files < report["node_peak_bytes"]["0"]
+    # the input reader (with multiprocessing's resource tracker), its own pages and the shared slots it fills
+    readers = report["input_workers"]
+    assert readers["processes"] >= 2 and readers["node_peak_anonymous_bytes"]["0"] > 10 * 2**20
+    assert readers["node_peak_file_bytes"]["0"] > 32**3 * 4
 
 
 def test_bind_to_a_missing_node_names_the_nodes(tmp_path, capsys):

@@ -34,6 +34,7 @@ def test_fake_numa_maps(tmp_path):
 def test_peaks_per_node_and_wait_scaled_by_the_read_time(monkeypatch):
     readings = iter([({0: 100, 1: 50}, {0: 10}), ({0: 80, 1: 70}, {0: 30, 1: 5})])  # (anonymous, file)
     monkeypatch.setattr(observe, "resident_bytes_by_kind", lambda pid: next(readings))
+    monkeypatch.setattr(observe, "_children", lambda pid: [])
     ticks = iter([0.0, 0.001, 10.0, 10.2])  # a 1 ms read, then a 200 ms one
     sampler = NodePeakSampler(interval_s=1.0, clock=lambda: next(ticks))
     sampler.sample()
@@ -49,3 +50,35 @@ def test_real_process_has_a_resident_node():
     with NodePeakSampler(interval_s=0.01) as sampler:
         pass
     assert sampler.peak_bytes and all(value > 0 for value in sampler.peak_bytes.values())
+
+
+def test_input_readers_are_summed_apart(monkeypatch):
+    """Two readers at the first read, one at the second: each node's peak is of the sums, kept apart."""
+    readings = {("self", 1): ({0: 100}, {0: 10}), (11, 1): ({0: 5, 1: 7}, {0: 40}), (12, 1): ({1: 3}, {0: 40}),
+                ("self", 2): ({0: 90}, {0: 10}), (11, 2): ({0: 20}, {0: 40})}
+    alive = {1: [11, 12], 2: [11]}
+    read = {"n": 1}
+    monkeypatch.setattr(observe, "_children", lambda pid: alive[read["n"]])
+    monkeypatch.setattr(observe, "resident_bytes_by_kind", lambda pid: readings[(pid, read["n"])])
+    sampler = NodePeakSampler()
+    sampler.sample()
+    read["n"] = 2
+    sampler.sample()
+    assert sampler.anonymous_peak_bytes == {0: 100} and sampler.peak_bytes == {0: 110}  # the readers not in it
+    assert sampler.children_anonymous_peak_bytes == {0: 20, 1: 10}
+    assert sampler.children_file_peak_bytes == {0: 80} and sampler.children_peak_count == 2
+    report = observe.observed({"text": "local"}, sampler)["input_workers"]
+    assert report == {"processes": 2, "node_peak_anonymous_bytes": {"0": 20, "1": 10},
+                      "node_peak_file_bytes": {"0": 80}}
+
+
+def test_real_children_are_found():
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert child.pid in observe._children("self") and observe._children(2**22 + 7) == []
+    finally:
+        child.kill()
+        child.wait()
