@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from bigmem.errors import InsufficientMemoryError
@@ -254,3 +255,141 @@ def test_train_interleave_spreads_activations_evenly(topology, tmp_path):
                            "test needs for activations to dominate; raise the batch size")
     even = 1 / topology.num_nodes
     assert all(abs(shares.get(n.node_id, 0) - even) <= 0.05 for n in topology.nodes), shares
+
+
+def _anonymous_by_node(pid: int) -> tuple[dict[int, int], dict[int, int]]:
+    """(a process's anonymous bytes per node, its descendants' summed)."""
+    from bigmem.numa.observe import _children, resident_bytes_by_kind
+
+    own = resident_bytes_by_kind(pid)[0]
+    readers: dict[int, int] = {}
+    for child in _children(pid):
+        for node, value in resident_bytes_by_kind(child)[0].items():
+            readers[node] = readers.get(node, 0) + value
+    return own, readers
+
+
+def _workers(launcher_pid: int) -> dict[int, psutil.Process]:
+    """{worker index: process} of a per-node launcher (the children given a TF_CONFIG)."""
+    found = {}
+    for child in psutil.Process(launcher_pid).children():
+        try:
+            config = child.environ().get("TF_CONFIG")
+        except psutil.Error:
+            continue
+        if config:
+            found[json.loads(config)["task"]["index"]] = child
+    return found
+
+
+PER_NODE = ["--model", "tiny", "--volume", "32", "--seed", "2", "--optimizer", "sgd", "--reference-batch", "2",
+            "--batch-size", "1", "--num-workers", "1"]
+
+
+def _per_node(out: Path, log: Path, *extra: str) -> subprocess.Popen:
+    """Launch a per-node run, its stdout and stderr into ``log``.out/.err (a pipe nobody reads can stall it)."""
+    with open(f"{log}.out", "w") as stdout, open(f"{log}.err", "w") as stderr:
+        return subprocess.Popen([sys.executable, "-m", "bigmem", "train", *PER_NODE, "--strategy", "per-node",
+                                 "--out", str(out), *extra], stdout=stdout, stderr=stderr,
+                                env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}, start_new_session=True)
+
+
+def _finish(launcher: subprocess.Popen, log: Path, timeout: float | None = None) -> tuple[str, str]:
+    launcher.wait(timeout)
+    return Path(f"{log}.out").read_text(), Path(f"{log}.err").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(5400)  # four TensorFlow runs under emulation, two of them two workers at once
+def test_per_node_workers_stay_on_their_nodes_match_one_process_and_resume(topology, tmp_path):
+    """One worker per node with CPUs: each one's pages (and its input reader's) on its node; the losses of
+    one process at the same global batch; a killed worker stops the run with one line; --resume goes on."""
+    from bigmem.rundir import read_jsonl
+
+    nodes = [n.node_id for n in topology.nodes if n.cpus]
+    if len(nodes) < 2:
+        pytest.skip("fewer than two nodes with CPUs")
+    run = tmp_path / "run"
+    launcher = _per_node(run, tmp_path / "first", "--steps", "3")
+    peaks: dict[int, tuple[dict, dict]] = {}  # worker index: (own, readers) at its largest sample
+    while launcher.poll() is None:
+        for index, process in _workers(launcher.pid).items():
+            own, readers = _anonymous_by_node(process.pid)
+            if sum(own.values()) > sum(peaks.get(index, ({}, {}))[0].values()):
+                peaks[index] = own, readers
+        time.sleep(2.0)
+    out, err = _finish(launcher, tmp_path / "first")
+    assert launcher.returncode == 0, err[-3000:]
+    shares = {}
+    for index, node in enumerate(nodes):
+        own, readers = peaks[index]
+        shares[index] = {"node": node, "anonymous_bytes": own, "reader_anonymous_bytes": readers,
+                         "own_node_share": own.get(node, 0) / sum(own.values()),
+                         "reader_own_node_share": readers.get(node, 0) / max(1, sum(readers.values()))}
+    losses = [r["loss"] for r in read_jsonl(run / "metrics.jsonl")]
+    _record("per-node-workers", {"args": PER_NODE, "workers": shares, "losses": losses, "stdout": out})
+    assert f"per-node: {len(nodes)} workers, global batch {len(nodes)}" in out
+    for share in shares.values():
+        assert share["own_node_share"] >= 0.95 and share["reader_own_node_share"] >= 0.95, shares
+    report = json.loads((run / "numa.json").read_text())
+    assert report["requested"]["text"] == f"bind:{nodes[0]}" and report["input_workers"]["processes"] >= 1
+
+    single = subprocess.run([sys.executable, "-m", "bigmem", "train", *PER_NODE, "--batch-size", str(len(nodes)),
+                             "--steps", "3", "--out", str(tmp_path / "one")], capture_output=True, text=True,
+                            env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    assert single.returncode == 0, single.stderr[-3000:]
+    one = [r["loss"] for r in read_jsonl(tmp_path / "one" / "metrics.jsonl")]
+    _record("per-node-workers", {"args": PER_NODE, "workers": shares, "losses": losses, "one_process_losses": one,
+                                 "stdout": out})
+    assert len(losses) == 3 and losses == pytest.approx(one, rel=1e-5)
+
+    # Kill worker 1 once the resumed run is past its first new checkpoint, then resume again.
+    launcher = _per_node(run, tmp_path / "killed", "--steps", "8", "--checkpoint-every", "1", "--resume")
+    try:
+        deadline = time.monotonic() + 1800
+        while len(read_jsonl(run / "metrics.jsonl")) < 5:
+            assert launcher.poll() is None and time.monotonic() < deadline, _finish(launcher, tmp_path / "killed", 0)
+            time.sleep(1.0)
+        children = psutil.Process(launcher.pid).children(recursive=True)
+        worker1 = _workers(launcher.pid)[1]
+        worker1.send_signal(9)
+        killed = time.monotonic()
+        _, err = _finish(launcher, tmp_path / "killed", timeout=300)
+        stopped_s = time.monotonic() - killed
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, 9)
+            launcher.wait()
+    alive = [p.pid for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    kept = len(read_jsonl(run / "metrics.jsonl"))
+    resumed = _per_node(run, tmp_path / "resumed", "--steps", "8", "--resume")
+    _, resumed_err = _finish(resumed, tmp_path / "resumed")
+    rows = read_jsonl(run / "metrics.jsonl")
+    _record("per-node-kill-resume", {"stopped_s": stopped_s, "error": err.strip().splitlines()[-1:],
+                                     "rows_after_kill": kept, "steps": [r["step"] for r in rows],
+                                     "losses": [r["loss"] for r in rows]})
+    assert launcher.returncode == 1 and stopped_s < 30 and alive == []
+    assert err.strip().splitlines()[-1].startswith(
+        f"bigmem train: error: per-node worker 1 (node {nodes[1]}, pid {worker1.pid}) was killed by SIGKILL")
+    assert resumed.returncode == 0, resumed_err[-3000:]
+    assert [r["step"] for r in rows] == list(range(1, 9)) and [r["loss"] for r in rows[:3]] == losses
+
+
+def test_plan_shows_both_layouts_on_this_kernel(topology, tmp_path):
+    """A job that fits one worker per node, and one (the largest ``small`` volume within the machine) that does not."""
+    if len([n for n in topology.nodes if n.cpus]) < 2:
+        pytest.skip("fewer than two nodes with CPUs")
+    reports = {}
+    for name, args in {"fits-per-node": ["--model", "tiny", "--volume", "32", "--batch-size", "1"],
+                       "interleave-only": ["--model", "small", "--batch-size", "1"]}.items():
+        out = tmp_path / f"{name}.json"
+        result = subprocess.run([sys.executable, "-m", "bigmem", "plan", *args, "--out", str(out)],
+                                capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr[-3000:]
+        reports[name] = {"args": args, "stdout": result.stdout,
+                         "layouts": json.loads(out.read_text())["layouts"]}
+    _record("plan-layouts", reports)
+    fits, only = reports["fits-per-node"]["layouts"], reports["interleave-only"]["layouts"]
+    assert fits["per_node"]["fits"] and fits["interleave"]["fits"] and fits["recommended"] == "per-node"
+    assert only["interleave"]["fits"] and not only["per_node"]["fits"] and only["recommended"] == "interleave"
+    assert "on its own node; node" in only["per_node"]["reason"]
