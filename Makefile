@@ -22,8 +22,8 @@ lint: $(STAMP)
 test: lint
 	$(BIN)/python -m pytest
 
-# The `numa` tests, inside a 4-node kernel under QEMU (tools/numa-vm; ~26 min on 2 cores without KVM, two
-# of them TensorFlow runs of 4-10 min).
+# The `numa` tests, inside a 4-node kernel under QEMU (tools/numa-vm; without KVM an hour or more on 2 cores:
+# every bigmem run imports TensorFlow, 1.5-14 min under emulation depending on the host; README.md, Development).
 # They live in tests/numa: collecting the whole suite would import TensorFlow, minutes under emulation.
 test-numa: $(STAMP)
 	tools/numa-vm -- python -m pytest -p no:cacheprovider -m numa tests/numa
