@@ -97,6 +97,18 @@ def _children(pid: int | str) -> list[int]:
         return []
 
 
+def descendant_bytes_by_kind(pid: int | str = "self") -> tuple[int, dict[int, int], dict[int, int]]:
+    """``(how many descendants, {node: their anonymous bytes}, {node: their file-backed bytes})``, summed
+    over a process's descendants (its input readers) alive now."""
+    children = _children(pid)
+    summed: tuple[dict[int, int], dict[int, int]] = ({}, {})
+    for child in children:
+        for total, values in zip(summed, resident_bytes_by_kind(child)):
+            for node, value in values.items():
+                total[node] = total.get(node, 0) + value
+    return len(children), summed[0], summed[1]
+
+
 def _raise(peaks: dict[int, int], values: dict[int, int]) -> None:
     for node, value in values.items():
         peaks[node] = max(peaks.get(node, 0), value)
@@ -145,15 +157,10 @@ class NodePeakSampler:
         _raise(self.anonymous_peak_bytes, anonymous)
         _raise(self.file_peak_bytes, files)
         _raise(self.peak_bytes, {n: anonymous.get(n, 0) + files.get(n, 0) for n in set(anonymous) | set(files)})
-        children = _children(self.pid)
-        self.children_peak_count = max(self.children_peak_count, len(children))
-        summed: tuple[dict[int, int], dict[int, int]] = ({}, {})
-        for child in children:
-            for total, values in zip(summed, resident_bytes_by_kind(child)):
-                for node, value in values.items():
-                    total[node] = total.get(node, 0) + value
-        _raise(self.children_anonymous_peak_bytes, summed[0])
-        _raise(self.children_file_peak_bytes, summed[1])
+        count, children_anonymous, children_files = descendant_bytes_by_kind(self.pid)
+        self.children_peak_count = max(self.children_peak_count, count)
+        _raise(self.children_anonymous_peak_bytes, children_anonymous)
+        _raise(self.children_file_peak_bytes, children_files)
         self.wait_s = max(self.interval_s, (self._clock() - start) / self.MAX_DUTY)
 
     def _loop(self) -> None:

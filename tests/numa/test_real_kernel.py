@@ -259,14 +259,9 @@ def test_train_interleave_spreads_activations_evenly(topology, tmp_path):
 
 def _anonymous_by_node(pid: int) -> tuple[dict[int, int], dict[int, int]]:
     """(a process's anonymous bytes per node, its descendants' summed)."""
-    from bigmem.numa.observe import _children, resident_bytes_by_kind
+    from bigmem.numa.observe import descendant_bytes_by_kind, resident_bytes_by_kind
 
-    own = resident_bytes_by_kind(pid)[0]
-    readers: dict[int, int] = {}
-    for child in _children(pid):
-        for node, value in resident_bytes_by_kind(child)[0].items():
-            readers[node] = readers.get(node, 0) + value
-    return own, readers
+    return resident_bytes_by_kind(pid)[0], descendant_bytes_by_kind(pid)[1]
 
 
 def _workers(launcher_pid: int) -> dict[int, psutil.Process]:
