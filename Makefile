@@ -25,8 +25,9 @@ test: lint
 # The `numa` tests, inside a 4-node kernel under QEMU (tools/numa-vm; without KVM an hour or more on 2 cores:
 # every bigmem run imports TensorFlow, 1.5-14 min under emulation depending on the host; README.md, Development).
 # They live in tests/numa: collecting the whole suite would import TensorFlow, minutes under emulation.
+# The guest gets three hours before it is stopped (tools/numa-vm's own default, one hour, is too short here).
 test-numa: $(STAMP)
-	tools/numa-vm -- python -m pytest -p no:cacheprovider -m numa tests/numa
+	tools/numa-vm --timeout 10800 -- python -m pytest -p no:cacheprovider -m numa --durations=0 tests/numa
 
 clean:
 	rm -rf $(VENV) build *.egg-info runs
