@@ -4,27 +4,32 @@ Same channels, strides, kernel sizes, norm and activation as ``bigmem.nets.UNet3
 3x3x3 conv (bias only without a norm) -> InstanceNorm3d/GroupNorm/BatchNorm3d (affine) -> ReLU,
 max pool or strided first conv down, 2x2x2 stride-2 ConvTranspose3d (with bias) up,
 concatenate the skip, 1x1x1 head. NCDHW, float32, eager: the standard PyTorch training loop.
-Needs ``pip install .[bench]``; bigmem itself never imports torch.
+Needs ``pip install .[bench]``; bigmem itself never imports torch, and this file never imports
+bigmem: the GPU reference (benchmarks/performance/gpu_reference.py) runs it where only PyTorch is
+installed. ``config`` is a ``bigmem.config.schema.ModelConfig`` or anything with its fields, options
+as their strings (bigmem's options are ``str`` enums, so both compare equal to "instance").
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
-from bigmem.config.options import Activation, Downsampling, Norm
-from bigmem.config.schema import ModelConfig
+if TYPE_CHECKING:
+    from bigmem.config.schema import ModelConfig
 
 INSTANCE_NORM_EPSILON = 1e-5  # as bigmem.nets.blocks
 LEAKY_RELU_SLOPE = 0.01
 
 
 def _norm(config: ModelConfig, channels: int) -> nn.Module | None:
-    if config.norm is Norm.INSTANCE:
+    if config.norm == "instance":
         return nn.InstanceNorm3d(channels, eps=INSTANCE_NORM_EPSILON, affine=True)
-    if config.norm is Norm.GROUP:
+    if config.norm == "group":
         return nn.GroupNorm(config.groups, channels, eps=INSTANCE_NORM_EPSILON)
-    if config.norm is Norm.BATCH:
+    if config.norm == "batch":
         return nn.BatchNorm3d(channels, eps=1e-3)
     return None
 
@@ -35,7 +40,7 @@ def conv_norm_act(config: ModelConfig, in_channels: int, out_channels: int, stri
                                          bias=config.conv_bias)]
     if norm is not None:
         layers.append(norm)
-    layers.append(nn.LeakyReLU(LEAKY_RELU_SLOPE, inplace=True) if config.activation is Activation.LEAKY_RELU
+    layers.append(nn.LeakyReLU(LEAKY_RELU_SLOPE, inplace=True) if config.activation == "leaky_relu"
                   else nn.ReLU(inplace=True))
     return nn.Sequential(*layers)
 
@@ -46,11 +51,11 @@ class TorchUNet3D(nn.Module):
         if config.residual:
             raise ValueError("the PyTorch baseline implements plain (non-residual) blocks only")
         filters = config.filters
-        self.pool = nn.MaxPool3d(2) if config.downsampling is Downsampling.MAXPOOL else None
+        self.pool = nn.MaxPool3d(2) if config.downsampling == "maxpool" else None
         self.encoder = nn.ModuleList()
         for level, width in enumerate(filters):
             first_in = filters[level - 1] if level else config.in_channels
-            stride = 2 if level and config.downsampling is Downsampling.STRIDED else 1
+            stride = 2 if level and config.downsampling == "strided" else 1
             blocks = [conv_norm_act(config, first_in, width, stride)]
             blocks += [conv_norm_act(config, width, width) for _ in range(config.blocks_per_level - 1)]
             self.encoder.append(nn.Sequential(*blocks))

@@ -1,0 +1,118 @@
+"""benchmarks/performance/gpu_reference.py: its CPU run at tiny sizes, its search, and its plan being the planner's."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "performance" / "gpu_reference.py"
+sys.path.insert(0, str(SCRIPT.parent))
+
+import gpu_reference  # noqa: E402
+
+# Runs the script's main in a fresh interpreter, then says whether bigmem was imported: on the GPU
+# machine there is no TensorFlow, and bigmem's CLI and planner need it.
+RUN_AND_LIST_BIGMEM = """
+import runpy, sys
+sys.argv = sys.argv[1:]
+try:
+    runpy.run_path(sys.argv[0], run_name='__main__')
+finally:
+    print('BIGMEM MODULES:', sorted(m for m in sys.modules if m.split('.')[0] == 'bigmem'))
+"""
+
+
+@pytest.mark.parametrize("first", [4, 20, 40, 64])
+@pytest.mark.parametrize("threshold", [3, 4, 28, 64, 100])
+def test_the_bisection_finds_the_largest_that_fits_from_any_start(first, threshold):
+    candidates = list(range(4, 65, 4))
+    tried = []
+
+    def fits(edge):
+        tried.append(edge)
+        return edge <= threshold
+
+    largest, probes = gpu_reference.largest_fitting(fits, candidates, first)
+    expected = max((c for c in candidates if c <= threshold), default=None)
+    assert largest == expected and len(set(tried)) == len(tried) <= 6
+    assert [edge for edge, fitted in probes if fitted == (edge > threshold)] == []
+
+
+def test_the_planners_edge_is_the_largest_predicted_to_fit():
+    predicted = {"32": 10, "64": 20, "96": 35}
+    assert [gpu_reference.planner_edge(predicted, m) for m in (5, 10, 34, 100)] == [None, 32, 64, 96]
+
+
+def test_the_shipped_plan_is_what_the_planner_predicts_now(tmp_path):
+    """The GPU machine cannot run the planner: the file it reads must be current (regenerate: --write-plan)."""
+    fresh = gpu_reference.write_plan(tmp_path / "plan.json")
+    shipped = json.loads(gpu_reference.PLAN.read_text())
+    assert shipped["models"].keys() == fresh["models"].keys()
+    for name, entry in fresh["models"].items():
+        assert shipped["models"][name] == entry, f"{name}: run gpu_reference.py --write-plan"
+    kits = fresh["models"]["kits19"]
+    assert kits["architecture"]["filters"] == [32, 64, 128, 256, 320, 320] and kits["divisor"] == 32
+    # the planner's answer the comparison quotes: a 256^3 patch on an 80 GiB GPU at batch 2 (fp32)
+    assert gpu_reference.planner_edge(kits["predicted"]["tf32"]["train_batch2"], 80 * 2**30) == 256
+
+
+@pytest.mark.slow
+def test_the_cpu_run_measures_every_figure_without_bigmem(tmp_path):
+    result = subprocess.run([sys.executable, "-c", RUN_AND_LIST_BIGMEM, str(SCRIPT), "--cpu", "--minutes", "3",
+                             "--steps", "2", "--warmup", "1", "--cpu-memory-limit", "100", "--out", str(tmp_path)],
+                            capture_output=True, text=True, timeout=400)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "BIGMEM MODULES: []" in result.stdout
+    assert result.stdout.startswith("gpu_reference: tiny x tf32, bf16, within 3 min")
+    [path] = tmp_path.glob("gpu_reference-cpu-*.json")
+    report = json.loads(path.read_text())
+    assert report["device"]["kind"] == "cpu" and report["device"]["memory_bytes"] == 100 * 2**20
+    assert [(r["model"], r["precision"]) for r in report["results"]] == [("tiny", "tf32"), ("tiny", "bf16")]
+    for r in report["results"]:
+        assert r["skipped"] == [] and r["parameters"] > 0
+        point = r["mlperf_32"]
+        assert point["edge"] == 32 and point["batch"] == 2 and len(point["step_s"]["all"]) == 2
+        assert point["step_s"]["min"] <= point["step_s"]["median"] <= point["step_s"]["max"]
+        assert 0 < point["peak_bytes"] <= 100 * 2**20 and point["predicted_bytes"] > 0
+        for key in ("largest_patch_batch2", "largest_inference_cube"):
+            record = r[key]
+            fitted = [p["edge"] for p in record["probes"] if p["fits"]]
+            refused = [p["edge"] for p in record["probes"] if not p["fits"]]
+            assert record["largest_edge"] == max(fitted) and record["largest_edge"] % 4 == 0
+            assert all(edge > record["largest_edge"] for edge in refused)
+    # tf32 training at 64^3 x 2 needs more than 100 MiB here: the search met a refusal and stopped below it
+    tf32 = report["results"][0]["largest_patch_batch2"]
+    assert any(not p["fits"] and "over the 100 MiB limit" in p["error"] for p in tf32["probes"])
+    assert tf32["largest_edge"] < 64
+    assert "largest patch x2" in result.stdout and f"wrote {path}" in result.stdout
+    # compare --gpu-reference reads what the script writes (here as if a GPU had written it)
+    from bigmem.compare.gpu_reference import gpu_reference_for, load_gpu_reference
+
+    report["device"]["kind"] = "cuda"
+    path.write_text(json.dumps(report))
+    measured = gpu_reference_for(load_gpu_reference(path), "tiny", "bf16")
+    bf16 = report["results"][1]
+    assert measured.memory_bytes == 100 * 2**20
+    assert measured.largest_patch == bf16["largest_patch_batch2"]["largest_edge"]
+    assert measured.rates[0].edge == 32 and measured.rates[0].steps_per_s == bf16["mlperf_32"]["steps_per_s"]
+
+
+def test_without_a_gpu_it_says_so_in_one_line(tmp_path):
+    import warnings
+
+    import torch  # in the test extra: the CPU run above needs it too
+
+    with warnings.catch_warnings():  # a CUDA build of torch without a GPU warns that it found none
+        warnings.simplefilter("ignore")
+        has_gpu = torch.cuda.is_available()
+    if has_gpu:
+        pytest.skip("this machine has a GPU")
+    result = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path)], capture_output=True, text=True)
+    assert result.returncode == 1 and list(tmp_path.iterdir()) == []
+    assert result.stderr.strip().splitlines() == [
+        "gpu_reference: error: no CUDA device (torch.cuda.is_available() is False); --cpu runs the same code on "
+        "the CPU at tiny sizes"]
