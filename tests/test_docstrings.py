@@ -59,7 +59,7 @@ MODULES = [
     "data/pipeline.py", "data/store.py", "data/nifti.py", "data/layouts.py",
     "memory/measure.py", "memory/budget.py", "memory/layouts.py", "distribute/execution.py", "distribute/pernode.py",
     "config/tables.py",
-    "compare/run.py", "compare/child.py", "compare/report.py", "compare/render.py",
+    "compare/run.py", "compare/child.py", "compare/report.py", "compare/render.py", "compare/gpu_reference.py",
     "train/trainer.py", "train/loop.py", "train/callbacks.py", "train/job.py", "train/resume.py",
     "infer/predict.py", "infer/plan.py", "infer/validate.py", "infer/forward.py", "infer/metrics.py",
     "infer/evaluate.py",

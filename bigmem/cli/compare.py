@@ -51,6 +51,11 @@ def register(subparsers, parents) -> None:
                         help="run the data-parallel path on N logical CPU devices (default when no GPU: 2)")
     parser.add_argument("--gpu-memory", metavar="SIZE",
                         help="memory of one GPU, which sizes the patch (default: the scaled stand-in above)")
+    parser.add_argument("--gpu-reference", metavar="FILE",
+                        help="the JSON benchmarks/performance/gpu_reference.py wrote on a real GPU: the GPU's "
+                             "memory and the model's largest patch come from it (with the phantoms, the measured "
+                             "kits19 patch sets the stand-in's proportion), and the report adds its measured "
+                             "step rate, saying which figures are measured and which simulated")
     parser.add_argument("--budget", choices=("time", "flops"), default="time",
                         help="equal training time (default) or equal training FLOPs for the two paths")
     length = parser.add_mutually_exclusive_group()
@@ -85,12 +90,18 @@ def run(args) -> int:
     gpu_memory = parse_bytes(args.gpu_memory, flag="--gpu-memory") if args.gpu_memory is not None else None
     if gpu_memory == 0:
         raise UsageError(f"Invalid --gpu-memory {args.gpu_memory!r}: expected a positive size such as 80GiB.")
+    if gpu_memory is not None and args.gpu_reference is not None:
+        raise UsageError("Give either --gpu-memory or --gpu-reference, not both: the reference file measured "
+                         "its GPU's memory.")
+    from bigmem.compare.gpu_reference import load_gpu_reference
+
+    measured = load_gpu_reference(args.gpu_reference) if args.gpu_reference is not None else None
     memory_budget = budget_arguments(args)[0]
     check_output_dir(args.out, "--out")
 
     from rich.console import Console
 
-    from bigmem.compare import GpuMemory, Settings, compare, console_table, scaled_gpu_memory
+    from bigmem.compare import GpuMemory, Settings, compare, console_table, provenance, scaled_gpu_memory
     from bigmem.config.presets import resolve_config
     from bigmem.data.derived import with_data_fields
     from bigmem.data.store import HDF5VolumeStore
@@ -123,8 +134,12 @@ def run(args) -> int:
             need = ("at least one held-out case to score" if holdout == 0
                     else "at least one besides the held-out ones to train on")
             raise UsageError(f"Invalid {given}: the store {store!r} has {cases}; compare needs {need}.")
-    memory = (GpuMemory(gpu_memory) if gpu_memory is not None
-              else scaled_gpu_memory(config, counts_function(config)))
+    reference, patch = None, None
+    if measured is not None:
+        memory, patch, reference = _measured_gpu(measured, config, args)
+    else:
+        memory = (GpuMemory(gpu_memory) if gpu_memory is not None
+                  else scaled_gpu_memory(config, counts_function(config)))
     from bigmem.tfenv import import_tensorflow
 
     tf = import_tensorflow(verbose=getattr(args, "verbose", False))
@@ -134,12 +149,46 @@ def run(args) -> int:
     settings = Settings(replicas=replicas, simulate=simulate, gpu_memory=memory, budget=args.budget,
                         time_budget_s=args.time_budget, steps=args.steps, seeds=args.seeds, holdout=holdout,
                         val_every=args.val_every, memory_budget_bytes=memory_budget,
-                        monitor_interval_s=args.monitor_interval)
+                        monitor_interval_s=args.monitor_interval, patch=patch, gpu_reference=reference)
     console = Console(soft_wrap=True)
     if memory.stand_in:
         status.print(f"GPU memory: {memory.stand_in}.", style="dim", highlight=False)
+    if reference is not None:
+        status.print(f"{reference.measured_sentence(patch)}.", style="dim", highlight=False)
     report = compare(config, Path(args.out), settings, progress=lambda m: status.print(m, style="dim", highlight=False))
     console.print(console_table(report))
+    if provenance(report):
+        console.print(provenance(report), highlight=False)
     console.print(report.conclusion.text, highlight=False)
     console.print(f"wrote {args.out}/compare.json, compare.md, compare.png")
     return 0
+
+
+def _measured_gpu(measured: dict, config, args):
+    """(GpuMemory, the fixed patch edge or None, the GpuReference reported) from a --gpu-reference file.
+
+    With --data: the measured GPU's memory, and the compared model's measured largest patch at batch 2
+    where the file has it (the planner's patch for that memory otherwise, and where the measured patch
+    is not smaller than the volumes). With the phantoms: the scaled stand-in, proportioned by the
+    measured kits19 patch of a 512^3 volume, which the file must have.
+    """
+    from bigmem.compare import GpuMemory, scaled_gpu_memory, whole_shape
+    from bigmem.compare.gpu_reference import MEASURED_BATCH, gpu_reference_for
+    from bigmem.compare.run import REAL_CASE
+    from bigmem.memory.profile import counts_function
+
+    precision = config.train.precision
+    own = gpu_reference_for(measured, config.model.name, precision)
+    if args.data is None:
+        real = gpu_reference_for(measured, REAL_CASE["model"], precision)
+        if real is None:
+            raise UsageError(f"--gpu-reference {args.gpu_reference}: no {REAL_CASE['model']} measurement at "
+                             f"{precision}, which sizes the phantoms' stand-in GPU; give --data STORE.h5 (the "
+                             "measured memory then sizes the patch) or a file that measured kits19.")
+        return scaled_gpu_memory(config, counts_function(config), real), None, own or real
+    patch = None
+    if own is not None and own.largest_patch and config.train.batch_size == MEASURED_BATCH \
+            and own.largest_patch < max(whole_shape(config)):
+        patch = own.largest_patch
+    reference = own or gpu_reference_for(measured, config.model.name, precision, memory_only=True)
+    return GpuMemory(measured["device"]["memory_bytes"]), patch, reference

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from bigmem.atomic import atomic_output
+from bigmem.compare.gpu_reference import GpuReference
 from bigmem.compare.report import LABELS, PATHS, ClassScore, CompareReport, PathResult
 from bigmem.units import format_bytes, format_shape
 
@@ -58,7 +59,21 @@ def rows(report: CompareReport) -> list[tuple[str, str, str]]:
          f"{dp.max_whole_volume}^3 per GPU ({format_bytes(report.gpu_memory_bytes)})"
          if dp.max_whole_volume else "none fits"),
     ]
+    if report.gpu_reference:
+        table.append(("measured on a GPU (PyTorch)", "-", GpuReference.from_dict(report.gpu_reference).summary))
     return table
+
+
+def provenance(report: CompareReport) -> str:
+    """Which figures were measured on a GPU and which were simulated, in a sentence or two."""
+    if not report.gpu_reference:
+        return ("Nothing here was measured on a GPU: the data-parallel figures are from logical CPU devices."
+                if report.simulated else "")
+    reference = GpuReference.from_dict(report.gpu_reference)
+    measured = reference.measured_sentence(report.patch_size[0] if len(set(report.patch_size)) == 1 else None)
+    simulated = (" Simulated on CPU: the data-parallel run itself (its steps, times, host memory and Dice)."
+                 if report.simulated else "")
+    return f"{measured[0].upper()}{measured[1:]}; the patch and the GPU's memory above come from it.{simulated}"
 
 
 def console_table(report: CompareReport):
@@ -93,6 +108,8 @@ def markdown(report: CompareReport) -> str:
              f"Held-out cases: {', '.join(report.held_out_cases)}.", "",
              f"| | {LABELS['cpu_bigmem']} | {LABELS['data_parallel']} |", "|---|---|---|"]
     lines += [f"| {a.strip()} | {b} | {c} |" for a, b, c in rows(report)]
+    if provenance(report):
+        lines += ["", provenance(report)]
     lines += ["", f"**Conclusion:** {report.conclusion.text}"]
     return "\n".join(lines) + "\n"
 

@@ -339,6 +339,8 @@ class CompareReport:
         budget: the sentence stating the equal budget.
         seeds: runs per path.
         paths: ``PathResult`` per path (``PATHS``).
+        gpu_reference: what a real GPU measured (``GpuReference.to_dict``, ``--gpu-reference``); None
+            when nothing was measured on a GPU.
 
     Example:
         >>> report = CompareReport.from_dict(json.loads(Path("cmp/compare.json").read_text()))
@@ -360,6 +362,7 @@ class CompareReport:
     budget: str
     seeds: int
     paths: Mapping[str, PathResult]
+    gpu_reference: Mapping[str, Any] | None = None
 
     @property
     def conclusion(self) -> Conclusion:
@@ -367,12 +370,14 @@ class CompareReport:
         return conclude(self.paths, self.seeds, self.budget)
 
     def to_dict(self) -> dict[str, Any]:
-        """compare.json: the fields, ``paths`` per path, and ``conclusion``."""
+        """compare.json: the fields (``gpu_reference`` only when there is one), ``paths`` per path, ``conclusion``."""
         values = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
         values.update(shape=list(self.shape), patch_size=list(self.patch_size), batch=dict(self.batch),
                       held_out_cases=list(self.held_out_cases),
                       paths={name: path.to_dict() for name, path in self.paths.items()},
                       conclusion=self.conclusion.to_dict())
+        if self.gpu_reference is None:  # a report without one reads as those written before the field
+            del values["gpu_reference"]
         return values
 
     @classmethod
@@ -383,4 +388,5 @@ class CompareReport:
                    values["gpu_memory_stand_in"], values["model"], values["volume"], as_shape(shape),
                    bool(values.get("native_shapes", False)), as_shape(values["patch_size"]), dict(values["batch"]),
                    tuple(values["held_out_cases"]), values["budget"], values["seeds"],
-                   {name: PathResult.from_dict(path) for name, path in values["paths"].items()})
+                   {name: PathResult.from_dict(path) for name, path in values["paths"].items()},
+                   values.get("gpu_reference"))

@@ -34,6 +34,7 @@ from bigmem.errors import UsageError
 from bigmem.units import as_shape, format_bytes, format_count, format_shape
 
 if TYPE_CHECKING:
+    from bigmem.compare.gpu_reference import GpuReference
     from bigmem.distribute.execution import DataParallel
 
 # The proportion the default GPU memory keeps: the headline case, a 512^3 kits19 volume against
@@ -75,6 +76,9 @@ class Settings:
             at the same training FLOPs (its steps scaled by the FLOPs per step).
         memory_budget_bytes: the host's budget (default: ``memory.budget.resolve_budget``'s).
         monitor_interval_s: each run's monitor.csv interval (None: train's default).
+        patch: the data-parallel patch edge, fixed (a measured GPU's largest, ``--gpu-reference``);
+            None: the planner's largest for ``gpu_memory``.
+        gpu_reference: what a real GPU measured (``compare.gpu_reference``), reported beside the run.
     """
 
     replicas: int
@@ -88,6 +92,8 @@ class Settings:
     val_every: int = DEFAULT_VAL_EVERY
     memory_budget_bytes: int | None = None
     monitor_interval_s: float | None = None
+    patch: int | None = None
+    gpu_reference: GpuReference | None = None
 
     def check(self) -> None:
         """Raise ``UsageError`` for a setting no run could use."""
@@ -125,30 +131,41 @@ def whole_shape(config: ExperimentConfig) -> tuple[int, int, int]:
     return planned_shape([trained for _, _, trained in trained_shapes(config)], config.train.batch_size)
 
 
-def scaled_gpu_memory(config: ExperimentConfig, counts_for) -> GpuMemory:
+def scaled_gpu_memory(config: ExperimentConfig, counts_for, measured: GpuReference | None = None) -> GpuMemory:
     """One GPU's memory in the proportion of the real case, for ``config``'s volumes.
 
-    The planner's patch for a 512^3 kits19 volume on an 80 GiB GPU (at ``config``'s batch) is a
-    fraction of its edge; the stand-in is the memory in which the planner's patch for the
-    largest edge of ``whole_shape(config)`` is the same fraction (rounded down to the size contract).
+    The patch for a 512^3 kits19 volume on one GPU (at ``config``'s batch) is a fraction of its edge:
+    the planner's for an 80 GiB GPU, or with ``measured`` (kits19 on a real GPU) the largest patch
+    that GPU trained at batch 2 (at another batch, the planner's for its measured memory). The
+    stand-in is the memory in which the planner's patch for the largest edge of
+    ``whole_shape(config)`` is the same fraction (rounded down to the size contract).
 
     Returns:
         ``GpuMemory`` with the sentence that states the scaling.
     """
+    from bigmem.compare.gpu_reference import MEASURED_BATCH
     from bigmem.config.presets import resolve_config
     from bigmem.distribute.planning import gpu_footprint_bytes, largest_edge
     from bigmem.memory.profile import counts_function
 
     batch = config.train.batch_size
     real = resolve_config(REAL_CASE["model"], {"train": {"batch_size": batch}})
-    real_patch = largest_edge(real, counts_function(real), REAL_CASE["gpu_memory_bytes"], batch, REAL_CASE["volume"])
+    if measured is not None and measured.largest_patch and batch == MEASURED_BATCH:
+        real_patch = min(measured.largest_patch, REAL_CASE["volume"])
+        source = (f"as the measured {measured.gpu} ({format_bytes(measured.memory_bytes)}) trains a {real_patch}^3 "
+                  f"patch of a {REAL_CASE['volume']}^3 {REAL_CASE['model']} volume (batch {batch})")
+    else:
+        gpu_memory = measured.memory_bytes if measured is not None else REAL_CASE["gpu_memory_bytes"]
+        real_patch = largest_edge(real, counts_function(real), gpu_memory, batch, REAL_CASE["volume"])
+        where = f"the measured {measured.gpu}'s " if measured is not None else ""
+        source = (f"as {where}{format_bytes(gpu_memory)} holds {real_patch}^3 of a {REAL_CASE['volume']}^3 "
+                  f"{REAL_CASE['model']} volume (batch {batch})")
     fraction = (real_patch or real.model.divisor) / REAL_CASE["volume"]
     divisor, volume = config.model.divisor, max(whole_shape(config))
     edge = max(divisor, int(fraction * volume) // divisor * divisor)
     memory = gpu_footprint_bytes(config, counts_for, edge, batch)
     return GpuMemory(memory, f"a scaled stand-in: {format_bytes(memory)}, in which the planner's patch is {edge}^3 "
-                             f"of volumes of edge {volume}, as {format_bytes(REAL_CASE['gpu_memory_bytes'])} holds "
-                             f"{real_patch}^3 of a {REAL_CASE['volume']}^3 {REAL_CASE['model']} volume (batch {batch})")
+                             f"of volumes of edge {volume}, {source}")
 
 
 def plan_both_paths(config: ExperimentConfig, counts_for, settings: Settings):
@@ -175,7 +192,10 @@ def plan_both_paths(config: ExperimentConfig, counts_for, settings: Settings):
 
 
 def _dp_config(config: ExperimentConfig, settings: Settings) -> ExperimentConfig:
-    return config.updated({"distribute": {"strategy": "mirrored", "gpu_memory_bytes": settings.gpu_memory.bytes}})
+    distribute = {"strategy": "mirrored", "gpu_memory_bytes": settings.gpu_memory.bytes}
+    if settings.patch is not None:
+        distribute["patch"] = settings.patch
+    return config.updated({"distribute": distribute})
 
 
 def train_flops(config: ExperimentConfig, edge, samples: int) -> int:
@@ -354,7 +374,8 @@ def _report(config: ExperimentConfig, settings: Settings, plan: _Plan,
         held_out_cases=plan.held_out, budget=_budget_text(settings), seeds=settings.seeds,
         paths={"cpu_bigmem": PathResult.over_seeds(runs["cpu_bigmem"], max_whole_volume=volumes.host,
                                                    max_whole_volume_mode=volumes.host_mode),
-               "data_parallel": PathResult.over_seeds(runs["data_parallel"], max_whole_volume=volumes.gpu)})
+               "data_parallel": PathResult.over_seeds(runs["data_parallel"], max_whole_volume=volumes.gpu)},
+        gpu_reference=settings.gpu_reference.to_dict() if settings.gpu_reference else None)
 
 
 def _budget_text(settings: Settings) -> str:
