@@ -146,3 +146,39 @@ def test_nodes_outside_the_cpuset_are_refused_in_one_line(tmp_path, policy, mess
                                f"by a cpuset cgroup, Slurm or numactl). Name only those nodes, e.g. --numa "
                                f"{kind.value}:0.")
     apply._check_mems_allowed(Placement(kind, (0,), (0,), 1, 2, text="bind:0"), proc_root=str(tmp_path))
+
+
+class _FakeLibnuma:
+    """libnuma's nodestring parser and migrate_pages, recording what they were given."""
+
+    def __init__(self, left: int = 0):
+        self.masks, self.calls, self.freed, self.left = {}, [], [], left
+        # plain functions, which take the restype and argtypes ctypes functions are given
+        self.numa_parse_nodestring = lambda text: self._parse(text)
+        self.numa_migrate_pages = lambda pid, source, target: self._migrate(pid, source, target)
+        self.numa_bitmask_free = lambda mask: self.freed.append(mask)
+
+    def _parse(self, text: bytes) -> int:
+        self.masks[len(self.masks) + 1] = text.decode()
+        return len(self.masks)
+
+    def _migrate(self, pid: int, source: int, target: int) -> int:
+        self.calls.append((pid, self.masks[source], self.masks[target]))
+        return self.left
+
+
+@pytest.mark.parametrize("nodes, online, moved", [
+    ((1,), "0-3", [(0, "0,2-3", "1")]),
+    ((0, 1), "0-3", [(0, "2-3", "0-1")]),
+    ((0,), "0", []),  # one node: nothing to move from, libnuma not called
+])
+def test_bind_moves_what_was_touched_before_it_onto_the_bound_nodes(nodes, online, moved):
+    from types import SimpleNamespace
+
+    from bigmem.numa.apply import migrate_to
+
+    lib = _FakeLibnuma()
+    left = migrate_to(nodes, SimpleNamespace(LIBNUMA=lib), online=online)
+    assert lib.calls == moved and (left == 0 if moved else left is None)
+    assert sorted(lib.freed) == sorted(lib.masks)  # every mask given back
+    assert migrate_to((1,), SimpleNamespace(LIBNUMA=_FakeLibnuma(left=-1)), online="0-1") is None  # refused

@@ -113,6 +113,35 @@ def test_bind_puts_every_page_on_the_node(topology, node):
         assert report["note"].startswith(f"node(s) {node} have memory but no CPUs; threads run on the nearest node(s)")
 
 
+# Touches an array on CPU 0's node first, then binds to node argv[1]: where are the array's pages now?
+TOUCHED_BEFORE = """
+import json, os, re, sys
+os.sched_setaffinity(0, {0})
+import numpy as np
+array = np.ones(64 * 2**20 // 8)
+from bigmem.numa.apply import place
+place('bind:' + sys.argv[1])
+begin, end = array.ctypes.data, array.ctypes.data + array.nbytes
+ranges = [tuple(int(a, 16) for a in line.split()[0].split('-')) for line in open('/proc/self/maps')]
+overlapping = {start for start, stop in ranges if start < end and stop > begin}
+pages = {}
+for line in open('/proc/self/numa_maps'):
+    if int(line.split()[0], 16) in overlapping:
+        for node, count in re.findall(r'\\bN(\\d+)=(\\d+)', line):
+            pages[node] = pages.get(node, 0) + int(count)
+print(json.dumps(pages))
+"""
+
+
+def test_bind_moves_what_was_touched_before_it(topology):
+    """A worker's interpreter and early imports run before its placement, on whichever CPU it started on."""
+    _node_or_skip(topology, 1)
+    result = subprocess.run([sys.executable, "-c", TOUCHED_BEFORE, "1"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    pages = {int(node): count for node, count in json.loads(result.stdout).items()}
+    assert pages.get(1, 0) / sum(pages.values()) >= 0.99, pages
+
+
 def test_preferred_fills_the_node_then_spills(topology):
     node = (_memory_only(topology) or [topology.nodes[-1].node_id])[-1]
     assert _touch(f"preferred:{node}", 64 * MIB)["shares"].get(node, 0) >= 0.99
