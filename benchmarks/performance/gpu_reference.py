@@ -12,17 +12,22 @@ the MLPerf reference 3D U-Net is itself PyTorch) and imports neither bigmem nor 
 the standard library and torch: the planner's predictions travel with it, precomputed here into
 ``gpu_reference_plan.json`` (``--write-plan``; the test suite checks that file is current).
 
-Per model (default kits19, then intelai-brats) and precision (``tf32``: float32 weights, TF32
+Per model (default kits19 and intelai-brats) and precision (``tf32``: float32 weights, TF32
 convolutions and matmuls, PyTorch's default for cuDNN convolutions; ``bf16``: ``torch.autocast``
-to bfloat16), in this order, until the time budget (``--minutes``, default 8, start-up included)
-says stop, each later item skipped with the reason recorded:
+to bfloat16), each step across every pair before the next, so no pair can eat the others' time,
+until the budget (``--minutes``, default 8, start-up included) says stop, what it did not reach
+listed:
 
 1. training at 128^3 batch 2 (MLPerf's patch and batch): step time (median and spread of
-   ``--steps`` after ``--warmup``) and the peak (``torch.cuda.max_memory_allocated``);
+   ``--steps`` after ``--warmup``) and the peak (``torch.cuda.max_memory_allocated``; reserved
+   too, and what the GPU holds outside the allocator once the libraries are loaded);
 2. the same at the planner's largest cubic patch for this GPU's memory at batch 2;
 3. the largest cubic patch that trains at batch 2: a bisection over multiples of the model's
-   divisor, starting at the planner's patch, each probe one step caught on out-of-memory;
-4. whole-volume inference: the largest cube one forward pass at batch 1 holds, the same way.
+   divisor, starting at the planner's patch, each probe two steps, out-of-memory caught;
+4. whole-volume inference: the largest cube one forward pass at batch 1 holds, the same way. Its
+   cubes pass 2^31 elements per feature map, where kernels are least tried: last, when the rest is
+   saved. A kernel's refusal of a size counts as "does not run"; any other error fails that item
+   only, and a GPU context that stops working ends the run with what it has.
 
 Training uses SGD with Nesterov momentum 0.99 (kits19's recipe; momentum buffers count in the
 peak) and the Dice + cross-entropy loss of bigmem's trainer; cuDNN's autotuner is off, as every
@@ -50,6 +55,7 @@ import statistics
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Callable
@@ -134,21 +140,29 @@ def _inference_counted(config, counts, edge: int, forward_live_bytes) -> int:
 # --- the devices ------------------------------------------------------------------------------
 
 class Cuda:
-    """One CUDA GPU: its allocator's peak, its out-of-memory."""
+    """One CUDA GPU: its allocator's peak, its out-of-memory, its health after a failure."""
 
     kind = "cuda"
 
     def __init__(self, torch):
         self.torch = torch
         self.device = torch.device("cuda")
+        # torch.cuda.OutOfMemoryError exists from torch 1.13; before it an out-of-memory is a RuntimeError
+        self.oom = getattr(torch.cuda, "OutOfMemoryError", RuntimeError)
         props = torch.cuda.get_device_properties(0)
         self.name, self.total_bytes = props.name, props.total_memory
         torch.backends.cuda.matmul.allow_tf32 = True  # tf32 mode: TF32 matmuls as well as convolutions
         torch.backends.cudnn.allow_tf32 = True
         torch.backends.cudnn.benchmark = False  # every probe is a new shape: autotuning would be timed
-        torch.empty(1, device=self.device)  # creates the context, whose size is measured next
-        free, total = torch.cuda.mem_get_info()
-        self.context_bytes = total - free - torch.cuda.memory_reserved()
+        torch.empty(1, device=self.device)  # creates the context (cuBLAS and cuDNN add to it on first use)
+        self.context_bytes = self.context_now()
+        self.last_reserved: int | None = None
+        self.last_warnings: list[str] = []
+
+    def context_now(self) -> int:
+        """What the GPU holds outside PyTorch's allocator: the context, the libraries' handles and kernels."""
+        free, total = self.torch.cuda.mem_get_info()
+        return total - free - self.torch.cuda.memory_reserved()
 
     def describe(self) -> dict:
         return {"kind": self.kind, "name": self.name, "memory_bytes": self.total_bytes,
@@ -156,33 +170,75 @@ class Cuda:
                 "cuda": self.torch.version.cuda, "cudnn": self.torch.backends.cudnn.version(),
                 "capability": ".".join(map(str, self.torch.cuda.get_device_capability(0)))}
 
+    def healthy(self) -> bool:
+        """Whether the context still runs work (an illegal access leaves every later call failing)."""
+        try:
+            self.torch.cuda.synchronize()
+            return self.torch.ones(1, device=self.device).sum().item() == 1.0
+        except Exception:  # whatever the failure, the answer is no
+            return False
+
     def run(self, fn: Callable[[], None]) -> int:
-        """Run ``fn`` (which ends synchronised); its peak allocated bytes; OutOfMemory when it did not fit."""
+        """Run ``fn`` (which ends synchronised); its peak allocated bytes.
+
+        Raises:
+            OutOfMemory: it did not fit, or a kernel refused the size (``REFUSALS``).
+            DeviceLost: the context no longer runs anything: stop, keep what was measured.
+            ProbeFailed: any other error (a bug, not a size): the item fails, the run goes on.
+        """
         torch = self.torch
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        failed = None
-        try:
-            fn()
-            torch.cuda.synchronize()
-        except torch.cuda.OutOfMemoryError as error:
-            failed = OutOfMemory(_first_line(error))
-        except RuntimeError as error:  # a kernel's refusal (see OutOfMemory), or an illegal access
-            failed = OutOfMemory(_first_line(error), kind=f"refused: {type(error).__name__}")
-        if failed is not None:
-            # Raised here, outside the handler: the caught exception's traceback holds the frames, and with
-            # them the probe's tensors, until the handler ends; raising inside it would keep them allocated.
-            gc.collect()
-            torch.cuda.empty_cache()
-            raise failed
-        return torch.cuda.max_memory_allocated()
+        failed: Exception | None = None
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                fn()
+                torch.cuda.synchronize()
+            except self.oom as error:
+                failed = (OutOfMemory(_first_line(error)) if self.oom is not RuntimeError or _refusal(error)
+                          else ProbeFailed(_first_line(error)))
+            except RuntimeError as error:
+                failed = (OutOfMemory(_first_line(error), kind=f"refused: {type(error).__name__}")
+                          if _refusal(error) else ProbeFailed(f"{type(error).__name__}: {_first_line(error)}"))
+        self.last_warnings = sorted({_first_line(w.message) for w in caught})[:5]
+        if failed is None:
+            self.last_reserved = torch.cuda.max_memory_reserved()
+            return torch.cuda.max_memory_allocated()
+        # Raised here, outside the handler: the caught exception's traceback holds the frames, and with them
+        # the probe's tensors, until the handler ends; raising inside it would keep them allocated.
+        if not self.healthy():
+            raise DeviceLost(str(failed))
+        gc.collect()
+        torch.cuda.empty_cache()
+        raise failed
 
     def sync(self) -> None:
         self.torch.cuda.synchronize()
 
     def release(self) -> None:
+        gc.collect()
         self.torch.cuda.empty_cache()
+
+
+# What a kernel says when a size is beyond it (cuDNN, cuBLAS, PyTorch's 32-bit indexing checks): the cube
+# does not run on this GPU. Anything else is a bug and is reported as one, not counted as "does not fit".
+REFUSALS = re.compile(r"out of memory|CUDNN_STATUS|CUBLAS_STATUS_ALLOC|unable to find an engine|32.?bit|"
+                      r"canUse32BitIndexMath|too large|integer out of range|illegal memory access|not supported",
+                      re.I)
+
+
+def _refusal(error: BaseException) -> bool:
+    return bool(REFUSALS.search(str(error)))
+
+
+class DeviceLost(Exception):
+    """The GPU's context failed for good: what was measured is written, nothing more is tried."""
+
+
+class ProbeFailed(Exception):
+    """A probe failed for a reason other than its size."""
 
 
 class Cpu:
@@ -201,6 +257,15 @@ class Cpu:
         return {"kind": self.kind, "name": self.name, "memory_bytes": self.total_bytes, "context_bytes": 0,
                 "threads": self.torch.get_num_threads(),
                 "peak": "rise of VmHWM over the call (no allocator statistics on the CPU)"}
+
+    last_reserved = None
+    last_warnings: list = []
+
+    def context_now(self) -> int:
+        return 0
+
+    def healthy(self) -> bool:
+        return True
 
     def run(self, fn: Callable[[], None]) -> int:
         before = _status_bytes("VmRSS")
@@ -248,7 +313,9 @@ class Clock:
         return self.deadline - time.monotonic()
 
     def allows(self, seconds: float) -> bool:
-        return seconds < self.left()
+        # half again and 5 s more: a new shape's first step (kernel choice, lazy loading) and steps near
+        # full memory (low-workspace algorithms, allocator retries) cost more than the cubic extrapolation
+        return 1.5 * seconds + 5 < self.left()
 
 
 class Bench:
@@ -342,34 +409,44 @@ def largest_fitting(fits: Callable[[int], bool], candidates: list[int], first: i
 
 
 def search(bench: Bench, candidates: list[int], first: int, clock: Clock, probe: Callable[[int], float],
-           expected_s: Callable[[int], float]) -> dict:
-    """The largest cube ``probe`` holds, by bisection; each probe's peak, seconds, fit.
+           expected_s: Callable[[int], float], known: dict[int, bool], label: str) -> dict:
+    """The largest cube ``probe`` holds, by bisection from ``first``; each probe's peak, seconds, fit.
 
-    A probe the clock cannot afford (``expected_s``, from the last step measured) ends the search
-    with the largest fit so far, marked incomplete.
+    ``known`` holds outcomes already measured (the timed points), which are not probed again. A
+    probe the clock cannot afford ends the search with the largest fit so far, marked incomplete;
+    its cost is priced at no more than 1.25 times the largest fit's edge, as a probe past the
+    boundary runs out of memory at its first large allocation.
     """
     record: dict = {"probes": []}
 
     def fits(edge: int) -> bool:
-        if not clock.allows(expected_s(edge)):
+        if edge in known:
+            record["probes"].append({"edge": edge, "fits": known[edge], "from": "a timed point"})
+            return known[edge]
+        fitted = [p["edge"] for p in record["probes"] if p["fits"]] + [e for e, ok in known.items() if ok]
+        cap = int(1.25 * max(fitted or [first]))
+        if not clock.allows(expected_s(min(edge, cap))):
             raise TimeoutError
         began = time.monotonic()
-        seconds: list[float] = []
         try:
-            peak = bench.device.run(lambda: seconds.append(probe(edge)))
+            peak = bench.device.run(lambda: probe(edge))
         except OutOfMemory as error:
             bench.drop_state()
             record["probes"].append({"edge": edge, "fits": False, "kind": error.kind, "error": str(error),
-                                     "s": time.monotonic() - began})
+                                     "s": time.monotonic() - began, "warnings": bench.device.last_warnings})
+            print(f"  {label} {edge}^3: does not run ({error.kind}, {time.monotonic() - began:.1f} s)", flush=True)
             return False
-        record["probes"].append({"edge": edge, "fits": True, "peak_bytes": peak, "s": time.monotonic() - began})
+        record["probes"].append({"edge": edge, "fits": True, "peak_bytes": peak,
+                                 "peak_reserved_bytes": bench.device.last_reserved, "s": time.monotonic() - began,
+                                 "warnings": bench.device.last_warnings})
+        print(f"  {label} {edge}^3: runs ({time.monotonic() - began:.1f} s, peak {peak / GIB:.2f} GiB)", flush=True)
         return True
 
     try:
         record["largest_edge"], _ = largest_fitting(fits, candidates, first)
     except TimeoutError:
-        known = [p["edge"] for p in record["probes"] if p["fits"]]
-        record["largest_edge"] = max(known) if known else None
+        known_fits = [p["edge"] for p in record["probes"] if p["fits"]]
+        record["largest_edge"] = max(known_fits) if known_fits else None
         record["incomplete"] = "the time budget ran out before the bisection closed: a lower bound"
     return record
 
@@ -380,58 +457,128 @@ def planner_edge(predicted: dict[str, int], memory_bytes: int) -> int | None:
     return max(fitting) if fitting else None
 
 
-def measure_model(torch, device, name: str, plan: dict, precision: str, clock: Clock, args) -> dict:
-    entry = plan["models"][name]
-    divisor, predicted = entry["divisor"], entry["predicted"][precision]
-    limit = CPU_EDGE_LIMIT if device.kind == "cpu" else plan["edge_limit"]
-    candidates = [e for e in range(divisor, limit + 1, divisor)]
-    # The planner allows GPU_RUNTIME_BYTES for the CUDA context; the CPU standing in has none.
-    adjust = 0 if device.kind == "cuda" else -plan["gpu_runtime_bytes"]
-    train_predicted = {e: b + adjust for e, b in predicted["train_batch2"].items() if int(e) <= limit}
-    bench = Bench(torch, device, entry["architecture"], precision, seed=args.seed)
-    result: dict = {"model": name, "precision": precision, "parameters": bench.parameters, "skipped": []}
-    mlperf = args.mlperf_patch
-    planned = planner_edge(train_predicted, device.total_bytes)
-    result["planner_patch_batch2"] = planned
-    points = {f"mlperf_{mlperf}": mlperf, "planner_patch": planned}
-    for label, edge in points.items():
-        if edge is None or (label == "planner_patch" and edge == mlperf):
-            result[label] = {"same_as": f"mlperf_{mlperf}"} if edge == mlperf else None
-            continue
-        estimate = bench.expected_s(edge, MLPERF_BATCH, args.warmup + args.steps)
+class Pair:
+    """One model at one precision: its bench, the planner's figures for it, and its entry of the report."""
+
+    def __init__(self, torch, device, name: str, precision: str, plan: dict, args):
+        entry = plan["models"][name]
+        self.name, self.precision, self.device, self.args = name, precision, device, args
+        self.predicted = entry["predicted"][precision]
+        limit = CPU_EDGE_LIMIT if device.kind == "cpu" else plan["edge_limit"]
+        self.candidates = list(range(entry["divisor"], limit + 1, entry["divisor"]))
+        # The planner allows GPU_RUNTIME_BYTES for the CUDA context; the CPU standing in has none.
+        self.adjust = 0 if device.kind == "cuda" else -plan["gpu_runtime_bytes"]
+        self.train_predicted = {e: b + self.adjust for e, b in self.predicted["train_batch2"].items()
+                                if int(e) <= limit}
+        self.inference_predicted = {e: b + plan["gpu_runtime_bytes"] + self.adjust
+                                    for e, b in self.predicted["inference_counted"].items() if int(e) <= limit}
+        self.bench = Bench(torch, device, entry["architecture"], precision, seed=args.seed)
+        self.planned = planner_edge(self.train_predicted, device.total_bytes)
+        self.result: dict = {"model": name, "precision": precision, "parameters": self.bench.parameters,
+                             "skipped": [], "failed": [], "planner_patch_batch2": self.planned}
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} {self.precision}"
+
+    def timed_point(self, label: str, edge: int | None, clock: Clock) -> None:
+        """Time training at ``edge``^3 x 2 into ``result[label]``."""
+        args, result = self.args, self.result
+        if edge is None:
+            result[label] = None
+            return
+        estimate = self.bench.expected_s(edge, MLPERF_BATCH, args.warmup + args.steps)
         if not clock.allows(estimate):
-            result["skipped"].append(f"{label} {edge}^3: ~{estimate:.0f} s left to it of {clock.left():.0f} s")
-            continue
+            result["skipped"].append(f"{label} {edge}^3: ~{estimate:.0f} s, {clock.left():.0f} s left")
+            return
         try:
-            point = timed_training(bench, edge, MLPERF_BATCH, args.warmup, args.steps)
+            point = timed_training(self.bench, edge, MLPERF_BATCH, args.warmup, args.steps)
         except OutOfMemory as error:
-            bench.drop_state()
+            self.bench.drop_state()
             result[label] = {"edge": edge, "batch": MLPERF_BATCH, "failed": error.kind, "error": str(error)}
-            continue
-        point["predicted_bytes"] = train_predicted.get(str(edge))
+            print(f"  {self.label} {label} {edge}^3 x{MLPERF_BATCH}: does not run ({error.kind})", flush=True)
+            return
+        self.bench.drop_state()
+        point["peak_reserved_bytes"] = self.device.last_reserved
+        point["context_bytes"] = self.device.context_now()  # the libraries' handles exist by now
+        point["predicted_bytes"] = self.train_predicted.get(str(edge))
         result[label] = point
-    bench.drop_state()
-    first = planned or mlperf
-    result["largest_patch_batch2"] = search(
-        bench, candidates, first, clock,
-        lambda edge: sum(bench.train_steps(edge, MLPERF_BATCH, 2)),  # two steps: the momentum buffers exist
-        lambda edge: bench.expected_s(edge, MLPERF_BATCH, 2))
-    bench.drop_state()
-    inference_first = planner_edge({e: b + plan["gpu_runtime_bytes"] + adjust
-                                    for e, b in predicted["inference_counted"].items() if int(e) <= limit},
-                                   device.total_bytes) or first
-    # a forward pass is about a third of a training step
-    result["largest_inference_cube"] = search(bench, candidates, inference_first, clock, bench.forward,
-                                              lambda edge: bench.expected_s(edge, 1, 1) / 3)
-    result["largest_inference_cube"]["planner_counted_edge"] = inference_first
-    for record, key in ((result["largest_patch_batch2"], "train_batch2"),
-                        (result["largest_inference_cube"], "inference_counted")):
+        print(f"  {self.label} {label} {edge}^3 x{MLPERF_BATCH}: {point['step_s']['median']:.3f} s/step, "
+              f"peak {point['peak_bytes'] / GIB:.2f} GiB", flush=True)
+
+    def known_outcomes(self) -> dict[int, bool]:
+        known = {}
+        for key in (k for k in self.result if k.startswith("mlperf_") or k == "planner_patch"):
+            point = self.result[key]
+            if isinstance(point, dict) and "edge" in point:
+                known[point["edge"]] = "step_s" in point
+        return known
+
+    def training_search(self, clock: Clock) -> None:
+        bench = self.bench
+        self.result["largest_patch_batch2"] = self._with_predictions(search(
+            bench, self.candidates, self.planned or self.args.mlperf_patch, clock,
+            lambda edge: sum(bench.train_steps(edge, MLPERF_BATCH, 2)),  # two steps: the momentum buffers exist
+            lambda edge: bench.expected_s(edge, MLPERF_BATCH, 2), self.known_outcomes(),
+            f"{self.label} training x{MLPERF_BATCH}"), self.train_predicted)
+        bench.drop_state()
+
+    def inference_search(self, clock: Clock) -> None:
+        bench = self.bench
+        planned = planner_edge(self.inference_predicted, self.device.total_bytes)
+        largest_training = (self.result.get("largest_patch_batch2") or {}).get("largest_edge")
+        record = search(bench, self.candidates, planned or largest_training or self.args.mlperf_patch, clock,
+                        bench.forward, lambda edge: bench.expected_s(edge, 1, 1) / 3,  # a third of a step
+                        {}, f"{self.label} forward")
+        record["planner_counted_edge"] = planned
+        self.result["largest_inference_cube"] = self._with_predictions(record, self.inference_predicted)
+        bench.drop_state()
+
+    @staticmethod
+    def _with_predictions(record: dict, predicted: dict[str, int]) -> dict:
         for probe in record["probes"]:
-            planned_bytes = predicted[key].get(str(probe["edge"]))
-            probe["predicted_bytes"] = None if planned_bytes is None else planned_bytes + (
-                adjust if key == "train_batch2" else 0)
-    device.release()
-    return result
+            probe["predicted_bytes"] = predicted.get(str(probe["edge"]))
+        return record
+
+
+def measure(pairs: list[Pair], clock: Clock, save: Callable[[], None]) -> str | None:
+    """Every pair's measurements, cheapest first across pairs, so that one pair cannot eat the budget.
+
+    The 128^3 points of every pair, then the planner's patches, then the training searches, then the
+    forward searches (whose cubes pass 2^31 elements per feature map, where kernels are least tried:
+    last, after everything else is saved). ``save`` runs after every item.
+
+    Returns:
+        None, or why the run stopped early (the GPU's context was lost).
+    """
+    phases = [("mlperf point", lambda pair: pair.timed_point(f"mlperf_{pair.args.mlperf_patch}",
+                                                             pair.args.mlperf_patch, clock)),
+              ("planner's patch", lambda pair: pair.timed_point("planner_patch", pair.planned, clock)
+               if pair.planned != pair.args.mlperf_patch else pair.result.update(planner_patch={"same_as": "mlperf"})),
+              ("largest training patch", lambda pair: pair.training_search(clock)),
+              ("largest forward cube", lambda pair: pair.inference_search(clock))]
+    for phase, work in phases:
+        for pair in pairs:
+            if not clock.allows(0):
+                pair.result["skipped"].append(f"{phase}: the time budget")
+                save()
+                continue
+            print(f"{pair.label}: {phase} ({clock.left():.0f} s left)", flush=True)
+            try:
+                work(pair)
+            except DeviceLost as error:
+                pair.result["failed"].append(f"{phase}: the GPU's context failed: {error}")
+                save()
+                return f"the GPU's context failed during {pair.label}'s {phase}: {error}"
+            except Exception as error:  # one item's failure must not cost the others' figures (one lent GPU)
+                pair.result["failed"].append(f"{phase}: {type(error).__name__}: {_first_line(error)}")
+                print(f"  {pair.label}: {phase} failed: {type(error).__name__}: {_first_line(error)}", flush=True)
+                pair.bench.drop_state()
+                if not pair.device.healthy():
+                    save()
+                    return f"the GPU's context failed after {pair.label}'s {phase}"
+            save()
+    return None
 
 
 # --- the report -------------------------------------------------------------------------------
@@ -447,10 +594,14 @@ def table(report: dict) -> str:
     for r in report["results"]:
         for label in [k for k in r if k.startswith("mlperf_") or k == "planner_patch"]:
             point = r[label]
+            if isinstance(point, dict) and point.get("failed"):
+                rows.append((r["model"], r["precision"], label, f"{point['edge']}^3 x{point['batch']}",
+                             f"does not run: {point['failed']}", "", "", ""))
             if not point or "step_s" not in point:
                 continue
             s = point["step_s"]
-            measured = point["peak_bytes"] + report["device"]["context_bytes"]
+            # the peak allocated, and what the GPU held outside the allocator once the libraries were loaded
+            measured = point["peak_bytes"] + point.get("context_bytes", report["device"]["context_bytes"])
             ratio = f"{point['predicted_bytes'] / measured:.2f}" if point.get("predicted_bytes") else "-"
             rows.append((r["model"], r["precision"], label, f"{point['edge']}^3 x{point['batch']}",
                          f"{s['median']:.3f} ({s['min']:.3f}-{s['max']:.3f})", _gib(measured),
@@ -465,7 +616,8 @@ def table(report: dict) -> str:
                          "", "", "(incomplete)" if record.get("incomplete") else ""))
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
-    notes = [f"{r['model']} {r['precision']}: failed: {r['failed']}" for r in report["results"] if r.get("failed")]
+    notes = [f"{r['model']} {r['precision']}: failed: {item}" for r in report["results"] for item in r["failed"]]
+    notes += [f"stopped early: {report['stopped']}"] if report.get("stopped") else []
     notes += [f"{r['model']} {r['precision']}: skipped {item}" for r in report["results"] for item in r["skipped"]]
     notes += [f"{r['model']} {r['precision']}: the {key} search is incomplete (the time budget)"
               for r in report["results"] for key in ("largest_patch_batch2", "largest_inference_cube")
@@ -519,9 +671,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"not in {PLAN.name}: {', '.join(unknown)} (models: {', '.join(plan['models'])}; "
                      f"precisions: {', '.join(PRECISIONS)})")
     print(f"gpu_reference: {', '.join(models)} x {', '.join(precisions)}, within {args.minutes:g} min "
-          f"(start-up included): per pair, training at {args.mlperf_patch}^3 x{MLPERF_BATCH} and at the planner's "
-          f"patch ({args.warmup} + {args.steps} steps each), then the largest patch at batch {MLPERF_BATCH} and the "
-          "largest forward cube by bisection; what the budget does not reach is skipped and listed.", flush=True)
+          f"(start-up included): for every pair, training at {args.mlperf_patch}^3 x{MLPERF_BATCH}, then at the "
+          f"planner's patch ({args.warmup} + {args.steps} steps each), then the largest patch at batch "
+          f"{MLPERF_BATCH}, then the largest forward cube, by bisection; what the budget does not reach is "
+          "skipped and listed; the JSON is rewritten after every item.", flush=True)
     sys.path.insert(0, str(HERE.parent / "tables"))
     import torch
 
@@ -545,20 +698,23 @@ def main(argv: list[str] | None = None) -> int:
               "plan": {"file": PLAN.name, "gpu_runtime_bytes": plan["gpu_runtime_bytes"]}, "results": []}
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"gpu_reference-{device.kind}-{_slug(device.name)}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    report["elapsed_s"] = time.monotonic() - started
+
+    def save() -> None:  # after every item: a run stopped from outside keeps what it measured
+        report["elapsed_s"] = time.monotonic() - started
+        _write_json(path, report)
+
+    pairs = []
     for name in models:
         for precision in precisions:
-            if not clock.allows(10):
-                report["results"].append({"model": name, "precision": precision, "skipped": ["the time budget"]})
-                continue
-            print(f"{name} {precision}: {clock.left():.0f} s left", flush=True)
-            try:
-                report["results"].append(measure_model(torch, device, name, plan, precision, clock, args))
-            except Exception as error:  # one pair's failure must not cost the others' figures (one lent GPU)
-                report["results"].append({"model": name, "precision": precision, "skipped": [],
-                                          "failed": f"{type(error).__name__}: {_first_line(error)}"})
-                print(f"{name} {precision}: failed: {type(error).__name__}: {_first_line(error)}", flush=True)
-            report["elapsed_s"] = time.monotonic() - started
-            _write_json(path, report)  # after every pair: a run stopped from outside keeps what it measured
+            pair = Pair(torch, device, name, precision, plan, args)
+            pairs.append(pair)
+            report["results"].append(pair.result)
+    save()
+    stopped = measure(pairs, clock, save)
+    if stopped:
+        report["stopped"] = stopped
+        save()
     print(table(report))
     print(f"wrote {path} ({report['elapsed_s']:.0f} s)")
     return 0

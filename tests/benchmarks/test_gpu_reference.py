@@ -68,12 +68,13 @@ def test_the_cpu_run_measures_every_figure_without_bigmem(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "BIGMEM MODULES: []" in result.stdout
     assert result.stdout.startswith("gpu_reference: tiny x tf32, bf16, within 3 min")
+    assert "tiny tf32: largest forward cube (" in result.stdout  # the last phase was reached
     [path] = tmp_path.glob("gpu_reference-cpu-*.json")
     report = json.loads(path.read_text())
     assert report["device"]["kind"] == "cpu" and report["device"]["memory_bytes"] == 100 * 2**20
     assert [(r["model"], r["precision"]) for r in report["results"]] == [("tiny", "tf32"), ("tiny", "bf16")]
     for r in report["results"]:
-        assert r["skipped"] == [] and r["parameters"] > 0
+        assert r["skipped"] == [] and r["failed"] == [] and r["parameters"] > 0
         point = r["mlperf_32"]
         assert point["edge"] == 32 and point["batch"] == 2 and len(point["step_s"]["all"]) == 2
         assert point["step_s"]["min"] <= point["step_s"]["median"] <= point["step_s"]["max"]
@@ -84,10 +85,13 @@ def test_the_cpu_run_measures_every_figure_without_bigmem(tmp_path):
             refused = [p["edge"] for p in record["probes"] if not p["fits"]]
             assert record["largest_edge"] == max(fitted) and record["largest_edge"] % 4 == 0
             assert all(edge > record["largest_edge"] for edge in refused)
-    # tf32 training at 64^3 x 2 needs more than 100 MiB here: the search met a refusal and stopped below it
-    tf32 = report["results"][0]["largest_patch_batch2"]
-    assert any(not p["fits"] and "over the 100 MiB limit" in p["error"] for p in tf32["probes"])
-    assert tf32["largest_edge"] < 64
+    # tf32 training at 64^3 x 2 needs more than 100 MiB here: the planner's patch or a probe met the limit,
+    # and the search stopped below it
+    tf32 = report["results"][0]
+    errors = [p.get("error", "") for p in tf32["largest_patch_batch2"]["probes"]]
+    errors.append((tf32["planner_patch"] or {}).get("error", ""))
+    assert any("over the 100 MiB limit" in error for error in errors), tf32
+    assert tf32["largest_patch_batch2"]["largest_edge"] < 64
     assert "largest patch x2" in result.stdout and f"wrote {path}" in result.stdout
     # compare --gpu-reference reads what the script writes (here as if a GPU had written it)
     from bigmem.compare.gpu_reference import gpu_reference_for, load_gpu_reference
@@ -116,3 +120,54 @@ def test_without_a_gpu_it_says_so_in_one_line(tmp_path):
     assert result.stderr.strip().splitlines() == [
         "gpu_reference: error: no CUDA device (torch.cuda.is_available() is False); --cpu runs the same code on "
         "the CPU at tiny sizes"]
+
+
+class _FakePair:
+    """A Pair whose items succeed, fail as a bug, or lose the GPU, as told."""
+
+    def __init__(self, label: str, failures: dict):
+        from types import SimpleNamespace
+
+        self.label, self.failures, self.done = label, failures, []
+        self.args, self.planned = SimpleNamespace(mlperf_patch=32), 64
+        self.result = {"skipped": [], "failed": []}
+        self.bench = SimpleNamespace(drop_state=lambda: None)
+        self.device = SimpleNamespace(healthy=lambda: True)
+
+    def _item(self, what: str) -> None:
+        if what in self.failures:
+            raise self.failures[what]
+        self.done.append(what)
+
+    def timed_point(self, label, edge, clock):
+        self._item(label)
+
+    def training_search(self, clock):
+        self._item("training")
+
+    def inference_search(self, clock):
+        self._item("forward")
+
+
+def test_an_item_that_fails_costs_only_itself_and_a_lost_gpu_stops_the_run_saved():
+    import time
+
+    saves = []
+    bug = _FakePair("kits19 tf32", {"planner_patch": gpu_reference.ProbeFailed("TypeError: bad dtype")})
+    lost = _FakePair("kits19 bf16", {"training": gpu_reference.DeviceLost("illegal memory access")})
+    other = _FakePair("intelai-brats tf32", {})
+    clock = gpu_reference.Clock(time.monotonic() + 600)
+    stopped = gpu_reference.measure([bug, lost, other], clock, lambda: saves.append(1))
+    assert bug.done == ["mlperf_32", "training"] and bug.result["failed"] == [
+        "planner's patch: ProbeFailed: TypeError: bad dtype"]
+    assert lost.done == ["mlperf_32", "planner_patch"] and other.done == ["mlperf_32", "planner_patch"]
+    assert stopped == "the GPU's context failed during kits19 bf16's largest training patch: illegal memory access"
+    assert lost.result["failed"] == ["largest training patch: the GPU's context failed: illegal memory access"]
+    assert len(saves) == 8  # after every item, the last one too
+
+
+def test_a_size_a_kernel_refuses_does_not_run_and_a_bug_is_a_bug():
+    refusals = ["CUDA out of memory. Tried to allocate 20.00 GiB", "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED",
+                "Expected canUse32BitIndexMath(input) to be true", "input tensor is too large"]
+    assert all(gpu_reference._refusal(RuntimeError(text)) for text in refusals)
+    assert not gpu_reference._refusal(RuntimeError("expected scalar type Float but found BFloat16"))
