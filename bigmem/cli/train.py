@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -257,4 +258,10 @@ def run_per_node(args, topology=None) -> int:
     if not args.force:
         check_node_memory(plan, topology, worker_peak_bytes(config))
     print(plan.describe(config.train.batch_size), flush=True)
-    return launch(plan, worker_argv(args, args.train_parser), out, resume=args.resume)
+    env = dict(os.environ)
+    if not getattr(args, "verbose", False):
+        # When a worker dies, the others' TensorFlow logs the broken collective (gRPC "connection refused",
+        # several lines each) before the launcher stops them; the launcher's one line names the worker and
+        # what it last said. -v keeps TensorFlow's own logs.
+        env["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    return launch(plan, worker_argv(args, args.train_parser), out, resume=args.resume, env=env)
