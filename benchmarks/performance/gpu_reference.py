@@ -251,7 +251,7 @@ class Cpu:
         # glibc raises its mmap threshold as large blocks are freed, after which freed tensors stay in the
         # heap and the next step's rise of VmHWM under-counts; a fixed threshold returns every large block.
         ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, 128 * 1024)
-        self.name, self.total_bytes, self.context_bytes = f"CPU ({platform.processor() or 'unknown'})", limit_bytes, 0
+        self.name, self.total_bytes, self.context_bytes = f"CPU ({_cpu_model()})", limit_bytes, 0
 
     def describe(self) -> dict:
         return {"kind": self.kind, "name": self.name, "memory_bytes": self.total_bytes, "context_bytes": 0,
@@ -281,6 +281,14 @@ class Cpu:
 
     def release(self) -> None:
         pass
+
+
+def _cpu_model() -> str:
+    try:
+        found = re.search(r"^model name\s*:\s*(.+)$", Path("/proc/cpuinfo").read_text(), re.M)
+    except OSError:
+        found = None
+    return found.group(1).strip() if found else (platform.processor() or "unknown")
 
 
 def _first_line(error: BaseException) -> str:

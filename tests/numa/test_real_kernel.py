@@ -116,9 +116,11 @@ def test_bind_puts_every_page_on_the_node(topology, node):
 # Touches an array on CPU 0's node first, then binds to node argv[1]: where are the array's pages now?
 TOUCHED_BEFORE = """
 import json, os, re, sys
+allowed = os.sched_getaffinity(0)
 os.sched_setaffinity(0, {0})
 import numpy as np
 array = np.ones(64 * 2**20 // 8)
+os.sched_setaffinity(0, allowed)  # place() chooses among the CPUs this process may use
 from bigmem.numa.apply import place
 place('bind:' + sys.argv[1])
 begin, end = array.ctypes.data, array.ctypes.data + array.nbytes
