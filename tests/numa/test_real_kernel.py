@@ -411,11 +411,12 @@ print(json.dumps(runs))
 @pytest.mark.slow
 @pytest.mark.timeout(1800)  # one TensorFlow import under emulation (5-15 min) and two plans
 def test_plan_shows_both_layouts_on_this_kernel(topology, tmp_path):
-    """A job that fits one worker per node, and one (the largest ``small`` volume within the machine) that does not."""
+    """A job that fits one worker per node, and one (``small`` at 160^3, ~3.1 GiB: more than a node's 2 GiB,
+    less than the four nodes' free memory) that only interleaves."""
     if len([n for n in topology.nodes if n.cpus]) < 2:
         pytest.skip("fewer than two nodes with CPUs")
     jobs = {"fits-per-node": ["--model", "tiny", "--volume", "32", "--batch-size", "1"],
-            "interleave-only": ["--model", "small", "--batch-size", "1"]}
+            "interleave-only": ["--model", "small", "--volume", "160", "--batch-size", "1"]}
     argv = [["plan", *args, "--out", str(tmp_path / f"{name}.json")] for name, args in jobs.items()]
     result = subprocess.run([sys.executable, "-c", PLAN_TWICE, json.dumps(argv)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
