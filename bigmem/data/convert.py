@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import math
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
@@ -197,8 +196,7 @@ class _Conversion:
         except DataError as exc:
             self.problem(f"Case {case.case_id!r}: {exc} ({case.image_text}).")
             return
-        rng = np.random.default_rng(zlib.crc32(case.case_id.encode()))  # the same sample on every conversion
-        foreground = foreground_sample(loaded.image, loaded.label, rng)
+        foreground = foreground_sample(loaded.image, loaded.label)
         self.stats.append(stats)
         self.samples.append(foreground)
         dtype = storage_dtype(image, stats)

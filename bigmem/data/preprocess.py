@@ -42,7 +42,12 @@ STATS_ATTR = "intensity_stats"  # a store case's attribute: ``case_statistics`` 
 SCHEMES = ("ct", "zscore", "zscore_nonzero", "none")
 NORM_EPSILON = 1e-6  # guards the division of a constant channel (nnU-Net uses 1e-8 on float64)
 FOREGROUND_PERCENTILES = (0.5, 99.5)  # nnU-Net's CT clipping percentiles
-FOREGROUND_SAMPLES_PER_CASE = 10_000  # foreground voxels kept per case for the CT statistics (nnU-Net's number)
+# Foreground values kept per case for the CT statistics: the same number from every case, so each case
+# weighs the same in the dataset's figures, as in nnU-Net's fingerprint (fingerprint_extractor.py,
+# collect_foreground_intensities: rs.choice(foreground, 1e8 // num_cases, replace=True) per case). bigmem
+# takes them at evenly spaced ranks of each channel's sorted foreground instead of at random: the same
+# equal weighting without sampling noise, and small enough to keep in the store for --append.
+FOREGROUND_SAMPLES_PER_CASE = 10_000
 # nnU-Net normalises MRI within the nonzero mask when cropping to the nonzero box keeps less than
 # this share of the median case's voxels.
 NONZERO_BOX_SHARE = 0.75
@@ -229,13 +234,23 @@ def complete(stats: dict | None, num_channels: int) -> bool:
         and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in stats[k]) for k in REQUIRED_STATS)
 
 
-def foreground_sample(image: np.ndarray, label: np.ndarray, rng: np.random.Generator,
-                      count: int = FOREGROUND_SAMPLES_PER_CASE) -> np.ndarray:
-    """Up to ``count`` foreground voxels (label > 0) of a case, drawn at random: ``(n, C)`` float32."""
-    where = np.flatnonzero(label.reshape(-1))
-    if where.size > count:
-        where = np.sort(rng.choice(where, count, replace=False))
-    return image.reshape(-1, image.shape[-1])[where].astype(np.float32)
+def foreground_sample(image: np.ndarray, label: np.ndarray, count: int = FOREGROUND_SAMPLES_PER_CASE) -> np.ndarray:
+    """``count`` values of each channel's foreground (label > 0), at evenly spaced ranks: ``(count, C)`` float32.
+
+    Value ``i`` of a channel is its sorted foreground's value at rank ``floor((i + 0.5) / count * n)``
+    of ``n`` foreground voxels: every case gives the same number however large its foreground (a
+    small one repeats values, as sampling with replacement would), so pooled over cases each weighs
+    the same (nnU-Net's fingerprint). ``(0, C)`` for a case without foreground.
+
+    Example:
+        >>> foreground_sample(np.arange(4.0).reshape(2, 2, 1, 1), np.ones((2, 2, 1)), count=8)[:, 0]
+        array([0., 0., 1., 1., 2., 2., 3., 3.], dtype=float32)
+    """
+    values = image.reshape(-1, image.shape[-1])[np.flatnonzero(label.reshape(-1))]
+    if not len(values):
+        return np.zeros((0, image.shape[-1]), np.float32)
+    ranks = ((np.arange(count) + 0.5) * len(values) / count).astype(np.int64)
+    return np.stack([np.sort(values[:, c])[ranks] for c in range(values.shape[1])], axis=1).astype(np.float32)
 
 
 def is_ct(name: str) -> bool:

@@ -5,17 +5,19 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bigmem.data.pipeline import augment_intensity, load_patch, normalized
+from bigmem.data.pipeline import load_patch, normalized
 from bigmem.data.preprocess import (
     ChannelScheme,
     Preprocessing,
     case_statistics,
     choose_schemes,
+    FOREGROUND_SAMPLES_PER_CASE,
     foreground_sample,
     is_ct,
     storage_dtype,
 )
 from bigmem.data.store import HDF5VolumeStore, StoreWriter
+from bigmem.data.transforms import Sample, ScaleShift
 from bigmem.errors import DataError
 
 
@@ -79,7 +81,7 @@ def test_a_patch_gets_the_values_of_the_same_voxels_in_the_whole_case(tmp_path):
         assert background[1] == pytest.approx(float(whole[..., 1].min()))  # padding at the darkest voxel
         assert background[0] == 0.0  # outside the nonzero mask
         for sample in range(4):  # load_patch gives the same values where the patch is inside the case
-            patch_image, _ = load_patch(store, sample, patch=8, seed=3, flip=False)
+            patch_image, _ = load_patch(store, sample, patch=8, seed=3)
             assert patch_image.shape == (8, 8, 8, 2) and np.isfinite(patch_image).all()
 
 
@@ -87,7 +89,7 @@ def test_choose_schemes_as_nnunet():
     rng = np.random.default_rng(2)
     cases = [_mri(rng, channels=1) for _ in range(3)]
     stats = [case_statistics(c) for c in cases]
-    samples = [foreground_sample(c, (c[..., 0] > 0).astype(np.uint8), rng, count=50) for c in cases]
+    samples = [foreground_sample(c, (c[..., 0] > 0).astype(np.uint8), count=50) for c in cases]
     assert all(len(s) == 50 for s in samples)
     assert choose_schemes(["FLAIR"], stats, samples).channels[0].scheme == "zscore_nonzero"  # box 35% of a case
     full = [case_statistics(rng.normal(0, 1, (8, 8, 8, 1)).astype(np.float32)) for _ in range(3)]
@@ -100,6 +102,30 @@ def test_choose_schemes_as_nnunet():
     with pytest.raises(DataError, match=r"Channel 'CT': CT normalisation needs the dataset's foreground voxels"):
         choose_schemes(["CT"], stats, [np.zeros((0, 1), np.float32)] * 3)
     assert [is_ct(n) for n in ("CT", "ct_venous", "Tract", "T2w", "PET/CT")] == [True, True, False, False, True]
+
+
+def test_ct_statistics_weigh_every_case_the_same():
+    """nnU-Net's fingerprint draws as many foreground voxels from each case: a case with a small foreground
+    weighs as much as one with a large one. By hand: the equal-weight mean is the mean of the case means,
+    the variance the mean of the cases' second moments less the squared mean."""
+    rng = np.random.default_rng(5)
+    small = rng.normal(100.0, 10.0, (4, 5, 5, 1)).astype(np.float32)  # 100 foreground voxels around 100 HU
+    large = rng.normal(300.0, 30.0, (20, 20, 20, 1)).astype(np.float32)  # 8000 around 300 HU
+    samples = [foreground_sample(case, np.ones(case.shape[:3], np.uint8)) for case in (small, large)]
+    assert [len(s) for s in samples] == [FOREGROUND_SAMPLES_PER_CASE] * 2
+    ct = choose_schemes(["CT"], [case_statistics(c) for c in (small, large)], samples).channels[0]
+    means = [float(small.mean()), float(large.mean())]
+    second = [float((small.astype(np.float64) ** 2).mean()), float((large.astype(np.float64) ** 2).mean())]
+    by_hand_mean = sum(means) / 2
+    by_hand_std = (sum(second) / 2 - by_hand_mean ** 2) ** 0.5
+    assert ct.mean == pytest.approx(by_hand_mean, rel=1e-3)  # ~200: each case half; pooled voxels would give ~298
+    assert ct.std == pytest.approx(by_hand_std, rel=1e-3)
+    # the 99.5th percentile of the equal-weight mixture: within the large case (its top 1% of values)
+    assert ct.high == pytest.approx(float(np.percentile(large, 99.0)), rel=2e-3)
+
+
+def test_foreground_sample_of_a_case_without_foreground_is_empty():
+    assert foreground_sample(np.ones((4, 4, 4, 2), np.float32), np.zeros((4, 4, 4), np.uint8)).shape == (0, 2)
 
 
 def test_storage_dtype_keeps_what_normalisation_uses():
@@ -132,7 +158,8 @@ def test_intensity_augmentation_moves_the_background_with_the_channel():
     rng = np.random.default_rng(4)
     image = rng.normal(0, 1, (6, 6, 6, 2)).astype(np.float32)
     before = image.copy()
-    background = augment_intensity(image, np.array([-2.0, -1.0], np.float32), np.random.default_rng(9), (0.1, 0.1))
+    sample = Sample(image, np.zeros((6, 6, 6), np.uint8), np.array([-2.0, -1.0], np.float32))
+    background = ScaleShift(scale=0.1, shift=0.1).apply(sample, np.random.default_rng(9)).background
     draw = np.random.default_rng(9)
     for c in range(2):
         factor, offset = draw.uniform(0.9, 1.1), draw.uniform(-0.1, 0.1)
