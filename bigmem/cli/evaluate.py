@@ -109,6 +109,8 @@ def run(args) -> int:
         _add_row(table, key if name == f"class{c}" else f"{c} {name}", summary["mean"][key],
                  summary["num_undefined"][key])
     _add_row(table, "foreground mean", summary["foreground_mean"], None)
+    if summary["foreground_mean"] != summary["foreground_mean_defined"]:  # a class undefined in every case: NaN
+        _add_row(table, "foreground mean (defined)", summary["foreground_mean_defined"], None)
     for region, values in summary["regions"].items():
         _add_row(table, f"{region} ({','.join(map(str, values))})", summary["region_mean"][region],
                  summary["region_num_undefined"][region])

@@ -271,7 +271,7 @@ def score_run(run_dir: str, store: str, held_out: list[str], *, sliding_window: 
     per_class = {str(c): ClassScore(summary["mean"][str(c)]["Dice"], summary["mean"][str(c)]["HD95_mm"])
                  for c in summary["classes"]}
     return HeldOut(mode if not sliding_window else f"sliding {format_shape(sliding_window)}, overlap {OVERLAP:g}",
-                   summary["foreground_mean"]["Dice"], summary["foreground_mean"]["HD95_mm"], per_class,
+                   summary["foreground_mean_defined"]["Dice"], summary["foreground_mean_defined"]["HD95_mm"], per_class,
                    float(np.mean([r.seconds for r in results])), max(r.peak_rss_bytes for r in results), str(out))
 
 

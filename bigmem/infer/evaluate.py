@@ -361,6 +361,7 @@ def _summary(pred: Path, ref: Path, wanted: list[int], label_names: Sequence[str
     if regions:
         region_means = aggregate(per_case_regions, list(regions))
         summary.update({"region_mean": region_means["mean"], "region_foreground_mean": region_means["foreground_mean"],
+                        "region_foreground_mean_defined": region_means["foreground_mean_defined"],
                         "region_num_undefined": region_means["num_undefined"]})
     return summary
 

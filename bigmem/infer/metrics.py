@@ -303,7 +303,11 @@ def _nanmean(values: Sequence[float]) -> float:
 
 
 def aggregate(per_case: Sequence[Mapping[int, Mapping[str, float]]], classes: Sequence[int]) -> dict:
-    """Per-class means over cases and the foreground mean over classes, NaN left out.
+    """Per-class means over cases (NaN left out) and the foreground means over classes.
+
+    ``foreground_mean`` is nnU-Net v2's (``compute_metrics_on_folder``: ``np.mean`` of the class
+    means), so a class undefined in every case makes it NaN, as there. bigmem's own reading, the
+    mean over the classes whose mean is defined, is ``foreground_mean_defined``.
 
     Args:
         per_case: one :func:`case_metrics` result per case.
@@ -311,7 +315,8 @@ def aggregate(per_case: Sequence[Mapping[int, Mapping[str, float]]], classes: Se
 
     Returns:
         ``{"mean": {class: {metric: mean over the cases where it is defined}},
-        "foreground_mean": {metric: mean over the classes whose mean is defined},
+        "foreground_mean": {metric: mean over the classes (NaN if any class mean is NaN)},
+        "foreground_mean_defined": {metric: mean over the classes whose mean is defined},
         "num_undefined": {class: {"Dice", "IoU", "HD95_mm": number of cases left out}}}``.
         A mean with nothing defined is NaN.
 
@@ -321,7 +326,9 @@ def aggregate(per_case: Sequence[Mapping[int, Mapping[str, float]]], classes: Se
         0.5
     """
     mean = {c: {k: _nanmean([float(case[c][k]) for case in per_case]) for k in METRIC_KEYS} for c in classes}
-    foreground = {k: _nanmean([mean[c][k] for c in classes]) for k in METRIC_KEYS}
+    foreground = {k: float(np.mean([mean[c][k] for c in classes])) if classes else math.nan for k in METRIC_KEYS}
+    defined = {k: _nanmean([mean[c][k] for c in classes]) for k in METRIC_KEYS}
     undefined = {c: {k: sum(math.isnan(float(case[c][k])) for case in per_case) for k in UNDEFINED_KEYS}
                  for c in classes}
-    return {"mean": mean, "foreground_mean": foreground, "num_undefined": undefined}
+    return {"mean": mean, "foreground_mean": foreground, "foreground_mean_defined": defined,
+            "num_undefined": undefined}

@@ -73,7 +73,8 @@ def test_summary_values_by_hand(folders, capsys):
     assert summary["mean"]["2"]["Dice"] == 0.0  # case_a's undefined Dice is left out, not counted as 0 or 1
     assert summary["mean"]["2"]["HD95_mm"] is None
     assert summary["foreground_mean"]["Dice"] == pytest.approx(((180 / 210 + 1.0) / 2 + 0.0) / 2)
-    assert summary["foreground_mean"]["HD95_mm"] == pytest.approx(1.0)  # class 2 has no defined HD95
+    assert summary["foreground_mean"]["HD95_mm"] is None  # nnU-Net's plain mean: class 2 has no defined HD95
+    assert summary["foreground_mean_defined"]["HD95_mm"] == pytest.approx(1.0)  # bigmem's: class 2 left out
     assert summary["num_undefined"] == {"1": {"Dice": 0, "IoU": 0, "HD95_mm": 0},
                                         "2": {"Dice": 1, "IoU": 1, "HD95_mm": 2}}
     assert summary["missing"] == {"no_reference": [], "no_prediction": []}

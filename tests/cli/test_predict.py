@@ -54,7 +54,7 @@ def test_held_out_dice_from_predict_and_evaluate_equals_val_dice(trained, tmp_pa
     assert labels.dtype == np.uint8 and labels.shape == (16, 16, 16) and set(np.unique(labels)) <= {0, 1, 2}
     summary = evaluate(tmp_path / "pred", store, allow_missing=True)
     val = json.loads((run / "summary.json").read_text())
-    assert summary["foreground_mean"]["Dice"] == pytest.approx(val["val_dice"], abs=1e-12)
+    assert summary["foreground_mean_defined"]["Dice"] == pytest.approx(val["val_dice"], abs=1e-12)
     for label, dice in val["val_dice_per_class"].items():
         assert summary["mean"][label]["Dice"] == pytest.approx(dice, abs=1e-12)
     assert not [p for p in (tmp_path / "pred").iterdir() if p.name.startswith(".")]  # no temporaries

@@ -66,7 +66,7 @@ def test_compare_tiles_and_scores_both_paths_as_their_users_would(tmp_path, tiny
         assert [p["step"] for p in run["curve"] if "val_dice" in p] == [r["step"] for r in rows if "val_dice" in r]
         # scored by evaluate's code on predict's files: the same numbers again from the files left behind
         scored = evaluate(out / name / "seed-0-predictions", tiny_store, allow_missing=True)
-        assert path["dice"] == pytest.approx(scored["foreground_mean"]["Dice"], abs=1e-12)
+        assert path["dice"] == pytest.approx(scored["foreground_mean_defined"]["Dice"], abs=1e-12)
         assert set(path["per_class"]) == {"1", "2"}
     # the data-parallel path validates at the whole-volume path's FLOPs spacing: every 2 x 4 = 8 steps
     assert [r["step"] for r in read_jsonl(out / "data_parallel" / "seed-0" / "metrics.jsonl")

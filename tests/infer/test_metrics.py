@@ -190,13 +190,30 @@ def test_aggregate_leaves_undefined_out_and_counts_it():
     assert result["mean"][1]["HD95_mm"] == pytest.approx(4.0)  # (2 + 6) / 2, one case undefined
     assert result["mean"][2]["Dice"] == pytest.approx(0.5)  # the only defined case
     assert result["foreground_mean"]["Dice"] == pytest.approx(0.45)  # (0.4 + 0.5) / 2
+    assert result["foreground_mean_defined"]["Dice"] == pytest.approx(0.45)
     assert result["num_undefined"] == {1: {"Dice": 0, "IoU": 0, "HD95_mm": 1}, 2: {"Dice": 2, "IoU": 2, "HD95_mm": 2}}
 
 
 def test_aggregate_all_undefined_is_nan():
     result = aggregate([{1: absent_class_metrics()}], [1])
-    assert math.isnan(result["mean"][1]["Dice"]) and math.isnan(result["foreground_mean"]["Dice"])
+    assert math.isnan(result["mean"][1]["Dice"])
+    assert math.isnan(result["foreground_mean"]["Dice"])
     assert result["mean"][1]["TP"] == 0.0
+
+
+def test_foreground_mean_is_nnunets_nan_when_one_class_is_undefined_everywhere():
+    """nnU-Net's compute_metrics_on_folder: foreground_mean = np.mean(class means), so a class undefined
+    in every case (NaN after nanmean) makes it NaN; bigmem's own reading leaves that class out."""
+    def case(dice):
+        metrics = absent_class_metrics()
+        metrics.update(Dice=dice, IoU=dice, HD95_mm=1.0)
+        return metrics
+
+    per_case = [{1: case(0.6), 2: absent_class_metrics()}, {1: case(0.8), 2: absent_class_metrics()}]
+    result = aggregate(per_case, [1, 2])
+    assert math.isnan(result["foreground_mean"]["Dice"])
+    assert result["foreground_mean_defined"]["Dice"] == pytest.approx(0.7)  # class 1 alone: (0.6 + 0.8) / 2
+    assert result["foreground_mean"]["TP"] == 0.0  # counts are defined for every class: a plain mean
 
 
 

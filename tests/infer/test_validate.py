@@ -76,7 +76,7 @@ def test_val_dice_of_a_resampled_store_is_predict_and_evaluate_against_the_origi
     for ref in (source / "labelsTr", store):  # the original label files, and the store (which reads them)
         summary = evaluate(tmp_path / "pred", ref, allow_missing=True, hausdorff=False)
         assert summary["metric_per_case"][0]["reference_file"] == str(source / "labelsTr" / "c2.nii.gz")
-        assert summary["foreground_mean"]["Dice"] == pytest.approx(val["val_dice"], abs=1e-6)
+        assert summary["foreground_mean_defined"]["Dice"] == pytest.approx(val["val_dice"], abs=1e-6)
         for label, dice in val["val_dice_per_class"].items():
             assert summary["mean"][label]["Dice"] == pytest.approx(dice, abs=1e-6)
         assert summary["regions"] == REGIONS

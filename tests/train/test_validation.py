@@ -91,7 +91,7 @@ def test_a_run_on_patches_is_validated_in_windows_of_its_patch(tmp_path, tiny_st
     assert code == 0, err
     val = json.loads((out / "summary.json").read_text())
     summary = evaluate(tmp_path / "pred", tiny_store, allow_missing=True)
-    assert summary["foreground_mean"]["Dice"] == pytest.approx(val["val_dice"], abs=1e-12)
+    assert summary["foreground_mean_defined"]["Dice"] == pytest.approx(val["val_dice"], abs=1e-12)
     from bigmem.infer.predict import load_predictor
 
     assert load_predictor(out).window == (8, 8, 8)  # predict's default window: the patch, from plan.json
