@@ -26,6 +26,7 @@ import numpy as np
 from harness import bench_parser, spread, time_calls, write_results
 
 from bigmem.data.pipeline import VolumeLoader
+from bigmem.data.transforms import chain
 from bigmem.data.store import HDF5VolumeStore, StoreWriter
 from bigmem.data.synth import make_phantom
 
@@ -105,7 +106,7 @@ def main(argv=None) -> int:
     for workers in (0, 2):
         for patch in (None, args.patch):
             with VolumeLoader(stores["contiguous"], shape=(args.volume,) * 3, batch_size=1, num_workers=workers,
-                                   patch=patch, flip=True) as loader:
+                                   patch=patch, augment=chain("light")) as loader:
                 stream = loader.batches()
                 next(stream)
                 count, started = 4 * args.cases, time.perf_counter()

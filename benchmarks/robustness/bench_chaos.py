@@ -51,13 +51,15 @@ class Settings:
     volume: int = 32
     seed: int = 0
     monitor_interval_s: float = 0.2
+    augment: str = "nnunet"  # every draw a function of (seed, sample): a resumed run must still match
 
     def command(self, out: Path, resume: bool) -> list[str]:
         """``bigmem train ...``, the same each time, plus ``--resume`` after the first launch."""
         return [sys.executable, "-m", "bigmem", "train", "--model", "tiny", "--data", str(self.store),
                 "--volume", str(self.volume), "--steps", str(self.steps), "--checkpoint-every",
                 str(self.checkpoint_every), "--seed", str(self.seed), "--monitor-interval",
-                str(self.monitor_interval_s), "--out", str(out), *(["--resume"] if resume else [])]
+                str(self.monitor_interval_s), "--augment", self.augment, "--out", str(out),
+                *(["--resume"] if resume else [])]
 
 
 @dataclass

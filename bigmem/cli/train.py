@@ -76,6 +76,11 @@ def register(subparsers, parents) -> None:
     data.add_argument("--pad-multiple", type=int, metavar="N",
                       help="pad each case's axes up to a multiple of N (a multiple of 2^depth; default 2^depth): a "
                            "store of many shapes then compiles the step for fewer of them, for a little more padding")
+    data.add_argument("--augment", choices=["nnunet", "light", "none"],
+                      help="training augmentation: nnunet (nnU-Net v2's default: rotation and scaling in one "
+                           "resampling, noise, blur, brightness, contrast, low resolution, gamma, mirroring), light "
+                           "(mirroring and an intensity scale/shift) or none (default: nnunet with --data, light on "
+                           "the synthetic set); validation and predict apply none")
     data.add_argument("--num-workers", type=int, metavar="N",
                       help="reader processes (0: read in the training process; default 0)")
     data.add_argument("--prefetch", type=int, metavar="N", help="batches prepared ahead of the step (default 2)")
@@ -115,7 +120,7 @@ def _overrides(args) -> dict:
     budget = budget_arguments(args)[0]
     sections = model_overrides(args)
     sections["data"].update(store=args.data, num_workers=args.num_workers, prefetch=args.prefetch,
-                            cold_cache=args.cold_cache)
+                            cold_cache=args.cold_cache, augment=args.augment)
     sections["numa"] = numa_overrides(args)
     gpu_memory = parse_bytes(args.gpu_memory, flag="--gpu-memory") if args.gpu_memory else None
     sections["data"].update(holdout=args.holdout, pad_multiple=args.pad_multiple)

@@ -55,6 +55,13 @@ class Strategy(StrOption):
     PER_NODE = "per_node"  # one multiworker worker per NUMA node of this host (distribute/pernode.py launches them)
 
 
+class Augment(StrOption):
+    AUTO = "auto"  # nnunet when training on a store, light on the embedded synthetic set
+    NNUNET = "nnunet"  # nnU-Net v2's default training augmentation (data/transforms.py)
+    LIGHT = "light"  # flips and a scale/shift of intensity
+    NONE = "none"
+
+
 class OptimizerName(StrOption):
     SGD = "sgd"
     ADAM = "adam"

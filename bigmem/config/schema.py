@@ -19,6 +19,7 @@ from typing import Any, Mapping
 
 from bigmem.config.options import (
     Activation,
+    Augment,
     Downsampling,
     Norm,
     OptimizerName,
@@ -109,11 +110,16 @@ class DataConfig:
             neither a shape nor a store: the preset's reference size (kits19: MLPerf's 128^3).
         prefetch: batches prepared ahead of the step.
         num_workers: reader processes (0: read in the training process).
-        flip: random flips along each axis.
-        intensity_scale: each training sample's channels are multiplied by U(1 - s, 1 + s) after
+        augment: the training augmentation chain (``data/transforms.chain``): ``nnunet`` (nnU-Net v2's
+            default: rotation, scaling, noise, blur, brightness, contrast, low resolution, gamma,
+            mirroring), ``light`` (``flip`` and ``intensity_*``) or ``none``; ``auto`` (default):
+            nnunet when training on a store, light on the embedded synthetic set (resolved by
+            ``data.derived.with_data_fields`` and saved resolved). Validation and predict apply none.
+        flip: the ``light`` chain mirrors each axis with probability 0.5.
+        intensity_scale: the ``light`` chain multiplies each channel by U(1 - s, 1 + s) after
             normalisation (default 0.1; 0: off), as MONAI's RandScaleIntensity.
-        intensity_shift: and shifted by U(-t, t) standard deviations (default 0.1; 0: off), as
-            MONAI's RandShiftIntensity. Rotations and elastic deformation are not implemented.
+        intensity_shift: and shifts it by U(-t, t) standard deviations (default 0.1; 0: off), as
+            MONAI's RandShiftIntensity.
         cold_cache: drop the store's pages after each read (a dataset larger than RAM).
         holdout: the last N cases (sorted ids) kept out of training, for validation.
         synth_cases, synth_volume, synth_classes: the synthetic dataset's shape.
@@ -129,6 +135,7 @@ class DataConfig:
     reference_volume: int = 48
     prefetch: int = 2
     num_workers: int = 0  # 0: read in the training process; N: N reader processes
+    augment: Augment = Augment.AUTO
     flip: bool = True
     intensity_scale: float = 0.1
     intensity_shift: float = 0.1
@@ -368,12 +375,16 @@ class ExperimentConfig:
     def from_dict(cls, values: Mapping[str, Any], *, source: str = "config") -> "ExperimentConfig":
         """The config of ``values`` (config.json's sections) over the defaults.
 
-        Settings saved by runs before the memory and distribute sections existed
+        A run saved before ``data.augment`` existed trained with flips and the intensity scale/shift:
+        it reads as ``light``. Settings saved by runs before the memory and distribute sections existed
         (``train.memory_budget_bytes``, ``train.recompute``, ``train.strategy``, ..., ``data.patch``)
         are read into their sections, and a cube ``data.volume`` N as ``data.shape`` (N, N, N), so
         older runs still resume at the shape they trained at.
         """
-        return update(cls(), migrate_sections(values), source=source)
+        values = migrate_sections(values)
+        if isinstance(values.get("data"), dict) and "augment" not in values["data"]:
+            values["data"]["augment"] = Augment.LIGHT.value  # what every run before the setting trained with
+        return update(cls(), values, source=source)
 
 
 # Settings that moved sections: old dotted name -> new (runs saved before the move still resume).

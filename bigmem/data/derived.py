@@ -14,8 +14,10 @@ from typing import Callable, ContextManager
 
 import numpy as np
 
+from bigmem.config.options import Augment
 from bigmem.config.schema import ExperimentConfig
 from bigmem.data.store import HDF5VolumeStore
+from bigmem.data.transforms import Compose, chain
 from bigmem.data.synth import cached_synthetic_store
 
 
@@ -36,8 +38,9 @@ def with_data_fields(config: ExperimentConfig, *,
             (e.g. a console status line), when it is not cached yet.
 
     Returns:
-        A new config whose ``data.store`` is an absolute path and whose ``model.in_channels`` and
-        ``model.num_classes`` are the store's, validated.
+        A new config whose ``data.store`` is an absolute path, whose ``model.in_channels`` and
+        ``model.num_classes`` are the store's and whose ``data.augment`` is resolved (``auto``:
+        nnunet on a store given, light on the synthetic set), validated.
 
     Raises:
         DataError: the store cannot be opened or is not a bigmem store.
@@ -48,16 +51,34 @@ def with_data_fields(config: ExperimentConfig, *,
         3
     """
     store = config.data.store
+    augment = config.data.augment
+    if augment is Augment.AUTO:  # nnU-Net's recipe on real data; the demo's phantoms keep the light one
+        augment = Augment.LIGHT if store is None else Augment.NNUNET
     if store is None:
         with (generating or contextlib.nullcontext)():
             store = synthetic_store_path(config)
     with HDF5VolumeStore(store) as opened:
         channels, classes = opened.num_channels, opened.num_classes
     # Saved absolute: a run resumed, or predicted with, from another folder finds the same file.
-    filled = config.updated({"data": {"store": os.path.abspath(store)},
+    filled = config.updated({"data": {"store": os.path.abspath(store), "augment": augment.value},
                              "model": {"in_channels": channels, "num_classes": classes}})
     filled.validate()
     return filled
+
+
+def augmentation(config: ExperimentConfig) -> Compose:
+    """The training augmentation chain ``config.data`` asks for (``augment``; ``auto`` as ``with_data_fields``
+    resolves it, the light chain from ``flip`` and ``intensity_*``).
+
+    Example:
+        >>> augmentation(resolve_config("tiny").updated({"data": {"augment": "none"}})).transforms
+        []
+    """
+    data = config.data
+    name = data.augment
+    if name is Augment.AUTO:
+        name = Augment.LIGHT if data.store is None else Augment.NNUNET
+    return chain(name.value, flip=data.flip, intensity=(data.intensity_scale, data.intensity_shift))
 
 
 def trained_shapes(config: ExperimentConfig) -> list[tuple[str, tuple[int, int, int], tuple[int, int, int]]]:

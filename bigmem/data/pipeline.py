@@ -6,11 +6,14 @@ then trained at its own shape, padded (never cropped) up to a multiple of ``2**d
 axis; with a fixed ``shape`` it is cropped (at a random offset) or padded to that shape instead.
 Padded voxels hold the channel's background value (what its darkest voxel normalises to, not the
 mean) and the label ``PAD_LABEL``, which the loss, the Dice and the metrics leave out. Samples
-are randomly flipped and batched (a batch of different shapes is padded to its bounding shape;
-batches group similar shapes) into a ``tf.data`` pipeline that prefetches ahead of the step.
+are augmented at their own shape before any padding (``transforms``: one chain, built once, run
+here or in the reader processes) and batched (a batch of different shapes is padded to its
+bounding shape; batches group similar shapes) into a ``tf.data`` pipeline that prefetches ahead
+of the step.
 
-The order is a pure function of (seed, sample index): step ``s`` always sees the same cases with
-the same flips, so a resumed run continues exactly where the checkpoint left it. Reads happen
+The order, crops and augmentation draws are a pure function of (seed, sample index): step ``s``
+always sees the same cases augmented the same way, so a resumed run continues exactly where the
+checkpoint left it. Reads happen
 in the training process (``num_workers=0``) or in worker processes started with 'spawn', each
 opening its own HDF5 handle (h5py's global lock makes reader threads useless).
 """
@@ -30,12 +33,13 @@ import numpy as np
 
 from bigmem.data.preprocess import case_statistics
 from bigmem.data.store import HDF5VolumeStore
+from bigmem.data.transforms import PAD_LABEL, Compose, Sample
 from bigmem.errors import DataError
 from bigmem.units import as_shape, format_shape
 
-# The label of padded voxels. one_hot of it is all zeros, so the loss, the Dice and the metrics
-# leave those voxels out without a second mask tensor (a store's classes are 0..254: at most 255).
-PAD_LABEL = 255
+# PAD_LABEL (255, from transforms): the label of padded voxels. one_hot of it is all zeros, so the loss,
+# the Dice and the metrics leave those voxels out without a second mask tensor (classes are 0..254).
+__all__ = ["PAD_LABEL", "VolumeLoader", "load_sample", "load_patch", "fit_to_shape", "padded_shape"]
 
 Shape = tuple[int, int, int]
 
@@ -178,40 +182,23 @@ def normalized(store: HDF5VolumeStore, case_id: str, image: np.ndarray, *, whole
     return store.preprocessing.normalize(image, stats), store.preprocessing.background(stats)
 
 
-def _flip(image: np.ndarray, label: np.ndarray, rng: np.random.Generator):
-    axes = tuple(int(a) for a in np.flatnonzero(rng.random(3) < 0.5))
-    if axes:
-        image, label = np.flip(image, axes), np.flip(label, axes)
-    return image, label
-
-
-def augment_intensity(image: np.ndarray, background: np.ndarray, rng: np.random.Generator,
-                      intensity: tuple[float, float]) -> np.ndarray:
-    """Scale each channel by U(1 - s, 1 + s) and shift it by U(-t, t) (``intensity`` = (s, t)), in place.
-
-    Applied after normalisation, so ``t`` is in standard deviations; MONAI's RandScaleIntensity and
-    RandShiftIntensity, nnU-Net's brightness augmentation. Two passes over the image, cheap next to a
-    step. The padding value moves with the channel, so padding stays at the background. Returns the
-    new padding value.
-    """
-    scale, shift = intensity
-    background = background.copy()
-    for c in range(image.shape[-1]):
-        factor = np.float32(rng.uniform(1.0 - scale, 1.0 + scale)) if scale else np.float32(1.0)
-        offset = np.float32(rng.uniform(-shift, shift)) if shift else np.float32(0.0)
-        if factor != 1.0:
-            image[..., c] *= factor
-        if offset != 0.0:
-            image[..., c] += offset
-        background[c] = background[c] * factor + offset
-    return background
+def augmented(store: HDF5VolumeStore, case_id: str, image: np.ndarray, label: np.ndarray, *, whole: bool,
+              augment: Compose | None, seed: int, sample_index: int):
+    """``image`` normalised (``normalized``), then ``augment``ed: ``(image, label, background)``."""
+    image, background = normalized(store, case_id, image, whole=whole)
+    if not augment:
+        return image, label, background
+    sample = augment(Sample(np.ascontiguousarray(image, dtype=np.float32), label,
+                            np.asarray(background, np.float32).copy()), seed=seed, sample_index=sample_index)
+    return sample.image, sample.label, sample.background
 
 
 def load_sample(store: HDF5VolumeStore, sample_index: int, *, case_index: int, shape: Sequence[int], seed: int,
-                flip: bool, intensity: tuple[float, float] = (0.0, 0.0)):
-    """One training sample: read, normalised, cropped/padded to ``shape``, randomly flipped.
+                augment: Compose | None = None):
+    """One training sample: read, normalised, augmented at its own shape, then cropped/padded to ``shape``.
 
-    The crop offsets and the flips are a pure function of ``(seed, sample_index)``.
+    The crop offsets are a pure function of ``(seed, sample_index)``; the augmentation's draws of
+    ``(seed, sample_index, transform)`` (``transforms.stream``).
 
     Args:
         store: the store to read from.
@@ -220,8 +207,7 @@ def load_sample(store: HDF5VolumeStore, sample_index: int, *, case_index: int, s
         shape: the ``(D, H, W)`` of the returned sample: the case's own padded shape, its
             batch's bounding shape, or the fixed training shape (cases larger are cropped).
         seed: the run's seed.
-        flip: flip each spatial axis with probability 0.5.
-        intensity: ``(scale, shift)`` of ``augment_intensity`` (default (0, 0): none).
+        augment: the augmentation chain (``transforms.chain``; default None: none).
 
     Returns:
         ``(image (*shape, C) float32, label shape uint8)``, both C-contiguous; padded voxels
@@ -234,12 +220,9 @@ def load_sample(store: HDF5VolumeStore, sample_index: int, *, case_index: int, s
     case_id = store.case_ids[case_index]
     image, label = store.read_case(case_id)
     rng = np.random.default_rng([seed, sample_index, 1])
-    image, background = normalized(store, case_id, image)
-    if any(intensity):  # its own stream: crops and flips stay those of a run without it
-        background = augment_intensity(image, background, np.random.default_rng([seed, sample_index, 3]), intensity)
+    image, label, background = augmented(store, case_id, image, label, whole=True, augment=augment, seed=seed,
+                                         sample_index=sample_index)
     image, label = fit_to_shape(image, label, shape, rng, background)
-    if flip:
-        image, label = _flip(image, label, rng)
     return np.ascontiguousarray(image, dtype=np.float32), np.ascontiguousarray(label, dtype=np.uint8)
 
 
@@ -267,8 +250,8 @@ def patch_start(label: np.ndarray | None, shape: tuple[int, ...], patch: Sequenc
     return tuple(int(rng.integers(0, max(s - p, 0) + 1)) for s, p in zip(shape, patch))
 
 
-def load_patch(store: HDF5VolumeStore, sample_index: int, *, patch: int, seed: int, flip: bool,
-               foreground_fraction: float = FOREGROUND_FRACTION, intensity: tuple[float, float] = (0.0, 0.0)):
+def load_patch(store: HDF5VolumeStore, sample_index: int, *, patch: int, seed: int,
+               foreground_fraction: float = FOREGROUND_FRACTION, augment: Compose | None = None):
     """One training patch, foreground-centred with probability ``foreground_fraction``.
 
     Only the chunks the patch overlaps are read (plus the label, 1 byte/voxel, for a foreground
@@ -276,7 +259,8 @@ def load_patch(store: HDF5VolumeStore, sample_index: int, *, patch: int, seed: i
     they have in the normalised whole case (as at inference, where windows are cut from it).
 
     Args:
-        store, sample_index, seed, flip, intensity: as ``load_sample``.
+        store, sample_index, seed, augment: as ``load_sample`` (the chain runs on the patch as read:
+            what a rotation brings in from outside it is padding).
         patch: the patch ``(D, H, W)``, or an edge N for N^3 (smaller cases are padded to it, as
             ``fit_to_shape`` pads).
         foreground_fraction: the probability of a foreground-centred patch (default
@@ -295,12 +279,9 @@ def load_patch(store: HDF5VolumeStore, sample_index: int, *, patch: int, seed: i
     start = patch_start(label, info.shape, patch, rng)
     size = tuple(min(p, s) for p, s in zip(patch, info.shape))
     image, label = store.read_patch(info.case_id, start, size)
-    image, background = normalized(store, info.case_id, image, whole=False)
-    if any(intensity):
-        background = augment_intensity(image, background, np.random.default_rng([seed, sample_index, 3]), intensity)
+    image, label, background = augmented(store, info.case_id, image, label, whole=False, augment=augment, seed=seed,
+                                         sample_index=sample_index)
     image, label = fit_to_shape(image, label, patch, rng, background)
-    if flip:
-        image, label = _flip(image, label, rng)
     return np.ascontiguousarray(image, dtype=np.float32), np.ascontiguousarray(label, dtype=np.uint8)
 
 
@@ -322,8 +303,8 @@ def _slot_views(buffer, shape: Sequence[int], channels: int):
     return image, label
 
 
-def _worker_load(slot: str, sample_index: int, case_index: int, shape: tuple, seed: int, flip: bool,
-                 patch: Shape | None, intensity: tuple[float, float] = (0.0, 0.0)) -> None:
+def _worker_load(slot: str, sample_index: int, case_index: int, shape: tuple, seed: int, patch: Shape | None,
+                 augment: Compose | None) -> None:
     """Load one sample into the shared-memory ``slot``: only the slot's name crosses the pipe,
     not the volume (pickling one would cost two extra copies of it and the pipe)."""
     if slot not in _WORKER_SLOTS:
@@ -332,11 +313,10 @@ def _worker_load(slot: str, sample_index: int, case_index: int, shape: tuple, se
         # unregistering it here as well made the tracker print a KeyError traceback at that unlink.
         _WORKER_SLOTS[slot] = shared_memory.SharedMemory(name=slot)
     if patch:
-        image, label = load_patch(_WORKER_STORE, sample_index, patch=patch, seed=seed, flip=flip,
-                                  intensity=intensity)
+        image, label = load_patch(_WORKER_STORE, sample_index, patch=patch, seed=seed, augment=augment)
     else:
         image, label = load_sample(_WORKER_STORE, sample_index, case_index=case_index, shape=shape, seed=seed,
-                                   flip=flip, intensity=intensity)
+                                   augment=augment)
     image_view, label_view = _slot_views(_WORKER_SLOTS[slot].buf, shape, image.shape[3])
     image_view[...] = image
     label_view[...] = label
@@ -350,7 +330,7 @@ class VolumeLoader:
     shapes is padded to their bounding shape, and batches group similar shapes
     (``epoch_order``). With ``shape`` every case is cropped (random offset) or padded (centred)
     to it. Padding takes the channel's background value and the label ``PAD_LABEL``. Samples
-    are randomly flipped; the order, crops and flips are a pure function of ``(seed, sample
+    are augmented (``augment``); the order, crops and draws are a pure function of ``(seed, sample
     index)``, so a resumed run continues exactly where it stopped. Image and label values are
     checked when the loader is made (``HDF5VolumeStore.validate_for_training``: from the store's
     records, or one scan of a store without them), and again as they are read.
@@ -362,10 +342,9 @@ class VolumeLoader:
         pad_multiple: the multiple native shapes are padded to (default 16, ``2**depth`` of the
             default network; pass the model's ``divisor`` or a coarser multiple of it).
         batch_size: samples per batch (per process when sharded).
-        seed: the order, crops and flips (default 0).
-        flip: flip each spatial axis with probability 0.5 (default True).
-        intensity: ``(scale, shift)``: each sample's channels scaled by U(1 - scale, 1 + scale) and
-            shifted by U(-shift, shift) after normalisation (default (0, 0): off; ``augment_intensity``).
+        seed: the order, crops and augmentation draws (default 0).
+        augment: the augmentation chain each sample goes through after normalisation
+            (``transforms.chain``; default None: none).
         num_workers: 0 (default): read in this process; N: N reader processes (spawned), which
             hand samples over through shared memory.
         prefetch: batches ``dataset`` prepares ahead of the training step (default 2; 0: none);
@@ -390,9 +369,9 @@ class VolumeLoader:
     """
 
     def __init__(self, store_path: str | os.PathLike, *, shape: Sequence[int] | None = None, pad_multiple: int = 16,
-                 batch_size: int, seed: int = 0, flip: bool = True, num_workers: int = 0, prefetch: int = 2,
-                 cold_cache: bool = False, patch: int | Sequence[int] | None = None, holdout: int = 0,
-                 shard: tuple[int, int] = (0, 1), intensity: tuple[float, float] = (0.0, 0.0)):
+                 batch_size: int, seed: int = 0, augment: Compose | None = None, num_workers: int = 0,
+                 prefetch: int = 2, cold_cache: bool = False, patch: int | Sequence[int] | None = None,
+                 holdout: int = 0, shard: tuple[int, int] = (0, 1)):
         self.store = HDF5VolumeStore(store_path, cold_cache=cold_cache, holdout=holdout)
         try:  # a bad label or voxel is refused here, before the first training step, not when its case is read
             self.store.validate_for_training()
@@ -411,8 +390,7 @@ class VolumeLoader:
         self.pad_multiple = int(pad_multiple)
         self.batch_size = int(batch_size)
         self.seed = int(seed)
-        self.flip = bool(flip)
-        self.intensity = (float(intensity[0]), float(intensity[1]))
+        self.augment = augment if augment else None
         self.num_workers = int(num_workers)
         self.prefetch = int(prefetch)
         self._shapes = tuple(self.case_shape(i) for i in range(len(self.store)))
@@ -520,14 +498,13 @@ class VolumeLoader:
                 self.num_workers, mp_context=multiprocessing.get_context("spawn"),
                 initializer=_init_worker, initargs=(str(self.store.path), self.cold_cache, self.holdout))
         return self._pool.submit(_worker_load, self._slots[slot].name, sample_index, self.case_index(sample_index),
-                                 shape, self.seed, self.flip, self.patch, self.intensity)
+                                 shape, self.seed, self.patch, self.augment)
 
     def _load(self, index: int, shape: tuple):
         if self.patch:
-            return load_patch(self.store, index, patch=self.patch, seed=self.seed, flip=self.flip,
-                              intensity=self.intensity)
+            return load_patch(self.store, index, patch=self.patch, seed=self.seed, augment=self.augment)
         return load_sample(self.store, index, case_index=self.case_index(index), shape=shape, seed=self.seed,
-                           flip=self.flip, intensity=self.intensity)
+                           augment=self.augment)
 
     def samples(self, start_step: int = 0) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """An endless stream of this process's samples, from the first of batch ``start_step`` on.
@@ -629,7 +606,12 @@ class VolumeLoader:
         return dataset.prefetch(self.prefetch) if self.prefetch else dataset
 
     def describe(self) -> str:
-        """One line: what happens to each scan (whole at its own shape, or cropped/padded to a stated shape)."""
+        """One line: what happens to each scan (whole at its own shape, or cropped/padded to a stated shape),
+        and its augmentation when there is one."""
+        augmented = f"; augmentation: {self.augment.name}" if self.augment else ""
+        return self._shaping() + augmented
+
+    def _shaping(self) -> str:
         cases = self.store.cases
         sources = {info.shape for info in cases}
         counted = f"{len(cases)} case{'' if len(cases) == 1 else 's'}"

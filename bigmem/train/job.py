@@ -20,7 +20,7 @@ from rich.console import Console
 from bigmem.checkpoints import CheckpointManager
 from bigmem.config.options import Precision
 from bigmem.config.schema import ExperimentConfig
-from bigmem.data.derived import with_data_fields
+from bigmem.data.derived import augmentation, with_data_fields
 from bigmem.data.pipeline import VolumeLoader
 from bigmem.distribute.execution import Execution, choose_execution
 from bigmem.errors import UsageError
@@ -192,8 +192,7 @@ def make_loader(config: ExperimentConfig, execution: Execution) -> VolumeLoader:
     """
     data = config.data
     return VolumeLoader(data.store, shape=data.shape, pad_multiple=data.pad_multiple or config.model.divisor,
-                             seed=config.train.seed, flip=data.flip,
-                             intensity=(data.intensity_scale, data.intensity_shift), num_workers=data.num_workers,
+                             seed=config.train.seed, augment=augmentation(config), num_workers=data.num_workers,
                              prefetch=data.prefetch, cold_cache=data.cold_cache, holdout=data.holdout,
                              **execution.loader_settings())
 

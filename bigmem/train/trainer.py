@@ -245,7 +245,8 @@ def _start(job: Job, model, optimizer, console: Console) -> Restored:
     restored = restore(run, job.checkpoints, job.resume_from, model, optimizer, job.total_steps, console)
     _remove_temporaries(run.path)
     run.path.mkdir(parents=True, exist_ok=True)
-    run.write_config({**job.config.to_dict(), "total_steps": job.total_steps, "effective_lr": job.learning_rate})
+    run.write_config({**job.config.to_dict(), "total_steps": job.total_steps, "effective_lr": job.learning_rate,
+                      "augmentation": job.loader.augment.to_dict() if job.loader.augment else None})
     if job.resume_from is None or not (run.path / CARD_NAME).is_file():  # a resumed run keeps what it trained on
         ModelCard.from_store(job.config.data.store).write(run.path)  # predict needs the run directory only
     run.write_sysinfo(collect_sysinfo())

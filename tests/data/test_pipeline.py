@@ -12,7 +12,7 @@ from bigmem.errors import DataError
 
 
 def test_batches_are_normalised_whole_volumes(tiny_store):
-    with VolumeLoader(tiny_store, batch_size=2, flip=False) as loader:
+    with VolumeLoader(tiny_store, batch_size=2) as loader:
         images, labels = next(loader.batches())
     assert images.shape == (2, 16, 16, 16, 1) and images.dtype == np.float32
     assert labels.shape == (2, 16, 16, 16) and labels.dtype == np.uint8
@@ -52,7 +52,7 @@ def _shaped_store(tmp_path, shapes, name="shapes.h5", channels=1):
 
 def test_native_shapes_pad_never_crop_at_the_background_value(tmp_path):
     shapes = [(16, 24, 13), (20, 16, 16), (16, 16, 35)]
-    with VolumeLoader(_shaped_store(tmp_path, shapes), pad_multiple=8, batch_size=1, flip=False) as loader:
+    with VolumeLoader(_shaped_store(tmp_path, shapes), pad_multiple=8, batch_size=1) as loader:
         assert loader.shapes == [padded_shape(s, 8) for s in shapes] and loader.cropped_share() == 0.0
         seen = {}
         for step in range(3):
@@ -73,7 +73,7 @@ def test_native_shapes_pad_never_crop_at_the_background_value(tmp_path):
 
 def test_a_fixed_shape_crops_and_says_how_much(tmp_path):
     with VolumeLoader(_shaped_store(tmp_path, [(16, 16, 32), (16, 16, 16)]), shape=(16, 16, 16),
-                           batch_size=2, flip=False) as loader:
+                           batch_size=2) as loader:
         images, labels = next(loader.batches())
         assert images.shape == (2, 16, 16, 16, 1) and not np.any(labels == PAD_LABEL)
         assert loader.cropped_share() == pytest.approx(1 / 3)
@@ -105,7 +105,7 @@ def test_an_odd_number_of_shapes_keeps_every_batch_grouped_across_shards_and_epo
     every batch one shape, and the shards together load exactly one process's batches."""
     shapes = [(8, 8, 8)] * 3 + [(8, 8, 16)] * 3 + [(16, 8, 8)]
     store = _shaped_store(tmp_path, shapes)
-    with VolumeLoader(store, pad_multiple=8, batch_size=4, seed=1, flip=False) as one:
+    with VolumeLoader(store, pad_multiple=8, batch_size=4, seed=1) as one:
         assert one.steps_per_epoch == 2
         whole = [next(one.batches(step)) for step in range(6)]  # three epochs
         for step in range(6):
@@ -116,7 +116,7 @@ def test_an_odd_number_of_shapes_keeps_every_batch_grouped_across_shards_and_epo
             seen = {one.case_index(i) for step in (2 * epoch, 2 * epoch + 1) for i in one.step_samples(step)}
             assert seen == set(range(7))
     for index in range(2):
-        with VolumeLoader(store, pad_multiple=8, batch_size=2, seed=1, flip=False, shard=(index, 2),
+        with VolumeLoader(store, pad_multiple=8, batch_size=2, seed=1, shard=(index, 2),
                                num_workers=num_workers, prefetch=1) as worker:
             assert worker.steps_per_epoch == 2
             stream = worker.batches(0)
@@ -219,7 +219,7 @@ def test_patches_are_foreground_oversampled(tiny_store):
     hits = {0.0: 0, 1.0: 0}
     for fraction in hits:
         for index in range(40):
-            image, label = load_patch(store, index, patch=6, seed=0, flip=False, foreground_fraction=fraction)
+            image, label = load_patch(store, index, patch=6, seed=0, foreground_fraction=fraction)
             assert image.shape == (6, 6, 6, 1) and label.shape == (6, 6, 6)
             hits[fraction] += int(label.any())
     assert hits[1.0] == 40  # every patch centred on foreground holds some
@@ -247,7 +247,7 @@ def test_the_pipeline_catches_non_finite_values(corrupt_store):
         data[...] = values
 
     path = corrupt_store(poison)
-    with VolumeLoader(path, batch_size=4, flip=False) as loader:
+    with VolumeLoader(path, batch_size=4) as loader:
         assert loader.store.check_finite is True
         with pytest.raises(DataError, match=r"^Case 'synth_0002': image has 1 non-finite values \(NaN/Inf\) "):
             next(loader.batches())

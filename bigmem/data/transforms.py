@@ -1,0 +1,534 @@
+"""Training augmentation as objects: a ``Transform`` takes a ``Sample`` and a generator and returns a sample.
+
+MONAI's ``Randomizable`` + ``Compose`` is the model. A chain is a ``Compose`` of transforms built once
+from a name in the config (``data.augment``: ``nnunet``, ``light`` or ``none``; ``chain``), and the same
+chain runs in the training process and in reader processes, for whole volumes and patches alike.
+Validation and predict apply none.
+
+Each transform draws from its own generator, seeded from ``(run seed, sample index, transform name)``:
+the sample index fixes the epoch and the case (``pipeline.VolumeLoader.case_index``), so a resumed
+run sees exactly the draws an uninterrupted one saw, and adding a transform does not change the
+draws of the others.
+
+A sample carries its channels' background value (what padding holds). Pointwise intensity transforms
+map it with the same function as the voxels, so padding added later (``pipeline.fit_to_shape``) is
+still the background of the transformed image. Voxels a spatial transform brings in from outside the
+volume hold the background and the label ``PAD_LABEL``: no loss or metric counts them, and a whole
+volume keeps its own shape (nothing is cropped away).
+
+``nnunet`` is nnU-Net v2's default training augmentation (``nnUNetTrainer.get_training_transforms``,
+batchgeneratorsv2), with its probabilities and ranges; the parameters and the source each was checked
+against are listed in docs/augmentation.md. Elastic deformation is off there and absent here.
+Rotation, scaling and mirroring are composed into one affine resampling per case (``SpatialTransform``).
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass, field, replace
+from typing import Any, ClassVar, Sequence
+
+import numpy as np
+
+from bigmem.errors import ConfigError
+
+PAD_LABEL = 255  # the label no loss or metric counts (``pipeline.PAD_LABEL`` is this value)
+
+# nnU-Net treats a patch as anisotropic ("dummy 2D" augmentation: rotation only in-plane, up to
+# +-180 degrees; no scaling or low-resolution simulation along the thin axis) when its largest
+# edge is more than 3x its first (thin) one: ANISO_THRESHOLD = 3 in nnunetv2/configuration.py.
+ANISO_THRESHOLD = 3.0
+
+
+@dataclass
+class Sample:
+    """One training sample as the transforms see it.
+
+    Attributes:
+        image: ``(D, H, W, C)`` float32, normalised.
+        label: ``(D, H, W)`` uint8; ``PAD_LABEL`` where nothing is known.
+        background: ``(C,)`` float32: each channel's padding value.
+    """
+
+    image: np.ndarray
+    label: np.ndarray
+    background: np.ndarray
+
+    def __repr__(self) -> str:
+        nbytes = self.image.nbytes + self.label.nbytes
+        return f"Sample(shape: {tuple(self.image.shape)}; memory: {nbytes / 2**20:.1f} MiB)"
+
+
+def stream(seed: int, sample_index: int, name: str) -> np.random.Generator:
+    """The generator of transform ``name`` for one sample: a pure function of (seed, sample index, name)."""
+    return np.random.default_rng([int(seed), int(sample_index), 7, zlib.crc32(name.encode())])
+
+
+def background_contrast(rng: np.random.Generator, low: float, high: float) -> float:
+    """A factor from (low, high) drawn as nnU-Net's ``BGContrast``: below 1 or above 1 with equal chance.
+
+    batchgeneratorsv2's ``BGContrast``: with probability 0.5 (and low < 1) uniform in (low, 1), else
+    uniform in (max(low, 1), high); so 0.75..1.25 darkens as often as it brightens.
+    """
+    if rng.random() < 0.5 and low < 1:
+        return float(rng.uniform(low, 1.0))
+    return float(rng.uniform(max(low, 1.0), high))
+
+
+def thin_axis(shape: Sequence[int]) -> int | None:
+    """The axis nnU-Net's dummy-2D augmentation leaves alone, or None for a volume it treats as 3-D.
+
+    A volume is anisotropic when its largest edge is more than ``ANISO_THRESHOLD`` times its
+    smallest; the smallest is then the thin axis (nnU-Net orders axes so it is the first).
+    """
+    shape = [int(s) for s in shape[:3]]
+    axis = int(np.argmin(shape))
+    return axis if max(shape) / max(shape[axis], 1) > ANISO_THRESHOLD else None
+
+
+class Transform:
+    """One augmentation: ``apply(sample, rng) -> sample``, run with probability ``probability``.
+
+    A subclass sets ``name`` (unique in a chain: it seeds the transform's own stream), implements
+    ``apply``, and says how many float32 channel-volumes it holds beyond its input
+    (``extra_volumes``) for the readers' memory plan.
+    """
+
+    name: ClassVar[str] = "transform"
+    probability: float = 1.0
+
+    def apply(self, sample: Sample, rng: np.random.Generator) -> Sample:
+        raise NotImplementedError
+
+    def __call__(self, sample: Sample, rng: np.random.Generator) -> Sample:
+        if self.probability >= 1.0 or rng.random() < self.probability:
+            return self.apply(sample, rng)
+        return sample
+
+    def extra_volumes(self, channels: int) -> float:
+        """Float32 (D, H, W) volumes the transform allocates beyond its input, at most (default 1)."""
+        return 1.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """The transform's name and parameters (config.json's ``augmentation``)."""
+        values = {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(self).items() if not k.startswith("_")}
+        return {"name": self.name, **values}
+
+    def __repr__(self) -> str:
+        values = ", ".join(f"{k}={v}" for k, v in self.to_dict().items() if k != "name")
+        return f"{type(self).__name__}({values})"
+
+
+def _rotation(axis: int, angle: float) -> np.ndarray:
+    """The 3x3 rotation by ``angle`` radians in the plane of the two axes other than ``axis``."""
+    a, b = [i for i in range(3) if i != axis]
+    matrix = np.eye(3)
+    cos, sin = math.cos(angle), math.sin(angle)
+    matrix[a, a], matrix[a, b], matrix[b, a], matrix[b, b] = cos, -sin, sin, cos
+    return matrix
+
+
+def affine_resample(sample: Sample, matrix: np.ndarray) -> Sample:
+    """``sample`` resampled at ``matrix @ (x - centre) + centre`` for each voxel x, keeping its shape.
+
+    Image channels are interpolated trilinearly. The label follows nnU-Net (batchgeneratorsv2's
+    ``SpatialTransform``, ``mode_seg='bilinear'``): each label value's mask is interpolated
+    trilinearly and a voxel takes the value whose mask is largest there (the lower value on a tie),
+    so thin structures keep their interpolated outline rather than nearest-neighbour stairs. What
+    comes from outside the volume is the channel's background and ``PAD_LABEL`` (nnU-Net fills its
+    out-of-bounds segmentation with -1, then 0; a whole volume has no surrounding context, so
+    bigmem leaves it out of the loss). A matrix that only flips axes is applied as flips (exact,
+    and no resampling).
+
+    Args:
+        sample: the sample; its arrays are not changed.
+        matrix: ``(3, 3)``: output voxel offsets from the centre -> input offsets.
+
+    Returns:
+        A new ``Sample`` of the same shape.
+    """
+    from scipy import ndimage
+
+    matrix = np.asarray(matrix, np.float64)
+    if np.allclose(np.abs(matrix), np.eye(3)):
+        axes = tuple(int(a) for a in np.flatnonzero(np.diag(matrix) < 0))
+        if not axes:
+            return sample
+        return replace(sample, image=np.ascontiguousarray(np.flip(sample.image, axes)),
+                       label=np.ascontiguousarray(np.flip(sample.label, axes)))
+    shape = sample.label.shape
+    centre = (np.asarray(shape, np.float64) - 1.0) / 2.0
+    offset = centre - matrix @ centre
+    image = np.empty_like(sample.image)
+    channel = np.empty(shape, np.float32)
+    for c in range(sample.image.shape[-1]):
+        source = np.ascontiguousarray(sample.image[..., c])
+        ndimage.affine_transform(source, matrix, offset, output=channel, order=1, mode="constant",
+                                 cval=float(sample.background[c]), prefilter=False)
+        image[..., c] = channel
+    label = np.full(shape, PAD_LABEL, np.uint8)
+    best = np.zeros(shape, np.float32)  # outside the volume every mask interpolates to 0: PAD_LABEL stays
+    for value in np.unique(sample.label):
+        ndimage.affine_transform((sample.label == value).astype(np.float32), matrix, offset, output=channel,
+                                 order=1, mode="constant", cval=0.0, prefilter=False)
+        better = channel > best
+        label[better] = value
+        np.maximum(best, channel, out=best)
+    return replace(sample, image=image, label=label)
+
+
+@dataclass(repr=False)
+class SpatialTransform(Transform):
+    """Rotation, scaling and mirroring, composed into one affine resampling of the whole sample.
+
+    nnU-Net's ``SpatialTransform`` (p_rotation 0.2, each axis's angle uniform in +-``rotation_deg``;
+    p_scaling 0.2, one factor uniform in ``scaling`` for every axis) followed by its
+    ``MirrorTransform`` (each axis flipped with probability 0.5). The shape is kept and rotation is
+    about the centre; a factor above 1 samples a larger region (the anatomy looks smaller). On an
+    anisotropic sample (``thin_axis``) rotation is only about the thin axis, up to
+    +-``rotation_2d_deg``, and scaling is in-plane: nnU-Net's dummy-2D augmentation.
+
+    Args:
+        p_rotation, rotation_deg, rotation_2d_deg: probability and range of the rotation (degrees).
+        p_scaling, scaling: probability and range of the scale factor.
+        mirror_axes: the axes that may be flipped (each with probability 0.5; () for none).
+    """
+
+    name: ClassVar[str] = "spatial"
+    p_rotation: float = 0.2
+    rotation_deg: float = 30.0
+    rotation_2d_deg: float = 180.0
+    p_scaling: float = 0.2
+    scaling: tuple[float, float] = (0.7, 1.4)
+    mirror_axes: tuple[int, ...] = (0, 1, 2)
+
+    def matrix(self, shape: Sequence[int], rng: np.random.Generator) -> np.ndarray:
+        """The draw's 3x3 output -> input matrix: Rz @ Ry @ Rx @ scale (batchgeneratorsv2's order) @ mirror."""
+        thin = thin_axis(shape)
+        rotation = np.eye(3)
+        if rng.random() < self.p_rotation:
+            if thin is None:
+                angles = [math.radians(rng.uniform(-self.rotation_deg, self.rotation_deg)) for _ in range(3)]
+                rotation = _rotation(2, angles[2]) @ _rotation(1, angles[1]) @ _rotation(0, angles[0])
+            else:
+                rotation = _rotation(thin, math.radians(rng.uniform(-self.rotation_2d_deg, self.rotation_2d_deg)))
+        scale = np.eye(3)
+        if rng.random() < self.p_scaling:
+            factor = rng.uniform(*self.scaling)
+            scale = np.diag([1.0 if axis == thin else factor for axis in range(3)])
+        flips = rng.random(3) < 0.5
+        mirror = np.diag([-1.0 if flips[axis] and axis in self.mirror_axes else 1.0 for axis in range(3)])
+        return rotation @ scale @ mirror
+
+    def apply(self, sample: Sample, rng: np.random.Generator) -> Sample:
+        return affine_resample(sample, self.matrix(sample.label.shape, rng))
+
+    def extra_volumes(self, channels: int) -> float:
+        # a new image (C channels), one contiguous source channel, one output channel, the running best
+        # of the label masks and one mask (float32 volumes), and the new label (uint8: a quarter)
+        return channels + 4 + 0.25
+
+
+@dataclass(repr=False)
+class Mirror(Transform):
+    """Each axis in ``axes`` flipped with probability 0.5 (no resampling)."""
+
+    name: ClassVar[str] = "mirror"
+    axes: tuple[int, ...] = (0, 1, 2)
+
+    def apply(self, sample: Sample, rng: np.random.Generator) -> Sample:
+        flips = rng.random(3) < 0.5
+        return affine_resample(sample, np.diag([-1.0 if flips[a] and a in self.axes else 1.0 for a in range(3)]))
+
+    def extra_volumes(self, channels: int) -> float:
+        return channels + 0.25
+
+
+def _channels(image: np.ndarray, rng: np.random.Generator, p_per_channel: float) -> list[int]:
+    """The channels a per-channel transform touches: each with probability ``p_per_channel``."""
+    return [c for c in range(image.shape[-1]) if p_per_channel >= 1 or rng.random() < p_per_channel]
+
+
+@dataclass(repr=False)
+class GaussianNoise(Transform):
+    """Additive Gaussian noise: nnU-Net's ``GaussianNoiseTransform`` (p 0.1, "noise_variance" (0, 0.1)).
+
+    One draw for every channel (synchronize_channels), a fresh field per channel. batchgeneratorsv2
+    uses the drawn "variance" as the noise's standard deviation (``normal_(mean=0.0, std=sigma)``),
+    and so does bigmem. The background value is unchanged (the noise has mean 0).
+    """
+
+    name: ClassVar[str] = "noise"
+    probability: float = 0.1
+    variance: tuple[float, float] = (0.0, 0.1)
+
+    def apply(self, sample: Sample, rng: np.random.Generator) -> Sample:
+        std = rng.uniform(*self.variance)
+        image = sample.image
+        for c in range(image.shape[-1]):
+            image[..., c] += rng.standard_normal(image.shape[:3], dtype=np.float32) * np.float32(std)
+        return sample
+
+
+@dataclass(repr=False)
+class GaussianBlur(Transform):
+    """Gaussian smoothing: nnU-Net's ``GaussianBlurTransform`` (p 0.2, sigma (0.5, 1), p 0.5 per channel).
+
+    Each chosen channel gets its own sigma per axis (synchronize_channels and synchronize_axes off).
+    """
+
+    name: ClassVar[str] = "blur"
+    probability: float = 0.2
+    sigma: tuple[float, float] = (0.5, 1.0)
+    p_per_channel: float = 0.5
+
+    def apply(self, sample: Sample, rng: np.random.Generator) -> Sample:
+        from scipy import ndimage
+
+        image = sample.image
+        for c in _channels(image, rng, self.p_per_channel):
+            sigmas = [float(rng.uniform(*self.sigma)) for _ in range(3)]
+            # batchgeneratorsv2: separable kernels cut at 6 sigma, reflect padding (scipy's "mirror")
+            image[..., c] = ndimage.gaussian_filter(image[..., c], sigmas, mode="mirror", truncate=6.0)
+        return sample
+
+
+@dataclass(repr=False)
+class Brightness(Transform):
+    """Each channel multiplied by a factor: nnU-Net's ``MultiplicativeBrightnessTransform`` (p 0.15, 0.75..1.25)."""
+
+    name: ClassVar[str] = "brightness"
+    probability: float = 0.15
+    multiplier: tuple[float, float] = (0.75, 1.25)
+
+    def apply(self, sample: Sample, rng: np.random.Generator) -> Sample:
+        for c in range(sample.image.shape[-1]):
+            factor = np.float32(background_contrast(rng, *self.multiplier))
+            sample.image[..., c] *= factor
+            sample.background[c] *= factor
+        return sample
+
+    def extra_volumes(self, channels: int) -> float:
+        return 0.0
+
+
+@dataclass(repr=False)
+class Contrast(Transform):
+    """Contrast about each channel's mean: nnU-Net's ``ContrastTransform`` (p 0.15, 0.75..1.25, range kept).
+
+    ``(x - mean) * factor + mean``, then clipped to the channel's former minimum and maximum
+    (preserve_range).
+    """
+
+    name: ClassVar[str] = "contrast"
+    probability: float = 0.15
+    factor: tuple[float, float] = (0.75, 1.25)
+    preserve_range: bool = True
+
+    def apply(self, sample: Sample, rng: np.random.Generator) -> Sample:
+        image = sample.image
+        for c in range(image.shape[-1]):
+            factor = background_contrast(rng, *self.factor)
+            channel = image[..., c]
+            mean = float(channel.mean(dtype=np.float64))
+            low, high = float(channel.min()), float(channel.max())
+            channel -= np.float32(mean)
+            channel *= np.float32(factor)
+            channel += np.float32(mean)
+            value = (float(sample.background[c]) - mean) * factor + mean
+            if self.preserve_range:
+                np.clip(channel, low, high, out=channel)
+                value = min(max(value, low), high)
+            sample.background[c] = value
+        return sample
+
+    def extra_volumes(self, channels: int) -> float:
+        return 0.0
+
+
+@dataclass(repr=False)
+class LowResolution(Transform):
+    """Simulated low resolution: nnU-Net's ``SimulateLowResolutionTransform`` (p 0.25, zoom 0.5..1, p 0.5 a channel).
+
+    A chosen channel is downsampled by one factor on every axis (synchronize_axes; the thin axis of an
+    anisotropic sample is left alone) with nearest-neighbour sampling, then upsampled back to its
+    shape by linear interpolation.
+    """
+
+    name: ClassVar[str] = "lowres"
+    probability: float = 0.25
+    scale: tuple[float, float] = (0.5, 1.0)
+    p_per_channel: float = 0.5
+
+    def apply(self, sample: Sample, rng: np.random.Generator) -> Sample:
+        from scipy import ndimage
+
+        image = sample.image
+        shape = image.shape[:3]
+        thin = thin_axis(shape)
+        for c in _channels(image, rng, self.p_per_channel):
+            factor = float(rng.uniform(*self.scale))
+            small = tuple(s if axis == thin else max(1, round(s * factor)) for axis, s in enumerate(shape))
+            # nearest-exact down (each small voxel takes the source voxel under its centre), linear up
+            index = np.ix_(*[np.minimum(((np.arange(n) + 0.5) * s / n).astype(np.int64), s - 1)
+                             for n, s in zip(small, shape)])
+            low = np.ascontiguousarray(image[..., c][index])
+            image[..., c] = ndimage.zoom(low, [s / n for s, n in zip(shape, small)], order=1, mode="nearest",
+                                         grid_mode=True, output=np.float32)
+        return sample
+
+
+@dataclass(repr=False)
+class Gamma(Transform):
+    """A gamma curve on each channel: nnU-Net's ``GammaTransform`` (gamma 0.7..1.5, statistics retained).
+
+    The channel is scaled to [0, 1] by its minimum and range, raised to gamma, and scaled back;
+    with ``retain_stats`` its mean and standard deviation are then restored. With ``invert`` it is
+    negated before and after (the curve bends the other end). nnU-Net runs it twice: inverted with
+    p 0.1, plain with p 0.3.
+    """
+
+    name: ClassVar[str] = "gamma"
+    probability: float = 0.3
+    gamma: tuple[float, float] = (0.7, 1.5)
+    invert: bool = False
+    retain_stats: bool = True
+
+    def apply(self, sample: Sample, rng: np.random.Generator) -> Sample:
+        image = sample.image
+        sign = -1.0 if self.invert else 1.0
+        for c in range(image.shape[-1]):
+            gamma = background_contrast(rng, *self.gamma)
+            channel = image[..., c]
+            work = channel.astype(np.float64) * sign
+            value = float(sample.background[c]) * sign
+            mean, std = work.mean(), work.std(ddof=1)  # torch.std: unbiased
+            low = work.min()
+            spread = max(work.max() - low, 1e-7)
+            work -= low
+            work /= spread
+            np.power(work, gamma, out=work)
+            work *= spread
+            work += low
+            value = min(max((value - low) / spread, 0.0), 1.0) ** gamma * spread + low
+            if self.retain_stats:
+                new_mean, new_std = work.mean(), max(work.std(ddof=1), 1e-7)
+                work -= new_mean
+                work *= std / new_std
+                work += mean
+                value = (value - new_mean) * std / new_std + mean
+            channel[...] = work * sign
+            sample.background[c] = value * sign
+        return sample
+
+    def extra_volumes(self, channels: int) -> float:
+        return 2.0  # one channel in float64
+
+
+@dataclass(repr=False)
+class InvertedGamma(Gamma):
+    """``Gamma`` on the negated channel (nnU-Net: p 0.1); its own name, so its own random stream."""
+
+    name: ClassVar[str] = "gamma_inverted"
+    probability: float = 0.1
+    invert: bool = True
+
+
+@dataclass(repr=False)
+class ScaleShift(Transform):
+    """Each channel scaled by U(1 - scale, 1 + scale) and shifted by U(-shift, shift) (standard deviations).
+
+    MONAI's RandScaleIntensity and RandShiftIntensity; the ``light`` chain's intensity transform.
+    """
+
+    name: ClassVar[str] = "scale_shift"
+    scale: float = 0.1
+    shift: float = 0.1
+
+    def apply(self, sample: Sample, rng: np.random.Generator) -> Sample:
+        for c in range(sample.image.shape[-1]):
+            factor = np.float32(rng.uniform(1.0 - self.scale, 1.0 + self.scale)) if self.scale else np.float32(1.0)
+            offset = np.float32(rng.uniform(-self.shift, self.shift)) if self.shift else np.float32(0.0)
+            sample.image[..., c] *= factor
+            sample.image[..., c] += offset
+            sample.background[c] = sample.background[c] * factor + offset
+        return sample
+
+    def extra_volumes(self, channels: int) -> float:
+        return 0.0
+
+
+@dataclass
+class Compose:
+    """Transforms applied in order, each with its own random stream.
+
+    Args:
+        transforms: the chain; their names must be unique.
+        name: what the chain is called (config.json's ``augmentation.chain``).
+
+    Example:
+        >>> chain = Compose([Mirror(), GaussianNoise(probability=1.0)], name="custom")
+        >>> out = chain(Sample(np.zeros((8, 8, 8, 1), np.float32), np.zeros((8, 8, 8), np.uint8),
+        ...                    np.zeros(1, np.float32)), seed=0, sample_index=3)
+    """
+
+    transforms: list[Transform] = field(default_factory=list)
+    name: str = "custom"
+
+    def __post_init__(self) -> None:
+        names = [t.name for t in self.transforms]
+        if len(set(names)) != len(names):
+            raise ValueError(f"transform names repeat in {names}: each seeds its own stream")
+
+    def __call__(self, sample: Sample, *, seed: int, sample_index: int) -> Sample:
+        for transform in self.transforms:
+            sample = transform(sample, stream(seed, sample_index, transform.name))
+        return sample
+
+    def __bool__(self) -> bool:
+        return bool(self.transforms)
+
+    def working_bytes(self, shape: Sequence[int], channels: int) -> int:
+        """Bytes the chain holds beyond its input sample at its worst transform (float32 volumes of ``shape``)."""
+        worst = max((t.extra_volumes(channels) for t in self.transforms), default=0.0)
+        return int(math.ceil(worst * math.prod(int(s) for s in shape[:3]) * 4))
+
+    def to_dict(self) -> dict[str, Any]:
+        """``{"chain": name, "transforms": [each transform's to_dict]}`` (config.json's ``augmentation``)."""
+        return {"chain": self.name, "transforms": [t.to_dict() for t in self.transforms]}
+
+
+CHAINS = ("nnunet", "light", "none")
+
+
+def chain(name: str, *, flip: bool = True, intensity: tuple[float, float] = (0.1, 0.1)) -> Compose:
+    """The named augmentation chain.
+
+    Args:
+        name: ``nnunet`` (nnU-Net v2's default training augmentation), ``light`` (flips and a
+            scale/shift of intensity) or ``none``.
+        flip: mirror every axis (``light``; default True).
+        intensity: ``(scale, shift)`` of ``light``'s ``ScaleShift`` (default (0.1, 0.1); (0, 0): none).
+
+    Returns:
+        The ``Compose``.
+
+    Raises:
+        ConfigError: an unknown name (naming ``data.augment`` and the valid names).
+
+    Example:
+        >>> [t.name for t in chain("nnunet").transforms][:3]
+        ['spatial', 'noise', 'blur']
+    """
+    if name == "nnunet":
+        return Compose([SpatialTransform(), GaussianNoise(), GaussianBlur(), Brightness(), Contrast(),
+                        LowResolution(), InvertedGamma(), Gamma()], name=name)
+    if name == "light":
+        transforms: list[Transform] = [Mirror()] if flip else []
+        if any(intensity):
+            transforms.append(ScaleShift(scale=float(intensity[0]), shift=float(intensity[1])))
+        return Compose(transforms, name=name)
+    if name == "none":
+        return Compose([], name=name)
+    raise ConfigError("data.augment", f"Invalid {{field}} {name!r}: expected one of {', '.join(CHAINS)}.")
