@@ -48,6 +48,10 @@ def add_model_flags(parser, *, volume_help: str, shape_help: str | None = None) 
     group.add_argument("--batch-size", type=int, metavar="B", help="volumes per step (default: the preset's)")
     group.add_argument("--optimizer", choices=["sgd", "adam"],
                        help="SGD with Nesterov momentum (1 slot per weight), or Adam (2 slots)")
+    group.add_argument("--deep-supervision", action=argparse.BooleanOptionalAction, default=None,
+                       help="also train each lower decoder resolution through a 1x1x1 head of its own, with "
+                            "nnU-Net's weights (1/2^level, the lowest 0, normalised) and labels downsampled as "
+                            "nnU-Net does; prediction uses the full resolution only (default: the preset's, off)")
 
 
 def add_memory_flags(parser, *, auto: bool = True) -> None:
@@ -114,6 +118,7 @@ def model_overrides(args) -> dict:
         "train": {"batch_size": getattr(args, "batch_size", None), "optimizer": getattr(args, "optimizer", None),
                   "precision": getattr(args, "precision", None)},
         "memory": {"recompute": getattr(args, "recompute", None)},
+        "model": {"deep_supervision": getattr(args, "deep_supervision", None)},
     }
     return {name: {k: v for k, v in values.items() if v is not None} for name, values in sections.items()}
 

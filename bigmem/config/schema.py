@@ -46,6 +46,9 @@ class ModelConfig:
         activation, downsampling, residual, conv_bias: the block's parts (the decoder upsamples by
             transposed convolutions, kernel 2 = stride 2).
         stock_layers: build from Keras's stock layers only (the speed benchmark's baseline).
+        deep_supervision: train the decoder's lower resolutions too, each through its own 1x1x1 head
+            (nnU-Net's deep supervision and weights; ``train.losses.deep_supervision_weights``). Off in the
+            presets, whose networks are published ones; inference uses the full resolution only.
         in_channels, num_classes: filled from the store (``data.derived.with_data_fields``).
 
     Example:
@@ -68,6 +71,7 @@ class ModelConfig:
     # a plain Keras model is written; the speed benchmark's baseline. False: bigmem's fused
     # norm+activation (nets/norm_act.py) and two-input skip convolutions (nets/blocks.py).
     stock_layers: bool = False
+    deep_supervision: bool = False
     in_channels: int = 1
     num_classes: int = 3
 
@@ -75,6 +79,17 @@ class ModelConfig:
     def filters(self) -> list[int]:
         """Channels per level, from full resolution to the bottleneck."""
         return [min(self.base_filters * 2**level, self.max_filters) for level in range(self.depth + 1)]
+
+    @property
+    def supervised_levels(self) -> list[int]:
+        """The decoder levels with a head of their own under ``deep_supervision``, finest first (level 0 is
+        the main head). nnU-Net gives the lowest-resolution decoder output weight 0, so it gets no head.
+
+        Example:
+            >>> ModelConfig(depth=4, deep_supervision=True).supervised_levels
+            [1, 2]
+        """
+        return list(range(1, self.depth - 1)) if self.deep_supervision else []
 
     @property
     def divisor(self) -> int:

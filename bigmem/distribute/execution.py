@@ -158,10 +158,11 @@ class SingleProcess:
             if traces is not None:
                 traces.count += 1
             with tf.GradientTape() as tape:
-                logits = model(images, training=True)
-                loss = tf.reduce_mean(loss_per_sample(labels, logits))
+                outputs = model(images, training=True)  # the logits, or a deep-supervision list of them
+                loss = tf.reduce_mean(loss_per_sample(labels, outputs))
             gradients = tape.gradient(loss, model.trainable_variables)
             optimizer.apply(gradients, model.trainable_variables)
+            logits = outputs[0] if isinstance(outputs, (list, tuple)) else outputs
             return loss, metric_from_counts(*metric_counts(labels, logits))
 
         return step

@@ -130,11 +130,11 @@ def make_distributed_step(replicas: Replicas, model, optimizer, global_batch_siz
         images = tf.ensure_shape(images, (per_replica, *images.shape[1:]))
         labels = tf.ensure_shape(labels, (per_replica, *labels.shape[1:]))
         with tf.GradientTape() as tape:
-            logits = model(images, training=True)
-            loss = tf.reduce_sum(loss_per_sample(labels, logits)) / global_batch_size
+            outputs = model(images, training=True)  # the logits, or a deep-supervision list of them
+            loss = tf.reduce_sum(loss_per_sample(labels, outputs)) / global_batch_size
         gradients = tape.gradient(loss, model.trainable_variables)
         optimizer.apply(gradients, model.trainable_variables)
-        intersection, union = metric_counts(labels, logits)
+        intersection, union = metric_counts(labels, outputs[0] if isinstance(outputs, (list, tuple)) else outputs)
         return loss, intersection, union
 
     @tf.function(reduce_retracing=False)  # one trace per batch shape: the slab paths plan from static shapes

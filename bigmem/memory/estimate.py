@@ -120,8 +120,12 @@ class NetworkCounts:
         # The widest full-resolution tensor: a decoder concat (2 x level-0 filters) or the input.
         largest = max(2 * cfg.filters[0], cfg.in_channels) * voxels
         trainable = sum(math.prod(v.shape) for v in model.trainable_weights)
-        return cls(model.count_params(), int(trainable), {k: v for k, v in elements.items() if k != "head"},
-                   outputs, int(largest), int(elements["head"]), int(model.forward_macs(spatial_shape)),
+        # The heads (the main one and deep supervision's, ``head<level>``) are not stages: their logits are
+        # float32 whatever the precision, and never recomputed.
+        heads = {k for k in elements if k == "head" or k.startswith("head") and k[4:].isdigit()}
+        return cls(model.count_params(), int(trainable), {k: v for k, v in elements.items() if k not in heads},
+                   outputs, int(largest), int(sum(elements[k] for k in heads)),
+                   int(model.forward_macs(spatial_shape)),
                    {name: int(n) for name, n in largest_in.items()}, {name: int(n) for name, n in inference.items()},
                    {name: int(n) for name, n in tensors.items()})
 

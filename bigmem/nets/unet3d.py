@@ -69,6 +69,10 @@ class UNet3D(keras.Model):
         ]
         head = keras.layers.Conv3D if cfg.stock_layers else Conv3D  # bigmem's runs in slabs past the limit
         self.head = head(cfg.num_classes, 1, dtype=self.dtype_policy, name="head")
+        # Deep supervision: a 1x1x1 head (with bias, as nnU-Net's seg layers) on each lower decoder level
+        # whose loss weight is not 0; their logits are returned only in training (``call``).
+        self.supervision_heads = {level: head(cfg.num_classes, 1, dtype=self.dtype_policy, name=f"head{level}")
+                                  for level in cfg.supervised_levels}
         # Logits leave the network in float32 so the loss is computed in full precision.
         self.to_float32 = keras.layers.Activation("linear", dtype="float32", name="logits")
         # Names of the stages whose activations are recomputed in the backward pass instead of
@@ -114,6 +118,8 @@ class UNet3D(keras.Model):
         spatial = tuple(s or self.model_config.divisor for s in input_shape[1:-1])
         self.built = True  # before the trace: ``call`` must not re-enter build
         self.compute_output_spec(keras.KerasTensor((1, *spatial, input_shape[-1])))
+        for level, head in self.supervision_heads.items():  # the trace above is not training: build them here
+            head.build((None, None, None, None, self.model_config.filters[level]))
 
     def call(self, x, training=None):
         """The forward pass.
@@ -125,16 +131,22 @@ class UNet3D(keras.Model):
 
         Returns:
             Logits ``(batch, D, H, W, num_classes)``, float32 whatever the compute dtype (no
-            softmax).
+            softmax). With ``deep_supervision`` and ``training``, a list: those logits, then each
+            supervised level's (``supervised_levels``, finest first: ``(batch, D/2, H/2, W/2,
+            num_classes)``, ...), nnU-Net's order.
         """
         skips = []
         for stage in self.encoder:
             x = self._run_stage(stage, x, training)
             skips.append(x)
         skips.pop()  # the bottleneck output is not a skip
-        for stage in self.decoder:
+        supervised = []
+        for level, stage in zip(reversed(range(len(self.decoder))), self.decoder):
             x = self._run_stage(stage, [x, skips.pop()], training)
-        return self.to_float32(self.head(x))
+            if training and level in self.supervision_heads:
+                supervised.append(self.to_float32(self.supervision_heads[level](x)))
+        logits = self.to_float32(self.head(x))
+        return [logits, *reversed(supervised)] if supervised else logits
 
     # ---- shapes and accounting -------------------------------------------------------------
 
@@ -179,6 +191,9 @@ class UNet3D(keras.Model):
             counts[stage.name] = stage.feature_map_elements(shape)
             shape = stage.output_spatial_shape(shape)
         counts[self.head.name] = 2 * self.model_config.num_classes * _voxels(shape)  # head out, float32 cast
+        for level in self.model_config.supervised_levels:  # each lower head's logits and their float32 cast
+            counts[f"head{level}"] = 2 * self.model_config.num_classes * _voxels(
+                [s // 2**level for s in spatial_shape])
         return counts
 
     def forward_macs(self, spatial_shape: Shape3D) -> int:
@@ -201,7 +216,10 @@ class UNet3D(keras.Model):
         for stage in self.decoder:
             total += stage.forward_macs(shape)
             shape = stage.output_spatial_shape(shape)
-        return total + self.model_config.filters[0] * self.model_config.num_classes * _voxels(shape)
+        cfg = self.model_config
+        total += sum(cfg.filters[level] * cfg.num_classes * _voxels([s // 2**level for s in spatial_shape])
+                     for level in cfg.supervised_levels)
+        return total + cfg.filters[0] * cfg.num_classes * _voxels(shape)
 
     def train_flops(self, spatial_shape: Shape3D, batch_size: int = 1) -> int:
         """FLOPs of one training step: 2 FLOPs per multiply-add, backward = 2x forward.

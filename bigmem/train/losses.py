@@ -180,6 +180,54 @@ def dice_ce_per_sample_slabs(labels: tf.Tensor, logits: tf.Tensor) -> tf.Tensor:
     return per_sample(logits)
 
 
+def deep_supervision_weights(num_levels: int) -> list[float]:
+    """nnU-Net's deep-supervision weights for a decoder with ``num_levels`` outputs, finest first.
+
+    ``1 / 2**i`` for output ``i``, the lowest resolution's set to 0, normalised to sum 1
+    (``nnUNetTrainer._build_loss``). The zero-weight output is not built (``ModelConfig.supervised_levels``),
+    so callers pass ``depth`` and use the first ``depth - 1`` weights.
+
+    Example:
+        >>> deep_supervision_weights(4)  # [1, 1/2, 1/4, 0] / 1.75
+        [0.5714285714285714, 0.2857142857142857, 0.14285714285714285, 0.0]
+    """
+    weights = [1.0 / 2**i for i in range(num_levels)]
+    weights[-1] = 0.0
+    total = sum(weights)
+    return [w / total for w in weights]
+
+
+def downsampled_labels(labels: tf.Tensor, spatial_shape) -> tf.Tensor:
+    """``labels`` (B, D, H, W) at ``spatial_shape``, as nnU-Net's ``DownsampleSegForDSTransform`` makes them.
+
+    nnU-Net interpolates the full-resolution map with ``nearest-exact``: output voxel ``i`` takes
+    input voxel ``floor((i + 0.5) * factor)``, which for an integer factor ``f`` is a strided slice
+    from ``f // 2``. Padding (``PAD_LABEL``) stays padding wherever the voxel taken is padding, so
+    the masking of every scale comes with the labels.
+    """
+    factors = [int(full) // int(small) for full, small in zip(labels.shape[1:4], spatial_shape)]
+    if factors == [1, 1, 1]:
+        return labels
+    return labels[:, factors[0] // 2::factors[0], factors[1] // 2::factors[1], factors[2] // 2::factors[2]]
+
+
+def supervised(loss_per_sample):
+    """``loss_per_sample(labels, logits)`` extended to a deep-supervision list ``[logits, lower, ...]``.
+
+    Each output's loss is taken against the labels downsampled to it (``downsampled_labels``) and
+    weighted as nnU-Net weights them (``deep_supervision_weights``); a single tensor is passed through.
+    """
+
+    def per_sample(labels: tf.Tensor, outputs) -> tf.Tensor:
+        if not isinstance(outputs, (list, tuple)):
+            return loss_per_sample(labels, outputs)
+        weights = deep_supervision_weights(len(outputs) + 1)  # + the lowest level, weight 0, not built
+        return tf.add_n([weights[i] * loss_per_sample(downsampled_labels(labels, out.shape[1:4]), out)
+                         for i, out in enumerate(outputs)])
+
+    return per_sample
+
+
 def dice_ce_loss(labels: tf.Tensor, logits: tf.Tensor) -> tf.Tensor:
     """Scalar loss for integer ``labels`` (B, D, H, W) and float32 ``logits`` (B, D, H, W, K)."""
     return tf.reduce_mean(dice_ce_per_sample(labels, logits))

@@ -184,9 +184,10 @@ def build(job: Job, verbose: bool = False):
 
 def step_and_batches(job: Job, model, optimizer, start_step: int, traces: TraceCount | None = None):
     """The compiled step (Dice + cross-entropy loss, foreground Dice) and the input iterator, from ``job.execution``."""
-    from bigmem.train.losses import dice_ce_per_sample, dice_counts, dice_from_counts
+    from bigmem.train.losses import dice_ce_per_sample, dice_counts, dice_from_counts, supervised
 
-    step = job.execution.make_step(model, optimizer, loss_per_sample=dice_ce_per_sample, metric_counts=dice_counts,
+    step = job.execution.make_step(model, optimizer, loss_per_sample=supervised(dice_ce_per_sample),
+                                   metric_counts=dice_counts,
                                    metric_from_counts=dice_from_counts, traces=traces)
     return step, job.execution.batches(job.loader, start_step)
 

@@ -231,3 +231,41 @@ def test_stock_layers_build_the_same_network_from_keras_layers():
     kinds = {type(layer).__name__ for layer in ours._flatten_layers()}
     assert "NormActivation" in kinds and "Concatenate" not in kinds and "GroupNormalization" not in kinds
     assert UNet3D.from_config(stock.get_config()).model_config.stock_layers is True
+
+
+def test_deep_supervision_outputs_each_supervised_level_in_training_only():
+    model = UNet3D({"depth": 3, "base_filters": 4, "num_classes": 3, "deep_supervision": True})
+    x = np.zeros((2, 16, 24, 32, 1), np.float32)
+    outputs = model(x, training=True)
+    assert [tuple(o.shape) for o in outputs] == [(2, 16, 24, 32, 3), (2, 8, 12, 16, 3)]  # level 2 has weight 0
+    assert tuple(model(x).shape) == (2, 16, 24, 32, 3)  # inference: the full resolution alone
+    assert sorted(model.supervision_heads) == [1]
+
+
+def test_deep_supervision_adds_only_the_heads_parameters():
+    plain = UNet3D({"depth": 4, "base_filters": 4, "num_classes": 3}).build_for()
+    supervised = UNet3D({"depth": 4, "base_filters": 4, "num_classes": 3, "deep_supervision": True}).build_for()
+    # levels 1 and 2 (8 and 16 channels) -> 3 classes, with bias: (8 + 1) * 3 + (16 + 1) * 3
+    assert supervised.count_params() - plain.count_params() == 9 * 3 + 17 * 3
+
+
+def test_deep_supervision_heads_report_their_feature_maps():
+    model = UNet3D({"depth": 3, "base_filters": 4, "num_classes": 3, "deep_supervision": True})
+    counts = model.block_feature_map_elements((16, 16, 16))
+    assert counts["head1"] == 2 * 3 * 8**3  # its logits and their float32 cast at 8^3
+    assert "head2" not in counts
+
+
+def test_deep_supervision_round_trips_through_keras_save(tmp_path):
+    model = UNet3D({"depth": 3, "base_filters": 4, "num_classes": 2, "deep_supervision": True}).build_for()
+    x = np.random.default_rng(0).normal(size=(1, 16, 16, 16, 1)).astype(np.float32)
+    model.save(tmp_path / "ds.keras")
+    loaded = keras.models.load_model(tmp_path / "ds.keras")
+    assert loaded.model_config.deep_supervision is True
+    for ours, theirs in zip(model(x, training=True), loaded(x, training=True)):
+        np.testing.assert_allclose(np.asarray(theirs), np.asarray(ours), atol=1e-5)
+
+
+def test_presets_train_without_deep_supervision():
+    for preset in ("tiny", "small", "intelai-brats", "kits19"):
+        assert resolve_config(preset).model.deep_supervision is False

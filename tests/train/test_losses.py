@@ -76,3 +76,57 @@ def test_a_padded_sample_scores_and_trains_as_the_unpadded_one(limit):
     assert not np.any(padded_grad[:, :2]) and not np.any(padded_grad[:, 9:])
     for got, want in zip(padded_counts, counts):
         np.testing.assert_array_equal(got, want)
+
+
+def test_deep_supervision_weights_are_nnunets():
+    from bigmem.train.losses import deep_supervision_weights
+
+    # nnUNetTrainer._build_loss with 5 outputs: [1, 1/2, 1/4, 1/8, 0] / 1.875
+    expected = [1 / 1.875, 0.5 / 1.875, 0.25 / 1.875, 0.125 / 1.875, 0.0]
+    np.testing.assert_allclose(deep_supervision_weights(5), expected)
+
+
+def test_downsampled_labels_take_the_voxel_under_each_centre():
+    from bigmem.train.losses import downsampled_labels
+
+    labels = tf.reshape(tf.range(8 * 4 * 4, dtype=tf.int32), (1, 8, 4, 4))
+    small = downsampled_labels(labels, (4, 2, 2)).numpy()
+    # nearest-exact, factor 2: output i reads input floor((i + 0.5) * 2) = 2i + 1
+    np.testing.assert_array_equal(small, labels.numpy()[:, 1::2, 1::2, 1::2])
+    quarter = downsampled_labels(labels, (2, 1, 1)).numpy()
+    np.testing.assert_array_equal(quarter, labels.numpy()[:, 2::4, 2::4, 2::4])
+
+
+def test_supervised_loss_is_the_weighted_sum_over_levels():
+    from bigmem.train.losses import dice_ce_per_sample, supervised
+
+    rng = np.random.default_rng(1)
+    labels = tf.constant(rng.integers(0, 3, (2, 8, 8, 8)).astype(np.uint8))
+    full = tf.constant(rng.normal(size=(2, 8, 8, 8, 3)).astype(np.float32))
+    half = tf.constant(rng.normal(size=(2, 4, 4, 4, 3)).astype(np.float32))
+    by_hand = (2 / 3) * dice_ce_per_sample(labels, full) + (1 / 3) * dice_ce_per_sample(labels[:, 1::2, 1::2, 1::2],
+                                                                                         half)
+    np.testing.assert_allclose(supervised(dice_ce_per_sample)(labels, [full, half]).numpy(), by_hand.numpy(),
+                               rtol=1e-6)
+    np.testing.assert_allclose(supervised(dice_ce_per_sample)(labels, full).numpy(),
+                               dice_ce_per_sample(labels, full).numpy())
+
+
+def test_padding_is_left_out_at_every_supervised_scale():
+    """A sample padded by whole 2x2x2 blocks scores as the unpadded one at full and half resolution."""
+    from bigmem.data.pipeline import PAD_LABEL
+    from bigmem.train.losses import dice_ce_per_sample, supervised
+
+    rng = np.random.default_rng(2)
+    labels = rng.integers(0, 3, (1, 8, 8, 8)).astype(np.uint8)
+    full = rng.normal(size=(1, 8, 8, 8, 3)).astype(np.float32)
+    half = rng.normal(size=(1, 4, 4, 4, 3)).astype(np.float32)
+    padded_labels = np.full((1, 12, 8, 8), PAD_LABEL, np.uint8)
+    padded_labels[:, :8] = labels
+    padded_full = rng.normal(size=(1, 12, 8, 8, 3)).astype(np.float32)
+    padded_full[:, :8] = full
+    padded_half = rng.normal(size=(1, 6, 4, 4, 3)).astype(np.float32)
+    padded_half[:, :4] = half
+    loss = supervised(dice_ce_per_sample)
+    np.testing.assert_allclose(loss(tf.constant(padded_labels), [tf.constant(padded_full), tf.constant(padded_half)]),
+                               loss(tf.constant(labels), [tf.constant(full), tf.constant(half)]), rtol=1e-5)

@@ -48,3 +48,35 @@ def test_a_plane_past_the_limit_is_refused_by_the_slab_loss():
             SlabTooLargeError, match=r"the loss on \(1, 4, 3, 3, 2\): a single depth plane exceeds the kernel limit "
                                      r"of 17 elements"):
         dice_ce_per_sample_slabs(tf.zeros((1, 4, 3, 3), tf.uint8), logits)
+
+
+def test_deep_supervision_runs_in_slabs_past_the_limit_and_equals_whole():
+    """A deep-supervised network and its loss with the kernel limit lowered below every level-0 and level-1
+    tensor: the heads' convolutions and the full-resolution loss take the slab path, and the loss and the
+    gradients equal the unpartitioned ones."""
+    from bigmem.nets.limits import SLAB_CALLS
+    from bigmem.nets.unet3d import UNet3D
+    from bigmem.train.losses import supervised
+
+    model = UNet3D({"depth": 3, "base_filters": 4, "num_classes": 3, "deep_supervision": True}).build_for()
+    images = tf.random.stateless_normal((1, 32, 8, 8, 1), seed=[7, 8])
+    labels = tf.cast(tf.random.stateless_uniform((1, 32, 8, 8), seed=[9, 10], maxval=3, dtype=tf.int32), tf.uint8)
+    loss_fn = supervised(dice_ce_per_sample)
+
+    def loss_and_grads():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(loss_fn(labels, model(images, training=True)))
+        return loss, tape.gradient(loss, model.trainable_variables)
+
+    want_loss, want_grads = loss_and_grads()
+    before = SLAB_CALLS.copy()
+    with kernel_element_limit(2000):  # level 0: 32x8x8 x 4 = 8192; level 1: 16x4x4 x 8 = 2048 (head1's input)
+        got_loss, got_grads = loss_and_grads()
+    calls = SLAB_CALLS - before
+    assert calls["conv3d"] > 0
+    assert calls["loss"] > 0  # the full-resolution loss (32x8x8 x 3 = 6144 logits)
+    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
+    head1 = [i for i, v in enumerate(model.trainable_variables) if "head1" in v.path]
+    assert head1
+    for i in head1:
+        np.testing.assert_allclose(got_grads[i], want_grads[i], rtol=1e-4, atol=1e-6)
