@@ -49,6 +49,9 @@ class ModelConfig:
         deep_supervision: train the decoder's lower resolutions too, each through its own 1x1x1 head
             (nnU-Net's deep supervision and weights; ``train.losses.deep_supervision_weights``). Off in the
             presets, whose networks are published ones; inference uses the full resolution only.
+        region_outputs: one sigmoid output per nnU-Net region (the store's ``regions``), trained with BCE +
+            Dice and painted in ``regions_class_order`` (``train.region_loss``), instead of softmax classes.
+            None (default): on where the store defines regions (``data.derived.with_data_fields``).
         in_channels, num_classes: filled from the store (``data.derived.with_data_fields``).
 
     Example:
@@ -72,6 +75,7 @@ class ModelConfig:
     # norm+activation (nets/norm_act.py) and two-input skip convolutions (nets/blocks.py).
     stock_layers: bool = False
     deep_supervision: bool = False
+    region_outputs: bool | None = None
     in_channels: int = 1
     num_classes: int = 3
 
@@ -79,6 +83,12 @@ class ModelConfig:
     def filters(self) -> list[int]:
         """Channels per level, from full resolution to the bottleneck."""
         return [min(self.base_filters * 2**level, self.max_filters) for level in range(self.depth + 1)]
+
+    @property
+    def num_outputs(self) -> int:
+        """The network's output channels: ``num_classes``, or one per region (``num_classes - 1``: a region
+        store's label values are background and one value each region is painted with)."""
+        return self.num_classes - 1 if self.region_outputs else self.num_classes
 
     @property
     def supervised_levels(self) -> list[int]:
@@ -387,11 +397,24 @@ class ExperimentConfig:
         return update(self, migrate_sections(values), source=source)
 
     @classmethod
+    def sections_of(cls, saved: Mapping[str, Any]) -> dict[str, Any]:
+        """The settings of a saved config.json: its sections, without the records beside them (``total_steps``,
+        ``effective_lr``, ``augmentation``, ...).
+
+        Example:
+            >>> ExperimentConfig.sections_of({"train": {"seed": 1}, "total_steps": 9, "augmentation": {}})
+            {'train': {'seed': 1}}
+        """
+        names = {f.name for f in dataclasses.fields(cls)}
+        return {k: v for k, v in saved.items() if k in names and isinstance(v, Mapping)}
+
+    @classmethod
     def from_dict(cls, values: Mapping[str, Any], *, source: str = "config") -> "ExperimentConfig":
         """The config of ``values`` (config.json's sections) over the defaults.
 
         A run saved before ``data.augment`` existed trained with flips and the intensity scale/shift:
-        it reads as ``light``. Settings saved by runs before the memory and distribute sections existed
+        it reads as ``light``; one saved before ``model.region_outputs``, with softmax classes.
+        Settings saved by runs before the memory and distribute sections existed
         (``train.memory_budget_bytes``, ``train.recompute``, ``train.strategy``, ..., ``data.patch``)
         are read into their sections, and a cube ``data.volume`` N as ``data.shape`` (N, N, N), so
         older runs still resume at the shape they trained at.
@@ -399,6 +422,8 @@ class ExperimentConfig:
         values = migrate_sections(values)
         if isinstance(values.get("data"), dict) and "augment" not in values["data"]:
             values["data"]["augment"] = Augment.LIGHT.value  # what every run before the setting trained with
+        if isinstance(values.get("model"), dict) and "region_outputs" not in values["model"]:
+            values["model"]["region_outputs"] = False  # regions were softmax classes before the setting
         return update(cls(), values, source=source)
 
 

@@ -18,6 +18,7 @@ from bigmem.config.options import Augment
 from bigmem.config.schema import ExperimentConfig
 from bigmem.data.store import HDF5VolumeStore
 from bigmem.data.transforms import Compose, chain
+from bigmem.errors import ConfigError
 from bigmem.data.synth import cached_synthetic_store
 
 
@@ -59,11 +60,38 @@ def with_data_fields(config: ExperimentConfig, *,
             store = synthetic_store_path(config)
     with HDF5VolumeStore(store) as opened:
         channels, classes = opened.num_channels, opened.num_classes
+        order = region_order(opened.label_names, opened.regions, classes)
+    region_outputs = config.model.region_outputs
+    if region_outputs is None:  # nnU-Net trains regions as sigmoid outputs
+        region_outputs = order is not None
+    elif region_outputs and order is None:
+        raise ConfigError("model.region_outputs", f"{{field}} needs a store whose classes are nnU-Net regions; {store} "
+                          "has none (convert an nnU-Net v2 dataset whose labels are lists, with regions_class_order).")
     # Saved absolute: a run resumed, or predicted with, from another folder finds the same file.
     filled = config.updated({"data": {"store": os.path.abspath(store), "augment": augment.value},
-                             "model": {"in_channels": channels, "num_classes": classes}})
+                             "model": {"in_channels": channels, "num_classes": classes,
+                                       "region_outputs": region_outputs}})
     filled.validate()
     return filled
+
+
+def region_order(label_names, regions, num_classes: int) -> list[int] | None:
+    """The label value each region paints (nnU-Net's ``regions_class_order``), or None where the classes are
+    not regions.
+
+    A store converted from nnU-Net v2 regions names class ``v`` after the region painted ``v``
+    (``nifti.region_classes``), one class per region; there region ``i`` of ``regions`` paints the value of
+    the class named after it, and the regions train as sigmoid outputs. A store whose regions are only
+    scored (classes with other names, or a region count other than the classes') trains classes.
+
+    Example:
+        >>> region_order(["background", "whole", "core"], {"whole": [1, 2], "core": [2]}, 3)
+        [1, 2]
+    """
+    names = list(label_names)
+    if not regions or len(regions) != num_classes - 1 or any(name not in names[1:] for name in regions):
+        return None
+    return [names.index(name) for name in regions]
 
 
 def augmentation(config: ExperimentConfig) -> Compose:

@@ -132,10 +132,12 @@ def _rotation(axis: int, angle: float) -> np.ndarray:
 def affine_resample(sample: Sample, matrix: np.ndarray) -> Sample:
     """``sample`` resampled at ``matrix @ (x - centre) + centre`` for each voxel x, keeping its shape.
 
-    Image channels are interpolated trilinearly. The label follows nnU-Net (batchgeneratorsv2's
-    ``SpatialTransform``, ``mode_seg='bilinear'``): each label value's mask is interpolated
-    trilinearly and a voxel takes the value whose mask is largest there (the lower value on a tie),
-    so thin structures keep their interpolated outline rather than nearest-neighbour stairs. What
+    Image channels are interpolated trilinearly. The label follows nnU-Net (batchgeneratorsv2 0.3.6's
+    ``SpatialTransform``, ``mode_seg='bilinear'``, ``seg_tiebreak='nearest'``): each label value's mask
+    is interpolated trilinearly and a voxel takes the value whose mask is largest there; where the
+    nearest neighbour's label shares the top score (a sample point exactly between two labels), it
+    takes that label. Thin structures keep their interpolated outline rather than nearest-neighbour
+    stairs. (At an exact half-voxel scipy's nearest neighbour rounds up, torch's rounds half to even.) What
     comes from outside the volume is the channel's background and ``PAD_LABEL`` (nnU-Net fills its
     out-of-bounds segmentation with -1, then 0; a whole volume has no surrounding context, so
     bigmem leaves it out of the loss). A matrix that only flips axes is applied as flips (exact,
@@ -169,12 +171,19 @@ def affine_resample(sample: Sample, matrix: np.ndarray) -> Sample:
         image[..., c] = channel
     label = np.full(shape, PAD_LABEL, np.uint8)
     best = np.zeros(shape, np.float32)  # outside the volume every mask interpolates to 0: PAD_LABEL stays
+    nearest = ndimage.affine_transform(sample.label, matrix, offset, output=np.uint8, order=0, mode="constant",
+                                       cval=PAD_LABEL, prefilter=False)
+    nearest_score = np.full(shape, -1.0, np.float32)  # the nearest neighbour label's own score
     for value in np.unique(sample.label):
         ndimage.affine_transform((sample.label == value).astype(np.float32), matrix, offset, output=channel,
                                  order=1, mode="constant", cval=0.0, prefilter=False)
         better = channel > best
         label[better] = value
         np.maximum(best, channel, out=best)
+        mine = nearest == value
+        nearest_score[mine] = channel[mine]
+    tied = (nearest_score == best) & (best > 0)  # the nearest label has the top score: it settles the tie
+    label[tied] = nearest[tied]
     return replace(sample, image=image, label=label)
 
 
@@ -225,9 +234,9 @@ class SpatialTransform(Transform):
         return affine_resample(sample, self.matrix(sample.label.shape, rng))
 
     def extra_volumes(self, channels: int) -> float:
-        # a new image (C channels), one contiguous source channel, one output channel, the running best
-        # of the label masks and one mask (float32 volumes), and the new label (uint8: a quarter)
-        return channels + 4 + 0.25
+        # a new image (C channels), one output channel, the running best, the nearest label's score and
+        # one label mask (float32 volumes); the new and the nearest label and two boolean masks (a quarter each)
+        return channels + 4 + 1.0
 
 
 @dataclass(repr=False)
@@ -267,7 +276,9 @@ class GaussianNoise(Transform):
         std = rng.uniform(*self.variance)
         image = sample.image
         for c in range(image.shape[-1]):
-            image[..., c] += rng.standard_normal(image.shape[:3], dtype=np.float32) * np.float32(std)
+            noise = rng.standard_normal(image.shape[:3], dtype=np.float32)
+            noise *= np.float32(std)
+            image[..., c] += noise
         return sample
 
 
@@ -292,6 +303,9 @@ class GaussianBlur(Transform):
             # batchgeneratorsv2: separable kernels cut at 6 sigma, reflect padding (scipy's "mirror")
             image[..., c] = ndimage.gaussian_filter(image[..., c], sigmas, mode="mirror", truncate=6.0)
         return sample
+
+    def extra_volumes(self, channels: int) -> float:
+        return 2.0  # the filtered channel and scipy's buffer between the per-axis passes
 
 
 @dataclass(repr=False)
@@ -401,7 +415,9 @@ class Gamma(Transform):
         for c in range(image.shape[-1]):
             gamma = background_contrast(rng, *self.gamma)
             channel = image[..., c]
-            work = channel.astype(np.float64) * sign
+            work = channel.astype(np.float64)
+            if self.invert:
+                work *= -1.0
             value = float(sample.background[c]) * sign
             mean, std = work.mean(), work.std(ddof=1)  # torch.std: unbiased
             low = work.min()

@@ -36,7 +36,8 @@ def normalize_image(preprocessing, image: np.ndarray, stats: dict | None = None)
 
 
 def forward_probabilities(model, images: np.ndarray, *, tta: bool = False) -> np.ndarray:
-    """Softmax probabilities of ``model`` on a batch of prepared volumes.
+    """Softmax probabilities of ``model`` on a batch of prepared volumes (sigmoid ones per region for a model
+    with ``region_outputs``).
 
     Args:
         model: a built ``UNet3D`` (or any Keras model returning logits channels-last).
@@ -45,7 +46,7 @@ def forward_probabilities(model, images: np.ndarray, *, tta: bool = False) -> np
         tta: average the 8 mirrored passes (every combination of flipping D, H and W).
 
     Returns:
-        ``(batch, D, H, W, num_classes)`` float32 probabilities.
+        ``(batch, D, H, W, num_outputs)`` float32 probabilities.
 
     Example:
         >>> forward_probabilities(model, np.zeros((1, 32, 32, 32, 1), np.float32)).shape
@@ -53,9 +54,12 @@ def forward_probabilities(model, images: np.ndarray, *, tta: bool = False) -> np
     """
     import tensorflow as tf
 
+    config = getattr(model, "model_config", None)
+    regions = bool(config is not None and config.region_outputs)
+
     def once(batch: np.ndarray) -> np.ndarray:
-        logits = model(tf.convert_to_tensor(batch), training=False)
-        return tf.nn.softmax(tf.cast(logits, tf.float32), axis=-1).numpy()
+        logits = tf.cast(model(tf.convert_to_tensor(batch), training=False), tf.float32)
+        return (tf.sigmoid(logits) if regions else tf.nn.softmax(logits, axis=-1)).numpy()
 
     if not tta:
         return once(images)

@@ -292,7 +292,8 @@ def _unresample_labels(labels: np.ndarray, geometry: CaseGeometry) -> np.ndarray
     return out
 
 
-def labels_to_source(scores_or_labels: np.ndarray, geometry: CaseGeometry) -> np.ndarray:
+def labels_to_source(scores_or_labels: np.ndarray, geometry: CaseGeometry,
+                     region_order: Sequence[int] | None = None) -> np.ndarray:
     """A label map on the source file's grid, from store-grid class scores or a store-grid label map.
 
     Scores ``(D, H, W, C)`` are mapped class by class (as ``scores_to_source``, linear) and reduced by a
@@ -303,10 +304,16 @@ def labels_to_source(scores_or_labels: np.ndarray, geometry: CaseGeometry) -> np
     0.989 against 0.982 for a 5,000-voxel blob at 0.9 -> 1.0 mm, 0.999 against 0.994 at 2.0/1.5/1.2 ->
     1.25 mm (``tests/infer/test_geometry.py`` shapes).
 
+    With ``region_order`` the scores are sigmoid probabilities of nnU-Net regions: each is mapped back
+    the same way, and region ``i`` paints the label value ``region_order[i]`` where its probability
+    passes 0.5, later regions over earlier ones (nnU-Net's ``convert_probabilities_to_segmentation``
+    with ``regions_class_order``).
+
     Args:
         scores_or_labels: ``(D, H, W, C)`` float probabilities, or ``(D, H, W)`` integer labels, on the
             store grid.
         geometry: the case's ``CaseGeometry``.
+        region_order: the label value each region's channel paints (default None: softmax classes).
 
     Returns:
         ``geometry.source_shape`` uint8 labels on the grid of ``geometry.source_affine``.
@@ -332,6 +339,11 @@ def labels_to_source(scores_or_labels: np.ndarray, geometry: CaseGeometry) -> np
         raise DataError(f"Case {geometry.case_id!r}: {scores_or_labels.shape[3]} classes do not fit a uint8 label "
                         "map (at most 256).")
     mapped = _score_channels(scores_or_labels, geometry)
+    if region_order is not None:
+        labels = np.zeros(geometry.source_shape, np.uint8)
+        for value, channel in zip(region_order, mapped):
+            labels[channel > 0.5] = value
+        return labels
     best = np.array(next(mapped), dtype=np.float32)  # a copy: it is updated in place, and may view the input
     labels = np.zeros(geometry.source_shape, np.uint8)
     for c, channel in enumerate(mapped, start=1):

@@ -24,6 +24,7 @@ import numpy as np
 from bigmem.checkpoints import CheckpointManager
 from bigmem.config.options import Precision, StrOption, look_up_option
 from bigmem.config.schema import ExperimentConfig, check_shape
+from bigmem.data.derived import region_order
 from bigmem.errors import DataError, UsageError
 from bigmem.infer.forward import forward_probabilities, normalize_image
 from bigmem.infer.geometry import CaseGeometry, crop_padding, labels_to_source, pad_to_multiple, scores_to_source
@@ -81,8 +82,27 @@ class Predictor:
 
     @property
     def num_classes(self) -> int:
-        """The network's output classes (background included)."""
+        """The network's classes (background included); its outputs are ``num_outputs``."""
         return self.config.model.num_classes
+
+    @property
+    def num_outputs(self) -> int:
+        """The network's output channels: the classes, or one per region (``model.region_outputs``)."""
+        return self.config.model.num_outputs
+
+    @functools.cached_property
+    def region_order(self) -> list[int] | None:
+        """The label value each region output paints (nnU-Net's ``regions_class_order``), or None for softmax
+        classes: region ``i`` of the card's ``regions`` paints the value of the class named after it."""
+        if not self.config.model.region_outputs:
+            return None
+        card = self.preparation
+        order = region_order(card.label_names, card.regions, self.num_classes)
+        if order is None:
+            raise DataError(f"{self.source}: the model has {self.num_outputs} region outputs but its regions "
+                            f"{list(card.regions)} do not name its classes {list(card.label_names)}; the run "
+                            "directory is damaged.")
+        return order
 
     @property
     def divisor(self) -> int:
@@ -100,7 +120,7 @@ def run_config(run_dir: str | os.PathLike) -> ExperimentConfig:
     saved = run.read_config() if run.config.is_file() else None
     if saved is None:
         raise DataError(f"{str(run_dir)!r} is not a bigmem run directory: no config.json there.")
-    return ExperimentConfig.from_dict({k: v for k, v in saved.items() if isinstance(v, dict)}, source=str(run.config))
+    return ExperimentConfig.from_dict(ExperimentConfig.sections_of(saved), source=str(run.config))
 
 
 def _largest_trained_shape(plan) -> tuple[int, int, int] | None:
@@ -303,7 +323,7 @@ def predict_probabilities(predictor: Predictor, image: np.ndarray, *, stats: dic
 
     window = window or predictor.window
     return sliding_window(normalized, lambda batch: forward_probabilities(predictor.model, batch, tta=tta), window,
-                          num_classes=predictor.num_classes, overlap=overlap, accumulate=accumulate, progress=progress,
+                          num_classes=predictor.num_outputs, overlap=overlap, accumulate=accumulate, progress=progress,
                           pad_value=background)
 
 
@@ -393,7 +413,7 @@ def predict_case(predictor: Predictor, item: CaseInput, out_dir: Path, *, mode: 
     probabilities = predict_probabilities(predictor, image, stats=stats, mode=mode, window=window, overlap=overlap,
                                           accumulate=accumulate, tta=tta)
     del image
-    labels_path = write_nifti(labels_to_source(probabilities, geometry), geometry.source_affine,
+    labels_path = write_nifti(labels_to_source(probabilities, geometry, predictor.region_order), geometry.source_affine,
                               labels_path_of(out_dir, item.case_id))
     probabilities_path = None
     if save_probabilities:

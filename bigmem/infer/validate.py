@@ -54,7 +54,8 @@ def validate(predictor: Predictor, store_path: str | os.PathLike, case_ids: Sequ
             image, stats = store.read_case(case_id)[0], store.case_stats(case_id)
         probabilities = predict_probabilities(predictor, image, stats=stats, mode=mode, overlap=overlap)
         del image
-        predicted = labels_to_source(probabilities, CaseGeometry.from_store(store_path, case_id))
+        predicted = labels_to_source(probabilities, CaseGeometry.from_store(store_path, case_id),
+                                     predictor.region_order)
         del probabilities
         reference, _, spacing, _ = store_reference(store_path, case_id, warn=warn)
         per_case.append(case_metrics(reference, predicted, classes, spacing, hausdorff=False))

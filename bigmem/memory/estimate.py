@@ -15,6 +15,7 @@ from typing import Sequence
 
 from bigmem.config.options import OptimizerName, Precision, Recompute
 from bigmem.config.schema import ExperimentConfig
+from bigmem.data.derived import augmentation
 from bigmem.nets.limits import max_kernel_elements, slab_elements
 from bigmem.nets.slabplan import min_frame_planes, plane_runnable
 from bigmem.memory.calibration import Calibration, lookup_calibration, recompute_key
@@ -206,7 +207,8 @@ def estimate(config: ExperimentConfig, counts: NetworkCounts, spatial_shape: Seq
     """The predicted peak resident memory of training ``config`` on ``spatial_shape`` volumes.
 
     Each block's feature maps (``NetworkCounts``), the weights, gradients and optimizer slots,
-    the input pipeline's batches, the HDF5 chunk cache, a backward workspace and the framework,
+    the input pipeline's batches, the HDF5 chunk cache, the augmentation's working memory in each
+    reader (``data.transforms.Compose.working_bytes``), a backward workspace and the framework,
     with the calibrated multiplier and fixed overhead of this machine class (calibration.py).
 
     Args:
@@ -270,6 +272,8 @@ def estimate(config: ExperimentConfig, counts: NetworkCounts, spatial_shape: Seq
         "input_pipeline": (data.prefetch + PIPELINE_EXTRA_BATCHES) * batch * voxels
                           * (channels * FLOAT32_BYTES + LABEL_BYTES),
         "hdf5_chunk_cache": 2 * HDF5_CHUNK_CACHE_BYTES * max(1, data.num_workers),
+        # each reader (the training process itself without reader processes) augments one sample at a time
+        "augmentation": max(1, data.num_workers) * augmentation(config).working_bytes(spatial_shape, channels),
     }
     notes = []
     if calibration.has_margin:

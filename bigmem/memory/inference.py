@@ -144,7 +144,7 @@ def forward_live_bytes(config: ExperimentConfig, counts: NetworkCounts, spatial_
     """
     compute_bytes = BFLOAT16_BYTES if config.train.precision is Precision.BF16 else FLOAT32_BYTES
     voxels = math.prod(spatial_shape)
-    classes = config.model.num_classes
+    classes = config.model.num_outputs  # the probabilities: per class, or per region
     stages = max(counts.stage_inference_live.values()) * compute_bytes
     last_output = list(counts.block_outputs.values())[-1]  # the last decoder stage's (the head's input)
     head_in = (1, *spatial_shape, last_output // voxels)
@@ -201,7 +201,7 @@ def estimate_inference(config: ExperimentConfig, counts: NetworkCounts, spatial_
     voxels = math.prod(spatial_shape)
     source_shape = tuple(source_shape) if source_shape is not None else tuple(spatial_shape)
     source_voxels = math.prod(source_shape)
-    channels, classes = config.model.in_channels, config.model.num_classes
+    channels, classes = config.model.in_channels, config.model.num_outputs
     padded = source_voxels != voxels
 
     input_tensor = channels * voxels * (FLOAT32_BYTES + (BFLOAT16_BYTES if precision is Precision.BF16 else 0))

@@ -27,7 +27,7 @@ class UNet3D(keras.Model):
     ``depth`` encoder downsamplings (2x2x2 max pool, or a stride-2 first conv), each level with
     ``blocks_per_level`` 3x3x3 conv -> norm -> activation blocks (residual if ``residual``);
     mirrored by 2x2x2 stride-2 transposed-conv decoder stages joined to the encoder's skip
-    tensors, and a 1x1x1 conv head with ``num_classes`` outputs. Level ``l`` has
+    tensors, and a 1x1x1 conv head with ``num_outputs`` outputs (the classes, or one per region). Level ``l`` has
     ``min(base_filters * 2**l, max_filters)`` channels.
 
     Size contract: every spatial size must be a multiple of ``2**depth`` (``D % 16 == 0`` at the
@@ -68,10 +68,10 @@ class UNet3D(keras.Model):
             for level in reversed(range(cfg.depth))
         ]
         head = keras.layers.Conv3D if cfg.stock_layers else Conv3D  # bigmem's runs in slabs past the limit
-        self.head = head(cfg.num_classes, 1, dtype=self.dtype_policy, name="head")
+        self.head = head(cfg.num_outputs, 1, dtype=self.dtype_policy, name="head")
         # Deep supervision: a 1x1x1 head (with bias, as nnU-Net's seg layers) on each lower decoder level
         # whose loss weight is not 0; their logits are returned only in training (``call``).
-        self.supervision_heads = {level: head(cfg.num_classes, 1, dtype=self.dtype_policy, name=f"head{level}")
+        self.supervision_heads = {level: head(cfg.num_outputs, 1, dtype=self.dtype_policy, name=f"head{level}")
                                   for level in cfg.supervised_levels}
         # Logits leave the network in float32 so the loss is computed in full precision.
         self.to_float32 = keras.layers.Activation("linear", dtype="float32", name="logits")
@@ -130,7 +130,7 @@ class UNet3D(keras.Model):
             training: passed to the norms; also enables the ``set_recompute`` stages.
 
         Returns:
-            Logits ``(batch, D, H, W, num_classes)``, float32 whatever the compute dtype (no
+            Logits ``(batch, D, H, W, num_outputs)``, float32 whatever the compute dtype (no
             softmax). With ``deep_supervision`` and ``training``, a list: those logits, then each
             supervised level's (``supervised_levels``, finest first: ``(batch, D/2, H/2, W/2,
             num_classes)``, ...), nnU-Net's order.
@@ -190,9 +190,9 @@ class UNet3D(keras.Model):
         for stage in self.decoder:
             counts[stage.name] = stage.feature_map_elements(shape)
             shape = stage.output_spatial_shape(shape)
-        counts[self.head.name] = 2 * self.model_config.num_classes * _voxels(shape)  # head out, float32 cast
+        counts[self.head.name] = 2 * self.model_config.num_outputs * _voxels(shape)  # head out, float32 cast
         for level in self.model_config.supervised_levels:  # each lower head's logits and their float32 cast
-            counts[f"head{level}"] = 2 * self.model_config.num_classes * _voxels(
+            counts[f"head{level}"] = 2 * self.model_config.num_outputs * _voxels(
                 [s // 2**level for s in spatial_shape])
         return counts
 
@@ -217,9 +217,9 @@ class UNet3D(keras.Model):
             total += stage.forward_macs(shape)
             shape = stage.output_spatial_shape(shape)
         cfg = self.model_config
-        total += sum(cfg.filters[level] * cfg.num_classes * _voxels([s // 2**level for s in spatial_shape])
+        total += sum(cfg.filters[level] * cfg.num_outputs * _voxels([s // 2**level for s in spatial_shape])
                      for level in cfg.supervised_levels)
-        return total + cfg.filters[0] * cfg.num_classes * _voxels(shape)
+        return total + cfg.filters[0] * cfg.num_outputs * _voxels(shape)
 
     def train_flops(self, spatial_shape: Shape3D, batch_size: int = 1) -> int:
         """FLOPs of one training step: 2 FLOPs per multiply-add, backward = 2x forward.

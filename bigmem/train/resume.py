@@ -83,7 +83,7 @@ def saved_settings(run: RunDir, *, starting: bool) -> dict | None:
     if not isinstance(saved, dict):
         raise DataError(f"Cannot resume {out!r}: its config.json is not a JSON object of settings.")
     # config.json also records derived figures (total_steps, effective_lr); only the sections are settings
-    return {k: v for k, v in saved.items() if isinstance(v, dict)}
+    return ExperimentConfig.sections_of(saved)
 
 
 def saved_config(saved: dict, overrides: dict | None = None) -> ExperimentConfig:
@@ -181,9 +181,16 @@ def _every_field(config: ExperimentConfig) -> list[str]:
     return [name for name in names if name not in DECIDED_BY_THE_STORE]
 
 
+# Settings whose default the store resolves (``data.derived.with_data_fields``): asked for as the default,
+# they agree with whatever the saved run resolved them to.
+RESOLVED_BY_THE_STORE = {"data.augment": "auto", "model.region_outputs": None}
+
+
 def _same(field: str, old, new) -> bool:
     if field == "data.store" and old is not None and new is not None:  # the same file, however it is spelled
         return Path(old).resolve() == Path(new).resolve()
+    if field in RESOLVED_BY_THE_STORE and new == RESOLVED_BY_THE_STORE[field]:
+        return True
     return old == new
 
 

@@ -183,12 +183,23 @@ def build(job: Job, verbose: bool = False):
 
 
 def step_and_batches(job: Job, model, optimizer, start_step: int, traces: TraceCount | None = None):
-    """The compiled step (Dice + cross-entropy loss, foreground Dice) and the input iterator, from ``job.execution``."""
+    """The compiled step and the input iterator, from ``job.execution``.
+
+    The loss is Dice + cross-entropy over softmax classes with the mean foreground Dice as the
+    step's metric, or, for ``model.region_outputs``, BCE + Dice over sigmoid regions with their mean
+    hard Dice (``train.region_loss``); either is deep-supervised where the model is.
+    """
     from bigmem.train.losses import dice_ce_per_sample, dice_counts, dice_from_counts, supervised
 
-    step = job.execution.make_step(model, optimizer, loss_per_sample=supervised(dice_ce_per_sample),
-                                   metric_counts=dice_counts,
-                                   metric_from_counts=dice_from_counts, traces=traces)
+    if job.config.model.region_outputs:
+        from bigmem.train.region_loss import membership, region_counts, region_dice_from_counts, region_loss
+
+        member = membership(job.loader.store.regions, job.config.model.num_classes)
+        loss, counts, from_counts = region_loss(member), region_counts(member), region_dice_from_counts
+    else:
+        loss, counts, from_counts = dice_ce_per_sample, dice_counts, dice_from_counts
+    step = job.execution.make_step(model, optimizer, loss_per_sample=supervised(loss), metric_counts=counts,
+                                   metric_from_counts=from_counts, traces=traces)
     return step, job.execution.batches(job.loader, start_step)
 
 

@@ -77,15 +77,25 @@ def test_what_comes_from_outside_is_background_and_pad_label():
 
 
 def test_label_takes_the_value_whose_interpolated_mask_is_largest():
-    """nnU-Net's rule: each label's mask interpolated linearly, the largest wins, a tie to the lower value.
-    Zooming D by 2 about the centre (4 of 9 planes) reads output plane 5 at input 4.5, halfway between
-    label 0 (plane 4) and label 1 (plane 5): a tie, so 0; nearest-neighbour sampling would give 1."""
+    """nnU-Net's rule: each label's mask interpolated linearly and the largest wins. A thin structure keeps
+    its interpolated outline: a one-plane label 1 read at 0.25 and 0.75 of a voxel from it (zooming D by 2)
+    is 1 where its mask interpolates to 0.75 and 0 where to 0.25."""
     sample = Sample(np.zeros((9, 3, 3, 1), np.float32), np.zeros((9, 3, 3), np.uint8), np.zeros(1, np.float32))
-    sample.label[5:] = 1
+    sample.label[4] = 1
+    out = affine_resample(sample, np.diag([0.5, 1.0, 1.0]))  # output plane p reads input 4 + (p - 4) / 2
+    assert out.label[4, 1, 1] == 1  # reads 4.0
+    assert out.label[5, 1, 1] == 0  # reads 4.5: a tie, settled by the nearest neighbour (plane 5: label 0)
+    assert out.label[3, 1, 1] == 1  # reads 3.5: a tie, nearest neighbour rounds up to plane 4 (label 1)
+
+
+def test_a_tie_goes_to_the_nearest_neighbours_label():
+    """batchgeneratorsv2 0.3.6 (seg_tiebreak='nearest'): where two labels share the top interpolated score,
+    the nearest neighbour's label wins, whichever value is lower."""
+    sample = Sample(np.zeros((9, 3, 3, 1), np.float32), np.ones((9, 3, 3), np.uint8), np.zeros(1, np.float32))
+    sample.label[5:] = 2  # 1 below plane 5, 2 from it
     out = affine_resample(sample, np.diag([0.5, 1.0, 1.0]))
-    assert out.label[5, 1, 1] == 0
-    assert out.label[6, 1, 1] == 1  # reads input plane 5
-    assert out.label[3, 1, 1] == 0
+    assert out.label[5, 1, 1] == 2  # reads 4.5: 1 and 2 tie at 0.5; the nearest neighbour is plane 5 (label 2)
+    assert out.label[4, 1, 1] == 1
 
 
 def test_scaling_above_one_makes_the_anatomy_smaller():
@@ -261,7 +271,7 @@ def test_unknown_chain_names_the_setting_and_the_choices():
 
 def test_working_bytes_is_the_worst_transform():
     shape, channels = (10, 10, 10), 4
-    expected = math.ceil((channels + 4.25) * 1000 * 4)  # the spatial transform's new image and masks
+    expected = math.ceil((channels + 5) * 1000 * 4)  # the spatial transform's new image, masks and scores
     assert chain("nnunet").working_bytes(shape, channels) == expected
     assert chain("none").working_bytes(shape, channels) == 0
 
