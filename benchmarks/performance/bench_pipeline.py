@@ -106,7 +106,7 @@ def main(argv=None) -> int:
     for workers in (0, 2):
         for patch in (None, args.patch):
             with VolumeLoader(stores["contiguous"], shape=(args.volume,) * 3, batch_size=1, num_workers=workers,
-                                   patch=patch, augment=chain("light")) as loader:
+                                   patch=patch, augment=chain("light", intensity=(0.0, 0.0))) as loader:
                 stream = loader.batches()
                 next(stream)
                 count, started = 4 * args.cases, time.perf_counter()

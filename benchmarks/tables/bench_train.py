@@ -169,8 +169,9 @@ def child_keras(request: dict) -> dict:
     from bigmem.nets.unet3d import UNet3D
     from bigmem.train.losses import dice_ce_loss
 
+    # plain Keras's fit has one softmax output: the baseline is the network without deep supervision or regions
     config = ExperimentConfig.from_dict(request["config"], source="bench request").updated(
-        {"model": {"stock_layers": True}})
+        {"model": {"stock_layers": True, "deep_supervision": False, "region_outputs": False}})
     keras.utils.set_random_seed(config.train.seed)
     policy = "mixed_bfloat16" if request["precision"] == "bf16" else "float32"
     model = UNet3D(config.model, dtype=policy).build_for()

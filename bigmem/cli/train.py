@@ -202,6 +202,9 @@ def worker_argv(args, parser: argparse.ArgumentParser) -> list[str]:
     argv: list[str] = []
     for action in parser._actions:
         value = getattr(args, action.dest, None)
+        if isinstance(action, argparse.BooleanOptionalAction) and value is not None:
+            argv.append(action.option_strings[0] if value else action.option_strings[1])  # --x / --no-x
+            continue
         if not action.option_strings or action.dest in LAUNCHER_FLAGS or value in (None, False, argparse.SUPPRESS):
             continue
         flag = max(action.option_strings, key=len)

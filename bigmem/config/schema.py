@@ -406,7 +406,13 @@ class ExperimentConfig:
             {'train': {'seed': 1}}
         """
         names = {f.name for f in dataclasses.fields(cls)}
-        return {k: v for k, v in saved.items() if k in names and isinstance(v, Mapping)}
+        sections = {k: dict(v) for k, v in saved.items() if k in names and isinstance(v, Mapping)}
+        # A saved config.json is complete: a setting it lacks is newer than the run, which trained as before it.
+        for dotted, before in SETTINGS_BEFORE_THEY_EXISTED.items():
+            section, key = dotted.split(".")
+            if section in sections and key not in sections[section]:
+                sections[section][key] = before
+        return sections
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any], *, source: str = "config") -> "ExperimentConfig":
@@ -419,13 +425,12 @@ class ExperimentConfig:
         are read into their sections, and a cube ``data.volume`` N as ``data.shape`` (N, N, N), so
         older runs still resume at the shape they trained at.
         """
-        values = migrate_sections(values)
-        if isinstance(values.get("data"), dict) and "augment" not in values["data"]:
-            values["data"]["augment"] = Augment.LIGHT.value  # what every run before the setting trained with
-        if isinstance(values.get("model"), dict) and "region_outputs" not in values["model"]:
-            values["model"]["region_outputs"] = False  # regions were softmax classes before the setting
-        return update(cls(), values, source=source)
+        return update(cls(), migrate_sections(cls.sections_of(values)), source=source)
 
+
+# How a run saved before a setting existed trained: flips and the intensity scale/shift ("light"),
+# and nnU-Net regions as softmax classes. ``ExperimentConfig.sections_of`` fills them into a saved config.
+SETTINGS_BEFORE_THEY_EXISTED = {"data.augment": "light", "model.region_outputs": False}
 
 # Settings that moved sections: old dotted name -> new (runs saved before the move still resume).
 MOVED = {"train.memory_budget_bytes": "memory.budget_bytes", "train.recompute": "memory.recompute",

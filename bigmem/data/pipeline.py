@@ -121,6 +121,21 @@ def _sort_keys(shapes: Sequence[Sequence[int]]) -> np.ndarray:
     return np.array([rank[(math.prod(s), *s)] for s in shapes])
 
 
+def random_crop(image: np.ndarray, label: np.ndarray, shape: Sequence[int], rng: np.random.Generator):
+    """Crop each spatial axis longer than ``shape`` at a random offset (one draw per cropped axis, in axis order).
+
+    Returns:
+        ``(image, label)``, views where nothing was cropped.
+    """
+    for axis in range(3):
+        size, target = label.shape[axis], int(shape[axis])
+        if size > target:
+            start = int(rng.integers(0, size - target + 1))
+            image = np.take(image, np.arange(start, start + target), axis=axis)
+            label = np.take(label, np.arange(start, start + target), axis=axis)
+    return image, label
+
+
 def fit_to_shape(image: np.ndarray, label: np.ndarray, shape: Sequence[int], rng: np.random.Generator,
                  background: np.ndarray | float = 0.0):
     """Crop (at a random offset) or pad (centred) each spatial axis to ``shape``.
@@ -140,12 +155,7 @@ def fit_to_shape(image: np.ndarray, label: np.ndarray, shape: Sequence[int], rng
         >>> image, label = fit_to_shape(np.ones((40, 70, 64, 1), np.float32), np.zeros((40, 70, 64), np.uint8),
         ...                             (48, 64, 64), np.random.default_rng(0))  # (48, 64, 64, 1), (48, 64, 64)
     """
-    for axis in range(3):
-        size, target = label.shape[axis], int(shape[axis])
-        if size > target:
-            start = int(rng.integers(0, size - target + 1))
-            image = np.take(image, np.arange(start, start + target), axis=axis)
-            label = np.take(label, np.arange(start, start + target), axis=axis)
+    image, label = random_crop(image, label, shape, rng)
     if tuple(label.shape) == tuple(shape):
         return image, label
     padded_label = np.full(tuple(shape), PAD_LABEL, np.uint8)
@@ -182,20 +192,19 @@ def normalized(store: HDF5VolumeStore, case_id: str, image: np.ndarray, *, whole
     return store.preprocessing.normalize(image, stats), store.preprocessing.background(stats)
 
 
-def augmented(store: HDF5VolumeStore, case_id: str, image: np.ndarray, label: np.ndarray, *, whole: bool,
-              augment: Compose | None, seed: int, sample_index: int):
-    """``image`` normalised (``normalized``), then ``augment``ed: ``(image, label, background)``."""
-    image, background = normalized(store, case_id, image, whole=whole)
+def augmented(image: np.ndarray, label: np.ndarray, background, *, augment: Compose | None, seed: int,
+              sample_index: int):
+    """A normalised sample through the chain ``augment`` (None: unchanged): ``(image, label, background)``."""
     if not augment:
         return image, label, background
-    sample = augment(Sample(np.ascontiguousarray(image, dtype=np.float32), label,
+    sample = augment(Sample(np.ascontiguousarray(image, dtype=np.float32), np.ascontiguousarray(label),
                             np.asarray(background, np.float32).copy()), seed=seed, sample_index=sample_index)
     return sample.image, sample.label, sample.background
 
 
 def load_sample(store: HDF5VolumeStore, sample_index: int, *, case_index: int, shape: Sequence[int], seed: int,
                 augment: Compose | None = None):
-    """One training sample: read, normalised, augmented at its own shape, then cropped/padded to ``shape``.
+    """One training sample: read, normalised, cropped to ``shape`` where larger, augmented, padded to ``shape``.
 
     The crop offsets are a pure function of ``(seed, sample_index)``; the augmentation's draws of
     ``(seed, sample_index, transform)`` (``transforms.stream``).
@@ -220,7 +229,11 @@ def load_sample(store: HDF5VolumeStore, sample_index: int, *, case_index: int, s
     case_id = store.case_ids[case_index]
     image, label = store.read_case(case_id)
     rng = np.random.default_rng([seed, sample_index, 1])
-    image, label, background = augmented(store, case_id, image, label, whole=True, augment=augment, seed=seed,
+    image, background = normalized(store, case_id, image)  # the whole case's statistics, then any crop
+    # A case larger than ``shape`` (a fixed training shape) is cropped before it is augmented: the chain's
+    # time and working memory are those of the shape trained, as with patches.
+    image, label = random_crop(image, label, shape, rng)
+    image, label, background = augmented(image, label, background, augment=augment, seed=seed,
                                          sample_index=sample_index)
     image, label = fit_to_shape(image, label, shape, rng, background)
     return np.ascontiguousarray(image, dtype=np.float32), np.ascontiguousarray(label, dtype=np.uint8)
@@ -279,7 +292,8 @@ def load_patch(store: HDF5VolumeStore, sample_index: int, *, patch: int, seed: i
     start = patch_start(label, info.shape, patch, rng)
     size = tuple(min(p, s) for p, s in zip(patch, info.shape))
     image, label = store.read_patch(info.case_id, start, size)
-    image, label, background = augmented(store, info.case_id, image, label, whole=False, augment=augment, seed=seed,
+    image, background = normalized(store, info.case_id, image, whole=False)
+    image, label, background = augmented(image, label, background, augment=augment, seed=seed,
                                          sample_index=sample_index)
     image, label = fit_to_shape(image, label, patch, rng, background)
     return np.ascontiguousarray(image, dtype=np.float32), np.ascontiguousarray(label, dtype=np.uint8)

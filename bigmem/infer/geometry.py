@@ -242,20 +242,24 @@ def _check_grid(array: np.ndarray, geometry: CaseGeometry, what: str, ndim: int)
                         f"grid's {expected}.")
 
 
-def _score_channels(scores: np.ndarray, geometry: CaseGeometry) -> Iterator[np.ndarray]:
-    """Each class channel of ``scores`` mapped to the source grid (views where nothing is computed)."""
+def _score_channels(scores: np.ndarray, geometry: CaseGeometry, regions: bool = False) -> Iterator[np.ndarray]:
+    """Each class channel of ``scores`` mapped to the source grid (views where nothing is computed).
+
+    What convert cropped away is background: probability 1 for class 0, 0 for the others; for region
+    probabilities (``regions``) 0 for every region."""
     for c in range(scores.shape[3]):
-        channel = _uncrop(scores[..., c], geometry, 1.0 if c == 0 else 0.0)
+        channel = _uncrop(scores[..., c], geometry, 1.0 if c == 0 and not regions else 0.0)
         if geometry.resampled:
             channel = _unresample(channel, geometry)
         yield _reorient(channel, geometry)
 
 
-def scores_to_source(scores: np.ndarray, geometry: CaseGeometry) -> np.ndarray:
+def scores_to_source(scores: np.ndarray, geometry: CaseGeometry, regions: bool = False) -> np.ndarray:
     """Map class scores from the store grid to the source file's grid.
 
     Undoes convert's crop/pad (voxels convert cropped away become background: probability 1 for
-    class 0, 0 for the others; convert's padding is dropped), its ``--spacing`` resampling (linear,
+    class 0, 0 for the others, and 0 for every region of sigmoid region probabilities, ``regions``;
+    convert's padding is dropped), its ``--spacing`` resampling (linear,
     per class) and its canonical reorientation, one class channel at a time: the peak is the input,
     the float32 output and a few single-channel arrays.
 
@@ -275,7 +279,7 @@ def scores_to_source(scores: np.ndarray, geometry: CaseGeometry) -> np.ndarray:
     """
     _check_grid(scores, geometry, "scores", 4)
     out = np.empty(geometry.source_shape + (scores.shape[3],), np.float32)
-    for c, channel in enumerate(_score_channels(scores, geometry)):
+    for c, channel in enumerate(_score_channels(scores, geometry, regions)):
         out[..., c] = channel
     return out
 
@@ -338,7 +342,7 @@ def labels_to_source(scores_or_labels: np.ndarray, geometry: CaseGeometry,
     if scores_or_labels.shape[3] > 256:
         raise DataError(f"Case {geometry.case_id!r}: {scores_or_labels.shape[3]} classes do not fit a uint8 label "
                         "map (at most 256).")
-    mapped = _score_channels(scores_or_labels, geometry)
+    mapped = _score_channels(scores_or_labels, geometry, region_order is not None)
     if region_order is not None:
         labels = np.zeros(geometry.source_shape, np.uint8)
         for value, channel in zip(region_order, mapped):

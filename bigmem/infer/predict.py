@@ -417,7 +417,7 @@ def predict_case(predictor: Predictor, item: CaseInput, out_dir: Path, *, mode: 
                               labels_path_of(out_dir, item.case_id))
     probabilities_path = None
     if save_probabilities:
-        mapped = scores_to_source(probabilities, geometry).astype(np.float16)
+        mapped = scores_to_source(probabilities, geometry, predictor.region_order is not None).astype(np.float16)
         probabilities_path = write_probabilities(mapped, geometry.source_affine,
                                                  out_dir / f"{item.case_id}_probabilities.npz")
     return CaseResult(item.case_id, mode.value, tuple(geometry.source_shape), time.perf_counter() - started,

@@ -133,7 +133,7 @@ class UNet3D(keras.Model):
             Logits ``(batch, D, H, W, num_outputs)``, float32 whatever the compute dtype (no
             softmax). With ``deep_supervision`` and ``training``, a list: those logits, then each
             supervised level's (``supervised_levels``, finest first: ``(batch, D/2, H/2, W/2,
-            num_classes)``, ...), nnU-Net's order.
+            num_outputs)``, ...), nnU-Net's order.
         """
         skips = []
         for stage in self.encoder:

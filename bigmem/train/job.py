@@ -147,7 +147,7 @@ def prepare_job(config: ExperimentConfig, run_dir, *, resume: bool = False, forc
     run = RunDir(run_dir)
     manager = CheckpointManager(run.checkpoints, keep=config.train.keep_checkpoints)
     if resume:
-        check_resumed_config(run, config)  # what the command line checks of its flags, for every caller
+        config = check_resumed_config(run, config)  # what the command line checks of its flags, for every caller
     resume_from = resume_point(run, manager, resume, console)
     if resume_from is not None and config.train.steps is not None:  # known before the data is read
         check_something_to_do(run, resume_from, config.train.steps)

@@ -147,18 +147,20 @@ def check_settings(run: RunDir, before: ExperimentConfig, wanted: ExperimentConf
                                         "values (or leave those flags out), or start a new run with another --out.")
 
 
-def check_resumed_config(run: RunDir, config: ExperimentConfig) -> None:
+def check_resumed_config(run: RunDir, config: ExperimentConfig) -> ExperimentConfig:
     """``check_settings`` for a caller with a whole config (``train(config, run, resume=True)``).
 
     A run directory without config.json has no saved settings: the run starts from ``config``.
-    ``data.store`` None (the synthetic dataset) is compared as the store it stands for.
+    ``data.store`` None (the synthetic dataset) is compared as the store it stands for. A setting
+    the store resolves (``RESOLVED_BY_THE_STORE``) asked for as its default takes the saved run's
+    value: the run goes on as it was resolved when it started.
 
     Args:
         run: the run being resumed.
         config: the config asked for.
 
     Returns:
-        None: the settings agree (or there are none saved).
+        ``config``, with the saved values of the store-resolved settings it leaves at their default.
 
     Raises:
         ConfigError: (exit 2) a setting differs from the saved run's, as on the command line.
@@ -166,12 +168,21 @@ def check_resumed_config(run: RunDir, config: ExperimentConfig) -> None:
     """
     saved = saved_settings(run, starting=True)
     if saved is None:
-        return
+        return config
+    compared = config
     if config.data.store is None:
         from bigmem.data.derived import synthetic_store_path
 
-        config = config.updated({"data": {"store": synthetic_store_path(config)}})
-    check_settings(run, saved_config(saved), config)
+        compared = config.updated({"data": {"store": synthetic_store_path(config)}})
+    previous = saved_config(saved)
+    check_settings(run, previous, compared)
+    kept: dict = {}
+    for dotted, default in RESOLVED_BY_THE_STORE.items():
+        section, key = dotted.split(".")
+        if getattr(getattr(config, section), key) == default:
+            value = getattr(getattr(previous, section), key)
+            kept.setdefault(section, {})[key] = value.value if hasattr(value, "value") else value
+    return config.updated(kept) if kept else config
 
 
 def _every_field(config: ExperimentConfig) -> list[str]:

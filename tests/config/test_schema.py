@@ -61,3 +61,19 @@ def test_config_is_frozen_and_copied():
 def test_group_norm_needs_divisible_filters():
     with pytest.raises(UsageError, match=r"Invalid model.groups 3: every level's filters \[8, 16, 32, 64\]"):
         resolve_config("small", {"model": {"norm": "group", "groups": 3}})
+
+
+def test_a_saved_config_from_before_augment_and_region_outputs_reads_as_it_trained():
+    """config.json is complete: a setting it lacks is newer than the run, which trained with flips and the
+    intensity scale/shift and with regions as softmax classes."""
+    saved = ExperimentConfig().to_dict()
+    del saved["data"]["augment"]
+    del saved["model"]["region_outputs"]
+    config = ExperimentConfig.from_dict(saved)
+    assert config.data.augment.value == "light"
+    assert config.model.region_outputs is False
+
+
+def test_sections_of_leaves_out_the_records_beside_the_sections():
+    saved = {**ExperimentConfig().to_dict(), "total_steps": 9, "augmentation": {"chain": "nnunet"}}
+    assert sorted(ExperimentConfig.sections_of(saved)) == ["data", "distribute", "memory", "model", "numa", "train"]

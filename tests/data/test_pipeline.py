@@ -285,3 +285,31 @@ def test_the_loader_refuses_a_bad_case_when_it_is_made_not_when_it_is_read(tmp_p
                "nan": r"^Case 'c2': image has 1 non-finite values \(NaN/Inf\) \("}[bad]
     with pytest.raises(DataError, match=message):
         VolumeLoader(tmp_path / "s.h5", batch_size=1)
+
+
+def test_a_case_larger_than_the_training_shape_is_cropped_before_it_is_augmented(tiny_store):
+    """The chain's time and memory are those of the shape trained: it sees the crop, not the whole case."""
+    from dataclasses import dataclass
+    from typing import ClassVar
+
+    from bigmem.data.pipeline import load_sample
+    from bigmem.data.store import HDF5VolumeStore
+    from bigmem.data.transforms import Compose, Transform
+
+    seen = []
+
+    @dataclass(repr=False)
+    class Record(Transform):
+        name: ClassVar[str] = "record"
+
+        def apply(self, sample, rng):
+            seen.append(sample.label.shape)
+            return sample
+
+    store = HDF5VolumeStore(tiny_store)  # 16^3 cases
+    try:
+        image, label = load_sample(store, 0, case_index=0, shape=(8, 16, 12), seed=0, augment=Compose([Record()]))
+    finally:
+        store.close()
+    assert seen == [(8, 16, 12)]
+    assert image.shape == (8, 16, 12, 1)

@@ -340,3 +340,23 @@ def test_a_refused_run_leaves_no_folder_behind(tmp_path, tiny_store, capsys):
     assert code == 1
     assert err.strip() == (f"bigmem train: error: Run directory {str(tmp_path / 'file')!r} is a file, not a folder: "
                            "choose another --out.")
+
+
+def test_a_python_resume_asking_for_the_default_keeps_what_the_run_resolved(tmp_path):
+    """train(config, resume=True) with data.augment 'auto' goes on with the chain the run resolved and saved."""
+    import json
+
+    from bigmem.config import resolve_config
+    from bigmem.rundir import RunDir
+    from bigmem.train.resume import check_resumed_config
+
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir()
+    saved = resolve_config("tiny").updated({"data": {"augment": "light", "store": str(tmp_path / "x.h5")},
+                                            "model": {"region_outputs": False}}).to_dict()
+    run.config.write_text(json.dumps(saved))
+    wanted = resolve_config("tiny").updated({"data": {"store": str(tmp_path / "x.h5")}})
+    assert wanted.data.augment.value == "auto"
+    resumed = check_resumed_config(run, wanted)
+    assert resumed.data.augment.value == "light"
+    assert resumed.model.region_outputs is False
