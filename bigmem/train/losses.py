@@ -66,7 +66,8 @@ def _loss_slabs(logits: tf.Tensor) -> tuple[Slab, ...]:
 
 
 class _LossSums(NamedTuple):
-    """One sample's sums over its slabs: the cross-entropy and valid voxels, and per class the soft Dice terms."""
+    """One sample's sums over its slabs: the cross-entropy (softmax, or binary per region in ``region_loss``) and
+    valid voxels, and per class (or region) the soft Dice terms."""
 
     cross_entropy: tf.Tensor  # ()
     intersection: tf.Tensor  # (num_classes,)

@@ -20,7 +20,7 @@ loss runs in depth slabs with a hand-written gradient, as the softmax loss does.
 from __future__ import annotations
 
 import functools
-from typing import Mapping, NamedTuple, Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -29,7 +29,7 @@ from bigmem.nets.limits import counted
 from bigmem.nets.reduce import spatial_sum
 from bigmem.nets.slabplan import Slab
 from bigmem.nets.slabs import as_planes, exceeds_limit, sum_slabs, take_planes, write_slabs
-from bigmem.train.losses import DICE_SMOOTH, _label_planes, _loss_slabs, _valid
+from bigmem.train.losses import DICE_SMOOTH, _label_planes, _loss_slabs, _LossSums, _valid
 
 
 def membership(regions: Mapping[str, Sequence[int]], num_classes: int) -> np.ndarray:
@@ -78,16 +78,6 @@ def region_dice_bce_per_sample(labels: tf.Tensor, logits: tf.Tensor, member) -> 
     return bce + 1.0 - tf.reduce_mean(dice, axis=1)
 
 
-class _RegionSums(NamedTuple):
-    """One sample's sums over its slabs: BCE and valid voxels, and per region the soft Dice terms."""
-
-    bce: tf.Tensor  # ()
-    intersection: tf.Tensor  # (num_regions,)
-    predicted: tf.Tensor
-    true: tf.Tensor
-    voxels: tf.Tensor  # ()
-
-
 def _slab_terms(label_planes, logit_planes, member, depth: int, sample: int, slab: Slab):
     """One slab's logits, sigmoid (zero on padding), targets and valid mask (..., 1)."""
     slab_labels = take_planes(label_planes, depth, sample, slab.in_start, slab.in_stop)[..., 0]
@@ -96,18 +86,18 @@ def _slab_terms(label_planes, logit_planes, member, depth: int, sample: int, sla
     return logits, tf.sigmoid(logits) * valid, region_targets(slab_labels, member), valid
 
 
-def _slab_sums(label_planes, logit_planes, member, depth: int, sample: int, slab: Slab) -> _RegionSums:
+def _slab_sums(label_planes, logit_planes, member, depth: int, sample: int, slab: Slab) -> _LossSums:
     logits, probs, targets, valid = _slab_terms(label_planes, logit_planes, member, depth, sample, slab)
     axes = (0, 1, 2, 3)
     bce = tf.nn.sigmoid_cross_entropy_with_logits(labels=targets, logits=logits) * valid
-    return _RegionSums(tf.reduce_sum(bce), spatial_sum(probs * targets, axes), spatial_sum(probs, axes),
+    return _LossSums(tf.reduce_sum(bce), spatial_sum(probs * targets, axes), spatial_sum(probs, axes),
                        spatial_sum(targets, axes), spatial_sum(valid, axes)[0])
 
 
-def _sample_loss(sums: _RegionSums, num_regions: int) -> tuple[tf.Tensor, tf.Tensor]:
+def _sample_loss(sums: _LossSums, num_regions: int) -> tuple[tf.Tensor, tf.Tensor]:
     denominator = sums.predicted + sums.true + DICE_SMOOTH
     dice = (2.0 * sums.intersection + DICE_SMOOTH) / denominator
-    return sums.bce / (sums.voxels * num_regions) + 1.0 - tf.reduce_mean(dice), denominator
+    return sums.cross_entropy / (sums.voxels * num_regions) + 1.0 - tf.reduce_mean(dice), denominator
 
 
 def _slab_logit_grad(label_planes, logit_planes, member, depth: int, sample_grads, upstream, sample: int,
@@ -145,10 +135,10 @@ def region_loss_slabs(labels: tf.Tensor, logits: tf.Tensor, member: tf.Tensor) -
         logit_planes = as_planes(logits)
         sums, after = [], []
         for sample in range(batch):
-            total = _RegionSums(tf.zeros(()), *(tf.zeros((num_regions,)),) * 3, tf.zeros(()))
+            total = _LossSums(tf.zeros(()), *(tf.zeros((num_regions,)),) * 3, tf.zeros(()))
             for slab in slabs:
                 with tf.control_dependencies(after):
-                    total = _RegionSums(*(t + term for t, term in zip(
+                    total = _LossSums(*(t + term for t, term in zip(
                         total, _slab_sums(label_planes, logit_planes, member, depth, sample, slab))))
                 after = list(total)
             sums.append(total)
