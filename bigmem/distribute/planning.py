@@ -20,7 +20,9 @@ from bigmem.units import as_shape
 # CUDA context, cuDNN/cuBLAS handles and TensorFlow's GPU runtime: an allowance, not a measurement
 # (no GPU here); ~0.5-1 GiB is what a CUDA 12 context with cuDNN takes on recent GPUs.
 GPU_RUNTIME_BYTES = 1 << 30
-HOST_ONLY = ("framework", "input_pipeline", "hdf5_chunk_cache")
+# What a GPU replica does not hold: the host's framework, input pipeline, chunk cache and augmenting readers,
+# and the margin bigmem adds on a CPU its calibration was not measured on (a CPU figure, not a GPU's).
+HOST_ONLY = ("framework", "input_pipeline", "hdf5_chunk_cache", "augmentation", "safety_margin")
 
 
 def gpu_footprint_bytes(config: ExperimentConfig, counts_for, patch: int | Sequence[int], batch: int) -> int:

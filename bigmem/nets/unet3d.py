@@ -130,8 +130,9 @@ class UNet3D(keras.Model):
             training: passed to the norms; also enables the ``set_recompute`` stages.
 
         Returns:
-            Logits ``(batch, D, H, W, num_outputs)``, float32 whatever the compute dtype (no
-            softmax). With ``deep_supervision`` and ``training``, a list: those logits, then each
+            Logits ``(batch, D, H, W, num_classes)`` (with ``region_outputs``: one per region,
+            ``num_outputs``), float32 whatever the compute dtype (no softmax or sigmoid). With
+            ``deep_supervision`` and ``training``, a list: those logits, then each
             supervised level's (``supervised_levels``, finest first: ``(batch, D/2, H/2, W/2,
             num_outputs)``, ...), nnU-Net's order.
         """

@@ -37,8 +37,10 @@ def test_profile_json_fields(capsys):
     # A CPU class the defaults were not measured on adds a stated margin (calibration.default_calibration).
     margin = {"safety_margin"} if lookup_calibration("tiny", "fp32", "none").margin_fraction else set()
     assert set(data["components"]) == {"framework", "weights", "gradients", "optimizer_slots", "activations",
-                                       "workspace", "input_pipeline", "hdf5_chunk_cache"} | margin
+                                       "workspace", "input_pipeline", "hdf5_chunk_cache", "augmentation"} | margin
     assert data["measured_peak_bytes"] is None and data["error_pct"] is None
+    # the synthetic set's light chain: mirroring copies the 1-channel image and the label (1.25 volumes of 32^3)
+    assert data["components"]["augmentation"] == int(1.25 * 32**3 * 4)
     assert data["spatial_shape"] == [32, 32, 32] and data["recompute_stages"] == []
     assert data["train_flops_per_step"] == 6 * 6_660_096 * 8 * data["batch_size"]  # tiny: 8x the MACs at 16^3
 
