@@ -24,6 +24,7 @@ Rotation, scaling and mirroring are composed into one affine resampling per case
 
 from __future__ import annotations
 
+import abc
 import math
 import zlib
 from dataclasses import dataclass, field, replace
@@ -88,7 +89,7 @@ def thin_axis(shape: Sequence[int]) -> int | None:
 
 
 @dataclass(repr=False)
-class Transform:
+class Transform(abc.ABC):
     """One augmentation: ``apply(sample, rng) -> sample``, run with probability ``probability``.
 
     A subclass sets ``name`` (unique in a chain: it seeds the transform's own stream), implements
@@ -99,8 +100,9 @@ class Transform:
     name: ClassVar[str] = "transform"
     probability: float = 1.0
 
+    @abc.abstractmethod
     def apply(self, sample: Sample, rng: np.random.Generator) -> Sample:
-        raise NotImplementedError
+        """The transform applied (always): the new sample (its arrays may be the input's, changed in place)."""
 
     def __call__(self, sample: Sample, rng: np.random.Generator) -> Sample:
         if self.probability >= 1.0 or rng.random() < self.probability:
