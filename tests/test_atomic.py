@@ -32,8 +32,11 @@ def one_mib_free(monkeypatch):
 def test_atomic_output_renames_the_temporary_into_place(tmp_path):
     target = tmp_path / "sub" / "labels.nii.gz"
     with atomic_output(target, needed_bytes=5) as tmp:
-        assert tmp.parent == target.parent and tmp.name.startswith(".labels.tmp-") and tmp.name.endswith(".nii.gz")
-        assert not tmp.exists() and not target.exists()  # nothing is created for the writer
+        assert tmp.parent == target.parent
+        assert tmp.name.startswith(".labels.tmp-")
+        assert tmp.name.endswith(".nii.gz")
+        assert not tmp.exists()
+        assert not target.exists()  # nothing is created for the writer
         tmp.write_bytes(b"hello")
     assert target.read_bytes() == b"hello"
     assert _hidden(target.parent) == []
@@ -74,7 +77,9 @@ def test_remove_atomically_renames_then_deletes(tmp_path, monkeypatch):
     real_replace = os.replace
     monkeypatch.setattr(os, "replace", lambda src, dst: renames.append((src, dst)) or real_replace(src, dst))
     remove_atomically(folder)
-    assert len(renames) == 1 and renames[0][0] == folder and temporary_of(renames[0][1].name) == (folder.name,
+    assert len(renames) == 1
+    assert renames[0][0] == folder
+    assert temporary_of(renames[0][1].name) == (folder.name,
                                                                                                    os.getpid())
     assert list(tmp_path.iterdir()) == []
 
@@ -89,9 +94,11 @@ def test_a_replaced_folder_is_deleted_only_after_the_rename_is_synced(tmp_path, 
                         or real_fsync_dir(path))
     with atomic_output(target, directory=True) as tmp:
         (tmp / "state.json").write_text("new")
-    assert len(seen[-1]) == 2 and seen[-1][1] == "best"  # the old one, moved aside, still there at the sync
+    assert len(seen[-1]) == 2
+    assert seen[-1][1] == "best"  # the old one, moved aside, still there at the sync
     assert temporary_of(seen[-1][0]) == ("best", os.getpid())
-    assert [p.name for p in tmp_path.iterdir()] == ["best"] and (target / "state.json").read_text() == "new"
+    assert [p.name for p in tmp_path.iterdir()] == ["best"]
+    assert (target / "state.json").read_text() == "new"
 
 
 def test_a_good_file_is_untouched_when_its_replacement_fails(tmp_path, one_mib_free):
@@ -198,7 +205,8 @@ def test_atomic_output_of_a_directory_replaces_the_old_one_whole(tmp_path, one_m
         with atomic_output(target, directory=True) as tmp:
             (tmp / "state.json").write_text("ne")
             raise OSError(errno.ENOSPC, "No space left on device")
-    assert (target / "state.json").read_text() == "old" and _hidden(tmp_path) == []
+    assert (target / "state.json").read_text() == "old"
+    assert _hidden(tmp_path) == []
     with atomic_output(target, directory=True) as tmp:
         assert tmp.is_dir()
         (tmp / "state.json").write_text("new")
@@ -252,7 +260,8 @@ def test_close_hdf5_discard_closes_every_object(tmp_path):
     handle = open_hdf5_for_writing(tmp_path / "x.h5")
     dataset = handle.create_dataset("d", data=np.zeros(10))
     close_hdf5(handle, discard=True)
-    assert not handle.id.valid and not dataset.id.valid
+    assert not handle.id.valid
+    assert not dataset.id.valid
     close_hdf5(handle, discard=True)  # closing twice is a no-op, never a second HDF5 close
 
 
@@ -282,7 +291,8 @@ def test_a_failed_output_removes_the_folders_it_made(tmp_path):
     with pytest.raises(RuntimeError):  # a folder that was there before stays
         with atomic_output(tmp_path / "kept" / "sub" / "x.txt"):
             raise RuntimeError("again")
-    assert [p.name for p in tmp_path.iterdir()] == ["kept"] and list((tmp_path / "kept").iterdir()) == []
+    assert [p.name for p in tmp_path.iterdir()] == ["kept"]
+    assert list((tmp_path / "kept").iterdir()) == []
     with atomic_output(target) as tmp:
         tmp.write_text("whole")
     assert target.read_text() == "whole"

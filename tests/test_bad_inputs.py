@@ -493,7 +493,8 @@ def test_report_leaves_out_bad_lines_and_says_so(tmp_path, capsys):
                                 f"note: {run}/monitor.csv: no readable rows (not a bigmem monitor.csv, or no sample "
                                 "yet); left out"]
     report = json.loads((run / "report" / "report.json").read_text())
-    assert report["runs"][0]["steps"] == 3 and len(report["runs"][0]["notes"]) == 2
+    assert report["runs"][0]["steps"] == 3
+    assert len(report["runs"][0]["notes"]) == 2
     assert "| left out while reading |" in (run / "report" / "report.md").read_text()
 
 

@@ -86,8 +86,10 @@ def test_best_is_kept_apart_and_found_by_name(tmp_path):
     other, _ = _model_and_optimizer(1)
     manager.save(4, other, optimizer, {})
     manager.save(6, other, optimizer, {})  # pruning keeps one periodic checkpoint, never best
-    assert [p.name for p in manager.all()] == ["ckpt-00000006"] and manager.best == best
-    assert manager.find("best") == best and manager.find("latest").name == "ckpt-00000006"
+    assert [p.name for p in manager.all()] == ["ckpt-00000006"]
+    assert manager.best == best
+    assert manager.find("best") == best
+    assert manager.find("latest").name == "ckpt-00000006"
     assert manager.find("ckpt-6") == manager.find("6") == manager.find("ckpt-00000006")
     restored, _ = _model_and_optimizer(2)
     assert manager.restore(best, restored) == {"val_dice": 0.5, "step": 2}  # the weights only
@@ -110,7 +112,8 @@ def test_restore_newest_skips_damaged_checkpoints_and_keeps_them_aside(tmp_path)
     (tmp_path / ".damaged-ckpt-00000003").mkdir()  # kept aside by an earlier resume
     other, other_opt = _model_and_optimizer(1)
     path, state, skipped = manager.restore_newest(other, other_opt)
-    assert path.name == "ckpt-00000001" and state == {"loss": 1.0, "step": 1}
+    assert path.name == "ckpt-00000001"
+    assert state == {"loss": 1.0, "step": 1}
     assert [(s.name, s.reason, s.kept_as.name) for s in skipped] == [
         ("ckpt-00000004", "state.json: expected a JSON object with an integer 'step'", ".damaged-ckpt-00000004"),
         ("ckpt-00000003", "variables.h5: Unable to synchronously open file (file signature not found)",
@@ -142,7 +145,8 @@ def test_a_flipped_byte_fails_the_crc_check(tmp_path):
                                         rf"{path} fails its CRC-32 check$"):
         manager.restore(saved, model, optimizer)
     path, _, skipped = manager.restore_newest(model, optimizer)
-    assert path.name == "ckpt-00000001" and [s.name for s in skipped] == ["ckpt-00000002"]
+    assert path.name == "ckpt-00000001"
+    assert [s.name for s in skipped] == ["ckpt-00000002"]
 
 
 def test_a_checkpoint_of_another_model_is_refused_not_kept_aside(tmp_path):
@@ -152,7 +156,8 @@ def test_a_checkpoint_of_another_model_is_refused_not_kept_aside(tmp_path):
     residual, residual_opt = _model_and_optimizer(0, residual=True)
     with pytest.raises(DataError, match=r"Was it written by another model\?$"):
         manager.restore_newest(residual, residual_opt)
-    assert [p.name for p in manager.all()] == ["ckpt-00000001"] and manager.damaged() == []
+    assert [p.name for p in manager.all()] == ["ckpt-00000001"]
+    assert manager.damaged() == []
 
 
 def test_none_loads(tmp_path):

@@ -100,7 +100,9 @@ def _bigmem(*argv) -> subprocess.CompletedProcess:
 def _one_line(result: subprocess.CompletedProcess) -> str:
     assert result.returncode == 1, f"exit {result.returncode} (a negative code is a signal):\n{result.stderr}"
     lines = result.stderr.splitlines()
-    assert len(lines) == 1 and "Traceback" not in result.stderr and "h5py" not in result.stderr, result.stderr
+    assert len(lines) == 1, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    assert "h5py" not in result.stderr, result.stderr
     return lines[0]
 
 
@@ -216,7 +218,8 @@ def test_hdf5_writes_never_crash_whatever_the_disk_holds(small_fs, kind):
     assert result.returncode == 0, f"exit {result.returncode} (-11: a segmentation fault):\n{result.stderr[-3000:]}"
     assert result.stderr == ""  # not one "Exception ignored in ObjectID.__dealloc__"
     outcomes = result.stdout.split()
-    assert "full" in outcomes and outcomes[0] == "full"  # the disk did fill, from the first write on
+    assert "full" in outcomes
+    assert outcomes[0] == "full"  # the disk did fill, from the first write on
 
 
 # ---- a run directory's JSON and predict's outputs ---------------------------------------------------
@@ -326,7 +329,8 @@ def test_a_checkpoint_on_a_full_disk_is_refused_and_the_last_one_kept(small_fs):
     assert result.returncode == 0, f"exit {result.returncode} (-11: a segmentation fault):\n{result.stderr[-3000:]}"
     assert result.stderr == ""
     outcomes = result.stdout.split()
-    assert outcomes[0] == "full" and outcomes[-1] == "ok", outcomes  # full at first; fits with room enough
+    assert outcomes[0] == "full", outcomes
+    assert outcomes[-1] == "ok", outcomes  # full at first; fits with room enough
 
 
 def test_the_final_model_on_a_full_disk_is_one_line_and_leaves_nothing(small_fs):
@@ -379,7 +383,8 @@ def test_a_full_disk_at_the_final_model_removes_the_runs_event_files(tmp_path, t
     monkeypatch.setattr("bigmem.train.trainer._save_model", full)
     out = tmp_path / "run"
     code, _, err = run_cli(["train", "--model", "tiny", "--data", tiny_store, "--out", out, "--steps", 2], capsys)
-    assert code == 1 and f"No space left on device writing '{out / 'model.keras'}'" in err, err
+    assert code == 1, err
+    assert f"No space left on device writing '{out / 'model.keras'}'" in err, err
     assert (out / "checkpoints").is_dir()  # the last checkpoint stays: --resume finishes the run
     assert (out / "metrics.jsonl").is_file()  # the run logged its steps (TensorBoard too) ...
     assert not [p for p in out.rglob("events.out.tfevents.*")]  # ... and its event files are gone
@@ -402,5 +407,6 @@ def test_event_files_on_a_full_disk_are_one_line_and_removed(small_fs):
                     tf.summary.text("note", "x" * 1000)
     event_file = events.directory / "train"
     assert str(caught.value).startswith(f"No space left on device writing '{event_file}/events.out.tfevents.")
-    assert str(caught.value).endswith(" free). Free space or choose another --out.") and "\n" not in str(caught.value)
+    assert str(caught.value).endswith(" free). Free space or choose another --out.")
+    assert "\n" not in str(caught.value)
     assert _listing(fs) == []  # the event file and the folders made for it

@@ -23,7 +23,8 @@ def test_wheel_contains_modules_presets_and_tables(tmp_path):
     modules = {str(p.relative_to(ROOT)) for p in (ROOT / "bigmem").rglob("*.py") if "models" not in p.parts}
     assert modules <= names, sorted(modules - names)
     presets = {f"bigmem/models/{p.name}" for p in (ROOT / "models").iterdir() if p.suffix in (".toml", ".md")}
-    assert presets and presets <= names, sorted(presets - names)
+    assert presets, sorted(presets - names)
+    assert presets <= names, sorted(presets - names)
     measured = {f"bigmem/measured/{name}.json" for name in tables.NAMES}  # what calibration, speed, choices read
     shipped = {n for n in names if n.startswith("bigmem/measured/")}
     assert measured == shipped, sorted(measured ^ shipped)

@@ -11,7 +11,8 @@ def test_x86_gets_onednn_on():
     environ = {}
     reason = enable_onednn(environ, machine="x86_64")
     assert environ["TF_ENABLE_ONEDNN_OPTS"] == "1"
-    assert reason.startswith("turned on by bigmem on x86") and environ[ONEDNN_REASON_VARIABLE] == reason
+    assert reason.startswith("turned on by bigmem on x86")
+    assert environ[ONEDNN_REASON_VARIABLE] == reason
     assert enable_onednn(environ, machine="x86_64") == reason  # a second call (or a child process) keeps it
 
 

@@ -38,7 +38,8 @@ def test_the_bisection_finds_the_largest_that_fits_from_any_start(first, thresho
 
     largest, probes = gpu_reference.largest_fitting(fits, candidates, first)
     expected = max((c for c in candidates if c <= threshold), default=None)
-    assert largest == expected and len(set(tried)) == len(tried) <= 6
+    assert largest == expected
+    assert len(set(tried)) == len(tried) <= 6
     assert [edge for edge, fitted in probes if fitted == (edge > threshold)] == []
 
 
@@ -55,7 +56,8 @@ def test_the_shipped_plan_is_what_the_planner_predicts_now(tmp_path):
     for name, entry in fresh["models"].items():
         assert shipped["models"][name] == entry, f"{name}: run gpu_reference.py --write-plan"
     kits = fresh["models"]["kits19"]
-    assert kits["architecture"]["filters"] == [32, 64, 128, 256, 320, 320] and kits["divisor"] == 32
+    assert kits["architecture"]["filters"] == [32, 64, 128, 256, 320, 320]
+    assert kits["divisor"] == 32
     # the planner's answer the comparison quotes: a 256^3 patch on an 80 GiB GPU at batch 2 (fp32)
     assert gpu_reference.planner_edge(kits["predicted"]["tf32"]["train_batch2"], 80 * 2**30) == 256
 
@@ -71,19 +73,26 @@ def test_the_cpu_run_measures_every_figure_without_bigmem(tmp_path):
     assert "tiny tf32: largest forward cube (" in result.stdout  # the last phase was reached
     [path] = tmp_path.glob("gpu_reference-cpu-*.json")
     report = json.loads(path.read_text())
-    assert report["device"]["kind"] == "cpu" and report["device"]["memory_bytes"] == 100 * 2**20
+    assert report["device"]["kind"] == "cpu"
+    assert report["device"]["memory_bytes"] == 100 * 2**20
     assert [(r["model"], r["precision"]) for r in report["results"]] == [("tiny", "tf32"), ("tiny", "bf16")]
     for r in report["results"]:
-        assert r["skipped"] == [] and r["failed"] == [] and r["parameters"] > 0
+        assert r["skipped"] == []
+        assert r["failed"] == []
+        assert r["parameters"] > 0
         point = r["mlperf_32"]
-        assert point["edge"] == 32 and point["batch"] == 2 and len(point["step_s"]["all"]) == 2
+        assert point["edge"] == 32
+        assert point["batch"] == 2
+        assert len(point["step_s"]["all"]) == 2
         assert point["step_s"]["min"] <= point["step_s"]["median"] <= point["step_s"]["max"]
-        assert 0 < point["peak_bytes"] <= 100 * 2**20 and point["predicted_bytes"] > 0
+        assert 0 < point["peak_bytes"] <= 100 * 2**20
+        assert point["predicted_bytes"] > 0
         for key in ("largest_patch_batch2", "largest_inference_cube"):
             record = r[key]
             fitted = [p["edge"] for p in record["probes"] if p["fits"]]
             refused = [p["edge"] for p in record["probes"] if not p["fits"]]
-            assert record["largest_edge"] == max(fitted) and record["largest_edge"] % 4 == 0
+            assert record["largest_edge"] == max(fitted)
+            assert record["largest_edge"] % 4 == 0
             assert all(edge > record["largest_edge"] for edge in refused)
     # tf32 training at 64^3 x 2 needs more than 100 MiB here: the planner's patch or a probe met the limit,
     # and the search stopped below it
@@ -92,7 +101,8 @@ def test_the_cpu_run_measures_every_figure_without_bigmem(tmp_path):
     errors.append((tf32["planner_patch"] or {}).get("error", ""))
     assert any("over the 100 MiB limit" in error for error in errors), tf32
     assert tf32["largest_patch_batch2"]["largest_edge"] < 64
-    assert "largest patch x2" in result.stdout and f"wrote {path}" in result.stdout
+    assert "largest patch x2" in result.stdout
+    assert f"wrote {path}" in result.stdout
     # compare --gpu-reference reads what the script writes (here as if a GPU had written it)
     from bigmem.compare.gpu_reference import gpu_reference_for, load_gpu_reference
 
@@ -102,7 +112,8 @@ def test_the_cpu_run_measures_every_figure_without_bigmem(tmp_path):
     bf16 = report["results"][1]
     assert measured.memory_bytes == 100 * 2**20
     assert measured.largest_patch == bf16["largest_patch_batch2"]["largest_edge"]
-    assert measured.rates[0].edge == 32 and measured.rates[0].steps_per_s == bf16["mlperf_32"]["steps_per_s"]
+    assert measured.rates[0].edge == 32
+    assert measured.rates[0].steps_per_s == bf16["mlperf_32"]["steps_per_s"]
 
 
 def test_without_a_gpu_it_says_so_in_one_line(tmp_path):
@@ -116,7 +127,8 @@ def test_without_a_gpu_it_says_so_in_one_line(tmp_path):
     if has_gpu:
         pytest.skip("this machine has a GPU")
     result = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path)], capture_output=True, text=True)
-    assert result.returncode == 1 and list(tmp_path.iterdir()) == []
+    assert result.returncode == 1
+    assert list(tmp_path.iterdir()) == []
     assert result.stderr.strip().splitlines() == [
         "gpu_reference: error: no CUDA device (torch.cuda.is_available() is False); --cpu runs the same code on "
         "the CPU at tiny sizes"]
@@ -158,9 +170,11 @@ def test_an_item_that_fails_costs_only_itself_and_a_lost_gpu_stops_the_run_saved
     other = _FakePair("intelai-brats tf32", {})
     clock = gpu_reference.Clock(time.monotonic() + 600)
     stopped = gpu_reference.measure([bug, lost, other], clock, lambda: saves.append(1))
-    assert bug.done == ["mlperf_32", "training"] and bug.result["failed"] == [
+    assert bug.done == ["mlperf_32", "training"]
+    assert bug.result["failed"] == [
         "planner's patch: ProbeFailed: TypeError: bad dtype"]
-    assert lost.done == ["mlperf_32", "planner_patch"] and other.done == ["mlperf_32", "planner_patch"]
+    assert lost.done == ["mlperf_32", "planner_patch"]
+    assert other.done == ["mlperf_32", "planner_patch"]
     assert stopped == "the GPU's context failed during kits19 bf16's largest training patch: illegal memory access"
     assert lost.result["failed"] == ["largest training patch: the GPU's context failed: illegal memory access"]
     assert len(saves) == 8  # after every item, the last one too

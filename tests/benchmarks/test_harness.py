@@ -56,9 +56,12 @@ def test_time_calls_warms_up_untimed_then_times_each_repeat():
     calls, befores = [], []
     timed = harness.time_calls(lambda: calls.append(len(calls)) or len(calls), repeats=3, warmup=2,
                                before=lambda: befores.append(len(calls)))
-    assert len(calls) == 5 and len(timed.times_s) == 3 and timed.value == 5
+    assert len(calls) == 5
+    assert len(timed.times_s) == 3
+    assert timed.value == 5
     assert befores == [2, 3, 4]  # before each timed call only
-    assert all(t >= 0 for t in timed.times_s) and timed.spread.n == 3
+    assert all(t >= 0 for t in timed.times_s)
+    assert timed.spread.n == 3
     with pytest.raises(ValueError, match=r"^Invalid repeats 0 / warmup 0: expected repeats >= 1"):
         harness.time_calls(lambda: None, repeats=0)
 
@@ -87,8 +90,11 @@ def test_command_line_names_the_script_below_benchmarks_and_its_flags():
 
 def test_run_function_returns_the_result_and_the_childs_own_peak(child):
     small = harness.run_function(child.allocate, {"mib": 1, "x": 21}, what="Allocating 1 MiB")
-    assert small.ok and small.result == {"bytes": 2**20, "twice": 42} and small.function == "allocate"
-    assert small.peak_rss_bytes > 0 and small.wall_s > 0
+    assert small.ok
+    assert small.result == {"bytes": 2**20, "twice": 42}
+    assert small.function == "allocate"
+    assert small.peak_rss_bytes > 0
+    assert small.wall_s > 0
     big = harness.run_function(child.allocate, {"mib": 96, "x": 1}, what="Allocating 96 MiB")
     assert big.check("Allocating").result["bytes"] == 96 * 2**20
     assert big.peak_rss_bytes > small.peak_rss_bytes + 80 * 2**20
@@ -103,19 +109,25 @@ def test_a_crashed_child_still_reports_its_exit_signal_and_peak(child):
     with pytest.raises(BigmemError, match=r"^Crashing failed in the child process \(exit -11\): segfault \(-11\)$"):
         run.check("Crashing")
     wrong = harness.run_function(child.not_a_dict, {}, what="Listing")
-    assert not wrong.ok and wrong.failure() == "TypeError: tiny_child.py: not_a_dict returned list, not a dict."
+    assert not wrong.ok
+    assert wrong.failure() == "TypeError: tiny_child.py: not_a_dict returned list, not a dict."
 
 
 def test_run_command_reports_exit_codes_and_timeouts():
     done = harness.run_command([sys.executable, "-c", "print('hi')"], what="Greeting")
-    assert done.check("Greeting") is done and done.stdout == "hi\n" and done.peak_rss_bytes > 0
+    assert done.check("Greeting") is done
+    assert done.stdout == "hi\n"
+    assert done.peak_rss_bytes > 0
     failed = harness.run_command([sys.executable, "-c", "print('out'); raise SystemExit('the last word')"],
                                  what="Failing")
     assert (failed.returncode, failed.stdout, failed.failure()) == (1, "out\n", "the last word")
     with pytest.raises(BigmemError, match=r"^Failing failed in the child process \(exit 1\): the last word$"):
         failed.check("Failing")
     slow = harness.run_command([sys.executable, "-c", "import time; time.sleep(30)"], what="Sleeping", timeout_s=0.5)
-    assert slow.timed_out and slow.returncode == -9 and slow.failure() == "timeout (-9)" and slow.wall_s < 20
+    assert slow.timed_out
+    assert slow.returncode == -9
+    assert slow.failure() == "timeout (-9)"
+    assert slow.wall_s < 20
 
 
 def test_run_function_needs_a_top_level_function():

@@ -52,13 +52,15 @@ def test_summary_values_by_hand(folders, capsys):
     code, out, err = run_cli(["evaluate", pred, ref], capsys)
     assert code == 0, err
     summary = json.loads((pred / "summary.json").read_text())
-    assert summary["classes"] == [1, 2] and summary["num_cases"] == 2
+    assert summary["classes"] == [1, 2]
+    assert summary["num_cases"] == 2
     cases = {case["case_id"]: case for case in summary["metric_per_case"]}
     a = cases["case_a"]["metrics"]
     assert (a["1"]["TP"], a["1"]["FP"], a["1"]["FN"]) == (90, 0, 30)
     assert a["1"]["Dice"] == pytest.approx(180 / 210)
     assert a["1"]["IoU"] == pytest.approx(90 / 120)
-    assert a["1"]["ref_volume_ml"] == pytest.approx(0.12) and a["1"]["pred_volume_ml"] == pytest.approx(0.09)
+    assert a["1"]["ref_volume_ml"] == pytest.approx(0.12)
+    assert a["1"]["pred_volume_ml"] == pytest.approx(0.09)
     # the x = 0 face moved one plane along x (2 mm): prediction -> reference distances are all <= 1 mm, and
     # 30 of the reference's 96 surface voxels (its x = 0 face) are 2 mm from the prediction's surface, the
     # other 66 on it: the 95th percentile is 2 mm
@@ -78,7 +80,8 @@ def test_summary_values_by_hand(folders, capsys):
     assert summary["num_undefined"] == {"1": {"Dice": 0, "IoU": 0, "HD95_mm": 0},
                                         "2": {"Dice": 1, "IoU": 1, "HD95_mm": 2}}
     assert summary["missing"] == {"no_reference": [], "no_prediction": []}
-    assert "foreground mean" in out and f"wrote {pred / 'summary.json'}" in out
+    assert "foreground mean" in out
+    assert f"wrote {pred / 'summary.json'}" in out
 
 
 def test_out_flag_and_classes_subset(folders, tmp_path, capsys):
@@ -87,7 +90,8 @@ def test_out_flag_and_classes_subset(folders, tmp_path, capsys):
     code, _, err = run_cli(["evaluate", pred, ref, "-o", out, "--classes", "2", "--no-hausdorff"], capsys)
     assert code == 0, err
     summary = json.loads(out.read_text())
-    assert summary["classes"] == [2] and list(summary["mean"]) == ["2"]
+    assert summary["classes"] == [2]
+    assert list(summary["mean"]) == ["2"]
     assert summary["metric_per_case"][0]["metrics"]["2"]["HD95_mm"] is None
     assert not (pred / "summary.json").exists()
 
@@ -112,7 +116,8 @@ def test_prediction_without_reference_is_an_error(folders, capsys):
     _write(pred / "extra.nii", np.zeros((8, 6, 5)))
     code, _, err = run_cli(["evaluate", pred, ref], capsys)
     assert code == 1
-    assert "1 prediction has no reference in" in err and "'extra'" in err
+    assert "1 prediction has no reference in" in err
+    assert "'extra'" in err
     assert len(err.strip().splitlines()) == 1
 
 
@@ -154,7 +159,8 @@ def test_nonexistent_folder_is_an_error(folders, tmp_path, capsys):
                            "folder of NIfTI label maps (<case>.nii.gz) or a bigmem store (.h5).")
     code, _, err = run_cli(["evaluate", tmp_path / "nopred", pred], capsys)
     assert code == 1
-    assert "PRED" in err and "is not a folder" in err
+    assert "PRED" in err
+    assert "is not a folder" in err
 
 
 def test_non_integer_labels_are_an_error(folders, capsys):
@@ -204,7 +210,8 @@ def test_affine_difference_is_a_warning(folders, capsys):
     assert code == 0, err
     assert "warning: Case 'case_a': prediction affine differs from the reference's" in out
     summary = json.loads((pred / "summary.json").read_text())
-    assert len(summary["warnings"]) == 1 and "by 0.5" in summary["warnings"][0]
+    assert len(summary["warnings"]) == 1
+    assert "by 0.5" in summary["warnings"][0]
 
 
 def test_store_reference_uses_source_geometry(tiny_store, tmp_path, capsys, monkeypatch):
@@ -228,10 +235,12 @@ def test_store_reference_uses_source_geometry(tiny_store, tmp_path, capsys, monk
     assert code == 0, err
     assert calls == [case_id]
     summary = json.loads((pred / "summary.json").read_text())
-    assert summary["classes"] == [1, 2] and summary["label_names"] == {"1": "class1", "2": "class2"}
+    assert summary["classes"] == [1, 2]
+    assert summary["label_names"] == {"1": "class1", "2": "class2"}
     metrics = summary["metric_per_case"][0]["metrics"]
     for c in (1, 2):
-        assert metrics[str(c)]["Dice"] == 1.0 and metrics[str(c)]["HD95_mm"] == 0.0
+        assert metrics[str(c)]["Dice"] == 1.0
+        assert metrics[str(c)]["HD95_mm"] == 0.0
         assert metrics[str(c)]["ref_volume_ml"] == pytest.approx(np.count_nonzero(label == c) * 8 / 1000)
     assert summary["metric_per_case"][0]["reference_file"] == f"{tiny_store}:{case_id}"
     assert len(summary["missing"]["no_prediction"]) == 3
@@ -277,7 +286,8 @@ def test_one_case_in_both_is_one_case(folders, capsys):
     assert err.strip().endswith("Pass --allow-missing to evaluate only the 1 case in both.")
     code, out, err = run_cli(["evaluate", pred, ref, "--allow-missing"], capsys)
     assert code == 0, err
-    assert "1 case; means over the cases where defined" in out and "1 cases" not in out
+    assert "1 case; means over the cases where defined" in out
+    assert "1 cases" not in out
 
 
 def _named_store(tiny_store, path, regions=None, label_names=("background", "kidney", "tumour")):
@@ -299,7 +309,8 @@ def test_store_regions_are_scored_beside_the_classes(tiny_store, tmp_path, capsy
         case_id = opened.case_ids[0]
         label = opened.read_label(case_id)
     n1, n2 = int(np.count_nonzero(label == 1)), int(np.count_nonzero(label == 2))
-    assert n1 and n2
+    assert n1
+    assert n2
     merged = label.copy()
     merged[merged == 2] = 1  # every class-2 voxel predicted as class 1: the region of both is exact
     pred = tmp_path / "pred"
@@ -316,13 +327,15 @@ def test_store_regions_are_scored_beside_the_classes(tiny_store, tmp_path, capsy
     tumour, core = case["region_metrics"]["tumour"], case["region_metrics"]["core"]
     assert (tumour["Dice"], tumour["HD95_mm"], tumour["TP"], tumour["FP"]) == (1.0, 0.0, n1 + n2, 0)
     assert (core["Dice"], core["FN"], core["HD95_mm"]) == (0.0, n2, None)
-    assert summary["region_mean"]["tumour"]["Dice"] == 1.0 and summary["region_mean"]["core"]["Dice"] == 0.0
+    assert summary["region_mean"]["tumour"]["Dice"] == 1.0
+    assert summary["region_mean"]["core"]["Dice"] == 0.0
     assert summary["region_foreground_mean"]["Dice"] == 0.5
     assert summary["region_num_undefined"] == {"tumour": {"Dice": 0, "IoU": 0, "HD95_mm": 0},
                                                "core": {"Dice": 0, "IoU": 0, "HD95_mm": 1}}
     rows = {line.split("│")[1].strip(): line for line in out.splitlines() if line.count("│") > 2}
     assert set(rows) >= {"1 kidney", "2 tumour", "foreground mean", "tumour (1,2)", "core (2)", "region mean"}
-    assert "1.0000" in rows["tumour (1,2)"] and "0.5000" in rows["region mean"]
+    assert "1.0000" in rows["tumour (1,2)"]
+    assert "0.5000" in rows["region mean"]
 
 
 @pytest.mark.parametrize("regions, message", [
@@ -340,7 +353,8 @@ def test_bad_store_regions_are_one_line(tiny_store, tmp_path, capsys, regions, m
     _write(pred / "synth_0000.nii.gz", np.zeros((16, 16, 16)))
     code, _, err = run_cli(["evaluate", pred, store, "--allow-missing"], capsys)
     assert code == 1
-    assert err.startswith(f"bigmem evaluate: error: Store {str(store)!r}: ") and message in err
+    assert err.startswith(f"bigmem evaluate: error: Store {str(store)!r}: ")
+    assert message in err
     assert len(err.strip().splitlines()) == 1
 
 
@@ -351,9 +365,12 @@ def test_dataset_json_beside_the_references_names_classes(folders, capsys):
     code, out, err = run_cli(["evaluate", pred, ref, "--no-hausdorff"], capsys)
     assert code == 0, err
     summary = json.loads((pred / "summary.json").read_text())
-    assert summary["label_names"] == {"1": "kidney", "2": "tumour"} and summary["regions"] == {}
-    assert "region_mean" not in summary and "region_metrics" not in summary["metric_per_case"][0]
-    assert "1 kidney" in out and "region mean" not in out
+    assert summary["label_names"] == {"1": "kidney", "2": "tumour"}
+    assert summary["regions"] == {}
+    assert "region_mean" not in summary
+    assert "region_metrics" not in summary["metric_per_case"][0]
+    assert "1 kidney" in out
+    assert "region mean" not in out
 
 
 def test_nnunet_regions_in_dataset_json_are_scored(folders, capsys):
@@ -384,7 +401,8 @@ def test_an_unreadable_dataset_json_is_a_warning(folders, capsys):
     code, out, err = run_cli(["evaluate", pred, ref, "--no-hausdorff"], capsys)
     assert code == 0, err
     summary = json.loads((pred / "summary.json").read_text())
-    assert summary["label_names"] == {"1": "class1", "2": "class2"} and summary["regions"] == {}
+    assert summary["label_names"] == {"1": "class1", "2": "class2"}
+    assert summary["regions"] == {}
     assert summary["warnings"] == [f"{ref.parent / 'dataset.json'}: label 'lesion' is [1, \"x\"]; expected a label "
                                    "value 0..255 or, for a region, a list of them, such as {\"background\": 0, "
                                    "\"whole_tumor\": [1, 2, 3], \"tumor_core\": [2, 3], \"enhancing_tumor\": 3}. "
@@ -415,15 +433,18 @@ def test_run_names_the_classes_and_sets_their_number(folders, tiny_store, tmp_pa
     code, out, err = run_cli(["evaluate", pred, ref, "--run", run, "--no-hausdorff"], capsys)
     assert code == 0, err
     summary = json.loads((pred / "summary.json").read_text())
-    assert summary["label_names"] == {"1": "kidney", "2": "tumour"} and summary["regions"] == {"both": [1, 2]}
+    assert summary["label_names"] == {"1": "kidney", "2": "tumour"}
+    assert summary["regions"] == {"both": [1, 2]}
     assert summary["region_mean"]["both"]["Dice"] == pytest.approx((180 / 210 + 60 / 90) / 2)
-    assert "2 tumour" in out and "both (1,2)" in out
+    assert "2 tumour" in out
+    assert "both (1,2)" in out
     code, _, err = run_cli(["evaluate", pred, ref, "--run", run, "--num-classes", "4"], capsys)
     assert (code, err.strip()) == (2, f"bigmem evaluate: error: Invalid --num-classes 4: run {str(run)!r} has 3 "
                                       "classes; drop --num-classes.")
     small = _fake_run(tmp_path / "small", store, num_classes=2)  # its model has no class 2
     code, _, err = run_cli(["evaluate", pred, ref, "--run", small], capsys)
-    assert code == 1 and "reference label value 2 >= number of classes 2" in err
+    assert code == 1
+    assert "reference label value 2 >= number of classes 2" in err
 
 
 def test_a_run_whose_store_is_gone_leaves_classes_unnamed(folders, tmp_path, capsys):
@@ -437,4 +458,5 @@ def test_a_run_whose_store_is_gone_leaves_classes_unnamed(folders, tmp_path, cap
                                    f"{str(tmp_path / 'gone.h5')!r} is gone: nothing names its classes; they are "
                                    "class1, class2, ..."]
     code, _, err = run_cli(["evaluate", pred, ref, "--run", tmp_path / "nowhere"], capsys)
-    assert code == 1 and "is not a bigmem run directory: no config.json there." in err
+    assert code == 1
+    assert "is not a bigmem run directory: no config.json there." in err

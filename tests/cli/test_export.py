@@ -59,15 +59,19 @@ def test_ct_store_is_int16_with_the_foreground_window(ct_run):
     assert scheme["scheme"] == "ct"
     # nnU-Net's CT scheme: the foreground's 0.5/99.5 percentiles, mean and std, pooled over the cases
     assert (scheme["low"], scheme["high"]) == pytest.approx(tuple(np.percentile(samples[:, 0], (0.5, 99.5))))
-    assert scheme["mean"] == pytest.approx(float(samples.mean())) and 150 < scheme["mean"] < 200
-    assert -1000 < scheme["low"] < 150 and scheme["high"] > 250  # air is clipped away, not in the window
+    assert scheme["mean"] == pytest.approx(float(samples.mean()))
+    assert 150 < scheme["mean"] < 200
+    assert -1000 < scheme["low"] < 150
+    assert scheme["high"] > 250  # air is clipped away, not in the window
 
 
 def test_the_run_directory_predicts_on_its_own_and_export_carries_it(ct_run, tmp_path, capsys):
     root, store, run = ct_run
     card = json.loads((run / "preprocessing.json").read_text())
-    assert card["channel_names"] == ["CT"] and card["label_names"] == ["background", "organ", "lesion"]
-    assert card["preprocessing"]["channels"][0]["scheme"] == "ct" and card["spacing"] is None
+    assert card["channel_names"] == ["CT"]
+    assert card["label_names"] == ["background", "organ", "lesion"]
+    assert card["preprocessing"]["channels"][0]["scheme"] == "ct"
+    assert card["spacing"] is None
     scan = root / "src" / "imagesTr" / "ct_1.nii.gz"
     assert run_cli(["predict", run, scan, "-o", tmp_path / "before", "--mode", "whole"], capsys)[0] == 0
     code, stdout, err = run_cli(["export", run, "-o", tmp_path / "model"], capsys)
@@ -85,7 +89,8 @@ def test_the_run_directory_predicts_on_its_own_and_export_carries_it(ct_run, tmp
         assert code == 0, err
         before = np.asanyarray(nib.load(str(tmp_path / "before" / "ct_1.nii.gz")).dataobj)
         after = nib.load(str(tmp_path / "after" / "ct_1.nii.gz"))
-        assert np.array_equal(np.asanyarray(after.dataobj), before) and after.shape == (15, 17, 9)
+        assert np.array_equal(np.asanyarray(after.dataobj), before)
+        assert after.shape == (15, 17, 9)
         np.testing.assert_allclose(after.affine, AFFINE)
         # the run itself, too, predicts without its store
         assert run_cli(["predict", run, scan, "-o", tmp_path / "run_only", "--mode", "whole"], capsys)[0] == 0
@@ -100,9 +105,12 @@ def test_export_refuses_what_it_cannot_do(ct_run, tmp_path, capsys):
     assert (code, err.strip()) == (1, f"bigmem export: error: '{tmp_path / 'taken'}' exists: pass --force to replace "
                                       "it, or choose another -o.")
     code, _, err = run_cli(["export", run, "-o", run / "inside"], capsys)
-    assert code == 1 and "is inside the run directory" in err
+    assert code == 1
+    assert "is inside the run directory" in err
     code, _, err = run_cli(["export", tmp_path, "-o", tmp_path / "m"], capsys)
     assert (code, err.strip()) == (1, f"bigmem export: error: '{tmp_path}' is not a bigmem run directory: no "
                                       "config.json there.")
     code, _, err = run_cli(["export", run, "-o", tmp_path / "m", "--checkpoint", "best"], capsys)
-    assert code == 1 and "No checkpoint 'best'" in err and not (tmp_path / "m").exists()
+    assert code == 1
+    assert "No checkpoint 'best'" in err
+    assert not (tmp_path / "m").exists()

@@ -15,7 +15,9 @@ def test_plan_writes_every_candidate(tmp_path, capsys):
                                  "--out", out], capsys)
     assert code == 0, err
     plan = json.loads(out.read_text())
-    assert plan["fits"] and plan["budget_bytes"] == 4 * 2**30 and plan["budget_source"] == "--budget"
+    assert plan["fits"]
+    assert plan["budget_bytes"] == 4 * 2**30
+    assert plan["budget_source"] == "--budget"
     assert plan["predicted_peak_bytes"] <= 4 * 2**30
     assert set(plan["chosen"]) >= {"volume", "batch_size", "precision", "recompute"}
     assert len(plan["candidates"]) > 10
@@ -32,7 +34,8 @@ def test_plan_budget_flag_and_its_alias(tmp_path, capsys, flag):
     plan = json.loads(out.read_text())
     assert (plan["budget_bytes"], plan["budget_source"]) == (2 * 2**30, flag)
     code, _, err = run_cli(["plan", flag, "lots", "--out", out], capsys)
-    assert code == 2 and f"Invalid {flag} 'lots'" in err
+    assert code == 2
+    assert f"Invalid {flag} 'lots'" in err
 
 
 def test_plan_nothing_fits_exits_3(tmp_path, capsys):
@@ -73,13 +76,20 @@ def test_plan_inference_finds_the_largest_volume(tmp_path, capsys):
     code, stdout, err = run_cli(["plan", "--inference", "--model", "small", "--budget", "2GiB", "--out", out], capsys)
     assert code == 0, err
     plan = json.loads(out.read_text())
-    assert plan["kind"] == "inference" and plan["fits"] and plan["budget_source"] == "--budget"
+    assert plan["kind"] == "inference"
+    assert plan["fits"]
+    assert plan["budget_source"] == "--budget"
     chosen = plan["chosen"]
-    assert chosen["batch_size"] == 1 and chosen["precision"] == "fp32" and chosen["recompute"] == "none"
-    assert chosen["spatial_shape"] == [chosen["volume"]] * 3 and chosen["volume"] % 8 == 0
+    assert chosen["batch_size"] == 1
+    assert chosen["precision"] == "fp32"
+    assert chosen["recompute"] == "none"
+    assert chosen["spatial_shape"] == [chosen["volume"]] * 3
+    assert chosen["volume"] % 8 == 0
     assert plan["predicted_peak_bytes"] <= 2 * 2**30
     above = [c for c in plan["candidates"] if c["volume"] == chosen["volume"] + 8]
-    assert above and not above[0]["fits"] and above[0]["predicted_peak_bytes"] > 2 * 2**30
+    assert above
+    assert not above[0]["fits"]
+    assert above[0]["predicted_peak_bytes"] > 2 * 2**30
     assert f"largest whole volume: {chosen['volume']}^3" in stdout
     assert "small inference (fp32, one whole volume) within 2.00 GiB (--budget)" in stdout
 
@@ -97,7 +107,9 @@ def test_plan_inference_fixed_volume_exits_3_naming_what_fits(tmp_path, capsys):
             f"(--budget): the largest whole volume that fits is {largest['volume']}^3 (est. ") in err
     assert "; segment it in sliding windows, or predict with --ignore-plan to try anyway." in err
     plan = json.loads(fixed.read_text())  # written before the refusal, as bigmem plan does
-    assert plan["kind"] == "inference" and not plan["fits"] and plan["chosen"]["volume"] == largest["volume"] + 64
+    assert plan["kind"] == "inference"
+    assert not plan["fits"]
+    assert plan["chosen"]["volume"] == largest["volume"] + 64
     assert f"{largest['volume'] + 64}^3 does not fit" in stdout
 
 
@@ -144,11 +156,14 @@ def test_plan_shows_both_layouts_on_several_nodes(tmp_path, capsys, monkeypatch)
     peak = plan["predicted_peak_bytes"]
     assert 2 * 2**30 < peak <= 4 * 2**30
     assert layouts["recommended"] == "interleave"
-    assert layouts["interleave"]["fits"] and layouts["interleave"]["predicted_peak_bytes"] == peak
-    assert not layouts["per_node"]["fits"] and layouts["per_node"]["num_processes"] == 2
+    assert layouts["interleave"]["fits"]
+    assert layouts["interleave"]["predicted_peak_bytes"] == peak
+    assert not layouts["per_node"]["fits"]
+    assert layouts["per_node"]["num_processes"] == 2
     assert layouts["per_node"]["reason"].endswith("on its own node; node 1 has 2.00 GiB free")
     assert "layouts on 2 NUMA nodes" in stdout
-    assert "interleave *" in stdout and "per-node: each worker needs" in stdout
+    assert "interleave *" in stdout
+    assert "per-node: each worker needs" in stdout
     assert "layout: interleave (bigmem train --numa interleave)" in stdout
     assert ("why: per-node keeps each worker's memory traffic on its own node; interleave sends (N-1)/N = 1/2 of "
             "one process's accesses to other nodes, but it is the only layout for a job whose batch of 1 needs more "
@@ -166,4 +181,5 @@ def test_plan_on_one_node_has_no_layouts(tmp_path, capsys, monkeypatch):
     out = tmp_path / "plan.json"
     code, stdout, err = run_cli(["plan", "--budget", "2GiB", "--model", "tiny", "--volume", 16, "--out", out], capsys)
     assert code == 0, err
-    assert "layouts" not in json.loads(out.read_text()) and "layout" not in stdout
+    assert "layouts" not in json.loads(out.read_text())
+    assert "layout" not in stdout

@@ -49,9 +49,12 @@ def test_held_out_dice_from_predict_and_evaluate_equals_val_dice(trained, tmp_pa
     code, stdout, err = run_cli(["predict", run, store, "--cases", "synth_0003", "-o", tmp_path / "pred",
                                  "--mode", "whole", "--ignore-plan"], capsys)
     assert code == 0, err
-    assert stdout.startswith("synth_0003: whole, 16x16x16, ") and "Segmented 1 case into" in stdout
+    assert stdout.startswith("synth_0003: whole, 16x16x16, ")
+    assert "Segmented 1 case into" in stdout
     labels, affine = _labels(tmp_path / "pred" / "synth_0003.nii.gz")
-    assert labels.dtype == np.uint8 and labels.shape == (16, 16, 16) and set(np.unique(labels)) <= {0, 1, 2}
+    assert labels.dtype == np.uint8
+    assert labels.shape == (16, 16, 16)
+    assert set(np.unique(labels)) <= {0, 1, 2}
     summary = evaluate(tmp_path / "pred", store, allow_missing=True)
     val = json.loads((run / "summary.json").read_text())
     assert summary["foreground_mean_defined"]["Dice"] == pytest.approx(val["val_dice"], abs=1e-12)
@@ -71,7 +74,8 @@ def test_one_window_over_the_whole_volume_is_the_whole_pass(trained, tmp_path, c
     b = np.load(tmp_path / "s" / "synth_0000_probabilities.npz")
     np.testing.assert_array_equal(np.load(tmp_path / "d" / "synth_0000_probabilities.npz")["probabilities"],
                                   b["probabilities"])  # --window N is --window N,N,N
-    assert a["probabilities"].dtype == np.float16 and a["probabilities"].shape == (16, 16, 16, 3)
+    assert a["probabilities"].dtype == np.float16
+    assert a["probabilities"].shape == (16, 16, 16, 3)
     np.testing.assert_allclose(a["probabilities"].astype(np.float32), b["probabilities"].astype(np.float32),
                                atol=2e-3)
     np.testing.assert_allclose(a["probabilities"].astype(np.float32).sum(-1), 1.0, atol=5e-3)
@@ -133,7 +137,8 @@ def test_nifti_input_comes_back_in_its_own_geometry(tmp_path, capsys):
                                  "--mode", "sliding"], capsys)
     assert code == 0, err
     labels, affine = _labels(tmp_path / "out" / "c0.nii.gz")
-    assert labels.shape == (19, 14, 13) and labels.dtype == np.uint8
+    assert labels.shape == (19, 14, 13)
+    assert labels.dtype == np.uint8
     np.testing.assert_allclose(affine, PERMUTED_LPS, atol=1e-6)
     code, _, err = run_cli(["predict", run, source / "imagesTr", "-o", tmp_path / "all", "--mode", "sliding"], capsys)
     assert code == 0, err
@@ -201,7 +206,8 @@ def test_kits_folders_predict_into_one_folder_named_by_case(kits_run, tmp_path, 
     assert sorted(p.name for p in out.iterdir()) == ["case_00000.nii.gz", "case_00001.nii.gz", "case_00002.nii.gz"]
     for case_id, shape in (("case_00000", (20, 24, 16)), ("case_00001", (18, 22, 14)), ("case_00002", (17, 20, 15))):
         labels, affine = _labels(out / f"{case_id}.nii.gz")
-        assert labels.shape == shape and labels.dtype == np.uint8
+        assert labels.shape == shape
+        assert labels.dtype == np.uint8
         np.testing.assert_allclose(affine, nib.load(str(kits / case_id / "imaging.nii.gz")).affine)
     assert stdout.splitlines()[-1] == f"Segmented 3 cases into {out}."
     first = {p.name: p.read_bytes() for p in out.iterdir()}

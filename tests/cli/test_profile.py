@@ -38,17 +38,21 @@ def test_profile_json_fields(capsys):
     margin = {"safety_margin"} if lookup_calibration("tiny", "fp32", "none").margin_fraction else set()
     assert set(data["components"]) == {"framework", "weights", "gradients", "optimizer_slots", "activations",
                                        "workspace", "input_pipeline", "hdf5_chunk_cache", "augmentation"} | margin
-    assert data["measured_peak_bytes"] is None and data["error_pct"] is None
+    assert data["measured_peak_bytes"] is None
+    assert data["error_pct"] is None
     # the synthetic set's light chain: mirroring copies the 1-channel image and the label (1.25 volumes of 32^3)
     assert data["components"]["augmentation"] == int(1.25 * 32**3 * 4)
-    assert data["spatial_shape"] == [32, 32, 32] and data["recompute_stages"] == []
+    assert data["spatial_shape"] == [32, 32, 32]
+    assert data["recompute_stages"] == []
     assert data["train_flops_per_step"] == 6 * 6_660_096 * 8 * data["batch_size"]  # tiny: 8x the MACs at 16^3
 
 
 def test_profile_table_and_recompute(capsys):
     code, out, _ = run_cli(["profile", "--model", "small", "--volume", 64, "--recompute", "stages"], capsys)
     assert code == 0
-    assert "recomputing 7 stages" in out and "predicted peak" in out and "calibration:" in out
+    assert "recomputing 7 stages" in out
+    assert "predicted peak" in out
+    assert "calibration:" in out
 
 
 def test_profile_recompute_auto_fits_the_budget(capsys):
@@ -61,7 +65,8 @@ def test_profile_recompute_auto_fits_the_budget(capsys):
                               "--memory-budget", budget, "--json"], capsys)
     assert code == 0, err
     data = json.loads(out)
-    assert 1 <= len(data["recompute_stages"]) < 7 and data["recompute_stages"][0] == "dec0"
+    assert 1 <= len(data["recompute_stages"]) < 7
+    assert data["recompute_stages"][0] == "dec0"
     assert every <= data["predicted_peak_bytes"] <= budget
 
 
@@ -70,7 +75,8 @@ def test_profile_non_cubic_shape(capsys):
                             "--json"], capsys)
     assert code == 0
     data = json.loads(out)
-    assert data["spatial_shape"] == [240, 240, 144] and data["batch_size"] == 16
+    assert data["spatial_shape"] == [240, 240, 144]
+    assert data["batch_size"] == 16
     # The 2020 paper's job: about a hundred GiB and more (the paper's TF 1.x run reported "a little
     # less than 1 TB"; bigmem's graph keeps fewer tensors, see models/README.md; with intelai-brats's
     # measured calibration, 2026-11-30, 104 GiB).
@@ -118,7 +124,8 @@ def test_profile_measure_under_a_numa_policy(capsys):
                               "--numa", "bind:0", "--json"], capsys)
     assert code == 0, err
     data = json.loads(out)
-    assert set(data["measured_node_bytes"]) == {"0"} and data["measured_node_bytes"]["0"] > 100 * 2**20
+    assert set(data["measured_node_bytes"]) == {"0"}
+    assert data["measured_node_bytes"]["0"] > 100 * 2**20
 
 
 @pytest.mark.slow
@@ -141,7 +148,8 @@ def test_profile_calibrate_is_used_afterwards(capsys):
     code, out, err = run_cli(["profile", "--model", "tiny", "--calibrate", "16,32", "--steps", 2, "--json"], capsys)
     assert code == 0, err
     calibration = json.loads(out)["calibration"]
-    assert calibration["fitted_on"] == [16, 32] and calibration["source"].startswith("this machine")
+    assert calibration["fitted_on"] == [16, 32]
+    assert calibration["source"].startswith("this machine")
     code, out, _ = run_cli(["profile", "--model", "tiny", "--volume", 32, "--json"], capsys)
     assert json.loads(out)["calibration"] == calibration
     code, out, _ = run_cli(["profile", "--model", "tiny", "--volume", 32, "--precision", "bf16", "--json"], capsys)
@@ -154,22 +162,27 @@ def test_profile_inference_json(capsys):
     code, out, err = run_cli(["profile", "--inference", "--model", "tiny", "--volume", 32, "--json"], capsys)
     assert code == 0, err
     data = json.loads(out)
-    assert data["kind"] == "inference" and data["batch_size"] == 1 and data["recompute_stages"] == []
+    assert data["kind"] == "inference"
+    assert data["batch_size"] == 1
+    assert data["recompute_stages"] == []
     # No safety margin where the defaults were measured for this CPU class; a stated one elsewhere.
     margin = {"safety_margin"} if inference_calibration("tiny", "fp32").margin_fraction else set()
     assert set(data["components"]) == INFERENCE_COMPONENTS | margin
     assert data["predicted_peak_bytes"] == sum(data["components"].values())
     assert data["spatial_shape"] == data["source_shape"] == [32, 32, 32]
-    assert data["measured_peak_bytes"] is None and data["error_pct"] is None
+    assert data["measured_peak_bytes"] is None
+    assert data["error_pct"] is None
     assert data["components"]["forward_activations"] == 25 * 32**3 * 4  # tests/memory/test_inference.py
-    assert data["param_count"] == 10_135 and data["forward_flops"] == 2 * 6_660_096 * 8
+    assert data["param_count"] == 10_135
+    assert data["forward_flops"] == 2 * 6_660_096 * 8
 
 
 def test_profile_inference_pads_a_case_as_predict_does(capsys):
     code, out, err = run_cli(["profile", "--inference", "--model", "tiny", "--shape", "30,31,29", "--json"], capsys)
     assert code == 0, err
     data = json.loads(out)
-    assert data["spatial_shape"] == [32, 32, 32] and data["source_shape"] == [30, 31, 29]
+    assert data["spatial_shape"] == [32, 32, 32]
+    assert data["source_shape"] == [30, 31, 29]
     assert data["components"]["input_image"] == 4 * 30 * 31 * 29
 
 
@@ -179,7 +192,9 @@ def test_profile_inference_needs_less_than_training(capsys):
     code, out, err = run_cli(["profile", "--inference", "--model", "small", "--volume", 96], capsys)
     assert code == 0, err
     assert "small: segmenting one whole 96x96x96 volume, inference, fp32" in out
-    assert "forward_activations" in out and "predicted peak" in out and "calibration: inference default" in out
+    assert "forward_activations" in out
+    assert "predicted peak" in out
+    assert "calibration: inference default" in out
     _, out, _ = run_cli(["profile", "--inference", "--model", "small", "--volume", 96, "--json"], capsys)
     assert json.loads(out)["predicted_peak_bytes"] < train
 
@@ -199,5 +214,6 @@ def test_profile_inference_measure(capsys):
                              capsys)
     assert code == 0, err
     data = json.loads(out)
-    assert data["measured_peak_bytes"] > 300 * 2**20 and data["measured_seconds"] > 0
+    assert data["measured_peak_bytes"] > 300 * 2**20
+    assert data["measured_seconds"] > 0
     assert_measured_near_predicted(data)

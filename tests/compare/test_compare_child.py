@@ -43,7 +43,9 @@ def test_each_path_runs_the_compared_job_with_compare_s_settings(config):
     cpu = _run_config(config, settings, seed=1, val_every=5, data_parallel=False)
     assert (cpu.data.holdout, cpu.train.seed, cpu.train.val_every, cpu.memory.budget_bytes,
             cpu.train.monitor_interval_s) == (2, 1, 5, 8 * 2**30, 0.0)
-    assert cpu.distribute == config.distribute and cpu.model == config.model and cpu.data.shape == (16, 16, 16)
+    assert cpu.distribute == config.distribute
+    assert cpu.model == config.model
+    assert cpu.data.shape == (16, 16, 16)
     dp = _run_config(config, settings, seed=1, val_every=20, data_parallel=True)
     assert (dp.distribute.strategy.value, dp.distribute.simulate_replicas, dp.distribute.gpus,
             dp.distribute.gpu_memory_bytes, dp.train.val_every) == ("mirrored", 3, None, 2**30, 20)

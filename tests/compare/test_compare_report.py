@@ -56,8 +56,10 @@ def test_a_report_written_before_the_types_reads_and_writes_back_unchanged():
     assert json.dumps(report.to_dict()) == json.dumps(OLD)  # the same keys, in the same order, the same values
     cpu, dp = report.paths["cpu_bigmem"], report.paths["data_parallel"]
     assert (cpu.max_whole_volume_mode, dp.max_whole_volume_mode) == ("bf16, recompute stages", None)
-    assert cpu.runs[0].training.curve[1].val_dice == 0.0265 and cpu.runs[0].training.curve[0].val_dice is None
-    assert cpu.per_class["2"] == ClassScore(0.046, None) and report.conclusion.higher == "data_parallel"
+    assert cpu.runs[0].training.curve[1].val_dice == 0.0265
+    assert cpu.runs[0].training.curve[0].val_dice is None
+    assert cpu.per_class["2"] == ClassScore(0.046, None)
+    assert report.conclusion.higher == "data_parallel"
 
 
 def test_older_reports_read_as_cubes():
@@ -74,14 +76,16 @@ def test_a_built_report_round_trips_through_json(make_report):
     assert CompareReport.from_dict(json.loads(text)) == report
     assert json.loads(text)["conclusion"] == report.conclusion.to_dict()
     run = report.paths["cpu_bigmem"].runs[1]
-    assert SeedRun.from_dict(run.to_dict()) == run and TrainingRun.from_dict(run.to_dict()) == run.training
+    assert SeedRun.from_dict(run.to_dict()) == run
+    assert TrainingRun.from_dict(run.to_dict()) == run.training
     assert list(run.to_dict()) == list(OLD["paths"]["cpu_bigmem"]["runs"][0])  # a run's keys, flat, in order
 
 
 def test_a_path_over_seeds_is_their_means_and_spread(make_report):
     path = make_report([0.90, 0.92, 0.97], [0.8])
     cpu = path.paths["cpu_bigmem"]
-    assert cpu.dice == pytest.approx(0.93) and cpu.dice_range == pytest.approx(0.07)
+    assert cpu.dice == pytest.approx(0.93)
+    assert cpu.dice_range == pytest.approx(0.07)
     assert cpu.dice_std == pytest.approx(math.sqrt(((0.03**2) + (0.01**2) + (0.04**2)) / 2))
     assert path.paths["data_parallel"].dice_std is None  # one seed: no standard deviation
     assert cpu.per_class["1"] == ClassScore(pytest.approx(0.93), pytest.approx(10.0))
@@ -95,7 +99,8 @@ def test_a_class_score_some_seeds_leave_undefined_is_the_mean_of_the_others():
         return SeedRun(seed, TrainingRun("r", 2, 1.0, 0.5, 1.0, 1, 0.5, ()), 1.0, 1.0, held_out)
 
     path = PathResult.over_seeds([run(0, 4.0), run(1, float("nan")), run(2, None), run(3, 6.0)], max_whole_volume=8)
-    assert path.per_class["1"].hd95_mm == 5.0 and path.hd95_mm == 5.0
+    assert path.per_class["1"].hd95_mm == 5.0
+    assert path.hd95_mm == 5.0
 
 
 def test_the_conclusion_is_computed_from_the_numbers(make_report):
@@ -106,7 +111,8 @@ def test_the_conclusion_is_computed_from_the_numbers(make_report):
                         "(120 s of training each): 0.900 against 0.800 (+0.100); one seed, so the seed-to-seed "
                         "spread is unknown (--seeds 3 measures it).")
     clear = make_report([0.90, 0.91, 0.92], [0.80, 0.82, 0.81]).conclusion
-    assert clear.exceeds_spread is True and clear.spread == pytest.approx(0.02)
+    assert clear.exceeds_spread is True
+    assert clear.spread == pytest.approx(0.02)
     assert clear.text.endswith("(+0.100), more than the spread over 3 seeds (0.020).")
     noise = make_report([0.80, 0.90, 0.85], [0.86, 0.84, 0.88]).conclusion
     assert (noise.higher, noise.exceeds_spread) == ("data_parallel", False)

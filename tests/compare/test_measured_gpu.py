@@ -58,7 +58,8 @@ def test_with_data_the_measured_memory_and_patch_size_the_data_parallel_path(tmp
     assert (memory.bytes, memory.stand_in, patch, reference.model) == (H200, None, 8, "tiny")
     settings = Settings(replicas=2, simulate=True, gpu_memory=memory, patch=patch, gpu_reference=reference)
     _, parallel = plan_both_paths(config, counts_function(config), settings)
-    assert parallel.patch == (8, 8, 8) and parallel.gpu_memory_bytes == H200
+    assert parallel.patch == (8, 8, 8)
+    assert parallel.gpu_memory_bytes == H200
     # a model the file did not measure: the measured memory, the planner's patch, and the report says so
     other = config.updated({"train": {"precision": "bf16"}})
     memory, patch, reference = _measured_gpu(load_gpu_reference(args.gpu_reference), other, args)
@@ -82,7 +83,8 @@ def test_the_report_says_what_was_measured_and_what_simulated(tmp_path, make_rep
     assert text in markdown(report)
     assert type(report).from_dict(report.to_dict()).gpu_reference == reference.to_dict()
     plain = make_report([0.9], [0.8])
-    assert provenance(plain).startswith("Nothing here was measured on a GPU") and plain.gpu_reference is None
+    assert provenance(plain).startswith("Nothing here was measured on a GPU")
+    assert plain.gpu_reference is None
 
 
 @pytest.mark.parametrize("content, message", [
@@ -98,7 +100,9 @@ def test_a_file_that_is_not_a_gpus_measurement_is_one_line(tmp_path, capsys, con
     if content is not None:
         path.write_text(content)
     code, _, err = run_cli(["compare", "--model", "tiny", "--gpu-reference", path, "--out", tmp_path / "cmp"], capsys)
-    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err
+    assert code == 2
+    assert err.count("\n") == 1
+    assert "Traceback" not in err
     assert err.startswith(f"bigmem compare: error: --gpu-reference {path}: {message}")
     with pytest.raises(UsageError, match="no kits19 measurement at bf16"):
         from bigmem.cli.compare import _measured_gpu
@@ -112,5 +116,6 @@ def test_gpu_memory_and_a_reference_are_one_or_the_other(tmp_path, capsys):
 
     code, _, err = run_cli(["compare", "--gpu-memory", "80GiB", "--gpu-reference", _measured(tmp_path),
                             "--out", tmp_path / "cmp"], capsys)
-    assert code == 2 and err.strip() == ("bigmem compare: error: Give either --gpu-memory or --gpu-reference, not "
+    assert code == 2
+    assert err.strip() == ("bigmem compare: error: Give either --gpu-memory or --gpu-reference, not "
                                          "both: the reference file measured its GPU's memory.")

@@ -26,7 +26,8 @@ def test_the_scaled_stand_in_keeps_the_real_proportion():
     assert real == 256  # the planner's patch for the headline case: half the edge
     assert largest_edge(config, counts_for, memory.bytes, 2, 64) == 32  # so, half of 64
     assert memory.bytes == gpu_footprint_bytes(config, counts_for, 32, 2)
-    assert "scaled stand-in" in memory.stand_in and "256^3 of a 512^3 kits19" in memory.stand_in
+    assert "scaled stand-in" in memory.stand_in
+    assert "256^3 of a 512^3 kits19" in memory.stand_in
 
 
 def test_settings_refuse_what_no_run_could_use():
@@ -37,7 +38,8 @@ def test_settings_refuse_what_no_run_could_use():
                          (dict(time_budget_s=float("inf")), "time_budget_s inf"), (dict(replicas=0), "replicas 0")):
         with pytest.raises(UsageError, match=message):
             Settings(**{**good, **bad}).check()
-    assert Settings(**good).cpu_time_budget_s == 120.0 and Settings(**good, steps=5).cpu_time_budget_s is None
+    assert Settings(**good).cpu_time_budget_s == 120.0
+    assert Settings(**good, steps=5).cpu_time_budget_s is None
 
 
 @pytest.mark.slow
@@ -48,21 +50,28 @@ def test_compare_tiles_and_scores_both_paths_as_their_users_would(tmp_path, tiny
                              "--simulate-replicas", "2", "--holdout", "1", "--out", str(out)],
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
-    assert "SIMULATED ON CPU" in result.stdout and "scaled stand-in" in result.stderr
+    assert "SIMULATED ON CPU" in result.stdout
+    assert "scaled stand-in" in result.stderr
     assert (out / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     report = json.loads((out / "compare.json").read_text())
-    assert report["patch_size"] == [8, 8, 8] and report["volume"] == 16  # the GPU path tiles
-    assert report["held_out_cases"] == ["synth_0003"] and report["seeds"] == 1
-    assert report["conclusion"]["text"] in result.stdout and report["conclusion"]["text"] in (
+    assert report["patch_size"] == [8, 8, 8]
+    assert report["volume"] == 16  # the GPU path tiles
+    assert report["held_out_cases"] == ["synth_0003"]
+    assert report["seeds"] == 1
+    assert report["conclusion"]["text"] in result.stdout
+    assert report["conclusion"]["text"] in (
         out / "compare.md").read_text()
     cpu, dp = report["paths"]["cpu_bigmem"], report["paths"]["data_parallel"]
     # equal FLOPs: 4 steps of 1 x 16^3 against 2 x 8^3 per step: 4 x 16^3 / (2 x 8^3) = 16 steps
-    assert (cpu["steps"], dp["steps"]) == (4, 16) and cpu["train_flops"] == dp["train_flops"]
+    assert (cpu["steps"], dp["steps"]) == (4, 16)
+    assert cpu["train_flops"] == dp["train_flops"]
     for name, path, mode in (("cpu_bigmem", cpu, "whole"), ("data_parallel", dp, "sliding 8^3, overlap 0.5")):
         run = path["runs"][0]
-        assert path["inference_mode"] == mode and run["held_out"]["mode"] == mode
+        assert path["inference_mode"] == mode
+        assert run["held_out"]["mode"] == mode
         rows = read_jsonl(out / name / "seed-0" / "metrics.jsonl")
-        assert len(rows) == run["steps"] and run["train_s"] == pytest.approx(sum(r["step_s"] for r in rows))
+        assert len(rows) == run["steps"]
+        assert run["train_s"] == pytest.approx(sum(r["step_s"] for r in rows))
         assert [p["step"] for p in run["curve"] if "val_dice" in p] == [r["step"] for r in rows if "val_dice" in r]
         # scored by evaluate's code on predict's files: the same numbers again from the files left behind
         scored = evaluate(out / name / "seed-0-predictions", tiny_store, allow_missing=True)
@@ -95,4 +104,5 @@ def test_the_whole_volume_path_plans_and_counts_each_case_at_its_own_shape(tmp_p
     assert whole_shape(config.updated({"train": {"batch_size": 2}})) == (16, 32, 24)  # any two: their bounding shape
     assert mean_step_flops(config) == pytest.approx(sum(train_flops(config, s, 1) for s in shapes) / 3)
     fixed = config.updated({"data": {"shape": [16, 16, 16]}})
-    assert whole_shape(fixed) == (16, 16, 16) and mean_step_flops(fixed) == train_flops(fixed, (16, 16, 16), 1)
+    assert whole_shape(fixed) == (16, 16, 16)
+    assert mean_step_flops(fixed) == train_flops(fixed, (16, 16, 16), 1)

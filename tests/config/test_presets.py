@@ -81,7 +81,8 @@ def test_runs_saved_with_a_cube_volume_resume_at_that_cube():
     assert config.data.shape == (48, 48, 48)
     assert ExperimentConfig.from_dict(config.to_dict()) == config
     assert config.to_dict()["data"]["shape"] == [48, 48, 48]
-    assert resolve_config("tiny").data.shape is None and resolve_config("tiny").data.reference_volume == 16
+    assert resolve_config("tiny").data.shape is None
+    assert resolve_config("tiny").data.reference_volume == 16
 
 
 def test_bad_preset_file_names_the_key(tmp_path):

@@ -25,10 +25,13 @@ def test_every_entry_says_where_it_came_from(name):
     assert entries, name
     for key, entry in entries.items():
         assert all(field in entry for field in tables.PROVENANCE_FIELDS), key
-        assert entry["notes"] and all(isinstance(note, str) and note for note in entry["notes"]), key
+        assert entry["notes"], key
+        assert all(isinstance(note, str) and note for note in entry["notes"]), key
         assert str(entry["date"]).startswith("2026-"), key
         for path in entry["results"]:  # the results files are in the repository, by their machine-keyed names
-            assert path.startswith("benchmarks/results/") and "-vm-" not in path and (ROOT / path).is_file(), path
+            assert path.startswith("benchmarks/results/"), path
+            assert "-vm-" not in path, path
+            assert (ROOT / path).is_file(), path
         if entry["command"] is None:  # decided on paper, or a hand script: the notes say which
             assert not any(p.endswith(".json") for p in entry["results"]), key
         else:
@@ -41,7 +44,8 @@ def test_training_memory_holds_the_measured_knots():
     amd = entries["avx512_bf16-amd-epyc"]
     assert (amd["isa_class"], amd["machine"]["cpu"], amd["machine"]["tensorflow"]) == ("avx512_bf16", "AMD EPYC",
                                                                                         "2.21.0")
-    assert amd["batch_size"] == 1 and len(amd["tables"]) == 12
+    assert amd["batch_size"] == 1
+    assert len(amd["tables"]) == 12
     small = next(t for t in amd["tables"] if (t["preset"], t["precision"], t["recompute"]) == ("small", "fp32", "none"))
     assert {"volume": 128, "counted_activation_bytes": 1_571_291_136, "overhead_bytes": 2_057_447_760} in small["knots"]
     brats = next(t for t in amd["tables"] if (t["preset"], t["precision"], t["recompute"]) == ("intelai-brats", "fp32",
@@ -64,7 +68,8 @@ def test_the_modules_read_the_tables():
 
     assert DEFAULTS[("avx512_bf16", "small", "fp32", "none")][3] == (128, 1_571_291_136, 2_057_447_760)
     assert DEFAULTS[("amx", "small", "bf16", "stages")][-1] == (400, 21_264_000_000, 14_986_606_928)
-    assert len(DEFAULTS) == 24 and DEFAULTS_MACHINES["amx"] == "Intel Xeon 2 vCPU amx, TF 2.21.0, 2026-12-01"
+    assert len(DEFAULTS) == 24
+    assert DEFAULTS_MACHINES["amx"] == "Intel Xeon 2 vCPU amx, TF 2.21.0, 2026-12-01"
     assert {e["batch_size"] for e in tables.load("training_memory").values()} == {DEFAULTS_BATCH_SIZE}
     assert INFERENCE_DEFAULTS[("avx512_bf16", "kits19", "fp32")][-1] == (256, 11_341_398_016, 14_192_655_476)
     assert INFERENCE_DEFAULTS[("avx512_bf16", "small", "bf16")] == ((32, 3_473_408, 646_633_044),
@@ -77,7 +82,8 @@ def test_the_modules_read_the_tables():
     assert RATE_SOURCES["amx"] == "amx: measured (bench_train, Intel Xeon with AMX, TF 2.21.0)"
     assert CHOICES["avx2"].planewise == {("fp32", 1): (8, 32), ("fp32", 2): (8, 64)}
     assert CHOICES["amx"].planewise == {("bf16", 1): (1, 4096), ("bf16", 2): (1, 4096), ("fp32", 2): (64, 64)}
-    assert CHOICES["amx"].planewise_others == frozenset({"bf16"}) and CHOICES["baseline"].planewise == {}
+    assert CHOICES["amx"].planewise_others == frozenset({"bf16"})
+    assert CHOICES["baseline"].planewise == {}
     assert "kernel_choices-avx512_bf16-amd-epyc-20261130-195005.json" in CHOICES["avx512"].source
 
 
@@ -99,7 +105,8 @@ def test_write_entry_replaces_one_entry_and_keeps_the_others(tmp_path):
                               directory=tmp_path)
     assert path == tmp_path / "step_rates.json"
     entries = tables.load("step_rates", directory=tmp_path)
-    assert list(entries) == ["avx2-test-cpu", "amx-other"] and entries["avx2-test-cpu"]["rates"] == [1]
+    assert list(entries) == ["avx2-test-cpu", "amx-other"]
+    assert entries["avx2-test-cpu"]["rates"] == [1]
     assert [p.name for p in tmp_path.iterdir()] == ["step_rates.json"]  # atomically: no temporary left beside it
 
 
@@ -134,7 +141,8 @@ def test_serving_takes_the_newest_entry_of_a_class():
     entries = {"old": _entry(date="2026-11-30/2026-12-01", summary="old"), "amx": _entry(isa_class="amx"),
                "new": _entry(date="2026-12-01", summary="new"), "older": _entry(date="2026-11-01", summary="older")}
     served = tables.serving(entries, "isa_class")
-    assert list(served) == [("avx2",), ("amx",)] and served[("avx2",)]["summary"] == "new"  # equal date: the later
+    assert list(served) == [("avx2",), ("amx",)]
+    assert served[("avx2",)]["summary"] == "new"  # equal date: the later
 
 
 def test_the_shipped_files_are_as_write_entry_writes_them():

@@ -98,12 +98,15 @@ def test_manifest(msd_3d, tmp_path, capsys):
     out = tmp_path / "s.h5"
     assert run_cli(["convert", msd_3d, "-o", out], capsys)[0] == 0
     manifest = json.loads((tmp_path / "s.manifest.json").read_text())
-    assert manifest["num_classes"] == 3 and sorted(manifest["cases"]) == ["c_033", "c_034", "c_int"]
+    assert manifest["num_classes"] == 3
+    assert sorted(manifest["cases"]) == ["c_033", "c_034", "c_int"]
     entry = manifest["cases"]["c_033"]
     image = _canonical(msd_3d / "imagesTr" / "c_033.nii.gz").astype(np.float64)
-    assert entry["shape"] == [37, 33, 35, 1] and entry["source_shape"] == [33, 35, 37]
+    assert entry["shape"] == [37, 33, 35, 1]
+    assert entry["source_shape"] == [33, 35, 37]
     assert entry["spacing"] == pytest.approx([2.0, 1.5, 1.2])
-    assert entry["image_dtype"] == "float16" and entry["label_dtype"] == "uint8"
+    assert entry["image_dtype"] == "float16"
+    assert entry["label_dtype"] == "uint8"
     assert manifest["cases"]["c_int"]["image_dtype"] == "int16"
     assert entry["label_values"] == [0, 1, 2]
     assert entry["intensity_stats"]["mean"][0] == pytest.approx(image.mean())
@@ -129,9 +132,11 @@ def test_4d_images_and_nnunet_style_json(tmp_path, capsys):
     code, _, err = run_cli(["convert", src / "dataset.json", "-o", out, "--volume", 16], capsys)
     assert code == 0, err
     store = HDF5VolumeStore(out)
-    assert store.channel_names == ["FLAIR", "T1w", "t1gd", "T2w"] and store.num_channels == 4
+    assert store.channel_names == ["FLAIR", "T1w", "t1gd", "T2w"]
+    assert store.num_channels == 4
     image, label = store.read_case("b1")
-    assert image.shape == (16, 16, 16, 4) and label.shape == (16, 16, 16)
+    assert image.shape == (16, 16, 16, 4)
+    assert label.shape == (16, 16, 16)
     # centre crop of the canonical data (no padding needed on axes >= 16)
     expected = _canonical(src / "imagesTr" / "b1.nii.gz").astype(np.float32)
     with h5py.File(out) as handle:
@@ -164,7 +169,8 @@ def test_nnunet_v2_converts_every_channel_in_order(tmp_path, capsys):
     assert stdout.splitlines()[0] == ("nnU-Net v2 raw: 3 channels (FLAIR, T1w, T1gd), 3 classes (background, a, b), "
                                       "2 training cases")
     store = HDF5VolumeStore(out)
-    assert store.case_ids == ["BraTS_001", "BraTS_002"] and store.channel_names == ["FLAIR", "T1w", "T1gd"]
+    assert store.case_ids == ["BraTS_001", "BraTS_002"]
+    assert store.channel_names == ["FLAIR", "T1w", "T1gd"]
     image, label = store.read_case("BraTS_002")
     files = [src / "imagesTr" / f"BraTS_002_{c:04d}.nii.gz" for c in range(3)]
     for c, path in enumerate(files):  # each channel is its own file's canonical data, exactly (int16 is kept)
@@ -204,7 +210,8 @@ def test_globs_append_and_force(tmp_path, capsys):
     code, _, err = run_cli(["convert", "--images", f"{data}/p[12]_0000.nii.gz", "--labels", f"{data}/p?.nii.gz",
                             "-o", out, "--chunks", "none"], capsys)
     assert code == 0, err
-    assert HDF5VolumeStore(out).case_ids == ["p1", "p2"] and HDF5VolumeStore(out).num_classes == 3
+    assert HDF5VolumeStore(out).case_ids == ["p1", "p2"]
+    assert HDF5VolumeStore(out).num_classes == 3
     with h5py.File(out) as handle:
         assert handle["cases/p1/image"].chunks is None  # contiguous
     code, _, err = run_cli(["convert", "--images", f"{data}/p[12]_0000.nii.gz", "--labels", f"{data}/p?.nii.gz",
@@ -223,7 +230,8 @@ def test_globs_append_and_force(tmp_path, capsys):
     assert HDF5VolumeStore(out).case_ids == ["p1", "p2", "p3"]  # untouched
     code, _, err = run_cli(["convert", "--images", f"{data}/p1_0000.nii.gz", "--labels", f"{data}/p?.nii.gz",
                             "-o", out], capsys)
-    assert code == 1 and "exists: pass --force to overwrite it or --append to add cases." in err
+    assert code == 1
+    assert "exists: pass --force to overwrite it or --append to add cases." in err
     assert run_cli(["convert", "--images", f"{data}/p1_0000.nii.gz", "--labels", f"{data}/p?.nii.gz",
                     "-o", out, "--force", "--compression", "gzip"], capsys)[0] == 0
     assert HDF5VolumeStore(out).case_ids == ["p1"]
@@ -311,7 +319,8 @@ def test_bad_inputs(kind, tmp_path, capsys):
     code, _, err = run_cli(["convert", src, "-o", out], capsys)
     assert code == 1
     lines = err.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in err
+    assert len(lines) == 1
+    assert "Traceback" not in err
     assert lines[0].startswith("bigmem convert: error: ")
     import re
 
@@ -325,7 +334,8 @@ def test_skip_bad_keeps_the_good_cases(kind, tmp_path, capsys):
     out = tmp_path / "s.h5"
     code, stdout, err = run_cli(["convert", src, "-o", out, "--skip-bad"], capsys)
     assert code == 0, err
-    assert "skipped: Case '" in stdout and f"Wrote 1 case to {out}; 1 skipped" in stdout
+    assert "skipped: Case '" in stdout
+    assert f"Wrote 1 case to {out}; 1 skipped" in stdout
     assert HDF5VolumeStore(out).case_ids == ["good"]
 
 
@@ -413,7 +423,8 @@ def test_spacing_resamples_and_keeps_world_positions(tmp_path, capsys):
     np.testing.assert_allclose(corner(new_affine), corner(affine))
     np.testing.assert_allclose(np.linalg.norm(new_affine[:3, :3], axis=0), [1.0, 1.0, 1.0])
     code, _, err = run_cli(["convert", src, "-o", tmp_path / "t.h5", "--spacing", "1,0,1"], capsys)
-    assert code == 2 and "Invalid --spacing '1,0,1': expected three positive numbers (mm)" in err
+    assert code == 2
+    assert "Invalid --spacing '1,0,1': expected three positive numbers (mm)" in err
     # 2 mm does not divide the 20 mm x 20 mm x 24 mm field of view on its last axis: 12 voxels of 2 mm
     # does, 3.5 mm gives round(24 / 3.5) = 7 voxels of 3.43 mm, and convert says so
     code, stdout, err = run_cli(["convert", src, "-o", tmp_path / "u.h5", "--spacing", "2,2,3.5"], capsys)
@@ -421,7 +432,8 @@ def test_spacing_resamples_and_keeps_world_positions(tmp_path, capsys):
     assert ("note: --spacing 2,2,3.5: each case is resampled to a whole number of voxels over its field of view, "
             "so its spacing is the nearest that gives one (furthest: 'r' at 2x2x3.429 mm, 2.04% off)") in stdout
     code, stdout, _ = run_cli(["convert", src, "-o", tmp_path / "v.h5", "--spacing", "2,2,2"], capsys)
-    assert code == 0 and "note: --spacing" not in stdout
+    assert code == 0
+    assert "note: --spacing" not in stdout
 
 
 def test_an_append_of_other_channels_names_the_flag(tmp_path, capsys):

@@ -173,7 +173,8 @@ def test_regions_reach_the_store_and_its_manifest(tmp_path, capsys):
         "values 0..3 that regions_class_order paints) and scored as regions."]
     with HDF5VolumeStore(out) as store:
         assert store.regions == {"whole_tumor": [1, 2, 3], "tumor_core": [2, 3], "enhancing_tumor": [3]}
-        assert store.num_classes == 4 and store.num_channels == 2
+        assert store.num_classes == 4
+        assert store.num_channels == 2
     assert json.loads((tmp_path / "brats.manifest.json").read_text())["regions"] == store.regions
 
 
@@ -257,7 +258,8 @@ def test_a_glob_of_one_channel_says_so(tmp_path, capsys):
 
 def test_msd_is_still_read(tmp_path):
     dataset = read_dataset(make_msd(tmp_path / "Task05_Prostate"))
-    assert [c.case_id for c in dataset.cases] == ["a", "b"] and dataset.layout is Layout.MSD
+    assert [c.case_id for c in dataset.cases] == ["a", "b"]
+    assert dataset.layout is Layout.MSD
     assert describe_dataset(dataset) == ("Medical Segmentation Decathlon: 2 channels (T1, T2), 2 classes "
                                          "(background, lesion), 2 training cases")
 
@@ -299,7 +301,8 @@ def test_predict_listing_of_each_layout(tmp_path):
     assert listing.summary == f"KiTS case folders: 2 cases in {kits}"
     assert list_images(kits / "case_00001").cases == {"case_00001": [kits / "case_00001" / "imaging.nii.gz"]}
     single = list_images(kits / "case_00001" / "imaging.nii.gz")  # named after its folder, not 'imaging'
-    assert list(single.cases) == ["case_00001"] and single.layout is Layout.FILE
+    assert list(single.cases) == ["case_00001"]
+    assert single.layout is Layout.FILE
     loose = tmp_path / "loose"
     for name in ("x_0000.nii.gz", "x_0001.nii.gz", "y.nii"):
         save_nifti(loose / name, np.zeros(SHAPE, np.float32))

@@ -20,7 +20,8 @@ def _write(tmp_path, labels) -> str:
                                     {"background": 0, "edema": 1, "enhancing": 2}])  # nnU-Net v2
 def test_class_labels_have_names_and_no_regions(tmp_path, labels):
     meta = read_dataset_json(_write(tmp_path, labels))
-    assert meta["label_names"] == ["background", "edema", "enhancing"] and meta["regions"] == {}
+    assert meta["label_names"] == ["background", "edema", "enhancing"]
+    assert meta["regions"] == {}
 
 
 def test_nnunet_regions_name_regions_and_leave_values_unnamed(tmp_path):
@@ -41,4 +42,5 @@ def test_bad_regions_are_one_line(tmp_path, labels, message):
     path = _write(tmp_path, labels)
     with pytest.raises(DataError) as caught:
         read_dataset_json(path)
-    assert str(caught.value).startswith(f"{path}: ") and message in str(caught.value)
+    assert str(caught.value).startswith(f"{path}: ")
+    assert message in str(caught.value)

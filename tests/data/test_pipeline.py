@@ -14,8 +14,10 @@ from bigmem.errors import DataError
 def test_batches_are_normalised_whole_volumes(tiny_store):
     with VolumeLoader(tiny_store, batch_size=2) as loader:
         images, labels = next(loader.batches())
-    assert images.shape == (2, 16, 16, 16, 1) and images.dtype == np.float32
-    assert labels.shape == (2, 16, 16, 16) and labels.dtype == np.uint8
+    assert images.shape == (2, 16, 16, 16, 1)
+    assert images.dtype == np.float32
+    assert labels.shape == (2, 16, 16, 16)
+    assert labels.dtype == np.uint8
     for image in images:
         assert abs(float(image.mean())) < 1e-4
         assert abs(float(image.std()) - 1.0) < 1e-3
@@ -28,10 +30,12 @@ def test_fit_to_shape_keeps_image_and_label_aligned(shape, target):
     label = rng.integers(0, 5, shape).astype(np.uint8)
     image = label[..., np.newaxis].astype(np.float32) + 1.0  # image encodes the label; padding is -7
     fitted_image, fitted_label = fit_to_shape(image, label, target, np.random.default_rng(1), np.array([-7.0]))
-    assert fitted_image.shape == (*target, 1) and fitted_label.shape == target
+    assert fitted_image.shape == (*target, 1)
+    assert fitted_label.shape == target
     real = fitted_image[..., 0] > 0
     np.testing.assert_array_equal(fitted_image[..., 0][real] - 1.0, fitted_label[real])
-    assert np.all(fitted_label[~real] == PAD_LABEL) and np.all(fitted_image[..., 0][~real] == -7.0)
+    assert np.all(fitted_label[~real] == PAD_LABEL)
+    assert np.all(fitted_image[..., 0][~real] == -7.0)
     assert int(real.sum()) == int(np.prod([min(s, t) for s, t in zip(shape, target)]))
 
 
@@ -53,7 +57,8 @@ def _shaped_store(tmp_path, shapes, name="shapes.h5", channels=1):
 def test_native_shapes_pad_never_crop_at_the_background_value(tmp_path):
     shapes = [(16, 24, 13), (20, 16, 16), (16, 16, 35)]
     with VolumeLoader(_shaped_store(tmp_path, shapes), pad_multiple=8, batch_size=1) as loader:
-        assert loader.shapes == [padded_shape(s, 8) for s in shapes] and loader.cropped_share() == 0.0
+        assert loader.shapes == [padded_shape(s, 8) for s in shapes]
+        assert loader.cropped_share() == 0.0
         seen = {}
         for step in range(3):
             images, labels = next(loader.batches(step))
@@ -62,7 +67,8 @@ def test_native_shapes_pad_never_crop_at_the_background_value(tmp_path):
             real = labels[0] != PAD_LABEL
             assert int(real.sum()) == int(np.prod(shapes[case])) == loader.real_voxels(step)  # nothing cropped
             background = images[0][real].min()
-            assert np.all(images[0][~real] == background) and background < -0.5  # not the mean (0)
+            assert np.all(images[0][~real] == background)
+            assert background < -0.5  # not the mean (0)
         assert sorted(seen) == [0, 1, 2]
         assert {seen[c][1:4] for c in seen} == {(16, 24, 16), (24, 16, 16), (16, 16, 40)}
         voxels = sum(np.prod(s) for s in shapes)
@@ -75,7 +81,8 @@ def test_a_fixed_shape_crops_and_says_how_much(tmp_path):
     with VolumeLoader(_shaped_store(tmp_path, [(16, 16, 32), (16, 16, 16)]), shape=(16, 16, 16),
                            batch_size=2) as loader:
         images, labels = next(loader.batches())
-        assert images.shape == (2, 16, 16, 16, 1) and not np.any(labels == PAD_LABEL)
+        assert images.shape == (2, 16, 16, 16, 1)
+        assert not np.any(labels == PAD_LABEL)
         assert loader.cropped_share() == pytest.approx(1 / 3)
         assert loader.describe() == "2 cases cropped (random offset)/padded to 16^3: 33.3% of their voxels cropped away"
 
@@ -158,7 +165,8 @@ def test_tf_dataset_matches_the_numpy_batches(tiny_store):
         dataset = loader.dataset(start_step=2)
         images, labels = next(iter(dataset))
         expected = next(loader.batches(2))
-    assert tuple(images.shape) == (2, 24, 16, 24, 1) and labels.dtype.name == "uint8"
+    assert tuple(images.shape) == (2, 24, 16, 24, 1)
+    assert labels.dtype.name == "uint8"
     np.testing.assert_array_equal(images.numpy(), expected[0])
     np.testing.assert_array_equal(labels.numpy(), expected[1])
 
@@ -220,7 +228,8 @@ def test_patches_are_foreground_oversampled(tiny_store):
     for fraction in hits:
         for index in range(40):
             image, label = load_patch(store, index, patch=6, seed=0, foreground_fraction=fraction)
-            assert image.shape == (6, 6, 6, 1) and label.shape == (6, 6, 6)
+            assert image.shape == (6, 6, 6, 1)
+            assert label.shape == (6, 6, 6)
             hits[fraction] += int(label.any())
     assert hits[1.0] == 40  # every patch centred on foreground holds some
     assert hits[1.0] > hits[0.0]
@@ -230,7 +239,8 @@ def test_patch_loader_batches(tiny_store):
     with VolumeLoader(tiny_store, batch_size=2, patch=8, seed=1) as loader:
         images, labels = next(loader.batches())
         again = next(loader.batches())
-    assert images.shape == (2, 8, 8, 8, 1) and labels.shape == (2, 8, 8, 8)
+    assert images.shape == (2, 8, 8, 8, 1)
+    assert labels.shape == (2, 8, 8, 8)
     np.testing.assert_array_equal(images, again[0])
     with VolumeLoader(tiny_store, batch_size=2, patch=8, seed=1, num_workers=1) as parallel:
         np.testing.assert_array_equal(next(parallel.batches())[0], images)

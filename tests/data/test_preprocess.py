@@ -34,8 +34,10 @@ def test_statistics_and_each_scheme():
     stats = case_statistics(image)
     flat = image.reshape(-1, 2).astype(np.float64)
     inside = flat[np.any(flat != 0, axis=1)]
-    assert stats["mean"] == pytest.approx(flat.mean(0)) and stats["std"] == pytest.approx(flat.std(0))
-    assert stats["nonzero_mean"] == pytest.approx(inside.mean(0)) and stats["min"] == [0.0, 0.0]
+    assert stats["mean"] == pytest.approx(flat.mean(0))
+    assert stats["std"] == pytest.approx(flat.std(0))
+    assert stats["nonzero_mean"] == pytest.approx(inside.mean(0))
+    assert stats["min"] == [0.0, 0.0]
     assert stats["nonzero_box"] == pytest.approx((12 / 20) * (10 / 18) * (10 / 16))
     z = Preprocessing((ChannelScheme("zscore"),) * 2).normalize(image.copy(), stats)
     assert z.reshape(-1, 2).mean(0) == pytest.approx([0, 0], abs=1e-5)
@@ -58,7 +60,8 @@ def test_the_nonzero_mask_is_the_images_before_any_channel_changes():
     stats = case_statistics(image)
     mixed = Preprocessing((ChannelScheme("zscore"), ChannelScheme("zscore_nonzero"))).normalize(image.copy(), stats)
     outside = ~np.any(image != 0, axis=-1)
-    assert np.all(mixed[..., 1][outside] == 0) and np.count_nonzero(mixed[..., 0][outside]) == outside.sum()
+    assert np.all(mixed[..., 1][outside] == 0)
+    assert np.count_nonzero(mixed[..., 0][outside]) == outside.sum()
 
 
 def test_a_patch_gets_the_values_of_the_same_voxels_in_the_whole_case(tmp_path):
@@ -82,7 +85,8 @@ def test_a_patch_gets_the_values_of_the_same_voxels_in_the_whole_case(tmp_path):
         assert background[0] == 0.0  # outside the nonzero mask
         for sample in range(4):  # load_patch gives the same values where the patch is inside the case
             patch_image, _ = load_patch(store, sample, patch=8, seed=3)
-            assert patch_image.shape == (8, 8, 8, 2) and np.isfinite(patch_image).all()
+            assert patch_image.shape == (8, 8, 8, 2)
+            assert np.isfinite(patch_image).all()
 
 
 def test_choose_schemes_as_nnunet():
@@ -96,8 +100,10 @@ def test_choose_schemes_as_nnunet():
     assert choose_schemes(["T1w"], full, samples).channels[0].scheme == "zscore"
     ct = choose_schemes(["CT"], stats, samples).channels[0]
     pooled = np.concatenate(samples)[:, 0]
-    assert ct.scheme == "ct" and ct.low == pytest.approx(np.percentile(pooled, 0.5))
-    assert ct.mean == pytest.approx(pooled.mean()) and ct.std == pytest.approx(pooled.std())
+    assert ct.scheme == "ct"
+    assert ct.low == pytest.approx(np.percentile(pooled, 0.5))
+    assert ct.mean == pytest.approx(pooled.mean())
+    assert ct.std == pytest.approx(pooled.std())
     assert choose_schemes(["CT"], stats, samples, "zscore").channels[0].scheme == "zscore"
     with pytest.raises(DataError, match=r"Channel 'CT': CT normalisation needs the dataset's foreground voxels"):
         choose_schemes(["CT"], stats, [np.zeros((0, 1), np.float32)] * 3)

@@ -18,9 +18,12 @@ def test_synthetic_store_layout(tiny_store):
         assert list(handle.attrs["channel_names"]) == ["synthetic"]
         assert list(handle.attrs["label_names"]) == ["background", "class1", "class2"]
         case = handle["cases/synth_0002"]
-        assert case["image"].shape == (16, 16, 16, 1) and case["image"].dtype == np.float32
-        assert case["label"].shape == (16, 16, 16) and case["label"].dtype == np.uint8
-        assert case["image"].chunks is not None and case["label"].chunks is not None
+        assert case["image"].shape == (16, 16, 16, 1)
+        assert case["image"].dtype == np.float32
+        assert case["label"].shape == (16, 16, 16)
+        assert case["label"].dtype == np.uint8
+        assert case["image"].chunks is not None
+        assert case["label"].chunks is not None
         np.testing.assert_array_equal(case.attrs["spacing"], [1.0, 1.0, 1.0])
         np.testing.assert_array_equal(case.attrs["affine"], np.eye(4))
         assert case.attrs["source_image"].startswith("synthetic:")
@@ -33,7 +36,8 @@ def test_store_reader(tiny_store):
     assert store.case_ids == ["synth_0000", "synth_0001", "synth_0002", "synth_0003"]
     assert (len(store), store.num_channels, store.num_classes) == (4, 1, 3)
     image, label = store.read_case("synth_0001")
-    assert image.shape == (16, 16, 16, 1) and label.shape == (16, 16, 16)
+    assert image.shape == (16, 16, 16, 1)
+    assert label.shape == (16, 16, 16)
     assert repr(store).endswith("memory: 80.00 KiB)")  # 4 cases x 16^3 x (4 + 1) bytes
     store.close()
 
@@ -46,7 +50,8 @@ def test_phantoms_are_deterministic_and_have_every_class():
     np.testing.assert_array_equal(a_lab, b_lab)
     assert not np.array_equal(a_img, c_img)
     fractions = np.bincount(a_lab.ravel(), minlength=4) / a_lab.size
-    assert fractions[0] > 0.5 and all(f > 0.002 for f in fractions[1:]), fractions
+    assert fractions[0] > 0.5, fractions
+    assert all(f > 0.002 for f in fractions[1:]), fractions
     # Odd classes are darker than the body, even classes brighter.
     means = [a_img[..., 0][a_lab == k].mean() for k in range(4)]
     body = a_img[..., 0][(a_lab == 0) & (np.abs(a_img[..., 0]) > 0.6)].mean()
@@ -58,7 +63,8 @@ def test_cached_synthetic_store_is_reused(tmp_path, monkeypatch):
     first = cached_synthetic_store(num_cases=2, volume=8, num_classes=3)
     mtime = first.stat().st_mtime_ns
     second = cached_synthetic_store(num_cases=2, volume=8, num_classes=3)
-    assert second == first and second.stat().st_mtime_ns == mtime
+    assert second == first
+    assert second.stat().st_mtime_ns == mtime
     assert cached_synthetic_store(num_cases=3, volume=8, num_classes=3) != first
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporaries left
 
@@ -192,7 +198,9 @@ def test_damaged_store_through_train_is_one_line(damage, tiny_store, corrupt_sto
                            capsys)
     assert code == 1
     lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("bigmem train: error: ") and "Traceback" not in err
+    assert len(lines) == 1
+    assert lines[0].startswith("bigmem train: error: ")
+    assert "Traceback" not in err
     assert str(path) in lines[0]
     assert not (tmp_path / "r").exists()
 

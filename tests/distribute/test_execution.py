@@ -62,13 +62,15 @@ def counts_for():
 def test_multiworker_without_a_gpu_size_trains_whole_volumes_each_worker_its_slice(counts_for):
     config = _config(strategy="multiworker")
     parallel = data_parallel(config, _replicas(2, workers=2, index=1), counts_for)
-    assert parallel.whole_volumes and parallel.patch is None
+    assert parallel.whole_volumes
+    assert parallel.patch is None
     assert (parallel.global_batch, parallel.num_workers, parallel.worker_index, parallel.worker_batch) == (4, 2, 1, 2)
     assert parallel.loader_settings() == {"batch_size": 2, "patch": None, "shard": (1, 2)}
     host = parallel.host_config(config)  # one worker's pre-flight: its own batch of whole volumes
     assert (host.data.shape, host.train.batch_size) == ((64, 64, 64), 2)
     assert parallel.host_checked
-    assert config.data.shape == (64, 64, 64) and config.train.batch_size == 2  # the config is not changed
+    assert config.data.shape == (64, 64, 64)
+    assert config.train.batch_size == 2  # the config is not changed
     assert parallel.to_dict()["whole_volumes"] is True
 
 
@@ -77,9 +79,11 @@ def test_mirrored_picks_the_largest_patch_that_fits_one_gpu(counts_for):
     parallel = data_parallel(config, _replicas(2), counts_for)
     patch = parallel.patch
     divisor = config.model.divisor
-    assert patch is not None and len(set(patch)) == 1  # a cube for cubes (data.shape 64^3)
+    assert patch is not None
+    assert len(set(patch)) == 1  # a cube for cubes (data.shape 64^3)
     edge = patch[0]
-    assert edge % divisor == 0 and edge <= 64
+    assert edge % divisor == 0
+    assert edge <= 64
     assert gpu_footprint_bytes(config, counts_for, patch, 2) <= config.distribute.gpu_memory_bytes
     if edge < 64:
         assert gpu_footprint_bytes(config, counts_for, edge + divisor, 2) > config.distribute.gpu_memory_bytes
@@ -96,7 +100,8 @@ def test_the_patch_takes_the_datasets_median_aspect(counts_for):
     config = _config(strategy="mirrored", gpu_memory_bytes=GIB + 300 * 2**20)
     flat = data_parallel(config, _replicas(2), counts_for, aspect=(64, 64, 16))
     cube = data_parallel(config, _replicas(2), counts_for).patch
-    assert flat.patch[2] < flat.patch[0] == flat.patch[1] and flat.patch[2] % config.model.divisor == 0
+    assert flat.patch[2] < flat.patch[0] == flat.patch[1]
+    assert flat.patch[2] % config.model.divisor == 0
     assert flat.patch[0] >= cube[0]  # fewer voxels per unit of edge: a longer edge fits
     assert patch_shape((64, 64, 16), flat.patch[0], config.model.divisor) == flat.patch
     bigger = patch_shape((64, 64, 16), flat.patch[0] + config.model.divisor, config.model.divisor)
@@ -160,7 +165,8 @@ def test_every_execution_answers_what_the_job_asks_consistently(counts_for, name
     assert [member for member in members if not hasattr(execution, member)] == []
     config = _config()
     settings = execution.loader_settings()
-    assert settings["batch_size"] == execution.worker_batch and settings.get("patch") == execution.patch
+    assert settings["batch_size"] == execution.worker_batch
+    assert settings.get("patch") == execution.patch
     assert execution.whole_volumes == (execution.patch is None)
     host = execution.host_config(config)  # the memory plan checks what this host loads per step
     assert host.train.batch_size == execution.worker_batch

@@ -67,7 +67,8 @@ def test_two_workers_match_one(tmp_path, tiny_store):
     assert single.returncode == 0, single.stderr
     _same_training(tmp_path, "one")
     plan = json.loads((tmp_path / "w0" / "plan.json").read_text())["data_parallel"]
-    assert plan["replicas"] == 2 and plan["global_batch"] == 2
+    assert plan["replicas"] == 2
+    assert plan["global_batch"] == 2
 
 
 @pytest.mark.slow
@@ -82,7 +83,8 @@ def test_two_hosts_train_whole_volumes_as_one(tmp_path, tiny_store):
     _same_training(tmp_path, "one")
     for index in range(2):  # each worker planned and checked its own share: one whole volume per step
         plan = json.loads((tmp_path / f"w{index}" / "plan.json").read_text())
-        assert plan["data_parallel"]["whole_volumes"] and plan["data_parallel"]["worker_index"] == index
+        assert plan["data_parallel"]["whole_volumes"]
+        assert plan["data_parallel"]["worker_index"] == index
         assert (plan["data_parallel"]["workers"], plan["data_parallel"]["global_batch"]) == (2, 2)
         assert (plan["chosen"]["volume"], plan["chosen"]["batch_size"]) == (16, 1)
         assert json.loads((tmp_path / f"w{index}" / "numa.json").read_text())["requested"]

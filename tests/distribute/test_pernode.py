@@ -41,12 +41,14 @@ def test_one_worker_per_node_bound_to_it(two_node):
     assert [(w.index, w.node_id, w.cpus) for w in plan.workers] == [(0, 0, (0, 1, 2, 3)), (1, 1, (4, 5, 6, 7))]
     assert [w.placement_flags() for w in plan.workers] == [["--numa", "bind:0"], ["--numa", "bind:1"]]
     ports = [int(w.address.split(":")[1]) for w in plan.workers]
-    assert len(set(ports)) == 2 and all(w.address.startswith("127.0.0.1:") for w in plan.workers)
+    assert len(set(ports)) == 2
+    assert all(w.address.startswith("127.0.0.1:") for w in plan.workers)
     for index in range(2):
         config = json.loads(plan.tf_config(index))
         assert config == {"cluster": {"worker": [w.address for w in plan.workers]},
                           "task": {"type": "worker", "index": index}}
-    assert plan.global_batch(3) == 6 and plan.notes() == []
+    assert plan.global_batch(3) == 6
+    assert plan.notes() == []
 
 
 def test_memory_only_nodes_get_no_worker(four_node):
@@ -61,7 +63,8 @@ def test_memory_only_nodes_get_no_worker(four_node):
 
 def test_a_node_outside_the_affinity_counts_as_memory_only(two_node):
     plan = plan_workers(two_node, allowed_cpus={4, 5})
-    assert [w.node_id for w in plan.workers] == [1] and plan.memory_only_nodes == (0,)
+    assert [w.node_id for w in plan.workers] == [1]
+    assert plan.memory_only_nodes == (0,)
     with pytest.raises(UsageError, match="no NUMA node with CPUs"):
         plan_workers(two_node, allowed_cpus={99})
 
@@ -82,7 +85,8 @@ def test_refused_when_a_node_cannot_hold_its_worker(two_node):
     check_node_memory(plan, two_node, 2**30 // 2)  # 0.5 GiB fits both nodes
     with pytest.raises(InsufficientMemoryError, match=r"node 1 cannot hold its worker.*node 1: 1.00 GiB free") as exc:
         check_node_memory(plan, two_node, 2 * 2**30)
-    assert exc.value.exit_code == 3 and exc.value.required_bytes == 2 * 2**30
+    assert exc.value.exit_code == 3
+    assert exc.value.required_bytes == 2 * 2**30
     split = plan_workers(two_node, workers_per_node=2, allowed_cpus=set(range(8)))
     with pytest.raises(InsufficientMemoryError, match="node 0 cannot hold its 2 workers"):
         check_node_memory(split, two_node, 31 * 2**30)  # 62 GiB on node 0's 60 free
@@ -99,14 +103,17 @@ def test_cli_refuses_before_launching(tiny_store, tmp_path):
                           NUMANode(1, (1,), 64 * 2**30, 2**20, (21, 10))), "fake")
     with pytest.raises(InsufficientMemoryError, match="per-node: node 1 cannot hold its worker") as exc:
         run_per_node(args, topology=tight)
-    assert exc.value.exit_code == 3 and not (tmp_path / "run").exists()
+    assert exc.value.exit_code == 3
+    assert not (tmp_path / "run").exists()
 
 
 def test_cli_refuses_numa_flags(capsys):
     code, _, err = run_cli(["train", "--strategy", "per-node", "--numa", "bind:0"], capsys)
-    assert code == 2 and "leave out --numa and --cpus" in err
+    assert code == 2
+    assert "leave out --numa and --cpus" in err
     code, _, err = run_cli(["train", "--workers-per-node", "2"], capsys)
-    assert code == 2 and "--workers-per-node is for --strategy per-node" in err
+    assert code == 2
+    assert "--workers-per-node is for --strategy per-node" in err
 
 
 def test_in_process_per_node_strategy_is_refused():
@@ -125,7 +132,9 @@ def test_resume_seeds_other_workers_from_the_chief(tmp_path):
     (run / "tensorboard").mkdir()
     (run / "config.json").write_text("{}")
     dirs = worker_dirs(plan, run, resume=True, scratch=tmp_path / "scratch")
-    assert dirs[0] == run and (dirs[1] / "checkpoints" / "ckpt-3").is_dir() and (dirs[1] / "config.json").exists()
+    assert dirs[0] == run
+    assert (dirs[1] / "checkpoints" / "ckpt-3").is_dir()
+    assert (dirs[1] / "config.json").exists()
     assert not (dirs[1] / "tensorboard").exists()
     assert not worker_dirs(plan, run, resume=False, scratch=tmp_path / "fresh")[1].exists()
 
@@ -153,7 +162,8 @@ def test_a_dead_worker_stops_the_others(tmp_path):
     with pytest.raises(Exception, match=r"per-node worker 1 \(node 0, pid \d+\) exited with code 7: out of disk; "
                                         r"stopped the other 1 worker\(s\)") as exc:
         run_workers(plan, [sleeper, dies], on_start=started.extend, failure_grace_s=1.0)
-    assert exc.value.exit_code == 1 and time.monotonic() - begun < 10
+    assert exc.value.exit_code == 1
+    assert time.monotonic() - begun < 10
     assert _alive([p.pid for _, p in started]) == []
     descendants = [p for p in psutil.process_iter(["cmdline"]) if "time.sleep(600)" in " ".join(p.info["cmdline"]
                                                                                                    or [])]
@@ -178,7 +188,8 @@ def test_two_workers_match_one_process_and_resume(tmp_path, tiny_store):
     assert single.returncode == 0, single.stderr
     one = [r["loss"] for r in read_jsonl(tmp_path / "one" / "metrics.jsonl")]
     losses = [r["loss"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")]
-    assert len(losses) == 3 and losses == pytest.approx(one, rel=1e-5)
+    assert len(losses) == 3
+    assert losses == pytest.approx(one, rel=1e-5)
     plan = json.loads((tmp_path / "run" / "plan.json").read_text())["data_parallel"]
     assert (plan["workers"], plan["worker_index"], plan["global_batch"]) == (2, 0, 2)
     assert json.loads((tmp_path / "run" / "numa.json").read_text())["requested"]["text"] == "bind:0"
@@ -198,7 +209,8 @@ def test_killing_a_worker_stops_the_run(tmp_path, tiny_store):
     try:
         deadline = time.monotonic() + 240
         while not (tmp_path / "run" / "metrics.jsonl").exists():  # the chief trains: every worker is past setup
-            assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()[1]
+            assert launcher.poll() is None, launcher.communicate()[1]
+            assert time.monotonic() < deadline, launcher.communicate()[1]
             time.sleep(0.5)
         children = psutil.Process(launcher.pid).children(recursive=True)
         workers = [p for p in children if "TF_CONFIG" in p.environ()]
@@ -232,4 +244,5 @@ def test_sigterm_to_the_launcher_reaches_every_worker():
     assert run_workers(plan, [sleeper, sleeper], on_start=started.extend, stop_grace_s=10.0) == 128 + signal.SIGTERM
     assert time.monotonic() - begun < 10
     assert [p.returncode for _, p in started] == [143, 143]
-    assert signal.getsignal(signal.SIGTERM) is not None and _alive([p.pid for _, p in started]) == []
+    assert signal.getsignal(signal.SIGTERM) is not None
+    assert _alive([p.pid for _, p in started]) == []

@@ -48,7 +48,8 @@ def _run(replicas: int) -> dict:
 @pytest.mark.slow
 def test_two_replicas_train_exactly_as_one():
     one, two = _run(1), _run(2)
-    assert (one["replicas"], two["replicas"]) == (1, 2) and two["simulated"] is True
+    assert (one["replicas"], two["replicas"]) == (1, 2)
+    assert two["simulated"] is True
     assert two["losses"] == pytest.approx(one["losses"], rel=1e-5)
     assert one["losses"][2] < one["losses"][0]  # it is training
     for a, b in zip(one["weights"], two["weights"]):
@@ -109,7 +110,10 @@ def test_bigmem_train_on_n_replicas_matches_one(tmp_path, tiny_store):
         assert b["lr"] == pytest.approx(a["lr"])
         assert b["dice"] == pytest.approx(a["dice"], abs=1e-6)
     plan = json.loads((tmp_path / "two" / "plan.json").read_text())["data_parallel"]
-    assert plan["replicas"] == 2 and plan["simulated"] and plan["global_batch"] == 4 and plan["patch"] == [16, 16, 16]
+    assert plan["replicas"] == 2
+    assert plan["simulated"]
+    assert plan["global_batch"] == 4
+    assert plan["patch"] == [16, 16, 16]
 
 
 def test_simulated_replicas_need_gpu_memory(tmp_path, tiny_store):

@@ -86,13 +86,17 @@ def test_store_labels_map_back_to_the_source_file_exactly(tmp_path, case_id, sha
     case = _write_case(tmp_path / "src", case_id, shape, affine)
     store = _convert(tmp_path, [case], shape=fit)
     geometry = CaseGeometry.from_store(store, case_id)
-    assert geometry.source_shape == shape and not geometry.resampled
+    assert geometry.source_shape == shape
+    assert not geometry.resampled
     if fit is not None:  # the fit really crops one axis and pads another
         crops, pads = zip(*geometry.crop_pad)
-        assert max(crops) > 0 and max(pads) > 0 and geometry.store_shape == fit
+        assert max(crops) > 0
+        assert max(pads) > 0
+        assert geometry.store_shape == fit
     expected = _source_label(case)
     label, out_affine, spacing = source_label_from_store(store, case_id)
-    assert label.dtype == np.uint8 and label.shape == shape
+    assert label.dtype == np.uint8
+    assert label.shape == shape
     assert np.array_equal(label, expected)
     np.testing.assert_allclose(out_affine, affine, atol=1e-6)
     np.testing.assert_allclose(spacing, np.linalg.norm(affine[:3, :3], axis=0), atol=1e-6)
@@ -104,7 +108,8 @@ def test_store_labels_map_back_to_the_source_file_exactly(tmp_path, case_id, sha
     assert np.array_equal(labels_to_source(one_hot, geometry), expected)
     assert np.array_equal(one_hot, before)  # the running argmax never writes into its input
     scores = scores_to_source(one_hot, geometry)
-    assert scores.shape == shape + (3,) and scores.dtype == np.float32
+    assert scores.shape == shape + (3,)
+    assert scores.dtype == np.float32
     assert np.array_equal(scores.argmax(-1), expected)
     np.testing.assert_array_equal(scores.sum(-1), 1.0)
 
@@ -122,7 +127,8 @@ def test_cropped_away_voxels_become_background(tmp_path):
     kept = np.ones(shape, bool)
     kept[[0, 1, 22]] = False
     assert np.array_equal(mapped[kept], label[kept])
-    assert not mapped[~kept].any() and label[~kept].any()
+    assert not mapped[~kept].any()
+    assert label[~kept].any()
     scores = scores_to_source(np.eye(3, dtype=np.float32)[HDF5VolumeStore(store).read_label("edge")], geometry)
     np.testing.assert_array_equal(scores[~kept], [[1.0, 0.0, 0.0]] * int((~kept).sum()))
 
@@ -143,12 +149,15 @@ def test_resampled_labels_map_back_within_dice(tmp_path, case_id, shape, affine,
     case = _write_case(tmp_path / "src", case_id, shape, affine)
     store = _convert(tmp_path, [case], spacing=spacing, shape=fit)
     geometry = CaseGeometry.from_store(store, case_id)
-    assert geometry.resampled and geometry.grid_shape != geometry.canonical_shape
+    assert geometry.resampled
+    assert geometry.grid_shape != geometry.canonical_shape
     crops, pads = zip(*geometry.crop_pad)
-    assert max(crops) > 0 and max(pads) > 0
+    assert max(crops) > 0
+    assert max(pads) > 0
     expected = _source_label(case)
     label, out_affine, spacing_out = source_label_from_store(store, case_id)
-    assert label.shape == shape and label.dtype == np.uint8
+    assert label.shape == shape
+    assert label.dtype == np.uint8
     np.testing.assert_allclose(out_affine, affine, atol=1e-6)
     np.testing.assert_allclose(spacing_out, np.linalg.norm(affine[:3, :3], axis=0), atol=1e-6)
     for k in (1, 2):
@@ -175,7 +184,8 @@ def test_resampled_scores_keep_their_world_position(tmp_path, affine, spacing, f
     case = _write_case(tmp_path / "src", "w", shape, affine)
     store = _convert(tmp_path, [case], spacing=spacing, shape=fit)
     geometry = CaseGeometry.from_store(store, "w")
-    assert any(c for c, _ in geometry.crop_pad) and any(p for _, p in geometry.crop_pad)
+    assert any(c for c, _ in geometry.crop_pad)
+    assert any(p for _, p in geometry.crop_pad)
     grid = np.stack(np.meshgrid(*[np.arange(s) for s in geometry.store_shape], indexing="ij"), -1)
     world = (grid @ geometry.store_affine[:3, :3].T + geometry.store_affine[:3, 3]).astype(np.float32)
     kept = np.ones(geometry.store_shape + (1,), np.float32)  # 0 where convert cropped (a class >= 1's fill)
@@ -204,7 +214,8 @@ def test_prepare_nifti_matches_convert(tmp_path, options):
         stored, _ = opened.read_case("p")
         dtype = opened.cases[0].image_dtype  # the store keeps the image in the smallest dtype that holds it
         assert stats == opened.case_stats("p")  # taken where convert takes them: after resampling, before the fit
-    assert image.dtype == np.float32 and np.array_equal(image.astype(dtype).astype(np.float32), stored)
+    assert image.dtype == np.float32
+    assert np.array_equal(image.astype(dtype).astype(np.float32), stored)
     expected = CaseGeometry.from_store(store, "p")
     for name in ("source_shape", "grid_shape", "store_shape", "crop_pad", "spacing"):
         assert getattr(geometry, name) == getattr(expected, name), name
@@ -223,7 +234,8 @@ def test_prepare_nifti_one_file_per_channel(tmp_path):
         paths.append(tmp_path / f"m_{c:04d}.nii.gz")
         nib.save(nib.Nifti1Image(data[..., c], LPS), str(paths[-1]))
     image, geometry, _ = prepare_nifti(paths, store)
-    assert geometry.case_id == "m" and image.shape == (16, 20, 17, 2)
+    assert geometry.case_id == "m"
+    assert image.shape == (16, 20, 17, 2)
     assert geometry.source_shape == (19, 18, 17)
     with HDF5VolumeStore(store) as opened:  # an open store works as well as a path, and the 4D source maps back
         assert CaseGeometry.from_store(opened, "m").source_shape == (19, 18, 17)
@@ -241,7 +253,8 @@ def test_prepare_nifti_for_a_store_without_convert_options(tmp_path, tiny_store)
     """A synthetic store was neither resampled nor fitted: a NIfTI case is only reoriented."""
     case = _write_case(tmp_path / "src", "s", (17, 18, 19), PLAIN)
     image, geometry, stats = prepare_nifti(case.image, tiny_store)
-    assert image.shape[:3] == geometry.source_shape == (17, 18, 19) and not geometry.resampled
+    assert image.shape[:3] == geometry.source_shape == (17, 18, 19)
+    assert not geometry.resampled
     assert stats["mean"][0] == pytest.approx(float(image.mean()), rel=1e-5)
 
 
@@ -251,7 +264,8 @@ def test_prepare_nifti_for_a_store_without_convert_options(tmp_path, tiny_store)
 def test_a_synthetic_case_is_its_own_source(tiny_store):
     """A phantom has no source file: predictions are written in its store grid, its labels are the reference."""
     geometry = CaseGeometry.from_store(tiny_store, "synth_0000")
-    assert geometry.source_shape == geometry.store_shape == (16, 16, 16) and not geometry.resampled
+    assert geometry.source_shape == geometry.store_shape == (16, 16, 16)
+    assert not geometry.resampled
     with HDF5VolumeStore(tiny_store) as store:
         label = store.read_label("synth_0000")
     mapped, affine, spacing = source_label_from_store(tiny_store, "synth_0000")
@@ -303,7 +317,8 @@ def test_pad_to_multiple_round_trips(shape, divisor, padded_shape, before):
     inside[slices] = True
     assert np.all(padded[~inside] == image.min(axis=(0, 1, 2)))  # the padding is each channel's background
     labels, label_slices = pad_to_multiple(np.ones(shape, np.uint8), divisor)  # 3D works the same
-    assert labels.shape == padded_shape and label_slices == slices
+    assert labels.shape == padded_shape
+    assert label_slices == slices
     if padded_shape == shape:
         assert padded is image
 

@@ -156,10 +156,13 @@ def test_hd95_rejects_mismatched_inputs():
 def test_empty_rule_both_empty_is_undefined():
     ref = _labels((4, 4, 4), [(1, np.s_[0:2])])
     metrics = case_metrics(ref, ref.copy(), [1, 2], (1, 1, 1))
-    assert metrics[1]["Dice"] == 1.0 and metrics[1]["HD95_mm"] == 0.0
+    assert metrics[1]["Dice"] == 1.0
+    assert metrics[1]["HD95_mm"] == 0.0
     absent = metrics[2]
     assert (absent["TP"], absent["FP"], absent["FN"], absent["ref_volume_ml"]) == (0, 0, 0, 0.0)
-    assert math.isnan(absent["Dice"]) and math.isnan(absent["IoU"]) and math.isnan(absent["HD95_mm"])
+    assert math.isnan(absent["Dice"])
+    assert math.isnan(absent["IoU"])
+    assert math.isnan(absent["HD95_mm"])
     for key, value in absent_class_metrics().items():
         assert (math.isnan(value) and math.isnan(absent[key])) or value == absent[key]
 
@@ -171,7 +174,8 @@ def test_empty_rule_one_side_empty_scores_zero_and_no_hd95():
     missed, false_positive = metrics[1], metrics[2]
     assert (missed["Dice"], missed["IoU"], missed["FN"], missed["TP"]) == (0.0, 0.0, 32, 0)
     assert (false_positive["Dice"], false_positive["IoU"], false_positive["FP"]) == (0.0, 0.0, 16)
-    assert math.isnan(missed["HD95_mm"]) and math.isnan(false_positive["HD95_mm"])
+    assert math.isnan(missed["HD95_mm"])
+    assert math.isnan(false_positive["HD95_mm"])
 
 
 def test_aggregate_leaves_undefined_out_and_counts_it():
@@ -242,5 +246,7 @@ def test_region_hd95_is_the_united_masks_and_empty_regions_follow_the_empty_rule
     # every voxel of a 1-voxel-thick line is surface: prediction -> union distances 0, 0, 0, 0, 2, 4 mm, whose
     # 95th percentile (linear, position 4.75) is 2 + 0.75 * 2; union -> prediction all 0
     assert metrics["both"]["HD95_mm"] == pytest.approx(3.5)
-    assert math.isnan(metrics["absent"]["Dice"]) and metrics["absent"]["n_ref"] == 0
-    assert metrics["missed"]["Dice"] == 0.0 and math.isnan(metrics["missed"]["HD95_mm"])
+    assert math.isnan(metrics["absent"]["Dice"])
+    assert metrics["absent"]["n_ref"] == 0
+    assert metrics["missed"]["Dice"] == 0.0
+    assert math.isnan(metrics["missed"]["HD95_mm"])

@@ -23,8 +23,10 @@ from bigmem.infer.sliding import (
 def test_gaussian_weights_shape_max_symmetry_positive(window):
     weights = gaussian_weights(window)
     shape = (window,) * 3 if isinstance(window, int) else window
-    assert weights.shape == shape and weights.dtype == np.float32
-    assert weights.max() == 1.0 and np.all(weights > 0)
+    assert weights.shape == shape
+    assert weights.dtype == np.float32
+    assert weights.max() == 1.0
+    assert np.all(weights > 0)
     for axis in range(3):
         assert np.array_equal(weights, np.flip(weights, axis))
     assert np.unravel_index(weights.argmax(), shape) == tuple((s - 1) // 2 for s in shape)
@@ -47,7 +49,8 @@ def test_gaussian_weights_values():
 def test_gaussian_weights_underflow_gets_the_smallest_positive_weight():
     # sigma 0.32 voxels: most of the window underflows float32 (and the corners float64) to 0.
     raw = gaussian_weights(64, sigma_scale=0.005, min_weight=0)
-    assert np.all(raw > 0) and raw.max() == 1.0
+    assert np.all(raw > 0)
+    assert raw.max() == 1.0
     profile = np.exp(-((np.arange(64) - 31.5) ** 2) / (2 * 0.32 ** 2))
     full = profile[:, None, None] * profile[None, :, None] * profile[None, None, :]
     scaled = (full / full.max()).astype(np.float32)
@@ -80,11 +83,13 @@ def _monai_starts(size: int, window: int, overlap: float) -> list[int]:
 def test_window_starts_cover_every_voxel_in_bounds(size, window, overlap):
     starts = window_starts(size, window, overlap)
     padded = max(size, window)
-    assert starts[0] == 0 and starts[-1] == padded - window
+    assert starts[0] == 0
+    assert starts[-1] == padded - window
     assert starts == sorted(set(starts))
     covered = np.zeros(padded, bool)
     for start in starts:
-        assert 0 <= start and start + window <= padded
+        assert 0 <= start
+        assert start + window <= padded
         covered[start:start + window] = True
     assert covered.all()
     assert starts == _monai_starts(size, window, overlap)
@@ -123,10 +128,12 @@ def test_constant_predictor_gives_the_constant(shape, batch_size):
 
     out = sliding_window(image, predict, 16, num_classes=3, batch_size=batch_size,
                          progress=lambda done, total: seen.append((done, total)))
-    assert out.shape == shape + (3,) and out.dtype == np.float32
+    assert out.shape == shape + (3,)
+    assert out.dtype == np.float32
     np.testing.assert_allclose(out, np.broadcast_to(constant, out.shape), rtol=3e-6)  # a few float32 ulps
     total = math.prod(len(window_starts(s, 16, 0.5)) for s in shape)
-    assert seen[-1] == (total, total) and len(calls) == math.ceil(total / batch_size)
+    assert seen[-1] == (total, total)
+    assert len(calls) == math.ceil(total / batch_size)
     assert all(c[1:] == (16, 16, 16, 2) for c in calls)
 
 
@@ -142,7 +149,8 @@ def test_identity_predictor_reproduces_the_input(shape, accumulate, atol, mean_a
         return np.concatenate([1 - batch, batch], axis=-1)
 
     out = sliding_window(image, predict, (16, 15, 17), num_classes=2, accumulate=accumulate, batch_size=2)
-    assert out.shape == shape + (2,) and out.dtype == np.float32
+    assert out.shape == shape + (2,)
+    assert out.dtype == np.float32
     np.testing.assert_allclose(out[..., 1], image[..., 0], atol=atol)
     assert np.abs(out[..., 1] - image[..., 0]).mean() < mean_atol
     np.testing.assert_allclose(out.sum(-1), 1.0, atol=atol)
@@ -161,7 +169,9 @@ def test_overlaps_blend_with_the_gaussian_weights():
     first = np.concatenate([profile, np.zeros(8)])
     second = np.concatenate([np.zeros(8), profile])
     np.testing.assert_allclose(out, second / (first + second), rtol=1e-6)
-    assert np.all(out[:8] == 0.0) and np.all(out[16:] == 1.0) and np.all(np.diff(out[7:17]) > 0)
+    assert np.all(out[:8] == 0.0)
+    assert np.all(out[16:] == 1.0)
+    assert np.all(np.diff(out[7:17]) > 0)
 
 
 def test_float16_accumulation_close_to_float32():
@@ -192,7 +202,8 @@ def test_float16_overflow_is_a_clear_error():
                r"overlapping windows exceed float16's 65504\. Use accumulate='float32'")
     with pytest.raises(AccumulationOverflowError, match=message) as info:
         sliding_window(image, predict, 16, num_classes=1, accumulate="float16")
-    assert info.value.window_start == (0, 0, 0) and info.value.max_abs_output == 1e5
+    assert info.value.window_start == (0, 0, 0)
+    assert info.value.max_abs_output == 1e5
     out = sliding_window(image, predict, 16, num_classes=1, accumulate="float32")
     np.testing.assert_allclose(out, 1e5, rtol=1e-6)
 

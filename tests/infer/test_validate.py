@@ -52,7 +52,8 @@ def test_val_dice_of_a_resampled_store_is_predict_and_evaluate_against_the_origi
     (source / "dataset.json").write_text(json.dumps({"channel_names": {"0": "image"}, "file_ending": ".nii.gz",
                                                      "labels": {"background": 0, "lesion": [1, 2], "core": 2}}))
     geometry = CaseGeometry.from_store(store, "c2")
-    assert geometry.resampled and not geometry.lossless
+    assert geometry.resampled
+    assert not geometry.lossless
     original = np.asanyarray(nib.load(str(source / "labelsTr" / "c2.nii.gz")).dataobj)
     mapped_back, _, _ = source_label_from_store(store, "c2")
     assert not np.array_equal(mapped_back, original)  # the store's label is not the original: this test can fail
@@ -66,7 +67,8 @@ def test_val_dice_of_a_resampled_store_is_predict_and_evaluate_against_the_origi
     assert code == 0, err
     val = json.loads((run / "summary.json").read_text())
     validated = [r for r in read_jsonl(run / "metrics.jsonl") if "val_dice" in r]
-    assert [r["step"] for r in validated] == [3] and validated[0]["val_dice_per_region"] == val["val_dice_per_region"]
+    assert [r["step"] for r in validated] == [3]
+    assert validated[0]["val_dice_per_region"] == val["val_dice_per_region"]
     assert list(val["val_dice_per_region"]) == ["lesion", "core"]
     code, _, err = run_cli(["predict", run, store, "--cases", "c2", "-o", tmp_path / "pred", "--mode", "whole",
                             "--force"], capsys)
@@ -111,7 +113,8 @@ def test_source_labels_are_read_where_convert_changed_the_label_else_the_store_i
     convert(_dataset(tmp_path / "src2"), plain)
     (tmp_path / "src2" / "labelsTr" / "c0.nii.gz").unlink()
     label, _, _, where = store_reference(plain, "c0", warn=warnings.append)
-    assert where == f"{plain}:c0" and len(warnings) == 1
+    assert where == f"{plain}:c0"
+    assert len(warnings) == 1
     np.testing.assert_array_equal(label, source_label_from_store(plain, "c0")[0])
     # a case whose --shape crop cut voxels away is scored against its source label file, cut-away voxels too
     cropped = tmp_path / "cropped.h5"
@@ -119,7 +122,8 @@ def test_source_labels_are_read_where_convert_changed_the_label_else_the_store_i
     original = np.asanyarray(nib.load(str(tmp_path / "src3" / "labelsTr" / "c0.nii.gz")).dataobj)
     assert not np.array_equal(source_label_from_store(cropped, "c0")[0], original)
     label, _, _, where = store_reference(cropped, "c0", warn=warnings.append)
-    assert where == str(tmp_path / "src3" / "labelsTr" / "c0.nii.gz") and len(warnings) == 1
+    assert where == str(tmp_path / "src3" / "labelsTr" / "c0.nii.gz")
+    assert len(warnings) == 1
     np.testing.assert_array_equal(label, original)
 
 

@@ -124,7 +124,8 @@ def test_auto_recomputes_the_fewest_stages_that_fit(counts_for):
     none, every = _peak(_config(), counts_for, []), _peak(_config(), counts_for, ALL_STAGES)
     budget = (none + every) // 2
     stages = recompute_stages(_config(recompute="auto"), counts_for, (128,) * 3, budget)
-    assert 1 <= len(stages) < 7 and stages[0] == "dec0"
+    assert 1 <= len(stages) < 7
+    assert stages[0] == "dec0"
     assert _peak(_config(), counts_for, stages) <= budget < _peak(_config(), counts_for, stages[:-1])
     # Nothing fits: every stage, the most it can save.
     assert sorted(recompute_stages(_config(recompute="auto"), counts_for, (128,) * 3, MIB)) == sorted(ALL_STAGES)
@@ -146,15 +147,20 @@ def test_a_job_that_fits_is_its_own_chosen_candidate(counts_for):
     config = _config()
     plan = job_plan(config, counts_for, Budget(64 * GIB, "--memory-budget"))
     peak = _peak(config, counts_for, [])
-    assert plan.fits and not plan.forced and plan.predicted_peak_bytes == peak
+    assert plan.fits
+    assert not plan.forced
+    assert plan.predicted_peak_bytes == peak
     chosen = plan.chosen
     assert (chosen.volume, chosen.batch_size, chosen.precision, chosen.recompute, chosen.recompute_stages) == (
         128, 1, "fp32", "none", [])
     data = plan.to_dict()
-    assert data["budget_bytes"] == 64 * GIB and data["budget_source"] == "--memory-budget"
+    assert data["budget_bytes"] == 64 * GIB
+    assert data["budget_source"] == "--memory-budget"
     assert data["predicted_peak_bytes"] == sum(data["components"].values()) == peak
-    assert data["calibration"]["source"] == "test" and data["data_parallel"] is None
-    assert data["candidates"] == [data["closest"]] and data["candidates"][0]["predicted_peak_bytes"] == peak
+    assert data["calibration"]["source"] == "test"
+    assert data["data_parallel"] is None
+    assert data["candidates"] == [data["closest"]]
+    assert data["candidates"][0]["predicted_peak_bytes"] == peak
 
 
 def test_one_schema_for_plan_and_for_a_run(counts_for):
@@ -174,7 +180,9 @@ def test_auto_keeps_the_stages_it_tried(counts_for):
     config = _config(recompute="auto")
     budget = (_peak(config, counts_for, []) + _peak(config, counts_for, ALL_STAGES)) // 2
     plan = job_plan(config, counts_for, Budget(budget, "--memory-budget"))
-    assert plan.fits and plan.chosen.recompute == "auto" and plan.chosen.recompute_stages[0] == "dec0"
+    assert plan.fits
+    assert plan.chosen.recompute == "auto"
+    assert plan.chosen.recompute_stages[0] == "dec0"
     tried = [c.recompute_stages for c in plan.candidates]
     assert tried == [plan.chosen.recompute_stages[:n] for n in range(len(plan.chosen.recompute_stages) + 1)]
     assert plan.candidates[-1] is plan.chosen
@@ -208,10 +216,13 @@ def test_a_job_over_its_placement_is_refused_per_node(full_node, counts_for):
 
 def test_forced_and_unchecked_jobs_run_past_the_budget(counts_for):
     forced = job_plan(_config(), counts_for, Budget(MIB, "--memory-budget"), force=True)
-    assert not forced.fits and forced.forced and forced.chosen.volume == 128
+    assert not forced.fits
+    assert forced.forced
+    assert forced.chosen.volume == 128
     assert forced.to_dict()["chosen"]["recompute_stages"] == []
     unchecked = job_plan(_config(), counts_for, Budget(MIB, "--memory-budget"), check=False)
-    assert not unchecked.fits and not unchecked.forced
+    assert not unchecked.fits
+    assert not unchecked.forced
 
 
 def test_fixed_stages_are_kept(counts_for):
@@ -222,11 +233,13 @@ def test_fixed_stages_are_kept(counts_for):
 
 def test_a_search_where_nothing_fits_is_refused(counts_for):
     plan = search_plan(_config(), counts_for, Budget(10 * MIB, "--budget"))
-    assert not plan.fits and plan.to_dict()["chosen"] is None
+    assert not plan.fits
+    assert plan.to_dict()["chosen"] is None
     with pytest.raises(InsufficientMemoryError) as info:
         require_fit(plan)
     assert str(info.value).startswith("Nothing fits 10.00 MiB (--budget): the closest candidate, 8^3 x batch 1 ")
-    assert info.value.available_bytes == 10 * MIB and info.value.exit_code == 3
+    assert info.value.available_bytes == 10 * MIB
+    assert info.value.exit_code == 3
     require_fit(search_plan(_config(), counts_for, Budget(64 * GIB, "--budget"), volume=32, batch_size=1))
 
 
@@ -264,9 +277,11 @@ def test_validation_beside_training_is_planned(counts_for):
     alone = job_plan(config, counts_for, Budget(64 * GIB, "--memory-budget"), shape=train_shape)
     plan = job_plan(config, counts_for, Budget(64 * GIB, "--memory-budget"), shape=train_shape,
                     validation_shape=held_out, validation_case="big")
-    assert plan.validation["case"] == "big" and plan.validation["shape"] == [128, 128, 128]
+    assert plan.validation["case"] == "big"
+    assert plan.validation["shape"] == [128, 128, 128]
     extra = plan.chosen.components["validation"]
-    assert extra > 0 and plan.predicted_peak_bytes == alone.predicted_peak_bytes + extra
+    assert extra > 0
+    assert plan.predicted_peak_bytes == alone.predicted_peak_bytes + extra
     assert plan.validation["predicted_peak_bytes"] == plan.predicted_peak_bytes
     tight = Budget((alone.predicted_peak_bytes + plan.predicted_peak_bytes) // 2, "--memory-budget")
     with pytest.raises(InsufficientMemoryError, match=r"^Validating held-out case 'big' \(128x128x128\) whole beside "
@@ -274,7 +289,8 @@ def test_validation_beside_training_is_planned(counts_for):
                                                       r"--val-every, hold out smaller cases, or pass --force"):
         job_plan(config, counts_for, tight, shape=train_shape, validation_shape=held_out, validation_case="big")
     small = job_plan(config, counts_for, Budget(64 * GIB, "x"), shape=(128,) * 3, validation_shape=(32, 32, 32))
-    assert "validation" not in small.chosen.components and small.validation["excess_bytes"] == 0
+    assert "validation" not in small.chosen.components
+    assert small.validation["excess_bytes"] == 0
 
 
 def test_a_budget_above_the_machine_is_refused_unless_forced():

@@ -38,19 +38,23 @@ def _point(volume, counted, overhead, exact=100):
 
 def test_knots_interpolate_and_extend_their_end_segments():
     curve = Calibration(0.0, 0, "test", knots=[[100, 1000], [300, 1400], [700, 2200]])
-    assert curve.line_for(100) == (2.0, 800) and curve.line_for(200) == (2.0, 800)
+    assert curve.line_for(100) == (2.0, 800)
+    assert curve.line_for(200) == (2.0, 800)
     assert curve.line_for(50) == (2.0, 800)  # below the first knot: the first segment
     assert curve.line_for(301) == (2.0, 800)
     curve.knots[2] = [700, 2000]
-    assert curve.line_for(500) == (1.5, 950) and curve.line_for(700) == (1.5, 950)
+    assert curve.line_for(500) == (1.5, 950)
+    assert curve.line_for(700) == (1.5, 950)
     # beyond: through the last knot, with the least-squares slope of the knots (weights 1/y^2)
     # where it is steeper than the last segment's 1.5
     slope, intercept = curve.line_for(5000)
-    assert slope == pytest.approx(1.6927, abs=1e-4) and intercept == 815  # 2000 - 1.6927 * 700
+    assert slope == pytest.approx(1.6927, abs=1e-4)
+    assert intercept == 815  # 2000 - 1.6927 * 700
     curve.knots[2] = [700, 3000]
     assert curve.line_for(5000) == (4.0, 200)  # the last segment is the steeper one
     assert Calibration(0.5, 7, "line").line_for(10**9) == (0.5, 7)  # no knots: the scalars
-    assert curve.fixed_bytes() == 800 and Calibration(0.5, 7, "line").fixed_bytes() == 7
+    assert curve.fixed_bytes() == 800
+    assert Calibration(0.5, 7, "line").fixed_bytes() == 7
 
 
 def test_knots_from_points_average_sort_and_never_decrease():
@@ -65,7 +69,8 @@ def test_fit_with_three_sizes_interpolates_and_reports_the_last_segment():
     assert calibration.knots == [[100, 1000], [300, 1400], [700, 2000]]
     assert (calibration.activation_scale, calibration.framework_bytes) == (1.6927, 815)  # the line beyond
     two = fit_calibration("small", "fp32", "none", points[:2])
-    assert two.knots == [] and (two.activation_scale, two.framework_bytes) == (2.0, 800)
+    assert two.knots == []
+    assert (two.activation_scale, two.framework_bytes) == (2.0, 800)
 
 
 def test_fit_recovers_scale_and_overhead():
@@ -77,7 +82,8 @@ def test_fit_recovers_scale_and_overhead():
     assert calibration.framework_bytes == pytest.approx(600_000_000, rel=1e-6)
     assert calibration.fitted_on == [32, 64, 96]
     assert calibration.key == machine_key("kits19", "bf16", "stages")
-    assert calibration.key["preset"] == "kits19" and calibration.margin_fraction == 0.0
+    assert calibration.key["preset"] == "kits19"
+    assert calibration.margin_fraction == 0.0
 
 
 def test_the_step_rate_is_the_largest_timed_volumes():
@@ -107,7 +113,8 @@ def test_saved_calibration_is_found_again_per_preset_and_mode(tmp_path, on_isa):
     save_calibration(saved, path=path)
     save_calibration(fit_calibration("small", "bf16", "none", points), path=path)
     found = lookup_calibration("small", "fp32", "none", path=path)
-    assert found == saved and found.source.startswith("this machine")
+    assert found == saved
+    assert found.source.startswith("this machine")
     assert len(json.loads(path.read_text())["calibrations"]) == 2
     save_calibration(saved, path=path)  # replaces, does not duplicate
     assert len(json.loads(path.read_text())["calibrations"]) == 2
@@ -124,9 +131,11 @@ def test_saved_calibration_is_found_again_per_preset_and_mode(tmp_path, on_isa):
 def test_every_shipped_preset_has_a_default_on_each_measured_isa(isa, preset, precision, recompute):
     found = default_calibration(preset, precision, recompute, isa=isa)
     knots = DEFAULTS[(isa, preset, precision, recompute)]
-    assert found.knots == [[x, y] for _, x, y in knots] and found.fitted_on == [v for v, _, _ in knots]
+    assert found.knots == [[x, y] for _, x, y in knots]
+    assert found.fitted_on == [v for v, _, _ in knots]
     # from 32^3 to the largest size each mode fits in 24 GiB, at least 192^3
-    assert found.fitted_on[:3] == [32, 64, 96] and found.fitted_on[-1] >= 192
+    assert found.fitted_on[:3] == [32, 64, 96]
+    assert found.fitted_on[-1] >= 192
     assert (found.margin_fraction, found.margin_bytes) == (0.0, 0)
     assert found.source.startswith(f"default for {preset} on {isa} ({DEFAULTS_MACHINES[isa]})")
 
@@ -158,7 +167,8 @@ def test_an_unknown_model_takes_the_largest_multiplier_with_a_margin():
     scales = {k[1]: default_calibration(k[1], "fp32", "none", isa="avx512_bf16").activation_scale
               for k in DEFAULTS if k[0] == "avx512_bf16" and k[2:] == ("fp32", "none")}
     assert found.activation_scale == max(scales.values())
-    assert found.margin_fraction == 0.15 and "no default for model 'my-net' in fp32/none" in found.source
+    assert found.margin_fraction == 0.15
+    assert "no default for model 'my-net' in fp32/none" in found.source
 
 
 @pytest.mark.parametrize("flags, expected", [

@@ -90,7 +90,8 @@ def test_to_dict_names_the_fields(model):
     result = estimate(_config(), NetworkCounts.from_model(model, (16,) * 3), (16,) * 3, calibration=UNIT)
     data = result.to_dict()
     assert data["predicted_peak_bytes"] == sum(data["components"].values())
-    assert data["param_count"] == 10_135 and data["calibration"]["source"] == "test"
+    assert data["param_count"] == 10_135
+    assert data["calibration"]["source"] == "test"
 
 
 def test_a_margin_is_its_own_component_and_a_note(model):
@@ -101,7 +102,8 @@ def test_a_margin_is_its_own_component_and_a_note(model):
     result = estimate(_config(), counts, (16,) * 3, calibration=margined)
     assert result.components["safety_margin"] == round(0.15 * plain.predicted_peak_bytes)
     assert result.predicted_peak_bytes == plain.predicted_peak_bytes + result.components["safety_margin"]
-    assert "safety_margin" not in plain.components and not plain.notes
+    assert "safety_margin" not in plain.components
+    assert not plain.notes
     assert any("no default for ISA class avx2" in note and "--calibrate --model tiny" in note for note in result.notes)
     margined.margin_bytes = 256 * 2**20  # the fixed part (calibration.UNMEASURED_MARGIN_BYTES) adds to the fraction
     fixed = estimate(_config(), counts, (16,) * 3, calibration=margined)
@@ -114,9 +116,11 @@ def test_the_calibration_scales_activations_and_workspace_alike(model):
     half = estimate(_config(), counts, (16,) * 3, calibration=Calibration(0.5, 1000, "test")).components
     assert half["workspace"] == round(0.5 * unit["workspace"])
     assert half["activations"] == round(0.5 * unit["activations"])
-    assert half["weights"] == unit["weights"] and half["input_pipeline"] == unit["input_pipeline"]
+    assert half["weights"] == unit["weights"]
+    assert half["input_pipeline"] == unit["input_pipeline"]
     # with knots, the segment around the counted bytes decides both
     counted = unit["activations"] + unit["workspace"]
     curve = Calibration(0.0, 0, "test", knots=[[0, 500], [2 * counted, 500 + 4 * counted]])
     knotted = estimate(_config(), counts, (16,) * 3, calibration=curve).components
-    assert knotted["framework"] == 500 and knotted["workspace"] == 2 * unit["workspace"]
+    assert knotted["framework"] == 500
+    assert knotted["workspace"] == 2 * unit["workspace"]

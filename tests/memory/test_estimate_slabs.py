@@ -30,7 +30,8 @@ def test_stage_largest_tensors(counts):
 def test_stages_past_the_limit_and_their_workspace(counts):
     config = resolve_config("tiny", {"train": {"batch_size": 2}})
     whole = estimate(config, counts, (32, 32, 32), calibration=UNIT)
-    assert whole.partitioned_stages == [] and partitioned_stages(counts, 2) == []
+    assert whole.partitioned_stages == []
+    assert partitioned_stages(counts, 2) == []
     limit = 4 * 32**3 * 2 - 1  # the batch of level-0 tensors is one element past it
     with kernel_element_limit(limit):
         assert partitioned_stages(counts, 2) == ["enc0", "enc1", "dec0"]
@@ -54,14 +55,16 @@ def test_a_plane_too_wide_for_any_slab_is_not_runnable(counts):
         assert estimate(config, counts, (32,) * 3, calibration=UNIT).runnable
     with kernel_element_limit(6 * plane - 1):
         result = estimate(config, counts, (32,) * 3, calibration=UNIT)
-        assert not result.runnable and result.to_dict()["runnable"] is False
+        assert not result.runnable
+        assert result.to_dict()["runnable"] is False
         assert any(note.startswith("not runnable: a depth plane of") and note.endswith("(needs 6 planes)")
                    for note in result.notes)
         model = UNet3D(config.model).build_for()
         plan = make_plan(config, lambda shape: NetworkCounts.from_model(model, shape), 2**40, budget_source="test",
                          batch_size=1)
     # 1 TiB is plenty, yet no volume whose planes are this wide is chosen
-    assert plan.fits and plan.chosen.volume < 32
+    assert plan.fits
+    assert plan.chosen.volume < 32
 
 
 @pytest.mark.parametrize("planes, runnable", [(5.5, False), (6, True)])

@@ -121,7 +121,8 @@ def test_bf16_halves_the_activations_not_the_weights_or_the_float32_parts(tiny_c
     est = estimate_inference(config, tiny_counts((32, 32, 32)), (32, 32, 32), calibration=FIXED)
     assert est.components["forward_activations"] == 25 * V * 2
     assert est.components["input_tensor"] == 4 * V + 2 * V  # the float32 copy and Keras's bfloat16 cast
-    assert est.components["weights"] == 10_135 * 4 and est.components["probabilities"] == 12 * V
+    assert est.components["weights"] == 10_135 * 4
+    assert est.components["probabilities"] == 12 * V
 
 
 def test_a_padded_case_counts_its_own_image_and_the_cropped_probabilities(tiny_counts):
@@ -130,7 +131,8 @@ def test_a_padded_case_counts_its_own_image_and_the_cropped_probabilities(tiny_c
     est = estimate_inference(resolve_config("tiny"), tiny_counts((32, 32, 32)), (32, 32, 32), calibration=FIXED,
                              source_shape=source)
     voxels = math.prod(source)
-    assert est.components["input_image"] == 4 * voxels and est.components["network_input"] == 4 * V
+    assert est.components["input_image"] == 4 * voxels
+    assert est.components["network_input"] == 4 * V
     assert est.components["probabilities"] == 12 * V + 12 * voxels  # the padded copy and its crop, briefly both
     saved = estimate_inference(resolve_config("tiny"), tiny_counts((32, 32, 32)), (32, 32, 32), calibration=FIXED,
                                source_shape=source, save_probabilities=True)
@@ -180,11 +182,13 @@ def test_unmeasured_presets_and_classes_borrow_with_a_margin():
     isa, preset, precision = next(iter(INFERENCE_DEFAULTS))
     assert inference_calibration(preset, precision, isa=isa).margin_fraction == 0.0
     borrowed = inference_calibration("intelai-brats-custom", precision, isa=isa)
-    assert borrowed.margin_fraction == 0.15 and "no inference default for model 'intelai-brats-custom'" in (
+    assert borrowed.margin_fraction == 0.15
+    assert "no inference default for model 'intelai-brats-custom'" in (
         borrowed.source)
     assert inference_calibration(preset, "bf16", isa="avx2").margin_fraction == 1.0  # bf16 emulated on AVX2
     tiny = inference_calibration("tiny", "fp32", isa=isa)
-    assert tiny.knots == inference_calibration("small", "fp32", isa=isa).knots and tiny.margin_fraction == 0.0
+    assert tiny.knots == inference_calibration("small", "fp32", isa=isa).knots
+    assert tiny.margin_fraction == 0.0
 
 
 # ---- the pre-flight ---------------------------------------------------------------------------
@@ -193,15 +197,23 @@ def test_the_largest_volume_fits_and_the_next_does_not(small_counts):
     config = resolve_config("small")
     at_96 = inference_candidate(config, small_counts, 2**50, (96,) * 3).predicted_peak_bytes
     plan = search_inference_plan(config, small_counts, Budget(at_96, "--memory-budget"))
-    assert plan.kind == "inference" and plan.fits and plan.chosen.volume == 96
-    assert plan.chosen.predicted_peak_bytes == at_96 and plan.chosen.spatial_shape == [96, 96, 96]
-    assert plan.chosen.batch_size == 1 and plan.chosen.recompute == "none"
+    assert plan.kind == "inference"
+    assert plan.fits
+    assert plan.chosen.volume == 96
+    assert plan.chosen.predicted_peak_bytes == at_96
+    assert plan.chosen.spatial_shape == [96, 96, 96]
+    assert plan.chosen.batch_size == 1
+    assert plan.chosen.recompute == "none"
     above = inference_candidate(config, small_counts, at_96, (104,) * 3)  # small: multiples of 8
-    assert not above.fits and above.predicted_peak_bytes > at_96
+    assert not above.fits
+    assert above.predicted_peak_bytes > at_96
     assert any(c.volume == 104 and not c.fits for c in plan.candidates)  # the search tried the boundary
     data = plan.to_dict()
-    assert data["kind"] == "inference" and data["chosen"]["volume"] == 96 and data["chosen"]["batch_size"] == 1
-    assert data["predicted_peak_bytes"] == at_96 and data["components"] == plan.chosen.components
+    assert data["kind"] == "inference"
+    assert data["chosen"]["volume"] == 96
+    assert data["chosen"]["batch_size"] == 1
+    assert data["predicted_peak_bytes"] == at_96
+    assert data["components"] == plan.chosen.components
 
 
 def test_a_volume_past_the_budget_exits_3_naming_what_fits(small_counts):
@@ -218,9 +230,12 @@ def test_a_volume_past_the_budget_exits_3_naming_what_fits(small_counts):
         f"{format_bytes(at_96)} (--memory-budget): the largest whole volume that fits is 96^3 (est. "
         f"{format_bytes(at_96)}); segment it in sliding windows, or predict with --ignore-plan to try anyway.")
     forced = inference_plan(config, small_counts, budget, (128, 128, 128), force=True)
-    assert forced.forced and not forced.fits and forced.chosen.volume == 128
+    assert forced.forced
+    assert not forced.fits
+    assert forced.chosen.volume == 128
     fits = inference_plan(config, small_counts, budget, (96, 96, 96))
-    assert fits.fits and not fits.forced
+    assert fits.fits
+    assert not fits.forced
 
 
 def test_a_non_cubic_case_is_named_by_its_shape(small_counts):
@@ -232,7 +247,9 @@ def test_a_non_cubic_case_is_named_by_its_shape(small_counts):
 
 def test_nothing_fits_exits_3(small_counts):
     plan = search_inference_plan(resolve_config("small"), small_counts, Budget(MIB, "--budget"))
-    assert not plan.fits and plan.chosen is None and plan.closest.volume == 8
+    assert not plan.fits
+    assert plan.chosen is None
+    assert plan.closest.volume == 8
     with pytest.raises(InsufficientMemoryError) as raised:
         require_fit(plan)
     assert raised.value.exit_code == 3
@@ -271,4 +288,5 @@ def test_one_margin_rule_for_training_and_inference_tables():
             fraction, UNMEASURED_MARGIN_BYTES)
         assert inference.safety_margin(1000) == round(fraction * 1000) + UNMEASURED_MARGIN_BYTES
     measured = inference_calibration("kits19", "fp32", isa="avx512_bf16")
-    assert not measured.has_margin and measured.safety_margin(10**9) == 0
+    assert not measured.has_margin
+    assert measured.safety_margin(10**9) == 0

@@ -33,18 +33,22 @@ def test_one_node_has_no_layouts(tmp_path):
 
 def test_a_small_job_fits_both_and_per_node_is_recommended(two_node):
     layouts = evaluate_layouts(50 * GIB, 2, two_node)
-    assert layouts.interleave.fits and layouts.per_node.fits and layouts.recommended == "per-node"
+    assert layouts.interleave.fits
+    assert layouts.per_node.fits
+    assert layouts.recommended == "per-node"
     assert (layouts.interleave.num_processes, layouts.interleave.global_batch_size) == (1, 2)
     assert (layouts.per_node.num_processes, layouts.per_node.global_batch_size) == (2, 4)
     assert [n.required_bytes for n in layouts.interleave.nodes] == [25 * GIB, 25 * GIB]
     assert [n.required_bytes for n in layouts.per_node.nodes] == [50 * GIB, 50 * GIB]  # each its whole peak
-    assert layouts.interleave.budget_bytes == 2 * 384 * GIB and layouts.per_node.budget_bytes == 384 * GIB
+    assert layouts.interleave.budget_bytes == 2 * 384 * GIB
+    assert layouts.per_node.budget_bytes == 384 * GIB
     assert layouts.per_node.reason == "2 workers x 50.00 GiB, each within its own node's free memory"
 
 
 def test_batch_1_above_a_node_fits_only_interleaved_and_names_the_node(two_node):
     layouts = evaluate_layouts(500 * GIB, 1, two_node)  # more than node 1's 384 GiB, within 2 x 384
-    assert layouts.interleave.fits and not layouts.per_node.fits
+    assert layouts.interleave.fits
+    assert not layouts.per_node.fits
     assert layouts.recommended == "interleave"
     assert layouts.per_node.reason == "each worker needs 500.00 GiB on its own node; node 1 has 384.00 GiB free"
     assert [n.fits for n in layouts.per_node.nodes] == [True, False]
@@ -52,7 +56,9 @@ def test_batch_1_above_a_node_fits_only_interleaved_and_names_the_node(two_node)
 
 def test_neither_fits_and_interleave_names_its_fullest_node(two_node):
     layouts = evaluate_layouts(800 * GIB, 1, two_node)
-    assert not layouts.interleave.fits and not layouts.per_node.fits and layouts.recommended is None
+    assert not layouts.interleave.fits
+    assert not layouts.per_node.fits
+    assert layouts.recommended is None
     assert layouts.interleave.reason == ("800.00 GiB over 2 nodes puts 400.00 GiB on each; node 1 has "
                                          "384.00 GiB free")
 
@@ -60,23 +66,28 @@ def test_neither_fits_and_interleave_names_its_fullest_node(two_node):
 def test_memory_only_nodes_carry_no_worker(four_node):
     layouts = evaluate_layouts(60 * GIB, 1, four_node)
     per_node = layouts.per_node
-    assert per_node.num_processes == 2 and per_node.global_batch_size == 2
+    assert per_node.num_processes == 2
+    assert per_node.global_batch_size == 2
     assert [(n.node_id, n.worker, n.required_bytes) for n in per_node.nodes] == [
         (0, True, 60 * GIB), (1, True, 60 * GIB), (2, False, 0), (3, False, 0)]
-    assert per_node.fits and per_node.budget_bytes == 90 * GIB
+    assert per_node.fits
+    assert per_node.budget_bytes == 90 * GIB
     assert per_node.reason.endswith("; node(s) 2,3 have no CPUs and carry no worker")
     assert layouts.interleave.budget_bytes == 4 * 90 * GIB  # interleave spreads over the memory-only nodes too
 
 
 def test_four_nodes_batch_1_above_a_socket_interleaves(four_node):
     layouts = evaluate_layouts(300 * GIB, 1, four_node)  # 75 GiB on each of 4 nodes; no socket holds 300
-    assert layouts.interleave.fits and not layouts.per_node.fits and layouts.recommended == "interleave"
+    assert layouts.interleave.fits
+    assert not layouts.per_node.fits
+    assert layouts.recommended == "interleave"
     assert "node 1 has 90.00 GiB free" in layouts.per_node.reason
 
 
 def test_to_dict_is_plan_json_layouts(four_node):
     data = evaluate_layouts(300 * GIB, 1, four_node).to_dict()
-    assert data["recommended"] == "interleave" and data["topology_source"].endswith("sys/devices/system/node")
+    assert data["recommended"] == "interleave"
+    assert data["topology_source"].endswith("sys/devices/system/node")
     assert set(data["interleave"]) == {"layout", "num_processes", "batch_size", "global_batch_size",
                                        "predicted_peak_bytes", "budget_bytes", "fits", "reason", "nodes"}
     assert data["per_node"]["nodes"][2] == {"node": 2, "free_bytes": 200 * GIB, "required_bytes": 0,

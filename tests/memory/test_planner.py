@@ -39,13 +39,17 @@ def test_largest_volume_per_mode_and_the_choice(counts_for):
     modes = {(c.precision, c.recompute): c for c in plan.best_per_mode}
     assert set(modes) == {("fp32", "none"), ("bf16", "none"), ("fp32", "stages"), ("bf16", "stages")}
     for c in plan.best_per_mode:
-        assert c.fits and c.volume % 8 == 0 and c.batch_size == 1
+        assert c.fits
+        assert c.volume % 8 == 0
+        assert c.batch_size == 1
         assert c.predicted_peak_bytes <= budget
         assert _peak(config, counts_for, c.volume + 8, 1, c.precision, c.recompute) > budget  # the next size doesn't
     assert modes[("bf16", "stages")].volume >= modes[("fp32", "none")].volume
     assert plan.chosen == max(plan.best_per_mode, key=lambda c: c.volume)
     data = plan.to_dict()
-    assert data["fits"] and data["budget_bytes"] == budget and len(data["candidates"]) == len(plan.candidates)
+    assert data["fits"]
+    assert data["budget_bytes"] == budget
+    assert len(data["candidates"]) == len(plan.candidates)
     assert data["chosen"]["volume"] == plan.chosen.volume
 
 
@@ -68,7 +72,8 @@ def test_ties_prefer_full_precision_without_recompute(counts_for):
 def test_nothing_fits(counts_for):
     config = resolve_config("small")
     plan = make_plan(config, counts_for, 10 * 2**20, budget_source="test")
-    assert not plan.fits and plan.chosen is None
+    assert not plan.fits
+    assert plan.chosen is None
     assert plan.closest.predicted_peak_bytes == min(c.predicted_peak_bytes for c in plan.candidates)
     assert plan.to_dict()["chosen"] is None
 
@@ -84,7 +89,8 @@ def test_cheapest_fix_names_the_first_mode_that_fits(counts_for):
     counts = counts_for((128,) * 3)
     with pytest.raises(InsufficientMemoryError) as info:
         check_fits(estimate(config, counts, (128,) * 3), config, counts_for, budget, "test", 128)
-    assert info.value.required_bytes == fp32 and info.value.available_bytes == budget
+    assert info.value.required_bytes == fp32
+    assert info.value.available_bytes == budget
     assert str(info.value).startswith("Predicted peak ")
     assert "for small at 128^3 x batch 1 (fp32) exceeds the memory budget" in str(info.value)
     assert str(info.value).endswith("(test): " + fix + "; or pass --force to try anyway.")
@@ -105,7 +111,8 @@ def test_auto_recomputes_the_fewest_stages(counts_for):
     stages = _peak(config, counts_for, 128, 1, recompute="stages")
     planner = Planner(config, counts_for, (none + stages) // 2)
     chosen = planner.fewest_recomputed_stages(128, 1, Precision.FP32)
-    assert chosen.fits and 1 <= len(chosen.recompute_stages) < 7
+    assert chosen.fits
+    assert 1 <= len(chosen.recompute_stages) < 7
     assert chosen.recompute_stages[0] == "dec0"
     fewer = planner.evaluate(128, 1, Precision.FP32, Recompute.AUTO, chosen.recompute_stages[:-1])
     assert not fewer.fits
@@ -127,9 +134,11 @@ def test_without_native_bf16_the_plan_and_suggestions_keep_fp32(monkeypatch):
 
     config = resolve_config("small", {"train": {"batch_size": 1}})
     monkeypatch.setenv("BIGMEM_NATIVE_BF16", "0")
-    assert allowed_modes() == FP32_MODES and allowed_modes(True) == MODES
+    assert allowed_modes() == FP32_MODES
+    assert allowed_modes(True) == MODES
     plan = make_plan(config, counts_for, 2 * 2**30, budget_source="test", batch_size=1)
-    assert plan.fits and {c.precision for c in plan.candidates} == {"fp32"}
+    assert plan.fits
+    assert {c.precision for c in plan.candidates} == {"fp32"}
     assert plan.chosen.precision == "fp32"
     with_bf16 = make_plan(config, counts_for, 2 * 2**30, budget_source="test", batch_size=1, allow_bf16=True)
     assert {c.precision for c in with_bf16.candidates} == {"fp32", "bf16"}

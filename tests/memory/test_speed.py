@@ -30,7 +30,8 @@ def test_unmeasured_classes_borrow_and_say_so_and_emulated_bf16_is_slow():
     assert avx512.gflops_per_core == MEASURED_RATES[("avx512_bf16", "fp32")][32]
     assert "avx512 not measured, avx512_bf16's figures used" in avx512.source
     amx = step_rate("amx", "bf16", 32, True)  # measured: its own figures
-    assert amx.gflops_per_core == MEASURED_RATES[("amx", "bf16")][32] and "not measured" not in amx.source
+    assert amx.gflops_per_core == MEASURED_RATES[("amx", "bf16")][32]
+    assert "not measured" not in amx.source
     emulated = step_rate("avx512", "bf16", 32, False)
     assert emulated.gflops_per_core == pytest.approx(MEASURED_RATES[("avx512_bf16", "fp32")][32]
                                                      / EMULATED_BF16_SLOWDOWN)
@@ -68,7 +69,8 @@ def test_plan_candidates_carry_a_step_time():
     fp32 = planner.evaluate(64, 1, Precision.FP32, Recompute.NONE)
     stages = planner.evaluate(64, 1, Precision.FP32, Recompute.STAGES)
     bf16 = planner.evaluate(64, 1, Precision.BF16, Recompute.NONE)
-    assert fp32.predicted_step_s > 0 and "avx2" in fp32.step_rate_source
+    assert fp32.predicted_step_s > 0
+    assert "avx2" in fp32.step_rate_source
     assert stages.predicted_step_s == pytest.approx(fp32.predicted_step_s * 4 / 3, rel=1e-2)
     assert bf16.predicted_step_s > 15 * fp32.predicted_step_s  # emulated
 

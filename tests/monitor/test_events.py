@@ -52,4 +52,5 @@ def test_another_failure_keeps_the_event_files(tmp_path):
         with events:
             _log(events, "train", 1)
             raise TrainingError("Loss is nan at step 1")  # the curve up to it is what explains it
-    assert len(events.files) == 1 and events.files[0].is_file()
+    assert len(events.files) == 1
+    assert events.files[0].is_file()

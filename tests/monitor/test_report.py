@@ -23,7 +23,8 @@ def _monitor_rows(run_dir):
 
 def _png_size(path):
     data = path.read_bytes()
-    assert data[:8] == PNG_MAGIC and data[12:16] == b"IHDR"
+    assert data[:8] == PNG_MAGIC
+    assert data[12:16] == b"IHDR"
     return struct.unpack(">II", data[16:24])
 
 
@@ -62,18 +63,22 @@ def test_monitor_csv_and_report(trained, capsys):
     folder = run / "report"
     for name in PLOTS:
         width, height = _png_size(folder / f"{name}.png")
-        assert width >= 400 and height >= 200
+        assert width >= 400
+        assert height >= 200
     report = json.loads((folder / "report.json").read_text())
     (only,) = report["runs"]
     assert only["peak_rss_bytes"] == max(int(r["peak_rss_bytes"]) for r in rows)
     assert only["peak_rss_bytes"] >= max(int(r["rss_bytes"]) for r in rows)
-    assert only["steps"] == 8 and only["state"] == "finished"
+    assert only["steps"] == 8
+    assert only["state"] == "finished"
     assert only["input_stall_share"] == pytest.approx(sum(m["input_wait_s"] for m in metrics)
                                                      / sum(m["step_s"] for m in metrics))
     plan = json.loads((run / "plan.json").read_text())
     assert only["predicted_peak_bytes"] == plan["predicted_peak_bytes"]
     markdown = (folder / "report.md").read_text()
-    assert "input stall share" in markdown and "peak / plan" in markdown and "![memory](memory.png)" in markdown
+    assert "input stall share" in markdown
+    assert "peak / plan" in markdown
+    assert "![memory](memory.png)" in markdown
     assert only["disk_device"] == json.loads((run / "monitor.json").read_text())["disk_device"]
     assert f"{run}: finished, 8 steps" in out
 
@@ -89,7 +94,8 @@ def test_two_runs_side_by_side(trained, tmp_path, capsys):
     a, b = report["runs"]
     validated = [json.loads(line) for line in (trained[1] / "metrics.jsonl").read_text().splitlines()]
     validated = [r["val_dice"] for r in validated if "val_dice" in r]
-    assert len(validated) == 2 and a["last_val_dice"] is None
+    assert len(validated) == 2
+    assert a["last_val_dice"] is None
     assert (b["last_val_dice"], b["best_val_dice"]) == (validated[-1], max(validated))
     assert f"| validation Dice last / best | - / - | {validated[-1]:.3f} / {max(validated):.3f} |" in (
         out / "report.md").read_text()
@@ -110,18 +116,23 @@ def test_a_running_run_with_a_torn_row(trained, tmp_path, capsys):
 
 def test_bad_run_directories(tmp_path, capsys):
     code, _, err = run_cli(["report", tmp_path / "nope"], capsys)
-    assert code == 1 and "no such directory" in err and len(err.strip().splitlines()) == 1
+    assert code == 1
+    assert "no such directory" in err
+    assert len(err.strip().splitlines()) == 1
     (tmp_path / "empty").mkdir()
     code, _, err = run_cli(["report", tmp_path / "empty"], capsys)
-    assert code == 1 and "neither metrics.jsonl nor monitor.csv" in err
+    assert code == 1
+    assert "neither metrics.jsonl nor monitor.csv" in err
     code, _, err = run_cli(["report", tmp_path, tmp_path, tmp_path], capsys)
-    assert code == 2 and "one or two RUN_DIRs" in err
+    assert code == 2
+    assert "one or two RUN_DIRs" in err
 
 
 def test_monitor_interval_flag(tiny_store, tmp_path, capsys):
     code, _, err = run_cli(["train", "--model", "tiny", "--data", tiny_store, "--steps", 1,
                             "--monitor-interval", "-1", "--out", tmp_path / "r"], capsys)
-    assert code == 2 and "Invalid --monitor-interval -1" in err
+    assert code == 2
+    assert "Invalid --monitor-interval -1" in err
     code, _, err = run_cli(["train", "--model", "tiny", "--data", tiny_store, "--steps", 2,
                             "--monitor-interval", "0", "--out", tmp_path / "off"], capsys)
     assert code == 0, err

@@ -44,18 +44,22 @@ def test_writes_the_columns_with_sane_values(tmp_path, two_nodes):
     rows = _rows(csv_path)
     assert monitor.samples == len(rows) >= 5
     info = json.loads((tmp_path / "run" / "monitor.json").read_text())
-    assert info["numa_nodes"] == [0, 1] and info["num_gpus"] == 0 and info["columns"] == list(rows[0])
+    assert info["numa_nodes"] == [0, 1]
+    assert info["num_gpus"] == 0
+    assert info["columns"] == list(rows[0])
     # The fake sysfs root has no /sys/dev/block: the monitor falls back to all disks and says so.
     assert info["disk_device"] == "all disks (the store has no block device of its own)"
     assert list(rows[0]) == [*BASE_COLUMNS, "node0_used_bytes", "node1_used_bytes"]  # no GPU columns
     times = [float(r["time_s"]) for r in rows]
-    assert times == sorted(times) and times[0] == 0.0
+    assert times == sorted(times)
+    assert times[0] == 0.0
     for row in rows:
         assert 0 < int(row["rss_bytes"]) <= int(row["peak_rss_bytes"])
         assert 0.0 <= float(row["cpu_percent"]) <= 100.0 * psutil.cpu_count()
         assert int(row["num_threads"]) >= 2  # this thread and the monitor's
         assert int(row["page_cache_bytes"]) >= 0
-        assert int(row["disk_read_bytes_per_s"]) >= 0 and int(row["disk_write_bytes_per_s"]) >= 0
+        assert int(row["disk_read_bytes_per_s"]) >= 0
+        assert int(row["disk_write_bytes_per_s"]) >= 0
         assert int(row["node0_used_bytes"]) == 68 * GIB_KB * 1024
         assert int(row["node1_used_bytes"]) == 384 * GIB_KB * 1024
     # A busy loop on one thread shows as CPU time (not normalised by the number of cores).
@@ -75,7 +79,8 @@ def test_resume_appends_and_continues_time(tmp_path, two_nodes):
     assert csv_path.read_text().count("time_s") == 1  # one header
     assert rows[:len(first)] == first
     later = [float(r["time_s"]) for r in rows[len(first):]]
-    assert later and min(later) >= float(first[-1]["time_s"]) + 0.05
+    assert later
+    assert min(later) >= float(first[-1]["time_s"]) + 0.05
     assert all(None not in r.values() for r in rows)  # the torn row is gone
 
 
@@ -98,8 +103,10 @@ def test_gpu_columns_from_nvidia_smi(tmp_path, two_nodes):
     with ResourceMonitor(csv_path, interval_s=0.05, sys_root=two_nodes, gpu_command=command):
         pass
     row = _rows(csv_path)[-1]
-    assert float(row["gpu0_util_percent"]) == 37.0 and int(row["gpu0_memory_used_bytes"]) == 1024 * 2**20
-    assert float(row["gpu1_util_percent"]) == 12.0 and int(row["gpu1_memory_used_bytes"]) == 2048 * 2**20
+    assert float(row["gpu0_util_percent"]) == 37.0
+    assert int(row["gpu0_memory_used_bytes"]) == 1024 * 2**20
+    assert float(row["gpu1_util_percent"]) == 12.0
+    assert int(row["gpu1_memory_used_bytes"]) == 2048 * 2**20
 
 
 def test_failing_nvidia_smi_means_no_gpus(tmp_path):

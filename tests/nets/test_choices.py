@@ -21,7 +21,9 @@ def test_every_class_has_choices_with_a_source_and_sane_ranges():
         entry = choices.CHOICES[name]
         assert entry.source
         for (precision, stride), (low, high) in entry.planewise.items():
-            assert precision in ("fp32", "bf16") and stride in (1, 2) and 1 <= low <= high
+            assert precision in ("fp32", "bf16")
+            assert stride in (1, 2)
+            assert 1 <= low <= high
 
 
 def test_planewise_channels_reads_this_process_class(monkeypatch):
@@ -57,7 +59,8 @@ def test_amx_takes_every_bf16_weight_gradient_planewise(monkeypatch):
         assert layer._planewise(x), (channels, strides)
     assert choices.CHOICES["amx"].planewise[("fp32", 2)] == choices.CHOICES["avx512_bf16"].planewise[("fp32", 2)]
     # The head's 1x1x1 and the transposed conv's kernel gradients crashed too: 2-D in bf16 only.
-    assert choices.planewise_others("bf16") and not choices.planewise_others("fp32")
+    assert choices.planewise_others("bf16")
+    assert not choices.planewise_others("fp32")
     head = Conv3D(3, 1, dtype="mixed_bfloat16")
     assert head._pointwise(tf.zeros((1, 4, 4, 4, 32), tf.bfloat16))
     assert not head._pointwise(tf.zeros((1, 4, 4, 4, 32)))

@@ -65,7 +65,8 @@ def test_layer_matches_keras_conv3d(policy, strides, in_channels, planewise):
     stock.kernel.assign(ours.kernel)
     assert ours._planewise(tf.cast(x, ours.compute_dtype)) is planewise
     (y, (dx, dw)), (y_ref, (dx_ref, dw_ref)) = _grads(ours, x), _grads(stock, x)
-    assert y.dtype == ours.compute_dtype and dw.dtype == tf.float32
+    assert y.dtype == ours.compute_dtype
+    assert dw.dtype == tf.float32
     # bf16 keeps 8 bits of mantissa; the kernel gradient sums over the volume in bf16 kernels.
     tol = 2e-2 if policy == "mixed_bfloat16" else 1e-5
     np.testing.assert_allclose(tf.cast(y, tf.float32), tf.cast(y_ref, tf.float32), rtol=tol, atol=tol)
@@ -106,7 +107,8 @@ def test_transposed_weight_grad_equals_conv3d_backprop_filter(shape, stride, chu
                                              out_backprop=x, strides=[1, k, k, k, 1], padding="SAME")
     fn = tf.function(transposed_weight_grad, autograph=False) if graph else transposed_weight_grad
     got = fn(dy, x, stride)
-    assert got.shape == (k, k, k, 5, shape[-1]) and got.dtype == tf.float32
+    assert got.shape == (k, k, k, 5, shape[-1])
+    assert got.dtype == tf.float32
     np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-5)
 
 
@@ -130,7 +132,8 @@ def test_pointwise_layer_takes_the_2d_weight_gradient_and_matches_keras(two_d_ot
     for layer in (ours, stock):
         layer.build(x.shape)
     stock.set_weights(ours.get_weights())
-    assert ours._pointwise(x) and not ours._planewise(x)
+    assert ours._pointwise(x)
+    assert not ours._planewise(x)
     (y, (dx, dw)), (y_ref, (dx_ref, dw_ref)) = _grads(ours, x), _grads(stock, x)
     assert two_d_others == ["pointwise_weight_grad"]
     for got, want in ((y, y_ref), (dx, dx_ref), (dw, dw_ref)):

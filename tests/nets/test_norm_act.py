@@ -138,7 +138,8 @@ def test_mixed_bfloat16_normalises_with_float32_gamma_and_beta(slabs, channels):
         with tf.GradientTape() as tape:
             y = layer(x)
         dbeta = tape.gradient(y, layer.beta, output_gradients=tf.ones_like(y))
-    assert layer.beta.dtype == "float32" and np.asarray(layer.beta)[0] == np.float32(-0.999)
+    assert layer.beta.dtype == "float32"
+    assert np.asarray(layer.beta)[0] == np.float32(-0.999)
     np.testing.assert_array_equal(dbeta.numpy(), np.full(channels, 8**3 / 2))
     positive = tf.cast(y, tf.float32).numpy()[..., 0][sign[None] > 0]
     np.testing.assert_allclose(positive, 1.0 / np.sqrt(1 + 1e-5) - 0.999, rtol=2e-2)
@@ -153,7 +154,8 @@ def test_bfloat16_with_eight_channels_runs_the_float32_kernel(monkeypatch):
     x = tf.cast(tf.random.stateless_normal((1, 4, 4, 4, 8), [1, 2]), tf.bfloat16)
     y = norm_act.instance_norm_activation(x, tf.ones(8), tf.zeros(8), epsilon=1e-5, activation="relu",
                                           negative_slope=0.0)
-    assert calls == [tf.bfloat16] and y.dtype == tf.bfloat16
+    assert calls == [tf.bfloat16]
+    assert y.dtype == tf.bfloat16
     norm_act.instance_norm_activation(tf.cast(x, tf.float32), tf.ones(8), tf.zeros(8), epsilon=1e-5,
                                       activation="relu", negative_slope=0.0)
     assert calls == [tf.bfloat16]  # float32 with 8 channels takes oneDNN's float32 kernel directly

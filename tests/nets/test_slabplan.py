@@ -98,7 +98,8 @@ def test_conv_plan_reproduces_the_whole_conv_and_its_gradients(depth, kernel, st
         return
     plan = plan_conv((1, depth, 1, 1, 1), (kernel,) * 3 + (1, 1), stride, limit=planes)
 
-    assert _tiles(_written(plan.forward), out_depth) and _tiles(_written(plan.backward), depth)
+    assert _tiles(_written(plan.forward), out_depth)
+    assert _tiles(_written(plan.backward), depth)
     y = np.concatenate([_conv(x[s.in_start:s.in_stop], w, stride)[s.pad_before:s.pad_before + s.out_planes]
                         for s in plan.forward])
     np.testing.assert_allclose(y, _conv(x, w, stride), atol=1e-12)
@@ -132,7 +133,8 @@ def test_conv_frames_reproduce_same_padding(depth, kernel, stride):
             frame = conv_frame(depth, kernel, stride, o0, o1)
             assert 0 <= frame.in_start < frame.in_stop <= depth
             slab_out, slab_pad = same_padding(frame.in_planes, kernel, stride)
-            assert frame.result_planes == slab_out and min(frame.pad_before, frame.pad_after) >= 0
+            assert frame.result_planes == slab_out
+            assert min(frame.pad_before, frame.pad_after) >= 0
             for j, o in enumerate(range(o0, o1)):
                 first_read = frame.in_start - slab_pad + (frame.pad_before + j) * stride
                 assert first_read == o * stride - pad
@@ -147,8 +149,11 @@ def test_stride1_halos_are_one_plane_inside_and_none_at_the_volume_ends():
     plan = plan_conv((1, 35, 1, 1, 2), (3, 3, 3, 2, 2), 1, limit=28)
     first, *inner, last = plan.forward
     assert first == Slab(0, 7, 0, 6, 0, 1)  # TF pads before plane 0, as the whole conv does
-    assert last.in_stop == 35 and last.out_stop == 35 and last.pad_after == 0
-    assert inner and all((s.in_start, s.in_stop, s.pad_before, s.pad_after) == (s.out_start - 1, s.out_stop + 1, 1, 1)
+    assert last.in_stop == 35
+    assert last.out_stop == 35
+    assert last.pad_after == 0
+    assert inner
+    assert all((s.in_start, s.in_stop, s.pad_before, s.pad_after) == (s.out_start - 1, s.out_stop + 1, 1, 1)
                          for s in inner)
     assert [s.in_planes for s in plan.forward] == [7, 7, 7, 7, 7, 7, 5]  # all full but the last
     # Input gradient: windows of the written planes and one more each side, clipped to the volume.
@@ -164,7 +169,8 @@ def test_stride2_on_an_odd_depth():
     assert not plan.tapwise
     assert plan.forward[0] == Slab(0, 9, 0, 4, 0, 1)  # the 9-plane conv yields 5: the 4 wanted, then one cropped
     assert plan.forward[1] == Slab(7, 15, 4, 7, 0, 1)  # output 4 reads planes 7-9
-    assert _tiles(_written(plan.forward), 18) and _tiles(_written(plan.backward), 35)
+    assert _tiles(_written(plan.forward), 18)
+    assert _tiles(_written(plan.backward), 35)
     assert all(s.in_planes <= 9 for s in plan.forward)
     assert all(g.out_planes <= 9 and g.frame.in_planes <= 9 for g in plan.backward)
 
@@ -175,7 +181,8 @@ def test_one_slab_when_the_op_is_small(shape, kernel, stride):
     depth, out_depth = shape[1], same_padding(shape[1], kernel, stride)[0]
     plan = plan_conv(shape, (kernel,) * 3 + (shape[-1], 4), stride, limit=10**9)
     assert plan.forward == (Slab(0, depth, 0, out_depth, 0, plan.forward[0].pad_after),)
-    assert len(plan.backward) == 1 and _written(plan.backward) == [(0, depth)]
+    assert len(plan.backward) == 1
+    assert _written(plan.backward) == [(0, depth)]
     assert plan_pool(shape, 2, limit=10**9).forward == (Slab(0, 2 * (depth // 2), 0, depth // 2),)
     assert plan_conv_transpose(shape, (2, 2, 2, 4, shape[-1]), 2, limit=10**9).forward == (
         Slab(0, depth, 0, 2 * depth),)
@@ -231,7 +238,8 @@ def test_pool_plan_tiles_both_ways_and_zeroes_the_planes_past_the_last_window(de
     plan = plan_pool((1, depth, 4, 4, 2), 2, limit=8 * plane)  # half: 4 input planes, 2 windows a slab
     assert all(s == Slab(2 * s.out_start, 2 * s.out_stop, s.out_start, s.out_stop) for s in plan.forward)
     assert [s.out_planes for s in plan.forward][:-1] == [2] * (len(plan.forward) - 1)
-    assert _tiles(_written(plan.forward), depth // 2) and _tiles(_written(plan.backward), depth)
+    assert _tiles(_written(plan.forward), depth // 2)
+    assert _tiles(_written(plan.backward), depth)
     tail = plan.backward[-1]
     assert (tail.in_planes == 0) == (depth % 2 == 1)
     if depth % 2:
@@ -250,10 +258,12 @@ def test_pool_slabs_take_half_the_limit_but_never_less_than_a_window():
 def test_transposed_plan_writes_k_planes_per_input_plane(depth):
     plane_in, plane_out = 2 * 2 * 3, 4 * 4 * 2  # (1, D, 2, 2, 3) -> (1, 2D, 4, 4, 2)
     plan = plan_conv_transpose((1, depth, 2, 2, 3), (2, 2, 2, 2, 3), 2, limit=2 * 2 * plane_out)
-    assert max(plane_in, 2 * plane_out) == 64 and [s.in_planes for s in plan.forward][:-1] == [2] * (
+    assert max(plane_in, 2 * plane_out) == 64
+    assert [s.in_planes for s in plan.forward][:-1] == [2] * (
         len(plan.forward) - 1)
     assert all((s.out_start, s.out_stop) == (2 * s.in_start, 2 * s.in_stop) for s in plan.forward)
-    assert _tiles(_written(plan.forward), 2 * depth) and _tiles(_written(plan.backward), depth)
+    assert _tiles(_written(plan.forward), 2 * depth)
+    assert _tiles(_written(plan.backward), depth)
     assert [(s.in_start, s.in_stop) for s in plan.backward] == _written(plan.forward)
 
 
@@ -280,7 +290,8 @@ def test_planewise_slabs_read_what_they_write_and_tile_the_depth(depth):
     slabs = plan_planewise((2, depth, 4, 4, 2), what="the loss", limit=3 * plane)
     assert all(s == Slab(s.out_start, s.out_stop, s.out_start, s.out_stop) for s in slabs)
     assert _tiles(_written(slabs), depth)
-    assert [s.out_planes for s in slabs][:-1] == [3] * (len(slabs) - 1) and slabs[-1].out_planes <= 3
+    assert [s.out_planes for s in slabs][:-1] == [3] * (len(slabs) - 1)
+    assert slabs[-1].out_planes <= 3
     # the same slabs as plan_slabs makes for a limit on whole planes
     assert _written(slabs) == plan_slabs(depth, lambda d0, d1: (d1 - d0) * plane <= 3 * plane, what="the loss")
 

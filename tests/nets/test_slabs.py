@@ -47,7 +47,8 @@ def test_limit_constant_and_override(monkeypatch):
     assert max_kernel_elements() == MAX_KERNEL_ELEMENTS
     with kernel_element_limit(1000):
         assert max_kernel_elements() == 1000
-        assert exceeds_limit((1, 10, 10, 10, 2)) and not exceeds_limit((1, 10, 10, 10, 1))
+        assert exceeds_limit((1, 10, 10, 10, 2))
+        assert not exceeds_limit((1, 10, 10, 10, 1))
         assert not exceeds_limit((None, 100, 100, 100, 1))  # unknown sizes are never partitioned
     monkeypatch.setenv("BIGMEM_MAX_KERNEL_ELEMENTS", "123")
     assert max_kernel_elements() == 123
@@ -172,7 +173,8 @@ def test_stride1_weight_gradient_is_tapwise_and_slabs_but_the_last_are_full():
 
     ops = step.get_concrete_function(x, w).graph.get_operations()
     types = [op.type for op in ops]
-    assert "Conv3DBackpropFilterV2" not in types and types.count("Conv2DBackpropFilter") == 5 * 3
+    assert "Conv3DBackpropFilterV2" not in types
+    assert types.count("Conv2DBackpropFilter") == 5 * 3
     # Forward: outputs 0-5, 6-10, 11-15, 16-20 from 7 input planes each, 21-22 from the last 3.
     assert [op.inputs[0].shape[1] for op in ops if op.type == "Conv3D"] == [7, 7, 7, 7, 3]
 

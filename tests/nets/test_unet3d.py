@@ -160,7 +160,8 @@ def test_encoder_and_decoder_stages_count_their_tensors():
     skip = np.zeros((1, 8, 8, 8, 16), np.float32)
     # Plain blocks of 16 or more filters take [up, skip] as two inputs: no concatenated tensor.
     dec = DecoderStage(16, in_filters=32, num_blocks=1)
-    assert dec.concat is None and dec.blocks[0].num_inputs == 2
+    assert dec.concat is None
+    assert dec.blocks[0].num_inputs == 2
     up = dec.up(low)
     block = dec.blocks[0]
     parts = (block.conv(up), block.conv_skip(skip))
@@ -227,9 +228,12 @@ def test_stock_layers_build_the_same_network_from_keras_layers():
     stock = UNet3D(dataclasses.replace(config, stock_layers=True)).build_for()
     assert stock.count_params() == ours.count_params()
     kinds = {type(layer).__name__ for layer in stock._flatten_layers()}
-    assert {"GroupNormalization", "Concatenate", "ReLU"} <= kinds and "NormActivation" not in kinds
+    assert {"GroupNormalization", "Concatenate", "ReLU"} <= kinds
+    assert "NormActivation" not in kinds
     kinds = {type(layer).__name__ for layer in ours._flatten_layers()}
-    assert "NormActivation" in kinds and "Concatenate" not in kinds and "GroupNormalization" not in kinds
+    assert "NormActivation" in kinds
+    assert "Concatenate" not in kinds
+    assert "GroupNormalization" not in kinds
     assert UNet3D.from_config(stock.get_config()).model_config.stock_layers is True
 
 

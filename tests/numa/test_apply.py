@@ -101,7 +101,8 @@ def test_training_threads_checked_from_outside(tmp_path, tiny_store, policy, exp
             assert time.monotonic() < deadline, "training did not start"
             time.sleep(0.1)
         seen = thread_policies(process.pid)  # read from outside, while TF's pools run
-        assert seen == {expected: sum(seen.values())} and sum(seen.values()) > 3, seen
+        assert seen == {expected: sum(seen.values())}, seen
+        assert sum(seen.values()) > 3, seen
     finally:
         process.send_signal(signal.SIGTERM)
         _, err = process.communicate(timeout=120)
@@ -113,10 +114,12 @@ def test_training_threads_checked_from_outside(tmp_path, tiny_store, policy, exp
     assert int(report["node_peak_bytes"]["0"]) > 100 * 2**20
     # apart: the anonymous pages (what the policy placed: TF's heap, the tensors) and the file pages
     anonymous, files = report["node_peak_anonymous_bytes"]["0"], report["node_peak_file_bytes"]["0"]
-    assert 50 * 2**20 < anonymous < report["node_peak_bytes"]["0"] and 0 < files < report["node_peak_bytes"]["0"]
+    assert 50 * 2**20 < anonymous < report["node_peak_bytes"]["0"]
+    assert 0 < files < report["node_peak_bytes"]["0"]
     # the input reader (with multiprocessing's resource tracker), its own pages and the shared slots it fills
     readers = report["input_workers"]
-    assert readers["processes"] >= 2 and readers["node_peak_anonymous_bytes"]["0"] > 10 * 2**20
+    assert readers["processes"] >= 2
+    assert readers["node_peak_anonymous_bytes"]["0"] > 10 * 2**20
     assert readers["node_peak_file_bytes"]["0"] > 32**3 * 4
 
 
@@ -179,6 +182,7 @@ def test_bind_moves_what_was_touched_before_it_onto_the_bound_nodes(nodes, onlin
 
     lib = _FakeLibnuma()
     left = migrate_to(nodes, SimpleNamespace(LIBNUMA=lib), online=online)
-    assert lib.calls == moved and (left == 0 if moved else left is None)
+    assert lib.calls == moved
+    assert left == 0 if moved else left is None
     assert sorted(lib.freed) == sorted(lib.masks)  # every mask given back
     assert migrate_to((1,), SimpleNamespace(LIBNUMA=_FakeLibnuma(left=-1)), online="0-1") is None  # refused

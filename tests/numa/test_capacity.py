@@ -51,7 +51,8 @@ def test_interleave_refusal_names_the_node(four_socket):
     assert str(info.value) == ("Predicted peak 400.00 GiB interleaved over 4 node(s) needs 100.00 GiB on each; "
                                "node 3 has 40.00 GiB (node 0: 370.00 GiB free, node 1: 370.00 GiB free, node 2: "
                                "370.00 GiB free, node 3: 40.00 GiB free).")
-    assert info.value.exit_code == 3 and info.value.available_bytes == 160 * GIB
+    assert info.value.exit_code == 3
+    assert info.value.available_bytes == 160 * GIB
 
 
 def test_bind_refusal_gives_the_per_node_figures(two_socket):

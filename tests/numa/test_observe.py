@@ -42,14 +42,16 @@ def test_peaks_per_node_and_wait_scaled_by_the_read_time(monkeypatch):
     assert sampler.wait_s == 1.0  # a cheap read keeps the interval asked for
     sampler.sample()
     assert sampler.peak_bytes == {0: 110, 1: 75}
-    assert sampler.anonymous_peak_bytes == {0: 100, 1: 70} and sampler.file_peak_bytes == {0: 30, 1: 5}
+    assert sampler.anonymous_peak_bytes == {0: 100, 1: 70}
+    assert sampler.file_peak_bytes == {0: 30, 1: 5}
     assert sampler.wait_s == pytest.approx(0.2 / NodePeakSampler.MAX_DUTY)  # 40 s: 0.5 % of the time at most
 
 
 def test_real_process_has_a_resident_node():
     with NodePeakSampler(interval_s=0.01) as sampler:
         pass
-    assert sampler.peak_bytes and all(value > 0 for value in sampler.peak_bytes.values())
+    assert sampler.peak_bytes
+    assert all(value > 0 for value in sampler.peak_bytes.values())
 
 
 def test_input_readers_are_summed_apart(monkeypatch):
@@ -64,9 +66,11 @@ def test_input_readers_are_summed_apart(monkeypatch):
     sampler.sample()
     read["n"] = 2
     sampler.sample()
-    assert sampler.anonymous_peak_bytes == {0: 100} and sampler.peak_bytes == {0: 110}  # the readers not in it
+    assert sampler.anonymous_peak_bytes == {0: 100}
+    assert sampler.peak_bytes == {0: 110}  # the readers not in it
     assert sampler.children_anonymous_peak_bytes == {0: 20, 1: 10}
-    assert sampler.children_file_peak_bytes == {0: 80} and sampler.children_peak_count == 2
+    assert sampler.children_file_peak_bytes == {0: 80}
+    assert sampler.children_peak_count == 2
     report = observe.observed({"text": "local"}, sampler)["input_workers"]
     assert report == {"processes": 2, "node_peak_anonymous_bytes": {"0": 20, "1": 10},
                       "node_peak_file_bytes": {"0": 80}}
@@ -78,7 +82,8 @@ def test_real_children_are_found():
 
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
-        assert child.pid in observe._children("self") and observe._children(2**22 + 7) == []
+        assert child.pid in observe._children("self")
+        assert observe._children(2**22 + 7) == []
     finally:
         child.kill()
         child.wait()

@@ -83,7 +83,8 @@ def test_topology_is_the_kernels(topology):
     assert topology.source == str(base)
     for i, node in enumerate(topology.nodes):
         assert node.cpus == parse_cpulist((base / f"node{node.node_id}/cpulist").read_text())
-        assert len(node.distances) == topology.num_nodes and node.distances[i] == 10
+        assert len(node.distances) == topology.num_nodes
+        assert node.distances[i] == 10
         assert 0 < node.free_bytes <= node.total_bytes
     machine_kb = next(int(line.split()[1]) for line in open("/proc/meminfo") if line.startswith("MemTotal:"))
     assert topology.total_bytes == pytest.approx(machine_kb * 1024, rel=0.02)
@@ -107,9 +108,11 @@ def test_bind_puts_every_page_on_the_node(topology, node):
     assert report["policy"] == f"bind:{node}"
     assert report["shares"].get(node, 0) >= 0.99, report
     if info.cpus:
-        assert tuple(report["cpus"]) == info.cpus and report["note"] == ""
+        assert tuple(report["cpus"]) == info.cpus
+        assert report["note"] == ""
     else:  # a memory-only node: threads run on the nearest nodes with CPUs, and the placement says so
-        assert report["cpus"] and not set(report["cpus"]) & set(info.cpus)
+        assert report["cpus"]
+        assert not set(report["cpus"]) & set(info.cpus)
         assert report["note"].startswith(f"node(s) {node} have memory but no CPUs; threads run on the nearest node(s)")
 
 
@@ -176,7 +179,8 @@ def test_budgets_are_what_the_nodes_hold(topology):
     allowed = set(os.sched_getaffinity(0))
     bind = resolve_placement(f"bind:{node}", None, None, topology, allowed)
     budget, source = placement_budget(bind, topology, machine_available_bytes=0)
-    assert budget == topology.node(node).free_bytes and source == f"free memory of node(s) {node}"
+    assert budget == topology.node(node).free_bytes
+    assert source == f"free memory of node(s) {node}"
     assert 0.8 * topology.node(node).total_bytes < budget <= topology.node(node).total_bytes
     with pytest.raises(InsufficientMemoryError, match=rf"does not fit --numa bind:{node} \(node {node}: "):
         check_nodes_fit(budget + 256 * MIB, bind, topology)
@@ -211,7 +215,8 @@ def test_kernel_refusal_is_one_line(topology, cpuset_without_the_last_nodes, pol
                              "bigmem.cli.main", "train", "--model", "tiny", "--steps", "1", "--numa", policy,
                              "--out", str(tmp_path / "run")], capture_output=True, text=True, timeout=300)
     lines = result.stderr.strip().splitlines()
-    assert result.returncode in (1, 2) and len(lines) == 1, result.stderr
+    assert result.returncode in (1, 2), result.stderr
+    assert len(lines) == 1, result.stderr
     assert lines[0].startswith(f"bigmem train: error: Cannot apply --numa {policy}: "), lines[0]
     assert "Traceback" not in result.stderr
 
@@ -268,7 +273,8 @@ def test_train_bind_keeps_the_run_on_the_node(topology, tmp_path):
     _record("train-bind1", {"peak_anonymous_bytes": peak, "mappings": mappings})
     assert peak.get(1, 0) / sum(peak.values()) >= 0.99, peak
     report = json.loads((tmp_path / "run" / "numa.json").read_text())
-    assert set(report["observed"]) == {"bind:1"} and report["cpus_allowed"] == list(topology.node(1).cpus)
+    assert set(report["observed"]) == {"bind:1"}
+    assert report["cpus_allowed"] == list(topology.node(1).cpus)
 
 
 @pytest.mark.slow
@@ -368,8 +374,11 @@ def test_per_node_workers_stay_on_their_nodes_match_one_process_and_resume(topol
     _record("per-node-workers", record)
     assert f"per-node: {len(nodes)} workers, global batch {len(nodes)}" in out
     for share in shares.values():
-        assert share["own_node_share"] >= 0.95 and share["reader_own_node_share"] >= 0.95, shares
-    assert launcher.returncode == 1 and stopped_s < 30 and alive == []
+        assert share["own_node_share"] >= 0.95, shares
+        assert share["reader_own_node_share"] >= 0.95, shares
+    assert launcher.returncode == 1
+    assert stopped_s < 30
+    assert alive == []
     [line] = [line for line in err.strip().splitlines() if not line.startswith("bigmem train: note:")]
     assert line.startswith(f"bigmem train: error: per-node worker 1 (node {nodes[1]}, pid {worker1.pid}) was killed "
                            "by SIGKILL")
@@ -390,7 +399,8 @@ def test_per_node_workers_stay_on_their_nodes_match_one_process_and_resume(topol
     assert [r["step"] for r in rows] == list(range(1, 9))
     assert [r["loss"] for r in rows[:3]] == before[:3]  # kept: a checkpoint every step, killed past the fourth
     assert [r["loss"] for r in rows] == pytest.approx(one, rel=1e-5)
-    assert report["requested"]["text"] == f"bind:{nodes[0]}" and report["input_workers"]["processes"] >= 1
+    assert report["requested"]["text"] == f"bind:{nodes[0]}"
+    assert report["input_workers"]["processes"] >= 1
 
 
 # `bigmem plan` twice in one process (its own code, through the CLI's main), each run's output and
@@ -427,6 +437,10 @@ def test_plan_shows_both_layouts_on_this_kernel(topology, tmp_path):
                          "layouts": json.loads((tmp_path / f"{name}.json").read_text())["layouts"]}
     _record("plan-layouts", reports)
     fits, only = reports["fits-per-node"]["layouts"], reports["interleave-only"]["layouts"]
-    assert fits["per_node"]["fits"] and fits["interleave"]["fits"] and fits["recommended"] == "per-node"
-    assert only["interleave"]["fits"] and not only["per_node"]["fits"] and only["recommended"] == "interleave"
+    assert fits["per_node"]["fits"]
+    assert fits["interleave"]["fits"]
+    assert fits["recommended"] == "per-node"
+    assert only["interleave"]["fits"]
+    assert not only["per_node"]["fits"]
+    assert only["recommended"] == "interleave"
     assert "on its own node; node" in only["per_node"]["reason"]

@@ -14,7 +14,8 @@ def test_two_socket(two_socket):
     topology = NUMATopology.from_sysfs(two_socket)
     assert topology.num_nodes == 2
     assert topology.node(1).cpus == tuple(range(24, 48)) + tuple(range(72, 96))
-    assert topology.node(0).total_bytes == 768 * GIB and topology.node(1).free_bytes == 384 * GIB
+    assert topology.node(0).total_bytes == 768 * GIB
+    assert topology.node(1).free_bytes == 384 * GIB
     assert topology.node(1).distances == (21, 10)
     assert topology.total_bytes == 1536 * GIB
 
@@ -29,13 +30,15 @@ def test_four_socket(four_socket):
 
 def test_no_sysfs_is_one_node(tmp_path):
     topology = NUMATopology.from_sysfs(tmp_path)
-    assert topology.num_nodes == 1 and topology.source.startswith("psutil")
+    assert topology.num_nodes == 1
+    assert topology.source.startswith("psutil")
     assert topology.node(0).total_bytes > 0
 
 
 def test_real_machine_has_node_zero():
     topology = NUMATopology.from_sysfs()
-    assert topology.node(0).cpus and topology.node(0).total_bytes > 0
+    assert topology.node(0).cpus
+    assert topology.node(0).total_bytes > 0
 
 
 @pytest.mark.parametrize("text, cpus", [("0-3,8,10-11", (0, 1, 2, 3, 8, 10, 11)), ("5", (5,)), ("", ()),

@@ -120,7 +120,9 @@ def test_a_checkpoint_records_what_a_resume_restores():
     # state.json is the state plus the step (CheckpointManager); a resume starts from it
     assert Restored.from_state({**saves.states[-1], "step": 3}) == Restored(step=3, loss=1.5, dice=0.5)
     fresh = Restored()
-    assert fresh.step == 0 and math.isnan(fresh.loss) and math.isnan(fresh.dice)
+    assert fresh.step == 0
+    assert math.isnan(fresh.loss)
+    assert math.isnan(fresh.dice)
 
 
 def test_shape_stats_count_the_steps_per_shape_and_the_padding_per_epoch():
@@ -134,7 +136,8 @@ def test_shape_stats_count_the_steps_per_shape_and_the_padding_per_epoch():
     shapes = cb.ShapeStats(console, lambda: traces[0], padding_share=lambda epoch: 0.125 * epoch, steps_per_epoch=3)
     _loop(LoopState(0, 4), [shapes], shape_for_step=shape_for_step)
     summary = shapes.summary()
-    assert summary["traces"] == 2 and summary["compile_s"] >= 0
+    assert summary["traces"] == 2
+    assert summary["compile_s"] >= 0
     assert summary["steps_per_shape"] == {"16x16x16": 2, "32x16x16": 2}
     assert summary["padding_share_per_epoch"] == [0.0, 0.125]  # steps 1-3 are epoch 0, step 4 epoch 1
     assert re.fullmatch(r"Compiled the step 2 times for 2 shapes \(\d+\.\d s beyond their later steps\); padding "
@@ -145,4 +148,5 @@ def test_one_shape_says_nothing():
     console = Console(record=True)
     shapes = cb.ShapeStats(console, lambda: 1, padding_share=lambda epoch: 0.0, steps_per_epoch=2)
     _loop(LoopState(0, 3), [shapes], shape_for_step=lambda step: (16, 16, 16))
-    assert console.export_text() == "" and shapes.summary()["steps_per_shape"] == {"16x16x16": 3}
+    assert console.export_text() == ""
+    assert shapes.summary()["steps_per_shape"] == {"16x16x16": 3}

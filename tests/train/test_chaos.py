@@ -36,11 +36,13 @@ def test_sigkill_at_random_moments_then_resume_equals_an_uninterrupted_run(tmp_p
     assert [k["phase"] for k in kills] == ["start-up", "mid-step", "checkpoint write"]
     for kill in kills:
         assert not kill["exited_first"], kill
-        assert kill["json_errors"] == [] and kill["misplaced_torn_lines"] == 0, kill
+        assert kill["json_errors"] == [], kill
+        assert kill["misplaced_torn_lines"] == 0, kill
         assert 0 <= kill["lost_steps"] <= CHECKPOINT_EVERY, kill
     assert kills[0]["last_logged_step"] == 0  # killed before its first step
     assert kills[1]["checkpoint_step"] == CHECKPOINT_EVERY < kills[1]["last_logged_step"]  # between checkpoints
-    assert kills[2]["started"] == f"from ckpt-{CHECKPOINT_EVERY:08d}" and kills[2]["in_checkpoint_write"], kills[2]
+    assert kills[2]["started"] == f"from ckpt-{CHECKPOINT_EVERY:08d}", kills[2]
+    assert kills[2]["in_checkpoint_write"], kills[2]
     assert final["started"] == f"from ckpt-{CHECKPOINT_EVERY:08d}"  # the write killed did not count
     # every launch went on from the checkpoint the kill before it left (or started the run, before any)
     launches = [*(k["started"] for k in kills[1:]), final["started"]]
@@ -50,7 +52,9 @@ def test_sigkill_at_random_moments_then_resume_equals_an_uninterrupted_run(tmp_p
         step = before["checkpoint_step"]
         assert started == (f"from ckpt-{step:08d}" if step else started if started in ("new", "over") else "?")
     assert final["exit_code"] == 0, final["log_tail"]
-    assert final["steps"] == list(range(1, STEPS + 1)) and final["torn_metrics_lines"] == 0
+    assert final["steps"] == list(range(1, STEPS + 1))
+    assert final["torn_metrics_lines"] == 0
     assert final["loss"] == pytest.approx(final["reference_loss"], rel=1e-4)
     assert final["max_step_loss_rel_diff"] <= 1e-4
-    assert final["model_keras"] and final["leftovers"] == []
+    assert final["model_keras"]
+    assert final["leftovers"] == []

@@ -43,9 +43,12 @@ def test_a_job_without_a_strategy_runs_in_this_process_at_the_learning_rate_give
         assert (job.learning_rate, job.total_steps, job.resume_from) == (0.002, 3, None)
         assert (job.loader.batch_size, job.loader.patch) == (1, None)
         assert job.placement.kind is PolicyKind.NONE
-        assert job.config.data.store == str(tiny_store) and job.config.model.num_classes == 3  # the store's
+        assert job.config.data.store == str(tiny_store)
+        assert job.config.model.num_classes == 3  # the store's
         plan = job.plan.to_dict()
-        assert plan["data_parallel"] is None and plan["fits"] is True and plan["chosen"]["batch_size"] == 1
+        assert plan["data_parallel"] is None
+        assert plan["fits"] is True
+        assert plan["chosen"]["batch_size"] == 1
         assert console.file.getvalue().startswith("Memory: predicted peak ")
         assert not (tmp_path / "run").exists()  # prepared, nothing written: the trainer writes plan.json
     finally:
@@ -71,8 +74,10 @@ def test_a_data_parallel_job_loads_its_share_plans_its_host_and_scales_the_learn
         assert job.learning_rate == pytest.approx(0.004)  # linear scaling: a global batch of 2 from one replica's 1
         assert (job.loader.batch_size, job.loader.patch) == (2, (8, 8, 8))
         plan = job.plan.to_dict()
-        assert plan["data_parallel"] == chosen[0].to_dict() and plan["data_parallel"]["global_batch"] == 2
-        assert plan["chosen"]["batch_size"] == 2 and plan["chosen"]["spatial_shape"] == [8, 8, 8]  # the host's load
+        assert plan["data_parallel"] == chosen[0].to_dict()
+        assert plan["data_parallel"]["global_batch"] == 2
+        assert plan["chosen"]["batch_size"] == 2
+        assert plan["chosen"]["spatial_shape"] == [8, 8, 8]  # the host's load
     finally:
         job.close()
 
@@ -83,7 +88,8 @@ def test_a_host_that_holds_only_the_input_is_not_refused_for_activations(tiny_st
     config = _tiny(tiny_store, memory={"budget_bytes": 2**20}, distribute={"strategy": "mirrored", "patch": 8})
     real_gpus = data_parallel(config, _two_replicas(simulated=False), counts_function(config))
     plan, _ = plan_memory(config, real_gpus, None, force=False, console=_quiet())
-    assert plan.fits is False and plan.data_parallel == real_gpus.to_dict()  # over budget, but not this host's
+    assert plan.fits is False
+    assert plan.data_parallel == real_gpus.to_dict()  # over budget, but not this host's
     with pytest.raises(InsufficientMemoryError, match=r"^Predicted peak .* exceeds the memory budget 1\.00 MiB"):
         plan_memory(config, SingleProcess(1), None, force=False, console=_quiet())
 
@@ -109,7 +115,8 @@ def test_volume_512_refuses_with_required_and_available(tmp_path):
     result = subprocess.run([sys.executable, "-m", "bigmem", "train", "--volume", "512", "--out",
                              str(tmp_path / "run")], capture_output=True, text=True, timeout=120)
     assert result.returncode == 3
-    assert "Predicted peak " in result.stderr and "(MemAvailable)" in result.stderr
+    assert "Predicted peak " in result.stderr
+    assert "(MemAvailable)" in result.stderr
     assert "Traceback" not in result.stderr
 
 
@@ -120,7 +127,9 @@ def test_force_trains_anyway_and_plan_json_says_so(tmp_path, tiny_store, capsys)
     assert code == 0, err
     assert "over budget, forced" in stdout
     plan = json.loads((out / "plan.json").read_text())
-    assert plan["fits"] is False and plan["forced"] is True and plan["budget_bytes"] == 2**20
+    assert plan["fits"] is False
+    assert plan["forced"] is True
+    assert plan["budget_bytes"] == 2**20
     assert plan["predicted_peak_bytes"] == sum(plan["components"].values())
 
 
@@ -128,14 +137,17 @@ def test_plan_json_in_every_run(tmp_path, tiny_store, capsys):
     out = tmp_path / "run"
     assert run_cli(["train", "--model", "tiny", "--data", tiny_store, "--steps", 1, "--out", out], capsys)[0] == 0
     plan = json.loads((out / "plan.json").read_text())
-    assert plan["fits"] is True and plan["budget_source"] == "MemAvailable"
+    assert plan["fits"] is True
+    assert plan["budget_source"] == "MemAvailable"
     chosen = {k: plan["chosen"][k] for k in ("volume", "batch_size", "precision", "recompute", "recompute_stages",
                                              "partitioned_stages")}
     assert chosen == {"volume": 16, "batch_size": 1, "precision": "fp32", "recompute": "none",
                       "recompute_stages": [], "partitioned_stages": []}
     # plan.json is bigmem plan's schema (Plan.to_dict): the chosen candidate's breakdown and step time too.
-    assert plan["chosen"]["components"] == plan["components"] and plan["chosen"]["step_rate_source"]
-    assert plan["candidates"] == [plan["closest"]] and plan["best_per_mode"] == [plan["closest"]]
+    assert plan["chosen"]["components"] == plan["components"]
+    assert plan["chosen"]["step_rate_source"]
+    assert plan["candidates"] == [plan["closest"]]
+    assert plan["best_per_mode"] == [plan["closest"]]
 
 
 @pytest.mark.parametrize("mode", ["stages", "auto"])

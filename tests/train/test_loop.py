@@ -40,7 +40,8 @@ def test_the_loop_steps_from_the_start_step_and_calls_back_in_order():
     state = _loop(LoopState(start_step=2, total_steps=5), [recorder], losses=[3.0, 2.0, 1.0])
     assert recorder.events == [("begin", 2), ("step", 3), ("step", 4), ("step", 5), ("end", 5)]
     assert (state.step, state.loss, state.dice, state.stop) == (5, 1.0, 0.5, None)
-    assert state.row["step"] == 5 and state.row["lr"] == pytest.approx(0.5)  # lr of the step just taken
+    assert state.row["step"] == 5
+    assert state.row["lr"] == pytest.approx(0.5)  # lr of the step just taken
     assert set(state.row) == {"step", "loss", "dice", "lr", "voxels_per_s", "rss_bytes", "input_wait_s", "step_s"}
 
 

@@ -73,7 +73,8 @@ def test_a_padded_sample_scores_and_trains_as_the_unpadded_one(limit):
         padded_counts = dice_counts(tf.constant(padded_labels), tf.constant(padded_logits))
     np.testing.assert_allclose(padded_loss, loss, rtol=1e-6)
     np.testing.assert_allclose(padded_grad[:, 2:9], grad, rtol=1e-5, atol=1e-9)
-    assert not np.any(padded_grad[:, :2]) and not np.any(padded_grad[:, 9:])
+    assert not np.any(padded_grad[:, :2])
+    assert not np.any(padded_grad[:, 9:])
     for got, want in zip(padded_counts, counts):
         np.testing.assert_array_equal(got, want)
 

@@ -40,7 +40,8 @@ def test_each_case_trains_whole_at_its_own_shape(tmp_path, shaped_store, capsys)
     padded = {(16, 16, 8), (24, 8, 8)}
     assert {tuple(r["shape"]) for r in rows} == padded
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["traces"] == 2 and set(summary["steps_per_shape"]) == {"16x16x8", "24x8x8"}
+    assert summary["traces"] == 2
+    assert set(summary["steps_per_shape"]) == {"16x16x8", "24x8x8"}
     assert sum(summary["steps_per_shape"].values()) == 8
     share = 1 - sum(math.prod(s) for s in SHAPES) / sum(math.prod((s[0], s[1], 8)) for s in SHAPES)
     assert summary["padding_share_per_epoch"] == pytest.approx([share, share], abs=1e-6)
@@ -100,7 +101,8 @@ def test_a_budget_above_the_machine_is_refused_unless_forced(tmp_path, tiny_stor
     assert re.fullmatch(r"bigmem train: error: --memory-budget 100\.00 TiB is more than this machine's memory "
                         r"\(\S+ \S+, MemTotal\): a job planned for it would be killed by the kernel, not stopped by "
                         r"bigmem\. Give at most \S+ \S+, or --force to run anyway\.", err.strip())
-    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
+    assert len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "run").exists()
 
 
 def test_plan_reads_the_store_and_lists_each_case(tmp_path, shaped_store, capsys):
@@ -109,9 +111,12 @@ def test_plan_reads_the_store_and_lists_each_case(tmp_path, shaped_store, capsys
                                  "--memory-budget", "4GiB"], capsys)
     assert code == 0, err
     plan = json.loads(out.read_text())
-    assert plan["chosen"]["spatial_shape"] == [16, 16, 8] and plan["chosen"]["batch_size"] == 1
-    assert len(plan["cases"]) == 4 and all(c["fits"] for c in plan["cases"])
-    assert "4 cases whole at their own shapes" in stdout and "chosen: --data" in stdout
+    assert plan["chosen"]["spatial_shape"] == [16, 16, 8]
+    assert plan["chosen"]["batch_size"] == 1
+    assert len(plan["cases"]) == 4
+    assert all(c["fits"] for c in plan["cases"])
+    assert "4 cases whole at their own shapes" in stdout
+    assert "chosen: --data" in stdout
     assert "predicted on this machine's" in stdout
 
 

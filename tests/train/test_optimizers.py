@@ -49,4 +49,5 @@ def test_fused_update_equals_keras(case, graph):
 def test_config_round_trip_keeps_class():
     optimizer = FusedSGD(0.1, momentum=0.9, nesterov=True)
     again = keras.optimizers.deserialize(keras.optimizers.serialize(optimizer))
-    assert type(again) is FusedSGD and again.get_config() == optimizer.get_config()
+    assert type(again) is FusedSGD
+    assert again.get_config() == optimizer.get_config()

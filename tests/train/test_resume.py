@@ -67,7 +67,8 @@ def test_a_resume_with_nothing_to_do_says_so_and_changes_nothing(finished, tiny_
                               "with --steps N, N > 6.")
     assert snapshot(finished) == before
     code, stdout, err = run_cli(command(finished, tiny_store, "--steps", 6, "--resume"), capsys)  # the same command
-    assert (code, err) == (0, "") and stdout.startswith("Nothing to do:")
+    assert (code, err) == (0, "")
+    assert stdout.startswith("Nothing to do:")
     assert snapshot(finished) == before
 
 
@@ -76,11 +77,13 @@ def test_the_same_command_plus_resume_continues_the_run(finished, straight, tiny
     code, stdout, err = run_cli(command(finished, tiny_store, "--steps", 6, "--checkpoint-every", 2, "--resume"),
                                 capsys)
     assert code == 0, err
-    assert "Resuming" in stdout and "from ckpt-00000004 (step 4 of 6)" in stdout
+    assert "Resuming" in stdout
+    assert "from ckpt-00000004 (step 4 of 6)" in stdout
     assert [r["step"] for r in read_jsonl(finished / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
     assert losses(finished) == pytest.approx(losses(straight), rel=1e-4, abs=1e-5)
     summary = json.loads((finished / "summary.json").read_text())
-    assert summary["steps"] == 6 and summary["loss"] == pytest.approx(losses(straight)[-1], rel=1e-4)
+    assert summary["steps"] == 6
+    assert summary["loss"] == pytest.approx(losses(straight)[-1], rel=1e-4)
 
 
 def test_settings_that_may_change_on_resume(finished, tiny_store, capsys):
@@ -89,15 +92,18 @@ def test_settings_that_may_change_on_resume(finished, tiny_store, capsys):
                                 capsys)
     assert code == 0, err
     config = json.loads((finished / "config.json").read_text())
-    assert config["total_steps"] == 8 and config["data"]["num_workers"] == 1
-    assert config["train"]["checkpoint_every"] == 4 and config["train"]["seed"] == 1
+    assert config["total_steps"] == 8
+    assert config["data"]["num_workers"] == 1
+    assert config["train"]["checkpoint_every"] == 4
+    assert config["train"]["seed"] == 1
     assert [r["step"] for r in read_jsonl(finished / "metrics.jsonl")] == list(range(1, 9))
 
 
 def test_a_store_spelled_another_way_is_the_same_store(finished, tiny_store, capsys, monkeypatch):
     monkeypatch.chdir(tiny_store.parent)
     code, stdout, err = run_cli(command(finished, Path(".") / tiny_store.name, "--resume"), capsys)
-    assert (code, err) == (0, "") and stdout.startswith("Nothing to do:")
+    assert (code, err) == (0, "")
+    assert stdout.startswith("Nothing to do:")
 
 
 def test_a_run_started_with_a_relative_store_resumes_from_another_folder(tmp_path, tiny_store, capsys, monkeypatch):
@@ -110,9 +116,11 @@ def test_a_run_started_with_a_relative_store_resumes_from_another_folder(tmp_pat
     assert saved == str(tmp_path / "data" / "s.h5")  # absolute: it names the file from anywhere
     monkeypatch.chdir(tmp_path)  # the same store spelled from here, then not given at all
     code, stdout, err = run_cli(command(tmp_path / "run", Path("data") / "s.h5", "--steps", 3, "--resume"), capsys)
-    assert (code, err) == (0, "") and "from ckpt-00000002 (step 2 of 3)" in stdout
+    assert (code, err) == (0, "")
+    assert "from ckpt-00000002 (step 2 of 3)" in stdout
     code, stdout, err = run_cli(["train", "--out", tmp_path / "run", "--steps", 4, "--resume"], capsys)
-    assert (code, err) == (0, "") and "from ckpt-00000003 (step 3 of 4)" in stdout
+    assert (code, err) == (0, "")
+    assert "from ckpt-00000003 (step 3 of 4)" in stdout
 
 
 def test_flags_that_differ_from_the_saved_run_are_refused_each_named(finished, tiny_store, tmp_path, capsys):
@@ -181,7 +189,8 @@ def test_a_python_resume_of_a_synthetic_run_compares_the_store_it_stands_for(tmp
 
 def test_the_saved_model_named_again_is_accepted(finished, capsys):
     code, stdout, err = run_cli(["train", "--model", "tiny", "--out", finished, "--resume"], capsys)
-    assert (code, err) == (0, "") and stdout.startswith("Nothing to do:")
+    assert (code, err) == (0, "")
+    assert stdout.startswith("Nothing to do:")
 
 
 def _poison_the_third_sample(handle) -> None:
@@ -202,8 +211,10 @@ def test_a_run_that_failed_before_its_first_checkpoint_is_retried_with_the_same_
     out = tmp_path / "run"
     argv = command(out, store, "--steps", 6, "--checkpoint-every", 6)
     code, _, err = run_cli(argv, capsys)
-    assert code == 1 and "label value 9 >= number of classes 3" in err
-    assert (out / "config.json").exists() and not list((out / "checkpoints").glob("ckpt-*"))
+    assert code == 1
+    assert "label value 9 >= number of classes 3" in err
+    assert (out / "config.json").exists()
+    assert not list((out / "checkpoints").glob("ckpt-*"))
     assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == [1, 2]
     copy_store(tiny_store, store)  # the store, fixed in place
     code, stdout, err = run_cli([*argv, *(["--resume"] if retry_with_resume else [])], capsys)
@@ -247,7 +258,8 @@ def test_a_run_killed_at_its_last_checkpoint_is_finished_by_resume(finished, str
     assert "from ckpt-00000006 (step 6 of 6)" in stdout
     assert not list(finished.glob(".*"))  # the killed run's temporaries are gone
     summary = json.loads((finished / "summary.json").read_text())
-    assert summary["steps"] == 6 and summary["loss"] == pytest.approx(losses(straight)[-1], rel=1e-6)
+    assert summary["steps"] == 6
+    assert summary["loss"] == pytest.approx(losses(straight)[-1], rel=1e-6)
     assert (finished / "model.keras").exists()
     assert [r["step"] for r in read_jsonl(finished / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
 

@@ -32,16 +32,22 @@ def test_run_directory_contract(tmp_path, tiny_store, capsys):
         "checkpoints", "config.json", "metrics.jsonl", "model.keras", "monitor.csv", "monitor.json", "numa.json",
         "plan.json", "preprocessing.json", "summary.json", "sysinfo.json", "tensorboard"]
     config = json.loads((out / "config.json").read_text())
-    assert config["model"]["name"] == "tiny" and config["train"]["seed"] == 3
-    assert config["data"]["store"] == str(tiny_store) and config["total_steps"] == 4
+    assert config["model"]["name"] == "tiny"
+    assert config["train"]["seed"] == 3
+    assert config["data"]["store"] == str(tiny_store)
+    assert config["total_steps"] == 4
     sysinfo = json.loads((out / "sysinfo.json").read_text())
-    assert sysinfo["tensorflow"]["keras"].startswith("3.") and sysinfo["numa"]["nodes"]
+    assert sysinfo["tensorflow"]["keras"].startswith("3.")
+    assert sysinfo["numa"]["nodes"]
     rows = read_jsonl(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     for row in rows:
         assert set(row) == METRIC_FIELDS
-        assert np.isfinite(row["loss"]) and 0.0 <= row["dice"] <= 1.0
-        assert row["voxels_per_s"] > 0 and row["rss_bytes"] > 50 * 2**20 and row["lr"] > 0
+        assert np.isfinite(row["loss"])
+        assert 0.0 <= row["dice"] <= 1.0
+        assert row["voxels_per_s"] > 0
+        assert row["rss_bytes"] > 50 * 2**20
+        assert row["lr"] > 0
     assert [p.name for p in sorted((out / "checkpoints").iterdir())] == ["ckpt-00000002", "ckpt-00000004"]
     model = keras.models.load_model(out / "model.keras")
     assert model.count_params() == 10_135
@@ -159,7 +165,8 @@ def test_bad_case_is_named_and_nothing_is_half_written(tmp_path, corrupt_store, 
     code, _, err = run_cli(tiny_train(out, corrupt_store(poison_labels(5, (3, 3, 3))), "--steps", 2), capsys)
     assert code == 1
     assert err.startswith("bigmem train: error: Case 'synth_000")
-    assert "label value 5 >= number of classes 3" in err and "Traceback" not in err
+    assert "label value 5 >= number of classes 3" in err
+    assert "Traceback" not in err
     assert not (out / "model.keras").exists()
     assert not list(out.rglob(".*"))
 
