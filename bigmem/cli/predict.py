@@ -6,10 +6,11 @@ import argparse
 
 from bigmem.cli.common import add_budget_flag, budget_arguments, check_output_dir, parse_shape
 from bigmem.errors import UsageError
+from bigmem.infer import DEFAULT_OVERLAP
 
 HELP = "segment new scans with a trained run (whole volume in one pass where RAM allows)"
 
-DESCRIPTION = """\
+DESCRIPTION = f"""\
 Segment every case of INPUT with the network trained in RUN_DIR and write OUT/<case>.nii.gz: a
 uint8 label map in the source file's geometry (its shape, affine and orientation), with the
 preprocessing of training applied and undone: canonical orientation, --spacing resampling (the
@@ -28,7 +29,7 @@ one); --force segments it again and overwrites it.
 
 modes: whole (default where the inference memory plan fits the budget) sends the whole volume
 through the network in one pass: no tiles, no seams. sliding predicts Gaussian-weighted windows
-(sigma 1/8 of the window, --overlap, default 0.5; the window is what the network trained on —
+(sigma 1/8 of the window, --overlap, default {DEFAULT_OVERLAP:g}; the window is what the network trained on —
 the training volume, or the patch of a data-parallel run on patches — or --window)
 and blends them, as MONAI's sliding_window_inference and nnU-Net do. auto chooses per case and
 says which. --tta averages the 8 mirrored passes.
@@ -59,8 +60,8 @@ def register(subparsers, parents) -> None:
     parser.add_argument("--window", metavar="N|D,H,W",
                         help="sliding window: an edge N or a shape D,H,W, each a multiple of 2^depth (default: the "
                              "largest volume the run trained on, or the patch of a run trained on patches)")
-    parser.add_argument("--overlap", type=float, default=0.5, metavar="F",
-                        help="sliding windows' overlap fraction in [0, 1) (default 0.5)")
+    parser.add_argument("--overlap", type=float, default=DEFAULT_OVERLAP, metavar="F",
+                        help=f"sliding windows' overlap fraction in [0, 1) (default {DEFAULT_OVERLAP:g})")
     parser.add_argument("--accumulate", default="float32", choices=["float32", "float16"],
                         help="sliding-window accumulators: float32 (default) or float16 (half the memory; an "
                              "overflow stops with an error)")

@@ -9,7 +9,8 @@ its own peak memory; simulated devices stay in that process):
 - ``data_parallel``: ``tf.distribute.MirroredStrategy`` on the largest patch that fits one GPU,
   proportioned after the dataset's median shape as nnU-Net's (``distribute.planning.largest_patch``)
   (the planner's choice for ``gpu_memory_bytes``); evaluated as nnU-Net and MLPerf evaluate a
-  patch-trained network: Gaussian sliding windows of its patch, overlap 0.5.
+  patch-trained network: Gaussian sliding windows of its patch, at nnU-Net's overlap
+  (``bigmem.infer.DEFAULT_OVERLAP``).
 
 Both paths' memory plans are made before either trains (``plan_both_paths``), so a path that does
 not fit is refused in seconds. The budget is equal training time (validation is not counted) or
@@ -31,6 +32,7 @@ from bigmem.child import run_child
 from bigmem.compare.report import PATHS, ClassScore, CompareReport, HeldOut, PathResult, SeedRun, TrainingRun
 from bigmem.config.schema import ExperimentConfig
 from bigmem.errors import UsageError
+from bigmem.infer import DEFAULT_OVERLAP
 from bigmem.units import as_shape, format_bytes, format_count, format_shape
 
 if TYPE_CHECKING:
@@ -43,7 +45,6 @@ REAL_CASE = {"model": "kits19", "volume": 512, "gpu_memory_bytes": 80 * 2**30}
 DEFAULT_PHANTOM_VOLUME = 64  # the default dataset: synthetic phantoms of this edge (a 32^3 patch)
 DEFAULT_TIME_BUDGET_S = 120.0
 DEFAULT_VAL_EVERY = 10
-OVERLAP = 0.5  # nnU-Net's and MLPerf's sliding-window overlap
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,13 +266,15 @@ def score_run(run_dir: str, store: str, held_out: list[str], *, sliding_window: 
     from bigmem.infer.predict import predict
 
     mode = "sliding" if sliding_window else "whole"
-    results = list(predict(run_dir, store, out, cases=held_out, mode=mode, window=sliding_window, overlap=OVERLAP,
-                           force=True))  # timed and scored: every case predicted now, none kept from before
+    # force: timed and scored, so every case is predicted now, none kept from before
+    results = list(predict(run_dir, store, out, cases=held_out, mode=mode, window=sliding_window,
+                           overlap=DEFAULT_OVERLAP, force=True))
     summary = evaluate(out, store, allow_missing=True, out=out / "summary.json")
     per_class = {str(c): ClassScore(summary["mean"][str(c)]["Dice"], summary["mean"][str(c)]["HD95_mm"])
                  for c in summary["classes"]}
-    return HeldOut(mode if not sliding_window else f"sliding {format_shape(sliding_window)}, overlap {OVERLAP:g}",
-                   summary["foreground_mean_defined"]["Dice"], summary["foreground_mean_defined"]["HD95_mm"], per_class,
+    how = mode if not sliding_window else f"sliding {format_shape(sliding_window)}, overlap {DEFAULT_OVERLAP:g}"
+    foreground = summary["foreground_mean_defined"]
+    return HeldOut(how, foreground["Dice"], foreground["HD95_mm"], per_class,
                    float(np.mean([r.seconds for r in results])), max(r.peak_rss_bytes for r in results), str(out))
 
 

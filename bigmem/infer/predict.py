@@ -26,6 +26,7 @@ from bigmem.config.options import Precision, StrOption, look_up_option
 from bigmem.config.schema import ExperimentConfig, check_shape
 from bigmem.data.derived import region_order
 from bigmem.errors import DataError, UsageError
+from bigmem.infer import DEFAULT_OVERLAP
 from bigmem.infer.forward import forward_probabilities, normalize_image
 from bigmem.infer.geometry import CaseGeometry, crop_padding, labels_to_source, pad_to_multiple, scores_to_source
 from bigmem.infer.modelcard import ModelCard
@@ -34,7 +35,6 @@ from bigmem.rundir import RunDir
 from bigmem.units import format_count
 
 NIFTI_SUFFIXES = (".nii.gz", ".nii")
-DEFAULT_OVERLAP = 0.5  # nnU-Net's sliding-window overlap
 
 
 class Mode(StrOption):

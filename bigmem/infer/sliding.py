@@ -31,6 +31,7 @@ import numpy as np
 
 from bigmem.config.options import StrOption, look_up_option
 from bigmem.errors import BigmemError, DataError, UsageError
+from bigmem.infer import DEFAULT_OVERLAP
 
 SIGMA_SCALE = 0.125  # MONAI's sliding_window_inference default, and nnU-Net's 1/8 of the patch size
 MIN_WEIGHT = 1e-3  # MONAI's compute_importance_map floor: max(min(map), 1e-3)
@@ -150,8 +151,8 @@ def _check_output(out, n: int, window: tuple[int, int, int], num_classes: int, s
 
 
 def sliding_window(image: np.ndarray, predict: Callable[[np.ndarray], np.ndarray], window: int | Sequence[int], *,
-                   num_classes: int, overlap: float = 0.5, accumulate: str = "float32", batch_size: int = 1,
-                   sigma_scale: float = SIGMA_SCALE,
+                   num_classes: int, overlap: float = DEFAULT_OVERLAP, accumulate: str = "float32",
+                   batch_size: int = 1, sigma_scale: float = SIGMA_SCALE,
                    progress: Callable[[int, int], None] | None = None,
                    pad_value: np.ndarray | float | None = None) -> np.ndarray:
     """Predict a whole volume window by window, blending overlaps with Gaussian weights.
@@ -165,8 +166,8 @@ def sliding_window(image: np.ndarray, predict: Callable[[np.ndarray], np.ndarray
         predict: ``(n, wD, wH, wW, C)`` float32 -> ``(n, wD, wH, wW, num_classes)`` probabilities.
         window: the window edge in voxels, or ``(wD, wH, wW)``; the network's size contract applies.
         num_classes: the channels ``predict`` returns.
-        overlap: the fraction of a window shared with its neighbour, in [0, 1) (default 0.5, as
-            nnU-Net; MONAI's default is 0.25).
+        overlap: the fraction of a window shared with its neighbour, in [0, 1) (default
+            ``DEFAULT_OVERLAP``, 0.5, as nnU-Net; MONAI's default is 0.25).
         accumulate: ``"float32"`` (default) or ``"float16"`` accumulators; float16 halves their
             memory but rounds every sum to 11 significant bits, so where many windows' low-weight
             tails overlap a probability can be off by up to ~0.01 (mean ~3e-4: tests/infer/

@@ -18,7 +18,8 @@ from bigmem.data.store import HDF5VolumeStore
 from bigmem.infer.evaluate import store_reference
 from bigmem.infer.geometry import CaseGeometry, labels_to_source
 from bigmem.infer.metrics import aggregate, case_metrics, region_metrics
-from bigmem.infer.predict import DEFAULT_OVERLAP, Mode, Predictor, predict_probabilities
+from bigmem.infer import DEFAULT_OVERLAP
+from bigmem.infer.predict import Mode, Predictor, predict_probabilities
 
 
 def validate(predictor: Predictor, store_path: str | os.PathLike, case_ids: Sequence[str], *,
