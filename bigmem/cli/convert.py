@@ -5,12 +5,13 @@ from __future__ import annotations
 import argparse
 
 from bigmem.cli.common import check_output_file, check_positive, parse_shape, parse_spacing
+from bigmem.data import DEFAULT_CHUNK_EDGE
 from bigmem.errors import UsageError
 from bigmem.units import parse_bytes
 
 HELP = "convert NIfTI data (MSD, nnU-Net v2, KiTS folders) to an HDF5 store"
 
-DESCRIPTION = """\
+DESCRIPTION = f"""\
 Convert the training cases of SRC, or of --images/--labels globs, into a bigmem store. SRC is:
   - a Medical Segmentation Decathlon folder: dataset.json lists the training image/label pairs
     (3D or 4D images);
@@ -32,7 +33,7 @@ under a temporary name and renamed: an interrupted conversion leaves nothing beh
 CASE_0001.nii.gz, ...) converts that channel only, and says so: give the dataset folder as SRC to
 convert all of them.
 
-Chunks: by default 64^3 voxels x all channels (whole-volume reads touch few, large chunks;
+Chunks: by default {DEFAULT_CHUNK_EDGE}^3 voxels x all channels (whole-volume reads touch few, large chunks;
 patch reads skip most of a case); --chunks none writes contiguous datasets (no compression).
 """
 
@@ -50,8 +51,8 @@ def register(subparsers, parents) -> None:
     shape = parser.add_mutually_exclusive_group()
     shape.add_argument("--volume", type=int, metavar="N", help="centre-crop/pad every case to N^3")
     shape.add_argument("--shape", metavar="D,H,W", help="centre-crop/pad every case to D,H,W")
-    parser.add_argument("--chunks", default="64", metavar="EDGE|none",
-                        help="chunk edge in voxels (default 64), or none for contiguous datasets")
+    parser.add_argument("--chunks", default=str(DEFAULT_CHUNK_EDGE), metavar="EDGE|none",
+                        help=f"chunk edge in voxels (default {DEFAULT_CHUNK_EDGE}), or none for contiguous datasets")
     parser.add_argument("--compression", choices=["none", "lzf", "gzip"], default="none",
                         help="HDF5 compression (default none: fastest reads)")
     parser.add_argument("--max-write-rate", metavar="RATE", help="cap the average write rate, e.g. 200MB/s, so a "

@@ -25,7 +25,7 @@ import numpy as np
 from bigmem.data.nifti import LoadedCase, SourceCase, SourceDataset, check_header_size, load_case, sha256
 from bigmem.data.preprocess import (PREPROCESSING_ATTR, SCHEMES, STATS_ATTR, case_statistics, choose_schemes,
                                     foreground_sample, storage_dtype)
-from bigmem.data.store import REGIONS_ATTR, HDF5VolumeStore, StoreWriter, WriteThrottle
+from bigmem.data.store import DEFAULT_CHUNK_EDGE, REGIONS_ATTR, HDF5VolumeStore, StoreWriter, WriteThrottle
 from bigmem.errors import DataError, InsufficientMemoryError, UsageError
 from bigmem.atomic import atomic_output, require_free_space
 from bigmem.units import format_bytes
@@ -372,7 +372,8 @@ def estimate_store_bytes(cases: Iterable[SourceCase], *, shape: Sequence[int] | 
 
 
 def convert(dataset: SourceDataset, out: str | Path, *, force: bool = False, append: bool = False,
-            skip_bad: bool = False, compression: str | None = None, chunk_edge: int | None = 64,
+            skip_bad: bool = False, compression: str | None = None,
+            chunk_edge: int | None = DEFAULT_CHUNK_EDGE,
             shape: Sequence[int] | None = None, progress: Callable[[str], None] | None = None,
             warn: Callable[[str], None] | None = None, max_write_rate: float | None = None,
             block_bytes: int | None = None, spacing: Sequence[float] | None = None,
@@ -393,8 +394,8 @@ def convert(dataset: SourceDataset, out: str | Path, *, force: bool = False, app
         skip_bad: skip a case that fails a check, with a message in the report, instead of
             raising (default False).
         compression: an h5py filter such as ``"gzip"`` (default None: uncompressed).
-        chunk_edge: chunk edge in voxels (default 64); None: contiguous datasets (fastest whole
-            reads; chunked anyway when compressed).
+        chunk_edge: chunk edge in voxels (default ``DEFAULT_CHUNK_EDGE``, 64); None: contiguous
+            datasets (fastest whole reads; chunked anyway when compressed).
         shape: ``(D, H, W)`` in voxels to centre-crop/pad every case to (default None: keep).
         progress: called with each case id once it is handled.
         warn: called with the message of each skipped case.

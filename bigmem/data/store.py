@@ -28,15 +28,13 @@ from typing import Iterator, Sequence
 import h5py
 import numpy as np
 
+from bigmem.data import DEFAULT_CHUNK_EDGE
 from bigmem.data.preprocess import PREPROCESSING_ATTR, STATS_ATTR, Preprocessing, case_statistics, complete
 from bigmem.errors import DataError
 from bigmem.atomic import atomic_hdf5
 from bigmem.units import format_bytes
 
 STORE_VERSION = 1
-# Whole-volume reads touch every chunk of a case; 64^3 voxels (1 MiB of float32 per channel)
-# keeps the per-chunk overhead small while letting partial (patch) reads skip most of a case.
-DEFAULT_CHUNK_EDGE = 64
 # Root attribute: JSON {region name: [label values]}: nnU-Net v2 regions, trained as the classes whose label
 # values they unite and scored as regions (written by convert for region labels; absent: plain classes).
 REGIONS_ATTR = "regions"
