@@ -431,11 +431,12 @@ def largest_whole_volumes(config: ExperimentConfig, gpu_memory_bytes: int,
     """
     from bigmem.distribute.planning import largest_edge
     from bigmem.memory.budget import resolve_budget, search_plan
+    from bigmem.memory.planner import MAX_VOLUME
     from bigmem.memory.profile import counts_function
 
     counts_for = counts_function(config)
     host = search_plan(config, counts_for, resolve_budget(memory_budget_bytes), batch_size=1)
-    gpu = largest_edge(config, counts_for, gpu_memory_bytes, 1, 4096)
+    gpu = largest_edge(config, counts_for, gpu_memory_bytes, 1, MAX_VOLUME)
     chosen = host.chosen
     return WholeVolumes(gpu, chosen.volume if chosen else None,
                         f"{chosen.precision}, recompute {chosen.recompute}" if chosen else None, host.budget_bytes)
