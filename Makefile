@@ -23,7 +23,7 @@ test: lint
 	$(BIN)/python -m pytest
 
 # The `numa` tests, inside a 4-node kernel under QEMU (tools/numa-vm; without KVM an hour or more on 2 cores:
-# every bigmem run imports TensorFlow, 1.5-14 min under emulation depending on the host; README.md, Development).
+# every bigmem run imports TensorFlow, 1.5-14 min under emulation depending on the host; benchmarks/results/numa.md).
 # They live in tests/numa: collecting the whole suite would import TensorFlow, minutes under emulation.
 # The guest gets three hours before it is stopped (tools/numa-vm's own default, one hour, is too short here).
 test-numa: $(STAMP)

@@ -19,7 +19,8 @@ TRAINING_ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx5
 
 
 # ISA classes a memory calibration is keyed by, most capable first (the flag that defines each):
-# they select different oneDNN kernels, and bf16 is native only on the first two (README.md, "Speed").
+# they select different oneDNN kernels, and bf16 is native only on the first two
+# (benchmarks/results/speed.md, "oneDNN and bf16 by ISA class").
 ISA_CLASSES = (("amx", "amx_bf16"), ("avx512_bf16", "avx512_bf16"), ("avx512", "avx512f"), ("avx2", "avx2"))
 NATIVE_BF16_ISA_CLASSES = ("amx", "avx512_bf16")
 
@@ -71,7 +72,7 @@ NATIVE_BF16_VARIABLE = "BIGMEM_NATIVE_BF16"
 def native_bf16(proc_root: str | os.PathLike = "/proc") -> bool:
     """Whether this CPU runs bfloat16 natively: an ISA class in NATIVE_BF16_ISA_CLASSES, or
     AVX-NE-CONVERT (oneDNN's avx2_vnni_2). Elsewhere bf16 is emulated, ~20x slower than fp32
-    (README.md, "Speed"). NATIVE_BF16_VARIABLE overrides the flags.
+    (benchmarks/results/speed.md, "oneDNN and bf16"). NATIVE_BF16_VARIABLE overrides the flags.
     """
     override = os.environ.get(NATIVE_BF16_VARIABLE)
     if override in ("0", "1"):

@@ -1,4 +1,4 @@
-"""The run directory contract (README.md, "The run directory"): its files, their names, and their readers.
+"""The run directory contract (docs/rundir.md): its files, their names, and their readers.
 
 Every file is written through ``bigmem.atomic`` (whole, or not at all).
 """

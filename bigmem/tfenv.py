@@ -24,7 +24,7 @@ def enable_onednn(environ=None, machine: str | None = None) -> str:
 
     Stock TensorFlow enables oneDNN by default only on CPUs with AVX-512 VNNI/BF16, AVX-VNNI or
     AMX; on AVX2 servers (AMD EPYC Zen 2/3, Skylake-era Xeons) it stays off, and training is ~7x
-    slower there (README.md, "Speed"). Must run before TensorFlow is imported.
+    slower there (benchmarks/results/speed.md, "oneDNN and bf16"). Must run before TensorFlow is imported.
 
     Args:
         environ: the environment to read and change (default ``os.environ``).

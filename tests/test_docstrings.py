@@ -1,4 +1,4 @@
-"""The public API is documented as STYLE.md asks (Keras/MONAI style).
+"""Every public function and class says what it takes and gives (Args, Returns, Raises, Example; Keras/MONAI style).
 
 Two checks:
 

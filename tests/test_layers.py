@@ -1,4 +1,4 @@
-"""Layers point down (STYLE.md): a module imports only from its own unit or from a lower layer.
+"""Layers point down (ARCHITECTURE.md, "Layers"): a module imports only from its own unit or from a lower layer.
 
 A unit is a subpackage (``bigmem/nets``) or a top-level module (``bigmem/units.py``). Every
 import counts, at module level or inside a function: an import moved into a function to dodge
@@ -101,7 +101,7 @@ def upward_imports(root: Path, package: str = "bigmem", layers=LAYERS) -> list[s
 
 def test_bigmem_imports_point_down():
     problems = upward_imports(Path(bigmem.__file__).parent)
-    assert not problems, "Imports that do not point down (STYLE.md, 'Layers point down'):\n" + "\n".join(problems)
+    assert not problems, "Imports that do not point down (ARCHITECTURE.md, 'Layers'):\n" + "\n".join(problems)
 
 
 def _fake_package(tmp_path: Path, files: dict[str, str]) -> Path:

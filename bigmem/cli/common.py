@@ -14,7 +14,7 @@ from pathlib import Path
 from bigmem.errors import DataError, DiskFullError, InsufficientMemoryError, UsageError
 from bigmem.units import format_bytes, parse_bytes
 
-# Flags whose name is not the kebab-case of their field's (STYLE.md: flags are the field names).
+# Flags whose name is not the kebab-case of their field's (every other flag is: train.batch_size <-> --batch-size).
 FLAG_NAMES = {"data.store": "--data", "model.name": "--model", "numa.policy": "--numa",
               "memory.budget_bytes": "--memory-budget", "numa.threads": "--threads"}
 UNIT_SUFFIXES = ("_bytes", "_s")

@@ -1,4 +1,4 @@
-"""The HDF5 store format (README.md, "The store format") and ``HDF5VolumeStore``, its reader.
+"""The HDF5 store format (docs/store.md) and ``HDF5VolumeStore``, its reader.
 
 Layout: ``/cases/<case_id>/image`` (D, H, W, C) and ``/cases/<case_id>/label`` (D, H, W) uint8.
 Case attributes: ``spacing``, ``affine``, ``source_affine``, ``source_image``, ``source_label``,

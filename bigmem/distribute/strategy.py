@@ -60,9 +60,9 @@ def multiworker() -> Replicas:
     import tensorflow as tf
 
     if "TF_CONFIG" not in os.environ:
-        raise UsageError("--strategy multiworker needs TF_CONFIG (cluster and task); see README, 'two hosts'. A run "
-                         "trained with --strategy per-node (whose workers are multiworker) resumes with --resume "
-                         "--strategy per-node.")
+        raise UsageError("--strategy multiworker needs TF_CONFIG (cluster and task); see docs/guide.md, "
+                         "'Several hosts'. A run trained with --strategy per-node (whose workers are multiworker) "
+                         "resumes with --resume --strategy per-node.")
     try:
         json.loads(os.environ["TF_CONFIG"])
     except ValueError:

@@ -28,7 +28,7 @@ from bigmem.errors import DataError, UsageError
 from bigmem.infer.metrics import EMPTY_RULE, absent_class_metrics, aggregate, case_metrics, region_metrics
 from bigmem.units import format_count
 
-MAX_LABEL = 255  # label maps are held as uint8, as in the store (README.md, "The store format")
+MAX_LABEL = 255  # label maps are held as uint8, as in the store (docs/store.md)
 _SLAB_PLANES = 16  # float label files are checked 16 planes at a time: temporaries of a slab, not a volume
 
 

@@ -3,7 +3,7 @@
 A run is three parts: a job prepared once (``train/job.py``: config, run directory, placement,
 execution, loader, memory plan), the model and optimizer built (and restored) for it, and a loop
 of a few lines (``train/loop.py``) whose callbacks (``train/callbacks.py``) do everything else.
-It writes the run directory (README.md, "The run directory") through ``RunDir``: config.json, sysinfo.json,
+It writes the run directory (docs/rundir.md) through ``RunDir``: config.json, sysinfo.json,
 plan.json, numa.json, metrics.jsonl, monitor.csv, checkpoints/, model.keras and, last,
 summary.json.
 """
@@ -84,7 +84,7 @@ def train(config: ExperimentConfig, run_dir: str | os.PathLike, *, resume: bool 
     Args:
         config: the resolved config (``config.presets.resolve_config``); ``data.store`` None
             trains on the embedded synthetic dataset.
-        run_dir: the run directory (README.md, "The run directory"); created if missing.
+        run_dir: the run directory (docs/rundir.md); created if missing.
         resume: continue ``run_dir`` from its newest complete checkpoint.
         console: where progress and messages go (default: stdout).
         verbose: show TensorFlow's own logs.
