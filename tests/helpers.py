@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import collections
+import contextlib
 from pathlib import Path
+from typing import Iterator
 
 GIB_KB = 1024 * 1024  # sysfs meminfo is in kB
 
@@ -78,3 +81,25 @@ def make_kits(root: Path, cases: dict) -> Path:
         if values is not None:
             save_nifti(root / case_id / "segmentation.nii.gz", label)
     return root
+
+
+@contextlib.contextmanager
+def slab_calls() -> Iterator[collections.Counter]:
+    """The slab kernels entered inside the block, by kind (``SLAB_CALLS``'s increase; filled on exit).
+
+    A slab test compares the slab path with the whole-tensor one; both pass if dispatch silently
+    stopped partitioning, so the test also asserts on these counts.
+
+    Example:
+        >>> with slab_calls() as calls:
+        ...     y = layer(x)
+        >>> assert calls["conv3d"] > 0
+    """
+    from bigmem.nets.limits import SLAB_CALLS
+
+    before = SLAB_CALLS.copy()
+    calls: collections.Counter = collections.Counter()
+    try:
+        yield calls
+    finally:
+        calls.update(SLAB_CALLS - before)

@@ -11,6 +11,7 @@ from bigmem.nets import choices
 from bigmem.nets import conv as conv_module
 from bigmem.nets.conv import Conv3D, Conv3DTranspose, planewise_weight_grad, pointwise_weight_grad, \
     transposed_weight_grad
+from helpers import slab_calls
 
 
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf.function"])
@@ -153,9 +154,10 @@ def test_transposed_layer_takes_the_2d_weight_gradient_and_matches_keras(two_d_o
         layer.build(x.shape)
     stock.set_weights(ours.get_weights())
     # Slabs: two input planes' outputs (4 output planes of 6 x 8 x 4) per slab.
-    with kernel_element_limit(4 * 6 * 8 * 4 if partitioned else MAX_KERNEL_ELEMENTS):
+    with kernel_element_limit(4 * 6 * 8 * 4 if partitioned else MAX_KERNEL_ELEMENTS), slab_calls() as calls:
         (y, (dx, dw)) = _grads(ours, x)
     y_ref, (dx_ref, dw_ref) = _grads(stock, x)
+    assert calls == ({"conv3d_transpose": 1} if partitioned else {})
     assert two_d_others == ["transposed_weight_grad"] * (4 if partitioned else 1)
     for got, want in ((y, y_ref), (dx, dx_ref), (dw, dw_ref)):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

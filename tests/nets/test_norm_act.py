@@ -10,6 +10,7 @@ import pytest
 import tensorflow as tf
 
 from bigmem.nets.norm_act import NormActivation
+from helpers import slab_calls
 
 REFERENCE_ACTIVATIONS = {
     "relu": lambda dtype: keras.layers.ReLU(dtype=dtype),
@@ -134,10 +135,11 @@ def test_mixed_bfloat16_normalises_with_float32_gamma_and_beta(slabs, channels):
     layer = NormActivation(dtype="mixed_bfloat16")
     layer.build(shape)
     layer.beta.assign(np.full(channels, -0.999, np.float32))
-    with kernel_element_limit(2 * 8 * 8 * channels if slabs else 2**30):
+    with kernel_element_limit(2 * 8 * 8 * channels if slabs else 2**30), slab_calls() as calls:
         with tf.GradientTape() as tape:
             y = layer(x)
         dbeta = tape.gradient(y, layer.beta, output_gradients=tf.ones_like(y))
+    assert calls == ({"norm_activation": 1} if slabs else {})
     assert layer.beta.dtype == "float32"
     assert np.asarray(layer.beta)[0] == np.float32(-0.999)
     np.testing.assert_array_equal(dbeta.numpy(), np.full(channels, 8**3 / 2))

@@ -9,6 +9,7 @@ import pytest
 import tensorflow as tf
 
 from bigmem.train.losses import dice_ce_loss, foreground_dice
+from helpers import slab_calls
 
 
 def _logits_for(labels: np.ndarray, num_classes: int, scale: float = 20.0) -> tf.Tensor:
@@ -66,11 +67,12 @@ def test_a_padded_sample_scores_and_trains_as_the_unpadded_one(limit):
     padded_labels[:, 2:9] = labels
     padded_logits = rng.normal(0, 5, (2, 12, 5, 3, 3)).astype(np.float32)  # padding: arbitrary logits
     padded_logits[:, 2:9] = logits
-    with kernel_element_limit(limit) if limit else contextlib.nullcontext():
+    with kernel_element_limit(limit) if limit else contextlib.nullcontext(), slab_calls() as calls:
         loss, grad = _loss_and_grad(labels, logits)
         padded_loss, padded_grad = _loss_and_grad(padded_labels, padded_logits)
         counts = dice_counts(tf.constant(labels), tf.constant(logits))
         padded_counts = dice_counts(tf.constant(padded_labels), tf.constant(padded_logits))
+    assert calls == ({"loss": 2} if limit else {})  # the sample and the padded one, in slabs where limited
     np.testing.assert_allclose(padded_loss, loss, rtol=1e-6)
     np.testing.assert_allclose(padded_grad[:, 2:9], grad, rtol=1e-5, atol=1e-9)
     assert not np.any(padded_grad[:, :2])

@@ -6,6 +6,13 @@ import tensorflow as tf
 
 from bigmem.nets.limits import kernel_element_limit
 from bigmem.train.losses import dice_ce_per_sample, dice_ce_per_sample_slabs, dice_counts
+from helpers import slab_calls
+
+
+def _argmax_ops(labels, logits) -> int:
+    """ArgMax ops in dice_counts's graph: one for the whole tensor, one per slab past the limit."""
+    graph = tf.function(dice_counts).get_concrete_function(labels, logits).graph
+    return sum(op.type == "ArgMax" for op in graph.get_operations())
 
 
 @pytest.mark.parametrize("shape", [(1, 33, 4, 5, 3), (2, 17, 3, 3, 4), (1, 9, 2, 2, 2)])
@@ -23,9 +30,13 @@ def test_loss_in_slabs_equals_whole(shape):
         return loss, tape.gradient(total, logits)
 
     want_loss, want_grad = value_and_grad(dice_ce_per_sample)
-    with kernel_element_limit(shape[2] * shape[3] * shape[4] * 4):
+    assert _argmax_ops(labels, logits) == 1
+    with kernel_element_limit(shape[2] * shape[3] * shape[4] * 4), slab_calls() as calls:
         got_loss, got_grad = value_and_grad(dice_ce_per_sample)  # dispatches to the slab version
         counts = dice_counts(labels, logits)
+        counted_in_slabs = _argmax_ops(labels, logits)
+    assert calls == {"loss": 1}
+    assert counted_in_slabs > 1  # dice_counts has no counter: its trace shows the slabs
     np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
     np.testing.assert_allclose(got_grad, want_grad, atol=1e-6 * float(tf.reduce_max(tf.abs(want_grad))) + 1e-9)
     for got, want in zip(counts, dice_counts(labels, logits)):
@@ -35,8 +46,9 @@ def test_loss_in_slabs_equals_whole(shape):
 def test_loss_in_slabs_inside_a_graph():
     logits = tf.random.stateless_normal((1, 12, 3, 3, 3), seed=[5, 6])
     labels = tf.zeros((1, 12, 3, 3), tf.uint8)
-    with kernel_element_limit(3 * 3 * 3 * 3):
+    with kernel_element_limit(3 * 3 * 3 * 3), slab_calls() as calls:
         graph_loss = tf.function(dice_ce_per_sample_slabs)(labels, logits)
+    assert calls == {"loss": 1}
     np.testing.assert_allclose(graph_loss, dice_ce_per_sample(labels, logits), rtol=1e-5)
 
 
