@@ -109,20 +109,32 @@ def augmentation(config: ExperimentConfig) -> Compose:
     return chain(name.value, flip=data.flip, intensity=(data.intensity_scale, data.intensity_shift))
 
 
+def pad_multiple(config: ExperimentConfig) -> int:
+    """The multiple each axis of a case trained at its own shape is padded up to: ``data.pad_multiple``, else
+    ``model.divisor``, ``2**depth``: the U-Net halves every axis once per level (``depth`` poolings), so each
+    size it trains on must divide by it.
+
+    Example:
+        >>> pad_multiple(resolve_config("small"))  # depth 3
+        8
+    """
+    return config.data.pad_multiple or config.model.divisor
+
+
 def trained_shapes(config: ExperimentConfig) -> list[tuple[str, tuple[int, int, int], tuple[int, int, int]]]:
     """Each training case of ``config.data.store`` (held-out ones left out): its id, its own shape and the shape
-    it trains at: ``data.shape`` when fixed, else its own padded to ``data.pad_multiple`` (default ``2**depth``).
+    it trains at (``pipeline.trained_shape``): ``data.shape`` when fixed, else its own padded to ``pad_multiple``.
 
-    The one rule the loader (``VolumeLoader.case_shape``), the pre-flight and ``bigmem plan`` and
-    ``compare`` share.
+    The loader (``VolumeLoader.case_shape``, made by ``train.job.make_loader``) applies the same rule, so the
+    pre-flight, ``bigmem plan`` and ``compare`` plan the shapes training runs at.
     """
-    from bigmem.data.pipeline import padded_shape
+    from bigmem.data.pipeline import trained_shape
 
-    multiple = config.data.pad_multiple or config.model.divisor
+    multiple = pad_multiple(config)
     with HDF5VolumeStore(config.data.store, holdout=config.data.holdout) as store:
         infos = list(store.cases)
-    fixed = tuple(config.data.shape) if config.data.shape is not None else None
-    return [(i.case_id, i.shape, fixed or padded_shape(i.shape, multiple)) for i in infos]
+    fixed = config.data.shape
+    return [(i.case_id, i.shape, trained_shape(i.shape, pad_multiple=multiple, fixed=fixed)) for i in infos]
 
 
 def median_shape(config: ExperimentConfig) -> tuple[int, int, int]:

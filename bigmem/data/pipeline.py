@@ -39,7 +39,7 @@ from bigmem.units import as_shape, format_shape
 
 # PAD_LABEL (255, from transforms): the label of padded voxels. one_hot of it is all zeros, so the loss,
 # the Dice and the metrics leave those voxels out without a second mask tensor (classes are 0..254).
-__all__ = ["PAD_LABEL", "VolumeLoader", "load_sample", "load_patch", "fit_to_shape", "padded_shape"]
+__all__ = ["PAD_LABEL", "VolumeLoader", "load_sample", "load_patch", "fit_to_shape", "padded_shape", "trained_shape"]
 
 Shape = tuple[int, int, int]
 
@@ -52,6 +52,38 @@ def padded_shape(shape: Sequence[int], multiple: int) -> Shape:
         (240, 240, 160)
     """
     return tuple(-(-int(s) // multiple) * multiple for s in shape[:3])  # type: ignore[return-value]
+
+
+def trained_shape(shape: Sequence[int], *, pad_multiple: int | None, fixed: Sequence[int] | None = None) -> Shape:
+    """The shape a case trains at on its own: ``fixed`` when given, else its own ``shape`` padded (never
+    cropped) up to a multiple of ``pad_multiple`` on each axis.
+
+    The one rule ``VolumeLoader.case_shape`` and ``data.derived.trained_shapes`` (which the memory
+    pre-flight, ``bigmem plan`` and ``bigmem compare`` read) share; ``data.derived.pad_multiple``
+    decides a config's multiple.
+
+    Args:
+        shape: the case's own ``(D, H, W)`` in voxels (further axes are ignored).
+        pad_multiple: the multiple each axis is padded up to; needed unless ``fixed`` is given.
+        fixed: the ``(D, H, W)`` every case is cropped or padded to (``data.shape``); None
+            (default): each case at its own shape.
+
+    Returns:
+        ``(D, H, W)``.
+
+    Raises:
+        ValueError: ``fixed`` is None and ``pad_multiple`` is not a positive integer.
+
+    Example:
+        >>> trained_shape((33, 34, 35), pad_multiple=8), trained_shape((33, 34, 35), pad_multiple=8, fixed=(32, 32, 32))
+        ((40, 40, 40), (32, 32, 32))
+    """
+    if fixed is not None:
+        return tuple(int(s) for s in fixed)  # type: ignore[return-value]
+    if pad_multiple is None or int(pad_multiple) != pad_multiple or pad_multiple < 1:
+        raise ValueError(f"pad_multiple {pad_multiple!r}: expected a positive integer to pad a case's own shape to "
+                         "(the network's size contract, 2**depth: data.derived.pad_multiple), or a fixed shape.")
+    return padded_shape(shape, int(pad_multiple))
 
 
 def bounding_shape(shapes: Sequence[Sequence[int]]) -> Shape:
@@ -353,8 +385,9 @@ class VolumeLoader:
         store_path: a bigmem HDF5 store (``bigmem synth`` or ``bigmem convert`` writes one).
         shape: the ``(D, H, W)`` every case is cropped or padded to; None (default): each case
             at its own shape, padded to a multiple of ``pad_multiple``.
-        pad_multiple: the multiple native shapes are padded to (default 16, ``2**depth`` of the
-            default network; pass the model's ``divisor`` or a coarser multiple of it).
+        pad_multiple: the multiple native shapes are padded to: the network's size contract
+            (``2**depth``) or a coarser multiple of it (``data.derived.pad_multiple`` decides a
+            config's); needed when ``shape`` and ``patch`` are None.
         batch_size: samples per batch (per process when sharded).
         seed: the order, crops and augmentation draws (default 0).
         augment: the augmentation chain each sample goes through after normalisation
@@ -375,17 +408,22 @@ class VolumeLoader:
         DataError: the store is missing, not a bigmem store, newer than this bigmem, has no
             cases or an inconsistent case, a case with a label value >= its ``num_classes`` or a
             NaN/Inf voxel, or ``holdout`` leaves no case to train on.
-        ValueError: ``shard`` is not ``(index, count)`` with ``0 <= index < count``.
+        ValueError: ``shard`` is not ``(index, count)`` with ``0 <= index < count``, or native
+            shapes without a ``pad_multiple``.
 
     Example:
         >>> with VolumeLoader("synth.h5", pad_multiple=16, batch_size=2) as loader:
         ...     images, labels = next(loader.batches())  # (2, D, H, W, C) float32, (2, D, H, W) uint8
     """
 
-    def __init__(self, store_path: str | os.PathLike, *, shape: Sequence[int] | None = None, pad_multiple: int = 16,
-                 batch_size: int, seed: int = 0, augment: Compose | None = None, num_workers: int = 0,
-                 prefetch: int = 2, cold_cache: bool = False, patch: int | Sequence[int] | None = None,
-                 holdout: int = 0, shard: tuple[int, int] = (0, 1)):
+    def __init__(self, store_path: str | os.PathLike, *, shape: Sequence[int] | None = None,
+                 pad_multiple: int | None = None, batch_size: int, seed: int = 0, augment: Compose | None = None,
+                 num_workers: int = 0, prefetch: int = 2, cold_cache: bool = False,
+                 patch: int | Sequence[int] | None = None, holdout: int = 0, shard: tuple[int, int] = (0, 1)):
+        if shape is None and not patch and pad_multiple is None:  # before the store is opened
+            raise ValueError("VolumeLoader: pad_multiple is needed to train each case at its own shape (shape and "
+                             "patch None): the network's size contract 2**depth, or a multiple of it "
+                             "(data.derived.pad_multiple).")
         self.store = HDF5VolumeStore(store_path, cold_cache=cold_cache, holdout=holdout)
         try:  # a bad label or voxel is refused here, before the first training step, not when its case is read
             self.store.validate_for_training()
@@ -401,7 +439,7 @@ class VolumeLoader:
         self.cold_cache = cold_cache
         self.patch = as_shape(patch) if patch else None
         self.shape = tuple(int(s) for s in shape) if shape is not None else None
-        self.pad_multiple = int(pad_multiple)
+        self.pad_multiple = int(pad_multiple) if pad_multiple is not None else None
         self.batch_size = int(batch_size)
         self.seed = int(seed)
         self.augment = augment if augment else None
@@ -430,9 +468,7 @@ class VolumeLoader:
         """The shape case ``case_index`` is trained at on its own: its padded shape, the fixed shape or the patch."""
         if self.patch:
             return self.patch
-        if self.shape is not None:
-            return self.shape  # type: ignore[return-value]
-        return padded_shape(self.store.cases[case_index].shape, self.pad_multiple)
+        return trained_shape(self.store.cases[case_index].shape, pad_multiple=self.pad_multiple, fixed=self.shape)
 
     @property
     def shapes(self) -> list[Shape]:

@@ -20,7 +20,7 @@ from rich.console import Console
 from bigmem.checkpoints import CheckpointManager
 from bigmem.config.options import Precision
 from bigmem.config.schema import ExperimentConfig
-from bigmem.data.derived import augmentation, with_data_fields
+from bigmem.data.derived import augmentation, pad_multiple, with_data_fields
 from bigmem.data.pipeline import VolumeLoader
 from bigmem.distribute.execution import Execution, choose_execution
 from bigmem.errors import UsageError
@@ -191,10 +191,9 @@ def make_loader(config: ExperimentConfig, execution: Execution) -> VolumeLoader:
         The ``VolumeLoader``; close it when done.
     """
     data = config.data
-    return VolumeLoader(data.store, shape=data.shape, pad_multiple=data.pad_multiple or config.model.divisor,
-                             seed=config.train.seed, augment=augmentation(config), num_workers=data.num_workers,
-                             prefetch=data.prefetch, cold_cache=data.cold_cache, holdout=data.holdout,
-                             **execution.loader_settings())
+    return VolumeLoader(data.store, shape=data.shape, pad_multiple=pad_multiple(config), seed=config.train.seed,
+                        augment=augmentation(config), num_workers=data.num_workers, prefetch=data.prefetch,
+                        cold_cache=data.cold_cache, holdout=data.holdout, **execution.loader_settings())
 
 
 def plan_memory(config: ExperimentConfig, execution: Execution, recompute_stages: list[str] | None, *, force: bool,

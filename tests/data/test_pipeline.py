@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 
 from bigmem.data.pipeline import (
-    PAD_LABEL, VolumeLoader, bounding_shape, case_for_sample, epoch_order, fit_to_shape, padded_shape,
+    PAD_LABEL, VolumeLoader, bounding_shape, case_for_sample, epoch_order, fit_to_shape, padded_shape, trained_shape,
 )
 from bigmem.errors import DataError
 
 
 def test_batches_are_normalised_whole_volumes(tiny_store):
-    with VolumeLoader(tiny_store, batch_size=2) as loader:
+    with VolumeLoader(tiny_store, pad_multiple=16, batch_size=2) as loader:
         images, labels = next(loader.batches())
     assert images.shape == (2, 16, 16, 16, 1)
     assert images.dtype == np.float32
@@ -46,6 +46,29 @@ def test_fit_to_shape_keeps_image_and_label_aligned(shape, target):
 def test_padded_shape_rounds_each_axis_up(shape, multiple, expected):
     assert padded_shape(shape, multiple) == expected
     assert bounding_shape([(16, 32, 8), (24, 8, 8), (8, 8, 40)]) == (24, 32, 40)
+
+
+@pytest.mark.parametrize("shape, multiple, fixed, expected", [((33, 34, 35), 8, None, (40, 40, 40)),
+                                                              ((33, 34, 35), 4, None, (36, 36, 36)),
+                                                              ((33, 34, 35), None, (32, 16, 48), (32, 16, 48)),
+                                                              ((16, 1, 17, 2), 8, None, (16, 8, 24))])
+def test_trained_shape_is_the_fixed_shape_or_the_own_shape_padded(shape, multiple, fixed, expected):
+    assert trained_shape(shape, pad_multiple=multiple, fixed=fixed) == expected
+
+
+@pytest.mark.parametrize("multiple", [None, 0, 2.5])
+def test_trained_shape_needs_a_positive_multiple_for_a_native_shape(multiple):
+    with pytest.raises(ValueError, match=rf"^pad_multiple {multiple!r}: expected a positive integer"):
+        trained_shape((33, 34, 35), pad_multiple=multiple)
+
+
+def test_the_loader_needs_a_pad_multiple_for_native_shapes_only(tiny_store):
+    with pytest.raises(ValueError, match=r"^VolumeLoader: pad_multiple is needed to train each case at its own shape"):
+        VolumeLoader(tiny_store, batch_size=1)
+    with VolumeLoader(tiny_store, shape=(8, 8, 8), batch_size=1) as fixed, \
+            VolumeLoader(tiny_store, patch=8, batch_size=1) as patches:
+        assert fixed.shapes == [(8, 8, 8)] * 4
+        assert patches.shapes == [(8, 8, 8)] * 4
 
 
 def _shaped_store(tmp_path, shapes, name="shapes.h5", channels=1):
@@ -141,7 +164,7 @@ def test_every_epoch_visits_every_case_once():
 
 
 def test_order_resumes_at_any_step(tiny_store):
-    with VolumeLoader(tiny_store, batch_size=3, seed=2) as loader:
+    with VolumeLoader(tiny_store, pad_multiple=16, batch_size=3, seed=2) as loader:
         stream = loader.batches(0)
         from_start = [next(stream) for _ in range(4)]
         resumed = next(loader.batches(3))
@@ -151,9 +174,9 @@ def test_order_resumes_at_any_step(tiny_store):
 
 
 def test_worker_processes_deliver_the_same_batches(tiny_store):
-    with VolumeLoader(tiny_store, batch_size=2, seed=1) as serial:
+    with VolumeLoader(tiny_store, pad_multiple=16, batch_size=2, seed=1) as serial:
         expected = [b for b, _ in zip(serial.batches(1), range(3))]
-    with VolumeLoader(tiny_store, batch_size=2, seed=1, num_workers=2, prefetch=1) as parallel:
+    with VolumeLoader(tiny_store, pad_multiple=16, batch_size=2, seed=1, num_workers=2, prefetch=1) as parallel:
         got = [b for b, _ in zip(parallel.batches(1), range(3))]
     for (ei, el), (gi, gl) in zip(expected, got):
         np.testing.assert_array_equal(ei, gi)
@@ -176,7 +199,7 @@ def test_reader_errors_keep_their_message_through_tf_data(corrupt_store):
 
     from helpers import poison_labels
 
-    with VolumeLoader(corrupt_store(poison_labels(9)), batch_size=1) as loader:
+    with VolumeLoader(corrupt_store(poison_labels(9)), pad_multiple=16, batch_size=1) as loader:
         with pytest.raises(tf.errors.OpError):
             next(iter(loader.dataset()))
         assert isinstance(loader.error, DataError)
@@ -195,7 +218,7 @@ def test_repr_states_memory(tiny_store):
     with VolumeLoader(tiny_store, shape=(32, 32, 32), batch_size=2) as loader:
         assert repr(loader) == ("VolumeLoader(shape: 32^3; batch: 2; workers: 0; prefetch: 2; "
                                 "memory per batch: 0.3 MiB)")
-    with VolumeLoader(tiny_store, batch_size=1) as loader:
+    with VolumeLoader(tiny_store, pad_multiple=16, batch_size=1) as loader:
         assert repr(loader).startswith("VolumeLoader(shape: native, at most 16^3; batch: 1;")
 
 
@@ -257,7 +280,7 @@ def test_the_pipeline_catches_non_finite_values(corrupt_store):
         data[...] = values
 
     path = corrupt_store(poison)
-    with VolumeLoader(path, batch_size=4) as loader:
+    with VolumeLoader(path, pad_multiple=16, batch_size=4) as loader:
         assert loader.store.check_finite is True
         with pytest.raises(DataError, match=r"^Case 'synth_0002': image has 1 non-finite values \(NaN/Inf\) "):
             next(loader.batches())
@@ -265,17 +288,17 @@ def test_the_pipeline_catches_non_finite_values(corrupt_store):
 
 def test_shards_split_every_global_batch_in_the_order_of_one_process(tiny_store):
     """Two workers' loaders together load exactly one process's batches of twice their size."""
-    with VolumeLoader(tiny_store, batch_size=4, seed=5) as one:
+    with VolumeLoader(tiny_store, pad_multiple=16, batch_size=4, seed=5) as one:
         whole = [next(one.batches(step)) for step in range(3)]
     for index in range(2):
-        with VolumeLoader(tiny_store, batch_size=2, seed=5, shard=(index, 2)) as worker:
+        with VolumeLoader(tiny_store, pad_multiple=16, batch_size=2, seed=5, shard=(index, 2)) as worker:
             assert worker.steps_per_epoch == one.steps_per_epoch
             for step in range(3):
                 images, labels = next(worker.batches(step))
                 np.testing.assert_array_equal(images, whole[step][0][2 * index:2 * index + 2])
                 np.testing.assert_array_equal(labels, whole[step][1][2 * index:2 * index + 2])
     with pytest.raises(ValueError, match=r"shard \(2, 2\)"):
-        VolumeLoader(tiny_store, batch_size=2, shard=(2, 2))
+        VolumeLoader(tiny_store, pad_multiple=16, batch_size=2, shard=(2, 2))
 
 
 @pytest.mark.parametrize("bad", ["label", "nan"])
@@ -294,7 +317,7 @@ def test_the_loader_refuses_a_bad_case_when_it_is_made_not_when_it_is_read(tmp_p
     message = {"label": r"^Case 'c2': label value 5 >= number of classes 3 \(",
                "nan": r"^Case 'c2': image has 1 non-finite values \(NaN/Inf\) \("}[bad]
     with pytest.raises(DataError, match=message):
-        VolumeLoader(tmp_path / "s.h5", batch_size=1)
+        VolumeLoader(tmp_path / "s.h5", pad_multiple=16, batch_size=1)
 
 
 def test_a_case_larger_than_the_training_shape_is_cropped_before_it_is_augmented(tiny_store):
