@@ -8,7 +8,8 @@ becomes ``DiskFullError`` (exit 1), naming the path, the bytes needed and the by
 files are written through ``atomic_hdf5``, which keeps HDF5 from crashing the process when a
 write fails (see there). The run directory (``rundir``), checkpoints (folders, through
 ``atomic_output(directory=True)``), stores, predictions and reports all write through here, and
-``remove_atomically`` and ``leftover_temporaries`` handle what a killed writer leaves.
+``remove_atomically``, ``leftover_temporaries`` and ``remove_leftover_temporaries`` handle what a killed
+writer leaves.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO})
 _HDF5_ERRNO = re.compile(r"\berrno = (\d+)")
 # temporary_name's scheme, read back: .<stem>.tmp-<pid>-<n><suffix> (without -<n>: before the counter existed)
 _TEMPORARY = re.compile(r"^\.(?P<stem>.+)\.tmp-(?P<pid>\d+)(?:-\d+)?(?P<suffix>.*)$")
+# An older bigmem's temporaries (tempfile.mkstemp beside the output): .<name>.<random>.tmp, naming no process
+_OLD_TEMPORARY = re.compile(r"^\..+\.\w+\.tmp$")
 _counter = itertools.count()
 
 
@@ -121,12 +124,47 @@ def temporary_of(name: str) -> tuple[str, int] | None:
 def leftover_temporaries(folder: str | os.PathLike) -> list[Path]:
     """The temporaries in ``folder`` that another process made (one that was killed mid-write), by name.
 
-    This process's own are not listed: they may be in the middle of being written.
+    This process's own are not listed: they may be in the middle of being written. An older bigmem's
+    ``.<name>.<random>.tmp`` (``tempfile.mkstemp``'s, which name no process) are.
+
+    Args:
+        folder: the folder to look in (missing: none).
+
+    Returns:
+        Their paths, sorted.
+
+    Example:
+        >>> leftover_temporaries("runs/small-1")  # after a kill while model.keras was written
+        [PosixPath('runs/small-1/.model.tmp-4242-7.keras')]
     """
     folder = Path(folder)
     if not folder.is_dir():
         return []
-    return sorted(p for p in folder.iterdir() if (owner := temporary_of(p.name)) and owner[1] != os.getpid())
+    return sorted(p for p in folder.iterdir() if _left_over(p.name))
+
+
+def _left_over(name: str) -> bool:
+    owner = temporary_of(name)
+    return owner[1] != os.getpid() if owner else bool(_OLD_TEMPORARY.match(name))
+
+
+def remove_leftover_temporaries(folder: str | os.PathLike) -> list[Path]:
+    """Remove ``leftover_temporaries(folder)`` (files and folders); a killed writer's debris, never an output.
+
+    Args:
+        folder: the folder to clean (missing: nothing to do).
+
+    Returns:
+        The paths removed, sorted.
+
+    Example:
+        >>> remove_leftover_temporaries("runs/small-1")  # a resumed run starts without the killed one's
+        [PosixPath('runs/small-1/.model.tmp-4242-7.keras')]
+    """
+    stale = leftover_temporaries(folder)
+    for path in stale:
+        _remove(path)
+    return stale
 
 
 def remove_atomically(path: str | os.PathLike) -> None:

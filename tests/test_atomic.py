@@ -14,8 +14,8 @@ import pytest
 
 from bigmem import atomic
 from bigmem.atomic import (atomic_hdf5, atomic_output, atomic_write_json, atomic_write_text, close_hdf5, disk_errno,
-                           leftover_temporaries, open_hdf5_for_writing, remove_atomically, require_free_space,
-                           temporary_name, temporary_of)
+                           leftover_temporaries, open_hdf5_for_writing, remove_atomically, remove_leftover_temporaries,
+                           require_free_space, temporary_name, temporary_of)
 from bigmem.errors import DiskFullError
 
 
@@ -67,6 +67,23 @@ def test_leftover_temporaries_are_another_process_s(tmp_path):
     assert [p.name for p in leftover_temporaries(tmp_path)] == [".ckpt-00000001.tmp-99999-0",
                                                                ".plan.tmp-99999-3.json"]
     assert leftover_temporaries(tmp_path / "missing") == []
+
+
+def test_remove_leftover_temporaries_removes_a_killed_writer_s_and_nothing_else(tmp_path):
+    """Both schemes: atomic's .<stem>.tmp-<pid>-<n><suffix>, and an older bigmem's mkstemp .<name>.<random>.tmp."""
+    mine = temporary_name(tmp_path / "summary.json")
+    mine.write_text("{")
+    (tmp_path / ".ckpt-00000003.tmp-99999-0").mkdir()
+    (tmp_path / ".ckpt-00000003.tmp-99999-0" / "state.json").write_text("{}")
+    for name in (".model.tmp-99999.keras", ".config.json.x1y2z3.tmp", "config.json", ".damaged-ckpt-00000001",
+                 "notes.tmp"):
+        (tmp_path / name).write_text("{")
+    removed = remove_leftover_temporaries(tmp_path)
+    assert [p.name for p in removed] == [".ckpt-00000003.tmp-99999-0", ".config.json.x1y2z3.tmp",
+                                         ".model.tmp-99999.keras"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([mine.name, "config.json", ".damaged-ckpt-00000001",
+                                                                "notes.tmp"])
+    assert remove_leftover_temporaries(tmp_path / "missing") == []
 
 
 def test_remove_atomically_renames_then_deletes(tmp_path, monkeypatch):

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from bigmem.config.options import OptimizerName, Precision
 from bigmem.config.schema import ExperimentConfig
 from bigmem.errors import DiskFullError, TrainingError
 from bigmem.infer.modelcard import CARD_NAME, ModelCard
-from bigmem.atomic import atomic_output
+from bigmem.atomic import atomic_output, remove_leftover_temporaries
 from bigmem.sysinfo import collect_sysinfo
 from bigmem.tfenv import import_tensorflow
 from bigmem.train import callbacks as cb
@@ -255,7 +254,7 @@ def _start(job: Job, model, optimizer, console: Console) -> Restored:
     """
     run = job.run
     restored = restore(run, job.checkpoints, job.resume_from, model, optimizer, job.total_steps, console)
-    _remove_temporaries(run.path)
+    remove_leftover_temporaries(run.path)  # a killed run's, beside its outputs
     run.path.mkdir(parents=True, exist_ok=True)
     run.write_config({**job.config.to_dict(), "total_steps": job.total_steps, "effective_lr": job.learning_rate,
                       "augmentation": job.loader.augment.to_dict() if job.loader.augment else None})
@@ -264,17 +263,6 @@ def _start(job: Job, model, optimizer, console: Console) -> Restored:
     run.write_sysinfo(collect_sysinfo())
     run.write_plan(job.plan.to_dict())
     return restored
-
-
-def _remove_temporaries(path: Path) -> None:
-    """Remove the temporary files a killed run left beside its outputs (this process has none open yet)."""
-    if not path.is_dir():
-        return
-    for stale in path.glob(".*.tmp*"):  # the atomic writers' hidden temporaries: .<name>.tmp-<pid>...
-        if stale.is_dir() and not stale.is_symlink():
-            shutil.rmtree(stale, ignore_errors=True)
-        else:
-            stale.unlink(missing_ok=True)
 
 
 def _run(job: Job, console: Console, verbose: bool) -> TrainResult:
