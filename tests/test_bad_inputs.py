@@ -343,6 +343,12 @@ CASES = [
          "Cannot write --out '{tmp}/afile': it is a file; expected a directory.", _a_file),
     Case("out-in-unwritable-directory", 4, ("compare", "--out", "{ro}/cmp"), 1,
          "Cannot write --out '{ro}/cmp': directory '{ro}' is not writable (<*>)."),
+    Case("budget-is-now-equal", 8, ("compare", "--budget", "flops"), 2,
+         "compare's --budget is now --equal time|flops (equal training time or equal training FLOPs); "
+         "--memory-budget SIZE sets the host memory budget.", no_tensorflow=True),
+    Case("budget-without-a-value", 8, ("compare", "--budget"), 2,
+         "compare's --budget is now --equal time|flops (equal training time or equal training FLOPs); "
+         "--memory-budget SIZE sets the host memory budget."),
     # predict: refused before TensorFlow starts
     Case("not-a-run-directory", 8, ("predict", "{tmp}", "{store}", "-o", "{tmp}/o"), 1,
          "'{tmp}' is not a bigmem run directory: no config.json there.", no_tensorflow=True),

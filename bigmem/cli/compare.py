@@ -18,8 +18,8 @@ compare trains the same model on the same data (a) bigmem's way, whole volumes i
 RAM, evaluated with one whole-volume pass, and (b) data parallel with tf.distribute's
 MirroredStrategy on the largest patch that fits one GPU (--gpu-memory), evaluated in Gaussian
 sliding windows of that patch (overlap 0.5, as nnU-Net and MLPerf do). Both are pre-flighted
-before either trains, trained for the same budget (--budget: equal training time, the default,
-or equal training FLOPs; validation time is not counted), validated every --val-every steps for
+before either trains, trained for equal time or equal FLOPs (--equal time, the default, or
+--equal flops; validation time is not counted), validated every --val-every steps for
 the time-to-Dice curves, and scored on the same held-out cases by bigmem predict's and bigmem
 evaluate's code (per-class Dice and HD95). With --seeds N each path trains N times and the
 conclusion says whether the difference exceeds the seed-to-seed spread.
@@ -56,8 +56,10 @@ def register(subparsers, parents) -> None:
                              "memory and the model's largest patch come from it (with the phantoms, the measured "
                              "kits19 patch sets the stand-in's proportion), and the report adds its measured "
                              "step rate, saying which figures are measured and which simulated")
-    parser.add_argument("--budget", choices=("time", "flops"), default="time",
-                        help="equal training time (default) or equal training FLOPs for the two paths")
+    parser.add_argument("--equal", choices=("time", "flops"), default="time",
+                        help="what the two paths get the same of: training time (default) or training FLOPs")
+    # compare's --budget was --equal's old name, and looked like the memory budget: refused with the new names
+    parser.add_argument("--budget", nargs="?", const="", default=None, help=argparse.SUPPRESS)
     length = parser.add_mutually_exclusive_group()
     length.add_argument("--time-budget", type=float, metavar="S",
                         help=f"seconds of training for the whole-volume path (default {DEFAULT_TIME_BUDGET_S:g}); "
@@ -78,7 +80,13 @@ def register(subparsers, parents) -> None:
     parser.set_defaults(run=run)
 
 
+RENAMED_BUDGET = ("compare's --budget is now --equal time|flops (equal training time or equal training FLOPs); "
+                  "--memory-budget SIZE sets the host memory budget.")
+
+
 def run(args) -> int:
+    if args.budget is not None:
+        raise UsageError(RENAMED_BUDGET)
     for flag, value in (("--steps", args.steps), ("--batch-size", args.batch_size), ("--volume", args.volume),
                         ("--gpus", args.gpus), ("--simulate-replicas", args.simulate_replicas),
                         ("--time-budget", args.time_budget), ("--seeds", args.seeds), ("--val-every", args.val_every)):
@@ -146,7 +154,7 @@ def run(args) -> int:
     gpus = len(tf.config.list_physical_devices("GPU"))
     simulate = args.simulate_replicas is not None or gpus == 0
     replicas = args.simulate_replicas or (2 if simulate else (args.gpus or gpus))
-    settings = Settings(replicas=replicas, simulate=simulate, gpu_memory=memory, budget=args.budget,
+    settings = Settings(replicas=replicas, simulate=simulate, gpu_memory=memory, equal=args.equal,
                         time_budget_s=args.time_budget, steps=args.steps, seeds=args.seeds, holdout=holdout,
                         val_every=args.val_every, memory_budget_bytes=memory_budget,
                         monitor_interval_s=args.monitor_interval, patch=patch, gpu_reference=reference)

@@ -13,8 +13,8 @@ its own peak memory; simulated devices stay in that process):
   (``bigmem.infer.DEFAULT_OVERLAP``).
 
 Both paths' memory plans are made before either trains (``plan_both_paths``), so a path that does
-not fit is refused in seconds. The budget is equal training time (validation is not counted) or
-equal training FLOPs. Both are scored on the same held-out cases by
+not fit is refused in seconds. The two paths train for equal time (validation is not counted) or
+equal FLOPs (``Settings.equal``). Both are scored on the same held-out cases by
 ``bigmem predict``'s and ``bigmem evaluate``'s code, over one or more seeds, and the conclusion
 (which path reached the higher held-out Dice, by how much, and whether that exceeds the
 seed-to-seed spread) is computed from those numbers.
@@ -62,13 +62,14 @@ class GpuMemory:
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
-    """How ``compare`` runs: replicas, GPU memory, budget, seeds, validation cadence.
+    """How ``compare`` runs: replicas, GPU memory, what the two paths get equal, seeds, validation cadence.
 
     Attributes:
         replicas: data-parallel replicas (GPUs, or logical CPU devices when ``simulate``).
         simulate: the replicas are logical CPU devices standing in for GPUs.
         gpu_memory: one GPU's memory (``GpuMemory``).
-        budget: "time" (equal training time, default) or "flops" (equal training FLOPs).
+        equal: what the two paths get the same of: "time" (equal training time, default) or "flops"
+            (equal training FLOPs).
         time_budget_s: the cpu_bigmem path's training seconds (default 120 without ``steps``).
         steps: the cpu_bigmem path's steps instead of a time budget.
         seeds: runs per path (seeds 0..N-1); the conclusion compares the difference with their spread.
@@ -85,7 +86,7 @@ class Settings:
     replicas: int
     simulate: bool
     gpu_memory: GpuMemory
-    budget: str = "time"
+    equal: str = "time"
     time_budget_s: float | None = None
     steps: int | None = None
     seeds: int = 1
@@ -100,8 +101,8 @@ class Settings:
         """Raise ``UsageError`` for a setting no run could use."""
         if self.replicas < 1:
             raise UsageError(f"Invalid replicas {self.replicas}: expected at least 1 data-parallel replica.")
-        if self.budget not in ("time", "flops"):
-            raise UsageError(f"Invalid budget {self.budget!r}: expected time or flops.")
+        if self.equal not in ("time", "flops"):
+            raise UsageError(f"Invalid equal {self.equal!r}: expected time or flops.")
         if self.time_budget_s is not None and not 0 < self.time_budget_s < math.inf:
             raise UsageError(f"Invalid time_budget_s {self.time_budget_s:g}: expected a positive, finite number.")
         if self.steps is not None and self.steps < 1:
@@ -301,7 +302,7 @@ def compare(config: ExperimentConfig, out: Path, settings: Settings, *,
         config: the compared job: model, data (``data.store`` set, ``with_data_fields``), whole
             volume edge and per-replica batch.
         out: the output folder (created).
-        settings: replicas, GPU memory, budget, seeds, validation cadence (``Settings``).
+        settings: replicas, GPU memory, what is equal, seeds, validation cadence (``Settings``).
         progress: called with one line per phase (default ``print``).
 
     Returns:
@@ -316,7 +317,7 @@ def compare(config: ExperimentConfig, out: Path, settings: Settings, *,
 
     Example:
         >>> settings = Settings(replicas=2, simulate=True, gpu_memory=scaled_gpu_memory(config, counts_for),
-        ...                     steps=20, budget="flops", holdout=2)
+        ...                     steps=20, equal="flops", holdout=2)
         >>> compare(config, Path("cmp"), settings).conclusion.text
     """
     from bigmem.compare.render import markdown, plot
@@ -346,7 +347,7 @@ def _train_and_score(config: ExperimentConfig, settings: Settings, plan: _Plan, 
     progress(f"seed {seed}: training on whole volumes (up to {format_shape(whole_shape(config))}) ...")
     cpu = _train(_run_config(config, settings, seed, settings.val_every, data_parallel=False),
                  out / "cpu_bigmem" / f"seed-{seed}", settings.steps, settings.cpu_time_budget_s)
-    if settings.budget == "flops":  # the steps of patches that train as many FLOPs
+    if settings.equal == "flops":  # the steps of patches that train as many FLOPs
         steps, time_budget_s = max(1, round(cpu.steps * plan.cpu_step_flops / plan.dp_step_flops)), None
     else:
         steps, time_budget_s = None, settings.cpu_time_budget_s or cpu.train_s
@@ -384,7 +385,7 @@ def _report(config: ExperimentConfig, settings: Settings, plan: _Plan,
 def _budget_text(settings: Settings) -> str:
     length = (f"{settings.cpu_time_budget_s:g} s" if settings.cpu_time_budget_s is not None
               else format_count(settings.steps, "step"))
-    if settings.budget == "flops":
+    if settings.equal == "flops":
         return f"equal training FLOPs ({length} on whole volumes, the same FLOPs on patches)"
     if settings.cpu_time_budget_s is None:
         return f"equal training time ({length} on whole volumes, the same seconds on patches)"

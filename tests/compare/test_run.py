@@ -34,7 +34,7 @@ def test_settings_refuse_what_no_run_could_use():
     from bigmem.errors import UsageError
 
     good = dict(replicas=2, simulate=True, gpu_memory=GpuMemory(2**30))
-    for bad, message in ((dict(seeds=0), "seeds 0"), (dict(budget="energy"), "budget 'energy'"),
+    for bad, message in ((dict(seeds=0), "seeds 0"), (dict(equal="energy"), "equal 'energy'"),
                          (dict(time_budget_s=float("inf")), "time_budget_s inf"), (dict(replicas=0), "replicas 0")):
         with pytest.raises(UsageError, match=message):
             Settings(**{**good, **bad}).check()
@@ -46,7 +46,7 @@ def test_settings_refuse_what_no_run_could_use():
 def test_compare_tiles_and_scores_both_paths_as_their_users_would(tmp_path, tiny_store):
     out = tmp_path / "cmp"
     result = subprocess.run([sys.executable, "-m", "bigmem", "compare", "--model", "tiny", "--data", str(tiny_store),
-                             "--volume", "16", "--steps", "4", "--budget", "flops", "--val-every", "2",
+                             "--volume", "16", "--steps", "4", "--equal", "flops", "--val-every", "2",
                              "--simulate-replicas", "2", "--holdout", "1", "--out", str(out)],
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
