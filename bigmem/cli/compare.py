@@ -8,16 +8,17 @@ from pathlib import Path
 from bigmem.cli.common import add_budget_flag, budget_arguments, check_output_dir, check_positive, parse_shape
 from bigmem.compare import DEFAULT_PHANTOM_VOLUME, DEFAULT_TIME_BUDGET_S, DEFAULT_VAL_EVERY
 from bigmem.errors import UsageError
+from bigmem.infer import DEFAULT_OVERLAP
 from bigmem.units import parse_bytes
 
 HELP = "compare whole-volume CPU training with a data-parallel GPU baseline"
 
-DESCRIPTION = """\
+DESCRIPTION = f"""\
 What does training on whole volumes in RAM buy over the usual GPU recipe, and at what cost?
 compare trains the same model on the same data (a) bigmem's way, whole volumes in this host's
 RAM, evaluated with one whole-volume pass, and (b) data parallel with tf.distribute's
 MirroredStrategy on the largest patch that fits one GPU (--gpu-memory), evaluated in Gaussian
-sliding windows of that patch (overlap 0.5, as nnU-Net and MLPerf do). Both are pre-flighted
+sliding windows of that patch (overlap {DEFAULT_OVERLAP:g}, as nnU-Net and MLPerf do). Both are pre-flighted
 before either trains, trained for equal time or equal FLOPs (--equal time, the default, or
 --equal flops; validation time is not counted), validated every --val-every steps for
 the time-to-Dice curves, and scored on the same held-out cases by bigmem predict's and bigmem
