@@ -4,8 +4,8 @@ Work that must run in a fresh process (a measurement of its peak memory, VmHWM; 
 of its own) runs in a child: the parent writes the request as a JSON file, starts
 ``python -m MODULE REQUEST.json``, and reads the result from the child's last line of stdout,
 one JSON object; a child that fails is reported with the last line of its stderr. Its users:
-``memory/measure.py`` runs the training and inference probes (``train/probe.py``,
-``infer/probe.py``), ``compare/run.py`` each run of a comparison (``compare/child.py``), and the
+``memory/measure.py`` runs the probe (``train/probe.py``: a training run or a whole-volume
+prediction), ``compare/run.py`` each run of a comparison (``compare/child.py``), and the
 benchmarks' harness its children; each child's ``main`` is ``serve``.
 """
 

@@ -39,6 +39,8 @@ LAYERS = (
     # compare's child process trains each path through train's Python API; compare predicts and
     # evaluates both paths (infer)
     ("compare",),
+    # the library a notebook uses; each subcommand parses its flags and calls it
+    ("api",),
     ("cli",),
     ("__main__",),  # python -m bigmem: the command line
 )

@@ -168,7 +168,7 @@ def measure_points(preset: str, shapes, steps: int, batch_size: int = 1) -> list
         points.append({"preset": preset, "shape": list(shape), "batch_size": batch_size,
                        "voxels": math.prod(shape), "predicted_peak_bytes": result.estimate.predicted_peak_bytes,
                        "measured_peak_bytes": result.measurement.peak_bytes, "error_pct": round(result.error_pct, 2),
-                       "step_s": round(result.measurement.step_s, 3), "components": result.estimate.components})
+                       "step_s": round(result.measurement.seconds, 3), "components": result.estimate.components})
     return points
 
 

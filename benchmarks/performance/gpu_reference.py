@@ -101,7 +101,7 @@ def write_plan(path: Path = PLAN, models: tuple[str, ...] = MODELS + CPU_MODELS)
     from bigmem.atomic import atomic_write_json
     from bigmem.config.presets import resolve_config
     from bigmem.distribute.planning import GPU_RUNTIME_BYTES, gpu_footprint_bytes
-    from bigmem.memory.inference import forward_live_bytes
+    from bigmem.memory.estimate import forward_live_bytes
     from bigmem.memory.profile import counts_function
 
     report: dict = {"schema": SCHEMA, "gpu_runtime_bytes": GPU_RUNTIME_BYTES, "edge_limit": PLAN_EDGE_LIMIT,

@@ -5,10 +5,10 @@
         [--largest | --no-largest] [--reuse RESULTS.json,...] [--no-measure] [--out DIR] [--write-table]
 
 Every point segments one random volume by ``bigmem predict``'s whole-volume path in a fresh child
-process (``bigmem.infer.probe``: normalise, pad, forward pass and softmax, the source mapping's
+process (``bigmem.train.probe``: normalise, pad, forward pass and softmax, the source mapping's
 running argmax) and reads its VmHWM (``bigmem.memory.measure.measure_inference``). Each point is
-predicted three ways: with the calibration shipped in ``memory/inference.py`` (whatever it held
-when this ran), with the knots fitted in this run (``defaults_fit``: what ``INFERENCE_DEFAULTS``
+predicted three ways: with the calibration shipped in ``memory/estimate.py`` (whatever it held
+when this ran), with the knots fitted in this run (``defaults_fit``: what ``calibration.SHIPPED`` (mode "inference")
 should hold; every measured sweep size, or ``--knot-sizes``), and with those knots but its own
 left out (the error a size that was not measured gets; for the last knot, the rule beyond the
 knots). ``--slab-check SIZE:LIMIT,...`` measures sizes with the kernel element limit lowered
@@ -48,11 +48,12 @@ from rich.table import Table
 
 from bigmem.config import resolve_config
 from bigmem.errors import BigmemError
+from bigmem.memory.budget import resolve_budget
 from bigmem.memory.calibration import Calibration, cpu_model, knots_from, machine_isa_class, tensorflow_version
-from bigmem.memory.inference import estimate_inference
-from bigmem.memory.measure import measure_inference
+from bigmem.memory.estimate import Pass, estimate
+from bigmem.memory.measure import measure
 from bigmem.memory.planner import available_memory_bytes
-from bigmem.memory.budget import resolve_budget, search_inference_plan
+from bigmem.memory.plans import plan_inference
 from bigmem.memory.profile import counts_function
 from bigmem.nets.limits import LIMIT_ENVIRONMENT_VARIABLE, kernel_element_limit
 from bigmem.units import format_bytes
@@ -98,8 +99,8 @@ class Campaign:
         limit = kernel_element_limit(kernel_limit) if kernel_limit else _nothing()
         with limit:  # the blocks' slab accounting follows the limit in force, as the child's ops will
             counts = self.counts_for(model)(shape)
-            raw = estimate_inference(config, counts, shape, calibration=UNIT)
-            shipped = estimate_inference(config, counts, shape)
+            raw = estimate(config, counts, shape, calibration=UNIT, pass_=Pass.FORWARD)
+            shipped = estimate(config, counts, shape, pass_=Pass.FORWARD)
         counted = raw.components["input_tensor"] + raw.components["forward_activations"]
         row = {"model": model, "precision": precision, "volume": volume, "role": role, "kernel_limit": kernel_limit,
                "counted_bytes": counted, "exact_bytes": raw.predicted_peak_bytes - counted,
@@ -118,7 +119,7 @@ class Campaign:
                                + (f" (kernel limit {kernel_limit:,})" if kernel_limit else "") + " ...", style="dim")
             env = {**os.environ, **({LIMIT_ENVIRONMENT_VARIABLE: str(kernel_limit)} if kernel_limit else {})}
             try:
-                result = measure_inference(config, shape, env=env)
+                result = measure(config, shape, env=env, pass_=Pass.FORWARD)
                 row.update(measured_peak_bytes=result.peak_bytes, seconds=result.seconds,
                            baseline_bytes=result.baseline_bytes, model_bytes=result.model_bytes,
                            measurement=f"measured {time.strftime('%Y-%m-%d %H:%M')}")
@@ -149,7 +150,7 @@ def predicted_with(knots: list, row: dict) -> int:
 
 
 def fit(rows: list[dict], knot_sizes: list[int] | None, isa: str, console) -> list[dict]:
-    """INFERENCE_DEFAULTS entries (knots) per (model, precision), each knot also predicted with itself left out."""
+    """calibration.SHIPPED entries (mode "inference") (knots) per (model, precision), each knot also predicted with itself left out."""
     fitted = []
     for model, precision in dict.fromkeys((r["model"], r["precision"]) for r in rows):
         sweep = sorted((r for r in rows if (r["model"], r["precision"]) == (model, precision) and r["role"] == "sweep"
@@ -182,7 +183,7 @@ def largest(campaign: Campaign, model: str, rows: list[dict], console) -> dict:
     """The inference plan's largest whole cube at the default budget (fp32), measured."""
     config = resolve_config(model, {"train": {"precision": "fp32"}})
     budget = resolve_budget(None)
-    plan = search_inference_plan(config, campaign.counts_for(model), budget)
+    plan = plan_inference(config, campaign.counts_for(model), budget)
     chosen = plan.chosen
     above = min((c for c in plan.candidates if not c.fits and chosen and c.volume > chosen.volume),
                 key=lambda c: c.volume, default=None)

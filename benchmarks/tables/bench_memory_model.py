@@ -25,7 +25,7 @@ be re-analysed against measurements without repeating them (--no-measure: nothin
 --lock holds an flock on PATH around each measurement (for a machine shared with other
 memory-heavy jobs). With --budget, it asks the planner for the largest volume per mode within
 that budget (first --model) and measures a --steps run at the bf16+stages size. The printed
-"defaults_fit" is what calibration.DEFAULTS holds; --write-table replaces this machine's entry of
+"defaults_fit" is what calibration.SHIPPED holds; --write-table replaces this machine's entry of
 bigmem/measured/training_memory.json with it (only what this run measured: run every preset and
 mode). Writes JSON keyed by machine (never run by pytest).
 
@@ -49,17 +49,24 @@ from harness import bench_parser, heavy_turn, machine_slug, write_results
 from rich.console import Console
 from rich.table import Table
 
+from bigmem.atomic import atomic_write_json
 from bigmem.config import resolve_config
 from bigmem.errors import BigmemError
 from bigmem.memory.calibration import (
-    DEFAULTS_BATCH_SIZE, Calibration, default_calibration, fit_calibration, knots_from, machine_isa_class, cpu_model,
-    shipped_shape, tensorflow_version,
+    DEFAULTS_BATCH_SIZE,
+    Calibration,
+    cpu_model,
+    fit_calibration,
+    knots_from,
+    machine_isa_class,
+    shipped_calibration,
+    shipped_shape,
+    tensorflow_version,
 )
 from bigmem.memory.estimate import estimate
 from bigmem.memory.measure import measure
 from bigmem.memory.planner import available_memory_bytes, make_plan
 from bigmem.memory.profile import calibration_point, counts_function, stages_for
-from bigmem.atomic import atomic_write_json
 from bigmem.units import format_bytes, parse_bytes
 
 # The largest edge `--check-sizes auto` considers (kits19 at 512^3 needs ~0.5 TiB even in bf16).
@@ -118,7 +125,7 @@ class Campaign:
                 result = measure(config, steps=self.args.steps, recompute_stages=stages, force=True)
         except BigmemError as error:
             return None, None, str(error)
-        return result.peak_bytes, result.step_s, f"measured {time.strftime('%Y-%m-%d %H:%M')}"
+        return result.peak_bytes, result.seconds, f"measured {time.strftime('%Y-%m-%d %H:%M')}"
 
     def predict(self, config, counts_for, calibration) -> int:
         volume = config.data.shape[0]
@@ -128,7 +135,7 @@ class Campaign:
 
     def run_mode(self, model: str, precision: str, recompute: str, counts_for, divisor: int) -> None:
         args = self.args
-        shipped = default_calibration(model, precision, recompute, isa=self.isa)
+        shipped = shipped_calibration(model, precision, recompute, isa=self.isa)
         calibration_sizes = [s for s in args.calibrate_sizes if s % divisor == 0]
         points, measured = [], {}
         for size in calibration_sizes:
@@ -319,7 +326,7 @@ def print_summary(rows: list[dict], console, report: dict) -> None:
 
 
 def fit_defaults(rows: list[dict], isa: str, batch_size: int, console) -> list[dict]:
-    """calibration.DEFAULTS entries from this run (knots at every measured size), left out one at a time.
+    """calibration.SHIPPED entries from this run (knots at every measured size), left out one at a time.
 
     Each knot but the first is also predicted from the others (the last one by the rule for sizes
     beyond the knots), so the shipped curve is judged on points it was not fitted to.
@@ -375,7 +382,7 @@ def budget_check(args, model: str, console) -> dict:
                   f"{format_bytes(saver.predicted_peak_bytes)})")
     return {"budget_bytes": budget, "fp32_volume": fp32.volume, "bf16_stages_volume": saver.volume,
             "voxel_ratio": round(ratio, 3), "measured_peak_bytes": measured.peak_bytes, "steps": args.steps,
-            "step_s": measured.step_s, "predicted_peak_bytes": saver.predicted_peak_bytes, "under_budget": under}
+            "step_s": measured.seconds, "predicted_peak_bytes": saver.predicted_peak_bytes, "under_budget": under}
 
 
 if __name__ == "__main__":

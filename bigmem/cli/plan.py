@@ -8,7 +8,12 @@ import math
 from pathlib import Path
 
 from bigmem.cli.common import (
-    add_budget_flag, add_model_flags, budget_arguments, check_output_file, check_positive, model_overrides,
+    add_budget_flag,
+    add_model_flags,
+    budget_arguments,
+    check_output_file,
+    check_positive,
+    model_overrides,
 )
 from bigmem.errors import DataError, UsageError
 
@@ -73,8 +78,7 @@ def register(subparsers, parents) -> None:
 
 def run(args) -> int:
     # Every flag is checked before TensorFlow is imported (seconds) or anything is computed.
-    from bigmem.config.presets import resolve_config
-    from bigmem.memory.budget import resolve_budget
+    from bigmem import api
 
     check_positive("--batch-size", args.batch_size)
     explicit, flag = budget_arguments(args)
@@ -89,38 +93,40 @@ def run(args) -> int:
         if args.data is None:
             raise UsageError("--pad-multiple pads a store's cases: give --data STORE.h5.")
         overrides["data"]["pad_multiple"] = args.pad_multiple
-    config = resolve_config(args.model or "small", overrides)
-    if getattr(args, "inference", False) and args.data is not None:
+    config = api.resolve_config(args.model or "small", overrides)
+    inference = getattr(args, "inference", False)
+    if inference and args.data is not None:
         raise UsageError("--inference plans one whole volume of --shape; --data does not apply.")
-    from bigmem.numa.topology import NUMATopology
-
+    if inference and fixed_batch is not None:
+        raise UsageError("--inference segments one volume at a time: --batch-size does not apply.")
+    if inference and args.plan_precision != "auto":  # auto: the model's own precision (the preset's)
+        config = config.updated({"train": {"precision": args.plan_precision}})
     placement = None
-    topology = NUMATopology.from_sysfs()  # also for the layouts table on a machine of several nodes
-    if args.numa:
+    if args.numa:  # checked before TensorFlow starts
         import os
 
         from bigmem.numa.policy import resolve_placement
+        from bigmem.numa.topology import NUMATopology
 
-        placement = resolve_placement(args.numa, None, None, topology, set(os.sched_getaffinity(0)))
-    budget = resolve_budget(explicit, flag=flag, placement=placement, topology=topology)
-
+        placement = resolve_placement(args.numa, None, None, NUMATopology.from_sysfs(), set(os.sched_getaffinity(0)))
     from bigmem.tfenv import import_tensorflow
 
     import_tensorflow(verbose=getattr(args, "verbose", False))  # quietly, before anything imports Keras
+    allow_bf16 = {"auto": None, "fp32": False, "bf16": True}[args.plan_precision]
+    existed = out.exists()  # a plan in which nothing fits replaces no file (memory.plans.write_plan)
+    result = api.plan(config, batch_size=fixed_batch, budget_bytes=explicit, budget_flag=flag, numa=placement,
+                      inference=inference, allow_bf16=None if inference else allow_bf16, out=out)
+    kept = existed and not result.plan.fits
+    if inference:
+        return _inference(args, result, out, kept)
     from rich.console import Console
 
     from bigmem.memory.planner import machine_memory_bytes
-    from bigmem.memory.profile import counts_function
+    from bigmem.memory.plans import plan_dict, require_plan
     from bigmem.units import format_bytes
 
-    cases = []
-    if args.data is not None:
-        config, cases = _store_cases(config)
-    counts_for = counts_function(config)
-    if getattr(args, "inference", False):
-        return _inference(args, config, counts_for, budget, fixed_batch)
-    allow_bf16 = {"auto": None, "fp32": False, "bf16": True}[args.plan_precision]
     notes = Console(soft_wrap=True, stderr=True)  # on stderr: stdout may be --json
+    budget, plan = result.budget, result.plan
     if budget.note:
         notes.print(budget.note, style="yellow")
     total = machine_memory_bytes()
@@ -128,36 +134,17 @@ def run(args) -> int:
         notes.print(f"note: {budget.source} {format_bytes(budget.budget_bytes)} is more than this machine's memory "
                     f"({format_bytes(total)}): this plans for a bigger machine (bigmem train refuses such a budget "
                     "here)", style="yellow")
-    plan, shape = _search(config, counts_for, budget, cases, fixed_batch, allow_bf16)
-    layouts = plan_layouts(plan, topology)
-    kept = write_plan(out, plan, layouts)
     if args.json:
-        print(json.dumps(plan_dict(plan, layouts), indent=2))
+        print(json.dumps(plan_dict(plan, result.layouts), indent=2))
     else:
-        _print_plan(args, config, budget, plan, shape, cases)
-        if layouts is not None:
-            _print_layouts(Console(soft_wrap=True), layouts)
+        _print_plan(args, result.config, budget, plan)
+        if result.layouts is not None:
+            _print_layouts(Console(soft_wrap=True), result.layouts)
     require_plan(plan, out, kept)
     return 0
 
 
-def plan_layouts(plan, topology):
-    """Interleave vs one worker per node for the chosen (else closest) candidate; None on one node."""
-    from bigmem.memory.layouts import evaluate_layouts
-
-    c = plan.chosen or plan.closest
-    return evaluate_layouts(c.predicted_peak_bytes, c.batch_size, topology)
-
-
-def plan_dict(plan, layouts=None) -> dict:
-    """plan.json: ``plan.to_dict()``, with ``layouts`` only on a machine of several nodes."""
-    data = plan.to_dict()
-    if layouts is not None:
-        data["layouts"] = layouts.to_dict()
-    return data
-
-
-# Why one would pick each layout (the published local/remote figures behind it: README, NUMA section).
+# Why one would pick each layout (the published local/remote figures behind it: benchmarks/results/numa.md).
 LAYOUTS_WHY = ("why: per-node keeps each worker's memory traffic on its own node; interleave sends (N-1)/N = {remote} "
                "of one process's accesses to other nodes, but it is the only layout for a job whose batch of 1 needs "
                "more than one node's memory. Neither layout's throughput was measured here.")
@@ -190,31 +177,7 @@ def _print_layouts(console, layouts) -> None:
     console.print(LAYOUTS_WHY.format(remote=f"{n - 1}/{n}"), style="dim")
 
 
-def _search(config, counts_for, budget, cases, fixed_batch, allow_bf16):
-    """The plan and the shape it was searched at: ``--shape``/``--volume``, or a store's cases.
-
-    Batch 1 steps at the largest case, a batch of several at the bounding shape of all: when the
-    search at the largest case chose a batch of several, it is searched again at the bounding
-    shape, and kept only if batches still reach past one there.
-    """
-    from bigmem.memory.budget import planned_shape, search_plan
-
-    shape = config.data.shape
-    if cases:
-        shape = planned_shape([c.trained_shape for c in cases], fixed_batch or 1)
-    plan = search_plan(config, counts_for, budget, volume=shape, batch_size=fixed_batch, allow_bf16=allow_bf16)
-    if cases and fixed_batch is None and plan.chosen is not None and plan.chosen.batch_size > 1:
-        bounding = planned_shape([c.trained_shape for c in cases], 2)
-        if bounding != shape:
-            wider = search_plan(config, counts_for, budget, volume=bounding, allow_bf16=allow_bf16)
-            plan = wider if wider.chosen is not None and wider.chosen.batch_size > 1 else plan
-            shape = bounding if plan is wider else shape
-    if cases:
-        plan.cases = _case_rows(config, counts_for, budget, cases, plan)
-    return plan, shape
-
-
-def _print_plan(args, config, budget, plan, shape, cases) -> None:
+def _print_plan(args, config, budget, plan) -> None:
     """The best candidate per precision and recompute mode, the cases, and the chosen flags."""
     from rich.console import Console
     from rich.table import Table
@@ -225,7 +188,7 @@ def _print_plan(args, config, budget, plan, shape, cases) -> None:
 
     console = Console(soft_wrap=True)
     table = Table(title=f"{config.model.name} within {format_bytes(budget.budget_bytes)} ({budget.source})")
-    for column in ("precision", "recompute", "volume" if shape is not None else "largest volume", "batch",
+    for column in ("precision", "recompute", "volume" if plan.searched_shape is not None else "largest volume", "batch",
                    "predicted peak", "voxels vs fp32", "step (pred.)"):
         table.add_column(column, justify="right")
     base = next((c for c in plan.best_per_mode if (c.precision, c.recompute) == ("fp32", "none")), None)
@@ -241,16 +204,16 @@ def _print_plan(args, config, budget, plan, shape, cases) -> None:
     if args.plan_precision == "bf16" and not native_bf16():
         console.print(EMULATED_BF16_WARNING, style="yellow")
     if plan.chosen:
-        _print_chosen(console, args, config, plan, cases)
+        _print_chosen(console, args, config, plan)
 
 
-def _print_chosen(console, args, config, plan, cases) -> None:
+def _print_chosen(console, args, config, plan) -> None:
     """The flags that run the chosen candidate, where its figures come from, and its breakdown."""
     from bigmem.memory.speed import MachineSpeed
     from bigmem.units import format_bytes
 
     chosen = plan.chosen
-    shape_flag = chosen.shape_flag() if not cases or config.data.shape else "--data " + str(args.data) + (
+    shape_flag = chosen.shape_flag() if not plan.cases or config.data.shape else "--data " + str(args.data) + (
         f" --pad-multiple {config.data.pad_multiple}" if config.data.pad_multiple else "")
     flags = f"{shape_flag} --batch-size {chosen.batch_size} {chosen.flags()}".rstrip()
     console.print(f"chosen: {flags} (est. {format_bytes(chosen.predicted_peak_bytes)}); "
@@ -274,24 +237,6 @@ def _print_breakdown(console, chosen) -> None:
         console.print(f"depth slabs: {', '.join(chosen.partitioned_stages)} hold tensors past "
                       f"{max_kernel_elements():,} elements (the limit bigmem keeps TF's CPU kernels under) and "
                       "run in depth slabs")
-
-
-def _store_cases(config):
-    """``config`` with the store's channels and classes, and its training cases as ``CaseShape``s."""
-    from bigmem.data.derived import trained_shapes, with_data_fields
-    from bigmem.memory.budget import CaseShape
-
-    config = with_data_fields(config)
-    return config, [CaseShape(*case) for case in trained_shapes(config)]
-
-
-def _case_rows(config, counts_for, budget, cases, plan) -> list[dict]:
-    """plan.json's per-case table at the chosen (else closest) candidate's batch, precision and stages."""
-    from bigmem.memory.budget import case_table
-
-    c = plan.chosen or plan.closest
-    sized = config.updated({"train": {"batch_size": c.batch_size, "precision": c.precision}})
-    return case_table(sized, counts_for, budget, cases, c.recompute_stages)
 
 
 def _print_cases(console, rows: list[dict], config) -> None:
@@ -319,54 +264,19 @@ def _print_cases(console, rows: list[dict], config) -> None:
         console.print(f"... and {len(ordered) - 20} smaller shapes (every case is in plan.json)", style="dim")
 
 
-def write_plan(path: Path, plan, layouts=None) -> bool:
-    """Write ``plan`` (and ``layouts``, ``plan_dict``) to ``path`` unless nothing fits and ``path`` exists.
-
-    A plan in which nothing fits (exit 3) never replaces an existing file: the plan there was
-    made for another budget or model and is still the one to use. Returns True when it was kept.
-    """
-    from bigmem.atomic import atomic_write_json
-
-    if not plan.fits and path.exists():
-        return True
-    atomic_write_json(path, plan_dict(plan, layouts))
-    return False
-
-
-def require_plan(plan, path: Path, kept: bool, check=None) -> None:
-    """``require_fit(plan)`` (or ``check()``), saying in its message whether ``path`` was left as it was."""
-    from bigmem.errors import InsufficientMemoryError
-    from bigmem.memory.budget import require_fit
-
-    try:
-        check() if check is not None else require_fit(plan)
-    except InsufficientMemoryError as exc:
-        where = (f"The plan already in {path} was kept (a failed plan replaces no file)." if kept
-                 else f"Every candidate is in {path}.")
-        raise InsufficientMemoryError(f"{exc} {where}", exc.required_bytes, exc.available_bytes) from None
-
-
-def _inference(args, config, counts_for, budget, fixed_batch) -> int:
-    """``--inference``: the largest whole volume a prediction can segment (or whether ``--volume`` fits)."""
+def _inference(args, result, out: Path, kept: bool) -> int:
+    """``--inference``: the largest whole volume a prediction can segment (or whether ``--shape`` fits)."""
     from rich.console import Console
     from rich.table import Table
 
-    from bigmem.memory.budget import inference_plan, search_inference_plan
+    from bigmem.memory.plans import plan_inference, require_plan
+    from bigmem.memory.profile import counts_function
     from bigmem.units import format_bytes
 
-    if fixed_batch is not None:
-        raise UsageError("--inference segments one volume at a time: --batch-size does not apply.")
-    if args.plan_precision != "auto":  # auto: the model's own precision (the preset's, as predict loads a run)
-        config = config.updated({"train": {"precision": args.plan_precision}})
+    config, budget, plan = result.config, result.budget, result.plan
     if budget.note:
         Console(soft_wrap=True, stderr=True).print(budget.note, style="yellow")
     fixed = config.data.shape
-    if fixed is not None:
-        plan = inference_plan(config, counts_for, budget, fixed, check=False)
-    else:
-        plan = search_inference_plan(config, counts_for, budget)
-    out = Path(args.out)
-    kept = write_plan(out, plan)
     if args.json:
         print(json.dumps(plan.to_dict(), indent=2))
     else:
@@ -388,6 +298,6 @@ def _inference(args, config, counts_for, budget, fixed_batch) -> int:
             console.print(f"calibration: {plan.calibration['source']}", style="dim")
             _print_breakdown(console, chosen)
     if fixed is not None:  # exit 3, naming what fits, unless it fits
-        require_plan(plan, out, kept, lambda: inference_plan(config, counts_for, budget, fixed))
+        require_plan(plan, out, kept, lambda: plan_inference(config, counts_function(config), budget, fixed))
     require_plan(plan, out, kept)
     return 0

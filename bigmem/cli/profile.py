@@ -8,8 +8,16 @@ import math
 import os
 
 from bigmem.cli.common import (
-    add_budget_flag, add_memory_flags, add_model_flags, add_numa_flags, budget_arguments, check_positive,
-    check_shape_argument, model_overrides, numa_overrides, shape_argument,
+    add_budget_flag,
+    add_memory_flags,
+    add_model_flags,
+    add_numa_flags,
+    budget_arguments,
+    check_positive,
+    check_shape_argument,
+    model_overrides,
+    numa_overrides,
+    shape_argument,
 )
 from bigmem.errors import UsageError
 from bigmem.units import format_shape
@@ -124,9 +132,9 @@ def run(args) -> int:
     import_tensorflow(verbose=getattr(args, "verbose", False))  # quietly, before anything imports Keras
     from rich.console import Console
 
-    from bigmem.memory import profile as api
+    from bigmem.memory import profile as memory_profile
 
-    counts_for = api.counts_function(config)
+    counts_for = memory_profile.counts_function(config)
     if inference:
         return _inference(args, config, shape, counts_for)
     console = Console(soft_wrap=True)
@@ -140,28 +148,28 @@ def run(args) -> int:
     if args.measure:
         _refuse_unfit_measurement(config, counts_for, shape, stages, budget_arguments(args), placement, topology,
                                   "--measure")
-    result = api.profile(config, shape, counts_for, do_measure=args.measure, steps=args.steps,
-                         recompute_stages=stages)
+    result = memory_profile.profile(config, shape, counts_for, do_measure=args.measure, steps=args.steps,
+                                    recompute_stages=stages)
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:
-        show.breakdown(result)
+        show.profile(result)
     return 0
 
 
 def _measure_sizes(args, config, volumes, counts_for, show, status) -> int:
     """``--calibrate`` (a fitted calibration) or ``--sweep`` (a scaling law): each size measured in a child."""
-    from bigmem.memory import profile as api
+    from bigmem.memory import profile as memory_profile
 
     progress = lambda v: status.print(f"measuring {format_shape(v)} ...", style="dim")  # noqa: E731
     if args.calibrate:
-        calibration, points = api.calibrate(config, volumes, counts_for, steps=args.steps, progress=progress)
+        calibration, points = memory_profile.calibrate(config, volumes, counts_for, steps=args.steps, progress=progress)
         if args.json:
             print(json.dumps({"calibration": calibration.to_dict(), "points": points}, indent=2))
         else:
             show.calibration(calibration, points)
         return 0
-    results, law = api.sweep(config, volumes, counts_for, steps=args.steps, progress=progress)
+    results, law = memory_profile.sweep(config, volumes, counts_for, steps=args.steps, progress=progress)
     if args.json:
         print(json.dumps({"points": [r.to_dict() for r in results], "scaling_law": law.to_dict()}, indent=2))
     else:
@@ -173,16 +181,17 @@ def _inference(args, config, shape, counts_for) -> int:
     """``--inference``: the whole-volume prediction's breakdown (and its measured peak)."""
     from rich.console import Console
 
-    from bigmem.memory.inference import profile_inference
+    from bigmem.memory.estimate import Pass
+    from bigmem.memory.profile import profile
 
     if args.measure:
         Console(soft_wrap=True, stderr=True).print(f"measuring inference at {'x'.join(map(str, shape))} ...",
                                                    style="dim")
-    result = profile_inference(config, shape, counts_for, do_measure=args.measure)
+    result = profile(config, shape, counts_for, pass_=Pass.FORWARD, do_measure=args.measure)
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:
-        _Printer(Console(soft_wrap=True), config).inference(result)
+        _Printer(Console(soft_wrap=True), config).profile(result)
     return 0
 
 
@@ -194,15 +203,15 @@ def _refuse_unfit_measurement(config, counts_for, shape, stages, budget_flag, pl
     started synthesising its store and training until it ran out of memory.
     """
     from bigmem.errors import InsufficientMemoryError
-    from bigmem.memory import profile as api
     from bigmem.memory.budget import check_budget_within_machine, resolve_budget
+    from bigmem.memory.profile import profile
     from bigmem.units import format_bytes
 
     explicit, flag = budget_flag
     budget = resolve_budget(explicit, flag=flag, placement=placement, topology=topology)
     check_budget_within_machine(budget)
     sized = config.updated({"data": {"shape": list(shape)}})
-    estimate = api.profile(sized, shape, counts_for, recompute_stages=stages).estimate
+    estimate = profile(sized, shape, counts_for, recompute_stages=stages).estimate
     peak = estimate.predicted_peak_bytes
     if peak > budget.budget_bytes:
         raise InsufficientMemoryError(
@@ -215,7 +224,8 @@ def _refuse_unfit_measurement(config, counts_for, shape, stages, budget_flag, pl
 
 def _stages(args, config, counts_for, placement, topology, shape, status) -> list[str]:
     """The recomputed stages, as ``bigmem train`` chooses them (auto: the fewest that fit the budget)."""
-    from bigmem.memory.budget import recompute_stages, resolve_budget
+    from bigmem.memory.budget import resolve_budget
+    from bigmem.memory.plans import recompute_stages
 
     budget = None
     if args.recompute == "auto":
@@ -236,15 +246,27 @@ class _Printer:
         recompute = f", recomputing {len(estimate.recompute_stages)} stages" if estimate.recompute_stages else ""
         return f"{estimate.precision}{recompute}"
 
-    def breakdown(self, result) -> None:
+    def profile(self, result) -> None:
+        """One pass's breakdown (training step or whole-volume forward pass), its notes and its measurement."""
         from rich.table import Table
 
+        from bigmem.memory.estimate import Pass
         from bigmem.units import format_bytes
 
         est = result.estimate
+        forward = est.pass_ is Pass.FORWARD
         shape = "x".join(map(str, est.spatial_shape))
-        table = Table(title=f"{self.config.model.name}: {shape} x batch {est.batch_size}, {self._mode(est)}, "
-                            f"{est.param_count:,} parameters")
+        if forward:
+            source = "x".join(map(str, est.source_shape))
+            padded = "" if est.source_shape == est.spatial_shape else f" (padded from {source})"
+            title = (f"{self.config.model.name}: segmenting one whole {shape} volume{padded}, inference, "
+                     f"{est.precision}, {est.param_count:,} parameters")
+            work = f"{est.forward_flops / 1e9:,.1f} GFLOP per forward pass"
+        else:
+            title = (f"{self.config.model.name}: {shape} x batch {est.batch_size}, {self._mode(est)}, "
+                     f"{est.param_count:,} parameters")
+            work = f"{est.train_flops_per_step / 1e9:,.1f} GFLOP per training step"
+        table = Table(title=title)
         table.add_column("component")
         table.add_column("bytes", justify="right")
         table.add_column("share", justify="right")
@@ -253,44 +275,19 @@ class _Printer:
             table.add_row(name, format_bytes(value), f"{100 * value / total:.1f}%")
         table.add_row("[bold]predicted peak", f"[bold]{format_bytes(total)}", "100.0%")
         self.console.print(table)
-        self.console.print(f"{est.train_flops_per_step / 1e9:,.1f} GFLOP per training step; "
-                           f"calibration: {est.calibration.source}", style="dim")
+        self.console.print(f"{work}; calibration: {est.calibration.source}", style="dim")
         for note in est.notes:
             self.console.print(f"note: {note}", style="dim")
-        if result.measurement is not None:
-            m = result.measurement
+        m = result.measurement
+        if m is None:
+            return
+        if forward:
+            where = f"{m.seconds:.1f} s"
+        else:
             nodes = ", ".join(f"node {k}: {format_bytes(v)}" for k, v in sorted(m.node_bytes.items()))
-            self.console.print(f"measured peak (VmHWM): {format_bytes(m.peak_bytes)}; predicted "
-                               f"{format_bytes(total)}; error {result.error_pct:+.1f}%  ({nodes}; "
-                               f"{m.step_s:.2f} s/step)")
-
-    def inference(self, result) -> None:
-        from rich.table import Table
-
-        from bigmem.units import format_bytes
-
-        est = result.estimate
-        shape = "x".join(map(str, est.spatial_shape))
-        source = "x".join(map(str, est.source_shape))
-        padded = "" if est.source_shape == est.spatial_shape else f" (padded from {source})"
-        table = Table(title=f"{self.config.model.name}: segmenting one whole {shape} volume{padded}, inference, "
-                            f"{est.precision}, {est.param_count:,} parameters")
-        table.add_column("component")
-        table.add_column("bytes", justify="right")
-        table.add_column("share", justify="right")
-        total = est.predicted_peak_bytes
-        for name, value in sorted(est.components.items(), key=lambda kv: -kv[1]):
-            table.add_row(name, format_bytes(value), f"{100 * value / total:.1f}%")
-        table.add_row("[bold]predicted peak", f"[bold]{format_bytes(total)}", "100.0%")
-        self.console.print(table)
-        self.console.print(f"{est.forward_flops / 1e9:,.1f} GFLOP per forward pass; calibration: "
-                           f"{est.calibration.source}", style="dim")
-        for note in est.notes:
-            self.console.print(f"note: {note}", style="dim")
-        if result.measurement is not None:
-            m = result.measurement
-            self.console.print(f"measured peak (VmHWM): {format_bytes(m.peak_bytes)}; predicted {format_bytes(total)}; "
-                               f"error {result.error_pct:+.1f}%  ({m.seconds:.1f} s)")
+            where = f"{nodes}; {m.seconds:.2f} s/step"
+        self.console.print(f"measured peak (VmHWM): {format_bytes(m.peak_bytes)}; predicted {format_bytes(total)}; "
+                           f"error {result.error_pct:+.1f}%  ({where})")
 
     def sweep(self, results, law) -> None:
         from rich.table import Table

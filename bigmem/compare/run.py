@@ -128,7 +128,7 @@ def whole_shape(config: ExperimentConfig) -> tuple[int, int, int]:
     if config.data.shape is not None:
         return tuple(config.data.shape)  # type: ignore[return-value]
     from bigmem.data.derived import trained_shapes
-    from bigmem.memory.budget import planned_shape
+    from bigmem.memory.plans import planned_shape
 
     return planned_shape([trained for _, _, trained in trained_shapes(config)], config.train.batch_size)
 
@@ -182,14 +182,15 @@ def plan_both_paths(config: ExperimentConfig, counts_for, settings: Settings):
     from bigmem.data.derived import median_shape
     from bigmem.distribute.execution import data_parallel
     from bigmem.distribute.strategy import Replicas
-    from bigmem.memory.budget import job_plan, resolve_budget
+    from bigmem.memory.budget import resolve_budget
+    from bigmem.memory.plans import plan_job
 
     budget = resolve_budget(settings.memory_budget_bytes)
-    cpu_plan = job_plan(config, counts_for, budget, shape=whole_shape(config))
+    cpu_plan = plan_job(config, counts_for, budget, shape=whole_shape(config))
     parallel = data_parallel(_dp_config(config, settings), Replicas(None, settings.replicas, settings.simulate, ()),
                              counts_for, aspect=median_shape(config))
     if parallel.host_checked:
-        job_plan(parallel.host_config(config), counts_for, budget)
+        plan_job(parallel.host_config(config), counts_for, budget)
     return cpu_plan, parallel
 
 
@@ -431,12 +432,13 @@ def largest_whole_volumes(config: ExperimentConfig, gpu_memory_bytes: int,
         ``WholeVolumes``: edges (None when none fits) and the host's mode.
     """
     from bigmem.distribute.planning import largest_edge
-    from bigmem.memory.budget import resolve_budget, search_plan
+    from bigmem.memory.budget import resolve_budget
     from bigmem.memory.planner import MAX_VOLUME
+    from bigmem.memory.plans import plan_search
     from bigmem.memory.profile import counts_function
 
     counts_for = counts_function(config)
-    host = search_plan(config, counts_for, resolve_budget(memory_budget_bytes), batch_size=1)
+    host = plan_search(config, counts_for, resolve_budget(memory_budget_bytes), batch_size=1)
     gpu = largest_edge(config, counts_for, gpu_memory_bytes, 1, MAX_VOLUME)
     chosen = host.chosen
     return WholeVolumes(gpu, chosen.volume if chosen else None,

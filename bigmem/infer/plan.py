@@ -1,9 +1,10 @@
 """Whole or sliding: the inference memory plan decides, before a case's volume goes through the network.
 
-``bigmem predict --mode auto`` asks, per case, whether the whole (padded) volume's inference
-footprint (``memory.inference.estimate_inference``: weights, input copies, the forward pass's
-live activations, probabilities, the source mapping) fits the memory budget (the one rule,
-``memory.budget.resolve_budget``); if not, it slides windows of what the network trained on (``Predictor.window``).
+``bigmem predict --mode auto`` asks the planning API, per case, whether the whole (padded) volume's
+inference footprint (``memory.plans.plan_inference`` over ``memory.estimate.estimate`` in its forward
+pass: weights, input copies, the forward pass's live activations, probabilities, the source mapping)
+fits the memory budget (the one rule, ``memory.budget.resolve_budget``); if not, it slides windows of
+what the network trained on (``Predictor.window``).
 ``--mode whole`` on a volume that does not fit is refused (exit 3), as training refuses a job.
 """
 
@@ -13,23 +14,19 @@ from typing import Callable, Sequence
 
 from rich.console import Console
 
+from bigmem.data.pipeline import padded_shape  # the one rounding rule: predict pads as training does
 from bigmem.errors import InsufficientMemoryError
 from bigmem.infer.predict import Mode, Predictor
 from bigmem.units import format_bytes
 
 
-def padded_shape(shape: Sequence[int], divisor: int) -> tuple[int, int, int]:
-    """``shape`` rounded up to the network's size contract (what a whole-volume pass runs on)."""
-    return tuple(-(-int(s) // divisor) * divisor for s in shape[:3])
-
-
-def whole_volume_estimate(predictor: Predictor, shape: Sequence[int]):
-    """The inference ``Estimate`` of one whole case of spatial ``shape`` (padded to the size contract)."""
-    from bigmem.memory.inference import estimate_inference
+def whole_volume_plan(predictor: Predictor, shape: Sequence[int], budget):
+    """The inference ``Plan`` of one whole case of spatial ``shape`` (padded to the size contract) in ``budget``."""
+    from bigmem.memory.plans import plan_inference
     from bigmem.memory.profile import counts_function
 
     padded = padded_shape(shape, predictor.divisor)
-    return estimate_inference(predictor.config, counts_function(predictor.config)(padded), padded)
+    return plan_inference(predictor.config, counts_function(predictor.config), budget, padded, check=False)
 
 
 def mode_chooser(mode: str, budget_bytes: int | None = None, *, flag: str = "--memory-budget",
@@ -59,8 +56,8 @@ def mode_chooser(mode: str, budget_bytes: int | None = None, *, flag: str = "--m
     budget = resolve_budget(budget_bytes, flag=flag)
 
     def choose(predictor: Predictor, shape: Sequence[int]) -> Mode:
-        predicted = whole_volume_estimate(predictor, shape).predicted_peak_bytes
-        fits = predicted <= budget.budget_bytes
+        plan = whole_volume_plan(predictor, shape, budget)
+        predicted, fits = plan.predicted_peak_bytes, plan.fits
         what = (f"whole {'x'.join(map(str, padded_shape(shape, predictor.divisor)))} needs "
                 f"{format_bytes(predicted)} of a {format_bytes(budget.budget_bytes)} budget ({budget.source})")
         if chosen is Mode.WHOLE:

@@ -4,24 +4,24 @@
 (preset, precision, recompute), ``measured - exact parts = framework_bytes + activation_scale * counted``
 by least squares; the result is stored in the user's cache directory, keyed by CPU model,
 ISA class, TensorFlow version, preset, precision and recompute mode. Without a stored fit the
-estimate uses the shipped defaults for this ISA class and preset (bigmem/measured/training_memory.json);
-where there are none it uses another's and adds a stated safety margin, and says so.
+estimate uses the shipped tables for this ISA class and preset (bigmem/measured/training_memory.json,
+and inference_memory.json for a forward pass); where there are none it uses another's and adds a
+stated safety margin, and says so. ``calibration_for`` is the one lookup, for both passes.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-import platform
 import time
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from pathlib import Path
 from typing import Sequence
 
-from bigmem.data.synth import default_cache_dir
 from bigmem.atomic import atomic_write_json
 from bigmem.config import tables
+from bigmem.data.synth import default_cache_dir
 from bigmem.sysinfo import NATIVE_BF16_ISA_CLASSES, cpu_description, isa_class
 from bigmem.units import format_bytes
 
@@ -31,26 +31,34 @@ def knot_tuples(table: dict) -> tuple[tuple[int, int, int], ...]:
     return tuple((k["volume"], k["counted_activation_bytes"], k["overhead_bytes"]) for k in table["knots"])
 
 
-# The shipped knots per (ISA class, preset, precision, recompute), at DEFAULTS_BATCH_SIZE: the
-# overhead (VmHWM - the estimate's exact parts) at each measured counted activation bytes, see
-# Calibration. Data, with the machine, command, results files and notes on how well they hold:
-# bigmem/measured/training_memory.json (benchmarks/tables/bench_memory_model.py --write-table).
-_TRAINING = tables.serving(tables.load("training_memory"), "isa_class")
-DEFAULTS_MACHINES = {isa: entry["summary"] for (isa,), entry in _TRAINING.items()}
-# The class whose defaults an unmeasured class starts from, before its margin: the margins below
+# The shipped knots per (ISA class, preset, precision, mode), at DEFAULTS_BATCH_SIZE: the overhead
+# (VmHWM - the estimate's exact parts) at each measured count of bytes, see Calibration. The mode is
+# a training step's recompute mode ("none", "stages") or "inference" (one forward pass). Data, with
+# the machine, command, results files and notes on how well they hold: bigmem/measured/training_memory.json
+# (benchmarks/tables/bench_memory_model.py --write-table) and bigmem/measured/inference_memory.json
+# (benchmarks/tables/bench_inference_memory.py --write-table).
+INFERENCE_MODE = "inference"
+TRAINING_MODES = ("none", "stages")
+SHIPPED: dict[tuple[str, str, str, str], tuple[tuple[int, int, int], ...]] = {}
+SHIPPED_MACHINES: dict[tuple[str, str, str, str], str] = {}  # the same keys: which machine measured each table
+for (_isa,), _entry in tables.serving(tables.load("training_memory"), "isa_class").items():
+    for _table in _entry["tables"]:
+        _key = (_isa, _table["preset"], _table["precision"], _table["recompute"])
+        SHIPPED[_key], SHIPPED_MACHINES[_key] = knot_tuples(_table), _entry["summary"]
+for (_isa, _), _entry in tables.serving(tables.load("inference_memory"), "isa_class", "preset").items():
+    for _table in _entry["tables"]:
+        _key = (_isa, _table["preset"], _table["precision"], INFERENCE_MODE)
+        SHIPPED[_key], SHIPPED_MACHINES[_key] = knot_tuples(_table), _entry["summary"]
+# The class whose tables an unmeasured class starts from, before its margin: the margins below
 # were sized against it (AVX2 and AVX-512 without bf16 have no AMX tiles either).
 FALLBACK_ISA = "avx512_bf16"
-# The batch the DEFAULTS were measured at. Their curve is followed only by calibrations at the
+# The batch the training tables were measured at. Their curve is followed only by calibrations at the
 # same batch: at equal counted bytes, batch 2 left more overhead than batch 1 (kits19 bf16 +
 # stages, 96^3 x 2 measured 2.74 GiB, 0.27 GiB (13% of the overhead) above the batch-1 curve; 2026-12-01).
 DEFAULTS_BATCH_SIZE = 1
-DEFAULTS: dict[tuple[str, str, str, str], tuple[tuple[int, int, int], ...]] = {
-    (isa, table["preset"], table["precision"], table["recompute"]): knot_tuples(table)
-    for (isa,), entry in _TRAINING.items() for table in entry["tables"]
-}
-# Presets without defaults of their own that use another's: tiny has small's blocks (instance
+# Presets without tables of their own that use another's: tiny has small's blocks (instance
 # norm, max pooling) at a quarter of its width; its test-sized runs are framework-dominated.
-DEFAULT_PRESET_FOR = {"tiny": "small"}
+PRESET_FOR = {"tiny": "small"}
 # Margins added to the whole prediction where the defaults were not measured for this CPU or
 # model, so that a pre-flight check never under-predicts silently (measured on an AVX2 dev machine
 # with oneDNN forced on, small 64^3, the avx512-fitted default): fp32 was predicted 9.6% below
@@ -180,16 +188,6 @@ def tensorflow_version() -> str:
     return "unknown"
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 @functools.lru_cache(maxsize=1)
 def machine_isa_class() -> str:
     """This CPU's ISA class (``bigmem.sysinfo.isa_class`` of its /proc/cpuinfo flags)."""
@@ -198,7 +196,7 @@ def machine_isa_class() -> str:
 
 def machine_key(preset: str, precision: str, recompute: str) -> dict:
     """What a stored calibration is valid for: this CPU and TF version, one model and mode."""
-    return {"cpu": cpu_model(), "isa": machine_isa_class(), "tensorflow": tensorflow_version(),
+    return {"cpu": cpu_description()["model"], "isa": machine_isa_class(), "tensorflow": tensorflow_version(),
             "preset": preset, "precision": precision, "recompute": recompute}
 
 
@@ -214,26 +212,29 @@ def recompute_key(recompute_stages) -> str:
     return "stages" if recompute_stages else "none"
 
 
-def lookup_calibration(preset: str, precision: str, recompute: str, *, path: Path | None = None,
-                       isa: str | None = None) -> Calibration:
-    """This machine's stored calibration for ``preset`` and the mode, else the shipped default.
+def calibration_for(preset: str, precision: str, mode: str, *, path: Path | None = None,
+                    isa: str | None = None) -> Calibration:
+    """The one calibration lookup: this machine's stored fit for the mode, else the shipped table.
 
     Args:
         preset: the model preset's name (``config.model.name``).
         precision: "fp32" or "bf16".
-        recompute: "none" or "stages".
+        mode: a training step's recompute mode ("none", "stages"; ``recompute_key``) or
+            ``INFERENCE_MODE`` (one forward pass).
         path: the calibration store (default: ``calibration_path()``).
-        isa: the ISA class to look defaults up for (default: this CPU's).
+        isa: the ISA class to look tables up for (default: this CPU's).
 
     Returns:
-        A stored fit; else the default for this ISA class and preset (no margin); else a default
-        measured elsewhere with ``margin_fraction`` set and its ``source`` saying why.
+        A stored fit (``bigmem profile --calibrate``); else ``shipped_calibration``.
+
+    Example:
+        >>> calibration_for("small", "fp32", "none").source  # e.g. 'this machine, fitted 2026-12-01'
     """
-    key = machine_key(preset, precision, recompute)
+    key = machine_key(preset, precision, mode)
     for entry in _load_all(path or calibration_path()):
         if entry.get("key") == key:
             return Calibration(**entry)
-    return default_calibration(preset, precision, recompute, isa=isa or machine_isa_class(), key=key)
+    return shipped_calibration(preset, precision, mode, isa=isa or machine_isa_class(), key=key)
 
 
 def last_slope(knots: Sequence[tuple[int, int, int]]) -> float:
@@ -258,43 +259,66 @@ def unmeasured_margin(reasons: list[str], precision: str, isa: str) -> tuple[flo
     return UNMEASURED_MARGIN_FRACTION, UNMEASURED_MARGIN_BYTES
 
 
-def default_calibration(preset: str, precision: str, recompute: str, *, isa: str,
-                        key: dict | None = None) -> Calibration:
-    """The shipped default for ``isa`` and ``preset``, with a margin where none was measured for them.
+def shipped_calibration(preset: str, precision: str, mode: str, *, isa: str, key: dict | None = None) -> Calibration:
+    """The shipped table for ``isa``, ``preset``, ``precision`` and ``mode``, with a margin where it stands in.
+
+    The fallback chain, each step said in ``source``: the ISA class (else ``FALLBACK_ISA``'s), the
+    precision (else fp32's, then bf16's), the mode (a training mode without tables: the other
+    one's), the preset (``PRESET_FOR``, else the measured preset that extrapolates most steeply,
+    so that the prediction errs high). Any step taken adds ``unmeasured_margin``.
 
     Args:
-        preset, precision, recompute: as for ``lookup_calibration``.
+        preset, precision, mode: as for ``calibration_for``.
         isa: an ISA class (``bigmem.sysinfo.isa_class``).
         key: recorded in the result (default: this machine's key).
 
     Returns:
-        A Calibration; ``margin_fraction`` is 0 only where DEFAULTS has this ISA class and preset
-        (or the preset that stands in for it, DEFAULT_PRESET_FOR).
+        A Calibration; ``margin_fraction`` is 0 only where ``SHIPPED`` has this ISA class, preset (or
+        the preset that stands in for it, ``PRESET_FOR``), precision and mode.
 
     Example:
-        >>> default_calibration("small", "bf16", "none", isa="avx2").margin_fraction
+        >>> shipped_calibration("small", "bf16", "none", isa="avx2").margin_fraction
         1.0
     """
-    key = key or machine_key(preset, precision, recompute)
-    measured_isas = sorted({k[0] for k in DEFAULTS})
-    base = DEFAULT_PRESET_FOR.get(preset, preset)
+    key = key or machine_key(preset, precision, mode)
+    inference = mode == INFERENCE_MODE
+    label = "inference default" if inference else "default"
+    kind = {k for k in SHIPPED if (k[3] == INFERENCE_MODE) == inference}
+    measured_isas = sorted({k[0] for k in kind})
     reasons = []
     source_isa = isa if isa in measured_isas else FALLBACK_ISA
     if source_isa != isa:
-        reasons.append(f"no default for ISA class {isa} (measured: {', '.join(measured_isas)})")
-    mode_defaults = {k[1]: v for k, v in DEFAULTS.items() if (k[0], k[2], k[3]) == (source_isa, precision, recompute)}
-    if base not in mode_defaults:
-        # An unmeasured model or mode: the shipped preset with the largest multiplier beyond its knots.
-        fallback = max(mode_defaults, key=lambda name: last_slope(mode_defaults[name]))
-        reasons.append(f"no default for model {preset!r} in {precision}/{recompute}; using {fallback}'s")
+        reasons.append(f"no {label} for ISA class {isa} (measured: {', '.join(measured_isas)})")
+    available: set[str] = set()
+    for wanted_mode in (mode,) if inference else (mode, *(m for m in TRAINING_MODES if m != mode)):
+        for wanted_precision in (precision, "fp32", "bf16"):
+            available = {k[1] for k in kind if (k[0], k[2], k[3]) == (source_isa, wanted_precision, wanted_mode)}
+            if available:
+                break
+        if available:
+            break
+    if not available:
+        raise ValueError(f"no shipped memory table for ISA class {source_isa} in mode {mode}")
+    if wanted_precision != precision:
+        reasons.append(f"no {label} in {precision}; using {wanted_precision}'s")
+    if wanted_mode != mode:
+        reasons.append(f"no {label} for recompute {mode}; using {wanted_mode}'s")
+    base = PRESET_FOR.get(preset, preset)
+    if base not in available:
+        fallback = max(sorted(available), key=lambda name: last_slope(
+            SHIPPED[(source_isa, name, wanted_precision, wanted_mode)]))
+        scope = "" if inference else f" in {precision}/{mode}"
+        reasons.append(f"no {label} for model {preset!r}{scope}; using {fallback}'s")
         base = fallback
+    table = (source_isa, base, wanted_precision, wanted_mode)
     margin, margin_bytes = unmeasured_margin(reasons, precision, isa)
-    knots = [[x, y] for _, x, y in mode_defaults[base]]
+    knots = [[x, y] for _, x, y in SHIPPED[table]]
     scale, framework = Calibration(0.0, 0, "", knots=knots).line_for(knots[-1][0] + 1)
-    source = f"default for {base} on {source_isa} ({DEFAULTS_MACHINES[source_isa]})"
+    what = f"{base} {wanted_precision}" if inference else base
+    source = f"{label} for {what} on {source_isa} ({SHIPPED_MACHINES[table]})"
     if reasons:
         source += f"; {'; '.join(reasons)}: +{100 * margin:.0f}% + {format_bytes(margin_bytes)} safety margin"
-    return Calibration(round(scale, 4), framework, source, key, [v for v, _, _ in mode_defaults[base]],
+    return Calibration(round(scale, 4), framework, source, key, [v for v, _, _ in SHIPPED[table]],
                        margin_fraction=margin, margin_bytes=margin_bytes, knots=knots)
 
 
@@ -334,9 +358,9 @@ def shipped_shape(preset: str, precision: str, recompute: str, isa: str, batch_s
     """
     if batch_size != DEFAULTS_BATCH_SIZE:
         return []
-    base = DEFAULT_PRESET_FOR.get(preset, preset)
+    base = PRESET_FOR.get(preset, preset)
     for source_isa in (isa, FALLBACK_ISA):
-        knots = DEFAULTS.get((source_isa, base, precision, recompute))
+        knots = SHIPPED.get((source_isa, base, precision, recompute))
         if knots:
             return [[x, y] for _, x, y in knots]
     return []
@@ -356,7 +380,7 @@ def follow_shape(knots: list[list[int]], shape: Sequence[Sequence[int]]) -> list
     bf16 192^3 and -11.3% at 160^3, though within -1.1..+0.8 GiB at the largest size of each mode
     (scaling the curve instead of shifting it put five of those 7.7-19.3% high;
     benchmarks/results/memory_model-amx-intel-xeon-20261201-101443.json, -143623.json); so each
-    measured ISA class ships its own curve (DEFAULTS).
+    measured ISA class ships its own curve (SHIPPED).
 
     Args:
         knots: ``[[counted, overhead], ...]`` ascending, from this machine.

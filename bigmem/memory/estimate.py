@@ -1,14 +1,30 @@
-"""Predicted peak resident memory of a training step, per component, before anything is allocated.
+"""Predicted peak resident memory, per component, before anything is allocated: one model, two passes.
 
-The model follows nnU-Net's planner: each block counts its own feature-map elements
-(``UNet3D.block_feature_map_elements``) and the estimate sums blocks. What the framework keeps
-beyond those tensors (gradient buffers in flight, allocator slack) depends on the machine and
-the TensorFlow version, so it is a *calibrated* multiplier and fixed overhead (calibration.py),
-never a guess.
+``estimate(config, counts, shape, pass_=Pass.TRAIN)`` is a training step: every block's feature
+maps kept for backward, weights, gradients, optimizer slots, the input pipeline. ``Pass.FORWARD``
+is segmenting one whole volume (``bigmem predict``): no gradients and no optimizer, and a forward
+pass frees each tensor after its last use, so its footprint is the largest set of tensors alive at
+once, not their sum. Either way the model follows nnU-Net's planner: each block counts its own
+feature-map elements (``UNet3D.block_feature_map_elements``, ``inference_live_elements`` in
+nets/blocks.py) and the estimate sums blocks. What the framework keeps beyond those tensors
+(gradient buffers in flight, allocator slack) depends on the machine and the TensorFlow version,
+so it is a *calibrated* multiplier and fixed overhead (calibration.py, one lookup for both
+passes), never a guess.
+
+What TensorFlow adds in a forward pass is calibrated the same way. Its CPU allocator (with oneDNN
+on, a caching best-fit allocator) keeps the buffers it has held and reuses freed ones: the
+resident set never shrank during a pass (kits19, fp32, 128^3-256^3, RSS read after every stage),
+and the buffers left free at a stage are not always where the next stage's tensors fit (at 256^3
+the last decoder stage grew the resident set by one full-resolution tensor more than its new
+tensors needed), so the peak is the live set plus fragmentation, which varies with the size.
+Predict's host arrays around the forward pass (the case's image, its normalised or padded copy,
+the probabilities copied out of TensorFlow, the source mapping's arrays) are numpy's, allocated
+outside that allocator, and are added on top of its peak.
 """
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -16,13 +32,14 @@ from typing import Sequence
 from bigmem.config.options import OptimizerName, Precision, Recompute
 from bigmem.config.schema import ExperimentConfig
 from bigmem.data.derived import augmentation
-from bigmem.nets.limits import max_kernel_elements, slab_elements
+from bigmem.memory.calibration import INFERENCE_MODE, Calibration, calibration_for, recompute_key
+from bigmem.nets.limits import exceeds_limit, max_kernel_elements, slab_elements
 from bigmem.nets.slabplan import min_frame_planes, plane_runnable
-from bigmem.memory.calibration import Calibration, lookup_calibration, recompute_key
 
 FLOAT32_BYTES = 4
 BFLOAT16_BYTES = 2
-LABEL_BYTES = 1  # labels travel as uint8
+LABEL_BYTES = 1  # labels travel as uint8 (and predict's labels are uint8)
+BOOL_BYTES = 1  # numpy's bool: predict's running argmax's "better" mask
 # Keras optimizer slots per trainable weight: SGD momentum keeps 1 (velocity), Adam 2 (m, v).
 OPTIMIZER_SLOTS = {OptimizerName.SGD: 1, OptimizerName.ADAM: 2}
 # HDF5's default raw-data chunk cache is 1 MiB per open dataset (H5Pset_chunk_cache default
@@ -38,9 +55,21 @@ WORKSPACE_FLOAT32_TENSORS = 1
 PIPELINE_EXTRA_BATCHES = 2
 
 
+class Pass(enum.Enum):
+    """What runs: a training step, or one whole-volume forward pass (``bigmem predict``, validation)."""
+
+    TRAIN = "train"
+    FORWARD = "forward"
+
+
 @dataclass
 class Estimate:
-    """A footprint prediction: bytes per component and what it assumed."""
+    """A footprint prediction: bytes per component and what it assumed.
+
+    For ``Pass.FORWARD`` (batch 1, no recomputation) ``host_phases`` are the numpy arrays of each
+    phase after the forward pass (the peak is TensorFlow's peak plus the largest of them),
+    ``forward_flops`` 2 per multiply-add of the pass and ``source_shape`` the case's own shape.
+    """
 
     components: dict[str, int]
     param_count: int
@@ -53,13 +82,19 @@ class Estimate:
     notes: list[str] = field(default_factory=list)
     partitioned_stages: list[str] = field(default_factory=list)  # stages run in depth slabs
     runnable: bool = True  # False where one depth plane is too wide for any slab (see slab_verdict)
+    pass_: Pass = Pass.TRAIN
+    host_phases: dict[str, int] = field(default_factory=dict)
+    forward_flops: int = 0
+    source_shape: tuple[int, int, int] | None = None
 
     @property
     def predicted_peak_bytes(self) -> int:
         return sum(self.components.values())
 
     def to_dict(self) -> dict:
-        return {
+        """The fields as JSON; a forward pass's add ``kind`` ("inference"), ``host_phases``, ``forward_flops``
+        and ``source_shape``."""
+        data = {
             "predicted_peak_bytes": self.predicted_peak_bytes,
             "components": dict(self.components),
             "param_count": self.param_count,
@@ -72,6 +107,10 @@ class Estimate:
             "partitioned_stages": list(self.partitioned_stages),
             "runnable": self.runnable,
         }
+        if self.pass_ is Pass.FORWARD:
+            data.update(kind="inference", host_phases=dict(self.host_phases), forward_flops=self.forward_flops,
+                        source_shape=list(self.source_shape or self.spatial_shape))
+        return data
 
 
 @dataclass(frozen=True)
@@ -90,7 +129,7 @@ class NetworkCounts:
     stage_largest: dict[str, int] = field(default_factory=dict)
     # Per stage, the elements live at its peak in an inference pass (nothing kept for backward):
     # its own (the stage reports them), its inputs and the encoder outputs held for later decoder
-    # stages; the network's input is not included (memory/inference.py counts it).
+    # stages; the network's input is not included (memory/estimate.py counts it).
     stage_inference_live: dict[str, int] = field(default_factory=dict)
     # Per stage, the largest tensor it reads or creates (the stage reports it): its ops that touch it
     # run in depth slabs past the kernel limit. Unlike stage_largest, a decoder stage whose blocks
@@ -176,6 +215,24 @@ def slab_verdict(widest_plane: int) -> tuple[bool, list[str]]:
                    f"kernel limit of {max_kernel_elements():,} elements (needs {min_frame_planes()} planes)"]
 
 
+def slab_notes(sliced: Sequence[str], widest_plane: int) -> tuple[bool, list[str]]:
+    """Whether a shape runs at all, and the notes on its stages that run in depth slabs (both passes').
+
+    Args:
+        sliced: the stages with a tensor past the kernel limit.
+        widest_plane: elements of the widest tensor's depth plane, ``H * W * C``.
+
+    Returns:
+        ``(runnable, notes)``: ``slab_verdict``'s, then one line naming ``sliced`` where there are any.
+    """
+    runnable, notes = slab_verdict(widest_plane)
+    if sliced:
+        notes.append(f"{len(sliced)} stages hold tensors past {max_kernel_elements():,} elements, the limit bigmem "
+                     f"keeps TF's CPU kernels under, and run in depth slabs of at most "
+                     f"{slab_elements(widest_plane):,} elements: {', '.join(sliced)}")
+    return runnable, notes
+
+
 def activation_elements(counts: NetworkCounts, recompute: Sequence[str]) -> int:
     """Feature-map elements kept for backward with the stages in ``recompute`` recomputed.
 
@@ -203,24 +260,39 @@ def recompute_order(counts: NetworkCounts) -> list[str]:
 
 
 def estimate(config: ExperimentConfig, counts: NetworkCounts, spatial_shape: Sequence[int], *,
-             recompute_stages: Sequence[str] | None = None, calibration: Calibration | None = None) -> Estimate:
-    """The predicted peak resident memory of training ``config`` on ``spatial_shape`` volumes.
+             pass_: Pass = Pass.TRAIN, recompute_stages: Sequence[str] | None = None,
+             calibration: Calibration | None = None, source_shape: Sequence[int] | None = None,
+             save_probabilities: bool = False) -> Estimate:
+    """The predicted peak resident memory of one pass of ``config`` on ``spatial_shape`` volumes.
 
-    Each block's feature maps (``NetworkCounts``), the weights, gradients and optimizer slots,
-    the input pipeline's batches, the HDF5 chunk cache, the augmentation's working memory in each
-    reader (``data.transforms.Compose.working_bytes``), a backward workspace and the framework,
-    with the calibrated multiplier and fixed overhead of this machine class (calibration.py).
+    ``Pass.TRAIN``: a training step at ``train.batch_size``. Components: each block's feature maps
+    kept for backward (``activations``), a backward ``workspace``, ``weights``, ``gradients``,
+    ``optimizer_slots``, the ``input_pipeline``'s batches, the ``hdf5_chunk_cache``, the
+    ``augmentation``'s working memory in each reader (``data.transforms.Compose.working_bytes``)
+    and the ``framework``.
+
+    ``Pass.FORWARD``: segmenting one whole volume (batch 1). Components: ``framework``, ``weights``
+    (float32; Keras 3 keeps no bfloat16 copy), ``input_tensor`` (TensorFlow's copy of the network's
+    input), ``forward_activations`` (the live set at the forward pass's peak, ``forward_live_bytes``),
+    ``allocator_slack`` (what the allocator holds beyond them, calibrated), and predict's host arrays
+    of the phase that peaks after the pass: ``input_image``, ``network_input``, ``probabilities``,
+    ``output_mapping``.
+
+    Either adds ``safety_margin`` only where the calibration was not measured for this machine
+    and model (``calibration.unmeasured_margin``).
 
     Args:
-        config: the job (``train.batch_size``, ``train.precision``, ``train.optimizer``,
-            ``memory.recompute``, ``data.prefetch``).
-        counts: the model's per-block element counts at ``spatial_shape``
-            (``NetworkCounts.from_model``).
-        spatial_shape: ``(D, H, W)`` of one input volume, in voxels.
-        recompute_stages: the stages whose activations backward recomputes; None: those
+        config: the job (``model``; ``train.batch_size``, ``train.precision``, ``train.optimizer``,
+            ``memory.recompute``, ``data.prefetch``, ``data.num_workers``).
+        counts: the model's per-block element counts at ``spatial_shape`` (``NetworkCounts.from_model``).
+        spatial_shape: ``(D, H, W)`` of one input volume, in voxels (a multiple of ``2**depth``).
+        pass_: ``Pass.TRAIN`` (default) or ``Pass.FORWARD``.
+        recompute_stages: training: the stages whose activations backward recomputes; None: those
             ``memory.recompute`` implies.
-        calibration: the multiplier and overhead to use; None: the shipped one for this preset,
-            precision and machine class.
+        calibration: the multiplier and overhead to use; None: ``calibration.calibration_for`` this
+            preset, precision and mode (the recompute mode, or inference).
+        source_shape: forward: the case's own shape before padding (default: ``spatial_shape``).
+        save_probabilities: forward: predict writes the probabilities too (``--save-probabilities``).
 
     Returns:
         An ``Estimate``: bytes per component (``predicted_peak_bytes`` is their sum), the stages
@@ -229,14 +301,23 @@ def estimate(config: ExperimentConfig, counts: NetworkCounts, spatial_shape: Seq
     Example:
         >>> counts = NetworkCounts.from_model(UNet3D(config.model).build_for(), (128, 128, 128))
         >>> estimate(config, counts, (128, 128, 128)).predicted_peak_bytes  # bytes
+        >>> estimate(config, counts, (128, 128, 128), pass_=Pass.FORWARD).components["forward_activations"]
     """
+    if pass_ is Pass.FORWARD:
+        return _forward(config, counts, spatial_shape, calibration, source_shape, save_probabilities)
+    return _train(config, counts, spatial_shape, recompute_stages, calibration)
+
+
+def _train(config: ExperimentConfig, counts: NetworkCounts, spatial_shape: Sequence[int],
+           recompute_stages: Sequence[str] | None, calibration: Calibration | None) -> Estimate:
+    """``estimate``'s training step."""
     train, data = config.train, config.data
     batch = train.batch_size
     precision = train.precision
     if recompute_stages is None:
         recompute_stages = mode_stages(config.memory.recompute, counts)
-    calibration = calibration or lookup_calibration(config.model.name, precision.value,
-                                                    recompute_key(recompute_stages))
+    calibration = calibration or calibration_for(config.model.name, precision.value,
+                                                 recompute_key(recompute_stages))
     voxels = math.prod(spatial_shape)
     compute_bytes = BFLOAT16_BYTES if precision is Precision.BF16 else FLOAT32_BYTES
     channels = config.model.in_channels
@@ -280,12 +361,8 @@ def estimate(config: ExperimentConfig, counts: NetworkCounts, spatial_shape: Seq
         components["safety_margin"] = calibration.safety_margin(sum(components.values()))
         notes.append(f"calibration: {calibration.source}; run `bigmem profile --calibrate --model "
                      f"{config.model.name}` to measure this machine")
-    runnable, unrunnable = slab_verdict(counts.largest_tensor // spatial_shape[0])
-    notes += unrunnable
-    if sliced:
-        notes.append(f"{len(sliced)} stages hold tensors past {max_kernel_elements():,} elements, the limit bigmem "
-                     f"keeps TF's CPU kernels under, and run in depth slabs of at most "
-                     f"{slab_elements(counts.largest_tensor // spatial_shape[0]):,} elements: {', '.join(sliced)}")
+    runnable, slab_lines = slab_notes(sliced, counts.largest_tensor // spatial_shape[0])
+    notes += slab_lines
     if data.num_workers:
         notes.append(f"{data.num_workers} reader processes hold their own memory (not in this process's peak)")
     # Training FLOPs: 2 per multiply-add, backward twice the forward; recomputed stages run their
@@ -294,3 +371,91 @@ def estimate(config: ExperimentConfig, counts: NetworkCounts, spatial_shape: Seq
     return Estimate(components, counts.param_count, tuple(spatial_shape), batch, precision.value,
                     list(recompute_stages), calibration, train_flops, notes, partitioned_stages=sliced,
                     runnable=runnable)
+
+
+def forward_live_bytes(config: ExperimentConfig, counts: NetworkCounts, spatial_shape: Sequence[int]) -> int:
+    """TensorFlow's live bytes at the forward pass's peak, the network's input excepted.
+
+    The largest of: each stage's live elements (``counts.stage_inference_live``) in the compute
+    dtype; the head (the last decoder stage's output, the head's logits, and under bf16 their
+    float32 cast, plus one depth slab where the head runs in slabs); the softmax (float32 logits
+    and probabilities).
+
+    Args:
+        config: the network (``model``) and its precision (``train.precision``).
+        counts: ``NetworkCounts.from_model`` for ``spatial_shape``.
+        spatial_shape: the network's input ``(D, H, W)``.
+
+    Returns:
+        Bytes.
+    """
+    compute_bytes = BFLOAT16_BYTES if config.train.precision is Precision.BF16 else FLOAT32_BYTES
+    voxels = math.prod(spatial_shape)
+    classes = config.model.num_outputs  # the probabilities: per class, or per region
+    stages = max(counts.stage_inference_live.values()) * compute_bytes
+    last_output = list(counts.block_outputs.values())[-1]  # the last decoder stage's (the head's input)
+    head_in = (1, *spatial_shape, last_output // voxels)
+    slab = slab_elements(math.prod(head_in[2:])) if exceeds_limit(head_in) else 0
+    head = (last_output + classes * voxels + slab) * compute_bytes
+    if compute_bytes != FLOAT32_BYTES:
+        head += classes * voxels * FLOAT32_BYTES  # the logits leave the network in float32
+    softmax = 2 * classes * voxels * FLOAT32_BYTES
+    return max(stages, head, softmax)
+
+
+def _forward(config: ExperimentConfig, counts: NetworkCounts, spatial_shape: Sequence[int],
+             calibration: Calibration | None, source_shape: Sequence[int] | None, save_probabilities: bool) -> Estimate:
+    """``estimate``'s whole-volume forward pass (batch 1): TensorFlow's peak plus the host arrays of the
+    largest phase after it, which is why some of those components may be 0."""
+    precision = config.train.precision
+    calibration = calibration or calibration_for(config.model.name, precision.value, INFERENCE_MODE)
+    voxels = math.prod(spatial_shape)
+    source_shape = tuple(source_shape) if source_shape is not None else tuple(spatial_shape)
+    source_voxels = math.prod(source_shape)
+    channels, classes = config.model.in_channels, config.model.num_outputs
+    padded = source_voxels != voxels
+
+    input_tensor = channels * voxels * (FLOAT32_BYTES + (BFLOAT16_BYTES if precision is Precision.BF16 else 0))
+    forward = forward_live_bytes(config, counts, spatial_shape)
+    counted = input_tensor + forward
+    scale, intercept = calibration.line_for(counted)
+    framework = calibration.fixed_bytes()
+    slack = int(round(intercept + scale * counted)) - framework - counted
+
+    image = channels * source_voxels * FLOAT32_BYTES
+    network_input = channels * voxels * FLOAT32_BYTES
+    probabilities = classes * voxels * FLOAT32_BYTES
+    cropped = classes * source_voxels * FLOAT32_BYTES if padded else 0
+    mapping = source_voxels * (FLOAT32_BYTES + LABEL_BYTES + BOOL_BYTES)
+    saved = classes * source_voxels * (FLOAT32_BYTES + 2) if save_probabilities else 0  # float32, then float16
+    phases = {
+        # predict_probabilities: the image, the network's input and the probabilities' copy (and its crop)
+        "probabilities": image + network_input + probabilities + cropped,
+        # labels_to_source after the image is dropped: the (cropped) probabilities and the running argmax
+        "mapping": (cropped or probabilities) + mapping,
+    }
+    if save_probabilities:
+        phases["saved_probabilities"] = (cropped or probabilities) + saved
+    peak_phase = max(phases, key=phases.get)
+    host = {
+        "probabilities": {"input_image": image, "network_input": network_input,
+                          "probabilities": probabilities + cropped, "output_mapping": 0},
+        "mapping": {"input_image": 0, "network_input": 0, "probabilities": cropped or probabilities,
+                    "output_mapping": mapping},
+        "saved_probabilities": {"input_image": 0, "network_input": 0, "probabilities": cropped or probabilities,
+                                "output_mapping": saved},
+    }[peak_phase]
+    components = {"framework": framework, "weights": counts.param_count * FLOAT32_BYTES, "input_tensor": input_tensor,
+                  "forward_activations": forward, "allocator_slack": slack, **host}
+    notes = [f"host arrays peak in the {peak_phase.replace('_', ' ')} phase, after the forward pass "
+             f"(phases: {', '.join(f'{k} {v:,} B' for k, v in phases.items())})"]
+    if calibration.has_margin:
+        components["safety_margin"] = calibration.safety_margin(sum(components.values()))
+        notes.append(f"calibration: {calibration.source}")
+    sliced = [name for name, n in counts.stage_largest_tensor.items() if n > max_kernel_elements()]  # batch 1
+    widest_plane = max(counts.stage_largest_tensor.values(), default=counts.largest_tensor) // spatial_shape[0]
+    runnable, slab_lines = slab_notes(sliced, widest_plane)
+    notes += slab_lines
+    return Estimate(components, counts.param_count, tuple(spatial_shape), 1, precision.value, [], calibration, 0,
+                    notes, partitioned_stages=sliced, runnable=runnable, pass_=Pass.FORWARD, host_phases=phases,
+                    forward_flops=2 * counts.forward_macs, source_shape=source_shape)

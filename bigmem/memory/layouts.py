@@ -12,7 +12,8 @@
   that much free. Its memory traffic stays on its own node. Memory-only nodes (CXL expanders)
   carry no worker.
 
-Throughput is not modelled: which layout steps faster was not measured here (README, NUMA).
+Throughput is not modelled: which layout steps faster was not measured here (benchmarks/results/numa.md,
+"Interleave against per-node: published figures").
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import psutil
 from bigmem.config.options import Precision, Recompute
 from bigmem.config.schema import ExperimentConfig
 from bigmem.errors import InsufficientMemoryError
-from bigmem.memory.calibration import Calibration, lookup_calibration, recompute_key
+from bigmem.memory.calibration import Calibration, calibration_for, recompute_key
 from bigmem.memory.estimate import Estimate, NetworkCounts, estimate, mode_stages, recompute_order
 from bigmem.memory.speed import MachineSpeed, StepRate, predicted_step_s, recomputed_share, step_rate
 from bigmem.units import as_shape, format_bytes, format_shape
@@ -26,7 +26,8 @@ MODES: tuple[tuple[Precision, Recompute], ...] = (
     (Precision.FP32, Recompute.STAGES), (Precision.BF16, Recompute.STAGES),
 )
 # On a CPU without native bfloat16 (sysinfo.native_bf16) bf16 is emulated, ~20x slower than fp32
-# (README.md, "Speed"): the planner and the pre-flight's suggestions leave it out unless asked for.
+# (benchmarks/results/speed.md, "oneDNN and bf16 by ISA class"): the planner and the pre-flight's
+# suggestions leave it out unless asked for.
 FP32_MODES = tuple(mode for mode in MODES if mode[0] is Precision.FP32)
 MAX_BATCH = 4096
 MAX_VOLUME = 4096  # voxels per edge searched; 4096^3 is 64 Gi voxels
@@ -119,7 +120,7 @@ class Plan:
     """What fits a memory budget: the one schema of plan.json (``bigmem plan`` and every run's).
 
     ``chosen`` is the configuration that will run: the planner's pick (None when nothing fits),
-    or, for a fixed job (``memory.budget.job_plan``), the job itself, even when it is forced
+    or, for a fixed job (``memory.plans.plan_job``), the job itself, even when it is forced
     past the budget (then ``fits`` is False and ``forced`` True).
     """
 
@@ -133,11 +134,13 @@ class Plan:
     forced: bool = False  # a fixed job run past its budget (--force)
     calibration: dict | None = None  # the calibration behind the chosen (or closest) candidate's estimate
     data_parallel: dict | None = None  # the data-parallel run's patch and replicas (train --strategy)
-    kind: str = "train"  # "inference": whole-volume segmentation at batch 1 (memory.budget.inference_plan)
+    kind: str = "train"  # "inference": whole-volume segmentation at batch 1 (memory.plans.plan_inference)
     # Per training case (a job on a store's own shapes): case, shape, padded_shape, predicted_peak_bytes, fits.
     cases: list[dict] | None = None
     # The held-out validation pass (--val-every): its case, shape and predicted peak beside training's.
     validation: dict | None = None
+    # The shape the search ran at (memory.plans.plan_search; None: the largest cube); not in plan.json.
+    searched_shape: int | tuple[int, int, int] | None = None
 
     @property
     def predicted_peak_bytes(self) -> int:
@@ -299,7 +302,7 @@ def make_plan(config: ExperimentConfig, counts_for, budget_bytes: int, *, budget
 def candidate_calibration(config: ExperimentConfig, candidate: Candidate) -> dict:
     """The calibration the estimate of ``candidate`` used (as ``estimate`` looks it up)."""
     key = recompute_key(candidate.recompute_stages)
-    return lookup_calibration(config.model.name, candidate.precision, key).to_dict()
+    return calibration_for(config.model.name, candidate.precision, key).to_dict()
 
 
 def cheapest_fix(config: ExperimentConfig, counts_for, budget_bytes: int, volume: int | Sequence[int], batch: int,

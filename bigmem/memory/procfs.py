@@ -1,4 +1,4 @@
-"""Process memory from /proc: the ground truth for bigmem's measurements (README.md, "Memory").
+"""Process memory from /proc: the ground truth for bigmem's measurements (docs/guide.md, "Planning memory").
 
 TensorFlow's allocator statistics on CPU depend on the oneDNN setting and miss memory outside
 its allocator, so bigmem reads the kernel's view: VmHWM (peak resident set) and VmRSS from

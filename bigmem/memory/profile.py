@@ -7,13 +7,20 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from bigmem.config.schema import ExperimentConfig
-from bigmem.memory.calibration import (
-    Calibration, fit_calibration, fit_line, machine_isa_class, recompute_key, save_calibration, shipped_shape,
-)
+from bigmem.data.pipeline import padded_shape  # the one rounding rule: training pads as predict does
 from bigmem.errors import UsageError
-from bigmem.memory.estimate import Estimate, NetworkCounts, estimate, mode_stages
+from bigmem.memory.calibration import (
+    Calibration,
+    fit_calibration,
+    fit_line,
+    machine_isa_class,
+    recompute_key,
+    save_calibration,
+    shipped_shape,
+)
+from bigmem.memory.estimate import Estimate, NetworkCounts, Pass, estimate, mode_stages
 from bigmem.memory.measure import Measurement, measure
-from bigmem.memory.budget import recompute_stages as choose_stages
+from bigmem.memory.plans import recompute_stages as choose_stages
 from bigmem.memory.speed import measured_rate, recomputed_share
 from bigmem.units import as_shape
 
@@ -42,34 +49,67 @@ def stages_for(config: ExperimentConfig, counts: NetworkCounts) -> list[str]:
 
 
 @dataclass
-class ProfileResult:
+class Profile:
+    """``bigmem profile``'s result for one shape: the estimate, and the measured peak when asked for."""
+
     estimate: Estimate
     measurement: Measurement | None
 
     @property
     def error_pct(self) -> float | None:
+        """(predicted - measured) / measured in percent; None without a measurement."""
         if self.measurement is None:
             return None
         measured = self.measurement.peak_bytes
         return 100.0 * (self.estimate.predicted_peak_bytes - measured) / measured
 
     def to_dict(self) -> dict:
+        """``bigmem profile --json``'s fields: the estimate's, the measured peak and error, and with a
+        measurement its node bytes and step seconds (training) or seconds (a forward pass)."""
         data = self.estimate.to_dict()
         data["measured_peak_bytes"] = self.measurement.peak_bytes if self.measurement else None
         data["error_pct"] = None if self.error_pct is None else round(self.error_pct, 2)
-        if self.measurement:
+        if self.measurement and self.estimate.pass_ is Pass.FORWARD:
+            data["measured_seconds"] = self.measurement.seconds
+        elif self.measurement:
             data["measured_node_bytes"] = self.measurement.node_bytes
-            data["measured_step_s"] = self.measurement.step_s
+            data["measured_step_s"] = self.measurement.seconds
         return data
 
 
-def profile(config: ExperimentConfig, shape: Sequence[int], counts_for, *, do_measure: bool = False,
-            steps: int = 3, recompute_stages: list[str] | None = None) -> ProfileResult:
+def profile(config: ExperimentConfig, shape: Sequence[int], counts_for, *, pass_: Pass = Pass.TRAIN,
+            do_measure: bool = False, steps: int = 3, recompute_stages: list[str] | None = None) -> Profile:
+    """Predict (and optionally measure) one pass of ``config`` at ``shape``.
+
+    Args:
+        config: the job (model, batch, precision, recompute, placement for the measurement).
+        shape: ``(D, H, W)``. A training step runs it as given (a multiple of ``2**depth``); a
+            forward pass pads the case to one as predict does.
+        counts_for: ``counts_function(config)``.
+        pass_: ``Pass.TRAIN`` (default) or ``Pass.FORWARD`` (``bigmem predict``'s whole volume).
+        do_measure: also run it in a child process (``measure.measure``) and read its peak.
+        steps: training steps to measure.
+        recompute_stages: training: the stages to recompute (default: ``budget.recompute_stages``).
+
+    Returns:
+        The ``Profile``.
+
+    Raises:
+        BigmemError: the measuring child failed.
+
+    Example:
+        >>> profile(config, (240, 240, 155), counts_function(config), pass_=Pass.FORWARD).estimate.spatial_shape
+        (240, 240, 160)
+    """
+    if pass_ is Pass.FORWARD:
+        padded = padded_shape(shape, config.model.divisor)
+        predicted = estimate(config, counts_for(padded), padded, pass_=pass_, source_shape=tuple(shape))
+        return Profile(predicted, measure(config, shape, pass_=pass_) if do_measure else None)
     counts = counts_for(tuple(shape))
     stages = recompute_stages if recompute_stages is not None else choose_stages(config, counts_for, shape)
     predicted = estimate(config, counts, shape, recompute_stages=stages)
     measured = measure(config, steps=steps, recompute_stages=stages) if do_measure else None
-    return ProfileResult(predicted, measured)
+    return Profile(predicted, measured)
 
 
 def _with_shape(config: ExperimentConfig, shape: Sequence[int]) -> ExperimentConfig:
@@ -101,7 +141,7 @@ class ScalingLaw:
 
 
 def sweep(config: ExperimentConfig, shapes: Sequence[Sequence[int]], counts_for, *, steps: int = 3,
-          progress: Callable[[tuple], None] | None = None) -> tuple[list[ProfileResult], ScalingLaw]:
+          progress: Callable[[tuple], None] | None = None) -> tuple[list[Profile], ScalingLaw]:
     """Measure and predict each ``(D, H, W)`` (an int N is N^3); fit the measured peaks against voxels."""
     results = []
     for shape in shapes:
@@ -142,10 +182,10 @@ def calibration_point(config: ExperimentConfig, counts_for, measured_peak_bytes:
              "measured_peak_bytes": int(measured_peak_bytes)}
     if len(set(shape)) != 1:
         point["shape"] = list(shape)
-    if measurement is not None and measurement.step_s > 0:
+    if measurement is not None and measurement.seconds > 0:
         rate = measured_rate(raw.train_flops_per_step, recomputed_share(counts.block_elements, stages),
-                             measurement.step_s, measurement.cores)
-        point.update(step_s=round(measurement.step_s, 4), step_gflops_per_core=round(rate, 2))
+                             measurement.seconds, measurement.cores)
+        point.update(step_s=round(measurement.seconds, 4), step_gflops_per_core=round(rate, 2))
     return point
 
 

@@ -19,10 +19,20 @@ def placement_budget(placement: Placement, topology: NUMATopology, machine_avail
         free = sum(topology.node(n).free_bytes for n in placement.nodes)
         return free, f"free memory of node(s) {','.join(map(str, placement.nodes))}"
     if placement.kind is PolicyKind.INTERLEAVE:
-        smallest = min(topology.node(n).free_bytes for n in placement.nodes)
-        return smallest * len(placement.nodes), (f"{len(placement.nodes)} interleaved node(s) x the smallest free "
-                                                 f"{format_bytes(smallest)}")
+        return interleave_budget(placement.nodes, topology)
     return machine_available_bytes, "MemAvailable"
+
+
+def interleave_budget(nodes, topology: NUMATopology) -> tuple[int, str]:
+    """(budget bytes, where it comes from) of one process interleaved over ``nodes``: each holds an equal
+    share, so the smallest node's free memory times the nodes.
+
+    Example:
+        >>> interleave_budget([0, 1], topology)  # two nodes with 100 and 80 GiB free
+        (171798691840, '2 interleaved node(s) x the smallest free 80.00 GiB')
+    """
+    smallest = min(topology.node(n).free_bytes for n in nodes)
+    return smallest * len(nodes), f"{len(nodes)} interleaved node(s) x the smallest free {format_bytes(smallest)}"
 
 
 def check_nodes_fit(required_bytes: int, placement: Placement, topology: NUMATopology) -> None:

@@ -225,7 +225,8 @@ def plan_memory(config: ExperimentConfig, execution: Execution, recompute_stages
         InsufficientMemoryError: (exit 3) the predicted peak exceeds the budget, or an explicit
             budget exceeds the machine's memory, unless ``force``.
     """
-    from bigmem.memory.budget import check_budget_within_machine, job_plan, resolve_budget
+    from bigmem.memory.budget import check_budget_within_machine, resolve_budget
+    from bigmem.memory.plans import plan_job
     from bigmem.memory.profile import counts_function
 
     budget = resolve_budget(config.memory.budget_bytes, placement=placement)
@@ -233,7 +234,7 @@ def plan_memory(config: ExperimentConfig, execution: Execution, recompute_stages
         console.print(budget.note, style="yellow")
     check_budget_within_machine(budget, force=force)
     shape, cases, validation, validation_case = _planned_shapes(config, loader)
-    plan = job_plan(execution.host_config(config), counts_function(config), budget, shape=shape,
+    plan = plan_job(execution.host_config(config), counts_function(config), budget, shape=shape,
                     stages=recompute_stages, force=force, check=execution.host_checked, cases=cases,
                     validation_shape=validation, validation_case=validation_case)
     plan.data_parallel = execution.to_dict()
@@ -249,7 +250,7 @@ def plan_memory(config: ExperimentConfig, execution: Execution, recompute_stages
 def _planned_shapes(config: ExperimentConfig, loader: VolumeLoader | None) -> tuple:
     """``(step shape, per-case shapes, validation shape, its case id)`` for ``job_plan`` (None, (), None, '': none)."""
     from bigmem.data.pipeline import padded_shape
-    from bigmem.memory.budget import CaseShape, planned_shape
+    from bigmem.memory.plans import CaseShape, planned_shape
 
     shape, cases, validation, validation_case = None, (), None, ""
     if loader is not None and loader.native:  # each case its own shape (a fixed shape or a patch: one for all)

@@ -5,11 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from helpers import run_cli
 
-from bigmem.memory.calibration import lookup_calibration
-from bigmem.memory.inference import inference_calibration
+from bigmem.memory.calibration import INFERENCE_MODE, calibration_for
 
 INFERENCE_COMPONENTS = {"framework", "weights", "input_tensor", "forward_activations", "allocator_slack",
                         "input_image", "network_input", "probabilities", "output_mapping"}
@@ -34,8 +32,8 @@ def test_profile_json_fields(capsys):
     data = json.loads(out)
     assert data["param_count"] == 10_135
     assert data["predicted_peak_bytes"] == sum(data["components"].values())
-    # A CPU class the defaults were not measured on adds a stated margin (calibration.default_calibration).
-    margin = {"safety_margin"} if lookup_calibration("tiny", "fp32", "none").margin_fraction else set()
+    # A CPU class the defaults were not measured on adds a stated margin (calibration.shipped_calibration).
+    margin = {"safety_margin"} if calibration_for("tiny", "fp32", "none").margin_fraction else set()
     assert set(data["components"]) == {"framework", "weights", "gradients", "optimizer_slots", "activations",
                                        "workspace", "input_pipeline", "hdf5_chunk_cache", "augmentation"} | margin
     assert data["measured_peak_bytes"] is None
@@ -166,7 +164,7 @@ def test_profile_inference_json(capsys):
     assert data["batch_size"] == 1
     assert data["recompute_stages"] == []
     # No safety margin where the defaults were measured for this CPU class; a stated one elsewhere.
-    margin = {"safety_margin"} if inference_calibration("tiny", "fp32").margin_fraction else set()
+    margin = {"safety_margin"} if calibration_for("tiny", "fp32", INFERENCE_MODE).margin_fraction else set()
     assert set(data["components"]) == INFERENCE_COMPONENTS | margin
     assert data["predicted_peak_bytes"] == sum(data["components"].values())
     assert data["spatial_shape"] == data["source_shape"] == [32, 32, 32]

@@ -61,18 +61,17 @@ def test_training_memory_holds_the_measured_knots():
 
 
 def test_the_modules_read_the_tables():
-    from bigmem.memory.calibration import DEFAULTS, DEFAULTS_BATCH_SIZE, DEFAULTS_MACHINES
-    from bigmem.memory.inference import INFERENCE_DEFAULTS
+    from bigmem.memory.calibration import DEFAULTS_BATCH_SIZE, SHIPPED, SHIPPED_MACHINES
     from bigmem.memory.speed import MEASURED_RATES, RATE_SOURCES
     from bigmem.nets.choices import CHOICES
 
-    assert DEFAULTS[("avx512_bf16", "small", "fp32", "none")][3] == (128, 1_571_291_136, 2_057_447_760)
-    assert DEFAULTS[("amx", "small", "bf16", "stages")][-1] == (400, 21_264_000_000, 14_986_606_928)
-    assert len(DEFAULTS) == 24
-    assert DEFAULTS_MACHINES["amx"] == "Intel Xeon 2 vCPU amx, TF 2.21.0, 2026-12-01"
+    assert SHIPPED[("avx512_bf16", "small", "fp32", "none")][3] == (128, 1_571_291_136, 2_057_447_760)
+    assert SHIPPED[("amx", "small", "bf16", "stages")][-1] == (400, 21_264_000_000, 14_986_606_928)
+    assert len([key for key in SHIPPED if key[3] != "inference"]) == 24
+    assert SHIPPED_MACHINES[("amx", "small", "bf16", "stages")] == "Intel Xeon 2 vCPU amx, TF 2.21.0, 2026-12-01"
     assert {e["batch_size"] for e in tables.load("training_memory").values()} == {DEFAULTS_BATCH_SIZE}
-    assert INFERENCE_DEFAULTS[("avx512_bf16", "kits19", "fp32")][-1] == (256, 11_341_398_016, 14_192_655_476)
-    assert INFERENCE_DEFAULTS[("avx512_bf16", "small", "bf16")] == ((32, 3_473_408, 646_633_044),
+    assert SHIPPED[("avx512_bf16", "kits19", "fp32", "inference")][-1] == (256, 11_341_398_016, 14_192_655_476)
+    assert SHIPPED[("avx512_bf16", "small", "bf16", "inference")] == ((32, 3_473_408, 646_633_044),
                                                                     (64, 27_787_264, 690_161_236),
                                                                     (128, 222_298_112, 968_562_260))
     assert MEASURED_RATES == {("avx512_bf16", "fp32"): {8: 99.0, 32: 211.0},

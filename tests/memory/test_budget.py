@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import pytest
+from helpers import make_sysfs
 
-from bigmem.config import resolve_config
 from bigmem.cli.common import flag_for
+from bigmem.config import resolve_config
 from bigmem.errors import EXIT_NO_FIT, ConfigError, InsufficientMemoryError
+from bigmem.memory.budget import Budget, resolve_budget
 from bigmem.memory.calibration import Calibration
 from bigmem.memory.estimate import NetworkCounts, estimate
-from bigmem.memory.budget import Budget, job_plan, recompute_stages, require_fit, resolve_budget, search_plan
+from bigmem.memory.plans import plan_job, plan_search, recompute_stages, require_fit
 from bigmem.nets.unet3d import UNet3D
 from bigmem.numa.policy import resolve_placement
 from bigmem.numa.topology import NUMATopology
 from bigmem.units import format_bytes
-from helpers import make_sysfs
 
 GIB = 2**30
 MIB = 2**20
@@ -24,8 +25,8 @@ ALL_STAGES = ["enc0", "enc1", "enc2", "enc3", "dec2", "dec1", "dec0"]  # small: 
 
 @pytest.fixture(autouse=True)
 def fixed_calibration(monkeypatch):
-    monkeypatch.setattr("bigmem.memory.estimate.lookup_calibration", lambda preset, precision, recompute: FIXED)
-    monkeypatch.setattr("bigmem.memory.planner.lookup_calibration", lambda preset, precision, recompute: FIXED)
+    monkeypatch.setattr("bigmem.memory.estimate.calibration_for", lambda preset, precision, mode: FIXED)
+    monkeypatch.setattr("bigmem.memory.planner.calibration_for", lambda preset, precision, mode: FIXED)
 
 
 @pytest.fixture
@@ -145,7 +146,7 @@ def test_auto_needs_a_budget(counts_for):
 
 def test_a_job_that_fits_is_its_own_chosen_candidate(counts_for):
     config = _config()
-    plan = job_plan(config, counts_for, Budget(64 * GIB, "--memory-budget"))
+    plan = plan_job(config, counts_for, Budget(64 * GIB, "--memory-budget"))
     peak = _peak(config, counts_for, [])
     assert plan.fits
     assert not plan.forced
@@ -165,8 +166,8 @@ def test_a_job_that_fits_is_its_own_chosen_candidate(counts_for):
 
 def test_one_schema_for_plan_and_for_a_run(counts_for):
     budget = Budget(64 * GIB, "--budget")
-    searched = search_plan(_config(), counts_for, budget, volume=128, batch_size=1).to_dict()
-    run = job_plan(_config(recompute="auto"), counts_for, budget).to_dict()
+    searched = plan_search(_config(), counts_for, budget, volume=128, batch_size=1).to_dict()
+    run = plan_job(_config(recompute="auto"), counts_for, budget).to_dict()
     assert list(searched) == list(run)
     assert list(searched["chosen"]) == list(run["chosen"])
     # Every key plan.json's readers use (monitor/report.py, distribute/compare.py, the tests).
@@ -179,7 +180,7 @@ def test_one_schema_for_plan_and_for_a_run(counts_for):
 def test_auto_keeps_the_stages_it_tried(counts_for):
     config = _config(recompute="auto")
     budget = (_peak(config, counts_for, []) + _peak(config, counts_for, ALL_STAGES)) // 2
-    plan = job_plan(config, counts_for, Budget(budget, "--memory-budget"))
+    plan = plan_job(config, counts_for, Budget(budget, "--memory-budget"))
     assert plan.fits
     assert plan.chosen.recompute == "auto"
     assert plan.chosen.recompute_stages[0] == "dec0"
@@ -192,7 +193,7 @@ def test_a_job_over_its_budget_is_refused_with_the_cheapest_fix(counts_for):
     config = _config()
     peak = _peak(config, counts_for, [])
     with pytest.raises(InsufficientMemoryError) as info:
-        job_plan(config, counts_for, Budget(peak - 1, "--memory-budget"))
+        plan_job(config, counts_for, Budget(peak - 1, "--memory-budget"))
     error = info.value
     assert error.exit_code == EXIT_NO_FIT == 3
     assert (error.required_bytes, error.available_bytes) == (peak, peak - 1)
@@ -208,31 +209,31 @@ def test_a_job_over_its_placement_is_refused_per_node(full_node, counts_for):
     budget = resolve_budget(None, placement=placement, topology=topology)
     peak = _peak(_config(), counts_for, [])
     with pytest.raises(InsufficientMemoryError) as info:
-        job_plan(_config(), counts_for, budget)
+        plan_job(_config(), counts_for, budget)
     assert str(info.value) == (f"Predicted peak {format_bytes(peak)} does not fit --numa bind:1 "
                                "(node 1: 0 B free; 0 B in all). Bind more nodes, or use --numa interleave.")
     assert info.value.exit_code == 3
 
 
 def test_forced_and_unchecked_jobs_run_past_the_budget(counts_for):
-    forced = job_plan(_config(), counts_for, Budget(MIB, "--memory-budget"), force=True)
+    forced = plan_job(_config(), counts_for, Budget(MIB, "--memory-budget"), force=True)
     assert not forced.fits
     assert forced.forced
     assert forced.chosen.volume == 128
     assert forced.to_dict()["chosen"]["recompute_stages"] == []
-    unchecked = job_plan(_config(), counts_for, Budget(MIB, "--memory-budget"), check=False)
+    unchecked = plan_job(_config(), counts_for, Budget(MIB, "--memory-budget"), check=False)
     assert not unchecked.fits
     assert not unchecked.forced
 
 
 def test_fixed_stages_are_kept(counts_for):
-    plan = job_plan(_config(recompute="stages"), counts_for, Budget(64 * GIB, "x"), stages=["dec0"])
+    plan = plan_job(_config(recompute="stages"), counts_for, Budget(64 * GIB, "x"), stages=["dec0"])
     assert plan.chosen.recompute_stages == ["dec0"]
     assert plan.predicted_peak_bytes == _peak(_config(), counts_for, ["dec0"])
 
 
 def test_a_search_where_nothing_fits_is_refused(counts_for):
-    plan = search_plan(_config(), counts_for, Budget(10 * MIB, "--budget"))
+    plan = plan_search(_config(), counts_for, Budget(10 * MIB, "--budget"))
     assert not plan.fits
     assert plan.to_dict()["chosen"] is None
     with pytest.raises(InsufficientMemoryError) as info:
@@ -240,13 +241,13 @@ def test_a_search_where_nothing_fits_is_refused(counts_for):
     assert str(info.value).startswith("Nothing fits 10.00 MiB (--budget): the closest candidate, 8^3 x batch 1 ")
     assert info.value.available_bytes == 10 * MIB
     assert info.value.exit_code == 3
-    require_fit(search_plan(_config(), counts_for, Budget(64 * GIB, "--budget"), volume=32, batch_size=1))
+    require_fit(plan_search(_config(), counts_for, Budget(64 * GIB, "--budget"), volume=32, batch_size=1))
 
 
 # ---- a store's own shapes, validation, a budget above the machine -------------------------------
 
 def test_planned_shape_is_the_largest_case_or_the_bounding_shape():
-    from bigmem.memory.budget import planned_shape
+    from bigmem.memory.plans import planned_shape
 
     shapes = [(240, 240, 160), (256, 256, 48), (160, 192, 128)]
     assert planned_shape(shapes, 1) == (240, 240, 160)  # the most voxels
@@ -254,7 +255,7 @@ def test_planned_shape_is_the_largest_case_or_the_bounding_shape():
 
 
 def test_a_case_that_does_not_fit_is_refused_by_name(counts_for):
-    from bigmem.memory.budget import CaseShape
+    from bigmem.memory.plans import CaseShape
 
     cases = [CaseShape("small_one", (64, 64, 40), (64, 64, 40)), CaseShape("long_one", (64, 64, 300), (64, 64, 304))]
     config = resolve_config("small", {"train": {"batch_size": 1}})  # no data.shape: each case at its own
@@ -265,8 +266,8 @@ def test_a_case_that_does_not_fit_is_refused_by_name(counts_for):
     with pytest.raises(InsufficientMemoryError, match=r"^Predicted peak .* for small at 64x64x304 \(case 'long_one', "
                                                       r"64x64x300 padded\) x batch 1 \(fp32\) exceeds the memory "
                                                       r"budget .*: use .*or pass --force to try anyway\.$"):
-        job_plan(config, counts_for, budget, shape=shape, cases=cases)
-    plan = job_plan(config, counts_for, budget, shape=shape, cases=cases, force=True)
+        plan_job(config, counts_for, budget, shape=shape, cases=cases)
+    plan = plan_job(config, counts_for, budget, shape=shape, cases=cases, force=True)
     assert [(c["case"], c["fits"]) for c in plan.cases] == [("small_one", True), ("long_one", False)]
     assert plan.to_dict()["chosen"]["spatial_shape"] == list(shape)
 
@@ -274,8 +275,8 @@ def test_a_case_that_does_not_fit_is_refused_by_name(counts_for):
 def test_validation_beside_training_is_planned(counts_for):
     config = _config()
     train_shape, held_out = (32, 32, 32), (128, 128, 128)
-    alone = job_plan(config, counts_for, Budget(64 * GIB, "--memory-budget"), shape=train_shape)
-    plan = job_plan(config, counts_for, Budget(64 * GIB, "--memory-budget"), shape=train_shape,
+    alone = plan_job(config, counts_for, Budget(64 * GIB, "--memory-budget"), shape=train_shape)
+    plan = plan_job(config, counts_for, Budget(64 * GIB, "--memory-budget"), shape=train_shape,
                     validation_shape=held_out, validation_case="big")
     assert plan.validation["case"] == "big"
     assert plan.validation["shape"] == [128, 128, 128]
@@ -287,8 +288,8 @@ def test_validation_beside_training_is_planned(counts_for):
     with pytest.raises(InsufficientMemoryError, match=r"^Validating held-out case 'big' \(128x128x128\) whole beside "
                                                       r"the model needs .*; training alone would fit .*Drop "
                                                       r"--val-every, hold out smaller cases, or pass --force"):
-        job_plan(config, counts_for, tight, shape=train_shape, validation_shape=held_out, validation_case="big")
-    small = job_plan(config, counts_for, Budget(64 * GIB, "x"), shape=(128,) * 3, validation_shape=(32, 32, 32))
+        plan_job(config, counts_for, tight, shape=train_shape, validation_shape=held_out, validation_case="big")
+    small = plan_job(config, counts_for, Budget(64 * GIB, "x"), shape=(128,) * 3, validation_shape=(32, 32, 32))
     assert "validation" not in small.chosen.components
     assert small.validation["excess_bytes"] == 0
 

@@ -8,9 +8,21 @@ import pytest
 
 from bigmem.memory import calibration as calibration_module
 from bigmem.memory.calibration import (
-    DEFAULTS, DEFAULTS_MACHINES, EMULATED_BF16_MARGIN_FRACTION, FALLBACK_ISA, UNMEASURED_MARGIN_BYTES,
-    UNMEASURED_MARGIN_FRACTION, Calibration, default_calibration, fit_calibration, fit_line, knots_from,
-    lookup_calibration, machine_key, save_calibration, shipped_shape,
+    SHIPPED,
+    SHIPPED_MACHINES,
+    EMULATED_BF16_MARGIN_FRACTION,
+    FALLBACK_ISA,
+    UNMEASURED_MARGIN_BYTES,
+    UNMEASURED_MARGIN_FRACTION,
+    Calibration,
+    calibration_for,
+    fit_calibration,
+    fit_line,
+    knots_from,
+    machine_key,
+    save_calibration,
+    shipped_calibration,
+    shipped_shape,
 )
 from bigmem.sysinfo import isa_class
 
@@ -105,44 +117,44 @@ def on_isa(monkeypatch):
 
 def test_saved_calibration_is_found_again_per_preset_and_mode(tmp_path, on_isa):
     path = tmp_path / "calibration.json"
-    assert lookup_calibration("small", "fp32", "none", path=path).source.startswith("default for small")
+    assert calibration_for("small", "fp32", "none", path=path).source.startswith("default for small")
     points = [{"volume": 32, "counted_activation_bytes": 1, "exact_bytes": 0, "measured_peak_bytes": 5},
               {"volume": 64, "counted_activation_bytes": 3, "exact_bytes": 0, "measured_peak_bytes": 9}]
     saved = fit_calibration("small", "fp32", "none", points)
     assert (saved.activation_scale, saved.framework_bytes) == (2.0, 3)
     save_calibration(saved, path=path)
     save_calibration(fit_calibration("small", "bf16", "none", points), path=path)
-    found = lookup_calibration("small", "fp32", "none", path=path)
+    found = calibration_for("small", "fp32", "none", path=path)
     assert found == saved
     assert found.source.startswith("this machine")
     assert len(json.loads(path.read_text())["calibrations"]) == 2
     save_calibration(saved, path=path)  # replaces, does not duplicate
     assert len(json.loads(path.read_text())["calibrations"]) == 2
-    assert lookup_calibration("small", "fp32", "stages", path=path).source.startswith("default")
+    assert calibration_for("small", "fp32", "stages", path=path).source.startswith("default")
     # another preset, or another ISA class, does not take this fit
-    assert lookup_calibration("kits19", "fp32", "none", path=path).source.startswith("default for kits19")
+    assert calibration_for("kits19", "fp32", "none", path=path).source.startswith("default for kits19")
     on_isa("avx2")
-    assert lookup_calibration("small", "fp32", "none", path=path).source.startswith("default for small")
+    assert calibration_for("small", "fp32", "none", path=path).source.startswith("default for small")
 
 
 @pytest.mark.parametrize("isa", ["avx512_bf16", "amx"])
 @pytest.mark.parametrize("preset", ["small", "intelai-brats", "kits19"])
 @pytest.mark.parametrize("precision, recompute", MODES)
 def test_every_shipped_preset_has_a_default_on_each_measured_isa(isa, preset, precision, recompute):
-    found = default_calibration(preset, precision, recompute, isa=isa)
-    knots = DEFAULTS[(isa, preset, precision, recompute)]
+    found = shipped_calibration(preset, precision, recompute, isa=isa)
+    knots = SHIPPED[(isa, preset, precision, recompute)]
     assert found.knots == [[x, y] for _, x, y in knots]
     assert found.fitted_on == [v for v, _, _ in knots]
     # from 32^3 to the largest size each mode fits in 24 GiB, at least 192^3
     assert found.fitted_on[:3] == [32, 64, 96]
     assert found.fitted_on[-1] >= 192
     assert (found.margin_fraction, found.margin_bytes) == (0.0, 0)
-    assert found.source.startswith(f"default for {preset} on {isa} ({DEFAULTS_MACHINES[isa]})")
+    assert found.source.startswith(f"default for {preset} on {isa} ({SHIPPED_MACHINES[(isa, preset, precision, recompute)]})")
 
 
 def test_tiny_uses_smalls_default_without_a_margin():
-    tiny = default_calibration("tiny", "bf16", "stages", isa="avx512_bf16")
-    small = default_calibration("small", "bf16", "stages", isa="avx512_bf16")
+    tiny = shipped_calibration("tiny", "bf16", "stages", isa="avx512_bf16")
+    small = shipped_calibration("small", "bf16", "stages", isa="avx512_bf16")
     assert (tiny.knots, tiny.activation_scale, tiny.margin_fraction) == (small.knots, small.activation_scale, 0.0)
 
 
@@ -152,10 +164,10 @@ def test_tiny_uses_smalls_default_without_a_margin():
     ("baseline", "bf16", 1.0),
 ])
 def test_an_unmeasured_isa_gets_the_stated_margin_and_says_so(isa, precision, margin):
-    found = default_calibration("small", precision, "none", isa=isa)
+    found = shipped_calibration("small", precision, "none", isa=isa)
     assert found.margin_fraction == margin
     assert (UNMEASURED_MARGIN_FRACTION, EMULATED_BF16_MARGIN_FRACTION) == (0.15, 1.0)
-    assert found.knots == default_calibration("small", precision, "none", isa=FALLBACK_ISA).knots
+    assert found.knots == shipped_calibration("small", precision, "none", isa=FALLBACK_ISA).knots
     assert f"no default for ISA class {isa} (measured: amx, avx512_bf16)" in found.source
     assert found.margin_bytes == UNMEASURED_MARGIN_BYTES == 256 * 2**20
     assert f"+{round(100 * margin)}% + 256.00 MiB safety margin" in found.source
@@ -163,9 +175,9 @@ def test_an_unmeasured_isa_gets_the_stated_margin_and_says_so(isa, precision, ma
 
 
 def test_an_unknown_model_takes_the_largest_multiplier_with_a_margin():
-    found = default_calibration("my-net", "fp32", "none", isa="avx512_bf16")
-    scales = {k[1]: default_calibration(k[1], "fp32", "none", isa="avx512_bf16").activation_scale
-              for k in DEFAULTS if k[0] == "avx512_bf16" and k[2:] == ("fp32", "none")}
+    found = shipped_calibration("my-net", "fp32", "none", isa="avx512_bf16")
+    scales = {k[1]: shipped_calibration(k[1], "fp32", "none", isa="avx512_bf16").activation_scale
+              for k in SHIPPED if k[0] == "avx512_bf16" and k[2:] == ("fp32", "none")}
     assert found.activation_scale == max(scales.values())
     assert found.margin_fraction == 0.15
     assert "no default for model 'my-net' in fp32/none" in found.source
@@ -206,7 +218,7 @@ def test_a_small_calibration_follows_the_shipped_curve_past_its_sizes():
 
 def test_the_shipped_shape_is_the_presets_own():
     kits = shipped_shape("kits19", "fp32", "none", "avx512_bf16", 1)
-    assert kits == [[x, y] for _, x, y in DEFAULTS[("avx512_bf16", "kits19", "fp32", "none")]]
+    assert kits == [[x, y] for _, x, y in SHIPPED[("avx512_bf16", "kits19", "fp32", "none")]]
     assert shipped_shape("kits19", "fp32", "none", "avx2", 1) == kits  # an unmeasured ISA: the measured class's
     assert shipped_shape("tiny", "fp32", "none", "avx512_bf16", 1) == shipped_shape("small", "fp32", "none",
                                                                                     "avx512_bf16", 1)

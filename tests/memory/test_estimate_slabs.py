@@ -6,8 +6,14 @@ import pytest
 
 from bigmem.config import resolve_config
 from bigmem.memory.calibration import Calibration
-from bigmem.memory.estimate import FLOAT32_BYTES, WORKSPACE_FLOAT32_TENSORS, WORKSPACE_TENSORS, NetworkCounts, \
-    estimate, partitioned_stages
+from bigmem.memory.estimate import (
+    FLOAT32_BYTES,
+    WORKSPACE_FLOAT32_TENSORS,
+    WORKSPACE_TENSORS,
+    NetworkCounts,
+    estimate,
+    partitioned_stages,
+)
 from bigmem.nets.limits import kernel_element_limit
 from bigmem.nets.unet3d import UNet3D
 
@@ -70,7 +76,7 @@ def test_a_plane_too_wide_for_any_slab_is_not_runnable(counts):
 @pytest.mark.parametrize("planes, runnable", [(5.5, False), (6, True)])
 def test_the_estimates_verdict_is_the_planners(counts, planes, runnable):
     """A plane between limit/6 and limit/5 was called runnable, yet a stride-2 3x3x3 conv on it was refused."""
-    from bigmem.memory.inference import estimate_inference
+    from bigmem.memory.estimate import Pass, estimate
     from bigmem.nets.slabplan import SlabTooLargeError, plan_conv
 
     config = resolve_config("tiny")
@@ -78,7 +84,7 @@ def test_the_estimates_verdict_is_the_planners(counts, planes, runnable):
     limit = int(planes * plane)
     with kernel_element_limit(limit):
         verdicts = {estimate(config, counts, (32,) * 3, calibration=UNIT).runnable,
-                    estimate_inference(config, counts, (32,) * 3, calibration=UNIT).runnable}
+                    estimate(config, counts, (32,) * 3, calibration=UNIT, pass_=Pass.FORWARD).runnable}
     try:
         plan_conv((1, 32, 32, 32, plane // 32**2), (3, 3, 3, 8, 8), 2, limit=limit)
         planned = True

@@ -8,14 +8,12 @@ import pytest
 
 from bigmem.config import resolve_config
 from bigmem.errors import EXIT_NO_FIT, InsufficientMemoryError
-from bigmem.memory.calibration import Calibration, default_calibration
-from bigmem.memory.estimate import NetworkCounts, estimate
-from bigmem.memory.inference import (
-    INFERENCE_DEFAULTS, estimate_inference, inference_calibration, padded_shape, profile_inference,
-)
-from bigmem.memory.budget import (
-    Budget, inference_candidate, inference_plan, require_fit, search_inference_plan,
-)
+from bigmem.data.pipeline import padded_shape
+from bigmem.memory.calibration import INFERENCE_MODE, SHIPPED, Calibration, calibration_for, shipped_calibration
+from bigmem.memory.estimate import NetworkCounts, Pass, estimate
+from bigmem.memory.profile import profile
+from bigmem.memory.budget import Budget
+from bigmem.memory.plans import inference_candidate, plan_inference, require_fit
 from bigmem.nets.blocks import ConvNormAct, DecoderStage, EncoderStage
 from bigmem.nets.limits import kernel_element_limit
 from bigmem.nets.unet3d import UNet3D
@@ -99,7 +97,7 @@ def test_the_network_adds_the_held_skips(tiny_counts):
 
 def test_components_by_hand_on_tiny(tiny_counts):
     config = resolve_config("tiny")
-    est = estimate_inference(config, tiny_counts((32, 32, 32)), (32, 32, 32), calibration=FIXED)
+    est = estimate(config, tiny_counts((32, 32, 32)), (32, 32, 32), calibration=FIXED, pass_=Pass.FORWARD)
     assert est.components == {
         "framework": 100 * MIB,
         "weights": 10_135 * 4,  # tiny's parameters in float32
@@ -118,7 +116,7 @@ def test_components_by_hand_on_tiny(tiny_counts):
 
 def test_bf16_halves_the_activations_not_the_weights_or_the_float32_parts(tiny_counts):
     config = resolve_config("tiny", {"train": {"precision": "bf16"}})
-    est = estimate_inference(config, tiny_counts((32, 32, 32)), (32, 32, 32), calibration=FIXED)
+    est = estimate(config, tiny_counts((32, 32, 32)), (32, 32, 32), calibration=FIXED, pass_=Pass.FORWARD)
     assert est.components["forward_activations"] == 25 * V * 2
     assert est.components["input_tensor"] == 4 * V + 2 * V  # the float32 copy and Keras's bfloat16 cast
     assert est.components["weights"] == 10_135 * 4
@@ -128,22 +126,22 @@ def test_bf16_halves_the_activations_not_the_weights_or_the_float32_parts(tiny_c
 def test_a_padded_case_counts_its_own_image_and_the_cropped_probabilities(tiny_counts):
     source = (30, 31, 29)
     assert padded_shape(source, 4) == (32, 32, 32)
-    est = estimate_inference(resolve_config("tiny"), tiny_counts((32, 32, 32)), (32, 32, 32), calibration=FIXED,
-                             source_shape=source)
+    est = estimate(resolve_config("tiny"), tiny_counts((32, 32, 32)), (32, 32, 32), calibration=FIXED,
+                             source_shape=source, pass_=Pass.FORWARD)
     voxels = math.prod(source)
     assert est.components["input_image"] == 4 * voxels
     assert est.components["network_input"] == 4 * V
     assert est.components["probabilities"] == 12 * V + 12 * voxels  # the padded copy and its crop, briefly both
-    saved = estimate_inference(resolve_config("tiny"), tiny_counts((32, 32, 32)), (32, 32, 32), calibration=FIXED,
-                               source_shape=source, save_probabilities=True)
+    saved = estimate(resolve_config("tiny"), tiny_counts((32, 32, 32)), (32, 32, 32), calibration=FIXED,
+                               source_shape=source, save_probabilities=True, pass_=Pass.FORWARD)
     assert saved.host_phases["saved_probabilities"] == 12 * voxels + 3 * 6 * voxels  # float32 then float16
 
 
 def test_slabs_past_the_kernel_limit_are_named_and_counted(tiny_counts):
     config = resolve_config("tiny")
-    plain = estimate_inference(config, tiny_counts((32, 32, 32)), (32, 32, 32), calibration=FIXED)
+    plain = estimate(config, tiny_counts((32, 32, 32)), (32, 32, 32), calibration=FIXED, pass_=Pass.FORWARD)
     with kernel_element_limit(2**16):
-        sliced = estimate_inference(config, tiny_counts((32, 32, 32)), (32, 32, 32), calibration=FIXED)
+        sliced = estimate(config, tiny_counts((32, 32, 32)), (32, 32, 32), calibration=FIXED, pass_=Pass.FORWARD)
     # enc1's pool reads enc0's 4-channel output, past the limit too
     assert sliced.partitioned_stages == ["enc0", "enc1", "dec0"]
     assert any("run in depth slabs of at most 65,536 elements: enc0, enc1, dec0" in note for note in sliced.notes)
@@ -158,9 +156,9 @@ def test_inference_needs_far_less_than_training_at_the_same_shape(small_counts):
     # Both with the defaults of the class that has both (no safety margin on either side)
     isa = "avx512_bf16"
     train = estimate(config, small_counts(shape), shape,
-                     calibration=default_calibration("small", "fp32", "none", isa=isa)).predicted_peak_bytes
-    infer = estimate_inference(config, small_counts(shape), shape, calibration=inference_calibration("small", "fp32",
-                                                                                                     isa=isa))
+                     calibration=shipped_calibration("small", "fp32", "none", isa=isa)).predicted_peak_bytes
+    infer = estimate(config, small_counts(shape), shape, pass_=Pass.FORWARD,
+                     calibration=calibration_for("small", "fp32", INFERENCE_MODE, isa=isa))
     fixed = infer.components["framework"] + infer.components["weights"]
     # No gradients, optimizer slots or kept activations: what grows with the volume is about 0.4x
     # training's (small and kits19 at 128^3-192^3 with their shipped calibrations).
@@ -172,22 +170,23 @@ def test_the_prediction_grows_with_the_volume(preset, tiny_counts, small_counts)
     counts_for = {"tiny": tiny_counts, "small": small_counts}[preset]
     config = resolve_config(preset)
     divisor = config.model.divisor
-    peaks = [estimate_inference(config, counts_for((n,) * 3), (n,) * 3).predicted_peak_bytes
+    peaks = [estimate(config, counts_for((n,) * 3), (n,) * 3, pass_=Pass.FORWARD).predicted_peak_bytes
              for n in range(divisor, 320 + 1, divisor)]
     assert all(a < b for a, b in zip(peaks, peaks[1:]))
 
 
 def test_unmeasured_presets_and_classes_borrow_with_a_margin():
-    assert INFERENCE_DEFAULTS, "the shipped inference calibration is empty"
-    isa, preset, precision = next(iter(INFERENCE_DEFAULTS))
-    assert inference_calibration(preset, precision, isa=isa).margin_fraction == 0.0
-    borrowed = inference_calibration("intelai-brats-custom", precision, isa=isa)
+    inference_tables = [key for key in SHIPPED if key[3] == INFERENCE_MODE]
+    assert inference_tables, "the shipped inference calibration is empty"
+    isa, preset, precision, _ = inference_tables[0]
+    assert calibration_for(preset, precision, INFERENCE_MODE, isa=isa).margin_fraction == 0.0
+    borrowed = calibration_for("intelai-brats-custom", precision, INFERENCE_MODE, isa=isa)
     assert borrowed.margin_fraction == 0.15
     assert "no inference default for model 'intelai-brats-custom'" in (
         borrowed.source)
-    assert inference_calibration(preset, "bf16", isa="avx2").margin_fraction == 1.0  # bf16 emulated on AVX2
-    tiny = inference_calibration("tiny", "fp32", isa=isa)
-    assert tiny.knots == inference_calibration("small", "fp32", isa=isa).knots
+    assert calibration_for(preset, "bf16", INFERENCE_MODE, isa="avx2").margin_fraction == 1.0  # bf16 emulated on AVX2
+    tiny = calibration_for("tiny", "fp32", INFERENCE_MODE, isa=isa)
+    assert tiny.knots == calibration_for("small", "fp32", INFERENCE_MODE, isa=isa).knots
     assert tiny.margin_fraction == 0.0
 
 
@@ -196,7 +195,7 @@ def test_unmeasured_presets_and_classes_borrow_with_a_margin():
 def test_the_largest_volume_fits_and_the_next_does_not(small_counts):
     config = resolve_config("small")
     at_96 = inference_candidate(config, small_counts, 2**50, (96,) * 3).predicted_peak_bytes
-    plan = search_inference_plan(config, small_counts, Budget(at_96, "--memory-budget"))
+    plan = plan_inference(config, small_counts, Budget(at_96, "--memory-budget"))
     assert plan.kind == "inference"
     assert plan.fits
     assert plan.chosen.volume == 96
@@ -222,18 +221,18 @@ def test_a_volume_past_the_budget_exits_3_naming_what_fits(small_counts):
     at_128 = inference_candidate(config, small_counts, 2**50, (128,) * 3).predicted_peak_bytes
     budget = Budget(at_96, "--memory-budget")
     with pytest.raises(InsufficientMemoryError) as raised:
-        inference_plan(config, small_counts, budget, (128, 128, 128))
+        plan_inference(config, small_counts, budget, (128, 128, 128))
     assert raised.value.exit_code == EXIT_NO_FIT == 3
     assert (raised.value.required_bytes, raised.value.available_bytes) == (at_128, at_96)
     assert str(raised.value) == (
         f"Predicted peak {format_bytes(at_128)} for small at 128^3 (inference, fp32) exceeds the memory budget "
         f"{format_bytes(at_96)} (--memory-budget): the largest whole volume that fits is 96^3 (est. "
         f"{format_bytes(at_96)}); segment it in sliding windows, or predict with --ignore-plan to try anyway.")
-    forced = inference_plan(config, small_counts, budget, (128, 128, 128), force=True)
+    forced = plan_inference(config, small_counts, budget, (128, 128, 128), force=True)
     assert forced.forced
     assert not forced.fits
     assert forced.chosen.volume == 128
-    fits = inference_plan(config, small_counts, budget, (96, 96, 96))
+    fits = plan_inference(config, small_counts, budget, (96, 96, 96))
     assert fits.fits
     assert not fits.forced
 
@@ -242,11 +241,11 @@ def test_a_non_cubic_case_is_named_by_its_shape(small_counts):
     config = resolve_config("small")
     with pytest.raises(InsufficientMemoryError, match=r"for small at 512x512x128 \(inference, fp32\) exceeds the "
                                                       r"memory budget 1\.00 GiB \(--memory-budget\)"):
-        inference_plan(config, small_counts, Budget(2**30, "--memory-budget"), (512, 512, 128))
+        plan_inference(config, small_counts, Budget(2**30, "--memory-budget"), (512, 512, 128))
 
 
 def test_nothing_fits_exits_3(small_counts):
-    plan = search_inference_plan(resolve_config("small"), small_counts, Budget(MIB, "--budget"))
+    plan = plan_inference(resolve_config("small"), small_counts, Budget(MIB, "--budget"))
     assert not plan.fits
     assert plan.chosen is None
     assert plan.closest.volume == 8
@@ -263,7 +262,7 @@ def test_nothing_fits_exits_3(small_counts):
 @pytest.mark.parametrize("preset, volume", [("tiny", 32), ("small", 48)])
 def test_measured_peak_is_near_the_prediction(preset, volume, tiny_counts, small_counts):
     counts_for = {"tiny": tiny_counts, "small": small_counts}[preset]
-    result = profile_inference(resolve_config(preset), (volume,) * 3, counts_for, do_measure=True)
+    result = profile(resolve_config(preset), (volume,) * 3, counts_for, do_measure=True, pass_=Pass.FORWARD)
     measured = result.measurement.peak_bytes
     assert measured > result.measurement.baseline_bytes > 100 * MIB
     # Framework-dominated sizes (~0.6 GiB of TensorFlow); the benchmark checks the larger ones.
@@ -277,16 +276,16 @@ def test_measured_peak_is_near_the_prediction(preset, volume, tiny_counts, small
 
 def test_one_margin_rule_for_training_and_inference_tables():
     """An unmeasured machine gets the same safety margin on both: 15% + 256 MiB (100% for emulated bf16)."""
-    from bigmem.memory.calibration import UNMEASURED_MARGIN_BYTES, default_calibration
-    from bigmem.memory.inference import inference_calibration
+    from bigmem.memory.calibration import UNMEASURED_MARGIN_BYTES, shipped_calibration
+    from bigmem.memory.calibration import INFERENCE_MODE, calibration_for
 
     for precision, fraction in (("fp32", 0.15), ("bf16", 1.0)):
-        inference = inference_calibration("small", precision, isa="avx2")
-        training = default_calibration("small", precision, "none", isa="avx2")
+        inference = calibration_for("small", precision, INFERENCE_MODE, isa="avx2")
+        training = shipped_calibration("small", precision, "none", isa="avx2")
         assert (inference.margin_fraction, inference.margin_bytes) == (training.margin_fraction,
                                                                        training.margin_bytes) == (
             fraction, UNMEASURED_MARGIN_BYTES)
         assert inference.safety_margin(1000) == round(fraction * 1000) + UNMEASURED_MARGIN_BYTES
-    measured = inference_calibration("kits19", "fp32", isa="avx512_bf16")
+    measured = calibration_for("kits19", "fp32", INFERENCE_MODE, isa="avx512_bf16")
     assert not measured.has_margin
     assert measured.safety_margin(10**9) == 0

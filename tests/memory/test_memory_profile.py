@@ -29,7 +29,7 @@ def test_auto_recompute_that_recomputes_at_every_size_is_a_stages_calibration(mo
 
     def measured(sized, *, steps, recompute_stages):
         assert recompute_stages == ["enc0"]
-        return Measurement(peak_bytes=peaks[sized.data.shape[0]], baseline_bytes=0, node_bytes={}, step_s=0.0)
+        return Measurement(peak_bytes=peaks[sized.data.shape[0]], baseline_bytes=0, node_bytes={}, seconds=0.0)
 
     monkeypatch.setattr(profile, "measure", measured)
     calibration, points = profile.calibrate(config, [16, 32, 48], profile.counts_function(config), save=False)

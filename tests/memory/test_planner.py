@@ -5,20 +5,20 @@ from __future__ import annotations
 import pytest
 
 from bigmem.config import resolve_config
+from bigmem.config.options import Precision, Recompute
 from bigmem.errors import InsufficientMemoryError
+from bigmem.memory import planner as planner_module
 from bigmem.memory.calibration import Calibration
 from bigmem.memory.estimate import NetworkCounts, estimate
-from bigmem.memory import planner as planner_module
-from bigmem.memory.planner import Planner, check_fits, cheapest_fix, make_plan
+from bigmem.memory.planner import Planner, cheapest_fix, check_fits, make_plan
 from bigmem.nets.unet3d import UNet3D
-from bigmem.config.options import Precision, Recompute
 
 FIXED = Calibration(1.0, 100 * 2**20, "test")
 
 
 @pytest.fixture(autouse=True)
 def fixed_calibration(monkeypatch):
-    monkeypatch.setattr("bigmem.memory.estimate.lookup_calibration", lambda preset, precision, recompute: FIXED)
+    monkeypatch.setattr("bigmem.memory.estimate.calibration_for", lambda preset, precision, mode: FIXED)
 
 
 @pytest.fixture(scope="module")

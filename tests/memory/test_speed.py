@@ -3,8 +3,14 @@
 import pytest
 
 from bigmem.memory.speed import (
-    EMULATED_BF16_SLOWDOWN, MEASURED_RATES, MachineSpeed, StepRate, measured_rate, predicted_step_s,
-    recomputed_share, step_rate,
+    EMULATED_BF16_SLOWDOWN,
+    MEASURED_RATES,
+    MachineSpeed,
+    StepRate,
+    measured_rate,
+    predicted_step_s,
+    recomputed_share,
+    step_rate,
 )
 
 
@@ -58,9 +64,9 @@ def test_a_measured_rate_fed_back_predicts_the_measured_step():
 
 def test_plan_candidates_carry_a_step_time():
     from bigmem.config import resolve_config
+    from bigmem.config.options import Precision, Recompute
     from bigmem.memory.estimate import NetworkCounts
     from bigmem.memory.planner import Planner
-    from bigmem.config.options import Precision, Recompute
     from bigmem.nets.unet3d import UNet3D
 
     model = UNet3D(resolve_config("small").model).build_for()
@@ -79,19 +85,19 @@ def test_a_calibrated_rate_replaces_the_isa_table_for_its_mode(monkeypatch):
     from bigmem.config import resolve_config
     from bigmem.config.options import Precision, Recompute
     from bigmem.memory import estimate as estimate_module
-    from bigmem.memory.calibration import Calibration, default_calibration
+    from bigmem.memory.calibration import Calibration, shipped_calibration
     from bigmem.memory.estimate import NetworkCounts
     from bigmem.memory.planner import Planner
     from bigmem.nets.unet3d import UNet3D
 
     def lookup(preset, precision, recompute):
-        found = default_calibration(preset, precision, recompute, isa="avx512_bf16")
+        found = shipped_calibration(preset, precision, recompute, isa="avx512_bf16")
         if precision == "fp32":  # as `bigmem profile --calibrate` leaves it: timed at 96^3
             return Calibration(found.activation_scale, found.framework_bytes, "this machine, fitted 2026-12-01",
                                found.key, [32, 64, 96], knots=found.knots, step_gflops_per_core=25.0)
         return found
 
-    monkeypatch.setattr(estimate_module, "lookup_calibration", lookup)
+    monkeypatch.setattr(estimate_module, "calibration_for", lookup)
     model = UNet3D(resolve_config("small").model).build_for()
     planner = Planner(resolve_config("small"), lambda shape: NetworkCounts.from_model(model, shape), 2**40,
                       machine=MachineSpeed("avx512_bf16", native_bf16=True, cores=2))

@@ -1,0 +1,282 @@
+"""bigmem as a library: what every subcommand does, callable from a notebook without argparse.
+
+Each ``bigmem`` subcommand parses its flags and calls one function here (or the one below it that
+this module re-exports), so a script can drive the same steps::
+
+    from bigmem import api
+
+    report = api.convert("Task01_BrainTumour", "brats.h5")               # MSD, nnU-Net v2 raw or KiTS
+    config = api.resolve_config("small", {"data": {"store": "brats.h5"}, "train": {"steps": 1000}})
+    planned = api.plan(config)                                           # does it fit? the largest step
+    result = api.train(config, "runs/brats")                             # a run directory
+    for case in api.predict("runs/brats", "Task01_BrainTumour/imagesTs", "predictions"):
+        print(case)
+    scores = api.evaluate("predictions", "Task01_BrainTumour/labelsTs")  # per-class Dice and HD95
+
+Importing this module imports no TensorFlow; each function imports what it needs when called.
+``docs/api.md`` runs the whole chain on a small synthetic dataset.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
+
+if TYPE_CHECKING:  # only for the annotations: importing them here would import TensorFlow
+    from bigmem.config.schema import ExperimentConfig
+    from bigmem.memory.budget import Budget
+    from bigmem.memory.layouts import Layouts
+    from bigmem.memory.planner import Plan
+    from bigmem.memory.profile import Profile
+
+
+
+def resolve_config(model: str = "small", overrides: dict | None = None) -> "ExperimentConfig":
+    """The typed, frozen experiment config: defaults, then the preset (or a .toml file), then ``overrides``.
+
+    Args:
+        model: a preset name (``tiny``, ``small``, ``intelai-brats``, ``kits19``) or a path to a .toml file.
+        overrides: nested ``{section: {field: value}}`` (the CLI's flags, e.g.
+            ``{"train": {"batch_size": 2}, "data": {"store": "brats.h5"}}``); None values are ignored.
+
+    Returns:
+        An ``ExperimentConfig``; a store's channels and classes are filled in when training starts
+        (``bigmem.data.derived.with_data_fields``).
+
+    Raises:
+        ConfigError: an unknown preset, section or field, or a value of the wrong type (exit 2).
+
+    Example:
+        >>> config = resolve_config("tiny", {"train": {"steps": 2}})
+        >>> config.train.steps
+        2
+    """
+    from bigmem.config.presets import resolve_config as resolve
+
+    return resolve(model, overrides or {})
+
+
+def train(config: "ExperimentConfig", run_dir: str | os.PathLike, *, resume: bool = False, force: bool = False,
+          verbose: bool = False):
+    """Train ``config`` into ``run_dir`` (``bigmem train``), or continue it from its newest checkpoint.
+
+    The memory plan runs first and refuses a job that cannot fit (exit 3) unless ``force``. The
+    run directory holds config.json, plan.json, checkpoints, metrics and, at the end, model.keras
+    (``docs/rundir.md``).
+
+    Args:
+        config: ``resolve_config(...)``.
+        run_dir: the run directory (created).
+        resume: continue from the newest complete checkpoint in ``run_dir``.
+        force: train past the memory budget.
+        verbose: TensorFlow's logs.
+
+    Returns:
+        A ``TrainResult`` (``bigmem.train.trainer``): steps, final loss and Dice, the run directory.
+
+    Example:
+        >>> result = train(resolve_config("tiny", {"train": {"steps": 2}}), "runs/demo")
+        >>> result.steps
+        2
+    """
+    from bigmem.train.trainer import train as run
+
+    return run(config, run_dir, resume=resume, force=force, verbose=verbose)
+
+
+def predict(run_dir: str | os.PathLike, source: str | os.PathLike, out_dir: str | os.PathLike,
+            **options) -> Iterator:
+    """Segment every case of ``source`` with the model in ``run_dir`` (``bigmem predict``); one result per case.
+
+    Args:
+        run_dir: a run directory or an exported model folder (``bigmem export``).
+        source: NIfTI files, a folder of them (MSD, nnU-Net v2 or KiTS layout) or an HDF5 store.
+        out_dir: where ``<case id>.nii.gz`` label maps are written (atomically).
+        **options: ``bigmem.infer.predict.predict``'s: ``mode`` ("auto", "whole", "sliding"),
+            ``overlap``, ``window``, ``tta``, ``save_probabilities``, ``checkpoint``, ``cases``, ``force``.
+
+    Returns:
+        An iterator of each case's ``CaseResult`` (or ``KeptOutput`` for an output kept as it was),
+        yielded as it is written: iterate it to run the prediction.
+
+    Example:
+        >>> results = list(predict("runs/demo", "imagesTs", "predictions"))
+    """
+    from bigmem.infer.predict import predict as run
+
+    return run(run_dir, source, out_dir, **options)
+
+
+def evaluate(predictions: str | os.PathLike, reference: str | os.PathLike, **options) -> dict:
+    """Score predicted label maps against their references (``bigmem evaluate``): per-case, per-class Dice and HD95.
+
+    Args:
+        predictions: a folder of ``<case id>.nii.gz`` (``predict``'s output).
+        reference: the reference labels: a folder, an MSD / nnU-Net v2 / KiTS dataset, or a store.
+        **options: ``bigmem.infer.evaluate.evaluate``'s: ``classes``, ``num_classes``, ``out`` (writes
+            summary.json), ``hausdorff``, ``allow_missing``, ``run``.
+
+    Returns:
+        The summary as a dict (nnU-Net's summary.json shape: ``metric_per_case``, ``mean``, ``foreground_mean``).
+
+    Example:
+        >>> evaluate("predictions", "labelsTs")["foreground_mean"]["Dice"]
+    """
+    from bigmem.infer.evaluate import evaluate as run
+
+    return run(predictions, reference, **options)
+
+
+@dataclass
+class PlanResult:
+    """``plan``'s answer: the resolved config and budget, the plan, and the layouts on several NUMA nodes."""
+
+    config: "ExperimentConfig"
+    budget: "Budget"
+    plan: "Plan"
+    layouts: "Layouts | None" = None
+
+
+def plan(config: "ExperimentConfig", *, batch_size: int | None = None, budget_bytes: int | None = None,
+         budget_flag: str = "--memory-budget", numa=None, inference: bool = False,
+         allow_bf16: bool | None = None, out: str | os.PathLike | None = None) -> PlanResult:
+    """What fits the memory budget (``bigmem plan``), before anything is allocated.
+
+    Training: the largest volume (unless ``data.shape`` fixes it), then batch (unless ``batch_size``
+    fixes it), that fits; with ``data.store``, the store's own cases at their own shapes.
+    ``inference``: the largest whole cube one prediction can segment, or whether ``data.shape`` fits.
+
+    Args:
+        config: ``resolve_config(...)``.
+        batch_size: fix the batch and search the volume (default: search both).
+        budget_bytes: the budget (default: what ``numa``'s placement can use, else MemAvailable; on a
+            machine of several NUMA nodes, what one interleaved process can hold).
+        budget_flag: how the budget was given, for messages.
+        numa: a ``--numa`` policy to budget for (``"bind:1"``, ``"interleave"``), or a resolved
+            ``bigmem.numa.policy.Placement``.
+        inference: plan ``bigmem predict``'s whole-volume pass instead of training.
+        allow_bf16: consider bf16 (default: only where the CPU has it natively).
+        out: write plan.json there (a plan in which nothing fits replaces no file).
+
+    Returns:
+        A ``PlanResult``; ``plan.fits`` says whether anything fits (``memory.plans.require_fit`` refuses
+        it with exit code 3).
+
+    Example:
+        >>> planned = plan(resolve_config("small"), budget_bytes=20 * 2**30)
+        >>> planned.plan.chosen.volume, planned.plan.chosen.batch_size
+        (344, 1)
+    """
+    from bigmem.memory.budget import resolve_budget
+    from bigmem.memory.plans import (
+        plan_inference,
+        plan_layouts,
+        plan_search,
+        search_budget,
+        store_cases,
+        write_plan,
+    )
+    from bigmem.memory.profile import counts_function
+    from bigmem.numa.topology import NUMATopology
+
+    topology = NUMATopology.from_sysfs()
+    placement = numa
+    if isinstance(numa, str):
+        from bigmem.numa.policy import resolve_placement
+
+        placement = resolve_placement(numa, None, None, topology, set(os.sched_getaffinity(0)))
+    budget = resolve_budget(budget_bytes, flag=budget_flag, placement=placement, topology=topology)
+    cases = []
+    if config.data.store is not None and not inference:
+        config, cases = store_cases(config)
+    counts_for = counts_function(config)
+    if inference:
+        planned = plan_inference(config, counts_for, budget, config.data.shape, check=False)
+        layouts = None
+    else:
+        budget = search_budget(budget, topology)
+        planned = plan_search(config, counts_for, budget, cases=cases, volume=config.data.shape, batch_size=batch_size,
+                              allow_bf16=allow_bf16)
+        layouts = plan_layouts(planned, topology)
+    if out is not None:
+        write_plan(Path(out), planned, layouts)
+    return PlanResult(config, budget, planned, layouts)
+
+
+def profile(config: "ExperimentConfig", shape: Sequence[int] | None = None, *, inference: bool = False,
+            measure: bool = False, steps: int = 3) -> "Profile":
+    """The predicted memory of one pass, per component (``bigmem profile``), and the measured peak if asked.
+
+    Args:
+        config: ``resolve_config(...)``.
+        shape: ``(D, H, W)`` (default: ``data.shape``, else the preset's reference cube).
+        inference: one whole-volume prediction instead of a training step.
+        measure: also run it in a child process and read its peak (VmHWM).
+        steps: training steps to measure.
+
+    Returns:
+        A ``Profile``: ``estimate.components`` (bytes), ``estimate.predicted_peak_bytes``, and with
+        ``measure`` the ``measurement`` and ``error_pct``.
+
+    Example:
+        >>> profile(resolve_config("small"), (64, 64, 64)).estimate.predicted_peak_bytes
+    """
+    from bigmem.memory.estimate import Pass
+    from bigmem.memory.profile import counts_function
+    from bigmem.memory.profile import profile as run
+
+    shape = tuple(shape or config.data.shape or (config.data.reference_volume,) * 3)
+    if not inference:
+        config = config.updated({"data": {"shape": list(shape)}})
+    return run(config, shape, counts_function(config), pass_=Pass.FORWARD if inference else Pass.TRAIN,
+               do_measure=measure, steps=steps)
+
+
+def compare(request, *, progress: Callable[[str], None] | None = None):
+    """Train the same model bigmem's way and data-parallel on patches, and score both (``bigmem compare``).
+
+    Args:
+        request: a ``bigmem.compare.setup.CompareRequest`` (every option of the subcommand, with its default).
+        progress: called with a line per stage.
+
+    Returns:
+        The ``CompareReport`` (also written as compare.json, compare.md and compare.png under ``request.out``).
+
+    Example:
+        >>> from bigmem.compare.setup import CompareRequest
+        >>> compare(CompareRequest(steps=20, out="compare")).conclusion.text
+    """
+    from bigmem.compare.setup import run_compare
+
+    return run_compare(request, progress=progress)
+
+
+def convert(source: str | os.PathLike | None, out: str | os.PathLike, *, images: Sequence[str] = (),
+            labels: Sequence[str] = (), **options):
+    """Convert a dataset folder (MSD, nnU-Net v2 raw, KiTS) or image/label globs to an HDF5 store (``bigmem convert``).
+
+    Args:
+        source: the dataset folder or its dataset.json (None with ``images`` and ``labels``).
+        out: the store to write (atomically), with its manifest beside it.
+        images, labels: glob patterns of NIfTI files instead of ``source``.
+        **options: ``bigmem.data.convert.convert``'s: ``force``, ``append``, ``skip_bad``,
+            ``compression``, ``chunk_edge``, ``shape``, ``spacing``, ``normalization``, ``progress``.
+
+    Returns:
+        The ``ConvertReport``: ``store``, ``manifest``, ``converted`` and ``skipped`` case ids, the
+        normalisation chosen per channel (``preprocessing``) and ``notes``.
+
+    Example:
+        >>> convert("Task04_Hippocampus", "hippocampus.h5").converted[:2]
+        ['hippocampus_001', 'hippocampus_003']
+    """
+    from bigmem.data.convert import convert as run
+    from bigmem.data.layouts import read_dataset, read_globs
+
+    dataset = read_dataset(source) if source is not None else read_globs(list(images), list(labels))
+    return run(dataset, out, **options)
+
+
+__all__ = ["PlanResult", "compare", "convert", "evaluate", "plan", "predict", "profile", "resolve_config", "train"]
