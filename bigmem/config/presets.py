@@ -15,6 +15,10 @@ from bigmem.config.options import suggest
 from bigmem.config.schema import ExperimentConfig, migrate_sections, update
 from bigmem.errors import UsageError
 
+# The preset a command trains or sizes without --model: the demo network, which trains on the synthetic
+# phantoms in minutes on a laptop-class machine (models/small.toml).
+DEFAULT_PRESET = "small"
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised on Python 3.10 only

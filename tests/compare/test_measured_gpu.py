@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import pytest
@@ -10,6 +9,7 @@ import pytest
 from bigmem.compare.gpu_reference import gpu_reference_for, load_gpu_reference
 from bigmem.compare.render import markdown, provenance, rows
 from bigmem.compare.run import Settings, plan_both_paths, scaled_gpu_memory
+from bigmem.compare.setup import CompareRequest, _measured_gpu
 from bigmem.config.presets import resolve_config
 from bigmem.data.derived import with_data_fields
 from bigmem.errors import UsageError
@@ -49,12 +49,10 @@ def test_a_measured_kits19_patch_proportions_the_phantoms_stand_in(tmp_path):
 
 
 def test_with_data_the_measured_memory_and_patch_size_the_data_parallel_path(tmp_path, tiny_store):
-    from bigmem.cli.compare import _measured_gpu
-
     config = with_data_fields(resolve_config("tiny", {"data": {"store": str(tiny_store)},
                                                        "train": {"batch_size": 2}}))
-    args = argparse.Namespace(data=str(tiny_store), gpu_reference=_measured(tmp_path))
-    memory, patch, reference = _measured_gpu(load_gpu_reference(args.gpu_reference), config, args)
+    request = CompareRequest(data=str(tiny_store), gpu_reference=str(_measured(tmp_path)))
+    memory, patch, reference = _measured_gpu(load_gpu_reference(request.gpu_reference), config, request)
     assert (memory.bytes, memory.stand_in, patch, reference.model) == (H200, None, 8, "tiny")
     settings = Settings(replicas=2, simulate=True, gpu_memory=memory, patch=patch, gpu_reference=reference)
     _, parallel = plan_both_paths(config, counts_function(config), settings)
@@ -62,7 +60,7 @@ def test_with_data_the_measured_memory_and_patch_size_the_data_parallel_path(tmp
     assert parallel.gpu_memory_bytes == H200
     # a model the file did not measure: the measured memory, the planner's patch, and the report says so
     other = config.updated({"train": {"precision": "bf16"}})
-    memory, patch, reference = _measured_gpu(load_gpu_reference(args.gpu_reference), other, args)
+    memory, patch, reference = _measured_gpu(load_gpu_reference(request.gpu_reference), other, request)
     assert (memory.bytes, patch, reference.largest_patch, reference.rates) == (H200, None, None, ())
     assert reference.summary == "NVIDIA H200, PyTorch bf16, no tiny step timed"
 
@@ -105,10 +103,8 @@ def test_a_file_that_is_not_a_gpus_measurement_is_one_line(tmp_path, capsys, con
     assert "Traceback" not in err
     assert err.startswith(f"bigmem compare: error: --gpu-reference {path}: {message}")
     with pytest.raises(UsageError, match="no kits19 measurement at bf16"):
-        from bigmem.cli.compare import _measured_gpu
-
         _measured_gpu(load_gpu_reference(_measured(tmp_path)), resolve_config("tiny", {"train": {"precision": "bf16"}}),
-                      argparse.Namespace(data=None, gpu_reference="ref.json"))
+                      CompareRequest(gpu_reference="ref.json"))
 
 
 def test_gpu_memory_and_a_reference_are_one_or_the_other(tmp_path, capsys):
