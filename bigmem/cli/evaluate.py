@@ -9,7 +9,7 @@ from bigmem.errors import UsageError
 HELP = "score predicted label maps against references: Dice, IoU, TP/FP/FN, volumes, HD95, per class and region"
 
 # The empty rule is bigmem.infer.metrics.EMPTY_RULE; it is restated here so that --help does not
-# import numpy (tests/cli/test_evaluate.py checks the two say the same).
+# import numpy (tests/cli/test_evaluate_command.py checks the two say the same).
 DESCRIPTION = """\
 Compare each predicted label map in PRED (a folder of <case>.nii.gz or .nii) with its reference
 in REF (a folder of NIfTI label maps with the same case ids, or a bigmem store, whose cases are
