@@ -150,7 +150,8 @@ def predicted_with(knots: list, row: dict) -> int:
 
 
 def fit(rows: list[dict], knot_sizes: list[int] | None, isa: str, console) -> list[dict]:
-    """calibration.SHIPPED entries (mode "inference") (knots) per (model, precision), each knot also predicted with itself left out."""
+    """calibration.SHIPPED entries (mode "inference": knots) per (model, precision), each knot also predicted
+    with itself left out."""
     fitted = []
     for model, precision in dict.fromkeys((r["model"], r["precision"]) for r in rows):
         sweep = sorted((r for r in rows if (r["model"], r["precision"]) == (model, precision) and r["role"] == "sweep"

@@ -149,7 +149,8 @@ def test_every_shipped_preset_has_a_default_on_each_measured_isa(isa, preset, pr
     assert found.fitted_on[:3] == [32, 64, 96]
     assert found.fitted_on[-1] >= 192
     assert (found.margin_fraction, found.margin_bytes) == (0.0, 0)
-    assert found.source.startswith(f"default for {preset} on {isa} ({SHIPPED_MACHINES[(isa, preset, precision, recompute)]})")
+    machine = SHIPPED_MACHINES[(isa, preset, precision, recompute)]
+    assert found.source.startswith(f"default for {preset} on {isa} ({machine})")
 
 
 def test_tiny_uses_smalls_default_without_a_margin():
