@@ -100,6 +100,10 @@ def register(subparsers, parents) -> None:
     run_group.add_argument("--out", metavar="RUN_DIR",
                            help="where config.json, metrics.jsonl, checkpoints/ and model.keras go "
                                 "(default: runs/<preset>-<date>-<time>)")
+    run_group.add_argument("--config", metavar="CONFIG.json",
+                           help="train exactly this resolved configuration (a run's config.json) instead of a "
+                                "preset and flags; no other setting may be given with it (the per-node launcher "
+                                "starts its workers this way)")
     run_group.add_argument("--resume", action="store_true",
                            help="continue RUN_DIR from its newest checkpoint that loads (a damaged one is skipped "
                                 "and kept aside); a finished run is left as it is")
@@ -112,7 +116,7 @@ def register(subparsers, parents) -> None:
     run_group.add_argument("--monitor-interval", type=float, metavar="S",
                            help="seconds between rows of RUN_DIR/monitor.csv (CPU, memory, page cache, disk, NUMA "
                                 "nodes, GPUs; default 1; 0 turns the monitor off)")
-    parser.set_defaults(run=run, train_parser=parser)
+    parser.set_defaults(run=run)
 
 
 def _overrides(args) -> dict:
@@ -154,6 +158,8 @@ def resolve(args):
     from bigmem.config.presets import resolve_config
 
     overrides = _overrides(args)
+    if getattr(args, "config", None) is not None:
+        return _given_config(args, overrides)
     if args.data is not None and not Path(args.data).exists():
         raise DataError(f"Cannot open store {args.data!r} (--data): no such file.")
     if args.resume:
@@ -170,6 +176,28 @@ def resolve(args):
             return after, Path(args.out)
     preset = args.model or "small"
     config = resolve_config(preset, overrides)
+    out = Path(args.out) if args.out else Path("runs") / f"{config.model.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    return config, out
+
+
+def _given_config(args, overrides: dict):
+    """``--config CONFIG.json``: the resolved config as written (a run's config.json), and the run directory."""
+    import json
+
+    from bigmem.config.schema import ExperimentConfig
+
+    given = sorted(f"{section}.{key}" for section, values in overrides.items() for key, value in values.items()
+                   if value is not None)
+    if given or args.model is not None:
+        from bigmem.cli.common import flag_for
+
+        flags = ", ".join(["--model"] * (args.model is not None) + [flag_for(field) for field in given])
+        raise UsageError(f"--config {args.config} is a whole resolved configuration: leave out {flags}.")
+    try:
+        values = json.loads(Path(args.config).read_text())
+    except (OSError, ValueError) as exc:
+        raise DataError(f"Cannot read --config {args.config}: {exc}.") from None
+    config = ExperimentConfig.from_dict(values, source=args.config)
     out = Path(args.out) if args.out else Path("runs") / f"{config.model.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     return config, out
 
@@ -191,25 +219,6 @@ def run(args) -> int:
     if result.interrupted_by is not None:
         return 128 + result.interrupted_by
     return 0
-
-
-# Flags the per-node launcher sets for each worker itself; the rest pass through unchanged.
-LAUNCHER_FLAGS = ("strategy", "workers_per_node", "out", "resume", "numa", "cpus")
-
-
-def worker_argv(args, parser: argparse.ArgumentParser) -> list[str]:
-    """The flags given to this command, as argv for each per-node worker (without ``LAUNCHER_FLAGS``)."""
-    argv: list[str] = []
-    for action in parser._actions:
-        value = getattr(args, action.dest, None)
-        if isinstance(action, argparse.BooleanOptionalAction) and value is not None:
-            argv.append(action.option_strings[0] if value else action.option_strings[1])  # --x / --no-x
-            continue
-        if not action.option_strings or action.dest in LAUNCHER_FLAGS or value in (None, False, argparse.SUPPRESS):
-            continue
-        flag = max(action.option_strings, key=len)
-        argv += [flag] if action.nargs == 0 else [flag, str(value)]
-    return argv
 
 
 def worker_peak_bytes(config) -> int:
@@ -272,4 +281,5 @@ def run_per_node(args, topology=None) -> int:
         # several lines each) before the launcher stops them; the launcher's one line names the worker and
         # what it last said. -v keeps TensorFlow's own logs.
         env["TF_CPP_MIN_LOG_LEVEL"] = "3"
-    return launch(plan, worker_argv(args, args.train_parser), out, resume=args.resume, env=env)
+    flags = ["--force"] * bool(args.force) + ["--verbose"] * bool(getattr(args, "verbose", False))
+    return launch(plan, config, out, resume=args.resume, flags=flags, env=env)

@@ -4,8 +4,9 @@ Intel's recipe for TensorFlow on multi-socket Xeons is one or two ranks per sock
 memory and threads stay on its own node, and only the gradients cross the interconnect. This
 module plans the workers against a ``NUMATopology`` (injectable, so tests describe any machine):
 one per node that has CPUs (memory-only nodes, such as CXL expanders, get none), each with a free
-loopback port, its TF_CONFIG and its ``--numa bind:N`` placement. It then starts them as
-``python -m bigmem train ... --strategy multiworker`` and supervises them: a signal to the
+loopback port, its TF_CONFIG and its ``bind:N`` placement. It then starts them as
+``python -m bigmem train --config WORKER.json``, each given the resolved config as JSON (strategy
+multiworker, its own placement), and supervises them: a signal to the
 launcher is forwarded to every worker, and the death of any worker stops the others (a survivor
 blocks in the next all-reduce forever, so it is killed after a short grace).
 
@@ -32,6 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from bigmem.atomic import atomic_write_json
+from bigmem.config.schema import ExperimentConfig
 from bigmem.errors import BigmemError, InsufficientMemoryError, UsageError
 from bigmem.numa.capacity import check_nodes_fit
 from bigmem.numa.policy import Placement, PolicyKind, format_nodes
@@ -69,9 +72,14 @@ class Worker:
         """Its ``--numa`` policy: the memory of its node only."""
         return f"bind:{self.node_id}"
 
-    def placement_flags(self) -> list[str]:
-        """``--numa bind:N`` and, when its node's CPUs are split, ``--cpus LIST``."""
-        return ["--numa", self.numa, *(["--cpus", format_nodes(self.cpus)] if self.split else [])]
+    def placement(self) -> dict:
+        """Its ``numa`` settings: ``bind:N`` and, when its node's CPUs are split, its own CPUs."""
+        return {"policy": self.numa, **({"cpus": format_nodes(self.cpus)} if self.split else {})}
+
+
+def worker_config(config: ExperimentConfig, worker: Worker) -> ExperimentConfig:
+    """``config`` as one per-node worker trains it: multiworker, placed on its node (``Worker.placement``)."""
+    return config.updated({"distribute": {"strategy": "multiworker"}, "numa": worker.placement()})
 
 
 @dataclass(frozen=True)
@@ -351,16 +359,20 @@ def run_workers(plan: PerNodePlan, commands: Sequence[Sequence[str]], *, env: di
             signal.signal(sig, handler)
 
 
-def run_per_node(plan: PerNodePlan, argv: Sequence[str], run_dir: str | os.PathLike, *, resume: bool = False,
-                 env: dict | None = None, **supervise) -> int:
-    """Train with one worker per planned node: ``python -m bigmem train ARGV --strategy multiworker``.
+def run_per_node(plan: PerNodePlan, config: ExperimentConfig, run_dir: str | os.PathLike, *, resume: bool = False,
+                 flags: Sequence[str] = (), env: dict | None = None, **supervise) -> int:
+    """Train with one worker per planned node: ``python -m bigmem train --config WORKER.json``.
+
+    Each worker gets the resolved config as JSON (``worker_config``: the job's, with the strategy
+    multiworker and the worker's own placement), never flag strings, so it trains exactly what
+    the launcher planned.
 
     Args:
         plan: the workers (``plan_workers``).
-        argv: ``bigmem train``'s flags for every worker, without ``--strategy``, ``--out``,
-            ``--resume``, ``--numa`` and ``--cpus`` (each worker gets its own).
+        config: the resolved job (``bigmem train``'s flags, or the resumed run's config.json).
         run_dir: the run directory, written by the chief (worker 0) only.
         resume: continue the run from its newest checkpoint (every worker from the same one).
+        flags: flags that are not settings, for every worker (``--force``, ``--verbose``).
         env: the workers' environment (default: this process's).
         **supervise: ``run_workers``'s keyword arguments.
 
@@ -372,7 +384,10 @@ def run_per_node(plan: PerNodePlan, argv: Sequence[str], run_dir: str | os.PathL
     """
     with tempfile.TemporaryDirectory(prefix="bigmem-per-node-") as scratch:
         dirs = worker_dirs(plan, Path(run_dir), resume=resume, scratch=Path(scratch))
-        commands = [[sys.executable, "-m", "bigmem", "train", *argv, "--strategy", "multiworker",
-                     *worker.placement_flags(), "--out", str(out), *(["--resume"] if resume else [])]
-                    for worker, out in zip(plan.workers, dirs)]
+        commands = []
+        for worker, out in zip(plan.workers, dirs):
+            path = Path(scratch) / f"worker-{worker.index}.json"
+            atomic_write_json(path, worker_config(config, worker).to_dict())
+            commands.append([sys.executable, "-m", "bigmem", "train", "--config", str(path), "--out", str(out),
+                             *(["--resume"] if resume else []), *flags])
         return run_workers(plan, commands, env=env, **supervise)
