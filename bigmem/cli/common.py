@@ -11,6 +11,7 @@ import os
 import tempfile
 from pathlib import Path
 
+from bigmem.config.presets import DEFAULT_PRESET
 from bigmem.errors import DataError, DiskFullError, InsufficientMemoryError, UsageError
 from bigmem.units import format_bytes, parse_bytes
 
@@ -37,7 +38,7 @@ def flag_for(field: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-PRESET_HELP = "preset name (tiny, small, intelai-brats, kits19) or a .toml file (default: small)"
+PRESET_HELP = f"preset name (tiny, small, intelai-brats, kits19) or a .toml file (default: {DEFAULT_PRESET})"
 
 
 def add_model_flags(parser, *, volume_help: str, shape_help: str | None = None) -> None:
