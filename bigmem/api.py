@@ -33,11 +33,12 @@ if TYPE_CHECKING:  # only for the annotations: importing them here would import 
 
 
 
-def resolve_config(model: str = "small", overrides: dict | None = None) -> "ExperimentConfig":
+def resolve_config(model: str | None = None, overrides: dict | None = None) -> "ExperimentConfig":
     """The typed, frozen experiment config: defaults, then the preset (or a .toml file), then ``overrides``.
 
     Args:
-        model: a preset name (``tiny``, ``small``, ``intelai-brats``, ``kits19``) or a path to a .toml file.
+        model: a preset name (``tiny``, ``small``, ``intelai-brats``, ``kits19``) or a path to a .toml file
+            (default: ``config.presets.DEFAULT_PRESET``, small).
         overrides: nested ``{section: {field: value}}`` (the CLI's flags, e.g.
             ``{"train": {"batch_size": 2}, "data": {"store": "brats.h5"}}``); None values are ignored.
 
@@ -53,9 +54,9 @@ def resolve_config(model: str = "small", overrides: dict | None = None) -> "Expe
         >>> config.train.steps
         2
     """
-    from bigmem.config.presets import resolve_config as resolve
+    from bigmem.config.presets import DEFAULT_PRESET, resolve_config as resolve
 
-    return resolve(model, overrides or {})
+    return resolve(model or DEFAULT_PRESET, overrides or {})
 
 
 def train(config: "ExperimentConfig", run_dir: str | os.PathLike, *, resume: bool = False, force: bool = False,

@@ -15,6 +15,7 @@ from bigmem.cli.common import (
     check_positive,
     model_overrides,
 )
+from bigmem.config.presets import DEFAULT_PRESET
 from bigmem.errors import DataError, UsageError
 
 HELP = "find the largest volume and batch that fit a memory budget"
@@ -67,7 +68,7 @@ def register(subparsers, parents) -> None:
                                                          "node's free memory x nodes (default: none, MemAvailable)")
     parser.add_argument("--out", metavar="PLAN.json", default="plan.json", help="where to write the plan "
                                                                                   "(default: ./plan.json)")
-    parser.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto", dest="plan_precision",
+    parser.add_argument("--precision", choices=["auto", "fp32", "bf16"], dest="plan_precision",
                         help="auto: fp32, and bf16 where the CPU has it natively; fp32: fp32 only; bf16: try bf16 "
                              "even where it is emulated (~20x slower) (default: auto)")
     parser.add_argument("--inference", action="store_true",
@@ -93,13 +94,13 @@ def run(args) -> int:
         if args.data is None:
             raise UsageError("--pad-multiple pads a store's cases: give --data STORE.h5.")
         overrides["data"]["pad_multiple"] = args.pad_multiple
-    config = api.resolve_config(args.model or "small", overrides)
+    config = api.resolve_config(args.model or DEFAULT_PRESET, overrides)
     inference = getattr(args, "inference", False)
     if inference and args.data is not None:
         raise UsageError("--inference plans one whole volume of --shape; --data does not apply.")
     if inference and fixed_batch is not None:
         raise UsageError("--inference segments one volume at a time: --batch-size does not apply.")
-    if inference and args.plan_precision != "auto":  # auto: the model's own precision (the preset's)
+    if inference and args.plan_precision not in (None, "auto"):  # auto: the model's own precision (the preset's)
         config = config.updated({"train": {"precision": args.plan_precision}})
     placement = None
     if args.numa:  # checked before TensorFlow starts
@@ -112,7 +113,7 @@ def run(args) -> int:
     from bigmem.tfenv import import_tensorflow
 
     import_tensorflow(verbose=getattr(args, "verbose", False))  # quietly, before anything imports Keras
-    allow_bf16 = {"auto": None, "fp32": False, "bf16": True}[args.plan_precision]
+    allow_bf16 = {None: None, "auto": None, "fp32": False, "bf16": True}[args.plan_precision]
     existed = out.exists()  # a plan in which nothing fits replaces no file (memory.plans.write_plan)
     result = api.plan(config, batch_size=fixed_batch, budget_bytes=explicit, budget_flag=flag, numa=placement,
                       inference=inference, allow_bf16=None if inference else allow_bf16, out=out)

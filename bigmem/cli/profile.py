@@ -19,7 +19,9 @@ from bigmem.cli.common import (
     numa_overrides,
     shape_argument,
 )
+from bigmem.config.presets import DEFAULT_PRESET
 from bigmem.errors import UsageError
+from bigmem.memory import MEASURED_STEPS
 from bigmem.units import format_shape
 
 HELP = "predict (and measure) the memory footprint of a training configuration"
@@ -56,7 +58,7 @@ def register(subparsers, parents) -> None:
                                       "else MemAvailable)")
     measure = parser.add_argument_group("measurement")
     measure.add_argument("--measure", action="store_true", help="also measure the peak in a child process")
-    measure.add_argument("--steps", type=int, default=3, metavar="K", help="training steps to measure (default 3)")
+    measure.add_argument("--steps", type=int, metavar="K", help=f"training steps to measure (default {MEASURED_STEPS})")
     measure.add_argument("--sweep", metavar="N,N,...", help="measure and predict each size, e.g. 32,48,64,96 or "
                                                             "32x64x64,48x96x96 (DxHxW)")
     measure.add_argument("--calibrate", nargs="?", const="32,64,96", metavar="N,N,...",
@@ -96,6 +98,8 @@ def run(args) -> int:
     if inference and (args.sweep or args.calibrate or args.recompute or args.batch_size):
         raise UsageError("--inference profiles one whole-volume prediction (batch 1, nothing recomputed): "
                          "--sweep, --calibrate, --recompute and --batch-size do not apply.")
+    if args.steps is None:
+        args.steps = MEASURED_STEPS
     if args.steps < 1:
         raise UsageError(f"Invalid --steps {args.steps}: expected a positive integer.")
     if args.recompute == "auto" and (args.sweep or args.calibrate):
@@ -106,7 +110,7 @@ def run(args) -> int:
     budget_arguments(args)  # a size it cannot read is a usage error now, not after TensorFlow starts
     overrides = model_overrides(args)
     overrides["data"].pop("shape", None)  # checked here, where inference may take any shape
-    config = resolve_config(args.model or "small", {**overrides, "numa": numa_overrides(args)})
+    config = resolve_config(args.model or DEFAULT_PRESET, {**overrides, "numa": numa_overrides(args)})
     shape = asked or config.data.shape or (config.data.reference_volume,) * 3
     if not inference:  # predict pads any shape; a training step takes multiples of 2^depth
         if asked:

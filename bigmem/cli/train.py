@@ -12,6 +12,8 @@ from bigmem.cli.common import (
     add_budget_flag, add_memory_flags, add_model_flags, add_numa_flags, budget_arguments, model_overrides,
     numa_overrides,
 )
+from bigmem.config.presets import DEFAULT_PRESET
+from bigmem.config.schema import DataConfig
 from bigmem.errors import DataError, UsageError
 from bigmem.rundir import RunDir
 from bigmem.units import parse_bytes
@@ -83,7 +85,8 @@ def register(subparsers, parents) -> None:
                            "the synthetic set); validation and predict apply none")
     data.add_argument("--num-workers", type=int, metavar="N",
                       help="reader processes (0: read in the training process; default 0)")
-    data.add_argument("--prefetch", type=int, metavar="N", help="batches prepared ahead of the step (default 2)")
+    data.add_argument("--prefetch", type=int, metavar="N",
+                      help=f"batches prepared ahead of the step (default {DataConfig.prefetch})")
     data.add_argument("--cold-cache", action="store_true", default=None,
                       help="drop the store's pages from the page cache after every read (posix_fadvise DONTNEED), "
                            "so training reads from disk as it would for a dataset larger than RAM")
@@ -174,7 +177,7 @@ def resolve(args):
             given = [f"{section}.{key}" for section, values in overrides.items() for key in values]
             check_settings(run, before, after, given, model=args.model)
             return after, Path(args.out)
-    preset = args.model or "small"
+    preset = args.model or DEFAULT_PRESET
     config = resolve_config(preset, overrides)
     out = Path(args.out) if args.out else Path("runs") / f"{config.model.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     return config, out

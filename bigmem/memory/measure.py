@@ -8,6 +8,7 @@ from typing import Sequence
 from bigmem.child import run_child
 from bigmem.config.schema import ExperimentConfig
 from bigmem.data.synth import cached_synthetic_store
+from bigmem.memory import MEASURED_STEPS
 from bigmem.memory.estimate import Pass
 from bigmem.units import format_shape
 
@@ -30,7 +31,7 @@ class Measurement:
 
 
 def measure(config: ExperimentConfig, shape: Sequence[int] | None = None, *, pass_: Pass = Pass.TRAIN,
-            steps: int = 3, recompute_stages: list[str] | None = None, timeout_s: float = 3600.0,
+            steps: int = MEASURED_STEPS, recompute_stages: list[str] | None = None, timeout_s: float = 3600.0,
             force: bool = False, env: dict[str, str] | None = None) -> Measurement:
     """Run one pass of ``config`` in a fresh process (``python -m bigmem.train.probe``) and read its peak.
 

@@ -9,6 +9,7 @@ from typing import Callable, Sequence
 from bigmem.config.schema import ExperimentConfig
 from bigmem.data.pipeline import padded_shape  # the one rounding rule: training pads as predict does
 from bigmem.errors import UsageError
+from bigmem.memory import MEASURED_STEPS
 from bigmem.memory.calibration import (
     Calibration,
     fit_calibration,
@@ -78,7 +79,8 @@ class Profile:
 
 
 def profile(config: ExperimentConfig, shape: Sequence[int], counts_for, *, pass_: Pass = Pass.TRAIN,
-            do_measure: bool = False, steps: int = 3, recompute_stages: list[str] | None = None) -> Profile:
+            do_measure: bool = False, steps: int = MEASURED_STEPS,
+            recompute_stages: list[str] | None = None) -> Profile:
     """Predict (and optionally measure) one pass of ``config`` at ``shape``.
 
     Args:
@@ -140,7 +142,7 @@ class ScalingLaw:
                 "volume_reaching_1TiB": round(self.volume_reaching(TEBIBYTE), 1)}
 
 
-def sweep(config: ExperimentConfig, shapes: Sequence[Sequence[int]], counts_for, *, steps: int = 3,
+def sweep(config: ExperimentConfig, shapes: Sequence[Sequence[int]], counts_for, *, steps: int = MEASURED_STEPS,
           progress: Callable[[tuple], None] | None = None) -> tuple[list[Profile], ScalingLaw]:
     """Measure and predict each ``(D, H, W)`` (an int N is N^3); fit the measured peaks against voxels."""
     results = []
@@ -189,7 +191,7 @@ def calibration_point(config: ExperimentConfig, counts_for, measured_peak_bytes:
     return point
 
 
-def calibrate(config: ExperimentConfig, shapes: Sequence[Sequence[int]], counts_for, *, steps: int = 3,
+def calibrate(config: ExperimentConfig, shapes: Sequence[Sequence[int]], counts_for, *, steps: int = MEASURED_STEPS,
               progress: Callable[[tuple], None] | None = None, save: bool = True) -> tuple[Calibration, list]:
     """Measure ``shapes`` (an int N is N^3) and fit this machine's calibration for the config's preset, precision
     and recompute."""

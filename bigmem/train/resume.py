@@ -99,10 +99,10 @@ def saved_config(saved: dict, overrides: dict | None = None) -> ExperimentConfig
     Returns:
         The resolved config.
     """
-    from bigmem.config.presets import preset_names, resolve_config
+    from bigmem.config.presets import DEFAULT_PRESET, preset_names, resolve_config
 
     preset = saved.get("model", {}).get("name")
-    preset = preset if preset in preset_names() else "small"
+    preset = preset if preset in preset_names() else DEFAULT_PRESET
     overrides = overrides or {}
     if "steps" in overrides.get("train", {}) or "epochs" in overrides.get("train", {}):
         saved = {**saved, "train": {**saved.get("train", {}), "steps": None, "epochs": None}}

@@ -10,8 +10,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-import pytest
-
 from bigmem.cli.common import flag_for
 from bigmem.cli.main import build_parser
 from bigmem.config.schema import ExperimentConfig
@@ -21,12 +19,6 @@ NOT_CONFIG_BACKED = {
     ("synth", "--seed"): "the phantoms' random seed (bigmem.data.synth), not train.seed",
 }
 
-# Config-backed flags whose default is not None yet, in files this test does not own: each is expected to
-# fail until its command is fixed (strict: a fixed one fails here until it is taken off the list).
-KNOWN_LITERAL_DEFAULTS = {
-    ("profile", "--steps"): "cli/profile.py: default 3, the steps --measure times (named as train.steps)",
-    ("plan", "--precision"): "cli/plan.py: default 'auto' (sets train.precision for --inference)",
-}
 
 
 def _fields_by_flag() -> dict[str, str]:
@@ -66,18 +58,11 @@ def test_every_subcommand_is_checked():
 def test_config_backed_flags_default_to_none():
     wrong = [f"bigmem {command} {flag} (sets {field}) defaults to {default!r}"
              for command, flag, field, default in _config_backed()
-             if not _unset(default) and (command, flag) not in KNOWN_LITERAL_DEFAULTS]
+             if not _unset(default)]
     assert not wrong, "config-backed flags with a default of their own: " + "; ".join(wrong)
-
-
-@pytest.mark.xfail(strict=True, reason="a literal default in a file another change owns (KNOWN_LITERAL_DEFAULTS)")
-@pytest.mark.parametrize("command, flag", sorted(KNOWN_LITERAL_DEFAULTS))
-def test_known_literal_defaults(command, flag):
-    default = next(default for c, f, _, default in _config_backed() if (c, f) == (command, flag))
-    assert _unset(default), f"bigmem {command} {flag}: {KNOWN_LITERAL_DEFAULTS[(command, flag)]}"
 
 
 def test_the_exceptions_are_still_flags_of_their_commands():
     subparsers = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    for command, flag in [*NOT_CONFIG_BACKED, *KNOWN_LITERAL_DEFAULTS]:
+    for command, flag in NOT_CONFIG_BACKED:
         assert flag in subparsers.choices[command]._option_string_actions, f"bigmem {command} has no {flag}"

@@ -1,4 +1,4 @@
-"""The HDF5 store: layout of README.md's "The store format", atomic writes, and a one-line error per defect."""
+"""The HDF5 store: the layout docs/store.md describes, atomic writes, and a one-line error per defect."""
 
 from __future__ import annotations
 

@@ -170,7 +170,7 @@ def test_one_schema_for_plan_and_for_a_run(counts_for):
     run = plan_job(_config(recompute="auto"), counts_for, budget).to_dict()
     assert list(searched) == list(run)
     assert list(searched["chosen"]) == list(run["chosen"])
-    # Every key plan.json's readers use (monitor/report.py, distribute/compare.py, the tests).
+    # Every key plan.json's readers use (monitor/report.py, compare/run.py, the tests).
     assert {"fits", "forced", "budget_bytes", "budget_source", "predicted_peak_bytes", "components", "chosen",
             "data_parallel", "candidates"} <= set(run)
     assert {"volume", "batch_size", "precision", "recompute", "recompute_stages", "partitioned_stages"} <= set(
