@@ -87,16 +87,24 @@ def train(config: "ExperimentConfig", run_dir: str | os.PathLike, *, resume: boo
     return run(config, run_dir, resume=resume, force=force, verbose=verbose)
 
 
-def predict(run_dir: str | os.PathLike, source: str | os.PathLike, out_dir: str | os.PathLike,
-            **options) -> Iterator:
+def predict(run_dir: str | os.PathLike, source: str | os.PathLike, out_dir: str | os.PathLike, *,
+            mode: str = "auto", budget_bytes: int | None = None, budget_flag: str = "--memory-budget",
+            ignore_plan: bool = False, console=None, **options) -> Iterator:
     """Segment every case of ``source`` with the model in ``run_dir`` (``bigmem predict``); one result per case.
 
     Args:
         run_dir: a run directory or an exported model folder (``bigmem export``).
         source: NIfTI files, a folder of them (MSD, nnU-Net v2 or KiTS layout) or an HDF5 store.
         out_dir: where ``<case id>.nii.gz`` label maps are written (atomically).
-        **options: ``bigmem.infer.predict.predict``'s: ``mode`` ("auto", "whole", "sliding"),
-            ``overlap``, ``window``, ``tta``, ``save_probabilities``, ``checkpoint``, ``cases``, ``force``.
+        mode: "auto" (default: per case, whole where the inference memory plan says the whole
+            volume fits ``budget_bytes``, else sliding windows), "whole" (refused, exit 3, where it
+            does not fit, unless ``ignore_plan``) or "sliding".
+        budget_bytes: the memory budget (default: MemAvailable).
+        budget_flag: how the budget was given, for messages.
+        ignore_plan: run "whole" even where the plan says it does not fit.
+        console: a ``rich`` console where "auto" says which it chose and why (default: silent).
+        **options: ``bigmem.infer.predict.predict``'s: ``overlap``, ``window``, ``tta``,
+            ``save_probabilities``, ``checkpoint``, ``cases``, ``force``, ``say``.
 
     Returns:
         An iterator of each case's ``CaseResult`` (or ``KeptOutput`` for an output kept as it was),
@@ -105,9 +113,11 @@ def predict(run_dir: str | os.PathLike, source: str | os.PathLike, out_dir: str 
     Example:
         >>> results = list(predict("runs/demo", "imagesTs", "predictions"))
     """
+    from bigmem.infer.plan import mode_chooser
     from bigmem.infer.predict import predict as run
 
-    return run(run_dir, source, out_dir, **options)
+    choose = mode_chooser(mode, budget_bytes, flag=budget_flag, ignore_plan=ignore_plan, console=console)
+    return run(run_dir, source, out_dir, mode="auto", choose_mode=choose, **options)
 
 
 def evaluate(predictions: str | os.PathLike, reference: str | os.PathLike, **options) -> dict:
@@ -207,7 +217,7 @@ def plan(config: "ExperimentConfig", *, batch_size: int | None = None, budget_by
 
 
 def profile(config: "ExperimentConfig", shape: Sequence[int] | None = None, *, inference: bool = False,
-            measure: bool = False, steps: int = 3) -> "Profile":
+            measure: bool = False, steps: int | None = None) -> "Profile":
     """The predicted memory of one pass, per component (``bigmem profile``), and the measured peak if asked.
 
     Args:
@@ -215,7 +225,7 @@ def profile(config: "ExperimentConfig", shape: Sequence[int] | None = None, *, i
         shape: ``(D, H, W)`` (default: ``data.shape``, else the preset's reference cube).
         inference: one whole-volume prediction instead of a training step.
         measure: also run it in a child process and read its peak (VmHWM).
-        steps: training steps to measure.
+        steps: training steps to measure (default ``bigmem.memory.MEASURED_STEPS``).
 
     Returns:
         A ``Profile``: ``estimate.components`` (bytes), ``estimate.predicted_peak_bytes``, and with
@@ -224,6 +234,7 @@ def profile(config: "ExperimentConfig", shape: Sequence[int] | None = None, *, i
     Example:
         >>> profile(resolve_config("small"), (64, 64, 64)).estimate.predicted_peak_bytes
     """
+    from bigmem.memory import MEASURED_STEPS
     from bigmem.memory.estimate import Pass
     from bigmem.memory.profile import counts_function
     from bigmem.memory.profile import profile as run
@@ -232,15 +243,17 @@ def profile(config: "ExperimentConfig", shape: Sequence[int] | None = None, *, i
     if not inference:
         config = config.updated({"data": {"shape": list(shape)}})
     return run(config, shape, counts_function(config), pass_=Pass.FORWARD if inference else Pass.TRAIN,
-               do_measure=measure, steps=steps)
+               do_measure=measure, steps=steps or MEASURED_STEPS)
 
 
-def compare(request, *, progress: Callable[[str], None] | None = None):
+def compare(request, *, progress: Callable[[str], None] | None = None, generating=None, verbose: bool = False):
     """Train the same model bigmem's way and data-parallel on patches, and score both (``bigmem compare``).
 
     Args:
         request: a ``bigmem.compare.setup.CompareRequest`` (every option of the subcommand, with its default).
         progress: called with a line per stage.
+        generating: a context manager factory shown while the synthetic phantoms are made.
+        verbose: TensorFlow's logs in each run.
 
     Returns:
         The ``CompareReport`` (also written as compare.json, compare.md and compare.png under ``request.out``).
@@ -251,17 +264,19 @@ def compare(request, *, progress: Callable[[str], None] | None = None):
     """
     from bigmem.compare.setup import run_compare
 
-    return run_compare(request, progress=progress)
+    return run_compare(request, progress=progress, generating=generating, verbose=verbose)
 
 
-def convert(source: str | os.PathLike | None, out: str | os.PathLike, *, images: Sequence[str] = (),
-            labels: Sequence[str] = (), **options):
+def convert(source, out: str | os.PathLike, *, images: Sequence[str] = (), labels: Sequence[str] = (),
+            say: Callable[[str], None] | None = None, **options):
     """Convert a dataset folder (MSD, nnU-Net v2 raw, KiTS) or image/label globs to an HDF5 store (``bigmem convert``).
 
     Args:
-        source: the dataset folder or its dataset.json (None with ``images`` and ``labels``).
+        source: the dataset folder or its dataset.json (None with ``images`` and ``labels``), or a
+            dataset already read (``bigmem.data.layouts.read_dataset``).
         out: the store to write (atomically), with its manifest beside it.
         images, labels: glob patterns of NIfTI files instead of ``source``.
+        say: called with the line that says what was found (layout, cases, channels), then each note on it.
         **options: ``bigmem.data.convert.convert``'s: ``force``, ``append``, ``skip_bad``,
             ``compression``, ``chunk_edge``, ``shape``, ``spacing``, ``normalization``, ``progress``.
 
@@ -274,9 +289,17 @@ def convert(source: str | os.PathLike | None, out: str | os.PathLike, *, images:
         ['hippocampus_001', 'hippocampus_003']
     """
     from bigmem.data.convert import convert as run
-    from bigmem.data.layouts import read_dataset, read_globs
+    from bigmem.data.layouts import describe_dataset, read_dataset, read_globs
 
-    dataset = read_dataset(source) if source is not None else read_globs(list(images), list(labels))
+    if source is None:
+        dataset = read_globs(list(images), list(labels))
+    elif isinstance(source, (str, os.PathLike)):
+        dataset = read_dataset(source)
+    else:
+        dataset = source
+    if say is not None:
+        for line in (describe_dataset(dataset), *dataset.notes):
+            say(line)
     return run(dataset, out, **options)
 
 

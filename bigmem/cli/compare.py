@@ -121,11 +121,11 @@ def run(args) -> int:
 
     from rich.console import Console
 
+    from bigmem import api
     from bigmem.compare import console_table, provenance
-    from bigmem.compare.setup import run_compare
 
     status = Console(soft_wrap=True, stderr=True)
-    report = run_compare(request, progress=lambda line: status.print(line, style="dim", highlight=False),
+    report = api.compare(request, progress=lambda line: status.print(line, style="dim", highlight=False),
                          generating=lambda: status.status("generating the synthetic phantoms ..."),
                          verbose=getattr(args, "verbose", False))
     console = Console(soft_wrap=True)

@@ -106,11 +106,11 @@ def run(args) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from bigmem.data.convert import convert
+    from bigmem import api
     from bigmem.data.layouts import describe_dataset, read_dataset, read_globs
     from bigmem.units import format_count
 
-    dataset = read_dataset(args.src) if args.src else read_globs(args.images, args.labels)
+    dataset = read_dataset(args.src) if args.src else read_globs(args.images, args.labels)  # the count, for the bar
     console = Console(soft_wrap=True, stderr=False)
     console.print(describe_dataset(dataset), highlight=False)
     for note in dataset.notes:
@@ -122,7 +122,7 @@ def run(args) -> int:
         def advance(case_id: str) -> None:  # called when a case is done (converted or skipped)
             progress.update(task, description=case_id, advance=1)
 
-        report = convert(dataset, args.out, force=args.force, append=args.append, skip_bad=args.skip_bad,
+        report = api.convert(dataset, args.out, force=args.force, append=args.append, skip_bad=args.skip_bad,
                          compression=None if args.compression == "none" else args.compression, chunk_edge=chunk_edge,
                          shape=shape, progress=advance, warn=lambda m: console.print(m, style="yellow"),
                          max_write_rate=rate, block_bytes=block, spacing=spacing, normalization=args.normalization)

@@ -86,7 +86,7 @@ def run(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from bigmem.infer.evaluate import evaluate
+    from bigmem import api
     from bigmem.units import format_count
 
     classes = parse_classes(args.classes) if args.classes else None
@@ -95,7 +95,7 @@ def run(args) -> int:
     out = Path(args.out) if args.out else Path(args.pred) / "summary.json"
     console = Console(soft_wrap=True)
     with console.status("evaluating", spinner="dots") as status:
-        summary = evaluate(args.pred, args.ref, classes=classes, num_classes=args.num_classes,
+        summary = api.evaluate(args.pred, args.ref, classes=classes, num_classes=args.num_classes,
                            allow_missing=args.allow_missing, out=out, hausdorff=not args.no_hausdorff,
                            run=args.run_dir, warn=lambda m: console.print(f"warning: {m}", style="yellow"),
                            progress=lambda case_id: status.update(f"evaluating: {case_id} done"))

@@ -94,8 +94,8 @@ def _window(text: str | None):
 def run(args) -> int:
     from rich.console import Console
 
-    from bigmem.infer.plan import mode_chooser
-    from bigmem.infer.predict import KeptOutput, predict
+    from bigmem import api
+    from bigmem.infer.predict import KeptOutput
     from bigmem.units import format_bytes, format_count
 
     cases = [c.strip() for c in args.cases.split(",") if c.strip()] if args.cases else None
@@ -104,13 +104,13 @@ def run(args) -> int:
     check_output_dir(args.out, "-o")  # before TensorFlow starts, as predict checks its own arguments
     console = Console(soft_wrap=True)
     budget_bytes, flag = budget_arguments(args)
-    choose = mode_chooser(args.mode, budget_bytes, flag=flag, ignore_plan=args.ignore_plan, console=console)
     done = kept = 0
-    for result in predict(args.run_dir, args.input, args.out, checkpoint=args.checkpoint, cases=cases,
-                          mode="auto", window=_window(args.window), overlap=args.overlap, accumulate=args.accumulate,
-                          tta=args.tta, save_probabilities=args.save_probabilities, choose_mode=choose,
-                          verbose=getattr(args, "verbose", False), force=args.force,
-                          say=lambda line: console.print(line, highlight=False)):
+    for result in api.predict(args.run_dir, args.input, args.out, mode=args.mode, budget_bytes=budget_bytes,
+                              budget_flag=flag, ignore_plan=args.ignore_plan, console=console,
+                              checkpoint=args.checkpoint, cases=cases, window=_window(args.window),
+                              overlap=args.overlap, accumulate=args.accumulate, tta=args.tta,
+                              save_probabilities=args.save_probabilities, verbose=getattr(args, "verbose", False),
+                              force=args.force, say=lambda line: console.print(line, highlight=False)):
         if isinstance(result, KeptOutput):
             kept += 1
             console.print(f"{result.case_id}: {result.labels_path} exists, kept (--force overwrites it)",

@@ -216,9 +216,9 @@ def run(args) -> int:
     placement = place(config.numa.policy, config.numa.cpus, config.numa.threads)  # before TF or numpy start threads
     if placement.note:
         print(f"bigmem train: note: {placement.note}", file=sys.stderr)
-    from bigmem.train.trainer import train
+    from bigmem import api
 
-    result = train(config, out, resume=args.resume, verbose=getattr(args, "verbose", False), force=args.force)
+    result = api.train(config, out, resume=args.resume, verbose=getattr(args, "verbose", False), force=args.force)
     if result.interrupted_by is not None:
         return 128 + result.interrupted_by
     return 0
