@@ -152,7 +152,7 @@ class PlanResult:
 
 def plan(config: "ExperimentConfig", *, batch_size: int | None = None, budget_bytes: int | None = None,
          budget_flag: str = "--memory-budget", numa=None, inference: bool = False,
-         allow_bf16: bool | None = None, out: str | os.PathLike | None = None) -> PlanResult:
+         allow_bf16: bool | None = None, out: str | os.PathLike | None = None, topology=None) -> PlanResult:
     """What fits the memory budget (``bigmem plan``), before anything is allocated.
 
     Training: the largest volume (unless ``data.shape`` fixes it), then batch (unless ``batch_size``
@@ -170,6 +170,7 @@ def plan(config: "ExperimentConfig", *, batch_size: int | None = None, budget_by
         inference: plan ``bigmem predict``'s whole-volume pass instead of training.
         allow_bf16: consider bf16 (default: only where the CPU has it natively).
         out: write plan.json there (a plan in which nothing fits replaces no file).
+        topology: the machine's NUMA nodes (default: read from sysfs; a ``NUMATopology`` to plan for another).
 
     Returns:
         A ``PlanResult``; ``plan.fits`` says whether anything fits (``memory.plans.require_fit`` refuses
@@ -192,7 +193,7 @@ def plan(config: "ExperimentConfig", *, batch_size: int | None = None, budget_by
     from bigmem.memory.profile import counts_function
     from bigmem.numa.topology import NUMATopology
 
-    topology = NUMATopology.from_sysfs()
+    topology = topology or NUMATopology.from_sysfs()
     placement = numa
     if isinstance(numa, str):
         from bigmem.numa.policy import resolve_placement

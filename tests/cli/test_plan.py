@@ -183,3 +183,18 @@ def test_plan_on_one_node_has_no_layouts(tmp_path, capsys, monkeypatch):
     assert code == 0, err
     assert "layouts" not in json.loads(out.read_text())
     assert "layout" not in stdout
+
+
+def test_without_a_budget_several_nodes_size_the_search_by_what_interleave_holds(tmp_path, capsys, monkeypatch):
+    from helpers import make_sysfs
+
+    # 5 + 2 GiB free: MemAvailable-sized, the search could choose 6 GiB, which neither layout holds.
+    _fake_topology(monkeypatch, make_sysfs(tmp_path / "sysfs", [("0-1", 8, 5), ("2-3", 8, 2)], [[10, 21], [21, 10]]))
+    monkeypatch.setattr("bigmem.memory.budget.available_memory_bytes", lambda: 7 * 2**30)
+    out = tmp_path / "plan.json"
+    code, _, err = run_cli(["plan", "--model", "small", "--batch-size", 1, "--out", out], capsys)
+    assert code == 0, err
+    plan = json.loads(out.read_text())
+    assert plan["budget_source"] == "2 interleaved node(s) x the smallest free 2.00 GiB"
+    assert plan["budget_bytes"] == 4 * 2**30
+    assert plan["layouts"]["interleave"]["fits"]
