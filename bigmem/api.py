@@ -194,12 +194,7 @@ def plan(config: "ExperimentConfig", *, batch_size: int | None = None, budget_by
     from bigmem.numa.topology import NUMATopology
 
     topology = topology or NUMATopology.from_sysfs()
-    placement = numa
-    if isinstance(numa, str):
-        from bigmem.numa.policy import resolve_placement
-
-        placement = resolve_placement(numa, None, None, topology, set(os.sched_getaffinity(0)))
-    budget = resolve_budget(budget_bytes, flag=budget_flag, placement=placement, topology=topology)
+    budget = resolve_budget(budget_bytes, flag=budget_flag, placement=_placement(numa, topology), topology=topology)
     cases = []
     if config.data.store is not None and not inference:
         config, cases = store_cases(config)
@@ -215,6 +210,15 @@ def plan(config: "ExperimentConfig", *, batch_size: int | None = None, budget_by
     if out is not None:
         write_plan(Path(out), planned, layouts)
     return PlanResult(config, budget, planned, layouts)
+
+
+def _placement(numa, topology):
+    """A ``--numa`` policy text resolved on ``topology`` (a ``Placement`` or None passes through)."""
+    if not isinstance(numa, str):
+        return numa
+    from bigmem.numa.policy import resolve_placement
+
+    return resolve_placement(numa, None, None, topology, set(os.sched_getaffinity(0)))
 
 
 def profile(config: "ExperimentConfig", shape: Sequence[int] | None = None, *, inference: bool = False,

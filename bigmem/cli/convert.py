@@ -73,6 +73,22 @@ def register(subparsers, parents) -> None:
     parser.set_defaults(run=run)
 
 
+def _chunk_edge(args) -> int | None:
+    """``--chunks``: the chunk edge in voxels, or None for contiguous datasets (which cannot be compressed)."""
+    if args.chunks.lower() == "none":
+        if args.compression != "none":
+            raise UsageError("--chunks none writes contiguous datasets, which HDF5 cannot compress; "
+                             "drop --compression or give a chunk edge.")
+        return None
+    try:
+        chunk_edge = int(args.chunks)
+    except ValueError:
+        chunk_edge = 0
+    if chunk_edge < 1:
+        raise UsageError(f"Invalid --chunks {args.chunks!r}: expected a chunk edge in voxels (e.g. 64) or none.")
+    return chunk_edge
+
+
 def run(args) -> int:
     if args.src and (args.images or args.labels):
         raise UsageError("Give either SRC or --images/--labels, not both.")
@@ -81,18 +97,7 @@ def run(args) -> int:
                          "--images and --labels.")
     if args.append and args.force:
         raise UsageError("Give either --append or --force, not both.")
-    if args.chunks.lower() == "none":
-        chunk_edge = None
-        if args.compression != "none":
-            raise UsageError("--chunks none writes contiguous datasets, which HDF5 cannot compress; "
-                             "drop --compression or give a chunk edge.")
-    else:
-        try:
-            chunk_edge = int(args.chunks)
-        except ValueError:
-            chunk_edge = 0
-        if chunk_edge < 1:
-            raise UsageError(f"Invalid --chunks {args.chunks!r}: expected a chunk edge in voxels (e.g. 64) or none.")
+    chunk_edge = _chunk_edge(args)
     rate = parse_bytes(args.max_write_rate.removesuffix("/s"), flag="--max-write-rate") if args.max_write_rate \
         else None
     block = parse_bytes(args.block_size, flag="--block-size") if args.block_size else None

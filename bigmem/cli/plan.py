@@ -77,13 +77,12 @@ def register(subparsers, parents) -> None:
     parser.set_defaults(run=run)
 
 
-def run(args) -> int:
-    # Every flag is checked before TensorFlow is imported (seconds) or anything is computed.
+def _checked(args):
+    """(config, the batch the user fixed or None, the resolved --numa placement or None) from the flags, every
+    one checked before TensorFlow starts."""
     from bigmem import api
 
     check_positive("--batch-size", args.batch_size)
-    explicit, flag = budget_arguments(args)
-    out = check_output_file(args.out, "--out")
     overrides = model_overrides(args)
     fixed_batch = overrides["train"].get("batch_size")
     if args.data is not None:
@@ -110,6 +109,17 @@ def run(args) -> int:
         from bigmem.numa.topology import NUMATopology
 
         placement = resolve_placement(args.numa, None, None, NUMATopology.from_sysfs(), set(os.sched_getaffinity(0)))
+    return config, fixed_batch, placement
+
+
+def run(args) -> int:
+    # Every flag is checked before TensorFlow is imported (seconds) or anything is computed.
+    from bigmem import api
+
+    explicit, flag = budget_arguments(args)
+    out = check_output_file(args.out, "--out")
+    config, fixed_batch, placement = _checked(args)
+    inference = getattr(args, "inference", False)
     from bigmem.tfenv import import_tensorflow
 
     import_tensorflow(verbose=getattr(args, "verbose", False))  # quietly, before anything imports Keras

@@ -89,8 +89,8 @@ def _sizes(text: str, flag: str) -> list[tuple[int, int, int]]:
     return sizes
 
 
-def run(args) -> int:
-    # Every flag is checked before TensorFlow is imported (seconds) or anything is computed.
+def _checked(args):
+    """(config, shape, the --calibrate/--sweep sizes) from the flags, every one checked before TensorFlow starts."""
     from bigmem.config.presets import resolve_config
     from bigmem.config.schema import check_shape
 
@@ -124,6 +124,13 @@ def run(args) -> int:
         volumes = _sizes(args.calibrate or args.sweep, flag)
         for size in volumes:
             check_shape(flag, size, config.model)
+    return config, shape, volumes
+
+
+def run(args) -> int:
+    # Every flag is checked before TensorFlow is imported (seconds) or anything is computed.
+    config, shape, volumes = _checked(args)
+    inference = getattr(args, "inference", False)
     from bigmem.numa.policy import resolve_placement  # validate here; the measuring child applies it
     from bigmem.numa.topology import NUMATopology
 

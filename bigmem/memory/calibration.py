@@ -289,16 +289,7 @@ def shipped_calibration(preset: str, precision: str, mode: str, *, isa: str, key
     source_isa = isa if isa in measured_isas else FALLBACK_ISA
     if source_isa != isa:
         reasons.append(f"no {label} for ISA class {isa} (measured: {', '.join(measured_isas)})")
-    available: set[str] = set()
-    for wanted_mode in (mode,) if inference else (mode, *(m for m in TRAINING_MODES if m != mode)):
-        for wanted_precision in (precision, "fp32", "bf16"):
-            available = {k[1] for k in kind if (k[0], k[2], k[3]) == (source_isa, wanted_precision, wanted_mode)}
-            if available:
-                break
-        if available:
-            break
-    if not available:
-        raise ValueError(f"no shipped memory table for ISA class {source_isa} in mode {mode}")
+    wanted_precision, wanted_mode, available = _measured_presets(kind, source_isa, precision, mode)
     if wanted_precision != precision:
         reasons.append(f"no {label} in {precision}; using {wanted_precision}'s")
     if wanted_mode != mode:
@@ -320,6 +311,18 @@ def shipped_calibration(preset: str, precision: str, mode: str, *, isa: str, key
         source += f"; {'; '.join(reasons)}: +{100 * margin:.0f}% + {format_bytes(margin_bytes)} safety margin"
     return Calibration(round(scale, 4), framework, source, key, [v for v, _, _ in SHIPPED[table]],
                        margin_fraction=margin, margin_bytes=margin_bytes, knots=knots)
+
+
+def _measured_presets(keys, isa: str, precision: str, mode: str) -> tuple[str, str, set[str]]:
+    """(precision, mode, presets) of the first tables ``keys`` has for ``isa``: ``precision`` else fp32's, then
+    bf16's; a training ``mode`` else the other training mode's."""
+    modes = (mode,) if mode == INFERENCE_MODE else (mode, *(m for m in TRAINING_MODES if m != mode))
+    for wanted_mode in modes:
+        for wanted_precision in (precision, "fp32", "bf16"):
+            available = {k[1] for k in keys if (k[0], k[2], k[3]) == (isa, wanted_precision, wanted_mode)}
+            if available:
+                return wanted_precision, wanted_mode, available
+    raise ValueError(f"no shipped memory table for ISA class {isa} in mode {mode}")
 
 
 def fit_line(xs: Sequence[float], ys: Sequence[float], weights: Sequence[float] | None = None) -> tuple[float, float]:

@@ -215,6 +215,15 @@ def slab_verdict(widest_plane: int) -> tuple[bool, list[str]]:
                    f"kernel limit of {max_kernel_elements():,} elements (needs {min_frame_planes()} planes)"]
 
 
+def _margin(components: dict[str, int], calibration: Calibration, advice: str = "") -> list[str]:
+    """Add ``safety_margin`` to ``components`` where the calibration stands in for an unmeasured one (both passes);
+    the note that says so."""
+    if not calibration.has_margin:
+        return []
+    components["safety_margin"] = calibration.safety_margin(sum(components.values()))
+    return [f"calibration: {calibration.source}{advice}"]
+
+
 def slab_notes(sliced: Sequence[str], widest_plane: int) -> tuple[bool, list[str]]:
     """Whether a shape runs at all, and the notes on its stages that run in depth slabs (both passes').
 
@@ -356,11 +365,8 @@ def _train(config: ExperimentConfig, counts: NetworkCounts, spatial_shape: Seque
         # each reader (the training process itself without reader processes) augments one sample at a time
         "augmentation": max(1, data.num_workers) * augmentation(config).working_bytes(spatial_shape, channels),
     }
-    notes = []
-    if calibration.has_margin:
-        components["safety_margin"] = calibration.safety_margin(sum(components.values()))
-        notes.append(f"calibration: {calibration.source}; run `bigmem profile --calibrate --model "
-                     f"{config.model.name}` to measure this machine")
+    notes = _margin(components, calibration, f"; run `bigmem profile --calibrate --model {config.model.name}` to "
+                                             "measure this machine")
     runnable, slab_lines = slab_notes(sliced, counts.largest_tensor // spatial_shape[0])
     notes += slab_lines
     if data.num_workers:
@@ -449,9 +455,7 @@ def _forward(config: ExperimentConfig, counts: NetworkCounts, spatial_shape: Seq
                   "forward_activations": forward, "allocator_slack": slack, **host}
     notes = [f"host arrays peak in the {peak_phase.replace('_', ' ')} phase, after the forward pass "
              f"(phases: {', '.join(f'{k} {v:,} B' for k, v in phases.items())})"]
-    if calibration.has_margin:
-        components["safety_margin"] = calibration.safety_margin(sum(components.values()))
-        notes.append(f"calibration: {calibration.source}")
+    notes += _margin(components, calibration)
     sliced = [name for name, n in counts.stage_largest_tensor.items() if n > max_kernel_elements()]  # batch 1
     widest_plane = max(counts.stage_largest_tensor.values(), default=counts.largest_tensor) // spatial_shape[0]
     runnable, slab_lines = slab_notes(sliced, widest_plane)

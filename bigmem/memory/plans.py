@@ -153,11 +153,7 @@ def plan_job(config: ExperimentConfig, counts_for: CountsFor, budget: Budget, *,
     if validation_shape is not None:
         validation = validation_figures(config, counts_for, predicted, tuple(int(s) for s in validation_shape),
                                         validation_case)
-        extra = validation["excess_bytes"]
-        if extra:  # the plan's peak is the larger of the two: the component says by how much validation's is
-            candidate.components["validation"] = extra
-            candidate.predicted_peak_bytes += extra
-            candidate.fits = candidate.predicted_peak_bytes <= budget.budget_bytes and candidate.fits
+        _add_validation(candidate, validation, budget)
     peak = candidate.predicted_peak_bytes
     fits = peak <= budget.budget_bytes
     if check and not force and not fits:
@@ -165,6 +161,15 @@ def plan_job(config: ExperimentConfig, counts_for: CountsFor, budget: Budget, *,
     return Plan(fits, budget.budget_bytes, budget.source, candidate, candidate, list(planner.candidates), [candidate],
                 forced=force and not fits, calibration=predicted.calibration.to_dict(), cases=table,
                 validation=validation)
+
+
+def _add_validation(candidate: Candidate, validation: dict, budget: Budget) -> None:
+    """The plan's peak is the larger of training's and validation's: a ``validation`` component says by how much."""
+    extra = validation["excess_bytes"]
+    if extra:
+        candidate.components["validation"] = extra
+        candidate.predicted_peak_bytes += extra
+        candidate.fits = candidate.predicted_peak_bytes <= budget.budget_bytes and candidate.fits
 
 
 def _refuse(config: ExperimentConfig, counts_for: CountsFor, budget: Budget, predicted, peak: int,
