@@ -124,16 +124,14 @@ class NetworkCounts:
     largest_tensor: int  # elements of the largest single feature map
     head_elements: int
     forward_macs: int = 0  # multiply-adds of one sample's forward pass
-    # Per stage, its largest single tensor (elements per sample): what decides whether its ops
-    # run in depth slabs (nets/slabs.py).
-    stage_largest: dict[str, int] = field(default_factory=dict)
     # Per stage, the elements live at its peak in an inference pass (nothing kept for backward):
     # its own (the stage reports them), its inputs and the encoder outputs held for later decoder
     # stages; the network's input is not included (memory/estimate.py counts it).
     stage_inference_live: dict[str, int] = field(default_factory=dict)
-    # Per stage, the largest tensor it reads or creates (the stage reports it): its ops that touch it
-    # run in depth slabs past the kernel limit. Unlike stage_largest, a decoder stage whose blocks
-    # take the skip as a second input (nets/blocks.py) counts no concatenation.
+    # Per stage, the largest tensor it reads or creates, per sample (the stage reports it): its ops
+    # that touch it run in depth slabs past the kernel limit (nets/slabs.py), in either pass. A
+    # decoder stage whose blocks take the skip as a second input (nets/blocks.py) counts no
+    # concatenation.
     stage_largest_tensor: dict[str, int] = field(default_factory=dict)
 
     @classmethod
@@ -141,17 +139,10 @@ class NetworkCounts:
         model.build_for()
         elements = model.block_feature_map_elements(spatial_shape)
         voxels = math.prod(spatial_shape)
-        outputs, largest_in, shape = {}, {}, tuple(spatial_shape)
-        for stage in model.encoder:
-            # A stage's input (pooled or not) and its output at the finer of the two resolutions.
-            largest_in[stage.name] = max(stage.in_filters * math.prod(shape),
-                                         stage.filters * math.prod(stage.output_spatial_shape(shape)))
+        outputs, shape = {}, tuple(spatial_shape)
+        for stage in (*model.encoder, *model.decoder):
             shape = stage.output_spatial_shape(shape)
             outputs[stage.name] = stage.filters * math.prod(shape)
-        for stage in model.decoder:
-            shape = stage.output_spatial_shape(shape)
-            outputs[stage.name] = stage.filters * math.prod(shape)
-            largest_in[stage.name] = 2 * stage.filters * math.prod(shape)  # the joined skip and upsampled input
         inference, tensors, shape = _inference_live(model, spatial_shape), {}, tuple(spatial_shape)
         for stage in (*model.encoder, *model.decoder):
             tensors[stage.name] = stage.largest_tensor_elements(shape)
@@ -166,7 +157,7 @@ class NetworkCounts:
         return cls(model.count_params(), int(trainable), {k: v for k, v in elements.items() if k not in heads},
                    outputs, int(largest), int(sum(elements[k] for k in heads)),
                    int(model.forward_macs(spatial_shape)),
-                   {name: int(n) for name, n in largest_in.items()}, {name: int(n) for name, n in inference.items()},
+                   {name: int(n) for name, n in inference.items()},
                    {name: int(n) for name, n in tensors.items()})
 
 
@@ -189,7 +180,7 @@ def _inference_live(model, spatial_shape: Sequence[int]) -> dict[str, int]:
 def partitioned_stages(counts: NetworkCounts, batch_size: int) -> list[str]:
     """Stages with a tensor past the kernel limit: their ops run in depth slabs (nets/slabs.py)."""
     limit = max_kernel_elements()
-    return [name for name, n in counts.stage_largest.items() if n * batch_size > limit]
+    return [name for name, n in counts.stage_largest_tensor.items() if n * batch_size > limit]
 
 
 def slab_verdict(widest_plane: int) -> tuple[bool, list[str]]:
@@ -456,7 +447,7 @@ def _forward(config: ExperimentConfig, counts: NetworkCounts, spatial_shape: Seq
     notes = [f"host arrays peak in the {peak_phase.replace('_', ' ')} phase, after the forward pass "
              f"(phases: {', '.join(f'{k} {v:,} B' for k, v in phases.items())})"]
     notes += _margin(components, calibration)
-    sliced = [name for name, n in counts.stage_largest_tensor.items() if n > max_kernel_elements()]  # batch 1
+    sliced = partitioned_stages(counts, 1)
     widest_plane = max(counts.stage_largest_tensor.values(), default=counts.largest_tensor) // spatial_shape[0]
     runnable, slab_lines = slab_notes(sliced, widest_plane)
     notes += slab_lines

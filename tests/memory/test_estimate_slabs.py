@@ -26,11 +26,11 @@ def counts():
 
 
 def test_stage_largest_tensors(counts):
-    # tiny: 4/8/16 filters, max pooling; 32^3 input with 1 channel
-    assert counts.stage_largest["enc0"] == 4 * 32**3
-    assert counts.stage_largest["enc1"] == 4 * 32**3  # its input, before pooling
-    assert counts.stage_largest["enc2"] == 8 * 16**3
-    assert counts.stage_largest["dec0"] == 2 * 4 * 32**3  # skip + upsampled
+    # tiny: 4/8/16 filters, max pooling; 32^3 input with 1 channel; what each stage reports
+    assert counts.stage_largest_tensor["enc0"] == 4 * 32**3
+    assert counts.stage_largest_tensor["enc1"] == 4 * 32**3  # its input, before pooling
+    assert counts.stage_largest_tensor["enc2"] == 8 * 16**3
+    assert counts.stage_largest_tensor["dec0"] == 8 * 32**3  # the 16-filter level upsampled to 8 filters at 32^3
 
 
 def test_stages_past_the_limit_and_their_workspace(counts):
