@@ -34,7 +34,7 @@ def test_every_api_function_has_an_example():
 
 @pytest.mark.slow
 def test_the_walkthrough_runs_convert_plan_train_predict_evaluate(tmp_path):
-    """docs/api.md's blocks, in one interpreter, in an empty folder: a notebook's run of the chain."""
+    """The Python blocks of docs/api.md run as one script in an empty folder: a notebook's run of the chain."""
     script = tmp_path / "walkthrough.py"
     script.write_text("\n".join(_blocks()))
     env = {**os.environ, "BIGMEM_CACHE_DIR": str(tmp_path / "cache")}

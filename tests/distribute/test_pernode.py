@@ -39,7 +39,7 @@ def four_node(tmp_path):
 def test_one_worker_per_node_bound_to_it(two_node):
     plan = plan_workers(two_node, allowed_cpus=set(range(8)))
     assert [(w.index, w.node_id, w.cpus) for w in plan.workers] == [(0, 0, (0, 1, 2, 3)), (1, 1, (4, 5, 6, 7))]
-    assert [w.placement_flags() for w in plan.workers] == [["--numa", "bind:0"], ["--numa", "bind:1"]]
+    assert [w.placement() for w in plan.workers] == [{"policy": "bind:0"}, {"policy": "bind:1"}]
     ports = [int(w.address.split(":")[1]) for w in plan.workers]
     assert len(set(ports)) == 2
     assert all(w.address.startswith("127.0.0.1:") for w in plan.workers)
@@ -72,7 +72,7 @@ def test_a_node_outside_the_affinity_counts_as_memory_only(two_node):
 def test_workers_per_node_split_the_node_cpus(two_node):
     plan = plan_workers(two_node, workers_per_node=2, allowed_cpus=set(range(8)))
     assert [(w.node_id, w.cpus) for w in plan.workers] == [(0, (0, 1)), (0, (2, 3)), (1, (4, 5)), (1, (6, 7))]
-    assert plan.workers[1].placement_flags() == ["--numa", "bind:0", "--cpus", "2-3"]
+    assert plan.workers[1].placement() == {"policy": "bind:0", "cpus": "2-3"}
     assert len({w.address for w in plan.workers}) == 4
     with pytest.raises(UsageError, match=r"node 0 has 4 CPU\(s\).*Try --workers-per-node 4"):
         plan_workers(two_node, workers_per_node=5, allowed_cpus=set(range(8)))
