@@ -87,6 +87,80 @@ def train(config: "ExperimentConfig", run_dir: str | os.PathLike, *, resume: boo
     return run(config, run_dir, resume=resume, force=force, verbose=verbose)
 
 
+def train_per_node(config: "ExperimentConfig", run_dir: str | os.PathLike, *, workers_per_node: int = 1,
+                   resume: bool = False, force: bool = False, verbose: bool = False, topology=None,
+                   say: Callable[[str], None] | None = None) -> int:
+    """Train with one worker per NUMA node of this host (``bigmem train --strategy per-node``).
+
+    Each worker is a ``MultiWorkerMirroredStrategy`` worker bound to its node's CPUs and memory and
+    trains ``--batch-size`` samples of every global batch; worker 0 writes ``run_dir``. Before any
+    starts, each node's free memory is checked against its workers' predicted peak (the job's own
+    pre-flight at its batch, ``memory.plans.plan_job``).
+
+    Args:
+        config: the job (its ``distribute.strategy`` becomes multiworker in each worker).
+        run_dir: the run directory.
+        workers_per_node: workers on each node with CPUs, its CPUs split between them.
+        resume: continue from the newest checkpoint (every worker from the chief's).
+        force: start even where a node's free memory cannot hold its workers.
+        verbose: TensorFlow's logs in the workers.
+        topology: the machine's NUMA nodes (default: read from sysfs).
+        say: called with the plan's notes (memory-only nodes, split CPUs).
+
+    Returns:
+        0, or 128 + the signal that stopped the run.
+
+    Raises:
+        InsufficientMemoryError: (exit 3) a node cannot hold its workers, unless ``force``.
+        WorkerFailed: a worker died (the others were stopped).
+
+    Example:
+        >>> train_per_node(resolve_config("small", {"train": {"batch_size": 1}}), "runs/per-node")
+        0
+    """
+    from bigmem.distribute.pernode import check_node_memory, plan_workers, run_per_node
+    from bigmem.numa.topology import NUMATopology
+
+    topology = topology or NUMATopology.from_sysfs()
+    workers = plan_workers(topology, workers_per_node=workers_per_node)
+    for note in workers.notes():
+        (say or (lambda line: None))(note)
+    if not force:
+        check_node_memory(workers, topology, _worker_peak_bytes(config))
+    print(workers.describe(config.train.batch_size), flush=True)
+    env = dict(os.environ)
+    if not verbose:
+        # When a worker dies, the others' TensorFlow logs the broken collective (gRPC "connection refused",
+        # several lines each) before the launcher stops them; the launcher's one line names the worker and
+        # what it last said. verbose keeps TensorFlow's own logs.
+        env["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    flags = ["--force"] * force + ["--verbose"] * verbose
+    return run_per_node(workers, config, run_dir, resume=resume, flags=flags, env=env)
+
+
+def _worker_peak_bytes(config: "ExperimentConfig") -> int:
+    """One per-node worker's predicted peak: the job's own pre-flight (``train.job.plan_memory``) at its batch."""
+    import io
+
+    from rich.console import Console
+
+    from bigmem.data.derived import with_data_fields
+    from bigmem.distribute.execution import SingleProcess
+    from bigmem.tfenv import import_tensorflow
+    from bigmem.train.job import make_loader, plan_memory
+
+    config = with_data_fields(config)
+    import_tensorflow()  # the network's counts come from building it; the workers are fresh processes
+    execution = SingleProcess(config.train.batch_size)  # what one worker holds: its own --batch-size
+    loader = make_loader(config, execution)
+    try:
+        plan, _ = plan_memory(config, execution, None, force=True, console=Console(file=io.StringIO()),
+                              loader=loader)
+    finally:
+        loader.close()
+    return plan.predicted_peak_bytes
+
+
 def predict(run_dir: str | os.PathLike, source: str | os.PathLike, out_dir: str | os.PathLike, *,
             mode: str = "auto", budget_bytes: int | None = None, budget_flag: str = "--memory-budget",
             ignore_plan: bool = False, console=None, **options) -> Iterator:
@@ -142,12 +216,32 @@ def evaluate(predictions: str | os.PathLike, reference: str | os.PathLike, **opt
 
 @dataclass
 class PlanResult:
-    """``plan``'s answer: the resolved config and budget, the plan, and the layouts on several NUMA nodes."""
+    """``plan``'s answer: the resolved config and budget, the plan, the layouts on several NUMA nodes, and notes
+    (a budget above this machine's memory)."""
 
     config: "ExperimentConfig"
     budget: "Budget"
     plan: "Plan"
     layouts: "Layouts | None" = None
+    notes: tuple[str, ...] = ()
+    out: Path | None = None
+    kept: bool = False  # a plan in which nothing fits left the plan.json already at ``out`` as it was
+    counts_for: Callable | None = None
+
+    def require(self) -> None:
+        """Refuse (exit 3) a plan in which nothing fits, or a fixed inference volume that does not fit (naming
+        the largest that does), saying whether ``out`` holds every candidate or was kept.
+
+        Raises:
+            InsufficientMemoryError: as ``memory.plans.require_fit``.
+        """
+        from bigmem.memory.plans import plan_inference, require_plan
+
+        fixed = self.config.data.shape if self.plan.kind == "inference" else None
+        if fixed is not None:
+            require_plan(self.plan, self.out, self.kept,
+                         lambda: plan_inference(self.config, self.counts_for, self.budget, fixed))
+        require_plan(self.plan, self.out, self.kept)
 
 
 def plan(config: "ExperimentConfig", *, batch_size: int | None = None, budget_bytes: int | None = None,
@@ -207,9 +301,23 @@ def plan(config: "ExperimentConfig", *, batch_size: int | None = None, budget_by
         planned = plan_search(config, counts_for, budget, cases=cases, volume=config.data.shape, batch_size=batch_size,
                               allow_bf16=allow_bf16)
         layouts = plan_layouts(planned, topology)
-    if out is not None:
-        write_plan(Path(out), planned, layouts)
-    return PlanResult(config, budget, planned, layouts)
+    kept = write_plan(Path(out), planned, layouts) if out is not None else False
+    return PlanResult(config, budget, planned, layouts, _budget_notes(budget, inference),
+                      Path(out) if out is not None else None, kept, counts_for)
+
+
+def _budget_notes(budget: "Budget", inference: bool) -> tuple[str, ...]:
+    """What to tell the user about ``budget``: capped by the placement, or above this machine's memory."""
+    from bigmem.memory.planner import machine_memory_bytes
+    from bigmem.units import format_bytes
+
+    notes = (budget.note,) if budget.note else ()
+    total = machine_memory_bytes()
+    if budget.budget_bytes > total and not inference:
+        notes += (f"note: {budget.source} {format_bytes(budget.budget_bytes)} is more than this machine's memory "
+                  f"({format_bytes(total)}): this plans for a bigger machine (bigmem train refuses such a budget "
+                  "here)",)
+    return notes
 
 
 def _placement(numa, topology):
@@ -308,4 +416,5 @@ def convert(source, out: str | os.PathLike, *, images: Sequence[str] = (), label
     return run(dataset, out, **options)
 
 
-__all__ = ["PlanResult", "compare", "convert", "evaluate", "plan", "predict", "profile", "resolve_config", "train"]
+__all__ = ["PlanResult", "compare", "convert", "evaluate", "plan", "predict", "profile", "resolve_config", "train",
+           "train_per_node"]

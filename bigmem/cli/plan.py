@@ -124,34 +124,25 @@ def run(args) -> int:
 
     import_tensorflow(verbose=getattr(args, "verbose", False))  # quietly, before anything imports Keras
     allow_bf16 = {None: None, "auto": None, "fp32": False, "bf16": True}[args.plan_precision]
-    existed = out.exists()  # a plan in which nothing fits replaces no file (memory.plans.write_plan)
     result = api.plan(config, batch_size=fixed_batch, budget_bytes=explicit, budget_flag=flag, numa=placement,
                       inference=inference, allow_bf16=None if inference else allow_bf16, out=out)
-    kept = existed and not result.plan.fits
-    if inference:
-        return _inference(args, result, out, kept)
     from rich.console import Console
 
-    from bigmem.memory.planner import machine_memory_bytes
-    from bigmem.memory.plans import plan_dict, require_plan
-    from bigmem.units import format_bytes
-
     notes = Console(soft_wrap=True, stderr=True)  # on stderr: stdout may be --json
-    budget, plan = result.budget, result.plan
-    if budget.note:
-        notes.print(budget.note, style="yellow")
-    total = machine_memory_bytes()
-    if budget.budget_bytes > total:
-        notes.print(f"note: {budget.source} {format_bytes(budget.budget_bytes)} is more than this machine's memory "
-                    f"({format_bytes(total)}): this plans for a bigger machine (bigmem train refuses such a budget "
-                    "here)", style="yellow")
+    for note in result.notes:
+        notes.print(note, style="yellow")
+    if inference:
+        return _inference(args, result)
+    from bigmem.memory.plans import plan_dict
+
+    plan = result.plan
     if args.json:
         print(json.dumps(plan_dict(plan, result.layouts), indent=2))
     else:
-        _print_plan(args, result.config, budget, plan)
+        _print_plan(args, result.config, result.budget, plan)
         if result.layouts is not None:
             _print_layouts(Console(soft_wrap=True), result.layouts)
-    require_plan(plan, out, kept)
+    result.require()
     return 0
 
 
@@ -275,18 +266,14 @@ def _print_cases(console, rows: list[dict], config) -> None:
         console.print(f"... and {len(ordered) - 20} smaller shapes (every case is in plan.json)", style="dim")
 
 
-def _inference(args, result, out: Path, kept: bool) -> int:
+def _inference(args, result) -> int:
     """``--inference``: the largest whole volume a prediction can segment (or whether ``--shape`` fits)."""
     from rich.console import Console
     from rich.table import Table
 
-    from bigmem.memory.plans import plan_inference, require_plan
-    from bigmem.memory.profile import counts_function
     from bigmem.units import format_bytes
 
     config, budget, plan = result.config, result.budget, result.plan
-    if budget.note:
-        Console(soft_wrap=True, stderr=True).print(budget.note, style="yellow")
     fixed = config.data.shape
     if args.json:
         print(json.dumps(plan.to_dict(), indent=2))
@@ -308,7 +295,5 @@ def _inference(args, result, out: Path, kept: bool) -> int:
                           f"candidates in {args.out}")
             console.print(f"calibration: {plan.calibration['source']}", style="dim")
             _print_breakdown(console, chosen)
-    if fixed is not None:  # exit 3, naming what fits, unless it fits
-        require_plan(plan, out, kept, lambda: plan_inference(config, counts_function(config), budget, fixed))
-    require_plan(plan, out, kept)
+    result.require()  # exit 3 unless it fits, naming what does
     return 0

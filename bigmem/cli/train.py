@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -224,29 +223,6 @@ def run(args) -> int:
     return 0
 
 
-def worker_peak_bytes(config) -> int:
-    """One per-node worker's predicted peak: the job's own pre-flight (``train.job.plan_memory``) at its batch."""
-    import io
-
-    from rich.console import Console
-
-    from bigmem.data.derived import with_data_fields
-    from bigmem.distribute.execution import SingleProcess
-    from bigmem.tfenv import import_tensorflow
-    from bigmem.train.job import make_loader, plan_memory
-
-    config = with_data_fields(config)
-    import_tensorflow()  # the network's counts come from building it; the workers are fresh processes
-    execution = SingleProcess(config.train.batch_size)  # what one worker holds: its own --batch-size
-    loader = make_loader(config, execution)
-    try:
-        plan, _ = plan_memory(config, execution, None, force=True, console=Console(file=io.StringIO()),
-                              loader=loader)
-    finally:
-        loader.close()
-    return plan.predicted_peak_bytes
-
-
 def run_per_node(args, topology=None) -> int:
     """``--strategy per-node``: plan a worker per NUMA node, check each node's free memory, launch and supervise.
 
@@ -262,27 +238,13 @@ def run_per_node(args, topology=None) -> int:
         InsufficientMemoryError: (exit 3) a node's free memory cannot hold its workers, unless ``--force``.
         WorkerFailed: a worker died (the others were stopped).
     """
-    from bigmem.distribute.pernode import check_node_memory, plan_workers
-    from bigmem.distribute.pernode import run_per_node as launch
-    from bigmem.numa.topology import NUMATopology
-
     if args.numa is not None or args.cpus is not None:
         raise UsageError("--strategy per-node binds each worker to its own node's CPUs and memory: leave out "
                          "--numa and --cpus (--workers-per-node N splits each node's CPUs).")
-    topology = topology or NUMATopology.from_sysfs()
-    plan = plan_workers(topology, workers_per_node=args.workers_per_node or 1)
-    for note in plan.notes():
-        print(f"bigmem train: {note}", file=sys.stderr)
     as_worker = argparse.Namespace(**{**vars(args), "strategy": "multiworker"})  # what each worker resolves
     config, out = resolve(as_worker)
-    if not args.force:
-        check_node_memory(plan, topology, worker_peak_bytes(config))
-    print(plan.describe(config.train.batch_size), flush=True)
-    env = dict(os.environ)
-    if not getattr(args, "verbose", False):
-        # When a worker dies, the others' TensorFlow logs the broken collective (gRPC "connection refused",
-        # several lines each) before the launcher stops them; the launcher's one line names the worker and
-        # what it last said. -v keeps TensorFlow's own logs.
-        env["TF_CPP_MIN_LOG_LEVEL"] = "3"
-    flags = ["--force"] * bool(args.force) + ["--verbose"] * bool(getattr(args, "verbose", False))
-    return launch(plan, config, out, resume=args.resume, flags=flags, env=env)
+    from bigmem import api
+
+    return api.train_per_node(config, out, workers_per_node=args.workers_per_node or 1, resume=args.resume,
+                              force=args.force, verbose=getattr(args, "verbose", False), topology=topology,
+                              say=lambda line: print(f"bigmem train: {line}", file=sys.stderr))
