@@ -19,8 +19,12 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
+# One pytest process per core, at most TEST_WORKERS (each imports TensorFlow and holds ~1 GiB): much of
+# the suite is single-threaded Python and TensorFlow start-up, which one process per core overlaps.
+# worksteal: an idle worker takes tests queued on a busy one, so a few long tests do not end the run alone.
+TEST_WORKERS ?= 4
 test: lint
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n auto --maxprocesses $(TEST_WORKERS) --dist worksteal
 
 # The `numa` tests, inside a 4-node kernel under QEMU (tools/numa-vm; without KVM an hour or more on 2 cores:
 # every bigmem run imports TensorFlow, 1.5-14 min under emulation depending on the host; benchmarks/results/numa.md).
