@@ -26,6 +26,30 @@ def assert_measured_near_predicted(data: dict) -> None:
     assert not margin or data["predicted_peak_bytes"] > data["measured_peak_bytes"]
 
 
+# Measured requests and what their child process reported, kept for this test process (measured_once).
+_MEASURED: dict[str, dict] = {}
+
+
+@pytest.fixture
+def measured_once(monkeypatch):
+    """Each distinct measurement runs its child process (``python -m bigmem.train.probe``, ~15 s) once per test
+    process: ``--measure --volume 32``, ``--sweep 16,32`` and ``--calibrate 16,32`` at ``--steps 2`` send the
+    same two requests (config, shape, steps, stages), and a request measured again gives the same figures up to
+    noise. A different request (another policy, shape, pass or step count) is measured afresh, and a test run
+    alone measures everything it reads."""
+    import bigmem.memory.measure as measure_module
+
+    real = measure_module.run_child
+
+    def once(module, request, **kwargs):
+        key = json.dumps([module, request], sort_keys=True)
+        if key not in _MEASURED:
+            _MEASURED[key] = real(module, request, **kwargs)
+        return json.loads(json.dumps(_MEASURED[key]))  # a copy: a caller cannot change what the next one reads
+
+    monkeypatch.setattr(measure_module, "run_child", once)
+
+
 def test_profile_json_fields(capsys):
     code, out, err = run_cli(["profile", "--model", "tiny", "--volume", 32, "--json"], capsys)
     assert code == 0, err
@@ -106,7 +130,7 @@ def test_profile_errors(capsys, argv, code, message):
 
 
 @pytest.mark.slow
-def test_profile_measure_against_prediction(capsys):
+def test_profile_measure_against_prediction(capsys, measured_once):
     code, out, err = run_cli(["profile", "--model", "tiny", "--volume", 32, "--measure", "--steps", 2, "--json"],
                              capsys)
     assert code == 0, err
@@ -127,7 +151,7 @@ def test_profile_measure_under_a_numa_policy(capsys):
 
 
 @pytest.mark.slow
-def test_profile_sweep_fits_a_scaling_law(capsys):
+def test_profile_sweep_fits_a_scaling_law(capsys, measured_once):
     code, out, err = run_cli(["profile", "--model", "tiny", "--sweep", "16,32", "--steps", 2, "--json"], capsys)
     assert code == 0, err
     data = json.loads(out)
@@ -142,7 +166,7 @@ def test_profile_sweep_fits_a_scaling_law(capsys):
 
 
 @pytest.mark.slow
-def test_profile_calibrate_is_used_afterwards(capsys):
+def test_profile_calibrate_is_used_afterwards(capsys, measured_once):
     code, out, err = run_cli(["profile", "--model", "tiny", "--calibrate", "16,32", "--steps", 2, "--json"], capsys)
     assert code == 0, err
     calibration = json.loads(out)["calibration"]

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -43,22 +41,25 @@ def test_settings_refuse_what_no_run_could_use():
 
 
 @pytest.mark.slow
-def test_compare_tiles_and_scores_both_paths_as_their_users_would(tmp_path, tiny_store):
+def test_compare_tiles_and_scores_both_paths_as_their_users_would(tmp_path, tiny_store, capsys):
+    from helpers import run_cli
+
+    # The command in this process (as test_a_refusal_comes_before_any_training runs it): each run still
+    # trains in a process of its own (compare/child.py), the simulated replicas' devices with it.
     out = tmp_path / "cmp"
-    result = subprocess.run([sys.executable, "-m", "bigmem", "compare", "--model", "tiny", "--data", str(tiny_store),
-                             "--volume", "16", "--steps", "4", "--equal", "flops", "--val-every", "2",
-                             "--simulate-replicas", "2", "--holdout", "1", "--out", str(out)],
-                            capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
-    assert "SIMULATED ON CPU" in result.stdout
-    assert "scaled stand-in" in result.stderr
+    code, stdout, stderr = run_cli(["compare", "--model", "tiny", "--data", tiny_store, "--volume", "16",
+                                    "--steps", "4", "--equal", "flops", "--val-every", "2", "--simulate-replicas", "2",
+                                    "--holdout", "1", "--out", out], capsys)
+    assert code == 0, stderr
+    assert "SIMULATED ON CPU" in stdout
+    assert "scaled stand-in" in stderr
     assert (out / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     report = json.loads((out / "compare.json").read_text())
     assert report["patch_size"] == [8, 8, 8]
     assert report["volume"] == 16  # the GPU path tiles
     assert report["held_out_cases"] == ["synth_0003"]
     assert report["seeds"] == 1
-    assert report["conclusion"]["text"] in result.stdout
+    assert report["conclusion"]["text"] in stdout
     assert report["conclusion"]["text"] in (
         out / "compare.md").read_text()
     cpu, dp = report["paths"]["cpu_bigmem"], report["paths"]["data_parallel"]

@@ -150,17 +150,32 @@ def test_plan_json_in_every_run(tmp_path, tiny_store, capsys):
     assert plan["best_per_mode"] == [plan["closest"]]
 
 
+def _recompute_base(store) -> list:
+    return ["train", "--model", "tiny", "--data", store, "--steps", 3, "--seed", 4]
+
+
+@pytest.fixture(scope="module")
+def plain_run(tmp_path_factory, tiny_store):
+    """The run without recompute that each mode of test_recompute_gives_the_same_training is compared with:
+    the same command for both modes, so trained once."""
+    from bigmem.cli.main import main
+
+    out = tmp_path_factory.mktemp("recompute") / "plain"
+    assert main([str(a) for a in [*_recompute_base(tiny_store), "--out", out]]) == 0
+    return out
+
+
 @pytest.mark.parametrize("mode", ["stages", "auto"])
-def test_recompute_gives_the_same_training(tmp_path, tiny_store, capsys, mode):
-    base = ["train", "--model", "tiny", "--data", tiny_store, "--steps", 3, "--seed", 4]
-    assert run_cli([*base, "--out", tmp_path / "plain"], capsys)[0] == 0
+def test_recompute_gives_the_same_training(tmp_path, tiny_store, capsys, mode, plain_run):
+    base = _recompute_base(tiny_store)
     extra = ["--recompute", mode] + (["--memory-budget", "1MiB", "--force"] if mode == "auto" else [])
     code, _, err = run_cli([*base, *extra, "--out", tmp_path / mode], capsys)
     assert code == 0, err
     plan = json.loads((tmp_path / mode / "plan.json").read_text())
     # stages: every stage; auto with a budget nothing fits: it ends up recomputing every stage too.
     assert sorted(plan["chosen"]["recompute_stages"]) == ["dec0", "dec1", "enc0", "enc1", "enc2"]
-    plain = read_jsonl(tmp_path / "plain" / "metrics.jsonl")
+    assert json.loads((plain_run / "plan.json").read_text())["chosen"]["recompute_stages"] == []
+    plain = read_jsonl(plain_run / "metrics.jsonl")
     again = read_jsonl(tmp_path / mode / "metrics.jsonl")
     for a, b in zip(plain, again):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-5)
