@@ -16,6 +16,11 @@ from bigmem.rundir import read_jsonl
 
 COMMON = ["--model", "tiny", "--volume", "16", "--steps", "3", "--seed", "2", "--optimizer", "sgd",
           "--gpu-memory", "2GiB", "--reference-batch", "2"]
+# TensorFlow's gRPC client polls 64 completion queues by default, a thread each (108 threads in a
+# worker, 48 with 4). Each of the four numa.json writes of a run reads every thread's numa_maps
+# (numa/observe.thread_policies): seconds per write here. Two loopback workers need few pollers;
+# what they train and write is the same.
+FEW_GRPC_THREADS = {"TF_GRPC_WORKER_CACHE_QUEUES": "4"}
 
 
 def _free_port() -> int:
@@ -35,7 +40,8 @@ def _two_workers(tmp_path, store, extra) -> None:
     cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
     workers = []
     for index in range(2):
-        env = {**os.environ, "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})}
+        env = {**os.environ, **FEW_GRPC_THREADS,
+               "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})}
         workers.append(subprocess.Popen(
             [sys.executable, "-m", "bigmem", "train", *extra, "--data", str(store), "--strategy", "multiworker",
              "--batch-size", "1", "--out", str(tmp_path / f"w{index}")], env=env, stdout=subprocess.PIPE,

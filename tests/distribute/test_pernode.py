@@ -171,9 +171,19 @@ def test_a_dead_worker_stops_the_others(tmp_path):
 
 
 def _launch(tmp_path, store, *extra, **popen):
+    """The per-node launcher with two workers on this host's one node.
+
+    ``--force`` skips the launcher's pre-flight, which imports TensorFlow and builds the network
+    before any worker starts (test_cli_refuses_before_launching proves that check); each worker
+    still plans its memory, and the tiny job fits, so --force changes nothing they do.
+    TF_GRPC_WORKER_CACHE_QUEUES (passed on to the workers): TensorFlow's gRPC client polls 64
+    completion queues by default, a thread each, and each numa.json write reads every thread's
+    numa_maps (numa/observe.thread_policies), seconds per write here; two loopback workers need few.
+    """
     return subprocess.Popen([sys.executable, "-m", "bigmem", "train", *COMMON, "--data", str(store),
                              "--strategy", "per-node", "--workers-per-node", "2", "--out", str(tmp_path / "run"),
-                             *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+                             "--force", *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "TF_GRPC_WORKER_CACHE_QUEUES": "4"}, **popen)
 
 
 @pytest.mark.slow
@@ -194,13 +204,15 @@ def test_two_workers_match_one_process_and_resume(tmp_path, tiny_store):
     assert (plan["workers"], plan["worker_index"], plan["global_batch"]) == (2, 0, 2)
     assert json.loads((tmp_path / "run" / "numa.json").read_text())["requested"]["text"] == "bind:0"
 
-    resumed = _launch(tmp_path, tiny_store, "--steps", "5", "--resume")
+    # One step more is enough to continue from the checkpoint (a second would only cost each worker
+    # another numa.json read of all its threads).
+    resumed = _launch(tmp_path, tiny_store, "--steps", "4", "--resume")
     _, err = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, err
     rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
-    assert [r["loss"] for r in rows[:3]] == losses  # the first three kept; steps 4 and 5 from the checkpoint
-    assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 5
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["loss"] for r in rows[:3]] == losses  # the first three kept; step 4 from the checkpoint
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 4
 
 
 @pytest.mark.slow

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -35,19 +36,39 @@ step = make_distributed_step(replicas, model, optimizer, global_batch_size=4, lo
                              metric_counts=dice_counts, metric_from_counts=dice_from_counts)
 losses = [float(step(*next(batches))[0]) for _ in range(3)]
 print(json.dumps({"replicas": replicas.num_replicas, "simulated": replicas.simulated, "losses": losses,
-                  "weights": [np.asarray(w).ravel()[:50].tolist() for w in model.trainable_weights[:3]]}))
+                  "weights": [np.asarray(w).ravel()[:50].tolist() for w in model.trainable_weights[:3]]}), flush=True)
+import os
+os._exit(0)  # the answer is out: skip TensorFlow's teardown (seconds)
 """
 
 
-def _run(replicas: int) -> dict:
-    result = subprocess.run([sys.executable, "-c", CHILD, str(replicas)], capture_output=True, text=True, check=True,
-                            env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
-    return json.loads(result.stdout.strip().splitlines()[-1])
+def _start(replicas: int) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", CHILD, str(replicas)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
+
+
+def _result(process: subprocess.Popen) -> dict:
+    out, err = process.communicate(timeout=300)
+    assert process.returncode == 0, err
+    return json.loads(out.strip().splitlines()[-1])
+
+
+@contextlib.contextmanager
+def _side_by_side(*processes: subprocess.Popen):
+    """Independent processes run at once; any still running when the test fails are killed."""
+    try:
+        yield processes
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.communicate()
 
 
 @pytest.mark.slow
 def test_two_replicas_train_exactly_as_one():
-    one, two = _run(1), _run(2)
+    with _side_by_side(_start(1), _start(2)) as started:  # each process splits its CPU before TensorFlow starts
+        one, two = (_result(process) for process in started)
     assert (one["replicas"], two["replicas"]) == (1, 2)
     assert two["simulated"] is True
     assert two["losses"] == pytest.approx(one["losses"], rel=1e-5)
@@ -86,24 +107,28 @@ def test_replica_count_must_be_positive():
         simulate_cpu_replicas(0)
 
 
-def _train(tmp_path, tiny_store, name: str, replicas: int, batch: int) -> list[dict]:
-    from bigmem.rundir import read_jsonl
-
-    out = tmp_path / name
-    result = subprocess.run(
+def _start_train(tmp_path, tiny_store, name: str, replicas: int, batch: int) -> subprocess.Popen:
+    return subprocess.Popen(
         [sys.executable, "-m", "bigmem", "train", "--model", "tiny", "--data", str(tiny_store), "--volume", "16",
          "--steps", "4", "--seed", "2", "--strategy", "mirrored", "--simulate-replicas", str(replicas),
          "--batch-size", str(batch), "--reference-batch", "4", "--gpu-memory", "2GiB", "--optimizer", "sgd",
-         "--out", str(out)], capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
-    assert "simulated on CPU" in result.stdout
-    return read_jsonl(out / "metrics.jsonl")
+         "--out", str(tmp_path / name)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _trained(tmp_path, name: str, process: subprocess.Popen) -> list[dict]:
+    from bigmem.rundir import read_jsonl
+
+    out, err = process.communicate(timeout=300)
+    assert process.returncode == 0, err
+    assert "simulated on CPU" in out
+    return read_jsonl(tmp_path / name / "metrics.jsonl")
 
 
 @pytest.mark.slow
 def test_bigmem_train_on_n_replicas_matches_one(tmp_path, tiny_store):
-    one = _train(tmp_path, tiny_store, "one", replicas=1, batch=4)
-    two = _train(tmp_path, tiny_store, "two", replicas=2, batch=2)
+    with _side_by_side(_start_train(tmp_path, tiny_store, "one", replicas=1, batch=4),
+                       _start_train(tmp_path, tiny_store, "two", replicas=2, batch=2)) as (first, second):
+        one, two = _trained(tmp_path, "one", first), _trained(tmp_path, "two", second)
     assert [r["step"] for r in two] == [1, 2, 3, 4]
     for a, b in zip(one, two):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
