@@ -87,3 +87,15 @@ def test_real_children_are_found():
     finally:
         child.kill()
         child.wait()
+
+
+def test_thread_policies_read_the_first_mappings_of_each_thread(tmp_path):
+    from bigmem.numa.observe import NUMA_MAPS_PREFIX_BYTES, thread_policies
+
+    line = "7f0000000000 interleave:0-3 anon=1 dirty=1 N0=1 kernelpagesize_kB=4\n"
+    long = line * (2 * NUMA_MAPS_PREFIX_BYTES // len(line)) + "7f1000000000 bind:1 anon=1 N1=1\n" * 10**4
+    for tid, text in (("100", long), ("101", "55d000000000 default file=/bin/x mapped=1 N0=1\n")):
+        (tmp_path / "42" / "task" / tid).mkdir(parents=True)
+        (tmp_path / "42" / "task" / tid / "numa_maps").write_text(text)
+    # thread 100's file is mostly bind:1 past its first 16 KiB; its policy is what its first mappings say
+    assert thread_policies(42, proc_root=str(tmp_path)) == {"interleave:0-3": 1, "default": 1}
