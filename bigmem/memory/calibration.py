@@ -189,6 +189,12 @@ def tensorflow_version() -> str:
 
 
 @functools.lru_cache(maxsize=1)
+def machine_cpu_model() -> str:
+    """This CPU's model name (``bigmem.sysinfo.cpu_description``), read once: every calibration lookup keys on it."""
+    return cpu_description()["model"]
+
+
+@functools.lru_cache(maxsize=1)
 def machine_isa_class() -> str:
     """This CPU's ISA class (``bigmem.sysinfo.isa_class`` of its /proc/cpuinfo flags)."""
     return isa_class(cpu_description()["isa"])
@@ -196,7 +202,7 @@ def machine_isa_class() -> str:
 
 def machine_key(preset: str, precision: str, recompute: str) -> dict:
     """What a stored calibration is valid for: this CPU and TF version, one model and mode."""
-    return {"cpu": cpu_description()["model"], "isa": machine_isa_class(), "tensorflow": tensorflow_version(),
+    return {"cpu": machine_cpu_model(), "isa": machine_isa_class(), "tensorflow": tensorflow_version(),
             "preset": preset, "precision": precision, "recompute": recompute}
 
 
