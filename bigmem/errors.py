@@ -55,6 +55,15 @@ class TrainingError(BigmemError):
     """Training cannot go on (non-finite loss, a run directory in the way, ...)."""
 
 
+class PeerLost(TrainingError):
+    """Another worker of a multi-worker run stopped, so this one's collective was aborted."""
+
+    MESSAGE = "another worker of this run stopped, which aborted this worker's collective"
+
+    def __init__(self) -> None:
+        super().__init__(self.MESSAGE)
+
+
 class DiskFullError(BigmemError):
     """A write failed for lack of space (ENOSPC/EDQUOT) or the device failed (EIO): exit 1.
 

@@ -35,7 +35,7 @@ from typing import Sequence
 
 from bigmem.atomic import atomic_write_json
 from bigmem.config.schema import ExperimentConfig
-from bigmem.errors import BigmemError, InsufficientMemoryError, UsageError
+from bigmem.errors import BigmemError, InsufficientMemoryError, PeerLost, UsageError
 from bigmem.numa.capacity import check_nodes_fit
 from bigmem.numa.policy import Placement, PolicyKind, format_nodes
 from bigmem.numa.topology import NUMATopology
@@ -254,9 +254,22 @@ def _read_stderr(running: _Running, echo) -> None:
     for line in running.process.stderr:
         if line.strip():
             running.last_line = line.strip()
-        if echo is not None:
+        if echo is not None and not _is_error_line(line):  # a failed worker's error is the launcher's to report
             echo.write(line)
             echo.flush()
+
+
+def _is_error_line(line: str) -> bool:
+    """The CLI's closing line of a failed ``bigmem train`` (``bigmem train: error: ...``)."""
+    return line.startswith(("bigmem train: error:", "bigmem train: internal error:"))
+
+
+def _root_failure(running: list[_Running]) -> _Running | None:
+    """The worker that failed first in cause: one that did not merely lose a peer (``PeerLost``)."""
+    failed = [r for r in running if r.process.poll() not in (None, 0)]
+    for r in failed:
+        r.reader.join(timeout=0.5)  # its last line read to the end of its stderr
+    return next((r for r in failed if not r.last_line.endswith(PeerLost.MESSAGE)), failed[0] if failed else None)
 
 
 def _signal_group(process: subprocess.Popen, sig: int) -> None:
@@ -337,8 +350,13 @@ def run_workers(plan: PerNodePlan, commands: Sequence[Sequence[str]], *, env: di
             if received:
                 _stop(running, received[0], stop_grace_s)
                 return 128 + received[0]
-            failed = next((r for r in running if r.process.poll() not in (None, 0)), None)
+            failed = _root_failure(running)
             if failed is not None:
+                if failed.last_line.endswith(PeerLost.MESSAGE):  # a consequence: give the cause time to show
+                    deadline = time.monotonic() + failure_grace_s
+                    while time.monotonic() < deadline and failed.last_line.endswith(PeerLost.MESSAGE):
+                        time.sleep(POLL_S / 2)
+                        failed = _root_failure(running)
                 _stop(running, signal.SIGTERM, failure_grace_s)
                 failed.reader.join(timeout=1.0)
                 code = failed.process.returncode

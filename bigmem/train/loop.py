@@ -15,7 +15,7 @@ from typing import Callable, Iterator, Sequence
 
 import psutil
 
-from bigmem.errors import TrainingError
+from bigmem.errors import PeerLost, TrainingError
 
 
 class StopReason(str, enum.Enum):
@@ -124,9 +124,16 @@ def run_loop(state: LoopState, step: Callable, batches: Iterator, callbacks: Seq
             try:
                 images, labels = next(batches)
             except tf.errors.OpError as exc:  # a reader error surfaces through tf.data
+                if _collective_aborted(exc):  # a multi-worker input's collective, not the reader
+                    raise PeerLost() from None
                 raise input_error() or TrainingError(f"The input pipeline failed: {exc.message}") from None
             fetched = time.perf_counter()
-            loss, dice = step(images, labels)
+            try:
+                loss, dice = step(images, labels)
+            except tf.errors.OpError as exc:
+                if _collective_aborted(exc):
+                    raise PeerLost() from None
+                raise
             state.loss, state.dice = float(loss), float(dice)
             elapsed = time.perf_counter() - started
             state.step += 1
@@ -144,3 +151,11 @@ def run_loop(state: LoopState, step: Callable, batches: Iterator, callbacks: Seq
         for callback in callbacks:
             callback.on_train_end(state)
     return state
+
+
+COLLECTIVE_ABORTED = "Collective ops is aborted"  # TensorFlow's words when a peer worker is gone
+
+
+def _collective_aborted(exc) -> bool:
+    """Whether a TensorFlow error is a multi-worker collective aborted because a peer stopped."""
+    return COLLECTIVE_ABORTED in (exc.message or "")

@@ -12,7 +12,9 @@ import time
 import psutil
 import pytest
 
-from bigmem.distribute.pernode import PerNodePlan, Worker, check_node_memory, plan_workers, run_workers, worker_dirs
+from bigmem.distribute.pernode import (PerNodePlan, Worker, WorkerFailed, check_node_memory, plan_workers, run_workers,
+                                       worker_dirs)
+from bigmem.errors import PeerLost
 from bigmem.errors import InsufficientMemoryError, UsageError
 from bigmem.numa.topology import NUMANode, NUMATopology
 from bigmem.rundir import read_jsonl
@@ -233,7 +235,9 @@ def test_killing_a_worker_stops_the_run(tmp_path, tiny_store):
         assert time.monotonic() - killed < 15
         assert launcher.returncode == 1
         # one line, and nothing else but the launcher's notes: no TensorFlow log of the broken collective
-        [line] = [line for line in err.strip().splitlines() if not line.startswith("bigmem train: note:")]
+        others = [line for line in err.strip().splitlines() if not line.startswith("bigmem train: note:")]
+        assert len(others) == 1, err
+        [line] = others
         assert line.startswith(
             f"bigmem train: error: per-node worker 1 (node 0, pid {worker1.pid}) was killed by SIGKILL")
         assert _alive([p.pid for p in children]) == []
@@ -241,6 +245,20 @@ def test_killing_a_worker_stops_the_run(tmp_path, tiny_store):
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)
             launcher.wait()
+
+
+def test_the_worker_that_died_is_named_not_the_one_that_lost_its_peer():
+    """The chief fails first, saying its collective was aborted; the launcher names the worker that caused it."""
+    import io
+
+    plan = PerNodePlan((Worker(0, 0, (0,), "127.0.0.1:1"), Worker(1, 0, (1,), "127.0.0.1:2")))
+    lost = [sys.executable, "-c", f"import sys; print('step 1'); print({'bigmem train: error: ' + PeerLost.MESSAGE!r}, "
+            "file=sys.stderr); sys.exit(1)"]
+    killed = [sys.executable, "-c", "import os, signal, time; time.sleep(0.5); os.kill(os.getpid(), signal.SIGKILL)"]
+    echo = io.StringIO()
+    with pytest.raises(WorkerFailed, match=r"per-node worker 1 \(node 0, pid \d+\) was killed by SIGKILL"):
+        run_workers(plan, [lost, killed], echo=echo, failure_grace_s=5.0)
+    assert "bigmem train: error:" not in echo.getvalue()
 
 
 def test_sigterm_to_the_launcher_reaches_every_worker():
