@@ -28,9 +28,9 @@ def slug(isa_class: str, cpu: str) -> str:
 
 def machine_slug() -> str:
     """This machine's slug, e.g. 'avx512_bf16-amd-epyc' or 'amx-intel-xeon-platinum-8481c'."""
-    from bigmem.memory.calibration import cpu_model, machine_isa_class
+    from bigmem.memory.calibration import machine_cpu_model, machine_isa_class
 
-    return slug(machine_isa_class(), cpu_model())
+    return slug(machine_isa_class(), machine_cpu_model())
 
 
 def write_results(kind: str, report: dict, out: str | Path, console=None) -> Path:
@@ -63,7 +63,7 @@ def write_table(name: str, values: dict, *, results: str | Path, notes: list[str
     """
     from harness import command_line  # here: harness imports this module
     from bigmem.config import tables
-    from bigmem.memory.calibration import cpu_model, machine_isa_class, tensorflow_version
+    from bigmem.memory.calibration import machine_cpu_model, machine_isa_class, tensorflow_version
 
     key = key or machine_slug()
     results = Path(results).resolve()
@@ -74,7 +74,7 @@ def write_table(name: str, values: dict, *, results: str | Path, notes: list[str
     if not recorded.startswith("benchmarks/results/") and console is not None:
         console.print(f"note: {results} is outside benchmarks/results/: commit it there with the table, which names it")
     date = time.strftime("%Y-%m-%d")
-    about = {"cpu": cpu_model(), "isa_class": machine_isa_class(), "tensorflow": tensorflow_version(),
+    about = {"cpu": machine_cpu_model(), "isa_class": machine_isa_class(), "tensorflow": tensorflow_version(),
              "cpus": os.cpu_count(), **(machine or {})}
     old = tables.load(name).get(key, {})
     entry = {"isa_class": isa_class or about["isa_class"], "machine": about,

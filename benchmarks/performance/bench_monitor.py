@@ -23,7 +23,7 @@ from harness import bench_parser, run_command, spread, time_calls, write_results
 from rich.console import Console
 from rich.table import Table
 
-from bigmem.memory.calibration import cpu_model, tensorflow_version
+from bigmem.memory.calibration import machine_cpu_model, tensorflow_version
 from bigmem.monitor.sampler import ResourceMonitor
 from bigmem.rundir import read_jsonl
 
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     overhead_pct = 100.0 * (off - on) / off
     console.print(f"overhead: {overhead_pct:+.2f}% steps/s; one sample() costs {cost * 1e3:.2f} ms "
                   f"({100 * cost / args.interval:.3f}% of one core at one sample per {args.interval:g} s)")
-    report = {"machine": {"host": socket.gethostname(), "cpu": cpu_model(), "tensorflow": tensorflow_version()},
+    report = {"machine": {"host": socket.gethostname(), "cpu": machine_cpu_model(), "tensorflow": tensorflow_version()},
               "model": args.model, "volume": args.volume, "steps": args.steps, "runs": runs,
               "steps_per_s_on": on, "steps_per_s_off": off, "overhead_pct": overhead_pct,
               "sample_cost_s": cost}

@@ -63,7 +63,7 @@ def main(argv=None) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from bigmem.memory.calibration import cpu_model, tensorflow_version
+    from bigmem.memory.calibration import machine_cpu_model, tensorflow_version
 
     console = Console()
     rows = []
@@ -86,7 +86,7 @@ def main(argv=None) -> int:
     from bigmem.sysinfo import cpu_description, isa_class
 
     write_results("filter_grad_accuracy", {
-        "machine": {"cpu": cpu_model(), "isa_class": isa_class(cpu_description()["isa"]),
+        "machine": {"cpu": machine_cpu_model(), "isa_class": isa_class(cpu_description()["isa"]),
                     "tensorflow": tensorflow_version(), "TF_ENABLE_ONEDNN_OPTS": "1"},
         "command": "python benchmarks/proofs/bench_filter_grad_accuracy.py --depths " + args.depths, "rows": rows},
         args.out, console)

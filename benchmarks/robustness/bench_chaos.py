@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     from rich.table import Table
 
     from bigmem.data.synth import write_synthetic_store
-    from bigmem.memory.calibration import cpu_model, tensorflow_version
+    from bigmem.memory.calibration import machine_cpu_model, tensorflow_version
 
     parser = bench_parser(__doc__, quick={"kills": 4, "steps": 12})  # one kill per phase
     parser.add_argument("--kills", type=int, default=20)
@@ -316,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"JSON errors {sum(len(k['json_errors']) for k in report['kills'])}; final loss {final['loss']!r} vs "
                   f"uninterrupted {final['reference_loss']!r} (relative difference {final['final_loss_rel_diff']}, "
                   f"largest per step {final['max_step_loss_rel_diff']}); left over: {final['leftovers'] or 'nothing'}")
-    report["machine"] = {"cpu": cpu_model(), "tensorflow": tensorflow_version(), "cpus": os.cpu_count()}
+    report["machine"] = {"cpu": machine_cpu_model(), "tensorflow": tensorflow_version(), "cpus": os.cpu_count()}
     write_results("chaos", report, args.out, console)
     return 0 if final["exit_code"] == 0 else 1
 

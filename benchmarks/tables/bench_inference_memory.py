@@ -49,7 +49,7 @@ from rich.table import Table
 from bigmem.config import resolve_config
 from bigmem.errors import BigmemError
 from bigmem.memory.budget import resolve_budget
-from bigmem.memory.calibration import Calibration, cpu_model, knots_from, machine_isa_class, tensorflow_version
+from bigmem.memory.calibration import Calibration, machine_cpu_model, knots_from, machine_isa_class, tensorflow_version
 from bigmem.memory.estimate import Pass, estimate
 from bigmem.memory.measure import measure
 from bigmem.memory.planner import available_memory_bytes
@@ -265,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(soft_wrap=True, width=170)
     isa = machine_isa_class()
     with heavy_turn(not args.no_measure, console.print):  # MemAvailable (the plan's budget) counts too
-        machine = {"host": socket.gethostname(), "cpu": cpu_model(), "isa_class": isa,
+        machine = {"host": socket.gethostname(), "cpu": machine_cpu_model(), "isa_class": isa,
                    "tensorflow": tensorflow_version(), "keras": tf_info["keras"],
                    "onednn_enabled": tf_info["onednn_enabled"], "onednn_reason": tf_info["onednn_reason"],
                    "TF_ENABLE_ONEDNN_OPTS": tf_info["TF_ENABLE_ONEDNN_OPTS"],

@@ -618,7 +618,7 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from bigmem.memory.calibration import cpu_model, tensorflow_version
+    from bigmem.memory.calibration import machine_cpu_model, tensorflow_version
 
     console = Console(soft_wrap=True, width=200)
     rows = []
@@ -659,7 +659,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{bad['elements']:.3e} (D={bad['depth']}): {bad['outcome']}" if bad else "-", s["verdict"])
     console.print(table)
     geometry = SMALL if args.quick else FULL
-    report = {"machine": {"host": socket.gethostname(), "cpu": cpu_model(), "tensorflow": tensorflow_version()},
+    report = {"machine": {"host": socket.gethostname(), "cpu": machine_cpu_model(), "tensorflow": tensorflow_version()},
               "command": command_line(__file__, argv),
               "geometry": geometry, "period_planes": PERIOD, "slab_planes": SLAB, "tolerance": TOLERANCE,
               "notes": {op: OPS[op].note for op in args.ops.split(",")}, "runs": rows, "summary": summary}

@@ -55,7 +55,7 @@ from bigmem.errors import BigmemError
 from bigmem.memory.calibration import (
     DEFAULTS_BATCH_SIZE,
     Calibration,
-    cpu_model,
+    machine_cpu_model,
     fit_calibration,
     knots_from,
     machine_isa_class,
@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     args.max_peak = args.max_peak or str(int(0.85 * available_memory_bytes()))
     console = Console(soft_wrap=True, width=160)
     campaign = Campaign(args, console)
-    report = {"machine": {"host": socket.gethostname(), "cpu": cpu_model(), "isa_class": campaign.isa,
+    report = {"machine": {"host": socket.gethostname(), "cpu": machine_cpu_model(), "isa_class": campaign.isa,
                           "tensorflow": tensorflow_version()},
               "model": args.model, "batch_size": args.batch_size, "calibrate_sizes": args.calibrate_sizes,
               "reused_from": args.reuse, "points": campaign.rows, "failures": campaign.failures}

@@ -863,7 +863,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("nothing to run: give --shared, --proof or both")
     from rich.console import Console
 
-    from bigmem.memory.calibration import cpu_model, machine_isa_class, tensorflow_version
+    from bigmem.memory.calibration import machine_cpu_model, machine_isa_class, tensorflow_version
     from bigmem.sysinfo import cpu_description
 
     console = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 200)
@@ -879,12 +879,12 @@ def main(argv: list[str] | None = None) -> int:
     children = report.get("shared", []) + report.get("proof", [])
     tensorflow = next((r["tensorflow"] for r in children if "tensorflow" in r), None)
     cpu = cpu_description()
-    report["machine"] = {"host": socket.gethostname(), "cpu": cpu_model(), "isa_class": machine_isa_class(),
+    report["machine"] = {"host": socket.gethostname(), "cpu": machine_cpu_model(), "isa_class": machine_isa_class(),
                          "isa": cpu["isa"], "logical_cpus": cpu["logical_cpus"], "cpus_allowed": cpu["cpus_allowed"],
                          "tensorflow": tensorflow_version(), "tensorflow_runtime": tensorflow}
     for r in children:
         r.pop("tensorflow", None)
-    console.print(f"{cpu_model()} ({machine_isa_class()}), TF {tensorflow_version()}, oneDNN "
+    console.print(f"{machine_cpu_model()} ({machine_isa_class()}), TF {tensorflow_version()}, oneDNN "
                   f"{'on' if tensorflow and tensorflow['onednn_enabled'] else 'off'}, "
                   f"threads intra {tensorflow and tensorflow['intra_op_threads']} inter "
                   f"{tensorflow and tensorflow['inter_op_threads']} (0 = TF's default: one per CPU)")

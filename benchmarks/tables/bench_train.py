@@ -46,7 +46,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bigmem.config import resolve_config
-from bigmem.memory.calibration import cpu_model, tensorflow_version
+from bigmem.memory.calibration import machine_cpu_model, tensorflow_version
 from bigmem.units import format_bytes
 
 MATMUL_EDGE = 4096
@@ -368,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     _speedups(rows)
     scaling = _scaling(args, rows, common, note) if args.scaling else None
     _print(console, rows, ceilings, scaling)
-    report = {"machine": {"host": socket.gethostname(), "cpu": cpu_model(), "cpus": os.cpu_count(),
+    report = {"machine": {"host": socket.gethostname(), "cpu": machine_cpu_model(), "cpus": os.cpu_count(),
                           "tensorflow": tensorflow_version(), "torch": torch_version, "isa_class": _isa_class(),
                           "variant": args.variant, "variant_env": {k: variant_env(k) for k in paths}},
               "warmup": args.warmup, "steps": args.steps,
@@ -390,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
                     rates.append({"precision": precision, "base_filters": resolve_config(preset).model.base_filters,
                                   "gflops_per_core": round(statistics.median(gflops) / cores, 1)})
         write_table("step_rates", {"rates": rates}, results=path, console=console,
-                    summary=f"{_isa_class()}: measured (bench_train, {cpu_model()}, TF {tensorflow_version()})",
+                    summary=f"{_isa_class()}: measured (bench_train, {machine_cpu_model()}, TF {tensorflow_version()})",
                     notes=[f"bigmem's own training step, batch 1, median of {args.steps} after {args.warmup} warm-up "
                            f"steps on {cores} cores; each rate is the median over {args.volumes.replace(',', ', ')}^3, "
                            "per core."])
