@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from rich.console import Console
 
 from bigmem.config.options import OptimizerName, Precision
 from bigmem.config.schema import ExperimentConfig
-from bigmem.errors import DiskFullError, TrainingError
+from bigmem.errors import DataError, DiskFullError, TrainingError
 from bigmem.infer.modelcard import CARD_NAME, ModelCard
 from bigmem.atomic import atomic_output, remove_leftover_temporaries
 from bigmem.sysinfo import collect_sysinfo
@@ -101,13 +102,16 @@ def train(config: ExperimentConfig, run_dir: str | os.PathLike, *, resume: bool 
         ConfigError: a setting bigmem cannot use (it names the config field).
         InsufficientMemoryError: (exit 3) the job does not fit its budget, unless ``force``.
 
+    A refused run leaves no ``run_dir`` it created: the checks above run before anything is written, and
+    a case refused as it is read (``DataError``) before the first checkpoint removes the directory again.
+
     Example:
         >>> result = train(resolve_config("tiny", {"train": {"steps": 4}}), "runs/tiny")
         >>> result.final_step
         4
     """
     console = console or Console(soft_wrap=True)
-    with exclusive_run_dir(Path(run_dir)):  # every decision about the directory is made holding it
+    with exclusive_run_dir(Path(run_dir)) as created:  # every decision about the directory is made holding it
         try:
             job = prepare_job(config, run_dir, resume=resume, force=force, console=console, verbose=verbose,
                               recompute_stages=recompute_stages)
@@ -118,6 +122,12 @@ def train(config: ExperimentConfig, run_dir: str | os.PathLike, *, resume: bool 
                                float(summary.get("loss", "nan")), float(summary.get("dice", "nan")))
         try:
             return _run(job, console, verbose)
+        except DataError:
+            # A case refused as it is read (its store changed after convert recorded its values, which
+            # the pre-flight trusts): a directory this call made, with no checkpoint yet, goes again.
+            if created and job.checkpoints.latest() is None:
+                shutil.rmtree(job.run.path, ignore_errors=True)
+            raise
         finally:
             job.close()
 
@@ -128,7 +138,11 @@ def exclusive_run_dir(path: Path):
 
     The lock is ``flock`` on the directory itself (no lock file), so the kernel releases it when
     the process ends, even by SIGKILL. Folders created for it are removed again if the run wrote
-    nothing (a refused pre-flight leaves nothing behind).
+    nothing (a refused pre-flight leaves nothing behind), or if the caller removed the run directory.
+
+    Yields:
+        True where this call created ``path`` (it did not exist before), else False (a directory the
+        user already had, such as a run to resume: never removed).
 
     Raises:
         TrainingError: another process holds it, or it cannot be a run directory (a file, no permission).
@@ -150,10 +164,12 @@ def exclusive_run_dir(path: Path):
                                 "it to end, or choose another --out.") from None
         except OSError:  # a filesystem without locks (ENOLCK, EOPNOTSUPP): run unguarded, as before locks
             pass
-        yield
+        yield path in missing
     finally:
         os.close(fd)
         for folder in missing:
+            if not folder.exists():  # the run directory, removed by the caller
+                continue
             try:
                 folder.rmdir()  # only while empty
             except OSError:

@@ -171,8 +171,50 @@ def test_bad_case_is_named_and_nothing_is_half_written(tmp_path, corrupt_store, 
     assert err.startswith("bigmem train: error: Case 'synth_000")
     assert "label value 5 >= number of classes 3" in err
     assert "Traceback" not in err
-    assert not (out / "model.keras").exists()
-    assert not list(out.rglob(".*"))
+    assert not out.exists()
+
+
+def _poison_image(handle) -> None:
+    """A mutate() for corrupt_store: one NaN voxel in every case's image, its recorded count left at 0."""
+    for case in handle["cases"]:
+        data = handle[f"cases/{case}/image"]
+        values = data[...]
+        values.flat[0] = np.nan
+        data[...] = values
+
+
+@pytest.mark.parametrize("poison, flags, code, message", [
+    ("label", [], 1, "label value 5 >= number of classes 3"),
+    ("nan", [], 1, "image has 1 non-finite values (NaN/Inf)"),
+    (None, ["--memory-budget", "1MiB"], 3, "exceeds the memory budget 1.00 MiB (--memory-budget)"),
+    (None, ["--memory-budget", "1000TiB"], 3, "is more than this machine's memory"),
+    (None, ["--memory-budget", "lots"], 2, "Invalid --memory-budget 'lots'"),
+], ids=["bad-label", "nan-voxel", "does-not-fit", "budget-above-machine", "bad-budget"])
+def test_a_refused_run_leaves_no_run_directory(tmp_path, tiny_store, corrupt_store, capsys, poison, flags, code,
+                                               message):
+    from helpers import poison_labels
+
+    poisons = {"label": poison_labels(5, (3, 3, 3)), "nan": _poison_image}
+    store = corrupt_store(poisons[poison]) if poison else tiny_store
+    out = tmp_path / "runs" / "run"
+    got, _, err = run_cli(tiny_train(out, store, "--steps", 2, *flags), capsys)
+    assert got == code
+    assert message in err
+    assert len(err.strip().splitlines()) == 1
+    assert not out.exists()
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_refused_run_keeps_the_folder_the_user_had(tmp_path, corrupt_store, capsys):
+    from helpers import poison_labels
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    code, _, err = run_cli(tiny_train(out, corrupt_store(poison_labels(5, (3, 3, 3))), "--steps", 2), capsys)
+    assert code == 1
+    assert "label value 5 >= number of classes 3" in err
+    assert (out / "notes.txt").read_text() == "mine"
 
 
 def _start(out: Path, store: Path, steps: int) -> subprocess.Popen:
