@@ -76,6 +76,7 @@ class RunDir:
     tensorboard/            TensorBoard event files: train/ and validation/ scalars
     model.keras             the final model
     preprocessing.json      what the model expects of a scan (``infer.modelcard``): predict needs no store
+    splits_final.json       with ``--fold K``: the cross-validation folds the run's fold was taken from
     report/                 ``bigmem report``'s default output folder
     ======================  ==================================================================
 
@@ -143,6 +144,11 @@ class RunDir:
     def report(self) -> Path:
         return self.path / "report"
 
+    @property
+    def splits(self) -> Path:
+        """splits_final.json: nnU-Net v2's name and format for the folds (``data.splits``)."""
+        return self.path / "splits_final.json"
+
     def holds_run(self) -> bool:
         return self.config.exists() or self.checkpoints.exists()
 
@@ -156,6 +162,10 @@ class RunDir:
 
     def write_plan(self, plan: dict[str, Any]) -> Path:
         return atomic_write_json(self.plan, plan)
+
+    def write_splits(self, splits: list[dict[str, list[str]]]) -> Path:
+        """splits_final.json: a list of ``{"train": [case ids], "val": [case ids]}``, one per fold."""
+        return atomic_write_json(self.splits, splits)
 
     def write_numa(self, report: dict[str, Any]) -> Path:
         """numa.json: ``bigmem.numa.observe.observed``'s report."""

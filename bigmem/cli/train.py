@@ -74,6 +74,16 @@ def register(subparsers, parents) -> None:
     data = parser.add_argument_group("data")
     data.add_argument("--data", metavar="STORE.h5", help="HDF5 store to train on (default: synthetic phantoms)")
     data.add_argument("--holdout", type=int, metavar="N", help="keep the last N cases out of training")
+    data.add_argument("--fold", metavar="K",
+                      help="train nnU-Net v2's cross-validation fold K (0..4): its train cases train and its val "
+                           "cases are held out (--val-every validates on them); 'all' trains on every case and "
+                           "validates on every case, as nnU-Net does. The folds are those of --splits, else of a "
+                           "splits_final.json beside the store, else nnU-Net's own 5-fold split of the sorted case "
+                           "ids (KFold, seed 12345): the same cases land in the same folds. RUN_DIR/splits_final.json "
+                           "keeps the folds used")
+    data.add_argument("--splits", metavar="FILE",
+                      help="with --fold: nnU-Net's splits_final.json to take the folds from (a list of "
+                           '{"train": [case ids], "val": [case ids]}), used as it is')
     data.add_argument("--pad-multiple", type=int, metavar="N",
                       help="pad each case's axes up to a multiple of N (a multiple of 2^depth; default 2^depth): a "
                            "store of many shapes then compiles the step for fewer of them, for a little more padding")
@@ -111,10 +121,10 @@ def register(subparsers, parents) -> None:
                                 "and kept aside); a finished run is left as it is")
     run_group.add_argument("--checkpoint-every", type=int, metavar="K", help="steps between checkpoints")
     run_group.add_argument("--val-every", type=int, metavar="K",
-                           help="every K steps and at the end, segment the --holdout cases whole (as bigmem predict "
-                                "does) and log their Dice (val_dice, per class) to metrics.jsonl, summary.json and "
-                                "TensorBoard; the best model is kept as checkpoints/best (bigmem predict --checkpoint "
-                                "best)")
+                           help="every K steps and at the end, segment the --holdout (or --fold) cases whole (as "
+                                "bigmem predict does) and log their Dice (val_dice, per class) to metrics.jsonl, "
+                                "summary.json and TensorBoard; the best model is kept as checkpoints/best (bigmem "
+                                "predict --checkpoint best)")
     run_group.add_argument("--monitor-interval", type=float, metavar="S",
                            help="seconds between rows of RUN_DIR/monitor.csv (CPU, memory, page cache, disk, NUMA "
                                 "nodes, GPUs; default 1; 0 turns the monitor off)")
@@ -129,7 +139,7 @@ def _overrides(args) -> dict:
                             cold_cache=args.cold_cache, augment=args.augment)
     sections["numa"] = numa_overrides(args)
     gpu_memory = parse_bytes(args.gpu_memory, flag="--gpu-memory") if args.gpu_memory else None
-    sections["data"].update(holdout=args.holdout, pad_multiple=args.pad_multiple)
+    sections["data"].update(holdout=args.holdout, pad_multiple=args.pad_multiple, fold=args.fold, splits=args.splits)
     sections["distribute"] = dict(strategy=args.strategy, gpus=args.gpus, simulate_replicas=args.simulate_replicas,
                                   gpu_memory_bytes=gpu_memory, patch=args.patch)
     sections["memory"].update(budget_bytes=budget)
@@ -164,6 +174,9 @@ def resolve(args):
         return _given_config(args, overrides)
     if args.data is not None and not Path(args.data).exists():
         raise DataError(f"Cannot open store {args.data!r} (--data): no such file.")
+    if args.splits is not None and not Path(args.splits).is_file():
+        raise DataError(f"Cannot read splits file {args.splits!r} (--splits): no such file; expected nnU-Net's "
+                        "splits_final.json.")
     if args.resume:
         if args.out is None:
             raise UsageError("--resume needs --out RUN_DIR: the run to continue.")

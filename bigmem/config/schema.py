@@ -147,6 +147,10 @@ class DataConfig:
             MONAI's RandShiftIntensity.
         cold_cache: drop the store's pages after each read (a dataset larger than RAM).
         holdout: the last N cases (sorted ids) kept out of training, for validation.
+        fold: nnU-Net v2's cross-validation fold to train ("0".."4"; ``data/splits.fold_split``): its train
+            cases train, its val cases validate; "all": every case trains and validates (default None: off).
+        splits: the ``splits_final.json`` whose folds ``fold`` picks (default None: one beside the store,
+            else nnU-Net's 5 folds of the store's cases).
         synth_cases, synth_volume, synth_classes: the synthetic dataset's shape.
 
     Example:
@@ -166,6 +170,8 @@ class DataConfig:
     intensity_shift: float = 0.1
     cold_cache: bool = False  # --cold-cache: drop the store's pages after each read (dataset > RAM)
     holdout: int = 0  # the last N cases (sorted ids) are kept out of training, for evaluation
+    fold: str | None = None  # --fold: nnU-Net v2's fold "0".."4", or "all"
+    splits: str | None = None  # --splits: nnU-Net's splits_final.json (default: beside the store, else made)
     synth_cases: int = 16
     synth_volume: int = 48
     synth_classes: int = 3
@@ -188,6 +194,14 @@ class DataConfig:
         for name in ("prefetch", "num_workers", "holdout"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"data.{name}", f"Invalid {{field}} {getattr(self, name)}: expected an integer >= 0.")
+        if self.fold is not None and self.fold != "all" and not (self.fold.isascii() and self.fold.isdigit()):
+            raise ConfigError("data.fold", f"Invalid {{field}} {self.fold!r}: expected a fold number 0..4 (nnU-Net's "
+                              "5-fold cross-validation; more with a {data.splits} file of more folds) or all.")
+        if self.splits is not None and self.fold is None:
+            raise ConfigError("data.splits", "{field} gives the folds of {data.fold}: give {data.fold} K too.")
+        if self.fold is not None and self.holdout:
+            raise ConfigError("data.holdout", "Give either {field} or {data.fold}, not both: a fold's val cases are "
+                              "the ones held out.")
         if not 2 <= self.synth_classes <= 255:
             raise ConfigError("data.synth_classes", f"Invalid {{field}} {self.synth_classes}: expected 2..255 "
                               "(background + foreground classes).")
@@ -377,9 +391,9 @@ class ExperimentConfig:
             check_multiple("data.pad_multiple", self.data.pad_multiple, self.model)
         if self.distribute.patch is not None:  # a patch goes through the same network as a whole volume
             check_multiple("distribute.patch", self.distribute.patch, self.model)
-        if self.train.val_every and not self.data.holdout:
+        if self.train.val_every and not self.data.holdout and self.data.fold is None:
             raise ConfigError("train.val_every", "{field} needs held-out cases to validate on: give {data.holdout} N "
-                              "(the last N cases are kept out of training).")
+                              "(the last N cases are kept out of training) or {data.fold} K.")
 
     def to_dict(self) -> dict[str, Any]:
         """The config as JSON-able data (enums as their strings): config.json's sections."""

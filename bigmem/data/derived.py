@@ -131,7 +131,8 @@ def trained_shapes(config: ExperimentConfig) -> list[tuple[str, tuple[int, int, 
     from bigmem.data.pipeline import trained_shape
 
     multiple = pad_multiple(config)
-    with HDF5VolumeStore(config.data.store, holdout=config.data.holdout) as store:
+    with HDF5VolumeStore(config.data.store, holdout=config.data.holdout, fold=config.data.fold,
+                         splits=config.data.splits) as store:
         infos = list(store.cases)
     fixed = config.data.shape
     return [(i.case_id, i.shape, trained_shape(i.shape, pad_multiple=multiple, fixed=fixed)) for i in infos]

@@ -335,9 +335,9 @@ _WORKER_STORE: HDF5VolumeStore | None = None
 _WORKER_SLOTS: dict[str, shared_memory.SharedMemory] = {}
 
 
-def _init_worker(store_path: str, cold_cache: bool, holdout: int) -> None:
+def _init_worker(store_path: str, cold_cache: bool, holdout: int, fold: str | None, splits: str | None) -> None:
     global _WORKER_STORE
-    _WORKER_STORE = HDF5VolumeStore(store_path, cold_cache=cold_cache, holdout=holdout)
+    _WORKER_STORE = HDF5VolumeStore(store_path, cold_cache=cold_cache, holdout=holdout, fold=fold, splits=splits)
 
 
 def _slot_views(buffer, shape: Sequence[int], channels: int):
@@ -401,13 +401,16 @@ class VolumeLoader:
         patch: read patches of this ``(D, H, W)`` (or N^3 for an edge N) instead of whole volumes,
             foreground-centred with probability FOREGROUND_FRACTION (default None: whole volumes).
         holdout: the last N cases (sorted ids) are kept out, for evaluation (default 0).
+        fold, splits: train nnU-Net v2's cross-validation fold ``fold`` of the folds in ``splits``
+            (``HDF5VolumeStore``; default None: every case, less ``holdout``).
         shard: ``(index, count)``: load only slice ``index`` of each global batch of
             ``count * batch_size`` samples (default ``(0, 1)``: all of it).
 
     Raises:
         DataError: the store is missing, not a bigmem store, newer than this bigmem, has no
             cases or an inconsistent case, a case with a label value >= its ``num_classes`` or a
-            NaN/Inf voxel, or ``holdout`` leaves no case to train on.
+            NaN/Inf voxel, or ``holdout`` leaves no case to train on; splits that cannot be read.
+        ConfigError: (``data.fold``) a fold the splits do not have.
         ValueError: ``shard`` is not ``(index, count)`` with ``0 <= index < count``, or native
             shapes without a ``pad_multiple``.
 
@@ -419,12 +422,13 @@ class VolumeLoader:
     def __init__(self, store_path: str | os.PathLike, *, shape: Sequence[int] | None = None,
                  pad_multiple: int | None = None, batch_size: int, seed: int = 0, augment: Compose | None = None,
                  num_workers: int = 0, prefetch: int = 2, cold_cache: bool = False,
-                 patch: int | Sequence[int] | None = None, holdout: int = 0, shard: tuple[int, int] = (0, 1)):
+                 patch: int | Sequence[int] | None = None, holdout: int = 0, fold: str | None = None,
+                 splits: str | None = None, shard: tuple[int, int] = (0, 1)):
         if shape is None and not patch and pad_multiple is None:  # before the store is opened
             raise ValueError("VolumeLoader: pad_multiple is needed to train each case at its own shape (shape and "
                              "patch None): the network's size contract 2**depth, or a multiple of it "
                              "(data.derived.pad_multiple).")
-        self.store = HDF5VolumeStore(store_path, cold_cache=cold_cache, holdout=holdout)
+        self.store = HDF5VolumeStore(store_path, cold_cache=cold_cache, holdout=holdout, fold=fold, splits=splits)
         try:  # a bad label or voxel is refused here, before the first training step, not when its case is read
             self.store.validate_for_training()
         except BaseException:
@@ -436,6 +440,7 @@ class VolumeLoader:
         if not 0 <= self.shard_index < self.num_shards:
             raise ValueError(f"shard {shard}: expected (index, count) with 0 <= index < count")
         self.holdout = holdout
+        self.fold, self.splits = fold, splits
         self.cold_cache = cold_cache
         self.patch = as_shape(patch) if patch else None
         self.shape = tuple(int(s) for s in shape) if shape is not None else None
@@ -546,7 +551,8 @@ class VolumeLoader:
         if self._pool is None:
             self._pool = ProcessPoolExecutor(
                 self.num_workers, mp_context=multiprocessing.get_context("spawn"),
-                initializer=_init_worker, initargs=(str(self.store.path), self.cold_cache, self.holdout))
+                initializer=_init_worker, initargs=(str(self.store.path), self.cold_cache, self.holdout, self.fold,
+                                                      self.splits))
         return self._pool.submit(_worker_load, self._slots[slot].name, sample_index, self.case_index(sample_index),
                                  shape, self.seed, self.patch, self.augment)
 

@@ -30,6 +30,7 @@ import numpy as np
 
 from bigmem.data import DEFAULT_CHUNK_EDGE
 from bigmem.data.preprocess import PREPROCESSING_ATTR, STATS_ATTR, Preprocessing, case_statistics, complete
+from bigmem.data.splits import FoldSplit, fold_split
 from bigmem.errors import DataError
 from bigmem.atomic import atomic_hdf5
 from bigmem.units import format_bytes
@@ -132,11 +133,16 @@ class HDF5VolumeStore:
             temporary). The input pipeline keeps it on: it normalises with the statistics convert
             recorded, so nothing else would see a damaged voxel.
         holdout: keep the last N cases (sorted ids) out of ``cases``, in ``held_out`` (default 0).
+        fold: nnU-Net v2's cross-validation fold ("0".."4" or "all"; ``splits.fold_split``): ``cases`` are
+            its train cases, ``held_out`` its val cases, ``split`` the whole ``FoldSplit`` (default None).
+        splits: the ``splits_final.json`` ``fold`` is taken from (default None: one beside the store, else
+            nnU-Net's 5 folds of the store's cases).
 
     Raises:
         DataError: the file is missing, not HDF5, not a bigmem store, of a newer store version,
             has no cases or a case with a missing dataset or inconsistent shapes or channels; or
-            ``holdout`` would leave no case.
+            ``holdout`` would leave no case; or the splits cannot be read or name a case it lacks.
+        ConfigError: (``data.fold``) a fold the splits do not have.
 
     Example:
         >>> with HDF5VolumeStore("synth.h5") as store:
@@ -144,7 +150,8 @@ class HDF5VolumeStore:
     """
 
     def __init__(self, path: str | os.PathLike, *, cold_cache: bool = False, direct_read: bool = True,
-                 check_finite: bool = True, holdout: int = 0):
+                 check_finite: bool = True, holdout: int = 0, fold: str | None = None,
+                 splits: str | os.PathLike | None = None):
         self.path = Path(path)
         self.check_finite = check_finite
         self.cold_cache = cold_cache
@@ -163,7 +170,15 @@ class HDF5VolumeStore:
                                                      f"Store {str(self.path)!r}")
         self.preprocessing_recorded = PREPROCESSING_ATTR in handle.attrs  # False: the default, for an older store
         self._stats: dict[str, dict] = {}
-        if holdout:  # the last ``holdout`` cases are kept for evaluation
+        self.split: FoldSplit | None = None
+        if fold is not None:  # nnU-Net's fold: its train cases train, its val cases are held out
+            self.split = fold_split([c.case_id for c in self.cases], str(fold), store_path=self.path,
+                                    splits_file=splits)
+            by_id = {c.case_id: c for c in self.cases}
+            self.held_out_cases = [by_id[c] for c in self.split.val]
+            self.held_out = list(self.split.val)
+            self.cases = [by_id[c] for c in self.split.train]
+        elif holdout:  # the last ``holdout`` cases are kept for evaluation
             if holdout >= len(self.cases):
                 raise DataError(f"Cannot hold out {holdout} of the {len(self.cases)} cases in {str(self.path)!r}: "
                                 "training needs at least one.")
@@ -370,7 +385,7 @@ class HDF5VolumeStore:
         """
         num_classes = self.num_classes if num_classes is None else int(num_classes)
         unrecorded = []
-        for info in self.cases + self.held_out_cases:
+        for info in {c.case_id: c for c in self.cases + self.held_out_cases}.values():  # fold all: both the same
             recorded = self._recorded_values(info.case_id)
             if recorded is None:
                 unrecorded.append(info)

@@ -193,7 +193,8 @@ def make_loader(config: ExperimentConfig, execution: Execution) -> VolumeLoader:
     data = config.data
     return VolumeLoader(data.store, shape=data.shape, pad_multiple=pad_multiple(config), seed=config.train.seed,
                         augment=augmentation(config), num_workers=data.num_workers, prefetch=data.prefetch,
-                        cold_cache=data.cold_cache, holdout=data.holdout, **execution.loader_settings())
+                        cold_cache=data.cold_cache, holdout=data.holdout, fold=data.fold, splits=data.splits,
+                        **execution.loader_settings())
 
 
 def plan_memory(config: ExperimentConfig, execution: Execution, recompute_stages: list[str] | None, *, force: bool,

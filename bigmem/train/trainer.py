@@ -276,6 +276,9 @@ def _start(job: Job, model, optimizer, console: Console) -> Restored:
                       "augmentation": job.loader.augment.to_dict() if job.loader.augment else None})
     if job.resume_from is None or not (run.path / CARD_NAME).is_file():  # a resumed run keeps what it trained on
         ModelCard.from_store(job.config.data.store).write(run.path)  # predict needs the run directory only
+    split = job.loader.store.split
+    if split is not None and split.splits is not None:  # --fold K: the folds it was taken from, as nnU-Net keeps them
+        run.write_splits(split.splits)
     run.write_sysinfo(collect_sysinfo())
     run.write_plan(job.plan.to_dict())
     return restored
@@ -320,7 +323,17 @@ def _announce(job: Job, model, console: Console) -> cb.NUMAReport:
     console.print(f"bigmem train: {job.config.model.name} ({model.count_params():,} parameters), {what}, "
                   f"{job.config.train.precision.value}, {job.total_steps} step{'' if job.total_steps == 1 else 's'} -> "
                   f"{job.run.path}")
+    split = job.loader.store.split
+    if split is not None:
+        console.print(_fold_line(split))
     return numa
+
+
+def _fold_line(split) -> str:
+    """``--fold``'s opening line: the fold, where its folds came from, its cases."""
+    source = (f" of the splits in {split.source}" if split.source else " of nnU-Net's 5-fold split" if split.splits
+              else " (every case trains and validates)")
+    return f"Fold {split.fold}{source}: {len(split.train)} training, {len(split.val)} validation cases"
 
 
 def _finish(job: Job, model, state: LoopState, console: Console, validation: dict | None,

@@ -68,7 +68,7 @@ def test_validation_needs_held_out_cases(tmp_path, tiny_store, capsys):
                             "--out", tmp_path / "run"], capsys)
     assert code == 2
     assert err.strip() == ("bigmem train: error: --val-every needs held-out cases to validate on: give --holdout N "
-                           "(the last N cases are kept out of training).")
+                           "(the last N cases are kept out of training) or --fold K.")
 
 
 @pytest.mark.slow
