@@ -301,3 +301,23 @@ def check_allocation(needed_bytes: int, what: str, hint: str) -> None:
         raise InsufficientMemoryError(f"{what[:1].upper()}{what[1:]} needs about {format_bytes(needed_bytes)} of "
                                       f"memory, more than the {format_bytes(available)} available (MemAvailable); "
                                       f"try {hint}.", needed_bytes, available)
+
+
+def add_shape_column(table, header: str, cells, **options) -> None:
+    """A ``rich`` table column of shapes ('200x240x192') that is never cut to '200x240x…'.
+
+    The column is at least as wide as its widest shape (a word of ``cells``: '200x240x192 *' is two),
+    so a narrow terminal shrinks the other columns first; where even that is not enough, a shape
+    folds onto the next line instead of losing digits.
+
+    Args:
+        table: a ``rich.table.Table`` whose rows are not added yet.
+        header: the column's title.
+        cells: the texts the column will hold.
+        **options: ``Table.add_column``'s others (``justify``).
+
+    Example:
+        >>> add_shape_column(table, "volume", ["200x240x192 *", "96x96x96"], justify="right")
+    """
+    widest = max((len(word) for cell in cells for word in str(cell).split()), default=0)
+    table.add_column(header, min_width=widest, overflow="fold", **options)

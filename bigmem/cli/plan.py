@@ -9,6 +9,7 @@ from pathlib import Path
 
 from bigmem.cli.common import (
     add_budget_flag,
+    add_shape_column,
     add_model_flags,
     budget_arguments,
     check_output_file,
@@ -190,15 +191,18 @@ def _print_plan(args, config, budget, plan) -> None:
 
     console = Console(soft_wrap=True)
     table = Table(title=f"{config.model.name} within {format_bytes(budget.budget_bytes)} ({budget.source})")
-    for column in ("precision", "recompute", "volume" if plan.searched_shape is not None else "largest volume", "batch",
-                   "predicted peak", "voxels vs fp32", "step (pred.)"):
+    shapes = [c.shape_text + (" *" if c is plan.chosen else "") for c in plan.best_per_mode]
+    for column in ("precision", "recompute"):
+        table.add_column(column, justify="right")
+    add_shape_column(table, "volume" if plan.searched_shape is not None else "largest volume", shapes,
+                     justify="right")
+    for column in ("batch", "predicted peak", "voxels vs fp32", "step (pred.)"):
         table.add_column(column, justify="right")
     base = next((c for c in plan.best_per_mode if (c.precision, c.recompute) == ("fp32", "none")), None)
-    for c in plan.best_per_mode:
+    for c, shape in zip(plan.best_per_mode, shapes):
         ratio = (f"{(math.prod(c.shape) * c.batch_size) / (math.prod(base.shape) * base.batch_size):.2f}x"
                  if base else "-")
-        mark = " *" if c is plan.chosen else ""
-        table.add_row(c.precision, c.recompute, f"{c.shape_text}{mark}", str(c.batch_size),
+        table.add_row(c.precision, c.recompute, shape, str(c.batch_size),
                       format_bytes(c.predicted_peak_bytes), ratio, f"{c.predicted_step_s:.3g} s")
     console.print(table)
     if plan.cases:
@@ -253,17 +257,23 @@ def _print_cases(console, rows: list[dict], config) -> None:
     fixed = config.data.shape is not None
     table = Table(title=f"{format_count(len(rows), 'case')} " + ("cropped/padded to one shape" if fixed else
                                                  "whole at their own shapes, padded to the size contract"))
-    for column in ("trained shape", "cases", "source shapes", "predicted peak", "fits"):
+    ordered = sorted(groups.items(), key=lambda kv: -kv[1][0]["predicted_peak_bytes"])[:20]
+    trained = ["x".join(map(str, shape)) for shape, _ in ordered]
+    sources = []
+    for _, members in ordered:
+        found = sorted({"x".join(map(str, m["shape"])) for m in members})
+        sources.append(", ".join(found[:3]) + (f", ... ({len(found)})" if len(found) > 3 else ""))
+    add_shape_column(table, "trained shape", trained, justify="right")
+    table.add_column("cases", justify="right")
+    add_shape_column(table, "source shapes", sources, justify="right")
+    for column in ("predicted peak", "fits"):
         table.add_column(column, justify="right")
-    ordered = sorted(groups.items(), key=lambda kv: -kv[1][0]["predicted_peak_bytes"])
-    for shape, members in ordered[:20]:
-        sources = sorted({"x".join(map(str, m["shape"])) for m in members})
-        table.add_row("x".join(map(str, shape)), str(len(members)),
-                      ", ".join(sources[:3]) + (f", ... ({len(sources)})" if len(sources) > 3 else ""),
-                      format_bytes(members[0]["predicted_peak_bytes"]), "yes" if members[0]["fits"] else "no")
+    for shape, source, (_, members) in zip(trained, sources, ordered):
+        table.add_row(shape, str(len(members)), source, format_bytes(members[0]["predicted_peak_bytes"]),
+                      "yes" if members[0]["fits"] else "no")
     console.print(table)
-    if len(ordered) > 20:
-        console.print(f"... and {len(ordered) - 20} smaller shapes (every case is in plan.json)", style="dim")
+    if len(groups) > 20:
+        console.print(f"... and {len(groups) - 20} smaller shapes (every case is in plan.json)", style="dim")
 
 
 def _inference(args, result) -> int:
@@ -281,11 +291,13 @@ def _inference(args, result) -> int:
         console = Console(soft_wrap=True)
         table = Table(title=f"{config.model.name} inference ({config.train.precision.value}, one whole volume) within "
                             f"{format_bytes(budget.budget_bytes)} ({budget.source})")
-        for column in ("volume", "predicted peak", "fits"):
+        candidates = sorted(plan.candidates, key=lambda c: c.volume)
+        shapes = [c.shape_text + (" *" if c is plan.chosen else "") for c in candidates]
+        add_shape_column(table, "volume", shapes, justify="right")
+        for column in ("predicted peak", "fits"):
             table.add_column(column, justify="right")
-        for c in sorted(plan.candidates, key=lambda c: c.volume):
-            mark = " *" if c is plan.chosen else ""
-            table.add_row(f"{c.shape_text}{mark}", format_bytes(c.predicted_peak_bytes), "yes" if c.fits else "no")
+        for c, shape in zip(candidates, shapes):
+            table.add_row(shape, format_bytes(c.predicted_peak_bytes), "yes" if c.fits else "no")
         console.print(table)
         if plan.chosen is not None:
             chosen = plan.chosen

@@ -12,6 +12,7 @@ from bigmem.cli.common import (
     add_memory_flags,
     add_model_flags,
     add_numa_flags,
+    add_shape_column,
     budget_arguments,
     check_positive,
     check_shape_argument,
@@ -307,11 +308,13 @@ class _Printer:
 
         table = Table(title=f"{self.config.model.name}: measured vs predicted peak, batch "
                             f"{self.config.train.batch_size}, {self._mode(results[0].estimate)}")
-        for column in ("shape", "predicted", "measured", "error"):
+        shapes = [format_shape(r.estimate.spatial_shape) for r in results]
+        add_shape_column(table, "shape", shapes, justify="right")
+        for column in ("predicted", "measured", "error"):
             table.add_column(column, justify="right")
-        for r in results:
-            table.add_row(format_shape(r.estimate.spatial_shape), format_bytes(r.estimate.predicted_peak_bytes),
-                          format_bytes(r.measurement.peak_bytes), f"{r.error_pct:+.1f}%")
+        for r, shape in zip(results, shapes):
+            table.add_row(shape, format_bytes(r.estimate.predicted_peak_bytes), format_bytes(r.measurement.peak_bytes),
+                          f"{r.error_pct:+.1f}%")
         self.console.print(table)
         self.console.print(f"fitted: peak = {format_bytes(law.fixed_bytes)} + {law.bytes_per_voxel:.1f} B/voxel x "
                            f"voxels; at 512^3: {format_bytes(law.peak_at(512))}; 1 TiB is reached at about "

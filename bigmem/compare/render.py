@@ -81,10 +81,11 @@ def console_table(report: CompareReport):
     from rich.table import Table
 
     table = Table(title="bigmem compare" + (" — data-parallel path SIMULATED ON CPU" if report.simulated else ""))
-    table.add_column("")
-    table.add_column(LABELS["cpu_bigmem"])
+    # fold, not '…': a shape ('200x240x192') cut by a narrow terminal would lose its digits
+    table.add_column("", overflow="fold")
+    table.add_column(LABELS["cpu_bigmem"], overflow="fold")
     table.add_column(f"data parallel on patches ({report.replicas} "
-                     f"{'simulated replicas' if report.simulated else 'GPUs'})")
+                     f"{'simulated replicas' if report.simulated else 'GPUs'})", overflow="fold")
     for row in rows(report):
         table.add_row(*row)
     return table

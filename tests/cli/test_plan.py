@@ -198,3 +198,33 @@ def test_without_a_budget_several_nodes_size_the_search_by_what_interleave_holds
     assert plan["budget_source"] == "2 interleaved node(s) x the smallest free 2.00 GiB"
     assert plan["budget_bytes"] == 4 * 2**30
     assert plan["layouts"]["interleave"]["fits"]
+
+
+@pytest.mark.parametrize("columns", [80, 200])
+@pytest.mark.parametrize("inference", [False, True], ids=["training", "inference"])
+def test_plan_tables_show_the_whole_shape(tmp_path, capsys, monkeypatch, columns, inference):
+    monkeypatch.setenv("COLUMNS", str(columns))
+    argv = ["plan", "--budget", "16GiB", "--model", "tiny", "--shape", "200,240,192", "--out", tmp_path / "plan.json"]
+    code, stdout, err = run_cli(argv + ["--inference"] * inference, capsys)
+    assert code == 0, err
+    rows = [line for line in stdout.splitlines() if line.startswith("│")]  # the table's body
+    assert any("200x240x192" in row for row in rows)
+    assert not any("…" in row for row in rows)
+
+
+@pytest.mark.parametrize("columns", [80, 200])
+def test_plan_case_table_shows_whole_shapes(columns):
+    from rich.console import Console
+
+    from bigmem.cli.plan import _print_cases
+    from bigmem.config.presets import resolve_config
+
+    rows = [{"case_id": f"case_{i}", "shape": list(shape), "padded_shape": [200, 240, 192],
+             "predicted_peak_bytes": 2**34, "fits": True}
+            for i, shape in enumerate([(197, 239, 190), (198, 237, 191), (199, 238, 189), (200, 240, 192)])]
+    console = Console(width=columns, record=True)
+    _print_cases(console, rows, resolve_config("tiny", {}))
+    rows = [line for line in console.export_text().splitlines() if line.startswith("│")]
+    assert any("200x240x192" in row for row in rows)
+    assert any("197x239x190" in row for row in rows)
+    assert not any("…" in row for row in rows)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 from rich.console import Console
 
 from bigmem.compare.render import console_table, markdown, plot, rows
@@ -57,6 +58,15 @@ def test_the_printed_table_is_titled_simulated_when_it_was(make_report):
     assert "568^3 (bf16, recompute stages)" in text
     console.print(console_table(make_report([0.9], [0.8], simulated=False)))
     assert "data parallel on patches (2 GPUs)" in console.export_text()
+
+
+@pytest.mark.parametrize("width", [60, 80])
+def test_a_narrow_terminal_folds_the_table_instead_of_cutting_it(make_report, width):
+    console = Console(record=True, width=width)
+    console.print(console_table(make_report([0.9], [0.8])))
+    text = console.export_text()
+    assert "…" not in text
+    assert "568^3" in text
 
 
 def test_the_plot_is_a_png(make_report, tmp_path):
