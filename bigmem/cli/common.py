@@ -169,6 +169,26 @@ def check_shape_argument(args, shape, model) -> None:
         check_shape("--shape", shape, model)
 
 
+def resolve_with_shape(args, preset: str, overrides: dict):
+    """``config.presets.resolve_config(preset, overrides)``, the shape the user typed checked first.
+
+    The config knows a shape, not the flag that set it, and names a cube after its shorthand
+    (``data.volume``): a ``--shape 50,50,50`` the network cannot take would be refused as
+    ``Invalid --volume 50``. Checked here against the preset's network, the message names the flag
+    given and suggests valid values of it (``check_shape_argument``).
+
+    Raises:
+        ConfigError: the typed shape, or any other setting, is one the preset cannot use.
+    """
+    from bigmem.config.presets import resolve_config
+
+    shape = overrides.get("data", {}).get("shape")
+    if shape is not None:
+        without = {**overrides, "data": {k: v for k, v in overrides["data"].items() if k != "shape"}}
+        check_shape_argument(args, shape, resolve_config(preset, without).model)
+    return resolve_config(preset, overrides)
+
+
 def shape_flag(args) -> str:
     """The flag the user set the shape with, for messages: ``--volume`` or ``--shape``."""
     return "--volume" if getattr(args, "volume", None) is not None else "--shape"

@@ -15,6 +15,7 @@ from bigmem.cli.common import (
     check_output_file,
     check_positive,
     model_overrides,
+    resolve_with_shape,
 )
 from bigmem.config.presets import DEFAULT_PRESET
 from bigmem.errors import DataError, UsageError
@@ -81,8 +82,6 @@ def register(subparsers, parents) -> None:
 def _checked(args):
     """(config, the batch the user fixed or None, the resolved --numa placement or None) from the flags, every
     one checked before TensorFlow starts."""
-    from bigmem import api
-
     check_positive("--batch-size", args.batch_size)
     overrides = model_overrides(args)
     fixed_batch = overrides["train"].get("batch_size")
@@ -94,7 +93,7 @@ def _checked(args):
         if args.data is None:
             raise UsageError("--pad-multiple pads a store's cases: give --data STORE.h5.")
         overrides["data"]["pad_multiple"] = args.pad_multiple
-    config = api.resolve_config(args.model or DEFAULT_PRESET, overrides)
+    config = resolve_with_shape(args, args.model or DEFAULT_PRESET, overrides)
     inference = getattr(args, "inference", False)
     if inference and args.data is not None:
         raise UsageError("--inference plans one whole volume of --shape; --data does not apply.")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from bigmem.cli.common import (
     add_budget_flag, add_memory_flags, add_model_flags, add_numa_flags, budget_arguments, model_overrides,
-    numa_overrides,
+    numa_overrides, resolve_with_shape,
 )
 from bigmem.config.presets import DEFAULT_PRESET
 from bigmem.config.schema import DataConfig
@@ -167,8 +167,6 @@ def resolve(args):
             differs from the saved run's.
         DataError: the store or the saved config.json cannot be read.
     """
-    from bigmem.config.presets import resolve_config
-
     overrides = _overrides(args)
     if getattr(args, "config", None) is not None:
         return _given_config(args, overrides)
@@ -190,7 +188,7 @@ def resolve(args):
             check_settings(run, before, after, given, model=args.model)
             return after, Path(args.out)
     preset = args.model or DEFAULT_PRESET
-    config = resolve_config(preset, overrides)
+    config = resolve_with_shape(args, preset, overrides)
     out = Path(args.out) if args.out else Path("runs") / f"{config.model.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     return config, out
 

@@ -493,18 +493,24 @@ def check_shape(field_name: str, shape, model: ModelConfig) -> None:
     Example:
         >>> check_shape("data.shape", (240, 240, 155), ModelConfig())  # raises:
         ConfigError: Invalid {field} 240,240,155: axis 3 (155) is not a multiple of 16 ...
+    The two shapes it suggests round every axis that is not a multiple down and up, so both are valid.
+
     """
     divisor = model.divisor
-    for axis, size in enumerate(shape, start=1):
-        if size > 0 and size % divisor == 0:
-            continue
-        lower = max(divisor, size // divisor * divisor)
-        tries = [list(shape), list(shape)]
-        tries[0][axis - 1], tries[1][axis - 1] = lower, lower + divisor
-        options = " or ".join(_shape_text(t) for t in dict.fromkeys(map(tuple, tries)))
-        raise ConfigError(field_name, f"Invalid {{field}} {_shape_text(shape)}: axis {axis} ({size}) is not a "
-                          f"multiple of {divisor} (the network downsamples {model.depth} times). Try {{field}} "
-                          f"{options}.")
+    bad = [(axis, size) for axis, size in enumerate(shape, start=1) if not (size > 0 and size % divisor == 0)]
+    if not bad:
+        return
+    lower = [max(divisor, size // divisor * divisor) for size in shape]
+    tries = [tuple(size if size > 0 and size % divisor == 0 else low + step for size, low in zip(shape, lower))
+             for step in (0, divisor)]
+    options = " or ".join(_shape_text(t) for t in dict.fromkeys(tries))
+    if len(bad) == 1:
+        what = f"axis {bad[0][0]} ({bad[0][1]}) is not a multiple"
+    else:
+        axes = ", ".join(str(axis) for axis, _ in bad[:-1]) + f" and {bad[-1][0]}"
+        what = f"axes {axes} ({', '.join(str(size) for _, size in bad)}) are not multiples"
+    raise ConfigError(field_name, f"Invalid {{field}} {_shape_text(shape)}: {what} of {divisor} (the network "
+                      f"downsamples {model.depth} times). Try {{field}} {options}.")
 
 
 def to_dict(obj: Any) -> Any:

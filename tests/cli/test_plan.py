@@ -228,3 +228,15 @@ def test_plan_case_table_shows_whole_shapes(columns):
     assert any("200x240x192" in row for row in rows)
     assert any("197x239x190" in row for row in rows)
     assert not any("…" in row for row in rows)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--shape", "50,50,50"], "Invalid --shape 50,50,50: axes 1, 2 and 3 (50, 50, 50) are not multiples of 8 (the "
+                              "network downsamples 3 times). Try --shape 48,48,48 or 56,56,56."),
+    (["--volume", "50"], "Invalid --volume 50: expected a multiple of 8 (the network downsamples 3 times). Try "
+                         "--volume 48 or 56."),
+])
+def test_a_bad_shape_is_named_by_the_flag_given(tmp_path, capsys, flags, message):
+    code, _, err = run_cli(["plan", "--model", "small", *flags, "--out", tmp_path / "plan.json"], capsys)
+    assert code == 2
+    assert err.strip() == f"bigmem plan: error: {message}"

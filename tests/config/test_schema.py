@@ -39,6 +39,22 @@ def test_library_errors_name_config_fields():
         ExperimentConfig().updated({"train": {"steps": 3, "epochs": 1}}).validate()
 
 
+@pytest.mark.parametrize("shape, message", [
+    ((240, 240, 155), "axis 3 (155) is not a multiple of 8 (the network downsamples 3 times). Try {field} "
+                      "240,240,152 or 240,240,160."),
+    ((50, 50, 50), "axes 1, 2 and 3 (50, 50, 50) are not multiples of 8 (the network downsamples 3 times). Try "
+                   "{field} 48,48,48 or 56,56,56."),
+    ((48, 50, 60), "axes 2 and 3 (50, 60) are not multiples of 8 (the network downsamples 3 times). Try {field} "
+                   "48,48,56 or 48,56,64."),
+])
+def test_a_bad_shape_suggests_shapes_that_fit(shape, message):
+    from bigmem.config.schema import ModelConfig, check_shape
+
+    with pytest.raises(ConfigError) as info:
+        check_shape("data.shape", shape, ModelConfig(depth=3))
+    assert info.value.template == f"Invalid {{field}} {','.join(map(str, shape))}: {message}"
+
+
 @pytest.mark.parametrize("field, flag", [
     ("train.batch_size", "--batch-size"), ("data.volume", "--volume"), ("data.shape", "--shape"),
     ("data.pad_multiple", "--pad-multiple"), ("memory.budget_bytes", "--memory-budget"),

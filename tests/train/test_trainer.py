@@ -141,6 +141,9 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, tiny
                              "or a path to a .toml file. Did you mean 'small'?"),
     (["--model", "tiny", "--volume", "18"], 2, "Invalid --volume 18: expected a multiple of 4 (the network "
                                                "downsamples 2 times). Try --volume 16 or 20."),
+    (["--model", "tiny", "--shape", "50,50,50"], 2, "Invalid --shape 50,50,50: axes 1, 2 and 3 (50, 50, 50) are not "
+                                                    "multiples of 4 (the network downsamples 2 times). Try --shape "
+                                                    "48,48,48 or 52,52,52."),
     (["--data", "missing.h5"], 1, "Cannot open store 'missing.h5' (--data): no such file."),
     (["--resume"], 2, "--resume needs --out RUN_DIR: the run to continue."),
 ])
