@@ -71,4 +71,20 @@ def collect_sysinfo(*, include_tensorflow: bool = True, sysfs_root: str = "/") -
     }
     if include_tensorflow:
         info["tensorflow"] = tensorflow_description()
+    info["tuning"] = tuning_description()
     return info
+
+
+def tuning_description() -> dict[str, Any]:
+    """Which kernel table is in force in this process: this machine's tuning (``bigmem tune``) or the shipped one.
+
+    Returns:
+        ``{"key", "file", "tuned", "kernel_choices"}``: the machine key, its tuning file (None where
+        there is none), what that file tuned, and the kernel choices' source line.
+    """
+    from bigmem.nets.choices import kernel_choices
+    from bigmem.nets.tuning import key_here, load_tuning, tuning_path
+
+    tuning = load_tuning()
+    return {"key": key_here().describe(), "file": str(tuning_path()) if tuning else None,
+            "tuned": tuning.describe() if tuning else None, "kernel_choices": kernel_choices()[1].source}

@@ -12,11 +12,32 @@ import os
 import platform
 import sys
 import tempfile
+from importlib import metadata
 
 ONEDNN_VARIABLE = "TF_ENABLE_ONEDNN_OPTS"
 X86_MACHINES = ("x86_64", "amd64", "i686", "i386")
 # Set by enable_onednn for sysinfo.json and `bigmem info` to say why oneDNN is on or off.
 ONEDNN_REASON_VARIABLE = "BIGMEM_ONEDNN_REASON"
+
+
+def tensorflow_version() -> str:
+    """The installed TensorFlow's version, without importing it ("unknown" where none is installed).
+
+    TensorFlow's wheel bundles its oneDNN, so this version also fixes oneDNN's.
+    """
+    for dist in ("tensorflow", "tensorflow-cpu", "tf-nightly"):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return "unknown"
+
+
+def intra_op_threads() -> int:
+    """Threads one op runs on in this process: the placement's intra-op pool, else the CPUs it may use."""
+    if _thread_pools is not None:
+        return _thread_pools[0]
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def enable_onednn(environ=None, machine: str | None = None) -> str:

@@ -15,6 +15,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # The planner's choices depend on whether the CPU has native bf16; the suite runs on CPUs with and
 # without it, so it fixes the answer (tests of the other case set it themselves).
 os.environ["BIGMEM_NATIVE_BF16"] = "1"
+# The tuning pass takes about a minute on a run's first use; the suite's short runs keep the shipped
+# tables (tests/nets/test_tuning.py and tests/train/test_auto_tune.py run the pass themselves).
+os.environ["BIGMEM_NO_TUNE"] = "1"
 
 
 def pytest_collection_modifyitems(config, items):

@@ -22,8 +22,8 @@ LAYERS = (
     # writer of files (disk-full messages name sizes); the one place TensorFlow is imported
     # (tfenv is told the thread-pool sizes by numa.apply, it never reads numa); cpu:
     # /proc/cpuinfo, read by nets' kernel choices; child: the request/result protocol of the
-    # processes memory measures in.
-    ("atomic", "tfenv", "cpu", "child"),
+    # processes memory measures in; cache: the user's cache folder.
+    ("atomic", "tfenv", "cpu", "child", "cache"),
     # The run directory's files and readers, and its checkpoints: both written through atomic.
     ("rundir", "checkpoints"),
     ("config",),
@@ -33,8 +33,9 @@ LAYERS = (
     ("sysinfo",),
     ("memory",),
     # monitor reads memory's /proc readers; infer (predict, evaluate, sliding windows, the source
-    # geometry) reads memory's inference plan; the trainer runs both.
-    ("distribute", "monitor", "infer"),
+    # geometry) reads memory's inference plan; the trainer runs both. tune times the network's
+    # kernel choices and measures memory's fixed term on this machine; train runs it first.
+    ("distribute", "monitor", "infer", "tune"),
     ("train",),
     # compare's child process trains each path through train's Python API; compare predicts and
     # evaluates both paths (infer)

@@ -103,24 +103,20 @@ def child(request: dict) -> dict:
 def planewise_ranges(results: list[dict], isa: str) -> list[dict]:
     """The planewise weight gradient's input-channel range per (precision, stride) for ``isa``, from its rows.
 
-    Planewise at an input-channel count where its time summed over the volumes is at most oneDNN's
-    (the largest volume weighs most, as the sizes bigmem trains at do); a range only where those
-    counts are consecutive among the measured ones (scattered wins are noise: none is chosen).
-    On the shipped avx512_bf16, avx512 and avx2 runs this gives the shipped choices.
+    ``nets.choices.planewise_ranges`` over the times summed over the volumes (the largest volume
+    weighs most, as the sizes bigmem trains at do). On the shipped avx512_bf16, avx512 and avx2
+    runs this gives the shipped choices.
     """
+    from bigmem.nets.choices import planewise_ranges as rule
+
     seconds: dict[tuple, list[float]] = {}  # (precision, stride, in channels) -> [planewise, oneDNN]
     for result in results:
         for row in result.get("rows", []) if result["isa"] == isa else []:
             if row["op"] == "wgrad":
                 total = seconds.setdefault((result["precision"], row["stride"], row["in_channels"]), [0.0, 0.0])
                 total[0], total[1] = total[0] + row["planewise_s"], total[1] + row["onednn_s"]
-    ranges = []
-    for precision, stride in dict.fromkeys(key[:2] for key in seconds):
-        counts = sorted(c for p, s, c in seconds if (p, s) == (precision, stride))
-        wins = [c for c in counts if seconds[(precision, stride, c)][0] <= seconds[(precision, stride, c)][1]]
-        if wins and counts.index(wins[-1]) - counts.index(wins[0]) == len(wins) - 1:
-            ranges.append({"precision": precision, "stride": stride, "in_channels": [wins[0], wins[-1]]})
-    return ranges
+    return [{"precision": precision, "stride": stride, "in_channels": list(channels)}
+            for (precision, stride), channels in rule(seconds).items()]
 
 
 def run_child(request: dict, cap: str | None) -> dict:

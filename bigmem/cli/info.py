@@ -45,6 +45,9 @@ def run(args) -> int:
         onednn = "on" if tf_info["onednn_enabled"] else ("off" if tf_info["onednn_built"] else "not in this build")
         machine.add_row("oneDNN", f"{onednn}: {tf_info['onednn_reason']}")
         machine.add_row("GPUs", ", ".join(tf_info["gpus"]) or "none")
+    tuned = info["tuning"]
+    machine.add_row("kernels", tuned["tuned"] + f" ({tuned['file']})" if tuned["file"]
+                    else f"shipped tables (not tuned for {tuned['key']}; bigmem tune)")
     console.print(machine)
     nodes = Table(title=f"NUMA nodes (from {info['numa']['source']}; libnuma {info['numa']['libnuma']})")
     for column in ("node", "CPUs", "memory total", "memory free", "distances"):

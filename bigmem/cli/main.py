@@ -11,11 +11,11 @@ import sys
 import traceback
 
 import bigmem
-from bigmem.cli import compare, convert, evaluate, export, info, plan, predict, profile, report, synth, train
+from bigmem.cli import compare, convert, evaluate, export, info, plan, predict, profile, report, synth, train, tune
 from bigmem.cli.common import flag_for
 from bigmem.errors import EXIT_ERROR, EXIT_USAGE, BigmemError, ConfigError
 
-COMMANDS = (info, synth, convert, train, profile, plan, compare, predict, evaluate, export, report)
+COMMANDS = (info, synth, convert, train, tune, profile, plan, compare, predict, evaluate, export, report)
 
 DESCRIPTION = """\
 bigmem trains 3D U-Nets on whole volumetric scans (CT, MRI) in the RAM of one large CPU server.

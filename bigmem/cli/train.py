@@ -128,6 +128,11 @@ def register(subparsers, parents) -> None:
     run_group.add_argument("--monitor-interval", type=float, metavar="S",
                            help="seconds between rows of RUN_DIR/monitor.csv (CPU, memory, page cache, disk, NUMA "
                                 "nodes, GPUs; default 1; 0 turns the monitor off)")
+    run_group.add_argument("--tune", action=argparse.BooleanOptionalAction, default=None,
+                           help="on this machine's first run in a precision, time the network's kernel choices "
+                                "and measure the framework's fixed memory at the run's shape (bigmem tune, about a "
+                                "minute, cached in ~/.cache/bigmem/tuning) before planning; --no-tune (or "
+                                "BIGMEM_NO_TUNE=1) keeps the shipped tables (default: on)")
     parser.set_defaults(run=run)
 
 
@@ -146,7 +151,7 @@ def _overrides(args) -> dict:
     sections["train"].update(steps=args.steps, epochs=args.epochs, lr=args.lr, warmup_steps=args.warmup_steps,
                              seed=args.seed, checkpoint_every=args.checkpoint_every, val_every=args.val_every,
                              reference_batch=args.reference_batch, time_budget_s=args.time_budget,
-                             monitor_interval_s=args.monitor_interval)
+                             monitor_interval_s=args.monitor_interval, tune=args.tune)
     given = {name: {k: v for k, v in values.items() if v is not None} for name, values in sections.items()}
     if args.steps is not None or args.epochs is not None:  # a length given replaces the preset's other one
         given["train"]["epochs" if args.steps is not None else "steps"] = None

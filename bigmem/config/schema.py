@@ -226,6 +226,8 @@ class TrainConfig:
         checkpoint_every, keep_checkpoints, log_every: the run directory's cadence.
         val_every: validate the held-out cases every K steps (0: off; needs ``data.holdout``).
         monitor_interval_s: seconds between monitor.csv rows (0: off).
+        tune: on this machine's first run in a precision, run the tuning pass (``bigmem tune``) at the
+            run's shape before planning; off, or ``BIGMEM_NO_TUNE=1``: the shipped tables.
 
     Example:
         >>> TrainConfig(steps=100, lr=1e-2).optimizer.value
@@ -250,6 +252,7 @@ class TrainConfig:
     log_every: int = 1
     val_every: int = 0  # validate the held-out cases (data.holdout) every K steps and at the end; 0: off
     monitor_interval_s: float = 1.0  # --monitor-interval: seconds between monitor.csv rows; 0 turns it off
+    tune: bool = True  # --no-tune: on first use of a precision, time this machine's kernel choices (bigmem tune)
 
     def validate(self) -> None:
         if self.steps is not None and self.epochs is not None:
@@ -490,11 +493,11 @@ def check_multiple(field_name: str, size: int, model: ModelConfig) -> None:
 def check_shape(field_name: str, shape, model: ModelConfig) -> None:
     """Raise ``ConfigError`` naming ``field_name`` and the axis unless every size is a multiple of ``model.divisor``.
 
+    The two shapes it suggests round every axis that is not a multiple down and up, so both are valid.
+
     Example:
         >>> check_shape("data.shape", (240, 240, 155), ModelConfig())  # raises:
         ConfigError: Invalid {field} 240,240,155: axis 3 (155) is not a multiple of 16 ...
-    The two shapes it suggests round every axis that is not a multiple down and up, so both are valid.
-
     """
     divisor = model.divisor
     bad = [(axis, size) for axis, size in enumerate(shape, start=1) if not (size > 0 and size % divisor == 0)]

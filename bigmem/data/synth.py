@@ -14,6 +14,7 @@ from typing import Sequence
 
 import numpy as np
 
+from bigmem.cache import cache_dir
 from bigmem.data.store import StoreWriter
 from bigmem.units import as_shape
 
@@ -107,9 +108,8 @@ def write_synthetic_store(path: str | os.PathLike, *, num_cases: int, volume: in
 
 
 def default_cache_dir() -> Path:
-    root = os.environ.get("BIGMEM_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "bigmem")
-    return Path(root)
+    """bigmem's cache folder (``bigmem.cache.cache_dir``)."""
+    return cache_dir()
 
 
 def cached_synthetic_store(*, num_cases: int, volume: int | Sequence[int], num_classes: int, seed: int = 0,

@@ -11,11 +11,11 @@ stated safety margin, and says so. ``calibration_for`` is the one lookup, for bo
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import time
 from dataclasses import asdict, dataclass, field
-from importlib import metadata
 from pathlib import Path
 from typing import Sequence
 
@@ -23,6 +23,7 @@ from bigmem.atomic import atomic_write_json
 from bigmem.config import tables
 from bigmem.data.synth import default_cache_dir
 from bigmem.sysinfo import NATIVE_BF16_ISA_CLASSES, cpu_description, isa_class
+from bigmem.tfenv import tensorflow_version
 from bigmem.units import format_bytes
 
 
@@ -179,15 +180,6 @@ def calibration_path() -> Path:
     return default_cache_dir() / "calibration.json"
 
 
-def tensorflow_version() -> str:
-    for dist in ("tensorflow", "tensorflow-cpu", "tf-nightly"):
-        try:
-            return metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            continue
-    return "unknown"
-
-
 @functools.lru_cache(maxsize=1)
 def machine_cpu_model() -> str:
     """This CPU's model name (``bigmem.sysinfo.cpu_description``), read once: every calibration lookup keys on it."""
@@ -240,7 +232,31 @@ def calibration_for(preset: str, precision: str, mode: str, *, path: Path | None
     for entry in _load_all(path or calibration_path()):
         if entry.get("key") == key:
             return Calibration(**entry)
-    return shipped_calibration(preset, precision, mode, isa=isa or machine_isa_class(), key=key)
+    shipped = shipped_calibration(preset, precision, mode, isa=isa or machine_isa_class(), key=key)
+    return with_tuned_overhead(shipped, preset, precision, mode) if isa is None else shipped
+
+
+def with_tuned_overhead(calibration: Calibration, preset: str, precision: str, mode: str) -> Calibration:
+    """The shipped table moved by this machine's measured fixed term (``bigmem tune``), where there is one.
+
+    The table's overhead at small sizes is the framework's on the CPU it was measured on; this
+    machine's can differ by hundreds of MiB (an AMX Xeon: 10-205 MiB above the AMD curve). The
+    tuning pass measures it at the network's smallest shape; the knots move by the difference, and
+    the fixed part of the safety margin, which stood in for it, is dropped.
+    """
+    from bigmem.nets.tuning import load_tuning
+
+    tuning = load_tuning()
+    name = f"{preset}/{precision}/{mode}"
+    if tuning is None or name not in tuning.overhead_offset_bytes or not calibration.knots:
+        return calibration
+    offset = int(tuning.overhead_offset_bytes[name])
+    knots = [[x, y + offset] for x, y in calibration.knots]
+    scale, framework = Calibration(0.0, 0, "", knots=knots).line_for(knots[-1][0] + 1)
+    source = (f"{calibration.source}; this machine's fixed term measured by bigmem tune "
+              f"({'+' if offset >= 0 else '-'}{format_bytes(abs(offset))})")
+    return dataclasses.replace(calibration, knots=knots, activation_scale=round(scale, 4), framework_bytes=framework,
+                               margin_bytes=0, source=source)
 
 
 def last_slope(knots: Sequence[tuple[int, int, int]]) -> float:

@@ -1,6 +1,7 @@
 """Speed-motivated kernel choices, per ISA class: which weight gradient each convolution uses.
 
-The decisions are data, bigmem/measured/kernel_choices.json, each with where it came from
+This machine's tuning (``bigmem tune``, nets/tuning.py) comes first where it has one; else the
+decisions are data, bigmem/measured/kernel_choices.json, each with where it came from
 (``python benchmarks/tables/bench_kernel_choices.py --write-table`` writes the classes it measured; the
 timings are in benchmarks/results/kernel_choices-*.json); this module reads them. A class
 measured with oneDNN capped at it (``ONEDNN_MAX_CPU_ISA``) on a bigger CPU says so in its
@@ -39,6 +40,7 @@ class KernelChoices:
     planewise: dict[tuple[str, int], tuple[int, int]] = field(default_factory=dict)
     planewise_others: frozenset[str] = frozenset()
     source: str = ""
+    required: dict[tuple[str, int], tuple[int, int]] = field(default_factory=dict)  # correctness: never tuned away
 
     @classmethod
     def from_table(cls, entry: dict) -> "KernelChoices":
@@ -55,7 +57,22 @@ class KernelChoices:
         correctness = entry.get("correctness", {})
         planewise = {(item["precision"], item["stride"]): tuple(item["in_channels"])
                      for item in entry["planewise"] + correctness.get("planewise", [])}
-        return cls(planewise, frozenset(correctness.get("planewise_others", ())), entry["summary"])
+        required = {(item["precision"], item["stride"]): tuple(item["in_channels"])
+                    for item in correctness.get("planewise", [])}
+        return cls(planewise, frozenset(correctness.get("planewise_others", ())), entry["summary"], required)
+
+    def tuned(self, tuning) -> "KernelChoices":
+        """These choices with this machine's tuned ones (``nets.tuning.Tuning``) in place of the shipped
+        ones for each (precision, stride) it timed; a correctness choice (``required``) still wins."""
+        planewise = dict(self.planewise)
+        for key, channels in tuning.planewise_choices().items():
+            if channels is None:
+                planewise.pop(key, None)
+            else:
+                planewise[key] = channels
+        planewise.update(self.required)
+        return KernelChoices(planewise, self.planewise_others, f"{tuning.describe()}; shipped otherwise: {self.source}",
+                             self.required)
 
 
 # The decisions per ISA class, with the machine, command, results files and notes behind each
@@ -64,6 +81,35 @@ CHOICES: dict[str, KernelChoices] = {
     isa: KernelChoices.from_table(entry)
     for (isa,), entry in tables.serving(tables.load("kernel_choices"), "isa_class").items()
 }
+
+
+def planewise_ranges(seconds: dict[tuple[str, int, int], tuple[float, float]]
+                     ) -> dict[tuple[str, int], tuple[int, int]]:
+    """The planewise weight gradient's input-channel range per (precision, stride), from timings.
+
+    The one rule, for the shipped tables (benchmarks/tables/bench_kernel_choices.py) and this
+    machine's tuning (bigmem/tune.py): planewise at an input-channel count where its time was at
+    most oneDNN's; a range only where those counts are consecutive among the measured ones
+    (scattered wins are noise: none is chosen).
+
+    Args:
+        seconds: ``(precision, stride, in channels) -> (planewise seconds, oneDNN seconds)``, each
+            summed over the shapes timed.
+
+    Returns:
+        ``(precision, stride) -> (fewest, most)`` where planewise is chosen; pairs absent: never.
+
+    Example:
+        >>> planewise_ranges({("bf16", 1, 16): (1.0, 2.0), ("bf16", 1, 32): (1.0, 2.0), ("bf16", 1, 64): (3.0, 2.0)})
+        {('bf16', 1): (16, 32)}
+    """
+    ranges = {}
+    for precision, stride in dict.fromkeys(key[:2] for key in seconds):
+        counts = sorted(c for p, s, c in seconds if (p, s) == (precision, stride))
+        wins = [c for c in counts if seconds[(precision, stride, c)][0] <= seconds[(precision, stride, c)][1]]
+        if wins and counts.index(wins[-1]) - counts.index(wins[0]) == len(wins) - 1:
+            ranges[(precision, stride)] = (wins[0], wins[-1])
+    return ranges
 
 
 def effective_isa_class(detected: str, environ: dict | None = None) -> str:
@@ -89,15 +135,23 @@ def effective_isa_class(detected: str, environ: dict | None = None) -> str:
 
 @functools.lru_cache(maxsize=1)
 def kernel_choices() -> tuple[str, KernelChoices]:
-    """(ISA class, its choices) for this process: read once, from the CPU and ONEDNN_MAX_CPU_ISA.
+    """(ISA class, its choices) for this process: read once, from the CPU and ONEDNN_MAX_CPU_ISA, and
+    this machine's tuning (``bigmem tune``, nets/tuning.py) where it has one for its key.
 
     Returns:
-        ``(class name, KernelChoices)``; an unknown class gets the baseline's choices.
+        ``(class name, KernelChoices)``; an unknown class gets the baseline's choices. Writing a
+        tuning (``tuning.save_tuning``) clears this cache.
     """
-    from bigmem.cpu import cpu_description, isa_class
+    from dataclasses import asdict
 
-    name = effective_isa_class(isa_class(cpu_description()["isa"]))
-    return name, CHOICES.get(name, CHOICES["baseline"])
+    from bigmem.nets.tuning import key_here, load_tuning
+
+    key = key_here()
+    shipped = CHOICES.get(key.isa_class, CHOICES["baseline"])
+    tuning = load_tuning()
+    if tuning is not None and tuning.key == asdict(key):
+        return key.isa_class, shipped.tuned(tuning)
+    return key.isa_class, shipped
 
 
 def planewise_channels(precision: str, stride: int) -> tuple[int, int] | None:

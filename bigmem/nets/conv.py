@@ -21,11 +21,68 @@ benchmarks/results/kernels.md). Forward and input gradient are TF's own kernels 
 
 from __future__ import annotations
 
+import contextlib
+from dataclasses import dataclass
+
 import keras
 import tensorflow as tf
 
 from bigmem.nets.choices import planewise_channels, planewise_others
 from bigmem.nets.slabs import conv3d_slabs, conv3d_transpose_slabs, exceeds_limit, same_padding
+
+
+@dataclass(frozen=True)
+class ConvCall:
+    """One convolution a trace ran, as ``observe_convolutions`` records it.
+
+    Attributes:
+        kind: "conv" (``Conv3D``) or "transpose" (``Conv3DTranspose``).
+        input_shape: ``(batch, D, H, W, C_in)``.
+        kernel: the kernel's shape as Keras keeps it: ``(k, k, k, C_in, C_out)`` for a conv,
+            ``(k, k, k, C_out, C_in)`` for a transposed conv.
+        stride: on every axis.
+        precision: "fp32" or "bf16".
+        path: the weight gradient's path: "3d" (TF's own), "planewise", "pointwise", "2d"
+            (a transposed conv's), or "slabs" (past the kernel limit).
+    """
+
+    kind: str
+    input_shape: tuple[int, ...]
+    kernel: tuple[int, ...]
+    stride: int
+    precision: str
+    path: str
+
+
+_observers: list[list[ConvCall]] = []
+
+
+@contextlib.contextmanager
+def observe_convolutions():
+    """Record every ``Conv3D``/``Conv3DTranspose`` call of static shape made inside: the network's
+    convolutions at their own shapes, and the path each took (the tuning pass times them; tests
+    check a tuning's choice is the one the layers take).
+
+    Example:
+        >>> with observe_convolutions() as calls:
+        ...     model(keras.ops.zeros((1, 32, 32, 32, 1)))
+        >>> calls[0].path
+        '3d'
+    """
+    calls: list[ConvCall] = []
+    _observers.append(calls)
+    try:
+        yield calls
+    finally:
+        _observers.remove(calls)
+
+
+def _observe(kind: str, inputs, kernel_shape, stride: int, path: str) -> None:
+    shape = tuple(inputs.shape)
+    if _observers and None not in shape:
+        call = ConvCall(kind, shape, tuple(int(k) for k in kernel_shape), int(stride), _precision(inputs), path)
+        for calls in _observers:
+            calls.append(call)
 
 
 
@@ -260,6 +317,7 @@ class Conv3D(keras.layers.Conv3D):
         if self._partitioned(inputs):
             kernel = tf.cast(tf.convert_to_tensor(kernel), inputs.dtype)
             stride = self.strides[0]
+            _observe("conv", inputs, kernel.shape, stride, "slabs")
 
             def filter_grad(x_slab, dy_slab):
                 if self._planewise(x_slab):
@@ -269,7 +327,10 @@ class Conv3D(keras.layers.Conv3D):
                     strides=[1, stride, stride, stride, 1], padding="SAME")
 
             return conv3d_slabs(inputs, kernel, stride, filter_grad=filter_grad)
-        if self._planewise(inputs) or self._pointwise(inputs):
+        planewise, pointwise = self._planewise(inputs), self._pointwise(inputs)
+        _observe("conv", inputs, kernel.shape, self.strides[0],
+                 "planewise" if planewise else "pointwise" if pointwise else "3d")
+        if planewise or pointwise:
             # The kernel variable reads as float32 outside Keras's autocast; the conv runs in the input's dtype.
             return conv3d_planewise_grad(inputs, tf.cast(tf.convert_to_tensor(kernel), inputs.dtype),
                                          self.strides[0])
@@ -301,6 +362,8 @@ class Conv3DTranspose(keras.layers.Conv3DTranspose):
                       and self.output_padding is None)
         two_d = upsampling and planewise_others(_precision(inputs))
         partitioned = upsampling and exceeds_limit(shape, out_shape)
+        _observe("transpose", inputs, self.kernel.shape, self.strides[0],
+                 "slabs" if partitioned else "2d" if two_d else "3d")
         if not (partitioned or two_d):
             return super().call(inputs)
         kernel = tf.cast(tf.convert_to_tensor(self.kernel), inputs.dtype)

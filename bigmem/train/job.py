@@ -160,6 +160,7 @@ def prepare_job(config: ExperimentConfig, run_dir, *, resume: bool = False, forc
         total_steps = total_steps_for(config, loader.steps_per_epoch)
         if resume_from is not None:
             check_something_to_do(run, resume_from, total_steps)
+        auto_tune(config, execution, loader, console)
         plan, stages = plan_memory(config, execution, recompute_stages, force=force, console=console,
                                    placement=placement, loader=loader)
         lr = execution.learning_rate(config.train.lr, config.train.reference_batch)
@@ -167,6 +168,36 @@ def prepare_job(config: ExperimentConfig, run_dir, *, resume: bool = False, forc
     except BaseException:
         loader.close()
         raise
+
+
+NO_TUNE_VARIABLE = "BIGMEM_NO_TUNE"  # =1: as --no-tune, for scripts and test suites that train many short runs
+
+
+def auto_tune(config: ExperimentConfig, execution: Execution, loader: VolumeLoader | None, console: Console) -> None:
+    """The tuning pass (``bigmem tune``) on this machine's first run in this precision, at the step's shape.
+
+    Skipped with ``train.tune`` off or ``BIGMEM_NO_TUNE=1``, where the machine was tuned in this
+    precision before (any model or shape: ``bigmem tune`` tunes others), for the workers of a
+    multi-worker run (each would time the same kernels), and for bf16 on a CPU that emulates it.
+    """
+    import os
+
+    from bigmem.distribute.execution import SingleProcess
+    from bigmem.nets.tuning import load_tuning
+    from bigmem.sysinfo import native_bf16
+
+    precision = config.train.precision
+    if (not config.train.tune or os.environ.get(NO_TUNE_VARIABLE) == "1" or not isinstance(execution, SingleProcess)
+            or (precision is Precision.BF16 and not native_bf16())):
+        return
+    tuning = load_tuning()
+    if tuning is not None and any(t["precision"] == precision.value for t in tuning.tuned):
+        return
+    from bigmem.tune import run_with_progress
+
+    shape = _planned_shapes(config, loader)[0] or config.data.shape or (config.data.reference_volume,) * 3
+    tuning = run_with_progress(config, shape, console)
+    console.print(f"tuned this machine once ({NO_TUNE_VARIABLE}=1 or --no-tune to skip): {tuning.summary()}")
 
 
 def _with_data_fields(config: ExperimentConfig, console: Console) -> ExperimentConfig:

@@ -1,0 +1,328 @@
+"""The tuning pass (``bigmem tune``): the network's kernel choices timed at its own shapes, on this machine.
+
+The shipped kernel choices (nets/choices.py) were timed on a few CPUs at a grid of cubes; this
+pass times, for one network, shape, batch and precision, every distinct convolution the training
+step runs (recorded by tracing the model, ``nets.conv.observe_convolutions``):
+
+- the forward pass and the input gradient (TensorFlow's only kernels: they enter the ceiling);
+- the weight gradient of each 3x3x3 convolution with stride 1 or 2 both ways: oneDNN's 3-D
+  kernel and the planewise one (three batched 2-D gradients, nets/conv.py), where the layer
+  could take either;
+- the other weight gradients (1x1x1 heads, transposed convolutions) TF's way.
+
+From the weight-gradient timings it chooses, per (precision, stride), the input-channel range
+where the planewise gradient won (``choices.planewise_ranges``, the shipped tables' own rule),
+and from all of them the whole-network ceiling: the sum over the convolutions of the fastest
+time TF has for each. It also measures the framework's fixed memory in a training step at the
+smallest shape of the network (``memory.measure``), so that the footprint estimate does not
+borrow that term from another CPU. Everything goes into this machine's tuning file
+(nets/tuning.py), which the layers and the planner read before the shipped tables.
+
+Bounded: convolutions are timed from the most expensive down until ``budget_s`` is spent (1
+untimed call, then the fastest of ``repeats``); those left keep the shipped choice, and the file
+says the pass was partial. A convolution larger than ``MAX_TIMED_ELEMENTS`` is timed on a depth
+slab of that size and its time scaled by the depth, so a terabyte-sized run tunes in seconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from bigmem.config.options import Precision
+from bigmem.config.schema import ExperimentConfig
+from bigmem.nets.tuning import Tuning, key_here, load_tuning, save_tuning
+from bigmem.units import as_shape
+
+DEFAULT_BUDGET_S = 60.0
+REPEATS = 2
+MIN_TIMING_S = 10.0  # the timings' share of the budget, however long the memory step took
+# A timed tensor holds at most this many elements (128 Mi: 512 MiB in fp32); a larger convolution is
+# timed on a depth slab and scaled. Times are linear in depth once a slab has tens of planes.
+MAX_TIMED_ELEMENTS = 2**27
+
+
+@dataclass(frozen=True)
+class TimedConv:
+    """One distinct convolution of the step and its timings (seconds for the whole input, all slabs)."""
+
+    kind: str
+    input_shape: tuple[int, ...]
+    kernel: tuple[int, ...]
+    stride: int
+    precision: str
+    count: int  # how many of the network's convolutions have this shape
+    forward_s: float
+    input_grad_s: float
+    weight_grad_3d_s: float
+    weight_grad_planewise_s: float | None  # None: the layer cannot take the planewise gradient
+    depth_scale: float = 1.0  # timed on 1/depth_scale of the depth
+
+    @property
+    def flops(self) -> float:
+        """Forward + both gradients: 3 x the forward's multiply-adds x 2, as ``UNet3D.train_flops`` counts."""
+        k = self.kernel
+        voxels = self.input_shape[0] * self.input_shape[1] * self.input_shape[2] * self.input_shape[3]
+        if self.kind == "conv":
+            macs = voxels // self.stride ** 3 * k[0] * k[1] * k[2] * k[3] * k[4]
+        else:  # a transposed conv: every input voxel writes k^3 outputs
+            macs = voxels * k[0] * k[1] * k[2] * k[3] * k[4]
+        return 6.0 * macs * self.count
+
+    @property
+    def fastest_s(self) -> float:
+        """The fastest forward + input gradient + weight gradient TF has here, for all ``count`` of them."""
+        weight = min(t for t in (self.weight_grad_3d_s, self.weight_grad_planewise_s) if t is not None)
+        return (self.forward_s + self.input_grad_s + weight) * self.count
+
+    def to_dict(self) -> dict:
+        data = dataclasses.asdict(self)
+        data["input_shape"], data["kernel"] = list(self.input_shape), list(self.kernel)
+        data["flops"], data["fastest_s"] = self.flops, self.fastest_s
+        return data
+
+
+def network_convolutions(config: ExperimentConfig, shape: Sequence[int]) -> list[tuple[object, int]]:
+    """The distinct convolutions one training step of ``config`` runs at ``shape``, with how many of each.
+
+    Traces the model's forward pass (no compute) inside ``observe_convolutions``.
+
+    Returns:
+        ``[(ConvCall, count), ...]``, most expensive first (input elements x kernel size).
+    """
+    import keras
+    import tensorflow as tf
+
+    from bigmem.nets.conv import observe_convolutions
+    from bigmem.nets.unet3d import UNet3D
+
+    policy = "mixed_bfloat16" if config.train.precision is Precision.BF16 else "float32"
+    model = UNet3D(config.model, dtype=policy, name="unet3d")
+    spec = tf.TensorSpec((config.train.batch_size, *as_shape(shape), config.model.in_channels), tf.float32)
+    with observe_convolutions() as calls:
+        tf.function(lambda x: model(x, training=True)).get_concrete_function(spec)
+    keras.backend.clear_session()
+    counts = Counter(dataclasses.replace(call, path="") for call in calls)
+    paths = {dataclasses.replace(call, path=""): call.path for call in calls}
+    ordered = sorted(counts, key=lambda c: -_elements(c.input_shape) * _kernel_volume(c.kernel) * c.kernel[-1])
+    return [(dataclasses.replace(call, path=paths[call]), counts[call]) for call in ordered]
+
+
+def _elements(shape: Sequence[int]) -> int:
+    out = 1
+    for size in shape:
+        out *= int(size)
+    return out
+
+
+def _kernel_volume(kernel: Sequence[int]) -> int:
+    return kernel[0] * kernel[1] * kernel[2]
+
+
+def _planewise_eligible(call) -> bool:
+    """Whether the layer could take the planewise weight gradient (``Conv3D._planewise``'s shape rules)."""
+    if call.kind != "conv" or call.kernel[:3] != (3, 3, 3) or call.stride not in (1, 2):
+        return False
+    spatial = call.input_shape[1:4]
+    return spatial[0] >= 2 if call.stride == 1 else all(s % 2 == 0 and s >= 4 for s in spatial)
+
+
+def _timed_depth(call) -> int:
+    """The depth timed: the whole input, or the largest slab (a multiple of 2 x stride) under MAX_TIMED_ELEMENTS."""
+    depth = call.input_shape[1]
+    per_plane = _elements(call.input_shape) // depth
+    out_channels = call.kernel[-1] if call.kind == "conv" else call.kernel[3]
+    per_plane = max(per_plane, per_plane // call.input_shape[-1] * out_channels)
+    if per_plane * depth <= MAX_TIMED_ELEMENTS:
+        return depth
+    step = 2 * call.stride
+    return max(step, MAX_TIMED_ELEMENTS // per_plane // step * step)
+
+
+def time_convolution(call, count: int, repeats: int = REPEATS) -> TimedConv:
+    """Time one convolution's kernels (1 untimed call, then the fastest of ``repeats``)."""
+    import tensorflow as tf
+
+    from bigmem.nets.conv import planewise_weight_grad
+
+    dtype = tf.bfloat16 if call.precision == "bf16" else tf.float32
+    depth = _timed_depth(call)
+    scale = call.input_shape[1] / depth
+    shape = (call.input_shape[0], depth, *call.input_shape[2:])
+    s, k = call.stride, call.kernel
+    strides = [1, s, s, s, 1]
+    x = tf.cast(tf.random.normal(shape), dtype)
+    kernel = tf.cast(tf.random.normal(k) * 0.05, dtype)
+    if call.kind == "conv":
+        forward = tf.function(lambda: tf.nn.conv3d(x, kernel, strides, "SAME"))
+        dy = tf.cast(tf.random.normal(forward().shape), dtype)
+        input_grad = tf.function(lambda: tf.raw_ops.Conv3DBackpropInputV2(
+            input_sizes=tf.constant(shape, tf.int32), filter=kernel, out_backprop=dy, strides=strides, padding="SAME"))
+        weight_3d = tf.function(lambda: tf.raw_ops.Conv3DBackpropFilterV2(
+            input=x, filter_sizes=tf.constant(k, tf.int32), out_backprop=dy, strides=strides, padding="SAME"))
+        planes = tf.function(lambda: planewise_weight_grad(x, dy, k, s)) if _planewise_eligible(call) else None
+    else:  # transposed: forward is the conv's input gradient, input gradient a conv, weight gradient with roles swapped
+        out_shape = [shape[0], *(s * size for size in shape[1:4]), k[3]]
+        forward = tf.function(lambda: tf.raw_ops.Conv3DBackpropInputV2(
+            input_sizes=tf.constant(out_shape, tf.int32), filter=kernel, out_backprop=x, strides=strides,
+            padding="SAME"))
+        dy = tf.cast(tf.random.normal(out_shape), dtype)
+        input_grad = tf.function(lambda: tf.nn.conv3d(dy, kernel, strides, "SAME"))
+        weight_3d = tf.function(lambda: tf.raw_ops.Conv3DBackpropFilterV2(
+            input=dy, filter_sizes=tf.constant(k, tf.int32), out_backprop=x, strides=strides, padding="SAME"))
+        planes = None
+
+    def fastest(fn: Callable) -> float:
+        fn().numpy()
+        best = float("inf")
+        for _ in range(repeats):
+            started = time.perf_counter()
+            fn().numpy()
+            best = min(best, time.perf_counter() - started)
+        return best * scale
+
+    return TimedConv(call.kind, call.input_shape, call.kernel, call.stride, call.precision, count,
+                     fastest(forward), fastest(input_grad), fastest(weight_3d),
+                     fastest(planes) if planes is not None else None, round(scale, 4))
+
+
+def planewise_from(rows: Sequence[TimedConv]) -> dict[str, list[int] | None]:
+    """The planewise ranges the timings choose, per ``"precision/stride"`` timed (None: never).
+
+    The shipped tables' rule (``choices.planewise_ranges``): planewise at an input-channel count
+    where its time, summed over the shapes timed, was at most oneDNN's, over a run of consecutive
+    counts among those timed.
+    """
+    from bigmem.nets.choices import planewise_ranges
+
+    seconds: dict[tuple[str, int, int], list[float]] = {}
+    for row in rows:
+        if row.weight_grad_planewise_s is None:
+            continue
+        total = seconds.setdefault((row.precision, row.stride, row.input_shape[-1]), [0.0, 0.0])
+        total[0] += row.weight_grad_planewise_s * row.count
+        total[1] += row.weight_grad_3d_s * row.count
+    ranges = planewise_ranges(seconds)
+    return {f"{precision}/{stride}": ranges.get((precision, stride))
+            for precision, stride in dict.fromkeys(key[:2] for key in seconds)}
+
+
+def tune(config: ExperimentConfig, shape: Sequence[int], *, budget_s: float = DEFAULT_BUDGET_S,
+         measure_memory: bool = True, progress: Callable[[str, float], None] | None = None) -> Tuning:
+    """Time ``config``'s convolutions at ``shape`` and its precision; merge the result into this machine's file.
+
+    Args:
+        config: the run (model, batch size, precision, recompute mode).
+        shape: ``(D, H, W)`` of one training volume.
+        budget_s: the most seconds the pass may take. The memory step (a training step in a child
+            process at the smallest shape, about 15-30 s) runs first; the timings get the rest, at
+            least ``MIN_TIMING_S``.
+        measure_memory: also measure the framework's fixed memory at the network's smallest shape.
+        progress: called with (what, fraction done) as the pass goes.
+
+    Returns:
+        The machine's ``Tuning`` after this pass (also written to its file).
+
+    Example:
+        >>> tune(resolve_config("kits19"), (96, 96, 96)).planewise
+    """
+    import logging
+
+    from bigmem.memory.speed import usable_cores
+    from bigmem.tfenv import import_tensorflow
+
+    say = progress or (lambda what, done: None)
+    started = time.perf_counter()
+    offsets = {}
+    if measure_memory:
+        say("the framework's fixed memory (a training step at the smallest shape)", 0.0)
+        offsets = fixed_memory(config)
+    tf = import_tensorflow()
+    timing_started = time.perf_counter()
+    timing_budget = max(min(MIN_TIMING_S, budget_s), budget_s - (timing_started - started))
+    calls = network_convolutions(config, shape)
+    rows: list[TimedConv] = []
+    partial = False
+    quiet = tf.get_logger().level
+    tf.get_logger().setLevel(logging.ERROR)  # each kernel is its own tf.function: TF warns of "retracing"
+    try:
+        for index, (call, count) in enumerate(calls):
+            if time.perf_counter() - timing_started > timing_budget:
+                partial = True
+                break
+            say(f"{call.kind} {'x'.join(map(str, call.input_shape[1:4]))} x {call.input_shape[-1]} -> "
+                f"{call.kernel[-1] if call.kind == 'conv' else call.kernel[3]}", 0.1 + 0.9 * index / len(calls))
+            rows.append(time_convolution(call, count))
+    finally:
+        tf.get_logger().setLevel(quiet)
+    precision = config.train.precision.value
+    flops, fastest = sum(r.flops for r in rows), sum(r.fastest_s for r in rows)
+    previous = load_tuning()
+    key = dataclasses.asdict(key_here())
+    same = previous is not None and previous.key == key
+    tuning = Tuning(key=key,
+                    planewise={**(previous.planewise if same else {}), **planewise_from(rows)},
+                    conv_gflops_per_core={**(previous.conv_gflops_per_core if same else {}),
+                                          **({precision: round(flops / fastest / 1e9 / usable_cores(), 2)}
+                                             if fastest else {})},
+                    overhead_offset_bytes={**(previous.overhead_offset_bytes if same else {}), **offsets},
+                    tuned=[*(previous.tuned if same else []),
+                           {"model": config.model.name, "shape": list(as_shape(shape)), "precision": precision,
+                            "batch_size": config.train.batch_size,
+                            "seconds": round(time.perf_counter() - started, 1), "partial": partial,
+                            "date": time.strftime("%Y-%m-%d"), "convolutions": len(calls), "timed": len(rows)}],
+                    rows=[*(previous.rows if same else []), *(r.to_dict() for r in rows)])
+    say("done", 1.0)
+    save_tuning(tuning)
+    return tuning
+
+
+def run_with_progress(config: ExperimentConfig, shape: Sequence[int], console, *,
+                      budget_s: float = DEFAULT_BUDGET_S, measure_memory: bool = True) -> Tuning:
+    """``tune`` with a progress bar on ``console`` (rich)."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("tuning"), BarColumn(), TimeElapsedColumn(), TextColumn("{task.description}"),
+                  console=console, transient=True) as bar:
+        task = bar.add_task("", total=1.0)
+        return tune(config, shape, budget_s=budget_s, measure_memory=measure_memory,
+                    progress=lambda what, done: bar.update(task, completed=done, description=what))
+
+
+def fixed_memory(config: ExperimentConfig) -> dict[str, int]:
+    """How far this machine's overhead is from the shipped table's, measured at the network's smallest shape.
+
+    At that shape the counted activations are a few MiB, so the difference between the measured
+    peak and the shipped table's prediction (without its safety margin) is the framework's fixed
+    term here against the CPU the table was measured on: the TensorFlow runtime, oneDNN's
+    primitives and scratch, the allocator's arenas. ``calibration_for`` adds it to the table.
+
+    Returns:
+        ``{"preset/precision/mode": bytes}`` (negative where this machine needs less) for
+        ``config``'s preset, precision and recompute mode.
+    """
+    import dataclasses as dc
+
+    from bigmem.memory.calibration import machine_isa_class, recompute_key, shipped_calibration
+    from bigmem.memory.estimate import estimate, mode_stages
+    from bigmem.memory.measure import measure
+    from bigmem.memory.profile import counts_function
+
+    edge = config.model.divisor
+    shape = (edge, edge, edge)
+    counts = counts_function(config)(shape)
+    stages = mode_stages(config.memory.recompute, counts)
+    mode = recompute_key(stages)
+    table = shipped_calibration(config.model.name, config.train.precision.value, mode, isa=machine_isa_class())
+    table = dc.replace(table, margin_fraction=0.0, margin_bytes=0)
+    predicted = estimate(config, counts, shape, recompute_stages=stages, calibration=table).predicted_peak_bytes
+    measured = measure(config, shape, recompute_stages=stages, force=True).peak_bytes
+    return {overhead_key(config.model.name, config.train.precision.value, mode): int(measured - predicted)}
+
+
+def overhead_key(preset: str, precision: str, mode: str) -> str:
+    """``Tuning.overhead_offset_bytes``'s key: ``"kits19/fp32/none"``."""
+    return f"{preset}/{precision}/{mode}"

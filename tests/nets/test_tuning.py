@@ -1,0 +1,159 @@
+"""This machine's tuning: its key, its cache file, the fallback to the shipped tables, and that layers take it."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from bigmem.nets import choices, tuning
+
+
+@pytest.fixture
+def tuning_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv(tuning.TUNING_DIR_ENV, str(tmp_path / "tuning"))
+    choices.kernel_choices.cache_clear()
+    yield tmp_path / "tuning"
+    choices.kernel_choices.cache_clear()
+
+
+def _write(planewise=None, offsets=None, key=None) -> tuning.Tuning:
+    here = dataclasses.asdict(key or tuning.key_here())
+    made = tuning.Tuning(key=here, planewise=planewise or {}, conv_gflops_per_core={"fp32": 50.0},
+                         overhead_offset_bytes=offsets or {},
+                         tuned=[{"model": "tiny", "shape": [16, 16, 16], "precision": "fp32", "seconds": 3.0}], rows=[])
+    tuning.save_tuning(made)
+    return made
+
+
+def test_the_key_names_this_cpu_its_tensorflow_and_its_threads():
+    from bigmem.cpu import cpu_description
+    from bigmem.tfenv import tensorflow_version
+
+    key = tuning.key_here(threads=7)
+    assert key.cpu == cpu_description()["model"]
+    assert key.tensorflow == tensorflow_version()
+    assert key.threads == 7
+
+
+def test_a_capped_onednn_is_another_key(monkeypatch):
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "SSE41")
+    capped = tuning.key_here(threads=2)
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    assert capped.isa_class == "baseline"
+    assert capped.slug() != tuning.key_here(threads=2).slug()
+
+
+def test_another_thread_count_is_another_file():
+    assert tuning.key_here(threads=2).slug() != tuning.key_here(threads=64).slug()
+
+
+def test_onednn_off_is_read_from_the_variable():
+    assert tuning.onednn_state({"TF_ENABLE_ONEDNN_OPTS": "0"}) == "off"
+    assert tuning.onednn_state({}) == "on"
+
+
+def test_without_a_tuning_the_shipped_choices_are_in_force(tuning_dir):
+    name, taken = choices.kernel_choices()
+    assert taken == choices.CHOICES.get(name, choices.CHOICES["baseline"])
+
+
+def test_a_tuning_replaces_the_pairs_it_timed_and_keeps_the_others(tuning_dir):
+    name = choices.kernel_choices()[0]
+    shipped = choices.CHOICES.get(name, choices.CHOICES["baseline"])
+    choices.kernel_choices.cache_clear()
+    _write({"fp32/1": [3, 5], "fp32/2": None})
+    taken = choices.kernel_choices()[1]
+    assert taken.planewise[("fp32", 1)] == (3, 5)
+    assert ("fp32", 2) not in taken.planewise
+    assert taken.planewise.get(("bf16", 1)) == shipped.planewise.get(("bf16", 1))
+    assert taken.source.startswith("tuned on this machine (tiny 16x16x16 fp32")
+
+
+def test_a_tuning_of_another_machine_is_not_read(tuning_dir):
+    other = dataclasses.replace(tuning.key_here(), cpu="Some Other CPU")
+    made = _write({"fp32/1": [3, 5]}, key=other)
+    path = tuning.tuning_path()  # this machine's name, holding another key (a digest clash stands in)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(dataclasses.asdict(made)))
+    choices.kernel_choices.cache_clear()
+    assert choices.kernel_choices()[1].planewise.get(("fp32", 1)) != (3, 5)
+
+
+def test_a_correctness_choice_is_never_tuned_away():
+    shipped = choices.CHOICES["amx"]
+    made = tuning.Tuning(key={}, planewise={"bf16/1": None}, conv_gflops_per_core={}, overhead_offset_bytes={},
+                         tuned=[], rows=[])
+    assert shipped.tuned(made).planewise[("bf16", 1)] == shipped.required[("bf16", 1)]
+
+
+def test_an_unreadable_or_older_file_is_no_tuning(tuning_dir):
+    path = tuning.tuning_path()
+    path.parent.mkdir(parents=True)
+    path.write_text("{not json")
+    assert tuning.load_tuning() is None
+    path.write_text(json.dumps({"version": tuning.TUNING_VERSION - 1}))
+    assert tuning.load_tuning() is None
+
+
+def test_the_rule_takes_consecutive_wins_only():
+    won, lost = (1.0, 2.0), (3.0, 2.0)
+    seconds = {("fp32", 1, 8): won, ("fp32", 1, 16): won, ("fp32", 1, 32): lost,
+               ("fp32", 2, 8): won, ("fp32", 2, 16): lost, ("fp32", 2, 32): won}
+    assert choices.planewise_ranges(seconds) == {("fp32", 1): (8, 16)}
+
+
+def _paths(channels: int) -> list[str]:
+    import tensorflow as tf
+
+    from bigmem.nets.conv import Conv3D, observe_convolutions
+
+    layer = Conv3D(4, 3, padding="same")
+    with observe_convolutions() as calls:
+        layer(tf.zeros((1, 8, 8, 8, channels)))
+    return [call.path for call in calls]
+
+
+def test_the_layers_take_the_tuned_choice(tuning_dir):
+    _write({"fp32/1": [8, 8]})
+    assert _paths(8) == ["planewise"]
+    assert _paths(16) == ["3d"]
+
+
+def test_a_tuned_never_turns_the_planewise_gradient_off(tuning_dir):
+    _write({"fp32/1": None})
+    assert _paths(8) == ["3d"]
+
+
+def test_the_tuned_fixed_term_moves_the_shipped_table(tuning_dir):
+    from bigmem.memory.calibration import calibration_for, machine_isa_class, shipped_calibration
+
+    shipped = shipped_calibration("small", "fp32", "none", isa=machine_isa_class())
+    _write(offsets={"small/fp32/none": 100 * 2**20})
+    moved = calibration_for("small", "fp32", "none", path=tuning_dir / "no-calibrations.json")
+    assert [y for _, y in moved.knots] == [y + 100 * 2**20 for _, y in shipped.knots]
+    assert moved.margin_bytes == 0
+    assert "fixed term measured by bigmem tune (+100.00 MiB)" in moved.source
+
+
+def test_the_pass_times_every_convolution_and_writes_the_file(tuning_dir):
+    from bigmem.config import resolve_config
+    from bigmem.tune import network_convolutions, tune
+
+    config = resolve_config("tiny", {"train": {"batch_size": 1}})
+    calls = network_convolutions(config, (16, 16, 16))
+    made = tune(config, (16, 16, 16), measure_memory=False)
+    assert len(made.rows) == len(calls)
+    assert sum(row["count"] for row in made.rows) == sum(count for _, count in calls)
+    assert made.tuned[-1]["partial"] is False
+    assert tuning.load_tuning().rows == made.rows
+
+
+def test_the_pass_stops_at_its_budget(tuning_dir):
+    from bigmem.config import resolve_config
+    from bigmem.tune import tune
+
+    made = tune(resolve_config("tiny", {"train": {"batch_size": 1}}), (16, 16, 16), budget_s=0.0,
+                measure_memory=False)
+    assert made.tuned[-1]["partial"] is True
