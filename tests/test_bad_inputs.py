@@ -245,7 +245,8 @@ CASES = [
     Case("volume-zero", 5, ("convert", "{msd}", "-o", "{tmp}/out.h5", "--volume", "0"), 2,
          "Invalid --volume 0: expected a positive integer."),
     Case("append-two-channels-to-one", 8, ("convert", "{msd2}", "-o", "{tmp}/one.h5", "--append"), 1,
-         "Cannot --append {msd2}/dataset.json's 2 channels (T1, T2) to '{tmp}/one.h5', whose cases have 1.",
+         "Cannot --append {msd2}/dataset.json's 2 channels (T1, T2) to '{tmp}/one.h5', whose cases have 1: case "
+         "'a' ({msd2}/imagesTr/a.nii.gz) is the first that does not fit.",
          _store_copy("one.h5")),
     Case("header-claims-30000-cubed", 8, ("convert", "{huge}", "-o", "{tmp}/out.h5"), 1,
          "Case 'h': image header claims shape (30000, 30000, 30000) (2.7e+13 voxels, 98.23 TiB in memory), more "

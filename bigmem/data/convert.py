@@ -244,13 +244,17 @@ def check_arguments(*, shape: Sequence[int] | None = None, spacing: Sequence[flo
 def check_append(dataset: SourceDataset, out: Path, num_channels: int, num_classes: int,
                  regions: dict[str, list[int]] | None = None) -> None:
     """Refuse appending a dataset whose dataset.json names other channels, more classes or other regions than
-    the store has (``regions``: the store's, ``HDF5VolumeStore.regions``)."""
+    the store has (``regions``: the store's, ``HDF5VolumeStore.regions``); a refusal of its channels names its
+    first case (every case has the channels its dataset.json names) and that case's image files."""
     if not dataset.declared_labels:
         return  # --images/--labels: each case is checked against the store as it loads
     channels = len(dataset.channel_names)
     if channels != num_channels:
+        first = dataset.cases[0] if dataset.cases else None
+        named = f": case {first.case_id!r} ({first.image_text}) is the first that does not fit" if first else ""
         raise DataError(f"Cannot --append {dataset.origin}'s {channels} channel{'s' if channels != 1 else ''} "
-                        f"({', '.join(dataset.channel_names)}) to {str(out)!r}, whose cases have {num_channels}.")
+                        f"({', '.join(dataset.channel_names)}) to {str(out)!r}, whose cases have {num_channels}"
+                        f"{named}.")
     classes = dataset.min_classes or len(dataset.label_names)
     if classes > num_classes:
         raise DataError(f"Cannot --append {dataset.origin}'s {classes} classes to {str(out)!r}, "

@@ -77,6 +77,29 @@ def _kits_folders(folder: Path) -> list[Path]:
             and _kits_file(d, KITS_IMAGE)]
 
 
+def _json_layout(json_path: Path) -> tuple[Layout, str]:
+    """MSD or nnU-Net v2, as a dataset.json says, and why (for messages).
+
+    MSD's lists its training cases (``training``), or at least its test images (``test``);
+    nnU-Net v2's names its ``channel_names`` and lists no case.
+
+    Raises:
+        DataError: the file is neither (``read_dataset_json``'s checks, or no ``training`` list and no
+            ``channel_names``), naming it.
+    """
+    meta = read_dataset_json(json_path)
+    if meta["has_training"]:
+        return Layout.MSD, f"{json_path} has a 'training' list"
+    if meta["has_channel_names"]:
+        return Layout.NNUNET, f"{json_path} has 'channel_names' and no 'training' list"
+    if meta["test"]:
+        return Layout.MSD, f"{json_path} lists 'test' images"
+    raise DataError(f"{json_path} lists no training cases and has no channel_names: it is neither a Medical "
+                    "Segmentation Decathlon dataset.json (a 'training' list of {\"image\": ..., \"label\": ...} "
+                    "entries) nor an nnU-Net v2 one ('channel_names', with imagesTr/CASE_0000.nii.gz per channel "
+                    "and labelsTr/CASE.nii.gz); add the one that describes the folder.")
+
+
 def detect_layout(folder: str | Path) -> Layout | None:
     """The layout of a dataset folder.
 
@@ -84,13 +107,15 @@ def detect_layout(folder: str | Path) -> Layout | None:
         folder: a folder.
 
     Returns:
-        ``Layout.MSD`` (a dataset.json with a ``training`` list), ``Layout.NNUNET`` (a dataset.json
-        without one), ``Layout.KITS_CASE`` (the folder holds imaging.nii.gz), ``Layout.KITS`` (its
-        subfolders do), ``Layout.FILES`` (NIfTI files), or None (none of these).
+        ``Layout.MSD`` (a dataset.json with a ``training`` list, or only ``test`` images),
+        ``Layout.NNUNET`` (a dataset.json with ``channel_names`` and no ``training`` list),
+        ``Layout.KITS_CASE`` (the folder holds imaging.nii.gz), ``Layout.KITS`` (its subfolders do),
+        ``Layout.FILES`` (NIfTI files), or None (none of these).
 
     Raises:
-        DataError: ``folder`` is not a folder, or its dataset.json is unreadable or not of the
-            documented form (``nifti.read_dataset_json``).
+        DataError: ``folder`` is not a folder, or its dataset.json is unreadable, not of the
+            documented form (``nifti.read_dataset_json``), or neither MSD's nor nnU-Net v2's (no
+            ``training`` list and no ``channel_names``).
 
     Example:
         >>> detect_layout("Dataset137_BraTS2021")  # Layout.NNUNET
@@ -99,7 +124,7 @@ def detect_layout(folder: str | Path) -> Layout | None:
     if not folder.is_dir():
         raise DataError(f"Cannot read {str(folder)!r}: not a folder.")
     if (folder / "dataset.json").is_file():
-        return Layout.MSD if read_dataset_json(folder / "dataset.json")["has_training"] else Layout.NNUNET
+        return _json_layout(folder / "dataset.json")[0]
     if _kits_file(folder, KITS_IMAGE):
         return Layout.KITS_CASE
     if _kits_folders(folder):
@@ -121,7 +146,8 @@ def read_dataset(src: str | Path) -> SourceDataset:
         The ``SourceDataset`` (``read_msd``, ``read_nnunet`` or ``read_kits``).
 
     Raises:
-        DataError: ``src`` does not exist, is none of these layouts, or the layout's reader refuses it.
+        DataError: ``src`` does not exist, is none of these layouts, or the layout's reader refuses it
+            (where it finds no case, the message says which layout was read, and why).
 
     Example:
         >>> describe_dataset(read_dataset("Dataset001_BrainTumour"))  # 'nnU-Net v2 raw: 4 channels (FLAIR, ...'
@@ -131,9 +157,17 @@ def read_dataset(src: str | Path) -> SourceDataset:
         raise DataError(f"Cannot read {str(src)!r}: no such file or folder.")
     if src.is_file() or (src / "dataset.json").is_file():
         json_path = src if src.is_file() else src / "dataset.json"
-        return read_msd(json_path) if read_dataset_json(json_path)["has_training"] else read_nnunet(json_path)
+        layout, why = _json_layout(json_path)
+        also = (f"; {str(src)!r} also holds KiTS case folders, read as such only where no dataset.json is beside "
+                "them") if src.is_dir() and _kits_folders(src) else ""
+        return (read_msd if layout is Layout.MSD else read_nnunet)(json_path, why=f"{why}{also}")
     if _kits_folders(src):
         return read_kits(src)
+    found = [name for name in ("imagesTr", "labelsTr") if (src / name).is_dir()]
+    if found:
+        raise DataError(f"No dataset.json in {str(src)!r}, which has {' and '.join(f'{n}/' for n in found)}: a "
+                        "Medical Segmentation Decathlon or nnU-Net v2 folder is read through its dataset.json "
+                        "(channels, labels, and MSD's list of cases); add it, or give --images/--labels globs.")
     raise DataError(f"No dataset.json in {str(src)!r} and no KiTS case folders: expected {_EXPECTED}, or "
                     "--images/--labels globs.")
 
@@ -165,11 +199,18 @@ def _regions_note(label_names: list[str], regions: dict[str, list[int]]) -> list
             "that regions_class_order paints) and scored as regions."]
 
 
-def read_msd(src: str | Path) -> SourceDataset:
+def _read_as(title: str, why: str) -> str:
+    """' Read as <layout> because <why>.' for a message, or '' without a why."""
+    return f" Read as {title} because {why}." if why else ""
+
+
+def read_msd(src: str | Path, *, why: str = "") -> SourceDataset:
     """The training cases listed by an MSD folder's dataset.json (or that file itself).
 
     Args:
         src: the folder holding dataset.json, imagesTr/ and labelsTr/, or dataset.json itself.
+        why: why the folder is read as MSD (``read_dataset``'s reason), added to the message when it
+            lists no case (default "": nothing added).
 
     Returns:
         A ``SourceDataset`` with declared channel and label names; a case id listed twice is
@@ -198,18 +239,20 @@ def read_msd(src: str | Path) -> SourceDataset:
         seen.add(case_id)
         cases.append(SourceCase(case_id, image, label))
     if not cases and not problems:
-        raise DataError(f"{json_path} lists no training cases.")
+        raise DataError(f"{json_path} lists no training cases.{_read_as(Layout.MSD.title, why)}")
     return SourceDataset(cases, meta["channel_names"], meta["label_names"], str(json_path), True, problems,
                          layout=Layout.MSD, regions=meta["regions"],
                          notes=_regions_note(meta["label_names"], meta["regions"]))
 
 
-def _nnunet_images(folder: Path, ending: str, channel_names: list[str]) -> tuple[dict[str, list[Path]], list[str], int]:
+def _nnunet_images(folder: Path, ending: str, channel_names: list[str], json_path: Path
+                   ) -> tuple[dict[str, list[Path]], list[str], int]:
     """Case id -> its channel files (``CASE_0000<ending>``, ...) in ``folder``, one problem per bad case or
     file, and how many case ids the files name.
 
     A case without a file for every channel of ``channel_names``, or with a channel past them, is
-    a problem (and left out); so is a file with the ending but no channel suffix.
+    a problem (and left out); so is a file with the ending but no channel suffix, whose message
+    says why the folder is read as nnU-Net v2 (``json_path``, its dataset.json, lists no case).
     """
     pattern = re.compile(rf"^(?P<case>.+)_(?P<channel>\d{{4}}){re.escape(ending)}$")
     found: dict[str, dict[int, Path]] = {}
@@ -220,7 +263,8 @@ def _nnunet_images(folder: Path, ending: str, channel_names: list[str]) -> tuple
         match = pattern.match(path.name)
         if match is None:
             problems.append(f"{path}: no channel suffix; nnU-Net v2 names image files CASE_0000{ending} "
-                            f"(channel 0), CASE_0001{ending}, ...")
+                            f"(channel 0), CASE_0001{ending}, ... (read as nnU-Net v2 because {json_path} has "
+                            "'channel_names' and no 'training' list of MSD cases).")
             continue
         found.setdefault(match["case"], {})[int(match["channel"])] = path
     count = len(channel_names)
@@ -239,11 +283,13 @@ def _nnunet_images(folder: Path, ending: str, channel_names: list[str]) -> tuple
     return cases, problems, len(found)
 
 
-def read_nnunet(src: str | Path) -> SourceDataset:
+def read_nnunet(src: str | Path, *, why: str = "") -> SourceDataset:
     """The training cases of an nnU-Net v2 raw folder: imagesTr/ channel files grouped by case, labelsTr/ labels.
 
     Args:
         src: the ``DatasetXXX_Name`` folder, or its dataset.json.
+        why: why the folder is read as nnU-Net v2 (``read_dataset``'s reason), added to the message
+            when it holds no training image (default "": nothing added).
 
     Returns:
         A ``SourceDataset`` whose cases list every channel file in channel order; a case missing a
@@ -261,7 +307,7 @@ def read_nnunet(src: str | Path) -> SourceDataset:
     json_path = _dataset_json_path(src, "an nnU-Net v2 raw folder (dataset.json, imagesTr/, labelsTr/)")
     meta = _training_json(json_path)
     root, ending = json_path.parent, meta["file_ending"]
-    images, problems, found = _nnunet_images(root / "imagesTr", ending, meta["channel_names"])
+    images, problems, found = _nnunet_images(root / "imagesTr", ending, meta["channel_names"], json_path)
     cases = []
     for case_id, files in images.items():
         label = root / "labelsTr" / f"{case_id}{ending}"
@@ -273,7 +319,7 @@ def read_nnunet(src: str | Path) -> SourceDataset:
     if not cases and not problems:
         raise DataError(f"{json_path} has no 'training' list (MSD) and {root / 'imagesTr'} no nnU-Net v2 training "
                         f"images: expected imagesTr/CASE_0000{ending} (one file per channel) and "
-                        f"labelsTr/CASE{ending}.")
+                        f"labelsTr/CASE{ending}.{_read_as(Layout.NNUNET.title, why)}")
     notes = _regions_note(meta["label_names"], meta["regions"])
     if meta["num_training"] is not None and meta["num_training"] != found:
         notes.append(f"{json_path} says numTraining {meta['num_training']}; {root / 'imagesTr'} holds "
@@ -529,7 +575,7 @@ def list_images(source: str | Path) -> ImageListing:
     meta = read_dataset_json(path / "dataset.json")
     if layout is Layout.NNUNET:
         where = _test_folder(path)
-        cases, problems, _ = _nnunet_images(where, meta["file_ending"], meta["channel_names"])
+        cases, problems, _ = _nnunet_images(where, meta["file_ending"], meta["channel_names"], path / "dataset.json")
         if problems:
             raise DataError(problems[0])
     elif meta["test"]:

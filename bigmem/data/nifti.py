@@ -227,14 +227,14 @@ def read_dataset_json(json_path: str | Path) -> dict:
 
     Returns:
         ``{"channel_names": [...], "label_names": [...], "regions": {...}, "regions_class_order": [...] | None,
-        "training": [(image, label), ...], "has_training": bool, "test": [image, ...], "file_ending": str,
-        "num_training": int | None}``: names in channel and label-value order; nnU-Net v2's regions
+        "training": [(image, label), ...], "has_training": bool, "has_channel_names": bool, "test": [image, ...],
+        "file_ending": str, "num_training": int | None}``: names in channel and label-value order; nnU-Net v2's regions
         (``{name: [label values]}``; ``{}`` where the labels are classes; with regions the values are
         named ``class<N>``) and their ``regions_class_order`` as written (``region_classes`` checks it
         and names the classes bigmem trains); each training entry's two paths and each test image as
         written (relative to the file's folder); whether a ``training`` list is there at all (MSD
-        lists its cases, nnU-Net v2 does not); nnU-Net v2's ``file_ending`` (default ".nii.gz") and
-        ``numTraining``.
+        lists its cases, nnU-Net v2 does not) and whether ``channel_names`` is (nnU-Net v2's name for
+        MSD's ``modality``); nnU-Net v2's ``file_ending`` (default ".nii.gz") and ``numTraining``.
 
     Raises:
         DataError: the file is unreadable, not UTF-8 JSON (a NIfTI file given by mistake is named
@@ -301,7 +301,8 @@ def read_dataset_json(json_path: str | Path) -> dict:
     count = meta.get("numTraining")
     return {"channel_names": channel_names, "label_names": label_names, "regions": regions,
             "regions_class_order": meta.get("regions_class_order"), "training": pairs,
-            "has_training": "training" in meta, "test": images, "file_ending": ending,
+            "has_training": "training" in meta, "has_channel_names": "channel_names" in meta, "test": images,
+            "file_ending": ending,
             "num_training": count if isinstance(count, int) and not isinstance(count, bool) else None}
 
 

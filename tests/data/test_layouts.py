@@ -98,7 +98,8 @@ def test_nnunet_problems_name_the_case_and_the_file(tmp_path):
     images = root / "imagesTr"
     assert dataset.problems == [
         f"{images / 'e.nii.gz'}: no channel suffix; nnU-Net v2 names image files CASE_0000.nii.gz (channel 0), "
-        "CASE_0001.nii.gz, ...",
+        f"CASE_0001.nii.gz, ... (read as nnU-Net v2 because {root / 'dataset.json'} has 'channel_names' and no "
+        "'training' list of MSD cases).",
         f"Case 'b': no file for channel 1 (T1w): {images / 'b_0001.nii.gz'} is missing; dataset.json names 2 "
         "channels (FLAIR, T1w).",
         f"Case 'c': {images / 'c_0002.nii.gz'} is channel 2, but dataset.json names 2 channels (FLAIR, T1w).",
@@ -262,6 +263,58 @@ def test_msd_is_still_read(tmp_path):
     assert dataset.layout is Layout.MSD
     assert describe_dataset(dataset) == ("Medical Segmentation Decathlon: 2 channels (T1, T2), 2 classes "
                                          "(background, lesion), 2 training cases")
+
+
+# ---- a layout that is neither, or two at once: the message says what was tried and why ------------
+
+
+def test_a_dataset_json_without_training_or_channel_names_is_named(tmp_path, capsys):
+    root = make_msd(tmp_path / "Task05")
+    meta = json.loads((root / "dataset.json").read_text())
+    del meta["training"]
+    (root / "dataset.json").write_text(json.dumps(meta))
+    code, _, err = run_cli(["convert", root, "-o", tmp_path / "out.h5"], capsys)
+    assert code == 1
+    assert err.startswith(f"bigmem convert: error: {root / 'dataset.json'} lists no training cases and has no "
+                          "channel_names: it is neither a Medical Segmentation Decathlon dataset.json")
+    assert "channel suffix" not in err
+    assert len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "out.h5").exists()
+
+
+def test_msd_files_under_an_nnunet_dataset_json_say_why_nnunet(tmp_path, capsys):
+    root = make_msd(tmp_path / "Task05")
+    meta = json.loads((root / "dataset.json").read_text())
+    del meta["training"]
+    meta["channel_names"] = meta.pop("modality")
+    (root / "dataset.json").write_text(json.dumps(meta))
+    code, _, err = run_cli(["convert", root, "-o", tmp_path / "out.h5"], capsys)
+    assert code == 1
+    assert f"{root / 'imagesTr' / 'a.nii.gz'}: no channel suffix" in err
+    assert (f"(read as nnU-Net v2 because {root / 'dataset.json'} has 'channel_names' and no 'training' list of MSD "
+            "cases).") in err
+
+
+def test_a_dataset_json_beside_kits_case_folders_says_which_was_read(tmp_path, capsys):
+    root = make_kits(tmp_path / "kits", {"case_00000": (SHAPE, (0, 1, 2))})
+    (root / "dataset.json").write_text(json.dumps({"channel_names": {"0": "CT"},
+                                                   "labels": {"background": 0, "kidney": 1}}))
+    code, _, err = run_cli(["convert", root, "-o", tmp_path / "out.h5"], capsys)
+    assert code == 1
+    assert (f"Read as nnU-Net v2 raw because {root / 'dataset.json'} has 'channel_names' and no 'training' list; "
+            f"{str(root)!r} also holds KiTS case folders, read as such only where no dataset.json is beside "
+            "them.") in err
+
+
+def test_images_and_labels_without_a_dataset_json_say_it_is_missing(tmp_path, capsys):
+    root = make_msd(tmp_path / "Task05")
+    (root / "dataset.json").unlink()
+    code, _, err = run_cli(["convert", root, "-o", tmp_path / "out.h5"], capsys)
+    assert code == 1
+    assert err.strip() == (f"bigmem convert: error: No dataset.json in {str(root)!r}, which has imagesTr/ and "
+                           "labelsTr/: a Medical Segmentation Decathlon or nnU-Net v2 folder is read through its "
+                           "dataset.json (channels, labels, and MSD's list of cases); add it, or give "
+                           "--images/--labels globs.")
 
 
 def test_load_channels_checks_every_channel_file(tmp_path):
