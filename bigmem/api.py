@@ -161,13 +161,15 @@ def _worker_peak_bytes(config: "ExperimentConfig") -> int:
     return plan.predicted_peak_bytes
 
 
-def predict(run_dir: str | os.PathLike, source: str | os.PathLike, out_dir: str | os.PathLike, *,
+def predict(run_dir: str | os.PathLike | Sequence[str | os.PathLike], source: str | os.PathLike,
+            out_dir: str | os.PathLike, *,
             mode: str = "auto", budget_bytes: int | None = None, budget_flag: str = "--memory-budget",
             ignore_plan: bool = False, console=None, **options) -> Iterator:
     """Segment every case of ``source`` with the model in ``run_dir`` (``bigmem predict``); one result per case.
 
     Args:
-        run_dir: a run directory or an exported model folder (``bigmem export``).
+        run_dir: a run directory or an exported model folder (``bigmem export``); a list of them: an
+            ensemble whose class probabilities are averaged (``bigmem.infer.predict.load_ensemble``).
         source: NIfTI files, a folder of them (MSD, nnU-Net v2 or KiTS layout) or an HDF5 store.
         out_dir: where ``<case id>.nii.gz`` label maps are written (atomically).
         mode: "auto" (default: per case, whole where the inference memory plan says the whole

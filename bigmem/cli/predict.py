@@ -27,6 +27,12 @@ folder); two inputs that would share an output name are refused before anything 
 case whose OUT/<case>.nii.gz exists is kept and counted (a second run resumes an interrupted
 one); --force segments it again and overwrites it.
 
+Several RUN_DIRs segment as an ensemble: each network runs on the case in turn (with its own
+window and --tta, under --checkpoint), and the mean of their class probabilities is mapped back
+and its argmax written. The runs must agree on the classes, the channels and the preparation of
+the scan (resampling, crop/pad, normalisation); the first that does not is named. The inference
+memory plan counts every member's weights and the probabilities' running sum.
+
 modes: whole (default where the inference memory plan fits the budget) sends the whole volume
 through the network in one pass: no tiles, no seams. sliding predicts Gaussian-weighted windows
 (sigma 1/8 of the window, --overlap, default {DEFAULT_OVERLAP:g}; the window is what the network trained on —
@@ -40,13 +46,16 @@ examples:
   bigmem predict runs/brats Dataset137_BraTS2021 -o predictions/      # nnU-Net v2: imagesTs/, 4 channel files each
   bigmem predict runs/small data/brats.h5 --cases BRATS_480,BRATS_481 -o out --checkpoint best
   bigmem predict runs/small scan.nii.gz -o out --mode sliding --overlap 0.5 --tta --save-probabilities
+  bigmem predict runs/fold0 runs/fold1 runs/fold2 runs/fold3 runs/fold4 imagesTs -o ensemble/ --checkpoint best
 """
 
 
 def register(subparsers, parents) -> None:
     parser = subparsers.add_parser("predict", help=HELP, description=DESCRIPTION, parents=parents,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("run_dir", metavar="RUN_DIR", help="a bigmem train run directory")
+    parser.add_argument("run_dir", metavar="RUN_DIR", nargs="+",
+                        help="a bigmem train run directory; several: an ensemble, their class probabilities averaged "
+                             "(e.g. the five --fold runs of a cross-validation)")
     parser.add_argument("input", metavar="INPUT", help="NIfTI file, folder of NIfTI files, MSD or nnU-Net v2 folder, "
                                                        "KiTS case folders (or one), or store (.h5)")
     parser.add_argument("-o", "--out", metavar="OUT_DIR", required=True, help="where <case>.nii.gz are written")

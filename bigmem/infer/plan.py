@@ -16,17 +16,23 @@ from rich.console import Console
 
 from bigmem.data.pipeline import padded_shape  # the one rounding rule: predict pads as training does
 from bigmem.errors import InsufficientMemoryError
-from bigmem.infer.predict import Mode, Predictor
+from bigmem.infer.predict import Ensemble, Mode, Predictor
 from bigmem.units import format_bytes
 
 
-def whole_volume_plan(predictor: Predictor, shape: Sequence[int], budget):
-    """The inference ``Plan`` of one whole case of spatial ``shape`` (padded to the size contract) in ``budget``."""
+def whole_volume_plan(predictor: Predictor | Ensemble, shape: Sequence[int], budget):
+    """The inference ``Plan`` of one whole case of spatial ``shape`` (padded to the size contract) in ``budget``.
+
+    An ensemble's members run one after the other: the plan is its largest member's (by predicted peak), with
+    every member's weights and the probabilities' running sum counted (``memory.estimate``'s ``ensemble``).
+    """
     from bigmem.memory.plans import plan_inference
     from bigmem.memory.profile import counts_function
 
-    padded = padded_shape(shape, predictor.divisor)
-    return plan_inference(predictor.config, counts_function(predictor.config), budget, padded, check=False)
+    members = predictor.members if isinstance(predictor, Ensemble) else (predictor,)
+    plans = [plan_inference(m.config, counts_function(m.config), budget, padded_shape(shape, m.divisor), check=False,
+                            ensemble=len(members)) for m in members]
+    return max(plans, key=lambda plan: plan.predicted_peak_bytes)
 
 
 def mode_chooser(mode: str, budget_bytes: int | None = None, *, flag: str = "--memory-budget",
@@ -55,10 +61,11 @@ def mode_chooser(mode: str, budget_bytes: int | None = None, *, flag: str = "--m
         return lambda predictor, shape: chosen
     budget = resolve_budget(budget_bytes, flag=flag)
 
-    def choose(predictor: Predictor, shape: Sequence[int]) -> Mode:
+    def choose(predictor: Predictor | Ensemble, shape: Sequence[int]) -> Mode:
         plan = whole_volume_plan(predictor, shape, budget)
         predicted, fits = plan.predicted_peak_bytes, plan.fits
-        what = (f"whole {'x'.join(map(str, padded_shape(shape, predictor.divisor)))} needs "
+        models = f", {len(predictor.members)} models" if isinstance(predictor, Ensemble) else ""
+        what = (f"whole {'x'.join(map(str, padded_shape(shape, predictor.divisor)))}{models} needs "
                 f"{format_bytes(predicted)} of a {format_bytes(budget.budget_bytes)} budget ({budget.source})")
         if chosen is Mode.WHOLE:
             if not fits and not ignore_plan:

@@ -110,6 +110,107 @@ class Predictor:
         return self.config.model.divisor
 
 
+@dataclass(frozen=True)
+class Ensemble:
+    """Several trained networks segmenting as one: their class probabilities averaged (``bigmem predict RUN_DIR
+    RUN_DIR ...``, e.g. the five folds of a cross-validation).
+
+    The members run one after the other on each case, each as it would alone (its own window, padding and
+    ``--tta``); the mean of their probabilities is mapped back and its argmax taken. They agree on the classes,
+    the channels and the input's preparation (``load_ensemble`` checks), so the card, classes and region order
+    are the first member's.
+
+    Attributes:
+        members: the networks.
+        names: where each came from (its run directory), for messages.
+    """
+
+    members: tuple[Predictor, ...]
+    names: tuple[str, ...]
+
+    @property
+    def config(self) -> ExperimentConfig:
+        """The first member's config (its network names the ensemble in messages)."""
+        return self.members[0].config
+
+    @property
+    def preparation(self) -> ModelCard:
+        """The input preparation all members share (``load_ensemble`` checks)."""
+        return self.members[0].preparation
+
+    @property
+    def num_classes(self) -> int:
+        """The classes all members predict (background included)."""
+        return self.members[0].num_classes
+
+    @property
+    def num_outputs(self) -> int:
+        """The output channels all members have: classes, or one per region."""
+        return self.members[0].num_outputs
+
+    @property
+    def region_order(self) -> list[int] | None:
+        """The label value each region output paints (``Predictor.region_order``), or None."""
+        return self.members[0].region_order
+
+    @property
+    def divisor(self) -> int:
+        """The coarsest member's size contract (each member pads for its own)."""
+        return max(m.divisor for m in self.members)
+
+
+def _agreement(predictor: Predictor) -> list[tuple[str, object]]:
+    """What members of an ensemble must share, each with how it is shown: the classes, the outputs (softmax
+    classes or regions), the channels, the preparation of the scan (resampling, crop/pad, normalisation)."""
+    card = predictor.preparation
+    return [("classes", list(card.label_names)), ("number of classes", predictor.num_classes),
+            ("outputs", "regions " + ", ".join(card.regions) if predictor.config.model.region_outputs
+             else "softmax classes"),
+            ("channels", list(card.channel_names)), ("number of channels", predictor.config.model.in_channels),
+            ("spacing", card.spacing), ("shape", card.shape),
+            ("normalisation", "; ".join(card.preprocessing.describe(card.channel_names)))]
+
+
+def load_ensemble(run_dirs: Sequence[str | os.PathLike], checkpoint: str = "final", *,
+                  verbose: bool = False) -> Predictor | Ensemble:
+    """The trained networks of several run directories, as one ``Ensemble`` (one run: its ``Predictor``).
+
+    Args:
+        run_dirs: ``bigmem train`` run directories (or exported models), e.g. the folds of a cross-validation.
+        checkpoint: which weights of each ('final', 'best', 'latest', 'ckpt-N'; ``load_predictor``).
+
+    Returns:
+        The ``Ensemble``, or the ``Predictor`` of a single run.
+
+    Raises:
+        DataError: a run that cannot be loaded (``load_predictor``), or one that disagrees with the first on
+            the classes, the outputs, the channels or the scan's preparation (naming both runs and the values).
+        UsageError: no run directory, or one given twice.
+
+    Example:
+        >>> ensemble = load_ensemble([f"runs/fold{k}" for k in range(5)], "best")
+    """
+    names = [str(r) for r in run_dirs]
+    if not names:
+        raise UsageError("predict needs at least one RUN_DIR.")
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise UsageError(f"RUN_DIR {twice[0]!r} is given twice: an ensemble averages different runs.")
+    for name in names:  # every run directory is checked before TensorFlow starts and any model loads
+        run_config(name)
+    members = [load_predictor(name, checkpoint, verbose=verbose) for name in names]
+    if len(members) == 1:
+        return members[0]
+    first = _agreement(members[0])
+    for name, member in zip(names[1:], members[1:]):
+        for (what, ours), (_, theirs) in zip(first, _agreement(member)):
+            if ours != theirs:
+                raise DataError(f"Run {name!r} cannot join the ensemble: {what} {theirs} where {names[0]!r} has "
+                                f"{ours}; an ensemble averages the probabilities of one set of classes over one "
+                                "preparation of the scan.")
+    return Ensemble(tuple(members), tuple(names))
+
+
 def run_config(run_dir: str | os.PathLike) -> ExperimentConfig:
     """The config a run was trained with (its config.json's sections).
 
@@ -327,6 +428,33 @@ def predict_probabilities(predictor: Predictor, image: np.ndarray, *, stats: dic
                           pad_value=background)
 
 
+def ensemble_probabilities(predictor: Predictor | Ensemble, image: np.ndarray, **options) -> np.ndarray:
+    """The mean class probabilities of an ensemble's members on one case (one ``Predictor``: its own).
+
+    The members run one after the other through ``predict_probabilities`` (``options``: its ``stats``, ``mode``,
+    ``window``, ``overlap``, ``accumulate``, ``tta``); the sum is one more float32 array per class at the case's
+    shape, which the inference memory plan counts (``memory.estimate``'s ``ensemble``).
+
+    nnU-Net v2 averages its folds' logits (``nnUNetPredictor.predict_logits_from_preprocessed_data``) and the
+    probabilities of different configurations (``nnUNetv2_ensemble``); this is the mean of the probabilities.
+
+    Returns:
+        ``(D, H, W, num_outputs)`` float32.
+    """
+    members = predictor.members if isinstance(predictor, Ensemble) else (predictor,)
+    total = None
+    for member in members:
+        probabilities = predict_probabilities(member, image, **options)
+        if total is None:
+            total = probabilities if probabilities.flags.writeable else probabilities.copy()
+        else:
+            total += probabilities
+        del probabilities
+    if len(members) > 1:
+        total /= len(members)
+    return total
+
+
 def write_nifti(array: np.ndarray, affine: np.ndarray, path: Path) -> Path:
     """Write ``array`` as a NIfTI file through ``atomic_output``: whole under its name, or not at all.
 
@@ -385,13 +513,13 @@ def labels_path_of(out_dir: Path, case_id: str) -> Path:
     return Path(out_dir) / f"{case_id}.nii.gz"
 
 
-def predict_case(predictor: Predictor, item: CaseInput, out_dir: Path, *, mode: Mode | Callable,
+def predict_case(predictor: Predictor | Ensemble, item: CaseInput, out_dir: Path, *, mode: Mode | Callable,
                  window: int | tuple[int, int, int] | None = None, overlap: float = DEFAULT_OVERLAP,
                  accumulate: str = "float32", tta: bool = False, save_probabilities: bool = False) -> CaseResult:
     """Segment one case and write ``<case>.nii.gz`` (uint8 labels in the source geometry).
 
     Args:
-        predictor: the trained network.
+        predictor: the trained network, or an ``Ensemble`` (its members' probabilities averaged).
         item: the case.
         out_dir: the output folder.
         mode: a ``Mode``, or ``(predictor, spatial_shape) -> Mode`` to choose once the case's
@@ -410,8 +538,8 @@ def predict_case(predictor: Predictor, item: CaseInput, out_dir: Path, *, mode: 
     image, geometry, stats = item.load()
     if not isinstance(mode, Mode):
         mode = mode(predictor, image.shape[:3])
-    probabilities = predict_probabilities(predictor, image, stats=stats, mode=mode, window=window, overlap=overlap,
-                                          accumulate=accumulate, tta=tta)
+    probabilities = ensemble_probabilities(predictor, image, stats=stats, mode=mode, window=window, overlap=overlap,
+                                           accumulate=accumulate, tta=tta)
     del image
     labels_path = write_nifti(labels_to_source(probabilities, geometry, predictor.region_order), geometry.source_affine,
                               labels_path_of(out_dir, item.case_id))
@@ -424,7 +552,8 @@ def predict_case(predictor: Predictor, item: CaseInput, out_dir: Path, *, mode: 
                       peak_rss_bytes(), labels_path, probabilities_path)
 
 
-def predict(run_dir: str | os.PathLike, source: str | os.PathLike, out_dir: str | os.PathLike, *,
+def predict(run_dir: str | os.PathLike | Sequence[str | os.PathLike], source: str | os.PathLike,
+            out_dir: str | os.PathLike, *,
             checkpoint: str = "final", cases: Sequence[str] | None = None, mode: str = "auto",
             window: int | tuple[int, int, int] | None = None, overlap: float = DEFAULT_OVERLAP,
             accumulate: str = "float32", tta: bool = False, save_probabilities: bool = False, choose_mode=None,
@@ -433,7 +562,8 @@ def predict(run_dir: str | os.PathLike, source: str | os.PathLike, out_dir: str 
     """Segment every case of ``source`` with the run in ``run_dir``; yields each case's result as it is written.
 
     Args:
-        run_dir: a ``bigmem train`` run directory.
+        run_dir: a ``bigmem train`` run directory, or several: an ensemble whose class probabilities are
+            averaged (``load_ensemble``; each with ``checkpoint``).
         source: a NIfTI file, a folder of them, an MSD or nnU-Net v2 folder, KiTS case folders (or one),
             or a bigmem store.
         out_dir: where ``<case>.nii.gz`` go (created), named after each case's id in its layout
@@ -452,8 +582,8 @@ def predict(run_dir: str | os.PathLike, source: str | os.PathLike, out_dir: str 
         A ``CaseResult`` per case segmented, a ``KeptOutput`` per case whose output was kept.
 
     Raises:
-        DataError: bad run directory, input or checkpoint; two inputs that would be written to one
-            output name (before anything is written).
+        DataError: bad run directory, input or checkpoint; runs of an ensemble that disagree; two inputs
+            that would be written to one output name (before anything is written).
         UsageError: a bad mode, window or overlap.
     """
     chosen = look_up_option(mode, Mode, flag="--mode")
@@ -467,12 +597,14 @@ def predict(run_dir: str | os.PathLike, source: str | os.PathLike, out_dir: str 
         raise UsageError(f"Invalid --window {edge if edge is not None else ','.join(map(str, window))}: expected a "
                          "positive integer N or D,H,W.")
     _existing_input(source)
-    predictor = load_predictor(run_dir, checkpoint, verbose=verbose)
-    if edge is not None and edge % predictor.divisor:
-        raise UsageError(f"Invalid --window {edge}: expected a positive multiple of {predictor.divisor} "
-                         f"(the network downsamples {predictor.config.model.depth} times).")
-    if window is not None:
-        check_shape("--window", window, predictor.config.model)
+    run_dirs = [run_dir] if isinstance(run_dir, (str, os.PathLike)) else list(run_dir)
+    predictor = load_ensemble(run_dirs, checkpoint, verbose=verbose)
+    for member in predictor.members if isinstance(predictor, Ensemble) else (predictor,):
+        if edge is not None and edge % member.divisor:
+            raise UsageError(f"Invalid --window {edge}: expected a positive multiple of {member.divisor} "
+                             f"(the network downsamples {member.config.model.depth} times).")
+        if window is not None:
+            check_shape("--window", window, member.config.model)
     inputs = find_inputs(source, predictor.preparation, cases=cases, say=say)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

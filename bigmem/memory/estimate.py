@@ -262,7 +262,7 @@ def recompute_order(counts: NetworkCounts) -> list[str]:
 def estimate(config: ExperimentConfig, counts: NetworkCounts, spatial_shape: Sequence[int], *,
              pass_: Pass = Pass.TRAIN, recompute_stages: Sequence[str] | None = None,
              calibration: Calibration | None = None, source_shape: Sequence[int] | None = None,
-             save_probabilities: bool = False) -> Estimate:
+             save_probabilities: bool = False, ensemble: int = 1) -> Estimate:
     """The predicted peak resident memory of one pass of ``config`` on ``spatial_shape`` volumes.
 
     ``Pass.TRAIN``: a training step at ``train.batch_size``. Components: each block's feature maps
@@ -276,7 +276,9 @@ def estimate(config: ExperimentConfig, counts: NetworkCounts, spatial_shape: Seq
     input), ``forward_activations`` (the live set at the forward pass's peak, ``forward_live_bytes``),
     ``allocator_slack`` (what the allocator holds beyond them, calibrated), and predict's host arrays
     of the phase that peaks after the pass: ``input_image``, ``network_input``, ``probabilities``,
-    ``output_mapping``.
+    ``output_mapping``; for an ensemble of ``ensemble`` networks run one after the other, ``weights`` counts
+    every member's (all stay loaded) and ``ensemble_sum`` the running sum of their probabilities (one more
+    float32 array per class at the case's shape, beside each later member's pass).
 
     Either adds ``safety_margin`` only where the calibration was not measured for this machine
     and model (``calibration.unmeasured_margin``).
@@ -293,6 +295,8 @@ def estimate(config: ExperimentConfig, counts: NetworkCounts, spatial_shape: Seq
             preset, precision and mode (the recompute mode, or inference).
         source_shape: forward: the case's own shape before padding (default: ``spatial_shape``).
         save_probabilities: forward: predict writes the probabilities too (``--save-probabilities``).
+        ensemble: forward: the networks whose probabilities predict averages (``bigmem predict RUN_DIR RUN_DIR
+            ...``; default 1), each of this one's size (a member of another architecture: plan with the largest).
 
     Returns:
         An ``Estimate``: bytes per component (``predicted_peak_bytes`` is their sum), the stages
@@ -304,7 +308,7 @@ def estimate(config: ExperimentConfig, counts: NetworkCounts, spatial_shape: Seq
         >>> estimate(config, counts, (128, 128, 128), pass_=Pass.FORWARD).components["forward_activations"]
     """
     if pass_ is Pass.FORWARD:
-        return _forward(config, counts, spatial_shape, calibration, source_shape, save_probabilities)
+        return _forward(config, counts, spatial_shape, calibration, source_shape, save_probabilities, ensemble)
     return _train(config, counts, spatial_shape, recompute_stages, calibration)
 
 
@@ -401,7 +405,8 @@ def forward_live_bytes(config: ExperimentConfig, counts: NetworkCounts, spatial_
 
 
 def _forward(config: ExperimentConfig, counts: NetworkCounts, spatial_shape: Sequence[int],
-             calibration: Calibration | None, source_shape: Sequence[int] | None, save_probabilities: bool) -> Estimate:
+             calibration: Calibration | None, source_shape: Sequence[int] | None, save_probabilities: bool,
+             ensemble: int = 1) -> Estimate:
     """``estimate``'s whole-volume forward pass (batch 1): TensorFlow's peak plus the host arrays of the
     largest phase after it, which is why some of those components may be 0."""
     precision = config.train.precision
@@ -425,9 +430,12 @@ def _forward(config: ExperimentConfig, counts: NetworkCounts, spatial_shape: Seq
     cropped = classes * source_voxels * FLOAT32_BYTES if padded else 0
     mapping = source_voxels * (FLOAT32_BYTES + LABEL_BYTES + BOOL_BYTES)
     saved = classes * source_voxels * (FLOAT32_BYTES + 2) if save_probabilities else 0  # float32, then float16
+    # an ensemble: the members' running sum (infer.predict.ensemble_probabilities), held while each later member runs;
+    # once the last has run it is the probabilities the mapping phases take
+    summed = classes * source_voxels * FLOAT32_BYTES if ensemble > 1 else 0
     phases = {
         # predict_probabilities: the image, the network's input and the probabilities' copy (and its crop)
-        "probabilities": image + network_input + probabilities + cropped,
+        "probabilities": image + network_input + probabilities + cropped + summed,
         # labels_to_source after the image is dropped: the (cropped) probabilities and the running argmax
         "mapping": (cropped or probabilities) + mapping,
     }
@@ -442,7 +450,10 @@ def _forward(config: ExperimentConfig, counts: NetworkCounts, spatial_shape: Seq
         "saved_probabilities": {"input_image": 0, "network_input": 0, "probabilities": cropped or probabilities,
                                 "output_mapping": saved},
     }[peak_phase]
-    components = {"framework": framework, "weights": counts.param_count * FLOAT32_BYTES, "input_tensor": input_tensor,
+    if ensemble > 1:
+        host["ensemble_sum"] = summed if peak_phase == "probabilities" else 0
+    weights = ensemble * counts.param_count * FLOAT32_BYTES  # every member stays loaded
+    components = {"framework": framework, "weights": weights, "input_tensor": input_tensor,
                   "forward_activations": forward, "allocator_slack": slack, **host}
     notes = [f"host arrays peak in the {peak_phase.replace('_', ' ')} phase, after the forward pass "
              f"(phases: {', '.join(f'{k} {v:,} B' for k, v in phases.items())})"]

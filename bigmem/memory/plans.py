@@ -160,7 +160,7 @@ def plan_job(config: ExperimentConfig, counts_for: CountsFor, budget: Budget, *,
         _refuse(config, counts_for, budget, predicted, peak, shape, table, validation)
     return Plan(fits, budget.budget_bytes, budget.source, candidate, candidate, list(planner.candidates), [candidate],
                 forced=force and not fits, calibration=predicted.calibration.to_dict(), cases=table,
-                validation=validation)
+                validation=validation, precision_note=planner.precision_note(candidate))
 
 
 def _add_validation(candidate: Candidate, validation: dict, budget: Budget) -> None:
@@ -258,7 +258,7 @@ def require_fit(plan: Plan) -> None:
 
 
 def inference_candidate(config: ExperimentConfig, counts_for: CountsFor, budget_bytes: int,
-                        shape: Sequence[int]) -> Candidate:
+                        shape: Sequence[int], ensemble: int = 1) -> Candidate:
     """Whole-volume inference of ``shape`` as a plan ``Candidate`` (batch 1, the forward pass's estimate).
 
     Args:
@@ -266,13 +266,14 @@ def inference_candidate(config: ExperimentConfig, counts_for: CountsFor, budget_
         counts_for: ``memory.profile.counts_function(config)``.
         budget_bytes: what ``fits`` is judged against.
         shape: ``(D, H, W)``, each a multiple of ``2**depth``.
+        ensemble: the networks whose probabilities are averaged, one after the other (default 1).
 
     Returns:
         The ``Candidate``: ``volume`` the largest edge, ``spatial_shape`` the shape, ``fits`` whether
         the prediction is within the budget and runnable, ``components`` the estimate's.
     """
     shape = tuple(int(s) for s in shape)
-    result = estimate(config, counts_for(shape), shape, pass_=Pass.FORWARD)
+    result = estimate(config, counts_for(shape), shape, pass_=Pass.FORWARD, ensemble=ensemble)
     return Candidate(max(shape), 1, result.precision, "none", result.predicted_peak_bytes,
                      result.predicted_peak_bytes <= budget_bytes and result.runnable, [],
                      components=dict(result.components), partitioned_stages=list(result.partitioned_stages),
@@ -280,19 +281,20 @@ def inference_candidate(config: ExperimentConfig, counts_for: CountsFor, budget_
 
 
 def _largest_inference_volume(config: ExperimentConfig, counts_for: CountsFor, budget_bytes: int,
-                              candidates: list[Candidate]) -> Candidate | None:
+                              candidates: list[Candidate], ensemble: int = 1) -> Candidate | None:
     """Binary search of the largest cube (a multiple of ``2**depth``) that fits; every try kept in ``candidates``."""
     divisor = config.model.divisor
 
     def make(k: int) -> Candidate:
-        candidates.append(inference_candidate(config, counts_for, budget_bytes, (k * divisor,) * 3))
+        candidates.append(inference_candidate(config, counts_for, budget_bytes, (k * divisor,) * 3, ensemble))
         return candidates[-1]
 
     return largest_fitting(make, MAX_VOLUME // divisor, lambda candidate: candidate.fits)
 
 
 def plan_inference(config: ExperimentConfig, counts_for: CountsFor, budget: Budget,
-                   shape: Sequence[int] | None = None, *, force: bool = False, check: bool = True) -> Plan:
+                   shape: Sequence[int] | None = None, *, force: bool = False, check: bool = True,
+                   ensemble: int = 1) -> Plan:
     """Segmenting one whole volume (``bigmem predict``; batch 1, ``config``'s precision): whether ``shape``
     fits, or without one the largest cube that does.
 
@@ -304,6 +306,8 @@ def plan_inference(config: ExperimentConfig, counts_for: CountsFor, budget: Budg
             cube (a multiple of ``2**depth``) whose predicted peak fits.
         force: (with ``shape``) run past the budget: no refusal, and the plan says ``forced``.
         check: (with ``shape``) refuse at all.
+        ensemble: the networks of ``config``'s size whose probabilities predict averages, one after the other
+            (default 1): their weights and the probabilities' running sum are counted.
 
     Returns:
         A ``Plan`` with ``kind`` "inference": ``chosen`` the volume (with ``shape``), or the largest
@@ -324,15 +328,15 @@ def plan_inference(config: ExperimentConfig, counts_for: CountsFor, budget: Budg
     calibration = calibration_for(config.model.name, config.train.precision.value, INFERENCE_MODE).to_dict()
     if shape is None:
         candidates: list[Candidate] = []
-        chosen = _largest_inference_volume(config, counts_for, budget.budget_bytes, candidates)
+        chosen = _largest_inference_volume(config, counts_for, budget.budget_bytes, candidates, ensemble)
         closest = chosen or min(candidates, key=lambda c: c.predicted_peak_bytes)
         return Plan(chosen is not None, budget.budget_bytes, budget.source, chosen, closest, candidates,
                     [chosen] if chosen is not None else [], calibration=calibration, kind="inference")
-    candidate = inference_candidate(config, counts_for, budget.budget_bytes, shape)
+    candidate = inference_candidate(config, counts_for, budget.budget_bytes, shape, ensemble)
     if check and not force and not candidate.fits:
         if budget.placement is not None:
             check_nodes_fit(candidate.predicted_peak_bytes, budget.placement, budget.topology)
-        largest = _largest_inference_volume(config, counts_for, budget.budget_bytes, [])
+        largest = _largest_inference_volume(config, counts_for, budget.budget_bytes, [], ensemble)
         fix = (f"the largest whole volume that fits is {largest.volume}^3 (est. "
                f"{format_bytes(largest.predicted_peak_bytes)})" if largest is not None
                else f"not even {config.model.divisor}^3 fits")

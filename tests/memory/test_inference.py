@@ -137,6 +137,33 @@ def test_a_padded_case_counts_its_own_image_and_the_cropped_probabilities(tiny_c
     assert saved.host_phases["saved_probabilities"] == 12 * voxels + 3 * 6 * voxels  # float32 then float16
 
 
+def test_an_ensemble_counts_every_members_weights_and_the_probabilities_sum(tiny_counts):
+    config = resolve_config("tiny")
+    source = (30, 31, 29)
+    one = estimate(config, tiny_counts((32, 32, 32)), (32, 32, 32), calibration=FIXED, source_shape=source,
+                   pass_=Pass.FORWARD)
+    five = estimate(config, tiny_counts((32, 32, 32)), (32, 32, 32), calibration=FIXED, source_shape=source,
+                    pass_=Pass.FORWARD, ensemble=5)
+    summed = 3 * 4 * math.prod(source)  # one float32 array per class at the case's own shape
+    assert five.components["weights"] == 5 * 10_135 * 4
+    assert five.components["ensemble_sum"] == summed
+    assert five.host_phases["probabilities"] == one.host_phases["probabilities"] + summed
+    assert five.host_phases["mapping"] == one.host_phases["mapping"]  # the sum is then the probabilities mapped
+    assert five.predicted_peak_bytes == one.predicted_peak_bytes + 4 * 10_135 * 4 + summed
+    assert "ensemble_sum" not in one.components
+
+
+def test_the_inference_plan_of_an_ensemble_is_larger_by_its_sum(tiny_counts):
+    config = resolve_config("tiny")
+    budget = Budget(2**40, "test")
+    one = plan_inference(config, tiny_counts, budget, (32, 32, 32))
+    two = plan_inference(config, tiny_counts, budget, (32, 32, 32), ensemble=2)
+    assert two.chosen.components["ensemble_sum"] == 3 * 4 * V
+    assert two.chosen.components["weights"] == 2 * one.chosen.components["weights"]
+    # (any margin of an unmeasured machine scales with the components, so the peaks differ by a little more)
+    assert two.predicted_peak_bytes - one.predicted_peak_bytes >= 10_135 * 4 + 3 * 4 * V
+
+
 def test_slabs_past_the_kernel_limit_are_named_and_counted(tiny_counts):
     config = resolve_config("tiny")
     plain = estimate(config, tiny_counts((32, 32, 32)), (32, 32, 32), calibration=FIXED, pass_=Pass.FORWARD)
