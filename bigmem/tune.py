@@ -266,8 +266,8 @@ def tune(config: ExperimentConfig, shape: Sequence[int], *, budget_s: float = DE
     tuning = Tuning(key=key,
                     planewise={**(previous.planewise if same else {}), **planewise_from(rows)},
                     conv_gflops_per_core={**(previous.conv_gflops_per_core if same else {}),
-                                          **({precision: round(flops / fastest / 1e9 / usable_cores(), 2)}
-                                             if fastest else {})},
+                                          **({rate_key(precision, config.model.base_filters):
+                                              round(flops / fastest / 1e9 / usable_cores(), 2)} if fastest else {})},
                     overhead_offset_bytes={**(previous.overhead_offset_bytes if same else {}), **offsets},
                     tuned=[*(previous.tuned if same else []),
                            {"model": config.model.name, "shape": list(as_shape(shape)), "precision": precision,
@@ -321,6 +321,11 @@ def fixed_memory(config: ExperimentConfig) -> dict[str, int]:
     predicted = estimate(config, counts, shape, recompute_stages=stages, calibration=table).predicted_peak_bytes
     measured = measure(config, shape, recompute_stages=stages, force=True).peak_bytes
     return {overhead_key(config.model.name, config.train.precision.value, mode): int(measured - predicted)}
+
+
+def rate_key(precision: str, base_filters: int) -> str:
+    """``Tuning.conv_gflops_per_core``'s key: ``"fp32/32"`` (precision / the network's base filters)."""
+    return f"{precision}/{base_filters}"
 
 
 def overhead_key(preset: str, precision: str, mode: str) -> str:

@@ -140,6 +140,8 @@ def run(args) -> int:
         print(json.dumps(plan_dict(plan, result.layouts), indent=2))
     else:
         _print_plan(args, result.config, result.budget, plan)
+        if plan.precision_note:
+            notes.print(plan.precision_note, style="yellow")
         if result.layouts is not None:
             _print_layouts(Console(soft_wrap=True), result.layouts)
     result.require()

@@ -81,7 +81,8 @@ def measure(config: ExperimentConfig, shape: Sequence[int] | None = None, *, pas
     store = str(cached_synthetic_store(num_cases=max(2, batch), volume=shape, num_classes=config.model.num_classes))
     config = config.updated({"data": {"store": store, "shape": list(shape)}, "train": {
         "steps": steps, "epochs": None, "checkpoint_every": steps,
-        "warmup_steps": min(config.train.warmup_steps, steps)}})
+        "warmup_steps": min(config.train.warmup_steps, steps),
+        "tune": False}})  # a probe measures the step; the tuning pass measures memory through probes itself
     request = {"pass": pass_.value, "config": config.to_dict(), "recompute_stages": recompute_stages, "force": force}
     what = f"Measuring {config.model.name} at {format_shape(shape)}, batch {batch}"
     values = run_child(PROBE_MODULE, request, what=what, timeout_s=timeout_s, env=env)

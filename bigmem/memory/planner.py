@@ -17,7 +17,8 @@ from bigmem.config.schema import ExperimentConfig
 from bigmem.errors import InsufficientMemoryError
 from bigmem.memory.calibration import Calibration, calibration_for, recompute_key
 from bigmem.memory.estimate import Estimate, NetworkCounts, estimate, mode_stages, recompute_order
-from bigmem.memory.speed import MachineSpeed, StepRate, predicted_step_s, recomputed_share, step_rate
+from bigmem.memory.speed import (MachineSpeed, StepRate, predicted_step_s, recomputed_share, step_rate,
+                                 tuned_step_rate)
 from bigmem.units import as_shape, format_bytes, format_shape
 
 # Modes in order of preference: on a tie the earlier (less recomputation, full precision) wins.
@@ -139,6 +140,8 @@ class Plan:
     cases: list[dict] | None = None
     # The held-out validation pass (--val-every): its case, shape and predicted peak beside training's.
     validation: dict | None = None
+    # Where the chosen candidate is bf16 and bf16 is slower than fp32 here: what it costs (Planner.precision_note).
+    precision_note: str | None = None
     # The shape the search ran at (memory.plans.plan_search; None: the largest cube); not in plan.json.
     searched_shape: int | tuple[int, int, int] | None = None
 
@@ -164,6 +167,7 @@ class Plan:
                        "predicted_step_s": chosen.predicted_step_s, "step_rate_source": chosen.step_rate_source,
                        "spatial_shape": chosen.spatial_shape}
             if chosen is not None else None,
+            "precision_note": self.precision_note,
             "data_parallel": self.data_parallel,
             "cases": self.cases,
             "validation": self.validation,
@@ -213,7 +217,27 @@ class Planner:
             return StepRate(calibration.step_gflops_per_core,
                             f"calibrated on this machine at {calibration.fitted_on[-1]}^3 ({calibration.source}; "
                             f"bigmem profile --calibrate)")
-        return step_rate(self.machine.isa_class, precision.value, base_filters, self.machine.native_bf16)
+        return (tuned_step_rate(precision.value, base_filters, self.machine.native_bf16)
+                or step_rate(self.machine.isa_class, precision.value, base_filters, self.machine.native_bf16))
+
+    def precision_note(self, candidate: Candidate) -> str | None:
+        """What a bf16 candidate costs in step time here, where bf16 is slower than fp32 on this CPU.
+
+        Returns:
+            ``"bf16 needed to fit: 1.8x the fp32 step time on this CPU (...)"`` where fp32 does not
+            fit the same step, ``"bf16 on this CPU: 1.8x ..."`` where it would; None for an fp32
+            candidate or where bf16 is not slower.
+        """
+        if candidate.precision != "bf16" or not candidate.predicted_step_s:
+            return None
+        fp32 = self.evaluate(candidate.shape, candidate.batch_size, Precision.FP32, Recompute(candidate.recompute),
+                             candidate.recompute_stages)
+        self.candidates.remove(fp32)  # asked for the note, not a candidate of the search
+        if not fp32.predicted_step_s or candidate.predicted_step_s <= fp32.predicted_step_s:
+            return None
+        ratio = candidate.predicted_step_s / fp32.predicted_step_s
+        lead = "bf16 needed to fit" if not fp32.fits else "bf16 on this CPU"
+        return f"{lead}: {ratio:.1f}x the fp32 step time on this CPU ({candidate.step_rate_source})"
 
     def _largest(self, fits: Callable[[int], Candidate], upper: int) -> Candidate | None:
         return largest_fitting(fits, upper, lambda candidate: candidate.fits)
@@ -291,12 +315,27 @@ def make_plan(config: ExperimentConfig, counts_for, budget_bytes: int, *, budget
         if best is not None:
             best_per_mode.append(best)
     chosen = None
-    for candidate in best_per_mode:  # largest volume, then batch; ties keep the earlier mode
-        if chosen is None or (candidate.volume, candidate.batch_size) > (chosen.volume, chosen.batch_size):
+    for candidate in best_per_mode:  # largest volume, then batch; on a tie the faster step, then the earlier mode
+        if chosen is None or _better(candidate, chosen):
             chosen = candidate
     closest = chosen or min(planner.candidates, key=lambda c: c.predicted_peak_bytes)
+    note = planner.precision_note(chosen) if chosen is not None else None
     return Plan(chosen is not None, budget_bytes, budget_source, chosen, closest, planner.candidates, best_per_mode,
-                calibration=candidate_calibration(config, closest))
+                calibration=candidate_calibration(config, closest), precision_note=note)
+
+
+def _better(candidate: Candidate, chosen: Candidate) -> bool:
+    """Whether ``candidate`` beats ``chosen``: a larger volume, then batch; at the same, a faster predicted step.
+
+    So bf16 is chosen for speed only where this CPU runs it faster (its rate, tuned or shipped),
+    and for memory only where it reaches a volume or batch fp32 does not.
+    """
+    size, best = (candidate.volume, candidate.batch_size), (chosen.volume, chosen.batch_size)
+    if size != best:
+        return size > best
+    if candidate.predicted_step_s and chosen.predicted_step_s:
+        return candidate.predicted_step_s < chosen.predicted_step_s
+    return False
 
 
 def candidate_calibration(config: ExperimentConfig, candidate: Candidate) -> dict:

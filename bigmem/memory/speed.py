@@ -89,6 +89,33 @@ def step_rate(isa_class: str, precision: str, base_filters: int, native_bf16: bo
     return StepRate(rate, source)
 
 
+# A training step's share of its whole-network ceiling (the sum of its convolutions' fastest kernels,
+# bigmem tune): what a tuned convolution rate becomes as a step rate. Measured by
+# benchmarks/tables/bench_ceiling.py (benchmarks/results/ceiling.md).
+STEP_SHARE_OF_CEILING = 0.8
+
+
+def tuned_step_rate(precision: str, base_filters: int, native_bf16: bool) -> StepRate | None:
+    """The step rate from this machine's tuning (``bigmem tune``) in ``precision``, or None where it has none.
+
+    The tuned convolutions' rate times ``STEP_SHARE_OF_CEILING``, interpolated over the widths tuned
+    as the shipped rates are (a width outside them takes the nearest's).
+    """
+    from bigmem.nets.tuning import load_tuning
+
+    tuning = load_tuning()
+    if tuning is None or (precision == "bf16" and not native_bf16):
+        return None
+    points = tuning.conv_rates(precision)
+    if not points:
+        return None
+    rate = _interpolate(points, base_filters) * STEP_SHARE_OF_CEILING
+    widths = ", ".join(str(width) for width in sorted(points))
+    return StepRate(rate, f"tuned on this machine (bigmem tune, base filters {widths}): convolutions at "
+                          f"{_interpolate(points, base_filters):.1f} GFLOP/s per core x {STEP_SHARE_OF_CEILING:g}, "
+                          "a step's share of that ceiling")
+
+
 @dataclass(frozen=True)
 class MachineSpeed:
     """What the step-time prediction needs to know about the CPU."""

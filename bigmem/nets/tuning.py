@@ -97,8 +97,8 @@ class Tuning:
         planewise: ``"precision/stride"`` -> ``[fewest, most]`` input channels where the planewise
             weight gradient won at the tuned shapes, or None where it never did. Only the
             (precision, stride) pairs the pass timed are present; the others keep the shipped choice.
-        conv_gflops_per_core: precision -> the rate of the network's convolutions at their fastest
-            kernels (forward + both gradients), per core: the whole-network ceiling's rate.
+        conv_gflops_per_core: ``"precision/base_filters"`` -> the rate of the network's convolutions at
+            their fastest kernels (forward + both gradients), per core: the whole-network ceiling's rate.
         overhead_offset_bytes: ``"preset/precision/mode"`` -> the measured overhead at the network's
             smallest shape minus the shipped table's there: the framework's fixed term on this
             machine against the CPU the table came from (memory/calibration.py adds it).
@@ -131,6 +131,15 @@ class Tuning:
                             for name, value in sorted(self.overhead_offset_bytes.items())) or "not measured"
         return (f"planewise weight gradient (precision/stride: input channels) {planewise}; convolutions at "
                 f"{rates or '-'} GFLOP/s per core; fixed memory against the shipped table {offsets}")
+
+    def conv_rates(self, precision: str) -> dict[int, float]:
+        """``base filters -> GFLOP/s per core`` of the convolutions tuned in ``precision``."""
+        out = {}
+        for name, rate in self.conv_gflops_per_core.items():
+            tuned_precision, width = name.split("/")
+            if tuned_precision == precision:
+                out[int(width)] = float(rate)
+        return out
 
     def describe(self) -> str:
         """One line: what was tuned, when, how long it took."""

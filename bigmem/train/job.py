@@ -276,6 +276,8 @@ def plan_memory(config: ExperimentConfig, execution: Execution, recompute_stages
         if not native_bf16():
             console.print(EMULATED_BF16_WARNING, style="yellow")
     console.print(_memory_line(plan))
+    if plan.precision_note:
+        console.print(plan.precision_note, style="yellow")
     return plan, list(plan.chosen.recompute_stages)
 
 

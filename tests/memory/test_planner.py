@@ -63,10 +63,48 @@ def test_fixed_volume_searches_the_batch(counts_for):
     assert best.batch_size > 1
 
 
-def test_ties_prefer_full_precision_without_recompute(counts_for):
+def _rates(monkeypatch, fp32: float, bf16: float):
+    """This CPU's step rates, per precision (GFLOP/s per core), as if measured here."""
+    from bigmem.memory.speed import StepRate
+
+    rates = {"fp32": fp32, "bf16": bf16}
+    monkeypatch.setattr(planner_module, "tuned_step_rate", lambda precision, width, native: None)
+    monkeypatch.setattr(planner_module, "step_rate",
+                        lambda isa, precision, width, native: StepRate(rates[precision], f"test {precision}"))
+
+
+def test_ties_prefer_full_precision_without_recompute(counts_for, monkeypatch):
+    _rates(monkeypatch, fp32=100.0, bf16=100.0)
     config = resolve_config("small")
     plan = make_plan(config, counts_for, 2**50, budget_source="huge", volume=32, batch_size=1)
     assert (plan.chosen.precision, plan.chosen.recompute) == ("fp32", "none")
+
+
+def test_bf16_is_chosen_for_speed_where_this_cpu_runs_it_faster(counts_for, monkeypatch):
+    _rates(monkeypatch, fp32=100.0, bf16=150.0)
+    plan = make_plan(resolve_config("small"), counts_for, 2**50, budget_source="huge", volume=32, batch_size=1,
+                     allow_bf16=True)
+    assert (plan.chosen.precision, plan.chosen.recompute) == ("bf16", "none")
+    assert plan.precision_note is None
+
+
+def test_a_slower_bf16_is_not_chosen_where_fp32_fits_as_much(counts_for, monkeypatch):
+    _rates(monkeypatch, fp32=100.0, bf16=50.0)
+    plan = make_plan(resolve_config("small"), counts_for, 2**50, budget_source="huge", volume=32, batch_size=1,
+                     allow_bf16=True)
+    assert plan.chosen.precision == "fp32"
+
+
+def test_a_slower_bf16_needed_to_fit_says_what_it_costs(counts_for, monkeypatch):
+    _rates(monkeypatch, fp32=100.0, bf16=55.0)
+    config = resolve_config("small")
+    fp32_peak = _peak(config, counts_for, 64, 1)
+    bf16_peak = _peak(config, counts_for, 64, 1, "bf16")
+    plan = make_plan(config, counts_for, (fp32_peak + bf16_peak) // 2, budget_source="test", volume=64, batch_size=1,
+                     allow_bf16=True)
+    assert (plan.chosen.precision, plan.chosen.recompute) == ("bf16", "none")
+    assert plan.precision_note.startswith("bf16 needed to fit: 1.8x the fp32 step time on this CPU (test bf16)")
+    assert plan.to_dict()["precision_note"] == plan.precision_note
 
 
 def test_nothing_fits(counts_for):

@@ -157,3 +157,15 @@ def test_the_pass_stops_at_its_budget(tuning_dir):
     made = tune(resolve_config("tiny", {"train": {"batch_size": 1}}), (16, 16, 16), budget_s=0.0,
                 measure_memory=False)
     assert made.tuned[-1]["partial"] is True
+
+
+def test_the_tuned_rate_is_the_plans_step_rate(tuning_dir):
+    from bigmem.memory.speed import STEP_SHARE_OF_CEILING, tuned_step_rate
+
+    assert tuned_step_rate("fp32", 8, True) is None
+    made = _write()
+    made.conv_gflops_per_core = {"fp32/8": 40.0, "bf16/8": 20.0}
+    tuning.save_tuning(made)
+    assert tuned_step_rate("fp32", 8, True).gflops_per_core == pytest.approx(40.0 * STEP_SHARE_OF_CEILING)
+    assert tuned_step_rate("bf16", 8, True).gflops_per_core == pytest.approx(20.0 * STEP_SHARE_OF_CEILING)
+    assert tuned_step_rate("bf16", 8, False) is None  # emulated bf16 is never tuned
