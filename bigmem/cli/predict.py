@@ -47,6 +47,8 @@ examples:
   bigmem predict runs/small data/brats.h5 --cases BRATS_480,BRATS_481 -o out --checkpoint best
   bigmem predict runs/small scan.nii.gz -o out --mode sliding --overlap 0.5 --tta --save-probabilities
   bigmem predict runs/fold0 runs/fold1 runs/fold2 runs/fold3 runs/fold4 imagesTs -o ensemble/ --checkpoint best
+  for k in 0 1 2 3 4; do bigmem predict runs/fold$k data.h5 --val -o crossval/; done
+  bigmem evaluate crossval/ data.h5 -o crossval/summary.json       # the cross-validation summary
 """
 
 
@@ -63,6 +65,10 @@ def register(subparsers, parents) -> None:
                         help="final (model.keras, default), best (best validation Dice, --val-every), latest, or "
                              "ckpt-N")
     parser.add_argument("--cases", metavar="IDS", help="comma-separated case ids to segment (default: all)")
+    parser.add_argument("--val", action="store_true",
+                        help="segment only the run's validation cases: its --fold's val cases (RUN_DIR/"
+                             "splits_final.json), or its --holdout cases. Each fold's --val into one OUT, then "
+                             "bigmem evaluate OUT, is nnU-Net's cross-validation summary")
     parser.add_argument("--mode", default="auto", choices=["auto", "whole", "sliding"],
                         help="whole volume in one pass, Gaussian-weighted sliding windows, or auto (whole where "
                              "the inference plan fits the memory budget; default)")
@@ -119,7 +125,8 @@ def run(args) -> int:
                               checkpoint=args.checkpoint, cases=cases, window=_window(args.window),
                               overlap=args.overlap, accumulate=args.accumulate, tta=args.tta,
                               save_probabilities=args.save_probabilities, verbose=getattr(args, "verbose", False),
-                              force=args.force, say=lambda line: console.print(line, highlight=False)):
+                              force=args.force, validation=args.val,
+                              say=lambda line: console.print(line, highlight=False)):
         if isinstance(result, KeptOutput):
             kept += 1
             console.print(f"{result.case_id}: {result.labels_path} exists, kept (--force overwrites it)",

@@ -323,8 +323,8 @@ def _existing_input(source: str | os.PathLike) -> Path:
     return path
 
 
-def find_inputs(source: str | os.PathLike, card: ModelCard, *,
-                cases: Sequence[str] | None = None, say: Callable[[str], None] | None = None) -> list[CaseInput]:
+def find_inputs(source: str | os.PathLike, card: ModelCard, *, cases: Sequence[str] | None = None,
+                say: Callable[[str], None] | None = None, cases_flag: str = "--cases") -> list[CaseInput]:
     """The cases of INPUT: a NIfTI file, a folder of them, an MSD or nnU-Net v2 folder, KiTS case folders, or a
     bigmem store (NIfTI input as ``bigmem.data.layouts.list_images`` finds and names its cases).
 
@@ -334,6 +334,7 @@ def find_inputs(source: str | os.PathLike, card: ModelCard, *,
             ``bigmem convert`` prepared its training cases.
         cases: only these case ids (a store or folder); None: all.
         say: called with one line saying what NIfTI input holds ("KiTS case folders: 3 cases in kits/").
+        cases_flag: how ``cases`` were given, for the message naming an unknown one (default '--cases').
 
     Returns:
         One ``CaseInput`` per case, sorted by id.
@@ -346,14 +347,14 @@ def find_inputs(source: str | os.PathLike, card: ModelCard, *,
 
     path = _existing_input(source)
     if path.suffix == ".h5":
-        return _pick(_store_inputs(path), cases, str(path))
+        return _pick(_store_inputs(path), cases, str(path), cases_flag)
     if path.is_file() and not _nifti_name(path):
         raise DataError(f"INPUT {str(path)!r} is not a NIfTI file (.nii, .nii.gz) or a bigmem store (.h5).")
     listing = list_images(path)
     if say is not None:
         say(listing.summary)
     inputs = [_nifti_input(case_id, paths, card) for case_id, paths in listing.cases.items()]
-    return _pick(inputs, cases, str(path))
+    return _pick(inputs, cases, str(path), cases_flag)
 
 
 def _nifti_input(case_id: str, paths: list[Path], card: ModelCard) -> CaseInput:
@@ -377,15 +378,50 @@ def _store_inputs(path: Path) -> list[CaseInput]:
     return [CaseInput(case_id, f"{path}:{case_id}", loader(case_id)) for case_id in ids]
 
 
-def _pick(inputs: list[CaseInput], cases: Sequence[str] | None, where: str) -> list[CaseInput]:
+def _pick(inputs: list[CaseInput], cases: Sequence[str] | None, where: str, flag: str = "--cases") -> list[CaseInput]:
     if not cases:
         return inputs
     by_id = {item.case_id: item for item in inputs}
     unknown = [c for c in cases if c not in by_id]
     if unknown:
-        raise DataError(f"--cases: {', '.join(map(repr, unknown))} not in {where!r} "
+        raise DataError(f"{flag}: {', '.join(map(repr, unknown))} not in {where!r} "
                         f"(it has {format_count(len(by_id), 'case')}, e.g. {', '.join(list(by_id)[:3])}).")
     return [by_id[c] for c in cases]
+
+
+def validation_cases(run_dir: str | os.PathLike) -> list[str]:
+    """The cases a run held out for validation: its fold's ``val`` cases (config.json's ``data.fold`` in its
+    splits_final.json; every case of its store for fold ``all``), or its store's ``--holdout`` cases.
+
+    Predicting each fold's validation cases into one folder and evaluating that folder is nnU-Net v2's
+    cross-validation summary (``nnunetv2/evaluation/accumulate_cv_results.py``: every fold's validation
+    predictions merged, each case once, then scored together).
+
+    Raises:
+        UsageError: the run held out no case (trained with neither ``--fold`` nor ``--holdout``).
+        DataError: its splits_final.json (or, for fold ``all`` and ``--holdout``, its store) cannot be read.
+
+    Example:
+        >>> validation_cases("runs/fold1")
+        ['case_003', 'case_009']
+    """
+    config = run_config(run_dir)
+    fold, run = config.data.fold, RunDir(run_dir)
+    if fold is not None and fold != "all":
+        from bigmem.data.splits import read_splits
+
+        splits = read_splits(run.splits)
+        if not int(fold) < len(splits):
+            raise DataError(f"{str(run.splits)!r} has {len(splits)} folds; the run trained fold {fold}: the run "
+                            "directory is damaged.")
+        return list(splits[int(fold)]["val"])
+    if fold is None and not config.data.holdout:
+        raise UsageError(f"--val: the run {str(run_dir)!r} held out no case (it trained with neither --fold nor "
+                         "--holdout); give --cases instead.")
+    from bigmem.data.store import HDF5VolumeStore
+
+    with HDF5VolumeStore(config.data.store, holdout=config.data.holdout, fold=fold, splits=config.data.splits) as store:
+        return list(store.held_out)
 
 
 # ---- one case -------------------------------------------------------------------------------
@@ -557,7 +593,7 @@ def predict(run_dir: str | os.PathLike | Sequence[str | os.PathLike], source: st
             checkpoint: str = "final", cases: Sequence[str] | None = None, mode: str = "auto",
             window: int | tuple[int, int, int] | None = None, overlap: float = DEFAULT_OVERLAP,
             accumulate: str = "float32", tta: bool = False, save_probabilities: bool = False, choose_mode=None,
-            verbose: bool = False, force: bool = False,
+            verbose: bool = False, force: bool = False, validation: bool = False,
             say: Callable[[str], None] | None = None) -> Iterator[CaseResult | KeptOutput]:
     """Segment every case of ``source`` with the run in ``run_dir``; yields each case's result as it is written.
 
@@ -576,6 +612,7 @@ def predict(run_dir: str | os.PathLike | Sequence[str | os.PathLike], source: st
         save_probabilities: also write the class probabilities (float16) in the source geometry.
         force: overwrite existing outputs (default False: a case whose ``<case>.nii.gz`` exists is
             kept, and yielded as a ``KeptOutput``).
+        validation: only the run's validation cases (``validation_cases``; ``--val``), instead of ``cases``.
         say: called with one line saying what NIfTI input holds (``find_inputs``).
 
     Yields:
@@ -598,6 +635,10 @@ def predict(run_dir: str | os.PathLike | Sequence[str | os.PathLike], source: st
                          "positive integer N or D,H,W.")
     _existing_input(source)
     run_dirs = [run_dir] if isinstance(run_dir, (str, os.PathLike)) else list(run_dir)
+    if validation:
+        if cases or len(run_dirs) != 1:
+            raise UsageError("--val segments one run's validation cases: give one RUN_DIR and no --cases.")
+        cases = validation_cases(run_dirs[0])
     predictor = load_ensemble(run_dirs, checkpoint, verbose=verbose)
     for member in predictor.members if isinstance(predictor, Ensemble) else (predictor,):
         if edge is not None and edge % member.divisor:
@@ -605,7 +646,8 @@ def predict(run_dir: str | os.PathLike | Sequence[str | os.PathLike], source: st
                              f"(the network downsamples {member.config.model.depth} times).")
         if window is not None:
             check_shape("--window", window, member.config.model)
-    inputs = find_inputs(source, predictor.preparation, cases=cases, say=say)
+    inputs = find_inputs(source, predictor.preparation, cases=cases, say=say,
+                         cases_flag="--val (the run's validation cases)" if validation else "--cases")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for item in inputs:
