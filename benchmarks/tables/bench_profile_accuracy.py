@@ -31,6 +31,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bigmem import api
+from bigmem.errors import BigmemError
 from bigmem.memory.calibration import machine_cpu_model, machine_isa_class
 from bigmem.units import format_bytes
 
@@ -80,7 +81,11 @@ def main(argv: list[str] | None = None) -> int:
         config = _config(preset, precision, recompute)
         measure = name not in reused
         console.print(f"{name}: {'measuring' if measure else 'predicting'} ...")
-        result = api.profile(config, shape, measure=measure, steps=args.steps)
+        try:
+            result = api.profile(config, shape, measure=measure, steps=args.steps)
+        except BigmemError as exc:  # e.g. killed by the kernel: say so, go on
+            rows.append({**row, "skipped": f"failed: {exc}"})
+            continue
         predicted = result.estimate.predicted_peak_bytes
         measured = result.measurement.peak_bytes if measure else reused[name]["measured_peak_bytes"]
         rows.append({**row, "predicted_peak_bytes": predicted, "measured_peak_bytes": measured,
@@ -94,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         mode = f"{row['precision']}/{row['recompute']}"
         shape = "x".join(map(str, row["shape"]))
         if "skipped" in row:
-            table.add_row(row["name"], shape, mode, "", "", row["skipped"])
+            table.add_row(row["name"], shape, mode, "", "", row["skipped"][:60])
             continue
         error = row["error_pct"]
         verdict = "" if -MOST_UNDER_PCT <= error <= TOLERANCE_PCT else " !"
