@@ -12,18 +12,26 @@ HELP = "score predicted label maps against references: Dice, IoU, TP/FP/FN, volu
 # import numpy (tests/cli/test_evaluate_command.py checks the two say the same).
 DESCRIPTION = """\
 Compare each predicted label map in PRED (a folder of <case>.nii.gz or .nii) with its reference
-in REF (a folder of NIfTI label maps with the same case ids, or a bigmem store, whose cases are
-scored on their source grid: against the source label file where convert resampled or cropped
-them), voxel for voxel, with the reference's voxel spacing. Per case and per class: Dice, IoU,
-TP/FP/FN voxel counts, reference and predicted volumes in mL, and the 95th percentile Hausdorff
-distance (HD95) in mm between the two surfaces (MONAI's definition). Writes summary.json (nnU-Net
-v2's layout: metric_per_case, mean per class, foreground_mean) and prints the means.
+in REF, voxel for voxel, with the reference's voxel spacing. REF is the dataset the cases came
+from, read as convert and predict read it, its cases under the ids predict names its outputs with:
+  - a Medical Segmentation Decathlon or nnU-Net v2 folder: its labelsTr/ and, where present,
+    labelsTs/ label maps;
+  - KiTS case folders (case_00000/segmentation.nii.gz): the case id is the folder's name; folders
+    without a segmentation (test cases) have no reference;
+  - a folder of NIfTI label maps (<case>.nii.gz), such as labelsTr/;
+  - a bigmem store, whose cases are scored on their source grid: against the source label file
+    where convert resampled or cropped them.
+Per case and per class: Dice, IoU, TP/FP/FN voxel counts, reference and predicted volumes in mL,
+and the 95th percentile Hausdorff distance (HD95) in mm between the two surfaces (MONAI's
+definition). Writes summary.json (nnU-Net v2's layout: metric_per_case, mean per class,
+foreground_mean) and prints the means.
 
 names and regions: Classes are named, and regions (label values scored together, such as BraTS's
 whole_tumor [1, 2, 3], tumor_core [2, 3] and enhancing_tumor [3]) are scored beside them, from the
-REF store, else the --run (its preprocessing.json or training store), else a dataset.json beside
-the REF folder (MSD's {"0": "background"} or nnU-Net v2's {"background": 0, "whole_tumor": [1, 2,
-3]}). A class nothing names is class1, class2, ...
+REF store, else the --run (its preprocessing.json or training store), else the REF dataset's
+dataset.json, or the one beside a REF folder of label maps (MSD's {"0": "background"} or nnU-Net
+v2's {"background": 0, "whole_tumor": [1, 2, 3]}), or KiTS's classes. A class nothing names is
+class1, class2, ...
 
 empty classes: A class absent from both reference and prediction has Dice, IoU and HD95 undefined
 (NaN in the API, null in summary.json) and is left out of the means, as nnU-Net v2 does; absent from
@@ -36,9 +44,10 @@ error unless --allow-missing; so are shapes that differ, non-integer labels and 
 number of classes. Affines that differ by more than 1e-3 are a warning.
 
 examples:
-  bigmem evaluate runs/kits19/predictions Task05/labelsTr
+  bigmem evaluate runs/kits19/predictions kits19/data --allow-missing
+  bigmem evaluate predictions/ Dataset137_BraTS2021 --run runs/brats
   bigmem evaluate predictions/ brats.h5 --allow-missing --classes 1,2,3 -o eval/summary.json
-  bigmem evaluate predictions/ Task01_BrainTumour/labelsTr --run runs/brats
+  bigmem evaluate predictions/ Task01_BrainTumour/labelsTr
 """
 
 
@@ -46,7 +55,9 @@ def register(subparsers, parents) -> None:
     parser = subparsers.add_parser("evaluate", help=HELP, description=DESCRIPTION, parents=parents,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("pred", metavar="PRED", help="folder of predicted label maps (<case>.nii.gz or .nii)")
-    parser.add_argument("ref", metavar="REF", help="folder of reference label maps, or a bigmem store (.h5)")
+    parser.add_argument("ref", metavar="REF", help="the references: an MSD or nnU-Net v2 dataset folder "
+                                                   "(labelsTr/, labelsTs/), KiTS case folders, a folder of label maps, "
+                                                   "or a bigmem store (.h5)")
     parser.add_argument("-o", "--out", metavar="SUMMARY.json", help="where to write the summary "
                                                                     "(default: PRED/summary.json)")
     parser.add_argument("--classes", metavar="C[,C...]",

@@ -1,4 +1,4 @@
-"""Dataset folder layouts: which one a folder is, and its cases, for ``bigmem convert`` and ``bigmem predict``.
+"""Dataset folder layouts: which one a folder is, and its cases, for ``bigmem convert``, ``predict`` and ``evaluate``.
 
 * Medical Segmentation Decathlon (MSD): dataset.json lists ``"training"`` ``{"image", "label"}``
   pairs (3D or 4D images), ``"modality"`` ``{"0": "FLAIR"}`` and ``"labels"`` ``{"0": "background"}``;
@@ -14,6 +14,9 @@
   the folder's name; one channel, CT; classes background, kidney, tumor, and cyst (3) from KiTS21.
 * for ``predict`` also: one KiTS case folder, a folder of NIfTI files (a case per file, or nnU-Net's
   ``CASE_0000`` per channel), or one NIfTI file.
+* for ``evaluate``'s references (``list_labels``): the label maps of any of these folders (labelsTr/ and
+  labelsTs/, or each case folder's segmentation.nii.gz), or a folder of label maps, each under the
+  case id ``predict`` names its output with.
 """
 
 from __future__ import annotations
@@ -590,3 +593,151 @@ def list_images(source: str | Path) -> ImageListing:
     if not cases:
         raise DataError(f"No NIfTI images to segment in {str(where)!r} ({layout.title} folder {str(path)!r}).")
     return ImageListing(layout, where, cases)
+
+
+# ---- evaluate: the reference label maps --------------------------------------------------
+
+
+def label_case_id(path: Path) -> str:
+    """The case id of a label map file: its name without ``.nii.gz``/``.nii``.
+
+    Unlike :func:`bigmem.data.nifti.case_id_of` (for image files), a trailing ``_0000`` is kept: label
+    maps carry no channel suffix (nnU-Net's ``labelsTr/CASE.nii.gz``), and ``patient_0001.nii.gz`` is
+    case ``patient_0001``, as the store names the case of ``patient_0001_0000.nii.gz``.
+
+    Example:
+        >>> label_case_id(Path("labelsTr/patient_0001.nii.gz"))
+        'patient_0001'
+    """
+    return path.name.removesuffix(".gz").removesuffix(".nii")
+
+
+def _add_label(cases: dict[str, Path], case_id: str, path: Path) -> None:
+    if case_id in cases:
+        raise DataError(f"Case {case_id!r}: two label maps, {cases[case_id]} and {path}; expected one per case.")
+    cases[case_id] = path
+
+
+def label_maps(folder: Path, name: str | None = None) -> dict[str, Path]:
+    """Case id -> file for the label maps (``.nii``/``.nii.gz``) directly in ``folder``, sorted by id.
+
+    Args:
+        folder: a folder of ``<case id>.nii.gz`` files (``bigmem predict``'s output, or references).
+        name: how messages name the folder (default: its path, quoted), e.g. ``"PRED 'preds'"``.
+
+    Returns:
+        The case ids (``label_case_id``) and their files; ``{}`` for a folder without any.
+
+    Raises:
+        DataError: two files of one case id (``a.nii`` and ``a.nii.gz``).
+    """
+    name = name or repr(str(folder))
+    files: dict[str, Path] = {}
+    for path in sorted(folder.iterdir()):
+        if not _nifti(path):
+            continue
+        case_id = label_case_id(path)
+        if case_id in files:
+            raise DataError(f"Case {case_id!r}: two files in {name} ({files[case_id].name}, {path.name}); expected "
+                            "one label map per case.")
+        files[case_id] = path
+    return files
+
+
+@dataclass(frozen=True)
+class LabelListing:
+    """The reference label maps of ``bigmem evaluate``'s REF, by case id.
+
+    Args:
+        layout: what REF is (``detect_layout``).
+        where: the folders the label maps were found in (an MSD or nnU-Net v2 folder's labelsTr/ and labelsTs/).
+        cases: case id -> its label map, sorted by id; the id is the one ``bigmem predict`` gives the
+            case's prediction (``<case id>.nii.gz``) when it segments the same folder.
+        dataset_json: the dataset.json naming the classes (and regions): the folder's own (MSD, nnU-Net
+            v2), the one beside a folder of label maps (such as labelsTr/), or None.
+        label_names: names by label value where the layout fixes them (KiTS's), else empty.
+
+    Example:
+        >>> listing = list_labels("kits23/dataset")
+        >>> listing.layout, list(listing.cases)[:2]  # (<Layout.KITS: 'kits'>, ['case_00000', 'case_00001'])
+    """
+
+    layout: Layout
+    where: tuple[Path, ...]
+    cases: dict[str, Path]
+    dataset_json: Path | None = None
+    label_names: tuple[str, ...] = ()
+
+
+def _dataset_labels(path: Path, layout: Layout) -> tuple[tuple[Path, ...], dict[str, Path]]:
+    """The label folders and label maps of an MSD or nnU-Net v2 folder: labelsTr/, and labelsTs/ where present.
+
+    nnU-Net v2's label maps are ``CASE<file_ending>`` (the case id ``predict`` gives the channel files
+    ``CASE_0000<file_ending>``, ...); MSD's are the ``training`` list's labels, each under its image's
+    case id, and the labelsTs/ files, each named as its image in imagesTs/.
+    """
+    json_path = path / "dataset.json"
+    meta = read_dataset_json(json_path)
+    folders = tuple(folder for folder in (path / "labelsTr", path / "labelsTs") if folder.is_dir())
+    cases: dict[str, Path] = {}
+    if layout is Layout.NNUNET:
+        ending = meta["file_ending"]
+        for folder in folders:
+            for label in sorted(folder.iterdir()):
+                if _nifti(label) and label.name.endswith(ending):
+                    _add_label(cases, label.name.removesuffix(ending), label)
+        return folders, cases
+    for image_name, label_name in meta["training"]:
+        label = path / label_name
+        if not label.is_file():
+            raise DataError(f"{json_path} lists label {label} (for image {path / image_name}), which does not exist.")
+        _add_label(cases, _image_case_id(path / image_name), label)
+    if (path / "labelsTs").is_dir():
+        for label in sorted((path / "labelsTs").iterdir()):
+            if _nifti(label):
+                _add_label(cases, _image_case_id(label), label)
+    return folders, cases
+
+
+def list_labels(source: str | Path) -> LabelListing:
+    """The reference label maps ``bigmem evaluate`` scores against in REF, each under its case id.
+
+    An MSD or nnU-Net v2 folder gives its labelsTr/ and, where present, labelsTs/ label maps; KiTS
+    case folders each their segmentation.nii.gz, named after the folder (test cases, without one,
+    are left out); a folder of NIfTI files, each file a label map named ``<case id>.nii.gz``. The
+    case ids are those ``bigmem predict`` writes its outputs as (``list_images``).
+
+    Args:
+        source: a folder.
+
+    Returns:
+        The ``LabelListing``.
+
+    Raises:
+        DataError: not a folder; no label map there; two label maps of one case; a dataset.json
+            ``read_dataset_json`` refuses, or whose ``training`` list names a label that does not exist.
+
+    Example:
+        >>> list(list_labels("Dataset001_BrainTumour").cases)[:2]  # ['BRATS_001', 'BRATS_002']
+    """
+    path = Path(source)
+    layout = detect_layout(path)
+    if layout is None:
+        raise DataError(f"No NIfTI label maps (.nii, .nii.gz) in {str(path)!r}: expected label maps named "
+                        f"<case id>.nii.gz, or {_EXPECTED}.")
+    if layout in (Layout.KITS, Layout.KITS_CASE):
+        folders = _kits_folders(path)
+        cases = {d.name or d.resolve().name: _kits_file(d, KITS_LABEL) for d in folders if _kits_file(d, KITS_LABEL)}
+        if not cases:
+            raise DataError(f"No KiTS segmentation in {str(path)!r}: none of its "
+                            f"{format_count(len(folders), 'case folder')} has a segmentation.nii.gz (test cases have "
+                            "none, and cannot be scored).")
+        return LabelListing(layout, (path,), cases, label_names=tuple(KITS_LABELS))
+    if layout is Layout.FILES:
+        beside = path.absolute().parent / "dataset.json"
+        return LabelListing(layout, (path,), label_maps(path), beside if beside.is_file() else None)
+    folders, cases = _dataset_labels(path, layout)
+    if not cases:
+        raise DataError(f"No label maps in {str(path)!r} ({layout.title} folder): expected labelsTr/ (and labelsTs/) "
+                        "label maps, one per case.")
+    return LabelListing(layout, folders, dict(sorted(cases.items())), path / "dataset.json")

@@ -1,18 +1,21 @@
 """``bigmem evaluate``'s API: predicted label maps against references, per case and per class.
 
 Predictions are a folder of NIfTI label maps (``<case>.nii.gz`` or ``.nii``); references are a
-folder of NIfTI label maps matched by case id (:func:`label_case_id`: the file name) or a bigmem
-HDF5 store, whose cases are compared in the source geometry (:func:`store_reference`: the source
-label where convert resampled or cropped it). Both are compared voxel for voxel as stored (no
-reorientation), with the reference's spacing. The summary follows nnU-Net v2's ``summary.json``
-(``metric_per_case``, ``mean``, ``foreground_mean``); undefined values
+dataset folder whose label maps ``bigmem.data.layouts.list_labels`` lists under the case ids
+``bigmem predict`` writes (an MSD or nnU-Net v2 folder's labelsTr/ and labelsTs/, KiTS case
+folders' segmentation.nii.gz, or a folder of label maps, each case the file name:
+:func:`label_case_id`), or a bigmem HDF5 store, whose cases are compared in the source geometry
+(:func:`store_reference`: the source label where convert resampled or cropped it). Both are
+compared voxel for voxel as stored (no reorientation), with the reference's spacing. The summary
+follows nnU-Net v2's ``summary.json`` (``metric_per_case``, ``mean``, ``foreground_mean``); undefined values
 (:data:`bigmem.infer.metrics.EMPTY_RULE`) are written as null. Where regions are defined (BraTS's
 whole tumour, tumour core, enhancing tumour: label values per region), each is scored beside the
 classes (:func:`bigmem.infer.metrics.region_metrics`).
 
 Class names and regions come from the reference store, else the run (``run``: its
-``preprocessing.json``, or its training store), else a dataset.json beside the reference folder
-(MSD's or nnU-Net v2's); a class without a name is ``class<N>``.
+``preprocessing.json``, or its training store), else the reference dataset's dataset.json (MSD's or
+nnU-Net v2's: the folder's own, or the one beside a folder of label maps) or KiTS's classes; a
+class without a name is ``class<N>``.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from bigmem.data.layouts import label_case_id as label_case_id  # the case id of a label map file, re-exported
+from bigmem.data.layouts import label_maps, list_labels
 from bigmem.errors import DataError, UsageError
 from bigmem.infer.metrics import EMPTY_RULE, absent_class_metrics, aggregate, case_metrics, region_metrics
 from bigmem.units import format_count
@@ -32,36 +37,17 @@ MAX_LABEL = 255  # label maps are held as uint8, as in the store (docs/store.md)
 _SLAB_PLANES = 16  # float label files are checked 16 planes at a time: temporaries of a slab, not a volume
 
 
-def label_case_id(path: Path) -> str:
-    """The case id of a label map file: its name without ``.nii.gz``/``.nii``.
-
-    Unlike :func:`bigmem.data.nifti.case_id_of` (for image files), a trailing ``_0000`` is kept: label
-    maps carry no channel suffix (nnU-Net's ``labelsTr/CASE.nii.gz``), and ``patient_0001.nii.gz`` is
-    case ``patient_0001``, as the store names the case of ``patient_0001_0000.nii.gz``.
-
-    Example:
-        >>> label_case_id(Path("labelsTr/patient_0001.nii.gz"))
-        'patient_0001'
-    """
-    return path.name.removesuffix(".gz").removesuffix(".nii")
+REF_EXPECTED = ("a dataset folder (MSD or nnU-Net v2: labelsTr/, labelsTs/; KiTS case folders: "
+                "case_00000/segmentation.nii.gz), a folder of NIfTI label maps (<case>.nii.gz) or a bigmem store (.h5)")
 
 
-def _nifti_files(folder: Path, what: str) -> dict[str, Path]:
-    """case id -> file for the ``.nii``/``.nii.gz`` files directly in ``folder``."""
+def _prediction_files(folder: Path) -> dict[str, Path]:
+    """case id -> file for the predicted label maps (``.nii``/``.nii.gz``) directly in PRED ``folder``."""
     if not folder.is_dir():
-        raise DataError(f"{what} {str(folder)!r} is not a folder: expected a folder of NIfTI label maps "
-                        "(<case>.nii.gz)" + (" or a bigmem store (.h5)." if what == "REF" else "."))
-    files: dict[str, Path] = {}
-    for path in sorted(folder.iterdir()):
-        if not path.is_file() or not path.name.endswith((".nii", ".nii.gz")):
-            continue
-        case_id = label_case_id(path)
-        if case_id in files:
-            raise DataError(f"Case {case_id!r}: two files in {what} {str(folder)!r} ({files[case_id].name}, "
-                            f"{path.name}); expected one label map per case.")
-        files[case_id] = path
+        raise DataError(f"PRED {str(folder)!r} is not a folder: expected a folder of NIfTI label maps (<case>.nii.gz).")
+    files = label_maps(folder, f"PRED {str(folder)!r}")
     if not files:
-        raise DataError(f"{what} {str(folder)!r} holds no .nii or .nii.gz file.")
+        raise DataError(f"PRED {str(folder)!r} holds no .nii or .nii.gz file.")
     return files
 
 
@@ -130,16 +116,15 @@ def read_label_map(path: Path, case_id: str, what: str) -> tuple[np.ndarray, np.
     return _as_label_map(data, case_id, what, str(path)), np.asarray(image.affine, np.float64), spacing
 
 
-def _dataset_json_labels(folder: Path, warning: Callable[[str], None]) -> tuple[list[str], dict[str, list[int]]]:
-    """(label names, regions) from the dataset.json beside a reference folder; ``([], {})`` without a usable one.
+def _dataset_json_labels(path: Path | None, warning: Callable[[str], None]) -> tuple[list[str], dict[str, list[int]]]:
+    """(label names, regions) from the reference dataset's dataset.json; ``([], {})`` without a usable one.
 
     nnU-Net v2's region labels name each class after the region its ``regions_class_order`` paints
     with it, as ``bigmem convert`` names them (``nifti.region_classes``).
     """
     from bigmem.data.nifti import read_dataset_json, region_classes
 
-    path = folder.absolute().parent / "dataset.json"
-    if not path.is_file():
+    if path is None:
         return [], {}
     try:  # only names and regions come from it: the scores do not need it
         meta = read_dataset_json(path)
@@ -174,13 +159,17 @@ def _run_labels(run_dir: Path, warning: Callable[[str], None]) -> tuple[int, lis
 
 
 class _FolderReferences:
-    """References from a folder of NIfTI label maps; names and regions from a dataset.json beside it."""
+    """References from a dataset folder (``layouts.list_labels``); names and regions from its dataset.json."""
 
     def __init__(self, folder: Path, warning: Callable[[str], None]):
-        self.files = _nifti_files(folder, "REF")
+        if not folder.is_dir():
+            raise DataError(f"REF {str(folder)!r} is not a folder: expected {REF_EXPECTED}.")
+        listing = list_labels(folder)
+        self.files = listing.cases
         self.case_ids = list(self.files)
         self.num_classes: int | None = None
-        self.label_names, self.regions = _dataset_json_labels(folder, warning)
+        self.label_names, self.regions = _dataset_json_labels(listing.dataset_json, warning)
+        self.label_names = self.label_names or list(listing.label_names)
 
     def load(self, case_id: str):
         path = self.files[case_id]
@@ -374,7 +363,10 @@ def evaluate(pred: str | os.PathLike, ref: str | os.PathLike, *, classes: Sequen
 
     Args:
         pred: folder of predicted label maps, ``<case>.nii.gz`` or ``<case>.nii`` (integer labels).
-        ref: folder of reference label maps with the same case ids, or a bigmem store (``.h5``).
+        ref: the references, under the case ids ``bigmem predict`` writes: an MSD or nnU-Net v2
+            dataset folder (its labelsTr/, and labelsTs/ where present), KiTS case folders (each
+            case_XXXXX/segmentation.nii.gz, the case id the folder's name), a folder of label maps
+            (``<case>.nii.gz``), or a bigmem store (``.h5``).
         classes: foreground labels to evaluate; default: ``1..num_classes - 1`` where the number of
             classes is known (a store, ``run`` or ``num_classes``), else ``1..`` the largest label seen.
         num_classes: labels are ``0..num_classes - 1``; a larger value is an error. Default: the
@@ -403,7 +395,8 @@ def evaluate(pred: str | os.PathLike, ref: str | os.PathLike, *, classes: Sequen
         mean over regions) and ``region_num_undefined``, as for classes.
 
     Raises:
-        DataError: a missing folder or file, cases on one side only (without ``allow_missing``),
+        DataError: a missing folder or file, a REF folder with no label map (``layouts.list_labels``),
+            two label maps of one case, cases on one side only (without ``allow_missing``),
             prediction and reference shapes that differ, non-integer labels, labels >= the number
             of classes, regions not of the form ``store.checked_regions`` accepts, ``run`` not a run
             directory or trained on a store with another number of classes than REF's.
@@ -417,7 +410,7 @@ def evaluate(pred: str | os.PathLike, ref: str | os.PathLike, *, classes: Sequen
     from bigmem.atomic import atomic_write_json
 
     pred, ref = Path(pred), Path(ref)
-    pred_files = _nifti_files(pred, "PRED")
+    pred_files = _prediction_files(pred)
     warnings: list[str] = []
 
     def warning(message: str) -> None:

@@ -156,7 +156,9 @@ def test_nonexistent_folder_is_an_error(folders, tmp_path, capsys):
     code, _, err = run_cli(["evaluate", pred, tmp_path / "nowhere"], capsys)
     assert code == 1
     assert err.strip() == (f"bigmem evaluate: error: REF {str(tmp_path / 'nowhere')!r} is not a folder: expected a "
-                           "folder of NIfTI label maps (<case>.nii.gz) or a bigmem store (.h5).")
+                           "dataset folder (MSD or nnU-Net v2: labelsTr/, labelsTs/; KiTS case folders: "
+                           "case_00000/segmentation.nii.gz), a folder of NIfTI label maps (<case>.nii.gz) or a bigmem "
+                           "store (.h5).")
     code, _, err = run_cli(["evaluate", tmp_path / "nopred", pred], capsys)
     assert code == 1
     assert "PRED" in err

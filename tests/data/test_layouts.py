@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bigmem.data.layouts import (Layout, describe_dataset, detect_layout, list_images, read_dataset, read_globs,
-                                 read_kits)
+from bigmem.data.layouts import (Layout, describe_dataset, detect_layout, list_images, list_labels, read_dataset,
+                                 read_globs, read_kits)
 from bigmem.data.nifti import load_channels
 from bigmem.data.store import HDF5VolumeStore
 from bigmem.errors import DataError
@@ -395,3 +395,74 @@ def test_predict_listing_errors(tmp_path):
     with pytest.raises(DataError, match=re.escape(f"No NIfTI files (.nii, .nii.gz) in {str(tmp_path / 'empty')!r}: "
                                                   "expected NIfTI files, or a Medical Segmentation Decathlon")):
         list_images(tmp_path / "empty")
+
+
+# ---- listing for evaluate: the reference label maps ----------------------------------------------
+
+
+def test_label_listing_of_an_nnunet_folder_takes_labels_tr_and_ts(tmp_path):
+    root = make_nnunet(tmp_path / "Dataset001", tests=("BraTS_100",))
+    save_nifti(root / "labelsTs" / "BraTS_100.nii.gz", np.zeros(SHAPE, np.uint8))
+    listing = list_labels(root)
+    assert listing.layout is Layout.NNUNET
+    assert listing.cases == {"BraTS_001": root / "labelsTr" / "BraTS_001.nii.gz",
+                             "BraTS_002": root / "labelsTr" / "BraTS_002.nii.gz",
+                             "BraTS_100": root / "labelsTs" / "BraTS_100.nii.gz"}
+    assert listing.where == (root / "labelsTr", root / "labelsTs")
+    assert listing.dataset_json == root / "dataset.json"
+
+
+def test_label_listing_ids_are_the_ids_predict_writes(tmp_path):
+    nnunet = make_nnunet(tmp_path / "Dataset001")
+    assert list(list_labels(nnunet).cases) == list(list_images(nnunet).cases)
+    msd = make_msd(tmp_path / "Task05", cases=("la_003", "la_004"))
+    assert list(list_labels(msd).cases) == list(list_images(msd).cases)
+    kits = make_kits(tmp_path / "kits", {"case_00000": (SHAPE, (0, 1)), "case_00001": (SHAPE, (0, 2))})
+    assert list(list_labels(kits).cases) == list(list_images(kits).cases)
+
+
+def test_label_listing_of_an_msd_folder_pairs_training_labels_with_their_images(tmp_path):
+    root = make_msd(tmp_path / "Task05", test=("t1",))
+    save_nifti(root / "labelsTs" / "t1.nii.gz", np.zeros(SHAPE, np.uint8))
+    listing = list_labels(root)
+    assert listing.layout is Layout.MSD
+    assert listing.cases == {"a": root / "labelsTr" / "a.nii.gz", "b": root / "labelsTr" / "b.nii.gz",
+                             "t1": root / "labelsTs" / "t1.nii.gz"}
+
+
+def test_label_listing_of_kits_folders_leaves_test_cases_out(tmp_path):
+    kits = make_kits(tmp_path / "kits", {"case_00000": (SHAPE, (0, 1)), "case_00001": (SHAPE, None)})
+    listing = list_labels(kits)
+    assert listing.cases == {"case_00000": kits / "case_00000" / "segmentation.nii.gz"}
+    assert listing.label_names == ("background", "kidney", "tumor", "cyst")
+    assert list(list_labels(kits / "case_00000").cases) == ["case_00000"]
+    with pytest.raises(DataError, match=re.escape(f"No KiTS segmentation in {str(kits / 'case_00001')!r}: none of "
+                                                  "its 1 case folder has a segmentation.nii.gz")):
+        list_labels(kits / "case_00001")
+
+
+def test_label_listing_of_a_folder_of_label_maps(tmp_path):
+    root = make_msd(tmp_path / "Task05")
+    listing = list_labels(root / "labelsTr")
+    assert listing.layout is Layout.FILES
+    assert listing.cases == {"a": root / "labelsTr" / "a.nii.gz", "b": root / "labelsTr" / "b.nii.gz"}
+    assert listing.dataset_json == (root / "dataset.json").absolute()
+
+
+def test_label_listing_errors(tmp_path):
+    root = make_nnunet(tmp_path / "Dataset001")
+    save_nifti(root / "labelsTs" / "BraTS_001.nii.gz", np.zeros(SHAPE, np.uint8))
+    with pytest.raises(DataError, match=re.escape(
+            f"Case 'BraTS_001': two label maps, {root / 'labelsTr' / 'BraTS_001.nii.gz'} and "
+            f"{root / 'labelsTs' / 'BraTS_001.nii.gz'}; expected one per case.")):
+        list_labels(root)
+    msd = make_msd(tmp_path / "Task05")
+    (msd / "labelsTr" / "b.nii.gz").unlink()
+    with pytest.raises(DataError, match=re.escape(
+            f"{msd / 'dataset.json'} lists label {msd / 'labelsTr' / 'b.nii.gz'} (for image "
+            f"{msd / 'imagesTr' / 'b.nii.gz'}), which does not exist.")):
+        list_labels(msd)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match=re.escape(f"No NIfTI label maps (.nii, .nii.gz) in "
+                                                  f"{str(tmp_path / 'empty')!r}: expected label maps named ")):
+        list_labels(tmp_path / "empty")
