@@ -591,7 +591,8 @@ def list_images(source: str | Path) -> ImageListing:
         where = _test_folder(path)
         cases = _group_images([f for f in where.iterdir() if _nifti(f)] if where.is_dir() else [], where)
     if not cases:
-        raise DataError(f"No NIfTI images to segment in {str(where)!r} ({layout.title} folder {str(path)!r}).")
+        raise DataError(f"No NIfTI images to segment in {str(where)!r} ({layout.title} folder {str(path)!r})."
+                        f"{_read_as(layout.title, _json_layout(path / 'dataset.json')[1])}")
     return ImageListing(layout, where, cases)
 
 
@@ -739,5 +740,5 @@ def list_labels(source: str | Path) -> LabelListing:
     folders, cases = _dataset_labels(path, layout)
     if not cases:
         raise DataError(f"No label maps in {str(path)!r} ({layout.title} folder): expected labelsTr/ (and labelsTs/) "
-                        "label maps, one per case.")
+                        f"label maps, one per case.{_read_as(layout.title, _json_layout(path / 'dataset.json')[1])}")
     return LabelListing(layout, folders, dict(sorted(cases.items())), path / "dataset.json")

@@ -462,3 +462,15 @@ def test_a_run_whose_store_is_gone_leaves_classes_unnamed(folders, tmp_path, cap
     code, _, err = run_cli(["evaluate", pred, ref, "--run", tmp_path / "nowhere"], capsys)
     assert code == 1
     assert "is not a bigmem run directory: no config.json there." in err
+
+
+def test_a_ref_dataset_json_of_neither_layout_is_named(folders, tmp_path, capsys):
+    pred, _ = folders
+    ref = tmp_path / "Task05"
+    ref.mkdir()
+    (ref / "dataset.json").write_text(json.dumps({"modality": {"0": "CT"}, "labels": {"0": "background", "1": "a"}}))
+    code, _, err = run_cli(["evaluate", pred, ref], capsys)
+    assert code == 1
+    assert err.startswith(f"bigmem evaluate: error: {ref / 'dataset.json'} lists no training cases and has no "
+                          "channel_names")
+    assert len(err.strip().splitlines()) == 1

@@ -466,3 +466,14 @@ def test_label_listing_errors(tmp_path):
     with pytest.raises(DataError, match=re.escape(f"No NIfTI label maps (.nii, .nii.gz) in "
                                                   f"{str(tmp_path / 'empty')!r}: expected label maps named ")):
         list_labels(tmp_path / "empty")
+
+
+def test_a_dataset_folder_without_labels_says_which_layout_was_read(tmp_path):
+    root = make_nnunet(tmp_path / "Dataset001")
+    for label in (root / "labelsTr").iterdir():
+        label.unlink()
+    with pytest.raises(DataError, match=re.escape(
+            f"No label maps in {str(root)!r} (nnU-Net v2 raw folder): expected labelsTr/ (and labelsTs/) label maps, "
+            f"one per case. Read as nnU-Net v2 raw because {root / 'dataset.json'} has 'channel_names' and no "
+            "'training' list.")):
+        list_labels(root)
