@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from bigmem.cli.common import add_model_flags, check_positive, check_shape_argument, model_overrides
+from bigmem.cli.common import (
+    add_model_flags, check_positive, check_shape_argument, model_overrides, resolve_with_shape,
+)
 from bigmem.config.presets import DEFAULT_PRESET
 
 HELP = "time this machine's kernel choices at a network's shapes (cached; train does it on first use)"
@@ -44,7 +46,6 @@ def register(subparsers, parents) -> None:
 def run(args) -> int:
     from rich.console import Console
 
-    from bigmem.api import resolve_config
     from bigmem.nets.tuning import key_here, load_tuning, tuning_path
     from bigmem.tune import DEFAULT_BUDGET_S
 
@@ -59,7 +60,7 @@ def run(args) -> int:
         return 0
     check_positive("--seconds", args.seconds)
     overrides = model_overrides(args)
-    base = resolve_config(args.model or DEFAULT_PRESET, overrides)
+    base = resolve_with_shape(args, args.model or DEFAULT_PRESET, overrides)
     shape = tuple(base.data.shape or (base.data.reference_volume,) * 3)
     check_shape_argument(args, shape, base.model)
     from bigmem.sysinfo import native_bf16
