@@ -42,14 +42,17 @@ INFERENCE_MODE = "inference"
 TRAINING_MODES = ("none", "stages")
 SHIPPED: dict[tuple[str, str, str, str], tuple[tuple[int, int, int], ...]] = {}
 SHIPPED_MACHINES: dict[tuple[str, str, str, str], str] = {}  # the same keys: which machine measured each table
+SHIPPED_CPUS: dict[tuple[str, str, str, str], str] = {}  # the same keys: that machine's CPU model
 for (_isa,), _entry in tables.serving(tables.load("training_memory"), "isa_class").items():
     for _table in _entry["tables"]:
         _key = (_isa, _table["preset"], _table["precision"], _table["recompute"])
         SHIPPED[_key], SHIPPED_MACHINES[_key] = knot_tuples(_table), _entry["summary"]
+        SHIPPED_CPUS[_key] = (_entry.get("machine") or {}).get("cpu", "")
 for (_isa, _), _entry in tables.serving(tables.load("inference_memory"), "isa_class", "preset").items():
     for _table in _entry["tables"]:
         _key = (_isa, _table["preset"], _table["precision"], INFERENCE_MODE)
         SHIPPED[_key], SHIPPED_MACHINES[_key] = knot_tuples(_table), _entry["summary"]
+        SHIPPED_CPUS[_key] = (_entry.get("machine") or {}).get("cpu", "")
 # The class whose tables an unmeasured class starts from, before its margin: the margins below
 # were sized against it (AVX2 and AVX-512 without bf16 have no AMX tiles either).
 FALLBACK_ISA = "avx512_bf16"
@@ -101,6 +104,8 @@ class Calibration:
     # The training step's rate measured with the fit (GFLOP/s per core, memory/speed.py's count)
     # at its largest volume, fitted_on[-1]; None where no step was timed (the shipped defaults).
     step_gflops_per_core: float | None = None
+    # The CPU model a shipped table was measured on ("" for a fit made here).
+    table_cpu: str = ""
 
     @property
     def has_margin(self) -> bool:
@@ -233,7 +238,17 @@ def calibration_for(preset: str, precision: str, mode: str, *, path: Path | None
         if entry.get("key") == key:
             return Calibration(**entry)
     shipped = shipped_calibration(preset, precision, mode, isa=isa or machine_isa_class(), key=key)
-    return with_tuned_overhead(shipped, preset, precision, mode) if isa is None else shipped
+    if isa is not None:
+        return shipped
+    tuned = with_tuned_overhead(shipped, preset, precision, mode)
+    if tuned is shipped and not shipped.has_margin and shipped.table_cpu not in ("", machine_cpu_model()):
+        # The ISA class was measured, but on another CPU: the framework's fixed term is bounded until measured.
+        return dataclasses.replace(
+            shipped, margin_bytes=UNMEASURED_MARGIN_BYTES,
+            source=f"{shipped.source}; measured on {shipped.table_cpu}, not this CPU ({machine_cpu_model()}): "
+                   f"+{format_bytes(UNMEASURED_MARGIN_BYTES)} for the framework's fixed term until bigmem tune "
+                   "measures it")
+    return tuned
 
 
 def with_tuned_overhead(calibration: Calibration, preset: str, precision: str, mode: str) -> Calibration:
@@ -332,7 +347,7 @@ def shipped_calibration(preset: str, precision: str, mode: str, *, isa: str, key
     if reasons:
         source += f"; {'; '.join(reasons)}: +{100 * margin:.0f}% + {format_bytes(margin_bytes)} safety margin"
     return Calibration(round(scale, 4), framework, source, key, [v for v, _, _ in SHIPPED[table]],
-                       margin_fraction=margin, margin_bytes=margin_bytes, knots=knots)
+                       margin_fraction=margin, margin_bytes=margin_bytes, knots=knots, table_cpu=SHIPPED_CPUS[table])
 
 
 def _measured_presets(keys, isa: str, precision: str, mode: str) -> tuple[str, str, set[str]]:

@@ -57,7 +57,7 @@ def test_profile_json_fields(capsys):
     assert data["param_count"] == 10_135
     assert data["predicted_peak_bytes"] == sum(data["components"].values())
     # A CPU class the defaults were not measured on adds a stated margin (calibration.shipped_calibration).
-    margin = {"safety_margin"} if calibration_for("tiny", "fp32", "none").margin_fraction else set()
+    margin = {"safety_margin"} if calibration_for("tiny", "fp32", "none").has_margin else set()
     assert set(data["components"]) == {"framework", "weights", "gradients", "optimizer_slots", "activations",
                                        "workspace", "input_pipeline", "hdf5_chunk_cache", "augmentation"} | margin
     assert data["measured_peak_bytes"] is None
@@ -188,7 +188,7 @@ def test_profile_inference_json(capsys):
     assert data["batch_size"] == 1
     assert data["recompute_stages"] == []
     # No safety margin where the defaults were measured for this CPU class; a stated one elsewhere.
-    margin = {"safety_margin"} if calibration_for("tiny", "fp32", INFERENCE_MODE).margin_fraction else set()
+    margin = {"safety_margin"} if calibration_for("tiny", "fp32", INFERENCE_MODE).has_margin else set()
     assert set(data["components"]) == INFERENCE_COMPONENTS | margin
     assert data["predicted_peak_bytes"] == sum(data["components"].values())
     assert data["spatial_shape"] == data["source_shape"] == [32, 32, 32]

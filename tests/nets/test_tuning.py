@@ -169,3 +169,22 @@ def test_the_tuned_rate_is_the_plans_step_rate(tuning_dir):
     assert tuned_step_rate("fp32", 8, True).gflops_per_core == pytest.approx(40.0 * STEP_SHARE_OF_CEILING)
     assert tuned_step_rate("bf16", 8, True).gflops_per_core == pytest.approx(20.0 * STEP_SHARE_OF_CEILING)
     assert tuned_step_rate("bf16", 8, False) is None  # emulated bf16 is never tuned
+
+
+def test_an_unseen_cpu_of_a_measured_class_is_bounded_until_tuned(tuning_dir, monkeypatch):
+    """The avx512_bf16 table came from an AMD EPYC; a Xeon of that class gets the fixed margin until it tunes."""
+    from bigmem.memory import calibration
+
+    monkeypatch.setattr(calibration, "machine_isa_class", lambda: "avx512_bf16")
+    monkeypatch.setattr(calibration, "machine_cpu_model", lambda: "Intel(R) Xeon(R) Gold 6348H CPU")
+    unseen = calibration.calibration_for("kits19", "fp32", "none", path=tuning_dir / "none.json")
+    assert (unseen.margin_fraction, unseen.margin_bytes) == (0.0, calibration.UNMEASURED_MARGIN_BYTES)
+    assert "measured on AMD EPYC, not this CPU (Intel(R) Xeon(R) Gold 6348H CPU)" in unseen.source
+
+
+def test_the_cpu_a_table_was_measured_on_gets_no_margin(tuning_dir, monkeypatch):
+    from bigmem.memory import calibration
+
+    monkeypatch.setattr(calibration, "machine_isa_class", lambda: "avx512_bf16")
+    monkeypatch.setattr(calibration, "machine_cpu_model", lambda: "AMD EPYC")
+    assert not calibration.calibration_for("kits19", "fp32", "none", path=tuning_dir / "none.json").has_margin
