@@ -306,11 +306,12 @@ def fixed_memory(config: ExperimentConfig) -> dict[str, int]:
     """
     import dataclasses as dc
 
-    from bigmem.memory.calibration import machine_isa_class, recompute_key, shipped_calibration
+    from bigmem.memory.calibration import DEFAULTS_BATCH_SIZE, machine_isa_class, recompute_key, shipped_calibration
     from bigmem.memory.estimate import estimate, mode_stages
     from bigmem.memory.measure import measure
     from bigmem.memory.profile import counts_function
 
+    config = config.updated({"train": {"batch_size": DEFAULTS_BATCH_SIZE}})  # the batch the tables were measured at
     edge = config.model.divisor
     shape = (edge, edge, edge)
     counts = counts_function(config)(shape)

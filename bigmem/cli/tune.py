@@ -34,6 +34,9 @@ def register(subparsers, parents) -> None:
     add_model_flags(parser, volume_help="one training volume's edge (default: the preset's reference volume)")
     parser.add_argument("--precision", choices=["fp32", "bf16"],
                         help="the precision to time (default: fp32, and bf16 too where the CPU has it natively)")
+    parser.add_argument("--recompute", choices=["none", "stages"],
+                        help="the recompute mode whose fixed memory is measured (the kernels are the same; default: "
+                             "the preset's, none)")
     parser.add_argument("--seconds", type=float, metavar="S",
                         help="the most seconds each precision's pass may take, memory step included (default 60); "
                              "convolutions left untimed keep the shipped choice")
