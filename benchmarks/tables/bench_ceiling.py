@@ -77,6 +77,19 @@ def _op_profile(run_steps, steps: int) -> dict[str, float]:
     return dict(totals)
 
 
+def _timed(run, request: dict) -> tuple[list[float], dict[str, float]]:
+    """``run(n)`` runs n steps: the warm-up, then each timed step alone, then (if asked) two profiled ones."""
+    import time
+
+    run(request["warmup"])
+    times = []
+    for _ in range(request["steps"]):
+        started = time.perf_counter()
+        run(1)
+        times.append(time.perf_counter() - started)
+    return times, (_op_profile(run, 2) if request["profile"] else {})
+
+
 def child_network(request: dict) -> dict:
     """The ceiling: each convolution's kernels timed alone; the paths the layers take (shipped, or tuned)."""
     from bigmem.tfenv import import_tensorflow
@@ -103,7 +116,6 @@ def child_network(request: dict) -> dict:
 
 def child_bigmem(request: dict) -> dict:
     """bigmem's training step as the trainer builds it; with ``tune``, the tuning pass runs first at this shape."""
-    import time
 
     from bigmem.data.synth import cached_synthetic_store
     from bigmem.tfenv import import_tensorflow
@@ -136,13 +148,7 @@ def child_bigmem(request: dict) -> dict:
                     loss, _ = step(*batch)
                     float(loss)
 
-            run(request["warmup"])
-            times = []
-            for _ in range(request["steps"]):
-                started = time.perf_counter()
-                run(1)
-                times.append(time.perf_counter() - started)
-            ops = _op_profile(run, 2) if request["profile"] else {}
+            times, ops = _timed(run, request)
         finally:
             job.close()
     return {"step_s": times, "ops": ops, "tuned": tuned}
@@ -150,7 +156,6 @@ def child_bigmem(request: dict) -> dict:
 
 def child_keras(request: dict) -> dict:
     """Plain Keras (bench_train.py's path), timed and then profiled."""
-    import time
 
     import keras
 
@@ -170,13 +175,8 @@ def child_keras(request: dict) -> dict:
         for _ in range(n):
             model.train_on_batch(image, label)
 
-    run(request["warmup"])
-    times = []
-    for _ in range(request["steps"]):
-        started = time.perf_counter()
-        run(1)
-        times.append(time.perf_counter() - started)
-    return {"step_s": times, "ops": _op_profile(run, 2) if request["profile"] else {}}
+    times, ops = _timed(run, request)
+    return {"step_s": times, "ops": ops}
 
 
 def child_layer(request: dict) -> dict:

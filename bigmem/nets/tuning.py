@@ -46,16 +46,6 @@ class TuningKey:
         digest = hashlib.sha1(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
         return f"{self.isa_class}-t{self.threads}-{digest}"
 
-    def summary(self) -> str:
-        """What the layers and the planner now take from it, in one line."""
-        planewise = ", ".join(f"{name} {'-'.join(map(str, channels)) if channels else 'never'}"
-                              for name, channels in sorted(self.planewise.items())) or "none timed"
-        rates = ", ".join(f"{p} {rate:g}" for p, rate in sorted(self.conv_gflops_per_core.items()))
-        offsets = ", ".join(f"{name} {value / 2**20:+.0f} MiB"
-                            for name, value in sorted(self.overhead_offset_bytes.items())) or "not measured"
-        return (f"planewise weight gradient (precision/stride: input channels) {planewise}; convolutions at "
-                f"{rates or '-'} GFLOP/s per core; fixed memory against the shipped table {offsets}")
-
     def describe(self) -> str:
         """``AMD EPYC, avx2, TF 2.21.0, oneDNN on, 2 threads``."""
         return (f"{self.cpu}, {self.isa_class}, TF {self.tensorflow}, oneDNN {self.onednn}, "
