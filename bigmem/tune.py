@@ -40,9 +40,10 @@ from bigmem.units import as_shape
 DEFAULT_BUDGET_S = 60.0
 REPEATS = 2
 MIN_TIMING_S = 10.0  # the timings' share of the budget, however long the memory step took
-# A timed tensor holds at most this many elements (128 Mi: 512 MiB in fp32); a larger convolution is
-# timed on a depth slab and scaled. Times are linear in depth once a slab has tens of planes.
-MAX_TIMED_ELEMENTS = 2**27
+# A timed tensor holds at most this many elements (16 Mi: 64 MiB in fp32); a larger convolution is
+# timed on a depth slab and scaled by its depth, so the pass costs about one training step at any
+# size. Times are linear in depth once a slab has tens of planes (kits19 96^3 x 2: 28 of 96 planes).
+MAX_TIMED_ELEMENTS = 2**24
 
 
 @dataclass(frozen=True)
@@ -130,26 +131,27 @@ def _planewise_eligible(call) -> bool:
     return spatial[0] >= 2 if call.stride == 1 else all(s % 2 == 0 and s >= 4 for s in spatial)
 
 
-def _timed_depth(call) -> int:
-    """The depth timed: the whole input, or the largest slab (a multiple of 2 x stride) under MAX_TIMED_ELEMENTS."""
+def _timed_depth(call, max_elements: int = MAX_TIMED_ELEMENTS) -> int:
+    """The depth timed: the whole input, or the largest slab (a multiple of 2 x stride) under ``max_elements``."""
     depth = call.input_shape[1]
     per_plane = _elements(call.input_shape) // depth
     out_channels = call.kernel[-1] if call.kind == "conv" else call.kernel[3]
     per_plane = max(per_plane, per_plane // call.input_shape[-1] * out_channels)
-    if per_plane * depth <= MAX_TIMED_ELEMENTS:
+    if per_plane * depth <= max_elements:
         return depth
     step = 2 * call.stride
-    return max(step, MAX_TIMED_ELEMENTS // per_plane // step * step)
+    return max(step, max_elements // per_plane // step * step)
 
 
-def time_convolution(call, count: int, repeats: int = REPEATS) -> TimedConv:
-    """Time one convolution's kernels (1 untimed call, then the fastest of ``repeats``)."""
+def time_convolution(call, count: int, repeats: int = REPEATS, max_elements: int = MAX_TIMED_ELEMENTS) -> TimedConv:
+    """Time one convolution's kernels (1 untimed call, then the fastest of ``repeats``), on a depth slab of at
+    most ``max_elements`` per tensor (scaled to the whole depth)."""
     import tensorflow as tf
 
     from bigmem.nets.conv import planewise_weight_grad
 
     dtype = tf.bfloat16 if call.precision == "bf16" else tf.float32
-    depth = _timed_depth(call)
+    depth = _timed_depth(call, max_elements)
     scale = call.input_shape[1] / depth
     shape = (call.input_shape[0], depth, *call.input_shape[2:])
     s, k = call.stride, call.kernel
