@@ -10,9 +10,9 @@ step runs (recorded by tracing the model, ``nets.conv.observe_convolutions``):
   could take either;
 - the other weight gradients (1x1x1 heads, transposed convolutions) TF's way.
 
-From the weight-gradient timings it chooses, per (precision, stride), the input-channel range
-where the planewise gradient won (``choices.planewise_ranges``, the shipped tables' own rule),
-and from all of them the whole-network ceiling: the sum over the convolutions of the fastest
+From the weight-gradient timings it decides, per (precision, stride, input channels) timed,
+whether the planewise gradient won (``planewise_from``; counts not timed keep the shipped
+range), and from all of them the whole-network ceiling: the sum over the convolutions of the fastest
 time TF has for each. It also measures the framework's fixed memory in a training step at the
 smallest shape of the network (``memory.measure``), so that the footprint estimate does not
 borrow that term from another CPU. Everything goes into this machine's tuning file
@@ -191,25 +191,22 @@ def time_convolution(call, count: int, repeats: int = REPEATS, max_elements: int
                      fastest(planes) if planes is not None else None, round(scale, 4))
 
 
-def planewise_from(rows: Sequence[TimedConv]) -> dict[str, list[int] | None]:
-    """The planewise ranges the timings choose, per ``"precision/stride"`` timed (None: never).
+def planewise_from(rows: Sequence[dict]) -> dict[str, bool]:
+    """Per ``"precision/stride/input channels"`` timed: whether the planewise weight gradient won.
 
-    The shipped tables' rule (``choices.planewise_ranges``): planewise at an input-channel count
-    where its time, summed over the shapes timed, was at most oneDNN's, over a run of consecutive
-    counts among those timed.
+    Its time and oneDNN's are summed over every shape timed with that count (each weighted by how
+    many of the network's convolutions have it), so a count timed in several passes is decided
+    by all of them; a tie goes to the planewise one, as the shipped tables' rule has it.
     """
-    from bigmem.nets.choices import planewise_ranges
-
-    seconds: dict[tuple[str, int, int], list[float]] = {}
+    seconds: dict[str, list[float]] = {}
     for row in rows:
-        if row.weight_grad_planewise_s is None:
+        if row.get("weight_grad_planewise_s") is None:
             continue
-        total = seconds.setdefault((row.precision, row.stride, row.input_shape[-1]), [0.0, 0.0])
-        total[0] += row.weight_grad_planewise_s * row.count
-        total[1] += row.weight_grad_3d_s * row.count
-    ranges = planewise_ranges(seconds)
-    return {f"{precision}/{stride}": ranges.get((precision, stride))
-            for precision, stride in dict.fromkeys(key[:2] for key in seconds)}
+        name = f"{row['precision']}/{row['stride']}/{row['input_shape'][-1]}"
+        total = seconds.setdefault(name, [0.0, 0.0])
+        total[0] += row["weight_grad_planewise_s"] * row["count"]
+        total[1] += row["weight_grad_3d_s"] * row["count"]
+    return {name: planes <= three_d for name, (planes, three_d) in seconds.items()}
 
 
 def tune(config: ExperimentConfig, shape: Sequence[int], *, budget_s: float = DEFAULT_BUDGET_S,
@@ -266,7 +263,7 @@ def tune(config: ExperimentConfig, shape: Sequence[int], *, budget_s: float = DE
     key = dataclasses.asdict(key_here())
     same = previous is not None and previous.key == key
     tuning = Tuning(key=key,
-                    planewise={**(previous.planewise if same else {}), **planewise_from(rows)},
+                    planewise=planewise_from([*(previous.rows if same else []), *(r.to_dict() for r in rows)]),
                     conv_gflops_per_core={**(previous.conv_gflops_per_core if same else {}),
                                           **({rate_key(precision, config.model.base_filters):
                                               round(flops / fastest / 1e9 / usable_cores(), 2)} if fastest else {})},

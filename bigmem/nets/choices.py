@@ -10,6 +10,7 @@ measured with oneDNN capped at it (``ONEDNN_MAX_CPU_ISA``) on a bigger CPU says 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from dataclasses import dataclass, field
@@ -41,6 +42,8 @@ class KernelChoices:
     planewise_others: frozenset[str] = frozenset()
     source: str = ""
     required: dict[tuple[str, int], tuple[int, int]] = field(default_factory=dict)  # correctness: never tuned away
+    # This machine's tuning: (precision, stride, input channels) -> planewise or not, where it was timed.
+    exact: dict[tuple[str, int, int], bool] = field(default_factory=dict)
 
     @classmethod
     def from_table(cls, entry: dict) -> "KernelChoices":
@@ -62,17 +65,21 @@ class KernelChoices:
         return cls(planewise, frozenset(correctness.get("planewise_others", ())), entry["summary"], required)
 
     def tuned(self, tuning) -> "KernelChoices":
-        """These choices with this machine's tuned ones (``nets.tuning.Tuning``) in place of the shipped
-        ones for each (precision, stride) it timed; a correctness choice (``required``) still wins."""
-        planewise = dict(self.planewise)
-        for key, channels in tuning.planewise_choices().items():
-            if channels is None:
-                planewise.pop(key, None)
-            else:
-                planewise[key] = channels
-        planewise.update(self.required)
-        return KernelChoices(planewise, self.planewise_others, f"{tuning.describe()}; shipped otherwise: {self.source}",
-                             self.required)
+        """These choices with this machine's tuned ones (``nets.tuning.Tuning``): a decision per (precision,
+        stride, input channels) it timed, the shipped range elsewhere; a correctness choice (``required``)
+        still wins."""
+        return dataclasses.replace(self, exact=tuning.planewise_counts(),
+                                   source=f"{tuning.describe()}; shipped otherwise: {self.source}")
+
+    def takes_planewise(self, precision: str, stride: int, in_channels: int) -> bool:
+        """Whether a 3x3x3 conv of this precision, stride and input channels takes the planewise weight gradient."""
+        required = self.required.get((precision, stride))
+        if required is not None and required[0] <= in_channels <= required[1]:
+            return True
+        if (precision, stride, in_channels) in self.exact:
+            return self.exact[(precision, stride, in_channels)]
+        shipped = self.planewise.get((precision, stride))
+        return shipped is not None and shipped[0] <= in_channels <= shipped[1]
 
 
 # The decisions per ISA class, with the machine, command, results files and notes behind each
@@ -165,6 +172,17 @@ def planewise_channels(precision: str, stride: int) -> tuple[int, int] | None:
         ``(fewest, most)`` input channels (inclusive), or None: never planewise.
     """
     return kernel_choices()[1].planewise.get((precision, stride))
+
+
+def takes_planewise(precision: str, stride: int, in_channels: int) -> bool:
+    """Whether this process's choices (tuned, else shipped) take the planewise weight gradient for this conv.
+
+    Args:
+        precision: ``"fp32"`` or ``"bf16"``.
+        stride: 1 or 2.
+        in_channels: the conv's input channels.
+    """
+    return kernel_choices()[1].takes_planewise(precision, stride, in_channels)
 
 
 def planewise_others(precision: str) -> bool:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import keras
 import tensorflow as tf
 
-from bigmem.nets.choices import planewise_channels, planewise_others
+from bigmem.nets.choices import planewise_others, takes_planewise
 from bigmem.nets.slabs import conv3d_slabs, conv3d_transpose_slabs, exceeds_limit, same_padding
 
 
@@ -289,8 +289,7 @@ class Conv3D(keras.layers.Conv3D):
                 and strides in ((1, 1, 1), (2, 2, 2))):
             return False
         # Where it pays depends on the ISA class oneDNN runs at (nets/choices.py).
-        channels = planewise_channels(_precision(inputs), strides[0])
-        if channels is None or not channels[0] <= shape[-1] <= channels[1]:
+        if not takes_planewise(_precision(inputs), strides[0], shape[-1]):
             return False
         if strides == (1, 1, 1):
             return shape[1] >= 2

@@ -9,8 +9,8 @@ TensorFlow version (its wheel bundles oneDNN, so that fixes oneDNN's), whether o
 and the intra-op thread count. A process reads the file of its own key; with none, the shipped
 tables stay in force. TensorFlow-free: the planner and ``bigmem info`` read it.
 
-The file holds, per tuned shape set, the planewise weight gradient's input-channel ranges per
-(precision, stride) that the timings chose (``None``: never), the rate of the network's
+The file holds, per (precision, stride, input channels) timed, whether the planewise weight
+gradient won there, the rate of the network's
 convolutions per precision, and the framework's fixed memory measured in a small training step
 (against the shipped memory table's).
 """
@@ -27,7 +27,7 @@ from bigmem.atomic import atomic_write_json
 from bigmem.cache import cache_dir
 from bigmem.tfenv import ONEDNN_VARIABLE, intra_op_threads, tensorflow_version
 
-TUNING_VERSION = 1  # bumped when what a tuning file means changes; older files are ignored
+TUNING_VERSION = 2  # bumped when what a tuning file means changes; older files are ignored
 TUNING_DIR_ENV = "BIGMEM_TUNING_DIR"  # tests point it at a temporary folder
 
 
@@ -84,9 +84,9 @@ class Tuning:
 
     Attributes:
         key: the ``TuningKey`` it is valid for.
-        planewise: ``"precision/stride"`` -> ``[fewest, most]`` input channels where the planewise
-            weight gradient won at the tuned shapes, or None where it never did. Only the
-            (precision, stride) pairs the pass timed are present; the others keep the shipped choice.
+        planewise: ``"precision/stride/input channels"`` -> whether the planewise weight gradient won
+            there, its time and oneDNN's summed over every shape timed (all passes). Only what was
+            timed is present; other channel counts keep the shipped choice.
         conv_gflops_per_core: ``"precision/base_filters"`` -> the rate of the network's convolutions at
             their fastest kernels (forward + both gradients), per core: the whole-network ceiling's rate.
         overhead_offset_bytes: ``"preset/precision/mode"`` -> the measured overhead at the network's
@@ -104,22 +104,24 @@ class Tuning:
     rows: list
     version: int = TUNING_VERSION
 
-    def planewise_choices(self) -> dict[tuple[str, int], tuple[int, int] | None]:
-        """``(precision, stride) -> (fewest, most)`` or None, for the pairs that were tuned."""
+    def planewise_counts(self) -> dict[tuple[str, int, int], bool]:
+        """``(precision, stride, input channels) -> planewise or not``, for the convolutions that were timed."""
         out = {}
-        for name, channels in self.planewise.items():
-            precision, stride = name.split("/")
-            out[(precision, int(stride))] = tuple(channels) if channels else None
+        for name, won in self.planewise.items():
+            precision, stride, channels = name.split("/")
+            out[(precision, int(stride), int(channels))] = bool(won)
         return out
 
     def summary(self) -> str:
         """What the layers and the planner now take from it, in one line."""
-        planewise = ", ".join(f"{name} {'-'.join(map(str, channels)) if channels else 'never'}"
-                              for name, channels in sorted(self.planewise.items())) or "none timed"
+        by_pair: dict[str, list[str]] = {}
+        for (precision, stride, channels), won in sorted(self.planewise_counts().items()):
+            by_pair.setdefault(f"{precision} stride {stride}", []).append(f"{channels}{'' if won else ' no'}")
+        planewise = "; ".join(f"{pair}: {', '.join(counts)}" for pair, counts in by_pair.items()) or "none timed"
         rates = ", ".join(f"{p} {rate:g}" for p, rate in sorted(self.conv_gflops_per_core.items()))
         offsets = ", ".join(f"{name} {value / 2**20:+.0f} MiB"
                             for name, value in sorted(self.overhead_offset_bytes.items())) or "not measured"
-        return (f"planewise weight gradient (precision/stride: input channels) {planewise}; convolutions at "
+        return (f"planewise weight gradient by input channels ({planewise}); convolutions at "
                 f"{rates or '-'} GFLOP/s per core; fixed memory against the shipped table {offsets}")
 
     def conv_rates(self, precision: str) -> dict[int, float]:

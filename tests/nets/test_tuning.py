@@ -59,33 +59,43 @@ def test_without_a_tuning_the_shipped_choices_are_in_force(tuning_dir):
     assert taken == choices.CHOICES.get(name, choices.CHOICES["baseline"])
 
 
-def test_a_tuning_replaces_the_pairs_it_timed_and_keeps_the_others(tuning_dir):
+def test_a_tuning_decides_the_counts_it_timed_and_keeps_the_shipped_range_elsewhere(tuning_dir):
     name = choices.kernel_choices()[0]
     shipped = choices.CHOICES.get(name, choices.CHOICES["baseline"])
     choices.kernel_choices.cache_clear()
-    _write({"fp32/1": [3, 5], "fp32/2": None})
+    _write({"fp32/1/3": True, "fp32/1/8": False})
     taken = choices.kernel_choices()[1]
-    assert taken.planewise[("fp32", 1)] == (3, 5)
-    assert ("fp32", 2) not in taken.planewise
-    assert taken.planewise.get(("bf16", 1)) == shipped.planewise.get(("bf16", 1))
+    assert taken.takes_planewise("fp32", 1, 3) is True
+    assert taken.takes_planewise("fp32", 1, 8) is False
+    assert taken.takes_planewise("bf16", 2, 32) == shipped.takes_planewise("bf16", 2, 32)
     assert taken.source.startswith("tuned on this machine (tiny 16x16x16 fp32")
 
 
 def test_a_tuning_of_another_machine_is_not_read(tuning_dir):
     other = dataclasses.replace(tuning.key_here(), cpu="Some Other CPU")
-    made = _write({"fp32/1": [3, 5]}, key=other)
+    made = _write({"fp32/1/3": True}, key=other)
     path = tuning.tuning_path()  # this machine's name, holding another key (a digest clash stands in)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(dataclasses.asdict(made)))
     choices.kernel_choices.cache_clear()
-    assert choices.kernel_choices()[1].planewise.get(("fp32", 1)) != (3, 5)
+    assert choices.kernel_choices()[1].exact == {}
 
 
 def test_a_correctness_choice_is_never_tuned_away():
     shipped = choices.CHOICES["amx"]
-    made = tuning.Tuning(key={}, planewise={"bf16/1": None}, conv_gflops_per_core={}, overhead_offset_bytes={},
+    made = tuning.Tuning(key={}, planewise={"bf16/1/8": False}, conv_gflops_per_core={}, overhead_offset_bytes={},
                          tuned=[], rows=[])
-    assert shipped.tuned(made).planewise[("bf16", 1)] == shipped.required[("bf16", 1)]
+    assert shipped.tuned(made).takes_planewise("bf16", 1, 8) is True
+
+
+def test_timings_of_one_count_from_several_passes_are_summed():
+    from bigmem.tune import planewise_from
+
+    row = {"precision": "fp32", "stride": 1, "input_shape": [1, 8, 8, 8, 16], "count": 1}
+    rows = [{**row, "weight_grad_planewise_s": 1.0, "weight_grad_3d_s": 2.0},
+            {**row, "weight_grad_planewise_s": 5.0, "weight_grad_3d_s": 3.0},
+            {**row, "input_shape": [1, 8, 8, 8, 1], "weight_grad_planewise_s": None, "weight_grad_3d_s": 1.0}]
+    assert planewise_from(rows) == {"fp32/1/16": False}
 
 
 def test_an_unreadable_or_older_file_is_no_tuning(tuning_dir):
@@ -116,13 +126,13 @@ def _paths(channels: int) -> list[str]:
 
 
 def test_the_layers_take_the_tuned_choice(tuning_dir):
-    _write({"fp32/1": [8, 8]})
+    _write({"fp32/1/8": True, "fp32/1/16": False})
     assert _paths(8) == ["planewise"]
     assert _paths(16) == ["3d"]
 
 
-def test_a_tuned_never_turns_the_planewise_gradient_off(tuning_dir):
-    _write({"fp32/1": None})
+def test_a_tuned_loss_turns_the_planewise_gradient_off(tuning_dir):
+    _write({"fp32/1/8": False})
     assert _paths(8) == ["3d"]
 
 
