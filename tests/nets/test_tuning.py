@@ -145,6 +145,7 @@ def test_the_tuned_fixed_term_moves_the_shipped_table(tuning_dir):
     assert [y for _, y in moved.knots] == [y + 100 * 2**20 for _, y in shipped.knots]
     assert moved.margin_bytes == 0
     assert "fixed term measured by bigmem tune (+100.00 MiB)" in moved.source
+    assert moved.margin_fraction == min(shipped.margin_fraction, 0.02)
 
 
 def test_the_pass_times_every_convolution_and_writes_the_file(tuning_dir):
