@@ -101,7 +101,8 @@ def network_convolutions(config: ExperimentConfig, shape: Sequence[int]) -> list
     from bigmem.nets.unet3d import UNet3D
 
     policy = "mixed_bfloat16" if config.train.precision is Precision.BF16 else "float32"
-    model = UNet3D(config.model, dtype=policy, name="unet3d")
+    # Built first: building calls each layer symbolically (several times, nested), which is not a step.
+    model = UNet3D(config.model, dtype=policy, name="unet3d").build_for()
     spec = tf.TensorSpec((config.train.batch_size, *as_shape(shape), config.model.in_channels), tf.float32)
     with observe_convolutions() as calls:
         tf.function(lambda x: model(x, training=True)).get_concrete_function(spec)

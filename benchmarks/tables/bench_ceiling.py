@@ -222,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keras-default-volumes", default="64",
                         help="volumes at which plain Keras also runs with TF's default oneDNN setting (off on AVX2: "
                              "several times slower, so only the smallest by default)")
+    parser.add_argument("--reuse", help="an earlier results file: its step timings (bigmem, keras, layer) are "
+                                         "kept and only the network's ceiling is timed again")
     parser.add_argument("--onednn-cap", help="ONEDNN_MAX_CPU_ISA for every child (AVX2, AVX, SSE41, AVX512_CORE): "
                                              "oneDNN's kernels of a smaller CPU on this one (TF's Eigen keeps this "
                                              "CPU's ISA); the tuning file is then that class's")
@@ -231,6 +233,11 @@ def main(argv: list[str] | None = None) -> int:
 
     console = Console(width=max(Console().width, 170))  # the summary table's 14 columns
     results = []
+    reused = {}
+    if args.reuse:
+        import json
+
+        reused = {(row["volume"], row["precision"]): row for row in json.loads(Path(args.reuse).read_text())["rows"]}
     for precision in args.precisions.split(","):
         if precision == "bf16" and not native_bf16():
             console.print("bf16: skipped (emulated on this CPU)")
@@ -241,6 +248,14 @@ def main(argv: list[str] | None = None) -> int:
                     "warmup": args.warmup, "repeats": args.repeats, "profile": profile,
                     "tune_budget_s": args.tune_budget}
             cap = {"ONEDNN_MAX_CPU_ISA": args.onednn_cap} if args.onednn_cap else {}
+            if (volume, precision) in reused:
+                row = dict(reused[(volume, precision)])
+                console.print(f"{args.model} {volume}^3 {precision}: steps from {args.reuse}; network ceiling ...")
+                row["network_shipped"] = row["network_tuned"] = run_child(
+                    {**base, "kind": "network"}, {"BIGMEM_TUNING_DIR": tempfile.mkdtemp(prefix="bigmem-untuned-")})
+                row["reused_steps_from"] = args.reuse
+                results.append(row)
+                continue
             with tempfile.TemporaryDirectory(prefix="bigmem-tuning-") as tuned_dir:
                 shipped_env = {"BIGMEM_TUNING_DIR": tempfile.mkdtemp(prefix="bigmem-untuned-"), **cap}
                 tuned_env = {"BIGMEM_TUNING_DIR": tuned_dir, **cap}

@@ -110,8 +110,9 @@ class Calibration:
     # The training step's rate measured with the fit (GFLOP/s per core, memory/speed.py's count)
     # at its largest volume, fitted_on[-1]; None where no step was timed (the shipped defaults).
     step_gflops_per_core: float | None = None
-    # The CPU model a shipped table was measured on ("" for a fit made here).
+    # The CPU model and ISA class a shipped table was measured on ("" for a fit made here).
     table_cpu: str = ""
+    table_isa: str = ""
 
     @property
     def has_margin(self) -> bool:
@@ -357,7 +358,8 @@ def shipped_calibration(preset: str, precision: str, mode: str, *, isa: str, key
     if reasons:
         source += f"; {'; '.join(reasons)}: +{100 * margin:.0f}% + {format_bytes(margin_bytes)} safety margin"
     return Calibration(round(scale, 4), framework, source, key, [v for v, _, _ in SHIPPED[table]],
-                       margin_fraction=margin, margin_bytes=margin_bytes, knots=knots, table_cpu=SHIPPED_CPUS[table])
+                       margin_fraction=margin, margin_bytes=margin_bytes, knots=knots, table_cpu=SHIPPED_CPUS[table],
+                       table_isa=source_isa)
 
 
 def _measured_presets(keys, isa: str, precision: str, mode: str) -> tuple[str, str, set[str]]:

@@ -215,6 +215,42 @@ def _margin(components: dict[str, int], calibration: Calibration, advice: str = 
     return [f"calibration: {calibration.source}{advice}"]
 
 
+def planewise_copy_bytes(config: ExperimentConfig, spatial_shape: Sequence[int], table_isa: str) -> int:
+    """The stride-2 planewise weight gradients' plane copies that this CPU makes and the table's CPU did not.
+
+    A strided conv's planewise weight gradient (nets/conv.py) copies its input's even and odd
+    depth planes, about the input's size, live in backward. A shipped memory table includes the
+    copies its own ISA class made; where this process's kernel choices (tuned or shipped) take
+    the planewise path at a channel count the table's class did not, the largest such input is
+    added (kits19 fp32 at 160^3 on AVX2, planewise from 32 channels against avx512_bf16's 64:
+    predicted 7.0% under without it; benchmarks/results/profile_accuracy-avx2-*.json).
+
+    Args:
+        config: the job (model, batch, precision).
+        spatial_shape: ``(D, H, W)`` of one input.
+        table_isa: the ISA class the calibration's table was measured on ("" for a fit made here,
+            which includes this CPU's own copies).
+
+    Returns:
+        Bytes (0 where no strided conv differs, or for a fit made here).
+    """
+    from bigmem.nets.choices import CHOICES, kernel_choices
+
+    model = config.model
+    if not table_isa or table_isa not in CHOICES or model.downsampling.value != "strided":
+        return 0
+    precision = config.train.precision.value
+    here, there = kernel_choices()[1], CHOICES[table_isa]
+    bytes_per = BFLOAT16_BYTES if config.train.precision is Precision.BF16 else FLOAT32_BYTES
+    largest = 0
+    for level in range(model.depth):  # the strided conv into level + 1 reads level's channels at its shape
+        channels = model.filters[level]
+        if here.takes_planewise(precision, 2, channels) and not there.takes_planewise(precision, 2, channels):
+            voxels = math.prod(size // 2**level for size in spatial_shape)
+            largest = max(largest, config.train.batch_size * voxels * channels * bytes_per)
+    return largest
+
+
 def slab_notes(sliced: Sequence[str], widest_plane: int) -> tuple[bool, list[str]]:
     """Whether a shape runs at all, and the notes on its stages that run in depth slabs (both passes').
 
@@ -360,6 +396,9 @@ def _train(config: ExperimentConfig, counts: NetworkCounts, spatial_shape: Seque
         # each reader (the training process itself without reader processes) augments one sample at a time
         "augmentation": max(1, data.num_workers) * augmentation(config).working_bytes(spatial_shape, channels),
     }
+    copies = planewise_copy_bytes(config, spatial_shape, calibration.table_isa)
+    if copies:
+        components["planewise_copies"] = copies
     notes = _margin(components, calibration, f"; run `bigmem profile --calibrate --model {config.model.name}` to "
                                              "measure this machine")
     runnable, slab_lines = slab_notes(sliced, counts.largest_tensor // spatial_shape[0])

@@ -92,7 +92,7 @@ def step_rate(isa_class: str, precision: str, base_filters: int, native_bf16: bo
 # A training step's share of its whole-network ceiling (the sum of its convolutions' fastest kernels,
 # bigmem tune): what a tuned convolution rate becomes as a step rate. Measured by
 # benchmarks/tables/bench_ceiling.py (benchmarks/results/ceiling.md).
-STEP_SHARE_OF_CEILING = 0.8
+STEP_SHARE_OF_CEILING = 0.9
 
 
 def tuned_step_rate(precision: str, base_filters: int, native_bf16: bool) -> StepRate | None:

@@ -124,3 +124,24 @@ def test_the_calibration_scales_activations_and_workspace_alike(model):
     knotted = estimate(_config(), counts, (16,) * 3, calibration=curve).components
     assert knotted["framework"] == 500
     assert knotted["workspace"] == 2 * unit["workspace"]
+
+
+def test_planewise_copies_count_where_this_cpu_takes_the_path_and_the_tables_did_not(monkeypatch):
+    """kits19's strided conv from 32 channels: planewise here, 3-D on the table's class: its input is added."""
+    from bigmem.memory.estimate import planewise_copy_bytes
+    from bigmem.nets import choices
+
+    here = choices.KernelChoices(planewise={("fp32", 2): (32, 32)}, source="test")
+    monkeypatch.setattr(choices, "kernel_choices", lambda: ("test", here))
+    monkeypatch.setitem(choices.CHOICES, "table", choices.KernelChoices(planewise={("fp32", 2): (64, 64)}))
+    config = resolve_config("kits19", {"train": {"batch_size": 2}})
+    assert planewise_copy_bytes(config, (64, 64, 64), "table") == 2 * 64**3 * 32 * 4
+    assert planewise_copy_bytes(config, (64, 64, 64), "") == 0  # a fit made here holds its own copies
+    monkeypatch.setitem(choices.CHOICES, "table", here)
+    assert planewise_copy_bytes(config, (64, 64, 64), "table") == 0
+
+
+def test_max_pooling_networks_have_no_planewise_copies():
+    from bigmem.memory.estimate import planewise_copy_bytes
+
+    assert planewise_copy_bytes(resolve_config("small"), (64, 64, 64), "avx512_bf16") == 0

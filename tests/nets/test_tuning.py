@@ -199,3 +199,16 @@ def test_the_cpu_a_table_was_measured_on_gets_no_margin(tuning_dir, monkeypatch)
     monkeypatch.setattr(calibration, "machine_isa_class", lambda: "avx512_bf16")
     monkeypatch.setattr(calibration, "machine_cpu_model", lambda: "AMD EPYC")
     assert not calibration.calibration_for("kits19", "fp32", "none", path=tuning_dir / "none.json").has_margin
+
+
+def test_the_traced_convolutions_are_the_steps_own_flops():
+    """Each conv counted once: their FLOPs add up to UNet3D.train_flops (building calls layers more than once)."""
+    from bigmem.config import resolve_config
+    from bigmem.nets.unet3d import UNet3D
+    from bigmem.tune import TimedConv, network_convolutions
+
+    config = resolve_config("tiny", {"train": {"batch_size": 2}})
+    calls = network_convolutions(config, (16, 16, 32))
+    flops = sum(TimedConv(c.kind, c.input_shape, c.kernel, c.stride, c.precision, n, 0, 0, 0, None).flops
+                for c, n in calls)
+    assert flops == UNet3D(config.model).build_for().train_flops((16, 16, 32), batch_size=2)
