@@ -98,6 +98,14 @@ def test_timings_of_one_count_from_several_passes_are_summed():
     assert planewise_from(rows) == {"fp32/1/16": False}
 
 
+def test_a_close_race_keeps_the_shipped_choice():
+    from bigmem.tune import planewise_from
+
+    row = {"precision": "fp32", "stride": 2, "input_shape": [1, 8, 8, 8, 32], "count": 1}
+    assert planewise_from([{**row, "weight_grad_planewise_s": 0.98, "weight_grad_3d_s": 1.0}]) == {}
+    assert planewise_from([{**row, "weight_grad_planewise_s": 0.90, "weight_grad_3d_s": 1.0}]) == {"fp32/2/32": True}
+
+
 def test_an_unreadable_or_older_file_is_no_tuning(tuning_dir):
     path = tuning.tuning_path()
     path.parent.mkdir(parents=True)
