@@ -21,8 +21,9 @@ from bigmem.units import as_shape
 # (no GPU here); ~0.5-1 GiB is what a CUDA 12 context with cuDNN takes on recent GPUs.
 GPU_RUNTIME_BYTES = 1 << 30
 # What a GPU replica does not hold: the host's framework, input pipeline, chunk cache and augmenting readers,
-# and the margin bigmem adds on a CPU its calibration was not measured on (a CPU figure, not a GPU's).
-HOST_ONLY = ("framework", "input_pipeline", "hdf5_chunk_cache", "augmentation", "safety_margin")
+# the margin bigmem adds on a CPU its calibration was not measured on, and the plane copies of this CPU's
+# planewise weight gradients (CPU figures, not a GPU's).
+HOST_ONLY = ("framework", "input_pipeline", "hdf5_chunk_cache", "augmentation", "safety_margin", "planewise_copies")
 
 
 def gpu_footprint_bytes(config: ExperimentConfig, counts_for, patch: int | Sequence[int], batch: int) -> int:
