@@ -27,6 +27,7 @@ slab of that size and its time scaled by the depth, so a terabyte-sized run tune
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -54,7 +55,7 @@ class TimedConv:
     kind: str
     input_shape: tuple[int, ...]
     kernel: tuple[int, ...]
-    stride: int
+    stride: int | tuple[int, int, int]  # per axis (D, H, W) where they differ
     precision: str
     count: int  # how many of the network's convolutions have this shape
     forward_s: float
@@ -69,7 +70,7 @@ class TimedConv:
         k = self.kernel
         voxels = self.input_shape[0] * self.input_shape[1] * self.input_shape[2] * self.input_shape[3]
         if self.kind == "conv":
-            macs = voxels // self.stride ** 3 * k[0] * k[1] * k[2] * k[3] * k[4]
+            macs = voxels // math.prod(_strides(self)) * k[0] * k[1] * k[2] * k[3] * k[4]
         else:  # a transposed conv: every input voxel writes k^3 outputs
             macs = voxels * k[0] * k[1] * k[2] * k[3] * k[4]
         return 6.0 * macs * self.count
@@ -125,9 +126,14 @@ def _kernel_volume(kernel: Sequence[int]) -> int:
     return kernel[0] * kernel[1] * kernel[2]
 
 
+def _strides(call) -> tuple[int, int, int]:
+    """The call's stride per axis ``(D, H, W)``."""
+    return (call.stride,) * 3 if isinstance(call.stride, int) else tuple(call.stride)
+
+
 def _planewise_eligible(call) -> bool:
     """Whether the layer could take the planewise weight gradient (``Conv3D._planewise``'s shape rules)."""
-    if call.kind != "conv" or call.kernel[:3] != (3, 3, 3) or call.stride not in (1, 2):
+    if call.kind != "conv" or call.kernel[:3] != (3, 3, 3) or not isinstance(call.stride, int) or call.stride > 2:
         return False
     spatial = call.input_shape[1:4]
     return spatial[0] >= 2 if call.stride == 1 else all(s % 2 == 0 and s >= 4 for s in spatial)
@@ -141,7 +147,7 @@ def _timed_depth(call, max_elements: int = MAX_TIMED_ELEMENTS) -> int:
     per_plane = max(per_plane, per_plane // call.input_shape[-1] * out_channels)
     if per_plane * depth <= max_elements:
         return depth
-    step = 2 * call.stride
+    step = 2 * _strides(call)[0]
     return max(step, max_elements // per_plane // step * step)
 
 
@@ -157,7 +163,7 @@ def time_convolution(call, count: int, repeats: int = REPEATS, max_elements: int
     scale = call.input_shape[1] / depth
     shape = (call.input_shape[0], depth, *call.input_shape[2:])
     s, k = call.stride, call.kernel
-    strides = [1, s, s, s, 1]
+    strides = [1, *_strides(call), 1]
     x = tf.cast(tf.random.normal(shape), dtype)
     kernel = tf.cast(tf.random.normal(k) * 0.05, dtype)
     if call.kind == "conv":
@@ -169,7 +175,7 @@ def time_convolution(call, count: int, repeats: int = REPEATS, max_elements: int
             input=x, filter_sizes=tf.constant(k, tf.int32), out_backprop=dy, strides=strides, padding="SAME"))
         planes = tf.function(lambda: planewise_weight_grad(x, dy, k, s)) if _planewise_eligible(call) else None
     else:  # transposed: forward is the conv's input gradient, input gradient a conv, weight gradient with roles swapped
-        out_shape = [shape[0], *(s * size for size in shape[1:4]), k[3]]
+        out_shape = [shape[0], *(f * size for f, size in zip(_strides(call), shape[1:4])), k[3]]
         forward = tf.function(lambda: tf.raw_ops.Conv3DBackpropInputV2(
             input_sizes=tf.constant(out_shape, tf.int32), filter=kernel, out_backprop=x, strides=strides,
             padding="SAME"))
@@ -322,8 +328,7 @@ def fixed_memory(config: ExperimentConfig) -> dict[str, int]:
     from bigmem.memory.profile import counts_function
 
     config = config.updated({"train": {"batch_size": DEFAULTS_BATCH_SIZE}})  # the batch the tables were measured at
-    edge = config.model.divisor
-    shape = (edge, edge, edge)
+    shape = config.model.divisors  # the network's smallest shape
     counts = counts_function(config)(shape)
     stages = mode_stages(config.memory.recompute, counts)
     mode = recompute_key(stages)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -53,10 +54,18 @@ class ModelConfig:
             Dice and painted in ``regions_class_order`` (``train.region_loss``), instead of softmax classes.
             None (default): on where the store defines regions (``data.derived.with_data_fields``).
         in_channels, num_classes: filled from the store (``data.derived.with_data_fields``).
+        kernel_sizes: each stage's convolution kernel per axis ``(D, H, W)``, full resolution first (``depth +
+            1`` entries), as dynamic-network-architectures' ``PlainConvUNet`` takes them; None (default): 3x3x3
+            everywhere. A kernel of 1 on an axis convolves each plane on its own (an anisotropic scan's coarse
+            axis).
+        strides: each stage's downsampling per axis, full resolution first (its entry is 1, 1, 1); the decoder
+            upsamples by the same factors. None (default): 2x2x2 at every stage below the first.
 
     Example:
         >>> ModelConfig(depth=3).divisor, ModelConfig(base_filters=8, depth=2).filters
         (8, [8, 16, 32])
+        >>> ModelConfig(depth=2, strides=((1, 1, 1), (1, 2, 2), (2, 2, 2))).divisors
+        (2, 4, 4)
     """
 
     name: str = "custom"
@@ -78,6 +87,36 @@ class ModelConfig:
     region_outputs: bool | None = None
     in_channels: int = 1
     num_classes: int = 3
+    kernel_sizes: tuple[tuple[int, int, int], ...] | None = None
+    strides: tuple[tuple[int, int, int], ...] | None = None
+
+    @property
+    def stage_kernels(self) -> list[tuple[int, int, int]]:
+        """Each stage's kernel per axis, full resolution first: ``kernel_sizes``, else 3x3x3."""
+        return list(self.kernel_sizes) if self.kernel_sizes else [(3, 3, 3)] * (self.depth + 1)
+
+    @property
+    def stage_strides(self) -> list[tuple[int, int, int]]:
+        """Each stage's downsampling per axis, full resolution first (1, 1, 1): ``strides``, else 2x2x2."""
+        return list(self.strides) if self.strides else [(1, 1, 1)] + [(2, 2, 2)] * self.depth
+
+    def level_scales(self) -> list[tuple[int, int, int]]:
+        """Per level, how many full-resolution voxels one of its voxels spans on each axis (level 0: 1, 1, 1).
+
+        Example:
+            >>> ModelConfig(depth=2, strides=((1, 1, 1), (1, 2, 2), (2, 2, 2))).level_scales()
+            [(1, 1, 1), (1, 2, 2), (2, 4, 4)]
+        """
+        scales, scale = [], (1, 1, 1)
+        for stride in self.stage_strides:
+            scale = tuple(a * b for a, b in zip(scale, stride))
+            scales.append(scale)
+        return scales
+
+    @property
+    def isotropic(self) -> bool:
+        """Whether every stage has a cubic kernel and stride (the presets' networks)."""
+        return all(len(set(k)) == 1 for k in self.stage_kernels) and all(len(set(s)) == 1 for s in self.stage_strides)
 
     @property
     def filters(self) -> list[int]:
@@ -102,9 +141,15 @@ class ModelConfig:
         return list(range(1, self.depth - 1)) if self.deep_supervision else []
 
     @property
+    def divisors(self) -> tuple[int, int, int]:
+        """The size contract per axis ``(D, H, W)``: the product of that axis's strides (``2**depth`` by default)."""
+        return self.level_scales()[-1]
+
+    @property
     def divisor(self) -> int:
-        """Every spatial size must be a multiple of this (the network halves it ``depth`` times)."""
-        return 2**self.depth
+        """A cube edge that meets every axis's contract: the least common multiple of ``divisors`` (``2**depth``
+        by default)."""
+        return math.lcm(*self.divisors)
 
     def validate(self) -> None:
         for name in ("depth", "base_filters", "max_filters", "blocks_per_level", "in_channels"):
@@ -114,6 +159,20 @@ class ModelConfig:
         if self.num_classes < 2:
             raise ConfigError("model.num_classes", f"Invalid {{field}} {self.num_classes}: expected >= 2 "
                               "(background + at least one class).")
+        for name in ("kernel_sizes", "strides"):
+            value = getattr(self, name)
+            if value is not None and len(value) != self.depth + 1:
+                raise ConfigError(f"model.{name}", f"Invalid {{field}}: {len(value)} stages given, expected depth + 1 "
+                                  f"= {self.depth + 1} (one per stage, full resolution first).")
+            if value is not None and any(v < 1 for axes in value for v in axes):
+                raise ConfigError(f"model.{name}", f"Invalid {{field}} {[list(v) for v in value]}: expected "
+                                  "positive integers.")
+        if self.kernel_sizes and any(k % 2 == 0 for axes in self.kernel_sizes for k in axes):
+            raise ConfigError("model.kernel_sizes", "Invalid {field}: expected odd kernel sizes (\"same\" "
+                              "convolutions centred on their voxel).")
+        if self.strides and tuple(self.strides[0]) != (1, 1, 1):
+            raise ConfigError("model.strides", f"Invalid {{field}}: the full-resolution stage's entry is "
+                              f"{list(self.strides[0])}, expected [1, 1, 1].")
         if self.norm is Norm.GROUP and any(f % self.groups for f in self.filters):
             raise ConfigError("model.groups", f"Invalid {{field}} {self.groups}: every level's filters "
                               f"{self.filters} must be divisible by it.")
@@ -491,7 +550,8 @@ def check_multiple(field_name: str, size: int, model: ModelConfig) -> None:
 
 
 def check_shape(field_name: str, shape, model: ModelConfig) -> None:
-    """Raise ``ConfigError`` naming ``field_name`` and the axis unless every size is a multiple of ``model.divisor``.
+    """Raise ``ConfigError`` naming ``field_name`` and the axis unless every size is a multiple of its axis's
+    ``model.divisors``.
 
     The two shapes it suggests round every axis that is not a multiple down and up, so both are valid.
 
@@ -499,20 +559,22 @@ def check_shape(field_name: str, shape, model: ModelConfig) -> None:
         >>> check_shape("data.shape", (240, 240, 155), ModelConfig())  # raises:
         ConfigError: Invalid {field} 240,240,155: axis 3 (155) is not a multiple of 16 ...
     """
-    divisor = model.divisor
-    bad = [(axis, size) for axis, size in enumerate(shape, start=1) if not (size > 0 and size % divisor == 0)]
+    divisors = model.divisors
+    bad = [(axis, size, d) for axis, (size, d) in enumerate(zip(shape, divisors), start=1)
+           if not (size > 0 and size % d == 0)]
     if not bad:
         return
-    lower = [max(divisor, size // divisor * divisor) for size in shape]
-    tries = [tuple(size if size > 0 and size % divisor == 0 else low + step for size, low in zip(shape, lower))
-             for step in (0, divisor)]
+    lower = [max(d, size // d * d) for size, d in zip(shape, divisors)]
+    tries = [tuple(size if size > 0 and size % d == 0 else low + step * d
+                   for size, low, d in zip(shape, lower, divisors)) for step in (0, 1)]
     options = " or ".join(_shape_text(t) for t in dict.fromkeys(tries))
+    of = str(bad[0][2]) if len({d for _, _, d in bad}) == 1 else f"{_shape_text(divisors)} (per axis)"
     if len(bad) == 1:
         what = f"axis {bad[0][0]} ({bad[0][1]}) is not a multiple"
     else:
-        axes = ", ".join(str(axis) for axis, _ in bad[:-1]) + f" and {bad[-1][0]}"
-        what = f"axes {axes} ({', '.join(str(size) for _, size in bad)}) are not multiples"
-    raise ConfigError(field_name, f"Invalid {{field}} {_shape_text(shape)}: {what} of {divisor} (the network "
+        axes = ", ".join(str(axis) for axis, _, _ in bad[:-1]) + f" and {bad[-1][0]}"
+        what = f"axes {axes} ({', '.join(str(size) for _, size, _ in bad)}) are not multiples"
+    raise ConfigError(field_name, f"Invalid {{field}} {_shape_text(shape)}: {what} of {of} (the network "
                       f"downsamples {model.depth} times). Try {{field}} {options}.")
 
 
@@ -523,7 +585,7 @@ def to_dict(obj: Any) -> Any:
     if isinstance(obj, StrOption):
         return obj.value
     if isinstance(obj, tuple):
-        return list(obj)
+        return [to_dict(v) for v in obj]
     return obj
 
 
@@ -563,7 +625,8 @@ def update(obj: Any, values: Mapping[str, Any], *, source: str, prefix: str = ""
 
 
 def _coerce(value: Any, hint: Any, dotted: str, source: str) -> Any:
-    args = typing.get_args(hint)
+    union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+    args = typing.get_args(hint) if union else ()
     optional = type(None) in args
     if value is None:
         if optional:
@@ -593,6 +656,10 @@ def _coerce(value: Any, hint: Any, dotted: str, source: str) -> Any:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise invalid(f"Invalid {name} {value!r}: expected a number.")
         return float(value)
+    if typing.get_origin(base) is tuple and typing.get_args(base)[-1] is Ellipsis:
+        if isinstance(value, str) or not isinstance(value, (list, tuple)):
+            raise invalid(f"Invalid {name} {value!r}: expected a list, one entry per stage.")
+        return tuple(_coerce(v, typing.get_args(base)[0], dotted, source) for v in value)
     if typing.get_origin(base) is tuple:
         sizes = typing.get_args(base)
         if isinstance(value, str) or not isinstance(value, (list, tuple)) or len(value) != len(sizes) or any(

@@ -109,16 +109,18 @@ def augmentation(config: ExperimentConfig) -> Compose:
     return chain(name.value, flip=data.flip, intensity=(data.intensity_scale, data.intensity_shift))
 
 
-def pad_multiple(config: ExperimentConfig) -> int:
+def pad_multiple(config: ExperimentConfig) -> int | tuple[int, int, int]:
     """The multiple each axis of a case trained at its own shape is padded up to: ``data.pad_multiple``, else
-    ``model.divisor``, ``2**depth``: the U-Net halves every axis once per level (``depth`` poolings), so each
-    size it trains on must divide by it.
+    the size contract ``model.divisors``, ``2**depth`` on every axis by default: the U-Net halves every axis
+    once per level (``depth`` poolings), so each size it trains on must divide by it. One int where every axis
+    has the same; per axis ``(D, H, W)`` for a network configured per axis (``model.strides``).
 
     Example:
         >>> pad_multiple(resolve_config("small"))  # depth 3
         8
     """
-    return config.data.pad_multiple or config.model.divisor
+    divisors = config.model.divisors
+    return config.data.pad_multiple or (divisors[0] if len(set(divisors)) == 1 else divisors)
 
 
 def trained_shapes(config: ExperimentConfig) -> list[tuple[str, tuple[int, int, int], tuple[int, int, int]]]:

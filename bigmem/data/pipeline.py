@@ -44,17 +44,18 @@ __all__ = ["PAD_LABEL", "VolumeLoader", "load_sample", "load_patch", "fit_to_sha
 Shape = tuple[int, int, int]
 
 
-def padded_shape(shape: Sequence[int], multiple: int) -> Shape:
-    """``shape`` with each axis rounded up to a multiple of ``multiple``.
+def padded_shape(shape: Sequence[int], multiple: int | Sequence[int]) -> Shape:
+    """``shape`` with each axis rounded up to a multiple of ``multiple`` (one for every axis, or per axis).
 
     Example:
-        >>> padded_shape((240, 240, 155), 16)
-        (240, 240, 160)
+        >>> padded_shape((240, 240, 155), 16), padded_shape((33, 96, 96), (4, 32, 32))
+        ((240, 240, 160), (36, 96, 96))
     """
-    return tuple(-(-int(s) // multiple) * multiple for s in shape[:3])  # type: ignore[return-value]
+    return tuple(-(-int(s) // m) * m for s, m in zip(shape[:3], as_shape(multiple)))  # type: ignore[return-value]
 
 
-def trained_shape(shape: Sequence[int], *, pad_multiple: int | None, fixed: Sequence[int] | None = None) -> Shape:
+def trained_shape(shape: Sequence[int], *, pad_multiple: int | Sequence[int] | None,
+                  fixed: Sequence[int] | None = None) -> Shape:
     """The shape a case trains at on its own: ``fixed`` when given, else its own ``shape`` padded (never
     cropped) up to a multiple of ``pad_multiple`` on each axis.
 
@@ -64,7 +65,7 @@ def trained_shape(shape: Sequence[int], *, pad_multiple: int | None, fixed: Sequ
 
     Args:
         shape: the case's own ``(D, H, W)`` in voxels (further axes are ignored).
-        pad_multiple: the multiple each axis is padded up to; needed unless ``fixed`` is given.
+        pad_multiple: the multiple each axis is padded up to (one, or per axis); needed unless ``fixed`` is given.
         fixed: the ``(D, H, W)`` every case is cropped or padded to (``data.shape``); None
             (default): each case at its own shape.
 
@@ -80,10 +81,11 @@ def trained_shape(shape: Sequence[int], *, pad_multiple: int | None, fixed: Sequ
     """
     if fixed is not None:
         return tuple(int(s) for s in fixed)  # type: ignore[return-value]
-    if pad_multiple is None or int(pad_multiple) != pad_multiple or pad_multiple < 1:
+    multiples = (pad_multiple,) * 3 if isinstance(pad_multiple, (int, float)) else tuple(pad_multiple or ())
+    if len(multiples) != 3 or any(isinstance(m, bool) or int(m) != m or m < 1 for m in multiples):
         raise ValueError(f"pad_multiple {pad_multiple!r}: expected a positive integer to pad a case's own shape to "
                          "(the network's size contract, 2**depth: data.derived.pad_multiple), or a fixed shape.")
-    return padded_shape(shape, int(pad_multiple))
+    return padded_shape(shape, pad_multiple)
 
 
 def bounding_shape(shapes: Sequence[Sequence[int]]) -> Shape:
@@ -420,7 +422,8 @@ class VolumeLoader:
     """
 
     def __init__(self, store_path: str | os.PathLike, *, shape: Sequence[int] | None = None,
-                 pad_multiple: int | None = None, batch_size: int, seed: int = 0, augment: Compose | None = None,
+                 pad_multiple: int | Sequence[int] | None = None, batch_size: int, seed: int = 0,
+                 augment: Compose | None = None,
                  num_workers: int = 0, prefetch: int = 2, cold_cache: bool = False,
                  patch: int | Sequence[int] | None = None, holdout: int = 0, fold: str | None = None,
                  splits: str | None = None, shard: tuple[int, int] = (0, 1)):
@@ -444,7 +447,8 @@ class VolumeLoader:
         self.cold_cache = cold_cache
         self.patch = as_shape(patch) if patch else None
         self.shape = tuple(int(s) for s in shape) if shape is not None else None
-        self.pad_multiple = int(pad_multiple) if pad_multiple is not None else None
+        self.pad_multiple = (None if pad_multiple is None else int(pad_multiple) if isinstance(pad_multiple, int)
+                             else as_shape(pad_multiple))
         self.batch_size = int(batch_size)
         self.seed = int(seed)
         self.augment = augment if augment else None
@@ -679,8 +683,10 @@ class VolumeLoader:
             return (f"{counted} {what}" + (f": {100 * cropped:.1f}% of their voxels cropped away"
                                                      if cropped > 0 else ", nothing cropped"))
         distinct = set(self._shapes)
+        multiple = (self.pad_multiple if isinstance(self.pad_multiple, int)
+                    else f"{format_shape(self.pad_multiple)} (per axis)")
         return (f"{counted} whole at their own shape ({_range_text(sources)}), padded to multiples of "
-                f"{self.pad_multiple}: {len(distinct)} distinct shape{'s' if len(distinct) != 1 else ''}, "
+                f"{multiple}: {len(distinct)} distinct shape{'s' if len(distinct) != 1 else ''}, "
                 f"{100 * self.padding_share():.1f}% padding")
 
     def close(self) -> None:

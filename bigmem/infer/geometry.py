@@ -456,8 +456,9 @@ def prepare_nifti(image_paths: str | os.PathLike | Sequence[str | os.PathLike],
 # ---- whole-volume inference -------------------------------------------------------------
 
 
-def pad_to_multiple(image: np.ndarray, divisor: int, value: np.ndarray | float | None = None):
-    """Pad each spatial axis, centred, up to the next multiple of ``divisor``, at the background value.
+def pad_to_multiple(image: np.ndarray, divisor: int | Sequence[int], value: np.ndarray | float | None = None):
+    """Pad each spatial axis, centred, up to the next multiple of ``divisor`` (one, or per axis), at the background
+    value.
 
     Centred and valued as training pads (``data.pipeline.fit_to_shape``: ``(size_needed - size) // 2``
     before, at what the case's darkest voxel normalises to, its background), so the network sees the
@@ -465,7 +466,8 @@ def pad_to_multiple(image: np.ndarray, divisor: int, value: np.ndarray | float |
 
     Args:
         image: ``(D, H, W)`` or ``(D, H, W, C)``.
-        divisor: the network's size contract (``2 ** depth``: 16 for four downsamplings).
+        divisor: the network's size contract (``2 ** depth``: 16 for four downsamplings), or per axis ``(D, H, W)``
+            (``ModelConfig.divisors``).
         value: the padded voxels' value, per channel or one (default None: each channel's
             minimum; predict gives ``Preprocessing.background``).
 
@@ -480,12 +482,14 @@ def pad_to_multiple(image: np.ndarray, divisor: int, value: np.ndarray | float |
         >>> padded, slices = pad_to_multiple(np.zeros((33, 34, 35, 1), np.float32), 16)
         >>> padded.shape, crop_padding(padded, slices).shape  # (48, 48, 48, 1), (33, 34, 35, 1)
     """
-    if int(divisor) != divisor or divisor < 1:
-        raise DataError(f"pad_to_multiple: divisor {divisor!r} must be a positive integer (the network's 2**depth).")
+    divisors = (divisor,) * 3 if np.isscalar(divisor) else tuple(divisor)
+    if len(divisors) != 3 or any(int(d) != d or d < 1 for d in divisors):
+        raise DataError(f"pad_to_multiple: divisor {divisor!r} must be a positive integer (the network's 2**depth), "
+                        "or three.")
     if image.ndim not in (3, 4):
         raise DataError(f"pad_to_multiple: image has shape {image.shape}; expected (D, H, W) or (D, H, W, C).")
     widths, slices = [], []
-    for size in image.shape[:3]:
+    for size, divisor in zip(image.shape[:3], divisors):
         total = -(-size // divisor) * divisor - size
         before = total // 2
         widths.append((before, total - before))

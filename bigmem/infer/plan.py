@@ -30,7 +30,7 @@ def whole_volume_plan(predictor: Predictor | Ensemble, shape: Sequence[int], bud
     from bigmem.memory.profile import counts_function
 
     members = predictor.members if isinstance(predictor, Ensemble) else (predictor,)
-    plans = [plan_inference(m.config, counts_function(m.config), budget, padded_shape(shape, m.divisor), check=False,
+    plans = [plan_inference(m.config, counts_function(m.config), budget, padded_shape(shape, m.divisors), check=False,
                             ensemble=len(members)) for m in members]
     return max(plans, key=lambda plan: plan.predicted_peak_bytes)
 
@@ -65,13 +65,13 @@ def mode_chooser(mode: str, budget_bytes: int | None = None, *, flag: str = "--m
         plan = whole_volume_plan(predictor, shape, budget)
         predicted, fits = plan.predicted_peak_bytes, plan.fits
         models = f", {len(predictor.members)} models" if isinstance(predictor, Ensemble) else ""
-        what = (f"whole {'x'.join(map(str, padded_shape(shape, predictor.divisor)))}{models} needs "
+        what = (f"whole {'x'.join(map(str, padded_shape(shape, predictor.divisors)))}{models} needs "
                 f"{format_bytes(predicted)} of a {format_bytes(budget.budget_bytes)} budget ({budget.source})")
         if chosen is Mode.WHOLE:
             if not fits and not ignore_plan:
                 raise InsufficientMemoryError(
                     f"Predicted peak {format_bytes(predicted)} for {predictor.config.model.name} at "
-                    f"{'x'.join(map(str, padded_shape(shape, predictor.divisor)))} (inference, "
+                    f"{'x'.join(map(str, padded_shape(shape, predictor.divisors)))} (inference, "
                     f"{predictor.config.train.precision.value}) exceeds the memory budget "
                     f"{format_bytes(budget.budget_bytes)} ({budget.source}): use --mode sliding (or auto), or pass "
                     "--ignore-plan to try anyway.", predicted, budget.budget_bytes)

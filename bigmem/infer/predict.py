@@ -106,8 +106,13 @@ class Predictor:
 
     @property
     def divisor(self) -> int:
-        """The size contract: whole-volume input is padded to a multiple of this."""
+        """A cube edge that meets the size contract on every axis (a ``--window`` edge must be its multiple)."""
         return self.config.model.divisor
+
+    @property
+    def divisors(self) -> tuple[int, int, int]:
+        """The size contract per axis: whole-volume input is padded to a multiple of these."""
+        return self.config.model.divisors
 
 
 @dataclass(frozen=True)
@@ -156,7 +161,12 @@ class Ensemble:
     @property
     def divisor(self) -> int:
         """The coarsest member's size contract (each member pads for its own)."""
-        return max(m.divisor for m in self.members)
+        return math.lcm(*(m.divisor for m in self.members))
+
+    @property
+    def divisors(self) -> tuple[int, int, int]:
+        """Per axis, a multiple of every member's size contract."""
+        return tuple(math.lcm(*axis) for axis in zip(*(m.divisors for m in self.members)))
 
 
 def _agreement(predictor: Predictor) -> list[tuple[str, object]]:
@@ -452,7 +462,7 @@ def predict_probabilities(predictor: Predictor, image: np.ndarray, *, stats: dic
     """
     normalized, background = normalize_image(predictor.preparation.preprocessing, image, stats)
     if mode is Mode.WHOLE:
-        padded, slices = pad_to_multiple(normalized, predictor.divisor, background)
+        padded, slices = pad_to_multiple(normalized, predictor.divisors, background)
         del normalized
         probabilities = forward_probabilities(predictor.model, padded[None], tta=tta)[0]
         return np.ascontiguousarray(crop_padding(probabilities, slices))

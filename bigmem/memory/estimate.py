@@ -243,10 +243,13 @@ def planewise_copy_bytes(config: ExperimentConfig, spatial_shape: Sequence[int],
     here, there = kernel_choices()[1], CHOICES[table_isa]
     bytes_per = BFLOAT16_BYTES if config.train.precision is Precision.BF16 else FLOAT32_BYTES
     largest = 0
+    scales = model.level_scales()
     for level in range(model.depth):  # the strided conv into level + 1 reads level's channels at its shape
         channels = model.filters[level]
+        if model.stage_strides[level + 1] != (2, 2, 2):  # the planewise gradient takes cubic strides only
+            continue
         if here.takes_planewise(precision, 2, channels) and not there.takes_planewise(precision, 2, channels):
-            voxels = math.prod(size // 2**level for size in spatial_shape)
+            voxels = math.prod(size // scale for size, scale in zip(spatial_shape, scales[level]))
             largest = max(largest, config.train.batch_size * voxels * channels * bytes_per)
     return largest
 

@@ -104,7 +104,7 @@ def profile(config: ExperimentConfig, shape: Sequence[int], counts_for, *, pass_
         (240, 240, 160)
     """
     if pass_ is Pass.FORWARD:
-        padded = padded_shape(shape, config.model.divisor)
+        padded = padded_shape(shape, config.model.divisors)
         predicted = estimate(config, counts_for(padded), padded, pass_=pass_, source_shape=tuple(shape))
         return Profile(predicted, measure(config, shape, pass_=pass_) if do_measure else None)
     counts = counts_for(tuple(shape))

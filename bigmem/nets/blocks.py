@@ -18,6 +18,7 @@ from bigmem.nets.conv import Conv3D, Conv3DTranspose
 from bigmem.nets.limits import exceeds_limit, slab_elements
 from bigmem.nets.norm_act import NormActivation
 from bigmem.nets.pooling import MaxPooling3D
+from bigmem.units import as_shape
 
 Shape3D = Sequence[int]
 
@@ -34,8 +35,17 @@ def _voxels(spatial_shape: Shape3D) -> int:
     return int(math.prod(spatial_shape))
 
 
-def _halved(spatial_shape: Shape3D) -> tuple[int, ...]:
-    return tuple(s // 2 for s in spatial_shape)
+def _plain(value: tuple[int, int, int]) -> int | list[int]:
+    """``value`` as get_config saves it: one int when every axis has it (as models saved before per-axis sizes)."""
+    return value[0] if len(set(value)) == 1 else list(value)
+
+
+def _divided(spatial_shape: Shape3D, factors: Sequence[int]) -> tuple[int, ...]:
+    return tuple(s // f for s, f in zip(spatial_shape, factors))
+
+
+def _multiplied(spatial_shape: Shape3D, factors: Sequence[int]) -> tuple[int, ...]:
+    return tuple(s * f for s, f in zip(spatial_shape, factors))
 
 
 def _slab_temporaries(in_shape: Sequence[int], out_shape: Sequence[int], stock_layers: bool) -> int:
@@ -140,7 +150,8 @@ class _Block(keras.layers.Layer):
         self,
         filters: int,
         *,
-        strides: int = 1,
+        strides: int | Sequence[int] = 1,
+        kernel_size: int | Sequence[int] = 3,
         norm: str = "instance",
         groups: int = 8,
         activation: str = "relu",
@@ -150,7 +161,8 @@ class _Block(keras.layers.Layer):
     ):
         super().__init__(**kwargs)
         self.filters = int(filters)
-        self.strides = int(strides)
+        self.strides = as_shape(strides)
+        self.kernel_size = as_shape(kernel_size)
         self.norm = Norm(norm)
         self.groups = int(groups)
         self.activation = Activation(activation)
@@ -159,14 +171,16 @@ class _Block(keras.layers.Layer):
 
     def _common(self) -> dict:
         """The options a block passes on to the blocks it is made of."""
-        return dict(norm=self.norm.value, groups=self.groups, activation=self.activation.value,
-                    use_bias=self.use_bias, stock_layers=self.stock_layers, dtype=self.dtype_policy)
+        return dict(kernel_size=self.kernel_size, norm=self.norm.value, groups=self.groups,
+                    activation=self.activation.value, use_bias=self.use_bias, stock_layers=self.stock_layers,
+                    dtype=self.dtype_policy)
 
     def _norm(self, *, zero_init: bool, name: str, activation: str = "linear"):
         return make_norm(self.norm, self.groups, zero_init=zero_init, dtype=self.dtype_policy, name=name,
                          activation=activation, fused=not self.stock_layers)
 
-    def _conv(self, kernel_size: int, strides: int, name: str, *, use_bias: bool | None = None):
+    def _conv(self, kernel_size: int | Sequence[int], strides: int | Sequence[int], name: str, *,
+              use_bias: bool | None = None):
         layer = keras.layers.Conv3D if self.stock_layers else Conv3D
         return layer(
             self.filters, kernel_size, strides=strides, padding="same",
@@ -175,7 +189,7 @@ class _Block(keras.layers.Layer):
         )
 
     def _out_shape(self, spatial_shape: Shape3D) -> tuple[int, ...]:
-        return tuple(s // self.strides for s in spatial_shape)
+        return _divided(spatial_shape, self.strides)
 
     @staticmethod
     def _conv_macs(conv, in_channels: int, out_voxels: int) -> int:
@@ -185,7 +199,8 @@ class _Block(keras.layers.Layer):
     def get_config(self):
         config = super().get_config()
         config.update(
-            filters=self.filters, strides=self.strides, norm=self.norm.value, groups=self.groups,
+            filters=self.filters, strides=_plain(self.strides), kernel_size=_plain(self.kernel_size),
+            norm=self.norm.value, groups=self.groups,
             activation=self.activation.value, use_bias=self.use_bias, stock_layers=self.stock_layers,
         )
         return config
@@ -226,9 +241,9 @@ class ConvNormAct(_Block):
         self.num_inputs = int(num_inputs)
         if self.num_inputs not in (1, 2):
             raise ValueError(f"num_inputs must be 1 or 2, got {num_inputs}")
-        self.conv = self._conv(3, self.strides, "conv")
+        self.conv = self._conv(self.kernel_size, self.strides, "conv")
         # The second input's kernel; a bias, when used, belongs to the first convolution only.
-        self.conv_skip = (self._conv(3, self.strides, "conv_skip", use_bias=False)
+        self.conv_skip = (self._conv(self.kernel_size, self.strides, "conv_skip", use_bias=False)
                           if self.num_inputs == 2 else None)
         fused = fuses_activation(self.norm, not self.stock_layers)
         self.norm_layer = self._norm(zero_init=self.zero_init_scale, name="norm",
@@ -307,9 +322,9 @@ class ResidualBlock(_Block):
         super().__init__(filters, **kwargs)
         self.in_filters = int(in_filters)
         self.first = ConvNormAct(self.filters, strides=self.strides, name="first", **self._common())
-        self.conv = self._conv(3, 1, "conv")
+        self.conv = self._conv(self.kernel_size, 1, "conv")
         self.norm_layer = self._norm(zero_init=True, name="norm")
-        self.needs_projection = self.strides != 1 or self.in_filters != self.filters
+        self.needs_projection = self.strides != (1, 1, 1) or self.in_filters != self.filters
         if self.needs_projection:
             self.proj = self._conv(1, self.strides, "proj")
             self.proj_norm = self._norm(zero_init=False, name="proj_norm")
@@ -376,7 +391,7 @@ class ResidualBlock(_Block):
         return {**super().get_config(), "in_filters": self.in_filters}
 
 
-def _make_blocks(owner: _Block, count: int, in_filters: int, first_strides: int, residual: bool,
+def _make_blocks(owner: _Block, count: int, in_filters: int, first_strides: int | Sequence[int], residual: bool,
                  first_inputs: int = 1):
     common = owner._common()
     blocks = []
@@ -400,6 +415,7 @@ class EncoderStage(_Block):
         in_filters: input channels.
         num_blocks: blocks in the level (default 2).
         downsampling: ``"maxpool"``, ``"strided"`` or None (default: the full-resolution level).
+        scale: the downsampling factor, one per axis ``(D, H, W)`` or one for all (default 2).
         residual: ``ResidualBlock`` instead of ``ConvNormAct`` (default False).
         **kwargs: the block options and Keras layer arguments, as ``ConvNormAct``.
 
@@ -409,21 +425,22 @@ class EncoderStage(_Block):
     """
 
     def __init__(self, filters: int, *, in_filters: int, num_blocks: int = 2, downsampling: str | None = None,
-                 residual: bool = False, **kwargs):
+                 scale: int | Sequence[int] = 2, residual: bool = False, **kwargs):
         super().__init__(filters, **kwargs)
         self.in_filters = int(in_filters)
         self.num_blocks = int(num_blocks)
         self.downsampling = Downsampling(downsampling) if downsampling else None
+        self.scale = as_shape(scale) if self.downsampling else (1, 1, 1)
         self.residual = bool(residual)
         self.pool = None
         if self.downsampling is Downsampling.MAXPOOL:
             pool = keras.layers.MaxPooling3D if self.stock_layers else MaxPooling3D
-            self.pool = pool(2, dtype=self.dtype_policy, name="pool")
-        first_strides = 2 if self.downsampling is Downsampling.STRIDED else 1
+            self.pool = pool(self.scale, dtype=self.dtype_policy, name="pool")
+        first_strides = self.scale if self.downsampling is Downsampling.STRIDED else 1
         self.blocks = _make_blocks(self, self.num_blocks, self.in_filters, first_strides, self.residual)
 
     def call(self, x, training=None):
-        """``(batch, D, H, W, in_filters)`` -> ``(batch, D', H', W', filters)``, halved if downsampling."""
+        """``(batch, D, H, W, in_filters)`` -> ``(batch, D', H', W', filters)``, divided by ``scale`` if it pools."""
         if self.pool is not None:
             x = self.pool(x)
         for block in self.blocks:
@@ -432,13 +449,13 @@ class EncoderStage(_Block):
 
     def output_spatial_shape(self, spatial_shape: Shape3D) -> tuple[int, ...]:
         """The output's ``(D, H, W)`` for an input of ``spatial_shape``."""
-        return _halved(spatial_shape) if self.downsampling else tuple(spatial_shape)
+        return _divided(spatial_shape, self.scale)
 
     def feature_map_elements(self, spatial_shape: Shape3D) -> int:
         """Per-sample elements of the tensors the stage creates for an input of ``(D, H, W)`` voxels."""
         total = 0
         if self.pool is not None:
-            spatial_shape = _halved(spatial_shape)
+            spatial_shape = _divided(spatial_shape, self.scale)
             total += self.in_filters * _voxels(spatial_shape)
         for block in self.blocks:
             total += block.feature_map_elements(spatial_shape)
@@ -461,7 +478,7 @@ class EncoderStage(_Block):
         phases, held, channels = [], 0, self.in_filters
         if self.pool is not None:
             in_shape = (1, *spatial_shape, channels)
-            spatial_shape = _halved(spatial_shape)
+            spatial_shape = _divided(spatial_shape, self.scale)
             held = channels * _voxels(spatial_shape)
             phases.append(held + _slab_temporaries(in_shape, (1, *spatial_shape, channels), self.stock_layers))
         for block in self.blocks:
@@ -488,7 +505,7 @@ class EncoderStage(_Block):
         """Multiply-adds of the stage's convolutions (pooling, norms and activations are not MACs)."""
         total, channels = 0, self.in_filters
         if self.pool is not None:
-            spatial_shape = _halved(spatial_shape)
+            spatial_shape = _divided(spatial_shape, self.scale)
         for block in self.blocks:
             total += block.forward_macs(spatial_shape, channels)
             spatial_shape, channels = block._out_shape(spatial_shape), self.filters
@@ -498,12 +515,13 @@ class EncoderStage(_Block):
         """The constructor's arguments, for ``from_config`` and saving."""
         return {**super().get_config(), "in_filters": self.in_filters, "num_blocks": self.num_blocks,
                 "downsampling": self.downsampling.value if self.downsampling else None,
-                "residual": self.residual}
+                "scale": _plain(self.scale) if self.downsampling else 2, "residual": self.residual}
 
 
 @keras.saving.register_keras_serializable(package="bigmem")
 class DecoderStage(_Block):
-    """One decoder level: 2x2x2 stride-2 transposed conv, join the skip, then blocks.
+    """One decoder level: a transposed conv upsampling by ``scale`` (kernel = stride, 2x2x2 by default), join the
+    skip, then blocks.
 
     Plain blocks take the upsampled tensor and the skip as two inputs of their first
     convolution (ConvNormAct with ``num_inputs=2``: no concatenated copy); residual blocks
@@ -514,6 +532,8 @@ class DecoderStage(_Block):
         filters: output channels (and the skip's channels).
         in_filters: channels of the input from the level below.
         num_blocks: blocks in the level (default 2).
+        scale: the upsampling factor, one per axis ``(D, H, W)`` or one for all (default 2): the encoder's
+            downsampling at the level below.
         residual: ``ResidualBlock`` instead of ``ConvNormAct`` (default False).
         **kwargs: the block options and Keras layer arguments, as ``ConvNormAct``.
 
@@ -523,28 +543,30 @@ class DecoderStage(_Block):
         (1, 32, 32, 32, 16)
     """
 
-    def __init__(self, filters: int, *, in_filters: int, num_blocks: int = 2, residual: bool = False, **kwargs):
+    def __init__(self, filters: int, *, in_filters: int, num_blocks: int = 2, scale: int | Sequence[int] = 2,
+                 residual: bool = False, **kwargs):
         super().__init__(filters, **kwargs)
         self.in_filters = int(in_filters)
         self.num_blocks = int(num_blocks)
+        self.scale = as_shape(scale)
         self.residual = bool(residual)
         # The transposed conv keeps its bias, as in MLPerf's and IntelAI's reference models.
         up = keras.layers.Conv3DTranspose if self.stock_layers else Conv3DTranspose
-        self.up = up(self.filters, 2, strides=2, padding="same", dtype=self.dtype_policy, name="up")
+        self.up = up(self.filters, self.scale, strides=self.scale, padding="same", dtype=self.dtype_policy, name="up")
         joined = self.residual or self.stock_layers or self.filters < SPLIT_SKIP_MIN_FILTERS
         self.concat = keras.layers.Concatenate(axis=-1, dtype=self.dtype_policy, name="concat") if joined else None
         self.blocks = _make_blocks(self, self.num_blocks, 2 * self.filters, 1, self.residual,
                                    first_inputs=1 if joined else 2)
 
     def call(self, inputs, training=None):
-        """Upsample ``x`` 2x, join ``skip``, run the blocks.
+        """Upsample ``x`` by ``scale``, join ``skip``, run the blocks.
 
         Args:
-            inputs: ``[x (batch, D, H, W, in_filters), skip (batch, 2D, 2H, 2W, filters)]``.
+            inputs: ``[x (batch, D, H, W, in_filters), skip (batch, 2D, 2H, 2W, filters)]`` (the default scale 2).
             training: passed to the norms.
 
         Returns:
-            ``(batch, 2D, 2H, 2W, filters)``.
+            ``(batch, 2D, 2H, 2W, filters)`` (the default scale 2).
         """
         x, skip = inputs
         x = [self.up(x), skip]
@@ -555,8 +577,8 @@ class DecoderStage(_Block):
         return x
 
     def output_spatial_shape(self, spatial_shape: Shape3D) -> tuple[int, ...]:
-        """The output's ``(D, H, W)``: twice the input's."""
-        return tuple(2 * s for s in spatial_shape)
+        """The output's ``(D, H, W)``: the input's times ``scale``."""
+        return _multiplied(spatial_shape, self.scale)
 
     def feature_map_elements(self, spatial_shape: Shape3D) -> int:
         """``spatial_shape`` is the (smaller) shape of the input from the level below."""
@@ -615,7 +637,7 @@ class DecoderStage(_Block):
                    joined * self.filters * _voxels(self.output_spatial_shape(spatial_shape)))
 
     def forward_macs(self, spatial_shape: Shape3D) -> int:
-        """``spatial_shape`` is the input's; a 2x2x2 stride-2 transposed conv does in x out MACs per output voxel."""
+        """``spatial_shape`` is the input's; a transposed conv with kernel = stride: in x out MACs per output voxel."""
         out_voxels = _voxels(self.output_spatial_shape(spatial_shape))
         total = self.in_filters * self.filters * out_voxels
         channels = 2 * self.filters
@@ -627,4 +649,4 @@ class DecoderStage(_Block):
     def get_config(self):
         """The constructor's arguments, for ``from_config`` and saving."""
         return {**super().get_config(), "in_filters": self.in_filters, "num_blocks": self.num_blocks,
-                "residual": self.residual}
+                "scale": _plain(self.scale), "residual": self.residual}

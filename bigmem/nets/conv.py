@@ -40,7 +40,7 @@ class ConvCall:
         input_shape: ``(batch, D, H, W, C_in)``.
         kernel: the kernel's shape as Keras keeps it: ``(k, k, k, C_in, C_out)`` for a conv,
             ``(k, k, k, C_out, C_in)`` for a transposed conv.
-        stride: on every axis.
+        stride: on every axis, or per axis ``(D, H, W)`` where they differ.
         precision: "fp32" or "bf16".
         path: the weight gradient's path: "3d" (TF's own), "planewise", "pointwise", "2d"
             (a transposed conv's), or "slabs" (past the kernel limit).
@@ -49,7 +49,7 @@ class ConvCall:
     kind: str
     input_shape: tuple[int, ...]
     kernel: tuple[int, ...]
-    stride: int
+    stride: int | tuple[int, int, int]
     precision: str
     path: str
 
@@ -77,10 +77,12 @@ def observe_convolutions():
         _observers.remove(calls)
 
 
-def _observe(kind: str, inputs, kernel_shape, stride: int, path: str) -> None:
+def _observe(kind: str, inputs, kernel_shape, strides, path: str) -> None:
     shape = tuple(inputs.shape)
     if _observers and None not in shape:
-        call = ConvCall(kind, shape, tuple(int(k) for k in kernel_shape), int(stride), _precision(inputs), path)
+        strides = tuple(int(s) for s in strides)
+        stride = strides[0] if len(set(strides)) == 1 else strides
+        call = ConvCall(kind, shape, tuple(int(k) for k in kernel_shape), stride, _precision(inputs), path)
         for calls in _observers:
             calls.append(call)
 
@@ -267,7 +269,7 @@ class Conv3D(keras.layers.Conv3D):
 
     Same arguments, weights and outputs as ``keras.layers.Conv3D``. Two paths replace its
     convolution for inputs of static shape: past the kernel element limit (nets/limits.py) the
-    conv runs in depth slabs (``conv3d_slabs``, "same" padding, equal strides, no dilation or
+    conv runs in depth slabs (``conv3d_slabs``, "same" padding, no dilation or
     groups); and a 3x3x3 "same" conv with stride 1 or 2 takes ``planewise_weight_grad`` for its
     weight gradient where nets/choices.py chooses it for this CPU, precision and channel count.
 
@@ -301,33 +303,33 @@ class Conv3D(keras.layers.Conv3D):
                 and planewise_others(_precision(inputs)))
 
     def _output_shape(self, shape):
-        stride = self.strides[0]
-        return (shape[0], *(same_padding(size, 1, stride)[0] for size in shape[1:4]), self.filters)
+        return (shape[0], *(same_padding(size, 1, stride)[0] for size, stride in zip(shape[1:4], self.strides)),
+                self.filters)
 
     def _partitioned(self, inputs) -> bool:
         """Whether the input or output is past the kernel limit, so the conv runs in depth slabs."""
         shape = tuple(inputs.shape)
         return (len(shape) == 5 and None not in shape and self.padding == "same" and self.groups == 1
                 and self.data_format == "channels_last" and tuple(self.dilation_rate) == (1, 1, 1)
-                and len(set(self.strides)) == 1 and exceeds_limit(shape, self._output_shape(shape)))
+                and exceeds_limit(shape, self._output_shape(shape)))
 
     def convolution_op(self, inputs, kernel):
         """Keras's hook: the convolution of ``inputs`` with ``kernel``, by the path that applies."""
         if self._partitioned(inputs):
             kernel = tf.cast(tf.convert_to_tensor(kernel), inputs.dtype)
-            stride = self.strides[0]
-            _observe("conv", inputs, kernel.shape, stride, "slabs")
+            strides = tuple(self.strides)
+            _observe("conv", inputs, kernel.shape, strides, "slabs")
 
             def filter_grad(x_slab, dy_slab):
-                if self._planewise(x_slab):
-                    return planewise_weight_grad(x_slab, dy_slab, kernel.shape, stride)
+                if self._planewise(x_slab):  # cubic strides only
+                    return planewise_weight_grad(x_slab, dy_slab, kernel.shape, strides[0])
                 return tf.raw_ops.Conv3DBackpropFilterV2(
                     input=x_slab, filter_sizes=tf.constant(kernel.shape.as_list(), tf.int32), out_backprop=dy_slab,
-                    strides=[1, stride, stride, stride, 1], padding="SAME")
+                    strides=[1, *strides, 1], padding="SAME")
 
-            return conv3d_slabs(inputs, kernel, stride, filter_grad=filter_grad)
+            return conv3d_slabs(inputs, kernel, strides, filter_grad=filter_grad)
         planewise, pointwise = self._planewise(inputs), self._pointwise(inputs)
-        _observe("conv", inputs, kernel.shape, self.strides[0],
+        _observe("conv", inputs, kernel.shape, self.strides,
                  "planewise" if planewise else "pointwise" if pointwise else "3d")
         if planewise or pointwise:
             # The kernel variable reads as float32 outside Keras's autocast; the conv runs in the input's dtype.
@@ -351,22 +353,23 @@ class Conv3DTranspose(keras.layers.Conv3DTranspose):
     """
 
     def call(self, inputs):
-        """``(batch, D, H, W, C_in)`` -> ``(batch, s*D, s*H, s*W, filters)`` for strides ``s``."""
+        """``(batch, D, H, W, C_in)`` -> ``(batch, sd*D, sh*H, sw*W, filters)`` for strides ``(sd, sh, sw)``."""
         shape = tuple(inputs.shape)
         out_shape = (shape[0], *(self.strides[i] * shape[i + 1] for i in range(3)), self.filters) \
             if len(shape) == 5 and None not in shape else shape
         upsampling = (len(shape) == 5 and None not in shape and tuple(self.kernel_size) == tuple(self.strides)
-                      and len(set(self.strides)) == 1 and self.padding == "same"
+                      and self.padding == "same"
                       and self.data_format == "channels_last" and tuple(self.dilation_rate) == (1, 1, 1)
                       and self.output_padding is None)
-        two_d = upsampling and planewise_others(_precision(inputs))
+        # The 2-D kernel gradient is written for cubic strides.
+        two_d = upsampling and len(set(self.strides)) == 1 and planewise_others(_precision(inputs))
         partitioned = upsampling and exceeds_limit(shape, out_shape)
-        _observe("transpose", inputs, self.kernel.shape, self.strides[0],
+        _observe("transpose", inputs, self.kernel.shape, self.strides,
                  "slabs" if partitioned else "2d" if two_d else "3d")
         if not (partitioned or two_d):
             return super().call(inputs)
         kernel = tf.cast(tf.convert_to_tensor(self.kernel), inputs.dtype)
-        stride = self.strides[0]
+        stride = self.strides[0] if two_d else tuple(self.strides)
         if partitioned:
             filter_grad = (lambda dy_slab, x_slab: transposed_weight_grad(dy_slab, x_slab, stride)) if two_d else None
             outputs = conv3d_transpose_slabs(inputs, kernel, stride, filter_grad=filter_grad)

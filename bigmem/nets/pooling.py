@@ -10,7 +10,7 @@ from bigmem.nets.slabs import exceeds_limit, max_pool3d_slabs
 
 @keras.saving.register_keras_serializable(package="bigmem")
 class MaxPooling3D(keras.layers.MaxPooling3D):
-    """``keras.layers.MaxPooling3D``; a cubic, non-overlapping "valid" pool past the limit runs in depth slabs.
+    """``keras.layers.MaxPooling3D``; a non-overlapping "valid" pool past the limit runs in depth slabs.
 
     Same arguments and outputs as ``keras.layers.MaxPooling3D``; the slab path
     (``max_pool3d_slabs``) applies to channels-last inputs of static shape past pooling's own
@@ -23,10 +23,10 @@ class MaxPooling3D(keras.layers.MaxPooling3D):
     """
 
     def call(self, inputs):
-        """``(batch, D, H, W, C)`` -> ``(batch, D // p, H // p, W // p, C)`` for pool size ``p``."""
+        """``(batch, D, H, W, C)`` -> ``(batch, D // pd, H // ph, W // pw, C)`` for pool size ``(pd, ph, pw)``."""
         shape = tuple(inputs.shape)
         if (len(shape) == 5 and None not in shape and exceeds_limit(shape, limit=max_pool_elements())
-                and self.padding == "valid" and len(set(self.pool_size)) == 1
-                and tuple(self.strides) == tuple(self.pool_size) and self.data_format == "channels_last"):
-            return max_pool3d_slabs(inputs, self.pool_size[0])
+                and self.padding == "valid" and tuple(self.strides) == tuple(self.pool_size)
+                and self.data_format == "channels_last"):
+            return max_pool3d_slabs(inputs, tuple(self.pool_size))
         return super().call(inputs)

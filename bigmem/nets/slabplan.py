@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from bigmem.nets.limits import max_kernel_elements, max_pool_elements, slab_elements
+from bigmem.units import as_shape
 
 # The share of the limit a slab takes in the ops whose backward holds a slab-sized piece beside a
 # slab-sized result (max_pool3d_slabs, and conv3d_slabs at stride 1): at full-size slabs they
@@ -265,18 +266,17 @@ def _shape(shape: Sequence[int | None]) -> tuple[int, ...]:
     return tuple(int(s) for s in shape)
 
 
-def is_tapwise(kernel_shape: Sequence[int], stride: int) -> bool:
-    """Whether a conv's weight gradient is summed tap by tap over whole planes: stride 1, odd cubic kernel.
+def is_tapwise(kernel_shape: Sequence[int], stride: int | Sequence[int]) -> bool:
+    """Whether a conv's weight gradient is summed tap by tap over whole planes: stride 1, an odd depth kernel.
 
     Args:
-        kernel_shape: ``(k, k, k, C_in, C_out)``.
-        stride: the stride on every spatial axis.
+        kernel_shape: ``(kd, kh, kw, C_in, C_out)``.
+        stride: the stride on every spatial axis, or per axis.
 
     Returns:
-        True for the U-Net's 3x3x3 and 1x1x1 stride-1 convs.
+        True for the U-Net's 3x3x3, 1x3x3 and 1x1x1 stride-1 convs.
     """
-    k = kernel_shape[0]
-    return stride == 1 and len(set(kernel_shape[:3])) == 1 and k % 2 == 1
+    return as_shape(stride) == (1, 1, 1) and kernel_shape[0] % 2 == 1
 
 
 def _input_grad_slab(depth: int, k: int, stride: int, tapwise: bool, i0: int, i1: int) -> InputGradSlab:
@@ -293,7 +293,7 @@ def _input_grad_slab(depth: int, k: int, stride: int, tapwise: bool, i0: int, i1
     return InputGradSlab(i0, i1, conv_frame(depth, k, stride, o_lo, max(o_hi, o_lo + 1)))
 
 
-def plan_conv(in_shape: Sequence[int], kernel_shape: Sequence[int], stride: int, *,
+def plan_conv(in_shape: Sequence[int], kernel_shape: Sequence[int], stride: int | Sequence[int], *,
               limit: int | None = None) -> ConvPlan:
     """The slabs of ``tf.nn.conv3d(x, kernel, stride, "SAME")`` and of its input gradient.
 
@@ -311,8 +311,8 @@ def plan_conv(in_shape: Sequence[int], kernel_shape: Sequence[int], stride: int,
 
     Args:
         in_shape: ``(batch, D, H, W, C_in)``.
-        kernel_shape: ``(k, k, k, C_in, C_out)``.
-        stride: the stride on every spatial axis.
+        kernel_shape: ``(kd, kh, kw, C_in, C_out)``; the slabs' halo is the depth kernel's.
+        stride: the stride on every spatial axis, or per axis ``(D, H, W)``.
         limit: the kernel element limit (default ``max_kernel_elements()``, the one in force).
 
     Returns:
@@ -327,11 +327,12 @@ def plan_conv(in_shape: Sequence[int], kernel_shape: Sequence[int], stride: int,
     """
     batch, depth, height, width, in_channels = _shape(in_shape)
     k, out_channels = int(kernel_shape[0]), int(kernel_shape[-1])
+    tapwise = is_tapwise(_shape(kernel_shape), stride)
+    stride, stride_h, stride_w = as_shape(stride)  # the slabs are along depth: its stride, from here on
     out_depth, _ = same_padding(depth, k, stride)
     in_plane = height * width * in_channels
-    out_plane = -(-height // stride) * -(-width // stride) * out_channels
+    out_plane = -(-height // stride_h) * -(-width // stride_w) * out_channels
     wider = max(in_plane, out_plane)
-    tapwise = is_tapwise(_shape(kernel_shape), stride)
     elements = slab_elements(wider, limit)
     if tapwise:
         elements = slab_target(elements, k * wider)
@@ -355,7 +356,7 @@ def plan_conv(in_shape: Sequence[int], kernel_shape: Sequence[int], stride: int,
     return ConvPlan(forward, backward, tapwise)
 
 
-def plan_conv_transpose(in_shape: Sequence[int], kernel_shape: Sequence[int], stride: int, *,
+def plan_conv_transpose(in_shape: Sequence[int], kernel_shape: Sequence[int], stride: int | Sequence[int], *,
                         limit: int | None = None) -> SlabPlan:
     """The slabs of a transposed conv whose kernel equals its stride, and of its input gradient.
 
@@ -365,8 +366,8 @@ def plan_conv_transpose(in_shape: Sequence[int], kernel_shape: Sequence[int], st
 
     Args:
         in_shape: ``(batch, D, H, W, C_in)``.
-        kernel_shape: ``(k, k, k, C_out, C_in)``, ``k == stride``.
-        stride: the stride on every spatial axis.
+        kernel_shape: ``(kd, kh, kw, C_out, C_in)``, equal to the strides.
+        stride: the stride on every spatial axis, or per axis ``(D, H, W)``.
         limit: the kernel element limit (default ``max_kernel_elements()``).
 
     Returns:
@@ -381,8 +382,8 @@ def plan_conv_transpose(in_shape: Sequence[int], kernel_shape: Sequence[int], st
         6
     """
     batch, depth, height, width, in_channels = _shape(in_shape)
-    k, out_channels = stride, int(kernel_shape[3])
-    in_plane, out_plane = height * width * in_channels, k * height * k * width * out_channels
+    (k, k_h, k_w), out_channels = as_shape(stride), int(kernel_shape[3])
+    in_plane, out_plane = height * width * in_channels, k_h * height * k_w * width * out_channels
     piece = max(in_plane, k * out_plane)  # one input plane and the k output planes it writes
     elements = slab_elements(piece, limit)
     ranges = plan_slabs(depth, lambda i0, i1: (i1 - i0) * piece <= elements,
@@ -391,7 +392,7 @@ def plan_conv_transpose(in_shape: Sequence[int], kernel_shape: Sequence[int], st
                     tuple(Slab(k * i0, k * i1, i0, i1) for i0, i1 in ranges))
 
 
-def plan_pool(in_shape: Sequence[int], pool: int, *, limit: int | None = None) -> SlabPlan:
+def plan_pool(in_shape: Sequence[int], pool: int | Sequence[int], *, limit: int | None = None) -> SlabPlan:
     """The slabs of ``max_pool3d(x, pool, pool, "VALID")`` and of its input gradient.
 
     Output planes [o0, o1) read input planes [pool*o0, pool*o1) alone. Whole windows (at least
@@ -402,7 +403,7 @@ def plan_pool(in_shape: Sequence[int], pool: int, *, limit: int | None = None) -
 
     Args:
         in_shape: ``(batch, D, H, W, C)``.
-        pool: the window and stride on every spatial axis.
+        pool: the window and stride on every spatial axis, or per axis ``(D, H, W)``.
         limit: the element limit, for pooling too (default: the kernel limit in force for the
             slab size, and pooling's own ``max_pool_elements()``).
 
@@ -418,6 +419,7 @@ def plan_pool(in_shape: Sequence[int], pool: int, *, limit: int | None = None) -
         Slab(in_start=2, in_stop=2, out_start=4, out_stop=5, pad_before=0, pad_after=0)
     """
     batch, depth, height, width, channels = _shape(in_shape)
+    pool = as_shape(pool)[0]  # the slabs are along depth: whole windows of its planes
     out_depth = depth // pool
     in_plane = height * width * channels
     elements = min(slab_elements(in_plane, limit), max_pool_elements() if limit is None else limit)

@@ -31,6 +31,8 @@ from typing import Callable, Sequence
 
 import tensorflow as tf
 
+from bigmem.units import as_shape
+
 from bigmem.nets.limits import (  # noqa: F401  (re-exported: the slab API in one place)
     LIMIT_ENVIRONMENT_VARIABLE,
     MAX_KERNEL_ELEMENTS,
@@ -285,7 +287,7 @@ def _whole_weight_grads(x: tf.Tensor, dy: tf.Tensor, kernel_shape: Sequence[int]
 
 
 @counted('conv3d')
-def conv3d_slabs(x: tf.Tensor, kernel: tf.Tensor, stride: int = 1,
+def conv3d_slabs(x: tf.Tensor, kernel: tf.Tensor, stride: int | Sequence[int] = 1,
                  filter_grad: Callable[[tf.Tensor, tf.Tensor], tf.Tensor] | None = None) -> tf.Tensor:
     """``tf.nn.conv3d(x, kernel, stride, "SAME")`` computed in depth slabs, with a slab-wise gradient.
 
@@ -300,15 +302,16 @@ def conv3d_slabs(x: tf.Tensor, kernel: tf.Tensor, stride: int = 1,
 
     Args:
         x: (batch, D, H, W, C_in), static shape.
-        kernel: (k, k, k, C_in, C_out) (any k; equal strides on every axis).
-        stride: the stride on every spatial axis.
+        kernel: (kd, kh, kw, C_in, C_out) (any sizes).
+        stride: the stride on every spatial axis, or per axis ``(D, H, W)``.
         filter_grad: ``f(x_slab, dy_slab) -> dkernel`` for one slab's "SAME" conv (e.g. the
             planewise weight gradient), used where the weight gradient is not tapwise (strides
             or kernels other than stride 1 with an odd cubic kernel); default TF's
             Conv3DBackpropFilterV2.
 
     Returns:
-        (batch, ceil(D/stride), ceil(H/stride), ceil(W/stride), C_out), equal to the unpartitioned conv.
+        (batch, ceil(D/sd), ceil(H/sh), ceil(W/sw), C_out) for strides (sd, sh, sw), equal to the unpartitioned
+        conv.
 
     Raises:
         SlabTooLargeError: if one depth plane with its halo is already past the limit.
@@ -316,8 +319,9 @@ def conv3d_slabs(x: tf.Tensor, kernel: tf.Tensor, stride: int = 1,
     batch, depth, height, width, _ = x.shape
     kernel_shape = [int(s) for s in kernel.shape]
     plan = plan_conv(x.shape, kernel_shape, stride)
-    strides = [1, stride, stride, stride, 1]
-    out_shape = (batch, -(-depth // stride), -(-height // stride), -(-width // stride), kernel_shape[-1])
+    stride_d, stride_h, stride_w = as_shape(stride)
+    strides = [1, stride_d, stride_h, stride_w, 1]
+    out_shape = (batch, -(-depth // stride_d), -(-height // stride_h), -(-width // stride_w), kernel_shape[-1])
     weight_grads = _tapwise_weight_grads if plan.tapwise else functools.partial(
         _whole_weight_grads, filter_grad=filter_grad or functools.partial(
             _filter_grad_3d, kernel_shape=kernel_shape, strides=strides))
@@ -348,7 +352,7 @@ def _transposed_slab(x_planes: tf.Tensor, kernel: tf.Tensor, depth: int, out_sha
 
 
 @counted('conv3d_transpose')
-def conv3d_transpose_slabs(x: tf.Tensor, kernel: tf.Tensor, stride: int,
+def conv3d_transpose_slabs(x: tf.Tensor, kernel: tf.Tensor, stride: int | Sequence[int],
                            filter_grad: Callable[[tf.Tensor, tf.Tensor], tf.Tensor] | None = None) -> tf.Tensor:
     """A transposed conv whose kernel equals its stride (``Conv3DTranspose(k, strides=k)``), in depth slabs.
 
@@ -357,26 +361,26 @@ def conv3d_transpose_slabs(x: tf.Tensor, kernel: tf.Tensor, stride: int,
 
     Args:
         x: (batch, D, H, W, C_in), static shape.
-        kernel: (k, k, k, C_out, C_in), Keras's and TF's layout for transposed convs.
-        stride: equal to k.
+        kernel: (kd, kh, kw, C_out, C_in), Keras's and TF's layout for transposed convs.
+        stride: equal to the kernel: one for every axis, or per axis ``(D, H, W)``.
         filter_grad: ``f(dy_slab, x_slab) -> dkernel`` for one slab (e.g. the 2-D
             ``transposed_weight_grad``); default TF's Conv3DBackpropFilterV2.
 
     Returns:
-        (batch, k*D, k*H, k*W, C_out), without bias.
+        (batch, kd*D, kh*H, kw*W, C_out), without bias.
 
     Raises:
-        ValueError: the kernel is not ``stride`` on every axis.
+        ValueError: the kernel is not the stride.
         SlabTooLargeError: if one depth plane is already past the limit.
     """
     batch, depth, height, width, _ = x.shape
-    k = stride
-    if tuple(kernel.shape[:3]) != (stride,) * 3:
+    k, k_h, k_w = as_shape(stride)
+    if tuple(kernel.shape[:3]) != (k, k_h, k_w):
         raise ValueError(f"conv3d_transpose_slabs needs kernel == stride, got kernel {tuple(kernel.shape[:3])}, "
                          f"stride {stride}")
     plan = plan_conv_transpose(x.shape, kernel.shape, stride)
-    strides = [1, k, k, k, 1]
-    out_shape = (batch, k * depth, k * height, k * width, kernel.shape[3])
+    strides = [1, k, k_h, k_w, 1]
+    out_shape = (batch, k * depth, k_h * height, k_w * width, kernel.shape[3])
     filter_grad = filter_grad or functools.partial(_filter_grad_3d, kernel_shape=kernel.shape.as_list(),
                                                    strides=strides)
 
@@ -423,7 +427,7 @@ def _pool_grad_slab(x_planes: tf.Tensor, dy_planes: tf.Tensor, x_shape: Sequence
 
 
 @counted('max_pool3d')
-def max_pool3d_slabs(x: tf.Tensor, pool: int) -> tf.Tensor:
+def max_pool3d_slabs(x: tf.Tensor, pool: int | Sequence[int]) -> tf.Tensor:
     """``tf.nn.max_pool3d(x, pool, pool, "VALID")`` in depth slabs, with a slab-wise gradient.
 
     Output planes [o0, o1) read input planes [pool*o0, pool*o1) alone; input planes past the last
@@ -431,18 +435,19 @@ def max_pool3d_slabs(x: tf.Tensor, pool: int) -> tf.Tensor:
 
     Args:
         x: ``(batch, D, H, W, C)``, static shape.
-        pool: the window and stride on every spatial axis.
+        pool: the window and stride on every spatial axis, or per axis ``(D, H, W)``.
 
     Returns:
-        ``(batch, D // pool, H // pool, W // pool, C)``.
+        ``(batch, D // pd, H // ph, W // pw, C)`` for pool ``(pd, ph, pw)``.
 
     Raises:
         SlabTooLargeError: if ``pool`` depth planes are already past the limit.
     """
     batch, depth, height, width, channels = x.shape
     plan = plan_pool(x.shape, pool)
-    out_shape = (batch, depth // pool, height // pool, width // pool, channels)
-    window = [1, pool, pool, pool, 1]
+    pool_d, pool_h, pool_w = as_shape(pool)
+    out_shape = (batch, depth // pool_d, height // pool_h, width // pool_w, channels)
+    window = [1, pool_d, pool_h, pool_w, 1]
 
     @tf.custom_gradient
     def pool_op(x):

@@ -7,7 +7,7 @@ from typing import Any, Mapping, Sequence
 import keras
 import tensorflow as tf
 
-from bigmem.config.schema import ExperimentConfig, ModelConfig, check_multiple, update
+from bigmem.config.schema import ExperimentConfig, ModelConfig, check_multiple, check_shape, update
 from bigmem.nets.conv import Conv3D
 from bigmem.nets.blocks import DecoderStage, EncoderStage, Shape3D, _voxels
 
@@ -28,12 +28,14 @@ class UNet3D(keras.Model):
     ``blocks_per_level`` 3x3x3 conv -> norm -> activation blocks (residual if ``residual``);
     mirrored by 2x2x2 stride-2 transposed-conv decoder stages joined to the encoder's skip
     tensors, and a 1x1x1 conv head with ``num_outputs`` outputs (the classes, or one per region). Level ``l`` has
-    ``min(base_filters * 2**l, max_filters)`` channels.
+    ``min(base_filters * 2**l, max_filters)`` channels. ``kernel_sizes`` and ``strides`` give each stage its own
+    kernel and downsampling per axis instead (an anisotropic scan's network: ``config/topology.py``); the
+    decoder upsamples by the same factors.
 
-    Size contract: every spatial size must be a multiple of ``2**depth`` (``D % 16 == 0`` at the
-    default ``depth=4``) so that each pooled size is even and each decoder output matches its
-    skip; ``check_spatial_shape`` raises a ``ConfigError`` naming the nearest valid sizes. The
-    network does not check this in ``call``.
+    Size contract: every spatial size must be a multiple of its axis's ``divisors``, ``2**depth`` by default
+    (``D % 16 == 0`` at the default ``depth=4``), so that each pooled size divides evenly and each decoder
+    output matches its skip; ``check_spatial_shape`` raises a ``ConfigError`` naming the nearest valid
+    sizes. The network does not check this in ``call``.
 
     Args:
         config: a ``ModelConfig``, or a mapping of some of its fields (the rest take
@@ -57,14 +59,18 @@ class UNet3D(keras.Model):
         common = dict(norm=cfg.norm.value, groups=cfg.groups, activation=cfg.activation.value,
                       use_bias=cfg.conv_bias, stock_layers=cfg.stock_layers, residual=cfg.residual,
                       num_blocks=cfg.blocks_per_level, dtype=self.dtype_policy)
-        filters = cfg.filters
+        filters, kernels, strides = cfg.filters, cfg.stage_kernels, cfg.stage_strides
         self.encoder = [
             EncoderStage(filters[level], in_filters=filters[level - 1] if level else cfg.in_channels,
-                         downsampling=cfg.downsampling.value if level else None, name=f"enc{level}", **common)
+                         downsampling=cfg.downsampling.value if level else None, scale=strides[level],
+                         kernel_size=kernels[level], name=f"enc{level}", **common)
             for level in range(cfg.depth + 1)
         ]
+        # Decoder level l upsamples by the encoder's downsampling into level l + 1 and convolves with level l's
+        # kernel, as PlainConvUNet's decoder does.
         self.decoder = [
-            DecoderStage(filters[level], in_filters=filters[level + 1], name=f"dec{level}", **common)
+            DecoderStage(filters[level], in_filters=filters[level + 1], scale=strides[level + 1],
+                         kernel_size=kernels[level], name=f"dec{level}", **common)
             for level in reversed(range(cfg.depth))
         ]
         head = keras.layers.Conv3D if cfg.stock_layers else Conv3D  # bigmem's runs in slabs past the limit
@@ -115,7 +121,7 @@ class UNet3D(keras.Model):
 
     def build(self, input_shape):
         """Create every weight by tracing ``call`` symbolically (no tensor is computed)."""
-        spatial = tuple(s or self.model_config.divisor for s in input_shape[1:-1])
+        spatial = tuple(s or d for s, d in zip(input_shape[1:-1], self.model_config.divisors))
         self.built = True  # before the trace: ``call`` must not re-enter build
         self.compute_output_spec(keras.KerasTensor((1, *spatial, input_shape[-1])))
         for level, head in self.supervision_heads.items():  # the trace above is not training: build them here
@@ -125,7 +131,7 @@ class UNet3D(keras.Model):
         """The forward pass.
 
         Args:
-            x: ``(batch, D, H, W, in_channels)``, each of D, H, W a multiple of ``2**depth``;
+            x: ``(batch, D, H, W, in_channels)``, each of D, H, W a multiple of its axis's ``divisors``;
                 cast to the layer's compute dtype.
             training: passed to the norms; also enables the ``set_recompute`` stages.
 
@@ -152,7 +158,7 @@ class UNet3D(keras.Model):
     # ---- shapes and accounting -------------------------------------------------------------
 
     def check_spatial_shape(self, spatial_shape: Shape3D, *, field: str = "spatial shape") -> None:
-        """Check the size contract: every spatial size a positive multiple of ``2**depth``.
+        """Check the size contract: every spatial size a positive multiple of its axis's ``divisors``.
 
         Args:
             spatial_shape: ``(D, H, W)`` in voxels.
@@ -160,9 +166,12 @@ class UNet3D(keras.Model):
                 its flag on the command line) or a plain name (default ``"spatial shape"``).
 
         Raises:
-            ConfigError: a size is not a positive multiple of ``2**depth``; the message gives the
-                nearest multiples to try.
+            ConfigError: a size is not a positive multiple of its axis's divisor (``2**depth`` by default);
+                the message gives the nearest multiples to try.
         """
+        if len(set(self.model_config.divisors)) > 1:  # name the axis and its own divisor
+            check_shape(field, tuple(spatial_shape), self.model_config)
+            return
         for size in spatial_shape:
             check_multiple(field, size, self.model_config)
 
@@ -192,9 +201,10 @@ class UNet3D(keras.Model):
             counts[stage.name] = stage.feature_map_elements(shape)
             shape = stage.output_spatial_shape(shape)
         counts[self.head.name] = 2 * self.model_config.num_outputs * _voxels(shape)  # head out, float32 cast
+        scales = self.model_config.level_scales()
         for level in self.model_config.supervised_levels:  # each lower head's logits and their float32 cast
             counts[f"head{level}"] = 2 * self.model_config.num_outputs * _voxels(
-                [s // 2**level for s in spatial_shape])
+                [s // f for s, f in zip(spatial_shape, scales[level])])
         return counts
 
     def forward_macs(self, spatial_shape: Shape3D) -> int:
@@ -218,7 +228,9 @@ class UNet3D(keras.Model):
             total += stage.forward_macs(shape)
             shape = stage.output_spatial_shape(shape)
         cfg = self.model_config
-        total += sum(cfg.filters[level] * cfg.num_outputs * _voxels([s // 2**level for s in spatial_shape])
+        scales = cfg.level_scales()
+        total += sum(cfg.filters[level] * cfg.num_outputs
+                     * _voxels([s // f for s, f in zip(spatial_shape, scales[level])])
                      for level in cfg.supervised_levels)
         return total + cfg.filters[0] * cfg.num_outputs * _voxels(shape)
 
@@ -255,14 +267,14 @@ class UNet3D(keras.Model):
         """Create the weights if not yet built, without computing a tensor.
 
         Args:
-            spatial_shape: ``(D, H, W)`` to trace with (default ``2**depth`` on every axis); the
+            spatial_shape: ``(D, H, W)`` to trace with (default ``divisors``, ``2**depth`` on every axis); the
                 weights of a fully convolutional net do not depend on it.
 
         Returns:
             ``self``, built.
         """
         if not self.built:
-            shape = tuple(spatial_shape) if spatial_shape else (self.model_config.divisor,) * 3
+            shape = tuple(spatial_shape) if spatial_shape else self.model_config.divisors
             self.build((None, *shape, self.model_config.in_channels))
         return self
 

@@ -293,8 +293,8 @@ def _planned_shapes(config: ExperimentConfig, loader: VolumeLoader | None) -> tu
     if loader is not None:
         held_out = loader.store.held_out_cases
         if config.train.val_every and held_out and loader.patch is None:  # a patch run validates in windows
-            largest = max(held_out, key=lambda c: math.prod(padded_shape(c.shape, config.model.divisor)))
-            validation, validation_case = padded_shape(largest.shape, config.model.divisor), largest.case_id
+            largest = max(held_out, key=lambda c: math.prod(padded_shape(c.shape, config.model.divisors)))
+            validation, validation_case = padded_shape(largest.shape, config.model.divisors), largest.case_id
     return shape, cases, validation, validation_case
 
 

@@ -67,7 +67,7 @@ class Case:
 
 
 STRIDED_ODD = ("a stride-2 'same' convolution of 9 planes gives TensorFlow's ceil(9 / 2) = 5, but the blocks count "
-               "s // 2 = 4 (_Block._out_shape, _halved): the footprint is right only for sizes divisible by the "
+               "s // 2 = 4 (_Block._out_shape): the footprint is right only for sizes divisible by the "
                "stride, which UNet3D's size contract guarantees")
 
 CASES = [

@@ -227,8 +227,10 @@ def test_a_plane_past_the_limit_is_refused_with_its_numbers():
 
 @pytest.mark.parametrize("kernel_shape,stride,tapwise", [((3, 3, 3, 2, 2), 1, True), ((1, 1, 1, 2, 2), 1, True),
                                                          ((3, 3, 3, 2, 2), 2, False), ((2, 2, 2, 2, 2), 1, False),
-                                                         ((3, 1, 3, 2, 2), 1, False)])
-def test_the_weight_gradient_is_tapwise_for_stride1_odd_cubic_kernels(kernel_shape, stride, tapwise):
+                                                         ((1, 3, 3, 2, 2), 1, True), ((3, 1, 3, 2, 2), 1, True),
+                                                         ((1, 3, 3, 2, 2), (1, 2, 2), False),
+                                                         ((2, 3, 3, 2, 2), (1, 1, 1), False)])
+def test_the_weight_gradient_is_tapwise_for_stride1_odd_depth_kernels(kernel_shape, stride, tapwise):
     assert is_tapwise(kernel_shape, stride) is tapwise
 
 

@@ -9,6 +9,7 @@ import tensorflow as tf
 from helpers import slab_calls
 
 from bigmem.cpu import NATIVE_BF16_VARIABLE, native_bf16
+from bigmem.units import as_shape
 from bigmem.nets.slabs import (
     MAX_KERNEL_ELEMENTS,
     SlabTooLargeError,
@@ -109,13 +110,18 @@ NATIVE_BF16 = pytest.mark.skipif(not _this_cpu_runs_bf16_natively(),
                                  "differently there (see the comment above)")
 
 CONV_CASES = [
-    # (shape, kernel, stride, out channels, planes per slab the limit allows)
+    # (shape, kernel, stride, out channels, planes per slab the limit allows); a kernel or stride per axis
+    # (D, H, W) is an anisotropic network's (model.kernel_sizes, model.strides)
     ((1, 33, 6, 5, 2), 3, 1, 3, 6),
     ((1, 34, 6, 6, 2), 3, 2, 3, 7),
     ((1, 35, 5, 7, 2), 3, 2, 2, 9),
     ((2, 17, 4, 4, 3), 3, 1, 2, 5),
     ((1, 19, 4, 6, 2), 1, 2, 3, 3),
     ((1, 16, 4, 4, 2), 1, 1, 2, 2),
+    ((1, 13, 6, 6, 2), (1, 3, 3), 1, 3, 2),  # no depth halo
+    ((1, 13, 8, 6, 2), (3, 3, 3), (1, 2, 2), 3, 5),  # in-plane pooling only
+    ((1, 14, 8, 6, 2), (1, 3, 3), (1, 2, 2), 2, 3),
+    ((2, 12, 6, 8, 2), (3, 3, 3), (2, 1, 2), 3, 5),
 ]
 
 
@@ -124,10 +130,10 @@ CONV_CASES = [
 def test_conv3d_slabs_equal_conv3d(shape, kernel, stride, out_channels, planes, graph):
     limit = planes * shape[2] * shape[3] * max(shape[4], out_channels)
     x = _random(shape, 1)
-    w = _random((kernel,) * 3 + (shape[-1], out_channels), 2)
+    w = _random(as_shape(kernel) + (shape[-1], out_channels), 2)
 
     def reference(x, w):
-        return tf.nn.conv3d(x, w, [1, stride, stride, stride, 1], "SAME")
+        return tf.nn.conv3d(x, w, [1, *as_shape(stride), 1], "SAME")
 
     def slabs(x, w):
         with kernel_element_limit(limit):
@@ -215,7 +221,7 @@ def test_stride1_conv_slabs_take_half_the_limit_and_strided_convs_all_of_it():
 def test_the_kernels_run_their_plans(shape, kernel, stride, out_channels, planes):
     """Each slab conv, input-gradient conv and pool reads the planes its plan (nets/slabplan.py) says."""
     limit = planes * shape[2] * shape[3] * max(shape[4], out_channels)
-    kernel_shape = (kernel,) * 3 + (shape[-1], out_channels)
+    kernel_shape = as_shape(kernel) + (shape[-1], out_channels)
 
     def conv_and_grad(x, w):
         with tf.GradientTape() as tape:
@@ -237,49 +243,51 @@ def test_the_kernels_run_their_plans(shape, kernel, stride, out_channels, planes
     assert [op.inputs[0].shape[1] for op in pools] == [s.in_planes for s in pool_plan.forward] * shape[0]
 
 
-@pytest.mark.parametrize("shape", [(1, 9, 3, 4, 4), (2, 5, 2, 2, 3)])
-def test_conv3d_transpose_slabs_equal_conv3d_transpose(shape):
+@pytest.mark.parametrize("shape,stride", [((1, 9, 3, 4, 4), (2, 2, 2)), ((2, 5, 2, 2, 3), (2, 2, 2)),
+                                          ((1, 9, 3, 4, 4), (1, 2, 2)), ((1, 6, 3, 4, 2), (2, 1, 2))])
+def test_conv3d_transpose_slabs_equal_conv3d_transpose(shape, stride):
     x = _random(shape, 5)
-    w = _random((2, 2, 2, 3, shape[-1]), 6)  # (k, k, k, out, in)
-    out_shape = (shape[0], 2 * shape[1], 2 * shape[2], 2 * shape[3], 3)
+    w = _random((*stride, 3, shape[-1]), 6)  # (kd, kh, kw, out, in)
+    out_shape = (shape[0], *(s * k for s, k in zip(shape[1:4], stride)), 3)
 
     def reference(x, w):
-        return tf.nn.conv3d_transpose(x, w, out_shape, [1, 2, 2, 2, 1], "SAME")
+        return tf.nn.conv3d_transpose(x, w, out_shape, [1, *stride, 1], "SAME")
 
-    limit = math.prod(out_shape[2:]) * 2 * 2
+    limit = math.prod(out_shape[2:]) * stride[0] * 2
 
     def slabs(x, w):
         with kernel_element_limit(limit):
-            return conv3d_transpose_slabs(x, w, 2)
+            return conv3d_transpose_slabs(x, w, stride if len(set(stride)) > 1 else stride[0])
 
     y_ref, grads_ref = _value_and_grads(reference, x, w)
     with slab_calls() as calls:
         y, grads = _value_and_grads(tf.function(slabs), x, w, weights=_random(out_shape, 99))
     assert calls == {"conv3d_transpose": 1}
-    assert len(plan_conv_transpose(shape, w.shape, 2, limit=limit).forward) > 1
+    assert len(plan_conv_transpose(shape, w.shape, stride, limit=limit).forward) > 1
     _close(y, y_ref)
     for got, want in zip(grads, grads_ref):
         _close(got, want)
 
 
-@pytest.mark.parametrize("shape", [(1, 9, 4, 6, 2), (2, 8, 5, 4, 3), (1, 35, 4, 4, 1)])
-def test_max_pool3d_slabs_equal_max_pool3d(shape):
+@pytest.mark.parametrize("shape,pool", [((1, 9, 4, 6, 2), 2), ((2, 8, 5, 4, 3), 2), ((1, 35, 4, 4, 1), 2),
+                                        ((1, 9, 4, 6, 2), (1, 2, 2)), ((1, 9, 4, 6, 2), (2, 1, 2))])
+def test_max_pool3d_slabs_equal_max_pool3d(shape, pool):
     x = _random(shape, 8)
 
     def reference(x):
-        return tf.nn.max_pool3d(x, 2, 2, "VALID")
+        return tf.nn.max_pool3d(x, pool, pool, "VALID")
 
     limit = math.prod(shape[2:]) * 4
 
     def slabs(x):
         with kernel_element_limit(limit):
-            return max_pool3d_slabs(x, 2)
+            return max_pool3d_slabs(x, pool)
 
     y_ref, (dx_ref,) = _value_and_grads(reference, x)
     with slab_calls() as calls:
         y, (dx,) = _value_and_grads(slabs, x, weights=_random(y_ref.shape, 99))
     assert calls == {"max_pool3d": 1}
-    assert len(plan_pool(shape, 2, limit=limit).forward) > 1
+    assert len(plan_pool(shape, pool, limit=limit).forward) > 1
     _close(y, y_ref, tol=0)
     _close(dx, dx_ref, tol=0)
 

@@ -39,13 +39,19 @@ def test_exact_counts_are_stable():
     assert UNet3D(resolve_config("kits19").model).build_for().count_params() == 31_190_243
 
 
+# A KiTS-like anisotropic network, as the experiment planner configures one (config/topology.py): the coarse
+# depth axis is convolved plane by plane at full resolution and pooled one stage later than the others.
+ANISOTROPIC = {"kernel_sizes": [[1, 3, 3], [3, 3, 3], [3, 3, 3]], "strides": [[1, 1, 1], [1, 2, 2], [2, 2, 2]]}
+
 VARIANTS = [
     {},
+    ANISOTROPIC,
     {"norm": "batch", "activation": "leaky_relu"},
     {"norm": "group", "groups": 2, "downsampling": "strided"},
     {"norm": "none", "conv_bias": True},
     {"residual": True, "blocks_per_level": 2},
     {"residual": True, "downsampling": "strided", "norm": "batch"},
+    {**ANISOTROPIC, "residual": True, "downsampling": "strided"},
 ]
 
 
@@ -84,7 +90,8 @@ def test_get_config_round_trip(overrides):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "mixed_bfloat16"])
-@pytest.mark.parametrize("overrides", [{"residual": True, "norm": "batch"}, {"base_filters": 16}], ids=str)
+@pytest.mark.parametrize("overrides", [{"residual": True, "norm": "batch"}, {"base_filters": 16},
+                                       {**ANISOTROPIC, "base_filters": 16, "downsampling": "strided"}], ids=str)
 def test_keras_file_round_trip(tmp_path, dtype, overrides):
     """Residual batch-norm blocks; and two-input skip convolutions with the fused instance norm."""
     model = UNet3D(resolve_config("tiny", {"model": overrides}).model, dtype=dtype)
@@ -201,6 +208,56 @@ def test_model_sums_its_blocks():
     # Doubling every edge multiplies every block's count by 8.
     doubled = model.block_feature_map_elements((32, 32, 32))
     assert all(doubled[name] == 8 * count for name, count in per_block.items())
+
+
+def test_anisotropic_stages_pool_and_convolve_per_axis():
+    model = tiny_model(**ANISOTROPIC).build_for()
+    assert model.model_config.divisors == (2, 4, 4)
+    assert model.encoder[0].blocks[0].conv.kernel.shape == (1, 3, 3, 1, 4)  # no depth tap at full resolution
+    assert model.encoder[1].pool.pool_size == (1, 2, 2)
+    assert model.decoder[-1].up.kernel.shape == (1, 2, 2, 4, 8)  # dec0 undoes enc1's pooling
+    assert model(np.zeros((1, 6, 12, 8, 1), np.float32)).shape == (1, 6, 12, 8, 3)
+
+
+def test_anisotropic_deep_supervision_heads_take_each_levels_shape():
+    deeper = {"depth": 3, "kernel_sizes": ANISOTROPIC["kernel_sizes"] + [[3, 3, 3]],
+              "strides": ANISOTROPIC["strides"] + [[2, 2, 2]]}
+    model = tiny_model(**deeper, deep_supervision=True).build_for()
+    x = np.zeros((1, 4, 16, 8, 1), np.float32)
+    assert [tuple(y.shape) for y in model(x, training=True)] == [(1, 4, 16, 8, 3), (1, 4, 8, 4, 3)]
+    assert model.block_feature_map_elements((4, 16, 8))["head1"] == 2 * 3 * 4 * 8 * 4
+
+
+def test_anisotropic_blocks_count_per_axis():
+    """The per-axis network's tensors: halving depth changes only the stages that keep it."""
+    model = tiny_model(**ANISOTROPIC).build_for()
+    counts = model.block_feature_map_elements((8, 16, 16))
+    # enc1 pools (1, 2, 2): one pooled tensor of 4 channels and one conv + norm block of 8, at 8 x 8 x 8.
+    assert counts["enc1"] == (4 + 2 * 8) * 8 * 8 * 8
+    # enc2 pools (2, 2, 2) from there: 8 channels pooled, 16-channel block, at 4 x 4 x 4.
+    assert counts["enc2"] == (8 + 2 * 16) * 4 * 4 * 4
+    assert model.forward_macs((8, 16, 16)) == (
+        9 * 1 * 4 * 2048 + 27 * 4 * 8 * 512 + 27 * 8 * 16 * 64  # enc0 (1x3x3), enc1, enc2
+        + 16 * 8 * 512 + 27 * 16 * 8 * 512  # dec1: up (2, 2, 2), conv of [up, skip]
+        + 8 * 4 * 2048 + 9 * 8 * 4 * 2048  # dec0: up (1, 2, 2), 1x3x3 conv of [up, skip]
+        + 4 * 3 * 2048)  # the head
+
+
+def test_anisotropic_sizes_are_refused_per_axis():
+    with pytest.raises(ConfigError, match=r"^Invalid spatial shape 3,16,16: axis 1 \(3\) is not a multiple of 2 .* "
+                                          r"Try spatial shape 2,16,16 or 4,16,16\."):
+        tiny_model(**ANISOTROPIC).check_spatial_shape((3, 16, 16))
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("strides", [[1, 1, 1], [2, 2, 2]], "2 stages given, expected depth \\+ 1 = 3"),
+    ("strides", [[2, 2, 2], [2, 2, 2], [2, 2, 2]], "full-resolution stage's entry is \\[2, 2, 2\\]"),
+    ("kernel_sizes", [[3, 3, 3], [2, 3, 3], [3, 3, 3]], "expected odd kernel sizes"),
+    ("kernel_sizes", [[3, 3], [3, 3, 3], [3, 3, 3]], "expected 3 integers"),
+])
+def test_per_axis_settings_are_checked(field, value, message):
+    with pytest.raises(ConfigError, match=message):
+        resolve_config("tiny", {"model": {field: value}})
 
 
 def test_forward_macs_by_hand():
