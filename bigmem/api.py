@@ -19,6 +19,7 @@ Importing this module imports no TensorFlow; each function imports what it needs
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -246,13 +247,41 @@ class PlanResult:
         require_plan(self.plan, self.out, self.kept)
 
 
+def configure(store: str | os.PathLike):
+    """The network nnU-Net v2's experiment-planner rules configure for ``store``'s cases, whole.
+
+    ``memory.experiment.configure_experiment``: the target spacing, each stage's kernel and stride per axis,
+    the stages and features. ``plan(config, experiment=...)`` then sizes its batch, precision and recompute mode
+    and writes it as a preset; ``Experiment.tables`` is that preset's tables (``resolve_config`` takes them).
+
+    Args:
+        store: an HDF5 store (``convert``).
+
+    Returns:
+        A ``memory.experiment.Experiment``.
+
+    Raises:
+        DataError: the store cannot be read, or a case has no spacing.
+
+    Example:
+        >>> experiment = configure("kits.h5")
+        >>> experiment.topology.strides[1], experiment.topology.kernel_sizes[0]
+        ((1, 2, 2), (1, 3, 3))
+    """
+    from bigmem.memory.experiment import configure_experiment
+
+    return configure_experiment(store)
+
+
 def plan(config: "ExperimentConfig", *, batch_size: int | None = None, budget_bytes: int | None = None,
          budget_flag: str = "--memory-budget", numa=None, inference: bool = False,
-         allow_bf16: bool | None = None, out: str | os.PathLike | None = None, topology=None) -> PlanResult:
+         allow_bf16: bool | None = None, out: str | os.PathLike | None = None, topology=None,
+         experiment=None) -> PlanResult:
     """What fits the memory budget (``bigmem plan``), before anything is allocated.
 
     Training: the largest volume (unless ``data.shape`` fixes it), then batch (unless ``batch_size``
-    fixes it), that fits; with ``data.store``, the store's own cases at their own shapes.
+    fixes it), that fits; with ``data.store``, the store's own cases at their own shapes, the batch capped
+    by the dataset (``memory.experiment.dataset_batch_cap``: a step sees at most 5% of its voxels, at least 2).
     ``inference``: the largest whole cube one prediction can segment, or whether ``data.shape`` fits.
 
     Args:
@@ -267,6 +296,9 @@ def plan(config: "ExperimentConfig", *, batch_size: int | None = None, budget_by
         allow_bf16: consider bf16 (default: only where the CPU has it natively).
         out: write plan.json there (a plan in which nothing fits replaces no file).
         topology: the machine's NUMA nodes (default: read from sysfs; a ``NUMATopology`` to plan for another).
+        experiment: a ``memory.experiment.Experiment`` ``config``'s network was configured from
+            (``configure_experiment``); its preset, with the batch, precision and recompute mode chosen, is
+            written beside ``out`` (``EXPERIMENT_FILE``) and plan.json's ``experiment`` says so.
 
     Returns:
         A ``PlanResult``; ``plan.fits`` says whether anything fits (``memory.plans.require_fit`` refuses
@@ -302,10 +334,49 @@ def plan(config: "ExperimentConfig", *, batch_size: int | None = None, budget_by
         budget = search_budget(budget, topology)
         planned = plan_search(config, counts_for, budget, cases=cases, volume=config.data.shape, batch_size=batch_size,
                               allow_bf16=allow_bf16)
+        if cases and batch_size is None:
+            planned = _capped_by_dataset(planned, config, counts_for, budget, cases, allow_bf16)
         layouts = plan_layouts(planned, topology)
+    notes = _budget_notes(budget, inference)
+    if experiment is not None:
+        notes += _write_experiment(experiment, planned, out)
     kept = write_plan(Path(out), planned, layouts) if out is not None else False
-    return PlanResult(config, budget, planned, layouts, _budget_notes(budget, inference),
-                      Path(out) if out is not None else None, kept, counts_for)
+    return PlanResult(config, budget, planned, layouts, notes, Path(out) if out is not None else None, kept, counts_for)
+
+
+def _capped_by_dataset(planned, config, counts_for, budget, cases, allow_bf16):
+    """``planned`` with its batch capped by the dataset (``memory.experiment.dataset_batch_cap``), searched again
+    at the cap where memory alone allowed more; plan.json's ``batch_cap`` records the cap either way."""
+    from bigmem.memory.experiment import dataset_batch_cap
+    from bigmem.memory.plans import plan_search, planned_shape
+
+    sample = planned_shape([c.trained_shape for c in cases], 2)
+    cap = dataset_batch_cap([c.shape for c in cases], sample)
+    uncapped = planned.chosen.batch_size if planned.chosen is not None else None
+    if uncapped is not None and uncapped > cap:
+        planned = plan_search(config, counts_for, budget, cases=cases, volume=config.data.shape, batch_size=cap,
+                              allow_bf16=allow_bf16)
+    planned.batch_cap = {"cap": cap, "dataset_voxels": sum(math.prod(c.shape) for c in cases),
+                         "sample_voxels": math.prod(sample), "uncapped": uncapped,
+                         "rule": "one step sees at most 5% of the training cases' voxels, at least 2 (nnU-Net's)"}
+    return planned
+
+
+def _write_experiment(experiment, planned, out) -> tuple[str, ...]:
+    """Write ``experiment``'s preset with ``planned``'s choice beside ``out``; plan.json's ``experiment``; notes."""
+    from bigmem.memory.experiment import EXPERIMENT_FILE, write_preset
+
+    chosen = planned.chosen
+    notes = ()
+    preset = None
+    if chosen is not None and out is not None:
+        tables = experiment.tables(batch_size=chosen.batch_size, precision=chosen.precision,
+                                   recompute=chosen.recompute)
+        preset = write_preset(tables, Path(out).parent / EXPERIMENT_FILE)
+    planned.experiment = {**experiment.to_dict(), "preset": str(preset) if preset else None}
+    if experiment.resampling:
+        notes += (f"Resampling: {experiment.resampling}",)
+    return notes
 
 
 def _budget_notes(budget: "Budget", inference: bool) -> tuple[str, ...]:
@@ -418,5 +489,5 @@ def convert(source, out: str | os.PathLike, *, images: Sequence[str] = (), label
     return run(dataset, out, **options)
 
 
-__all__ = ["PlanResult", "compare", "convert", "evaluate", "plan", "predict", "profile", "resolve_config", "train",
-           "train_per_node"]
+__all__ = ["PlanResult", "compare", "configure", "convert", "evaluate", "plan", "predict", "profile", "resolve_config",
+           "train", "train_per_node"]

@@ -48,4 +48,4 @@ def test_the_walkthrough_runs_convert_plan_train_predict_evaluate(tmp_path):
 
 
 def test_the_walkthrough_has_its_blocks():
-    assert len(_blocks()) == 3
+    assert len(_blocks()) == 4

@@ -41,9 +41,9 @@ def flag_for(field: str) -> str:
 PRESET_HELP = f"preset name (tiny, small, intelai-brats, kits19) or a .toml file (default: {DEFAULT_PRESET})"
 
 
-def add_model_flags(parser, *, volume_help: str, shape_help: str | None = None) -> None:
+def add_model_flags(parser, *, volume_help: str, shape_help: str | None = None, model_help: str = PRESET_HELP):
     group = parser.add_argument_group("model and shape")
-    group.add_argument("--model", metavar="PRESET", default=None, help=PRESET_HELP)
+    group.add_argument("--model", metavar="PRESET", default=None, help=model_help)
     group.add_argument("--shape", metavar="D,H,W", help=shape_help or volume_help)
     group.add_argument("--volume", type=int, metavar="N", help=f"shorthand for --shape N,N,N: {volume_help}")
     group.add_argument("--batch-size", type=int, metavar="B", help="volumes per step (default: the preset's)")
@@ -169,7 +169,7 @@ def check_shape_argument(args, shape, model) -> None:
         check_shape("--shape", shape, model)
 
 
-def resolve_with_shape(args, preset: str, overrides: dict):
+def resolve_with_shape(args, preset, overrides: dict):
     """``config.presets.resolve_config(preset, overrides)``, the shape the user typed checked first.
 
     The config knows a shape, not the flag that set it, and names a cube after its shorthand

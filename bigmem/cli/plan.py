@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 
 from bigmem.cli.common import (
+    PRESET_HELP,
     add_budget_flag,
     add_shape_column,
     add_model_flags,
@@ -32,10 +33,22 @@ plan.json with every candidate evaluated. Give --shape D,H,W (or --volume N for 
 --batch-size to fix them. Exit code 3 when nothing fits.
 
 --data STORE plans the store's own scans, as bigmem train runs them: each case whole at its own
-shape, padded to a multiple of 2^depth (or cropped/padded to --shape when given). The step
+shape, padded to the network's size contract (or cropped/padded to --shape when given). The step
 planned is the largest the store can feed (the largest case at batch 1; a batch of several is
 padded to its members' bounding shape, so the bounding shape of all of them); plan.json and the
-table list every case with its shape, padded shape and predicted peak.
+table list every case with its shape, padded shape and predicted peak. The batch is capped by the
+dataset as nnU-Net caps it: one step sees at most 5% of the training cases' voxels (at least 2).
+
+--data STORE without --model (or with --model auto) also configures the network from the store,
+by nnU-Net v2's experiment-planner rules with the median case whole as the "patch": the target
+spacing (the median; the 10th percentile on an axis more than 3x coarser than the others), each
+stage's kernel and stride per axis (an axis is halved while it is at least 8 voxels and its
+spacing is under twice the finest one's; its kernel is 1 until then), stages until the bottleneck
+is about 4 voxels, 32 x 2^stage features capped at 320, nnU-Net's PlainConvUNet blocks and SGD
+recipe, deep supervision. The memory planner chooses batch, precision and recompute for it, and
+the experiment is written as a preset beside plan.json (experiment.toml): train it with
+bigmem train --plan experiment.toml --data STORE. Cases not at the target spacing are named, with
+the convert --spacing that resamples them (predict maps segmentations back to each scan's grid).
 
 The budget: --memory-budget (or --budget) if given; else what the --numa placement can use;
 else MemAvailable. A budget above what a bind or interleave placement can use is capped to it. A
@@ -60,6 +73,8 @@ def register(subparsers, parents) -> None:
     add_budget_flag(parser, alias=True, help_text="memory budget, e.g. 1.5TiB (default: what the --numa placement "
                                                   "can use, else MemAvailable)")
     add_model_flags(parser, volume_help="fix the volume edge and search the batch size",
+                    model_help=PRESET_HELP.replace("(default:", "or auto: the network configured from --data's "
+                                                   "cases (the default with --data; without it:"),
                     shape_help="fix the volume's shape D,H,W (e.g. 240,240,144) and search the batch size")
     parser.add_argument("--data", metavar="STORE.h5", help="plan this store's scans at their own shapes (with "
                                                              "--shape: cropped/padded to it)")
@@ -93,10 +108,21 @@ def _checked(args):
         if args.data is None:
             raise UsageError("--pad-multiple pads a store's cases: give --data STORE.h5.")
         overrides["data"]["pad_multiple"] = args.pad_multiple
-    config = resolve_with_shape(args, args.model or DEFAULT_PRESET, overrides)
     inference = getattr(args, "inference", False)
     if inference and args.data is not None:
         raise UsageError("--inference plans one whole volume of --shape; --data does not apply.")
+    experiment = None
+    if args.model == "auto" and args.data is None:
+        raise UsageError("--model auto configures the network from a store's cases: give --data STORE.h5.")
+    if args.data is not None and args.model in (None, "auto"):
+        from bigmem.api import configure
+
+        experiment = configure(args.data)  # the store's spacings and shapes: h5py only, before TensorFlow
+        tables = experiment.tables(batch_size=2, precision="fp32", recompute="none")
+        tables["model"]["name"] = "auto"
+        config = resolve_with_shape(args, tables, overrides)
+    else:
+        config = resolve_with_shape(args, args.model or DEFAULT_PRESET, overrides)
     if inference and fixed_batch is not None:
         raise UsageError("--inference segments one volume at a time: --batch-size does not apply.")
     if inference and args.plan_precision not in (None, "auto"):  # auto: the model's own precision (the preset's)
@@ -109,7 +135,7 @@ def _checked(args):
         from bigmem.numa.topology import NUMATopology
 
         placement = resolve_placement(args.numa, None, None, NUMATopology.from_sysfs(), set(os.sched_getaffinity(0)))
-    return config, fixed_batch, placement
+    return config, fixed_batch, placement, experiment
 
 
 def run(args) -> int:
@@ -118,14 +144,15 @@ def run(args) -> int:
 
     explicit, flag = budget_arguments(args)
     out = check_output_file(args.out, "--out")
-    config, fixed_batch, placement = _checked(args)
+    config, fixed_batch, placement, experiment = _checked(args)
     inference = getattr(args, "inference", False)
     from bigmem.tfenv import import_tensorflow
 
     import_tensorflow(verbose=getattr(args, "verbose", False))  # quietly, before anything imports Keras
     allow_bf16 = {None: None, "auto": None, "fp32": False, "bf16": True}[args.plan_precision]
     result = api.plan(config, batch_size=fixed_batch, budget_bytes=explicit, budget_flag=flag, numa=placement,
-                      inference=inference, allow_bf16=None if inference else allow_bf16, out=out)
+                      inference=inference, allow_bf16=None if inference else allow_bf16, out=out,
+                      experiment=experiment)
     from rich.console import Console
 
     notes = Console(soft_wrap=True, stderr=True)  # on stderr: stdout may be --json
@@ -206,12 +233,35 @@ def _print_plan(args, config, budget, plan) -> None:
         table.add_row(c.precision, c.recompute, shape, str(c.batch_size),
                       format_bytes(c.predicted_peak_bytes), ratio, f"{c.predicted_step_s:.3g} s")
     console.print(table)
+    if plan.experiment:
+        _print_experiment(console, plan.experiment)
     if plan.cases:
         _print_cases(console, plan.cases, config)
+    cap = plan.batch_cap
+    if cap and cap["uncapped"] is not None and cap["uncapped"] > cap["cap"]:
+        console.print(f"batch: {cap['cap']}, capped by the dataset (memory alone allows {cap['uncapped']}): "
+                      f"{cap['rule']}")
     if args.plan_precision == "bf16" and not native_bf16():
         console.print(EMULATED_BF16_WARNING, style="yellow")
     if plan.chosen:
         _print_chosen(console, args, config, plan)
+
+
+def _print_experiment(console, experiment: dict) -> None:
+    """The network configured from the store: spacing, stages, kernels, strides, features; the preset written."""
+    def triples(values):
+        return " ".join("x".join(map(str, v)) for v in values)
+
+    console.print(f"configured from {experiment['cases']} cases: target spacing "
+                  f"{'x'.join(f'{s:g}' for s in experiment['target_spacing'])} mm, median case "
+                  f"{'x'.join(f'{s:g}' for s in experiment['median_shape'])} (padded "
+                  f"{'x'.join(map(str, experiment['padded_median_shape']))}), {experiment['stages']} stages")
+    console.print(f"  kernels {triples(experiment['kernel_sizes'])}")
+    console.print(f"  strides {triples(experiment['strides'])}")
+    console.print(f"  features {' '.join(map(str, experiment['features']))}")
+    if experiment["preset"]:
+        console.print(f"preset: {experiment['preset']} (bigmem train --plan {experiment['preset']} --data "
+                      f"{experiment['store']})")
 
 
 def _print_chosen(console, args, config, plan) -> None:

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from bigmem.cli.common import (
-    add_budget_flag, add_memory_flags, add_model_flags, add_numa_flags, budget_arguments, model_overrides,
+    PRESET_HELP, add_budget_flag, add_memory_flags, add_model_flags, add_numa_flags, budget_arguments, model_overrides,
     numa_overrides, resolve_with_shape,
 )
 from bigmem.config.presets import DEFAULT_PRESET
@@ -43,8 +43,13 @@ def register(subparsers, parents) -> None:
     parser = subparsers.add_parser("train", help=HELP, description=DESCRIPTION, parents=parents,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_flags(parser, volume_help="crop/pad every case to N^3, N a multiple of 2^depth",
+                    model_help=PRESET_HELP.replace("(default:", "or auto: the network bigmem plan --data configures "
+                                                   "from --data's cases, at batch 2 unless --batch-size (default:"),
                     shape_help="crop (random offset) or pad every case to D,H,W, each a multiple of 2^depth "
                                "(default: each case whole at its own shape, padded to a multiple of 2^depth)")
+    parser.add_argument("--plan", metavar="FILE",
+                        help="train the experiment bigmem plan --data configured: its experiment.toml, or the "
+                             "plan.json beside it (instead of --model); flags still override its settings")
     add_memory_flags(parser)
     add_numa_flags(parser)
     dp = parser.add_argument_group("data parallel (the GPU baseline bigmem compares itself with)")
@@ -186,16 +191,64 @@ def resolve(args):
         from bigmem.train.resume import check_settings, saved_config, saved_settings
 
         run = RunDir(args.out)
-        saved = saved_settings(run, starting=args.model is not None)
+        named = args.model if args.plan is None else args.plan
+        saved = saved_settings(run, starting=named is not None)
         if saved is not None:
             before, after = saved_config(saved), saved_config(saved, overrides)
             given = [f"{section}.{key}" for section, values in overrides.items() for key in values]
-            check_settings(run, before, after, given, model=args.model)
+            check_settings(run, before, after, given, model=named)
             return after, Path(args.out)
-    preset = args.model or DEFAULT_PRESET
-    config = resolve_with_shape(args, preset, overrides)
+    config = resolve_with_shape(args, _preset(args), overrides)
     out = Path(args.out) if args.out else Path("runs") / f"{config.model.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     return config, out
+
+
+def _preset(args):
+    """The preset to resolve: ``--plan``'s experiment.toml, ``--model auto``'s tables, ``--model``, or the default.
+
+    Raises:
+        UsageError: ``--plan`` with ``--model``, ``--model auto`` without ``--data``, or a plan.json made for a
+            preset (it names the ``--model`` to give instead).
+        DataError: the ``--plan`` file cannot be read.
+    """
+    if args.plan is not None:
+        if args.model is not None:
+            raise UsageError(f"--plan {args.plan} names the network to train: leave out --model {args.model}.")
+        return _planned_preset(Path(args.plan))
+    if args.model == "auto":
+        if args.data is None:
+            raise UsageError("--model auto configures the network from a store's cases: give --data STORE.h5.")
+        from bigmem.api import configure
+
+        tables = configure(args.data).tables(batch_size=2, precision="fp32", recompute="none")
+        tables["model"]["name"] = "auto"
+        tables.pop("memory")  # the job's pre-flight chooses the recompute mode (and bf16) that fits
+        tables["train"].pop("precision")
+        return tables
+    return args.model or DEFAULT_PRESET
+
+
+def _planned_preset(path: Path) -> str:
+    """``--plan FILE``: the experiment.toml itself, or the one plan.json's ``experiment.preset`` names."""
+    import json
+
+    if not path.is_file():
+        raise DataError(f"Cannot read --plan {path}: no such file; expected the experiment.toml (or plan.json) "
+                        "bigmem plan --data wrote.")
+    if path.suffix != ".json":
+        return str(path)
+    try:
+        experiment = json.loads(path.read_text()).get("experiment")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise DataError(f"Cannot read --plan {path}: {exc}.") from None
+    if not experiment or not experiment.get("preset"):
+        raise UsageError(f"--plan {path} was planned for a preset, not configured from a store: train it with the "
+                         "--model it names (bigmem plan --data STORE without --model writes an experiment).")
+    preset = Path(experiment["preset"])
+    preset = preset if preset.is_absolute() else path.parent / preset.name
+    if not preset.is_file():
+        raise DataError(f"Cannot read --plan {path}: its experiment preset {preset} is missing.")
+    return str(preset)
 
 
 def _given_config(args, overrides: dict):
@@ -206,10 +259,11 @@ def _given_config(args, overrides: dict):
 
     given = sorted(f"{section}.{key}" for section, values in overrides.items() for key, value in values.items()
                    if value is not None)
-    if given or args.model is not None:
+    if given or args.model is not None or args.plan is not None:
         from bigmem.cli.common import flag_for
 
-        flags = ", ".join(["--model"] * (args.model is not None) + [flag_for(field) for field in given])
+        flags = ", ".join(["--model"] * (args.model is not None) + ["--plan"] * (args.plan is not None)
+                          + [flag_for(field) for field in given])
         raise UsageError(f"--config {args.config} is a whole resolved configuration: leave out {flags}.")
     try:
         values = json.loads(Path(args.config).read_text())

@@ -53,7 +53,7 @@ def load_preset(name_or_path: str) -> dict[str, Any]:
 
 
 def resolve_config(
-    preset: str,
+    preset: str | Mapping[str, Any],
     overrides: Mapping[str, Mapping[str, Any]] | None = None,
     *,
     base: Mapping[str, Any] | None = None,
@@ -61,7 +61,8 @@ def resolve_config(
     """The one resolution of a config: defaults -> preset -> ``base`` -> ``overrides``.
 
     Args:
-        preset: a preset name ('small') or a path to a .toml file.
+        preset: a preset name ('small'), a path to a .toml file, or a preset's tables themselves (as
+            ``memory.experiment.Experiment.tables`` makes them; named by their ``model.name``, default "custom").
         overrides: settings by section from flags (``{"train": {"steps": 10}}``); errors name
             their fields (``ConfigError``), which the command line shows as flags.
         base: a saved config.json's sections, when resuming a run (settings from older
@@ -77,11 +78,16 @@ def resolve_config(
         >>> resolve_config("tiny", {"data": {"shape": [32, 32, 16]}}).data.shape
         (32, 32, 16)
     """
-    values = load_preset(preset)
+    if isinstance(preset, Mapping):
+        values = {name: dict(table) if isinstance(table, Mapping) else table for name, table in preset.items()}
+        source = "the configured preset"
+    else:
+        values, source = load_preset(preset), f"preset {preset!r}"
     values.pop("card", None)  # descriptive only; listed by models/README.md
-    config = update(ExperimentConfig(), migrate_sections(values), source=f"preset {preset!r}")
-    config = update(config, {"model": {"name": Path(preset).stem if preset.endswith(".toml") else preset}},
-                    source="code")
+    config = update(ExperimentConfig(), migrate_sections(values), source=source)
+    if not isinstance(preset, Mapping):
+        config = update(config, {"model": {"name": Path(preset).stem if preset.endswith(".toml") else preset}},
+                        source="code")
     if base:
         config = update(config, migrate_sections(base), source="the saved config.json")
     if overrides:

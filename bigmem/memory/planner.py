@@ -142,6 +142,12 @@ class Plan:
     validation: dict | None = None
     # Where the chosen candidate is bf16 and bf16 is slower than fp32 here: what it costs (Planner.precision_note).
     precision_note: str | None = None
+    # A store's cap on the batch (memory.plans.plan_search: nnU-Net's share of the dataset one step may see):
+    # cap, dataset_voxels, sample_voxels, uncapped (the batch memory alone allowed).
+    batch_cap: dict | None = None
+    # The experiment configured from the store (memory.experiment: bigmem plan --data): its spacing, topology,
+    # the preset file written and the resampling it needs.
+    experiment: dict | None = None
     # The shape the search ran at (memory.plans.plan_search; None: the largest cube); not in plan.json.
     searched_shape: int | tuple[int, int, int] | None = None
 
@@ -168,6 +174,8 @@ class Plan:
                        "spatial_shape": chosen.spatial_shape}
             if chosen is not None else None,
             "precision_note": self.precision_note,
+            "batch_cap": self.batch_cap,
+            "experiment": self.experiment,
             "data_parallel": self.data_parallel,
             "cases": self.cases,
             "validation": self.validation,
