@@ -306,36 +306,55 @@ class ConvNormAct(_Block):
 class ResidualBlock(_Block):
     """conv-norm-act, conv-norm (scale zero-initialised, Goyal et al. 2017), + shortcut, act.
 
-    The shortcut is the identity when shapes match, else a 1x1x1 (strided) conv and norm.
+    The shortcut is the identity when shapes match, else a 1x1x1 (strided) conv and norm. With
+    ``pooled_shortcut`` it is ResNet-D's (He et al. 2019), as nnU-Net's residual encoder has it
+    (dynamic-network-architectures' ``BasicBlockD``): an average pool by the stride where the block
+    strides, then a 1x1x1 conv without bias and a norm where the channels change; the identity
+    where neither. nnU-Net zeroes the same last norm's scale and shift at initialisation
+    (``init_last_bn_before_add_to_0``); bigmem's shift starts at 0 in every norm.
 
     Args:
         filters: output channels.
         in_filters: input channels (a projection shortcut when they differ from ``filters``).
+        pooled_shortcut: ResNet-D's shortcut (default False: a strided 1x1x1 conv).
         **kwargs: the block options and Keras layer arguments, as ``ConvNormAct``.
 
     Example:
         >>> block = ResidualBlock(16, in_filters=8)
         >>> block(keras.ops.zeros((1, 32, 32, 32, 8))).shape  # (1, 32, 32, 32, 16)
+        >>> ResidualBlock(16, in_filters=16, strides=2, pooled_shortcut=True).proj  # None: the pool alone
     """
 
-    def __init__(self, filters: int, *, in_filters: int, **kwargs):
+    def __init__(self, filters: int, *, in_filters: int, pooled_shortcut: bool = False, **kwargs):
         super().__init__(filters, **kwargs)
         self.in_filters = int(in_filters)
+        self.pooled_shortcut = bool(pooled_shortcut)
         self.first = ConvNormAct(self.filters, strides=self.strides, name="first", **self._common())
         self.conv = self._conv(self.kernel_size, 1, "conv")
         self.norm_layer = self._norm(zero_init=True, name="norm")
-        self.needs_projection = self.strides != (1, 1, 1) or self.in_filters != self.filters
-        if self.needs_projection:
-            self.proj = self._conv(1, self.strides, "proj")
+        strided = self.strides != (1, 1, 1)
+        self.pool = self.proj = self.proj_norm = None
+        if self.pooled_shortcut and strided:
+            # No slab path: TF's pooling kernels were measured right past 2^32 elements (nets/limits.py,
+            # MAX_POOL_ELEMENTS, for max pooling).
+            self.pool = keras.layers.AveragePooling3D(self.strides, dtype=self.dtype_policy, name="pool")
+        if self.in_filters != self.filters or (strided and not self.pooled_shortcut):
+            self.proj = (self._conv(1, 1, "proj", use_bias=False) if self.pooled_shortcut
+                         else self._conv(1, self.strides, "proj"))
             self.proj_norm = self._norm(zero_init=False, name="proj_norm")
         self.add = keras.layers.Add(dtype=self.dtype_policy, name="add")
         self.act = make_activation(self.activation, dtype=self.dtype_policy, name="act")
 
+    @property
+    def needs_projection(self) -> bool:
+        """Whether the shortcut convolves (it is a pool alone, or the identity, otherwise)."""
+        return self.proj is not None
+
     def call(self, x, training=None):
         """``(batch, D, H, W, in_filters)`` -> ``(batch, D/s, H/s, W/s, filters)``, strides s."""
-        shortcut = x
-        if self.needs_projection:
-            shortcut = self.proj(x)
+        shortcut = x if self.pool is None else self.pool(x)
+        if self.proj is not None:
+            shortcut = self.proj(shortcut)
             if self.proj_norm is not None:
                 shortcut = self.proj_norm(shortcut, training=training)
         y = self.conv(self.first(x, training=training))
@@ -345,18 +364,21 @@ class ResidualBlock(_Block):
 
     def feature_map_elements(self, spatial_shape: Shape3D) -> int:
         """Per-sample elements of the tensors the block creates for an input of ``(D, H, W)`` voxels."""
-        out = self.filters * _voxels(self._out_shape(spatial_shape))
+        out_voxels = _voxels(self._out_shape(spatial_shape))
+        out = self.filters * out_voxels
         has_norm = self.norm_layer is not None
         second = (1 + has_norm) * out  # conv, norm
+        pooled = self.in_filters * out_voxels if self.pool is not None else 0
         projection = (1 + has_norm) * out if self.needs_projection else 0
-        return self.first.feature_map_elements(spatial_shape) + second + projection + 2 * out  # add, act
+        return self.first.feature_map_elements(spatial_shape) + second + pooled + projection + 2 * out  # add, act
 
     def inference_live_elements(self, spatial_shape: Shape3D, in_channels: int) -> int:
         """Elements live at once at the block's peak in an inference pass of one sample, its input excepted.
 
-        In call order: the projected shortcut (its conv, then its norm), then held while the first
-        block, the conv (with the first block's output), the norm, the add (with the norm's output)
-        and the activation (with the norm's output and the sum, still referenced) run.
+        In call order: the shortcut (the pool; its conv, reading the pooled tensor or the input;
+        its norm), then held while the first block, the conv (with the first block's output), the
+        norm, the add (with the norm's output) and the activation (with the norm's output and the
+        sum, still referenced) run.
 
         Args:
             spatial_shape: the input's ``(D, H, W)`` in voxels.
@@ -365,19 +387,26 @@ class ResidualBlock(_Block):
         Returns:
             Elements, not bytes.
         """
-        out_shape = (1, *self._out_shape(spatial_shape), self.filters)
+        out_spatial = self._out_shape(spatial_shape)
+        out_shape = (1, *out_spatial, self.filters)
         out = math.prod(out_shape)
-        in_shape = (1, *spatial_shape, in_channels)
         shortcut, phases = 0, []
+        proj_in = (1, *spatial_shape, in_channels)
+        if self.pool is not None:
+            shortcut = in_channels * _voxels(out_spatial)  # the pooled tensor
+            phases.append(shortcut)
+            proj_in = (1, *out_spatial, in_channels)
         if self.needs_projection:
-            phases.append(out + _slab_temporaries(in_shape, out_shape, self.stock_layers))
+            pooled = shortcut  # read by the conv, then freed
+            phases.append(pooled + out + _slab_temporaries(proj_in, out_shape, self.stock_layers))
             phases.append(_norm_inference_elements(self.proj_norm, out_shape))
             shortcut = out
-        phases.append(self.first.inference_live_elements(spatial_shape, in_channels))
-        phases.append(2 * out + _slab_temporaries(out_shape, out_shape, self.stock_layers))  # first's output, conv
-        phases.append(max(_norm_inference_elements(self.norm_layer, out_shape), out))
-        phases.append(3 * out)  # the norm's output, the sum, the activation
-        return shortcut + max(phases)
+        phases.extend(shortcut + phase for phase in (
+            self.first.inference_live_elements(spatial_shape, in_channels),
+            2 * out + _slab_temporaries(out_shape, out_shape, self.stock_layers),  # first's output, conv
+            max(_norm_inference_elements(self.norm_layer, out_shape), out),
+            3 * out))  # the norm's output, the sum, the activation
+        return max(phases)
 
     def forward_macs(self, spatial_shape: Shape3D, in_channels: int) -> int:
         """Multiply-adds of the block's convolutions (projection included) for an input of ``(D, H, W)``."""
@@ -388,18 +417,19 @@ class ResidualBlock(_Block):
 
     def get_config(self):
         """The constructor's arguments, for ``from_config`` and saving."""
-        return {**super().get_config(), "in_filters": self.in_filters}
+        return {**super().get_config(), "in_filters": self.in_filters, "pooled_shortcut": self.pooled_shortcut}
 
 
 def _make_blocks(owner: _Block, count: int, in_filters: int, first_strides: int | Sequence[int], residual: bool,
-                 first_inputs: int = 1):
+                 first_inputs: int = 1, pooled_shortcut: bool = False):
     common = owner._common()
     blocks = []
     for index in range(count):
         strides = first_strides if index == 0 else 1
         if residual:
             blocks.append(ResidualBlock(owner.filters, in_filters=in_filters if index == 0 else owner.filters,
-                                        strides=strides, name=f"block{index}", **common))
+                                        strides=strides, pooled_shortcut=pooled_shortcut, name=f"block{index}",
+                                        **common))
         else:
             blocks.append(ConvNormAct(owner.filters, strides=strides, num_inputs=first_inputs if index == 0 else 1,
                                       name=f"block{index}", **common))
@@ -417,7 +447,13 @@ class EncoderStage(_Block):
         downsampling: ``"maxpool"``, ``"strided"`` or None (default: the full-resolution level).
         scale: the downsampling factor, one per axis ``(D, H, W)`` or one for all (default 2).
         residual: ``ResidualBlock`` instead of ``ConvNormAct`` (default False).
+        pooled_shortcut: the residual blocks' ResNet-D shortcut (``ResidualBlock``; default False).
+        stem: first a conv -> norm -> activation from ``in_filters`` to ``filters`` channels, stride 1
+            (nnU-Net's residual encoder's stem, before its first stage); only at full resolution (default False).
         **kwargs: the block options and Keras layer arguments, as ``ConvNormAct``.
+
+    Raises:
+        ValueError: ``stem`` with ``downsampling``, or ``pooled_shortcut`` without ``residual``.
 
     Example:
         >>> stage = EncoderStage(32, in_filters=16, downsampling="maxpool")
@@ -425,22 +461,33 @@ class EncoderStage(_Block):
     """
 
     def __init__(self, filters: int, *, in_filters: int, num_blocks: int = 2, downsampling: str | None = None,
-                 scale: int | Sequence[int] = 2, residual: bool = False, **kwargs):
+                 scale: int | Sequence[int] = 2, residual: bool = False, pooled_shortcut: bool = False,
+                 stem: bool = False, **kwargs):
         super().__init__(filters, **kwargs)
         self.in_filters = int(in_filters)
         self.num_blocks = int(num_blocks)
         self.downsampling = Downsampling(downsampling) if downsampling else None
         self.scale = as_shape(scale) if self.downsampling else (1, 1, 1)
         self.residual = bool(residual)
+        self.pooled_shortcut = bool(pooled_shortcut)
+        if stem and self.downsampling:
+            raise ValueError("a stem runs at full resolution: a stage with a stem cannot downsample")
+        if self.pooled_shortcut and not self.residual:
+            raise ValueError("pooled_shortcut is the residual blocks' shortcut: give residual=True too")
+        self.stem = ConvNormAct(self.filters, name="stem", **self._common()) if stem else None
         self.pool = None
         if self.downsampling is Downsampling.MAXPOOL:
             pool = keras.layers.MaxPooling3D if self.stock_layers else MaxPooling3D
             self.pool = pool(self.scale, dtype=self.dtype_policy, name="pool")
         first_strides = self.scale if self.downsampling is Downsampling.STRIDED else 1
-        self.blocks = _make_blocks(self, self.num_blocks, self.in_filters, first_strides, self.residual)
+        block_in = self.filters if self.stem is not None else self.in_filters
+        self.blocks = _make_blocks(self, self.num_blocks, block_in, first_strides, self.residual,
+                                   pooled_shortcut=self.pooled_shortcut)
 
     def call(self, x, training=None):
         """``(batch, D, H, W, in_filters)`` -> ``(batch, D', H', W', filters)``, divided by ``scale`` if it pools."""
+        if self.stem is not None:
+            x = self.stem(x, training=training)
         if self.pool is not None:
             x = self.pool(x)
         for block in self.blocks:
@@ -453,7 +500,7 @@ class EncoderStage(_Block):
 
     def feature_map_elements(self, spatial_shape: Shape3D) -> int:
         """Per-sample elements of the tensors the stage creates for an input of ``(D, H, W)`` voxels."""
-        total = 0
+        total = self.stem.feature_map_elements(spatial_shape) if self.stem is not None else 0
         if self.pool is not None:
             spatial_shape = _divided(spatial_shape, self.scale)
             total += self.in_filters * _voxels(spatial_shape)
@@ -465,9 +512,10 @@ class EncoderStage(_Block):
     def inference_live_elements(self, spatial_shape: Shape3D) -> int:
         """Elements live at once at the stage's peak in an inference pass of one sample, its input excepted.
 
-        The pooled tensor (plus one depth slab where the pool runs in slabs), then each block's
-        peak with the tensor it reads (the pooled one, or the previous block's output); the
-        stage's input is the caller's (an encoder output it keeps as a skip) and counted by it.
+        The stem's peak, the pooled tensor (plus one depth slab where the pool runs in slabs),
+        then each block's peak with the tensor it reads (the stem's output, the pooled one, or the
+        previous block's output); the stage's input is the caller's (an encoder output it keeps
+        as a skip) and counted by it.
 
         Args:
             spatial_shape: the input's ``(D, H, W)`` in voxels.
@@ -476,6 +524,10 @@ class EncoderStage(_Block):
             Elements, not bytes.
         """
         phases, held, channels = [], 0, self.in_filters
+        if self.stem is not None:
+            phases.append(self.stem.inference_live_elements(spatial_shape, channels))
+            channels = self.filters
+            held = channels * _voxels(spatial_shape)
         if self.pool is not None:
             in_shape = (1, *spatial_shape, channels)
             spatial_shape = _divided(spatial_shape, self.scale)
@@ -504,6 +556,8 @@ class EncoderStage(_Block):
     def forward_macs(self, spatial_shape: Shape3D) -> int:
         """Multiply-adds of the stage's convolutions (pooling, norms and activations are not MACs)."""
         total, channels = 0, self.in_filters
+        if self.stem is not None:
+            total, channels = self.stem.forward_macs(spatial_shape, channels), self.filters
         if self.pool is not None:
             spatial_shape = _divided(spatial_shape, self.scale)
         for block in self.blocks:
@@ -515,7 +569,8 @@ class EncoderStage(_Block):
         """The constructor's arguments, for ``from_config`` and saving."""
         return {**super().get_config(), "in_filters": self.in_filters, "num_blocks": self.num_blocks,
                 "downsampling": self.downsampling.value if self.downsampling else None,
-                "scale": _plain(self.scale) if self.downsampling else 2, "residual": self.residual}
+                "scale": _plain(self.scale) if self.downsampling else 2, "residual": self.residual,
+                "pooled_shortcut": self.pooled_shortcut, "stem": self.stem is not None}
 
 
 @keras.saving.register_keras_serializable(package="bigmem")
