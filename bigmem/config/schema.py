@@ -42,7 +42,8 @@ class ModelConfig:
         name: the preset's name (set by ``resolve_config``).
         depth: downsamplings; every spatial size must be a multiple of ``2**depth`` (``divisor``).
         base_filters, max_filters: channels at full resolution, doubling per level up to the cap.
-        blocks_per_level: conv -> norm -> activation blocks per stage.
+        blocks_per_level: blocks per stage (conv -> norm -> activation, or residual), where ``encoder_blocks`` or
+            ``decoder_blocks`` does not say otherwise.
         norm, groups: instance, group (``groups`` per level), batch or none.
         activation, downsampling, residual, conv_bias: the block's parts (the decoder upsamples by
             transposed convolutions, kernel 2 = stride 2).
@@ -60,12 +61,25 @@ class ModelConfig:
             axis).
         strides: each stage's downsampling per axis, full resolution first (its entry is 1, 1, 1); the decoder
             upsamples by the same factors. None (default): 2x2x2 at every stage below the first.
+        encoder_blocks: blocks per encoder stage, full resolution first, instead of ``blocks_per_level``; entries
+            past stage ``depth`` are unused, as nnU-Net's planner takes the first ``n_stages`` of its (1, 3, 4, 6, 6,
+            ...), so one list serves whatever depth a dataset's topology picks. None (default): ``blocks_per_level``.
+        decoder_blocks: conv -> norm -> activation blocks per decoder stage, instead of ``blocks_per_level``
+            (dynamic-network-architectures' ``n_conv_per_stage_decoder``, the same at every stage). None (default):
+            ``blocks_per_level``.
+        residual_encoder: nnU-Net's residual encoder (dynamic-network-architectures' ``ResidualEncoderUNet``): a
+            stem (one conv -> norm -> activation into ``base_filters`` channels, the first stage's kernel), then
+            residual blocks with ResNet-D shortcuts (``BasicBlockD``: average-pool by the stride, then a 1x1x1
+            conv without bias + norm where the channels change) in every encoder stage; the decoder stays plain.
+            Not with ``residual`` (bigmem's residual blocks in both halves).
 
     Example:
         >>> ModelConfig(depth=3).divisor, ModelConfig(base_filters=8, depth=2).filters
         (8, [8, 16, 32])
         >>> ModelConfig(depth=2, strides=((1, 1, 1), (1, 2, 2), (2, 2, 2))).divisors
         (2, 4, 4)
+        >>> ModelConfig(depth=2, encoder_blocks=(1, 3, 4, 6, 6)).encoder_stage_blocks
+        [1, 3, 4]
     """
 
     name: str = "custom"
@@ -89,6 +103,22 @@ class ModelConfig:
     num_classes: int = 3
     kernel_sizes: tuple[tuple[int, int, int], ...] | None = None
     strides: tuple[tuple[int, int, int], ...] | None = None
+    encoder_blocks: tuple[int, ...] | None = None
+    decoder_blocks: int | None = None
+    residual_encoder: bool = False
+
+    @property
+    def encoder_stage_blocks(self) -> list[int]:
+        """Blocks in each encoder stage, full resolution first: ``encoder_blocks``' first ``depth + 1``, else
+        ``blocks_per_level``."""
+        if self.encoder_blocks:
+            return list(self.encoder_blocks[:self.depth + 1])
+        return [self.blocks_per_level] * (self.depth + 1)
+
+    @property
+    def decoder_stage_blocks(self) -> int:
+        """Blocks in every decoder stage: ``decoder_blocks``, else ``blocks_per_level``."""
+        return self.blocks_per_level if self.decoder_blocks is None else self.decoder_blocks
 
     @property
     def stage_kernels(self) -> list[tuple[int, int, int]]:
@@ -173,6 +203,19 @@ class ModelConfig:
         if self.strides and tuple(self.strides[0]) != (1, 1, 1):
             raise ConfigError("model.strides", f"Invalid {{field}}: the full-resolution stage's entry is "
                               f"{list(self.strides[0])}, expected [1, 1, 1].")
+        if self.encoder_blocks is not None and len(self.encoder_blocks) < self.depth + 1:
+            raise ConfigError("model.encoder_blocks", f"Invalid {{field}}: {len(self.encoder_blocks)} stages given, "
+                              f"expected at least depth + 1 = {self.depth + 1} (one per stage, full resolution "
+                              "first).")
+        if self.encoder_blocks is not None and any(n < 1 for n in self.encoder_blocks):
+            raise ConfigError("model.encoder_blocks", f"Invalid {{field}} {list(self.encoder_blocks)}: expected "
+                              "positive integers.")
+        if self.decoder_blocks is not None and self.decoder_blocks < 1:
+            raise ConfigError("model.decoder_blocks", f"Invalid {{field}} {self.decoder_blocks}: expected a positive "
+                              "integer.")
+        if self.residual_encoder and self.residual:
+            raise ConfigError("model.residual_encoder", "Give either {field} (nnU-Net's residual encoder, plain "
+                              "decoder) or {model.residual} (residual blocks in both halves), not both.")
         if self.norm is Norm.GROUP and any(f % self.groups for f in self.filters):
             raise ConfigError("model.groups", f"Invalid {{field}} {self.groups}: every level's filters "
                               f"{self.filters} must be divisible by it.")

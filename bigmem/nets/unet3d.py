@@ -30,7 +30,9 @@ class UNet3D(keras.Model):
     tensors, and a 1x1x1 conv head with ``num_outputs`` outputs (the classes, or one per region). Level ``l`` has
     ``min(base_filters * 2**l, max_filters)`` channels. ``kernel_sizes`` and ``strides`` give each stage its own
     kernel and downsampling per axis instead (an anisotropic scan's network: ``config/topology.py``); the
-    decoder upsamples by the same factors.
+    decoder upsamples by the same factors. ``encoder_blocks`` and ``decoder_blocks`` set each half's block
+    counts; ``residual_encoder`` builds nnU-Net's ResEnc U-Net (``ResidualEncoderUNet``): a stem in ``enc0``
+    and ResNet-D residual blocks in the encoder, a plain decoder.
 
     Size contract: every spatial size must be a multiple of its axis's ``divisors``, ``2**depth`` by default
     (``D % 16 == 0`` at the default ``depth=4``), so that each pooled size divides evenly and each decoder
@@ -57,20 +59,23 @@ class UNet3D(keras.Model):
         self.model_config = _model_config(config)
         cfg = self.model_config
         common = dict(norm=cfg.norm.value, groups=cfg.groups, activation=cfg.activation.value,
-                      use_bias=cfg.conv_bias, stock_layers=cfg.stock_layers, residual=cfg.residual,
-                      num_blocks=cfg.blocks_per_level, dtype=self.dtype_policy)
+                      use_bias=cfg.conv_bias, stock_layers=cfg.stock_layers, dtype=self.dtype_policy)
         filters, kernels, strides = cfg.filters, cfg.stage_kernels, cfg.stage_strides
+        # nnU-Net's residual encoder: a stem before the first stage, ResNet-D residual blocks in every stage.
+        resenc = cfg.residual_encoder
         self.encoder = [
             EncoderStage(filters[level], in_filters=filters[level - 1] if level else cfg.in_channels,
-                         downsampling=cfg.downsampling.value if level else None, scale=strides[level],
-                         kernel_size=kernels[level], name=f"enc{level}", **common)
-            for level in range(cfg.depth + 1)
+                         num_blocks=blocks, downsampling=cfg.downsampling.value if level else None,
+                         scale=strides[level], kernel_size=kernels[level], residual=cfg.residual or resenc,
+                         pooled_shortcut=resenc, stem=resenc and not level, name=f"enc{level}", **common)
+            for level, blocks in enumerate(cfg.encoder_stage_blocks)
         ]
         # Decoder level l upsamples by the encoder's downsampling into level l + 1 and convolves with level l's
-        # kernel, as PlainConvUNet's decoder does.
+        # kernel, as PlainConvUNet's and ResidualEncoderUNet's decoder (UNetDecoder) does.
         self.decoder = [
-            DecoderStage(filters[level], in_filters=filters[level + 1], scale=strides[level + 1],
-                         kernel_size=kernels[level], name=f"dec{level}", **common)
+            DecoderStage(filters[level], in_filters=filters[level + 1], num_blocks=cfg.decoder_stage_blocks,
+                         scale=strides[level + 1], kernel_size=kernels[level], residual=cfg.residual,
+                         name=f"dec{level}", **common)
             for level in reversed(range(cfg.depth))
         ]
         head = keras.layers.Conv3D if cfg.stock_layers else Conv3D  # bigmem's runs in slabs past the limit
