@@ -1,4 +1,4 @@
-"""Per-stage block counts and the residual encoder in ``ModelConfig``."""
+"""Per-stage block counts and the residual encoder in ``ModelConfig``; the resenc-m preset's settings."""
 
 from __future__ import annotations
 
@@ -37,6 +37,43 @@ def test_bad_block_settings_are_refused_naming_the_field(model, message):
     with pytest.raises(ConfigError) as info:
         resolve_config("tiny", {"model": model})
     assert info.value.render(flag_for) == message
+
+
+def test_resenc_m_is_nnunets_3d_fullres_resenc():
+    model = resolve_config("resenc-m").model
+    assert model.filters == [32, 64, 128, 256, 320, 320]
+    assert model.encoder_stage_blocks == [1, 3, 4, 6, 6, 6]
+    assert model.decoder_stage_blocks == 1
+    assert model.residual_encoder is True
+    assert (model.norm.value, model.activation.value, model.downsampling.value) == ("instance", "leaky_relu",
+                                                                                    "strided")
+    assert model.conv_bias is True
+    assert model.deep_supervision is True
+    assert model.stage_kernels == [(3, 3, 3)] * 6
+    assert model.stage_strides == [(1, 1, 1)] + [(2, 2, 2)] * 5
+
+
+def test_resenc_m_trains_with_nnunets_sgd_recipe():
+    train = resolve_config("resenc-m").train
+    assert (train.optimizer.value, train.lr, train.momentum) == ("sgd", 1e-2, 0.99)
+    assert train.lr_decay_power == 0.9
+    assert train.warmup_steps == 0
+    assert train.batch_size == 2
+
+
+def test_resenc_m_follows_a_topologys_depth():
+    """A topology of another depth (config/topology.py's [model] table) keeps nnU-Net's blocks per stage."""
+    deeper = resolve_config("resenc-m", {"model": {"depth": 6, "kernel_sizes": [[1, 3, 3]] + [[3, 3, 3]] * 6,
+                                                   "strides": [[1, 1, 1], [1, 2, 2]] + [[2, 2, 2]] * 5}}).model
+    assert deeper.encoder_stage_blocks == [1, 3, 4, 6, 6, 6, 6]
+    assert resolve_config("resenc-m", {"model": {"depth": 4}}).model.encoder_stage_blocks == [1, 3, 4, 6, 6]
+
+
+def test_the_settings_round_trip_through_config_json():
+    config = resolve_config("resenc-m")
+    again = ExperimentConfig.from_dict(config.to_dict())
+    assert again == config
+    assert again.model.encoder_blocks == (1, 3, 4, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6)
 
 
 def test_a_run_saved_before_them_builds_the_same_network():

@@ -24,6 +24,7 @@ import keras
 import numpy as np
 import pytest
 
+from bigmem.config import resolve_config
 from bigmem.nets.blocks import ConvNormAct, ResidualBlock
 from bigmem.nets.unet3d import UNet3D
 
@@ -36,6 +37,21 @@ ANISOTROPIC_STRIDES = [[1, 1, 1], [1, 2, 2], [2, 2, 2], [2, 2, 2]]
 def _head(channels: int, classes: int) -> int:
     """Parameters of a 1x1x1 head with bias."""
     return (channels + 1) * classes
+
+
+@pytest.fixture(scope="module")
+def resenc_m() -> UNet3D:
+    return UNet3D(resolve_config("resenc-m").model).build_for()
+
+
+def test_resenc_m_counts_as_dynamic_network_architectures(resenc_m):
+    # ResidualEncoderUNet(input_channels=1, n_stages=6, features_per_stage=(32, 64, 128, 256, 320, 320),
+    #                     kernel_sizes=[[3, 3, 3]] * 6, strides=[[1, 1, 1]] + [[2, 2, 2]] * 5,
+    #                     n_blocks_per_stage=(1, 3, 4, 6, 6, 6), num_classes=3,
+    #                     n_conv_per_stage_decoder=(1, 1, 1, 1, 1), ...): 102,350,575 parameters; its seg heads,
+    #                     lowest level first: 963, 771, 387, 195, 99.
+    torch_count = 102_350_575
+    assert resenc_m.count_params() == torch_count - _head(320, 3) == 102_349_612
 
 
 def test_anisotropic_resenc_counts_as_dynamic_network_architectures():
