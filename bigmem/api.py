@@ -38,8 +38,8 @@ def resolve_config(model: str | None = None, overrides: dict | None = None) -> "
     """The typed, frozen experiment config: defaults, then the preset (or a .toml file), then ``overrides``.
 
     Args:
-        model: a preset name (``tiny``, ``small``, ``intelai-brats``, ``kits19``) or a path to a .toml file
-            (default: ``config.presets.DEFAULT_PRESET``, small).
+        model: a preset name (``tiny``, ``small``, ``intelai-brats``, ``kits19``, ``resenc-m``) or a path to a
+            .toml file (default: ``config.presets.DEFAULT_PRESET``, small).
         overrides: nested ``{section: {field: value}}`` (the CLI's flags, e.g.
             ``{"train": {"batch_size": 2}, "data": {"store": "brats.h5"}}``); None values are ignored.
 

@@ -11,7 +11,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from bigmem.config.presets import DEFAULT_PRESET
+from bigmem.config.presets import DEFAULT_PRESET, preset_names
 from bigmem.errors import DataError, DiskFullError, InsufficientMemoryError, UsageError
 from bigmem.units import format_bytes, parse_bytes
 
@@ -38,7 +38,7 @@ def flag_for(field: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-PRESET_HELP = f"preset name (tiny, small, intelai-brats, kits19) or a .toml file (default: {DEFAULT_PRESET})"
+PRESET_HELP = f"preset name ({', '.join(preset_names())}) or a .toml file (default: {DEFAULT_PRESET})"
 
 
 def add_model_flags(parser, *, volume_help: str, shape_help: str | None = None, model_help: str = PRESET_HELP):

@@ -10,7 +10,7 @@ from bigmem.errors import ConfigError, UsageError
 
 
 def test_presets_ship_with_the_package():
-    assert preset_names() == ["intelai-brats", "kits19", "small", "tiny"]
+    assert preset_names() == ["intelai-brats", "kits19", "resenc-m", "small", "tiny"]
 
 
 def test_layering_order():
@@ -32,7 +32,7 @@ def test_preset_from_a_file(tmp_path):
 
 
 @pytest.mark.parametrize("preset, overrides, message", [
-    ("smal", None, "Unknown preset 'smal' (--model): expected one of intelai-brats, kits19, small, tiny or a "
+    ("smal", None, "Unknown preset 'smal' (--model): expected one of intelai-brats, kits19, resenc-m, small, tiny or a "
                    "path to a .toml file. Did you mean 'small'?"),
     ("small", {"data": {"volume": 50}}, "Invalid --volume 50: expected a multiple of 8 (the network downsamples "
                                         "3 times). Try --volume 48 or 56."),

@@ -137,8 +137,8 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, tiny
 
 
 @pytest.mark.parametrize("argv_tail, code, message", [
-    (["--model", "smal"], 2, "Unknown preset 'smal' (--model): expected one of intelai-brats, kits19, small, tiny "
-                             "or a path to a .toml file. Did you mean 'small'?"),
+    (["--model", "smal"], 2, "Unknown preset 'smal' (--model): expected one of intelai-brats, kits19, resenc-m, small, "
+                             "tiny or a path to a .toml file. Did you mean 'small'?"),
     (["--model", "tiny", "--volume", "18"], 2, "Invalid --volume 18: expected a multiple of 4 (the network "
                                                "downsamples 2 times). Try --volume 16 or 20."),
     (["--model", "tiny", "--shape", "50,50,50"], 2, "Invalid --shape 50,50,50: axes 1, 2 and 3 (50, 50, 50) are not "
