@@ -6,9 +6,15 @@
 The configurations are the ones a plan must never under-predict on an unseen CPU: small at 48^3,
 64^3, 64^3 bf16 and 64^3 with every stage recomputed; kits19 at 64^3, 96^3 recomputed and 160^3;
 intelai-brats at 64^3; small at 256^3; and two anisotropic shapes (kits19 64x160x160 and small
-32x128x128), all at batch 1. Each is measured as ``bigmem profile --measure`` measures it
-(``bigmem.api.profile``: a few steps in a fresh child process, its VmHWM), and the error is
-(predicted - measured) / measured. The target: within +-5%, never under by more than 2%.
+32x128x128), all at batch 1. Then batches of several (small 64^3 x 2 and x 4, 96^3 x 2; kits19 64^3
+and 64x96x96 x 2), and networks configured per axis as ``bigmem plan --data`` configures them
+(``config/topology.py``'s rules and ``memory/experiment.py``'s blocks, named "experiment" as plan
+writes them): a KiTS-like one (3 x 0.8 x 0.8 mm) at 64x96x96 x 2, a prostate-like one (0.6 x 0.6 x
+3.6 mm) at 160x160x24 x 2, and the KiTS-like one at 64x128x128 with the kernel limit lowered to 2^23
+elements so that its full-resolution stages run in depth slabs; and resenc-m at 64^3 x 1 and x 2.
+Each is measured as ``bigmem profile --measure`` measures it (``bigmem.api.profile``: a few steps in
+a fresh child process, its VmHWM), and the error is (predicted - measured) / measured. The target:
+within +-5%, never under by more than 2%.
 
 ``--reuse`` takes the measured peaks from an earlier results file and only predicts again: the
 estimate can be re-checked after a change to it without measuring. ``--label`` names the run in
@@ -19,7 +25,9 @@ skipped. Writes JSON keyed by machine (never run by pytest).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -35,7 +43,21 @@ from bigmem.errors import BigmemError
 from bigmem.memory.calibration import machine_cpu_model, machine_isa_class
 from bigmem.units import format_bytes
 
-# name -> (preset, (D, H, W), precision, recompute)
+def planned(spacing, median_shape) -> dict:
+    """A preset's tables for the network ``bigmem plan --data`` configures for this spacing and median case."""
+    from bigmem.config.topology import pool_and_kernels
+    from bigmem.memory.experiment import NNUNET_NETWORK, NNUNET_RECIPE
+
+    model = {**pool_and_kernels(spacing, median_shape).to_model_table(), **NNUNET_NETWORK, "name": "experiment"}
+    return {"model": model, "train": dict(NNUNET_RECIPE)}
+
+
+KITS_LIKE = ((3.0, 0.8, 0.8), (40, 96, 96))
+PROSTATE_LIKE = ((0.6, 0.6, 3.6), (160, 160, 24))
+SLAB_LIMIT = 2**23
+
+# name -> (preset, (D, H, W), precision, recompute[, batch[, kernel element limit]]); a preset is a name, or
+# (spacing, median shape) of a configured network
 CONFIGS = {
     "small-48": ("small", (48, 48, 48), "fp32", "none"),
     "small-64": ("small", (64, 64, 64), "fp32", "none"),
@@ -48,13 +70,42 @@ CONFIGS = {
     "small-256": ("small", (256, 256, 256), "fp32", "none"),
     "kits19-64x160x160": ("kits19", (64, 160, 160), "fp32", "none"),
     "small-32x128x128": ("small", (32, 128, 128), "fp32", "none"),
+    "small-64-b2": ("small", (64, 64, 64), "fp32", "none", 2),
+    "small-64-b4": ("small", (64, 64, 64), "fp32", "none", 4),
+    "small-96-b2": ("small", (96, 96, 96), "fp32", "none", 2),
+    "kits19-64-b2": ("kits19", (64, 64, 64), "fp32", "none", 2),
+    "kits19-64x96x96-b2": ("kits19", (64, 96, 96), "fp32", "none", 2),
+    "planned-kits-64x96x96-b2": (KITS_LIKE, (64, 96, 96), "fp32", "none", 2),
+    "planned-prostate-160x160x24-b2": (PROSTATE_LIKE, (160, 160, 24), "fp32", "none", 2),
+    "planned-kits-64x128x128": (KITS_LIKE, (64, 128, 128), "fp32", "none"),
+    "planned-kits-64x128x128-slabs": (KITS_LIKE, (64, 128, 128), "fp32", "none", 1, SLAB_LIMIT),
+    "resenc-m-64": ("resenc-m", (64, 64, 64), "fp32", "none"),
+    "resenc-m-64-b2": ("resenc-m", (64, 64, 64), "fp32", "none", 2),
 }
 TOLERANCE_PCT, MOST_UNDER_PCT = 5.0, 2.0
 
 
-def _config(preset: str, precision: str, recompute: str):
-    return api.resolve_config(preset, {"train": {"batch_size": 1, "precision": precision},
+def _config(preset, precision: str, recompute: str, batch: int = 1):
+    tables = preset if isinstance(preset, str) else planned(*preset)
+    return api.resolve_config(tables, {"train": {"batch_size": batch, "precision": precision},
                                        "memory": {"recompute": recompute}})
+
+
+@contextlib.contextmanager
+def _kernel_limit(limit: int | None):
+    """``BIGMEM_MAX_KERNEL_ELEMENTS`` set to ``limit`` (none: as it is) inside the block."""
+    from bigmem.nets.limits import LIMIT_ENVIRONMENT_VARIABLE
+
+    before = os.environ.get(LIMIT_ENVIRONMENT_VARIABLE)
+    if limit is not None:
+        os.environ[LIMIT_ENVIRONMENT_VARIABLE] = str(limit)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(LIMIT_ENVIRONMENT_VARIABLE, None)
+        else:
+            os.environ[LIMIT_ENVIRONMENT_VARIABLE] = before
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,16 +124,19 @@ def main(argv: list[str] | None = None) -> int:
     console = Console()
     rows = []
     for name in args.configs.split(","):
-        preset, shape, precision, recompute = CONFIGS[name]
-        row = {"name": name, "preset": preset, "shape": list(shape), "precision": precision, "recompute": recompute}
+        preset, shape, precision, recompute, *rest = CONFIGS[name]
+        batch, limit = (list(rest) + [1, None][len(rest):])[:2]
+        row = {"name": name, "preset": preset if isinstance(preset, str) else "experiment", "shape": list(shape),
+               "precision": precision, "recompute": recompute, "batch_size": batch, "kernel_limit": limit}
         if precision == "bf16" and not native_bf16():
             rows.append({**row, "skipped": "bf16 is emulated on this CPU"})
             continue
-        config = _config(preset, precision, recompute)
+        config = _config(preset, precision, recompute, batch)
         measure = name not in reused
         console.print(f"{name}: {'measuring' if measure else 'predicting'} ...")
         try:
-            result = api.profile(config, shape, measure=measure, steps=args.steps)
+            with _kernel_limit(limit):  # the estimate and the measuring child both read it
+                result = api.profile(config, shape, measure=measure, steps=args.steps)
         except BigmemError as exc:  # e.g. killed by the kernel: say so, go on
             rows.append({**row, "skipped": f"failed: {exc}"})
             continue
@@ -91,12 +145,13 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({**row, "predicted_peak_bytes": predicted, "measured_peak_bytes": measured,
                      "error_pct": round(100.0 * (predicted - measured) / measured, 2),
                      "calibration": result.estimate.calibration.source,
+                     "partitioned_stages": list(result.estimate.partitioned_stages),
                      "measured_here": measure})
     table = Table(title=f"profile --measure on {machine_isa_class()} {machine_cpu_model()} ({args.label})")
     for column in ("config", "shape", "mode", "predicted", "measured", "error"):
         table.add_column(column, justify="right" if column in ("predicted", "measured", "error") else "left")
     for row in rows:
-        mode = f"{row['precision']}/{row['recompute']}"
+        mode = f"{row['precision']}/{row['recompute']} x{row.get('batch_size', 1)}"
         shape = "x".join(map(str, row["shape"]))
         if "skipped" in row:
             table.add_row(row["name"], shape, mode, "", "", row["skipped"][:60])

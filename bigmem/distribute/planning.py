@@ -30,7 +30,11 @@ def gpu_footprint_bytes(config: ExperimentConfig, counts_for, patch: int | Seque
     """The predicted footprint of one GPU replica training ``batch`` patches of ``patch`` (an edge or a shape)."""
     shape = as_shape(patch)
     sized = dataclasses.replace(config, train=dataclasses.replace(config.train, batch_size=batch))
-    predicted = estimate(sized, counts_for(shape), shape)
+    counts = counts_for(shape)
+    # The curve as measured at its batch, for any batch: that a step of several keeps every counted tensor
+    # was measured on CPUs (memory/estimate.py), and a GPU's allocator and kernels are others.
+    curve = estimate(sized, counts, shape).calibration
+    predicted = estimate(sized, counts, shape, calibration=dataclasses.replace(curve, batch_size=max(batch, 1)))
     return sum(v for k, v in predicted.components.items() if k not in HOST_ONLY) + GPU_RUNTIME_BYTES
 
 

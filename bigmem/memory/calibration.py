@@ -113,6 +113,12 @@ class Calibration:
     # The CPU model and ISA class a shipped table was measured on ("" for a fit made here).
     table_cpu: str = ""
     table_isa: str = ""
+    # The batch its knots were measured at (the shipped tables': DEFAULTS_BATCH_SIZE). A step of a larger
+    # batch keeps every counted tensor (memory/estimate.py, the training estimate).
+    batch_size: int = DEFAULTS_BATCH_SIZE
+    # The curve is another network's (no table was measured for this one): the estimate then keeps every
+    # counted tensor instead of following it (memory/estimate.py), and keeps only its fixed term.
+    borrowed: bool = False
 
     @property
     def has_margin(self) -> bool:
@@ -359,7 +365,7 @@ def shipped_calibration(preset: str, precision: str, mode: str, *, isa: str, key
         source += f"; {'; '.join(reasons)}: +{100 * margin:.0f}% + {format_bytes(margin_bytes)} safety margin"
     return Calibration(round(scale, 4), framework, source, key, [v for v, _, _ in SHIPPED[table]],
                        margin_fraction=margin, margin_bytes=margin_bytes, knots=knots, table_cpu=SHIPPED_CPUS[table],
-                       table_isa=source_isa)
+                       table_isa=source_isa, borrowed=base != PRESET_FOR.get(preset, preset))
 
 
 def _measured_presets(keys, isa: str, precision: str, mode: str) -> tuple[str, str, set[str]]:
@@ -450,7 +456,7 @@ def follow_shape(knots: list[list[int]], shape: Sequence[Sequence[int]]) -> list
 
 
 def fit_calibration(preset: str, precision: str, recompute: str, points: Sequence[dict],
-                    shape: Sequence[Sequence[int]] = ()) -> Calibration:
+                    shape: Sequence[Sequence[int]] = (), *, batch_size: int = DEFAULTS_BATCH_SIZE) -> Calibration:
     """Fit ``measured - exact = framework_bytes + activation_scale * counted`` to measured points.
 
     With three or more volumes the result interpolates between them (``knots``; its scalars are
@@ -465,6 +471,7 @@ def fit_calibration(preset: str, precision: str, recompute: str, points: Sequenc
             optionally ``step_gflops_per_core``, the rate its timed steps reached.
         shape: the shipped knots to follow past the measured volumes (``shipped_shape``; default
             none: the line through the measured knots continues).
+        batch_size: the batch the points were measured at (recorded: ``Calibration.batch_size``).
 
     Returns:
         The Calibration, keyed by this machine, ``fitted_on`` the volumes; its step rate is the
@@ -479,7 +486,7 @@ def fit_calibration(preset: str, precision: str, recompute: str, points: Sequenc
     knots = follow_shape(knots_from(points), shape) if len({p["volume"] for p in points}) > 2 else []
     calibration = Calibration(round(scale, 4), int(framework), f"this machine, fitted {time.strftime('%Y-%m-%d')}",
                               machine_key(preset, precision, recompute), sorted(p["volume"] for p in points),
-                              knots=knots, step_gflops_per_core=rate)
+                              knots=knots, step_gflops_per_core=rate, batch_size=int(batch_size))
     if knots:
         calibration.activation_scale, calibration.framework_bytes = calibration.line_for(knots[-1][0] + 1)
         calibration.activation_scale = round(calibration.activation_scale, 4)

@@ -386,6 +386,15 @@ def _train(config: ExperimentConfig, counts: NetworkCounts, spatial_shape: Seque
     # is shared by the activations and the workspace in proportion to their counts.
     framework_bytes = calibration.fixed_bytes()
     scale = (intercept + scale * counted_bytes - framework_bytes) / counted_bytes if counted_bytes else 0.0
+    # The curve was measured at batch 1, where a preset's peak holds 68-86% of what its blocks count (kits19
+    # at 64-160^3 on an AVX2 EPYC). A step of 2 or more keeps all of it: 95-102% at batch 2 and 4 (small and
+    # kits19, 64^3 to 64x96x96), where the batch-1 curve was 4-10% low. A network no curve was measured for
+    # keeps all of it at batch 1 too: nnU-Net-style networks configured per axis held 99% at 64x128x128,
+    # where another preset's curve was 29% low (benchmarks/results/memory_model.md, "Batches of several and
+    # configured networks").
+    keeps_all = batch > calibration.batch_size or calibration.borrowed
+    if keeps_all:
+        scale = 1.0
     components = {
         "framework": framework_bytes,
         "weights": counts.param_count * FLOAT32_BYTES,
@@ -399,7 +408,10 @@ def _train(config: ExperimentConfig, counts: NetworkCounts, spatial_shape: Seque
         # each reader (the training process itself without reader processes) augments one sample at a time
         "augmentation": max(1, data.num_workers) * augmentation(config).working_bytes(spatial_shape, channels),
     }
-    copies = planewise_copy_bytes(config, spatial_shape, calibration.table_isa)
+    # Where the batch keeps every counted tensor, the strided convolutions' plane copies (made in the
+    # backward pass after the full-resolution workspace is freed) fit in what the estimate already holds:
+    # kits19 at batch 2 measured 1.2% under and 2.7% over without them on an AVX2 EPYC that takes them.
+    copies = 0 if keeps_all else planewise_copy_bytes(config, spatial_shape, calibration.table_isa)
     if copies:
         components["planewise_copies"] = copies
     notes = _margin(components, calibration, f"; run `bigmem profile --calibrate --model {config.model.name}` to "

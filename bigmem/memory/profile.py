@@ -214,7 +214,8 @@ def calibrate(config: ExperimentConfig, shapes: Sequence[Sequence[int]], counts_
     recompute = keys.pop()
     precision = config.train.precision.value
     shape = shipped_shape(config.model.name, precision, recompute, machine_isa_class(), config.train.batch_size)
-    calibration = fit_calibration(config.model.name, precision, recompute, points, shape)
+    calibration = fit_calibration(config.model.name, precision, recompute, points, shape,
+                                  batch_size=config.train.batch_size)
     if save:
         save_calibration(calibration)
     return calibration, points

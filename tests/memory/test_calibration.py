@@ -225,3 +225,20 @@ def test_the_shipped_shape_is_the_presets_own():
                                                                                     "avx512_bf16", 1)
     assert shipped_shape("my-net", "fp32", "none", "avx512_bf16", 1) == []
     assert shipped_shape("kits19", "fp32", "none", "avx512_bf16", 2) == []  # measured at batch 1 only
+
+
+def test_a_fit_records_the_batch_it_was_measured_at():
+    from bigmem.memory.calibration import fit_calibration
+
+    points = [{"volume": v, "counted_activation_bytes": v * 10, "exact_bytes": 0, "measured_peak_bytes": 100 + v * 7}
+              for v in (32, 64)]
+    assert fit_calibration("small", "fp32", "none", points, batch_size=2).batch_size == 2
+    assert fit_calibration("small", "fp32", "none", points).batch_size == 1
+
+
+def test_a_stored_calibration_from_before_batches_reads_as_batch_1():
+    from bigmem.memory.calibration import Calibration
+
+    stored = Calibration(0.8, 100, "old").to_dict()
+    stored.pop("batch_size")
+    assert Calibration(**stored).batch_size == 1

@@ -145,3 +145,39 @@ def test_max_pooling_networks_have_no_planewise_copies():
     from bigmem.memory.estimate import planewise_copy_bytes
 
     assert planewise_copy_bytes(resolve_config("small"), (64, 64, 64), "avx512_bf16") == 0
+
+
+def test_a_batch_of_several_keeps_every_counted_tensor(model):
+    """The calibration's curve was measured at batch 1; a step of 2 or more keeps all the blocks count
+    (benchmarks/results/memory_model.md, "Batches of several")."""
+    counts = NetworkCounts.from_model(model, (16,) * 3)
+    half = Calibration(0.5, 1000, "test")
+    one = estimate(_config(batch_size=1), counts, (16,) * 3, calibration=half).components
+    two = estimate(_config(batch_size=2), counts, (16,) * 3, calibration=half).components
+    unit_two = estimate(_config(batch_size=2), counts, (16,) * 3, calibration=UNIT).components
+    assert one["activations"] == round(0.5 * model.feature_map_elements((16,) * 3) * FLOAT32_BYTES)
+    assert two["activations"] == unit_two["activations"]
+    assert two["workspace"] == unit_two["workspace"]
+
+
+def test_a_calibration_measured_at_the_batch_keeps_its_curve(model):
+    counts = NetworkCounts.from_model(model, (16,) * 3)
+    at_two = Calibration(0.5, 1000, "test", batch_size=2)
+    unit_two = estimate(_config(batch_size=2), counts, (16,) * 3, calibration=UNIT).components
+    assert estimate(_config(batch_size=2), counts, (16,) * 3,
+                    calibration=at_two).components["activations"] == round(0.5 * unit_two["activations"])
+
+
+def test_a_batch_of_several_holds_the_plane_copies_in_its_count(monkeypatch):
+    from bigmem.nets import choices
+
+    here = choices.KernelChoices(planewise={("fp32", 2): (32, 32)}, source="test")
+    monkeypatch.setattr(choices, "kernel_choices", lambda: ("test", here))
+    monkeypatch.setitem(choices.CHOICES, "table", choices.KernelChoices(planewise={("fp32", 2): (64, 64)}))
+    table = Calibration(0.7, 1000, "test", table_isa="table")
+    kits = resolve_config("kits19")
+    counts = NetworkCounts.from_model(UNet3D(kits.model).build_for(), (64,) * 3)
+    one = estimate(kits.updated({"train": {"batch_size": 1}}), counts, (64,) * 3, calibration=table).components
+    two = estimate(kits.updated({"train": {"batch_size": 2}}), counts, (64,) * 3, calibration=table).components
+    assert one["planewise_copies"] == 64**3 * 32 * 4
+    assert "planewise_copies" not in two
