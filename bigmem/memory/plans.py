@@ -221,15 +221,26 @@ def validation_figures(config: ExperimentConfig, counts_for: CountsFor, training
 
     Validation segments a held-out case whole while the model, its gradients' buffers, the
     optimizer's slots and the input pipeline's prefetched batches stay allocated: its peak is
-    those plus the inference pass's own (``memory.estimate`` in its forward pass: input copies, live feature maps,
-    probabilities), without the inference estimate's own framework and weights (already counted).
+    those (``resident_bytes``) plus the inference pass's own (``pass_bytes``: ``memory.estimate``
+    in its forward pass: input copies, live feature maps, allocator slack, probabilities), without
+    the inference estimate's own framework and weights (already counted).
+
+    The margin (``safety_margin_bytes``) is each part's own: the training calibration's on the
+    resident part (its framework is training's), and the inference calibration's fraction on the
+    pass's parts. The inference estimate's own margin is not taken: it is sized for a predict
+    process of its own, a fraction of a peak that holds the framework and fixed bytes that stand
+    in for the framework's term, both counted here already (on an AVX2 CPU with no inference table,
+    +15% of the whole pass and 256 MiB put a run validating at 2 mm after training at 4 mm 33%
+    over its measured peak; benchmarks/results/validation_memory-*.json).
     """
     inference = estimate(config, counts_for(shape), shape, pass_=Pass.FORWARD)
     kept = ("framework", "weights", "gradients", "optimizer_slots", "input_pipeline", "hdf5_chunk_cache")
     resident = sum(training.components.get(name, 0) for name in kept)
-    own = sum(v for k, v in inference.components.items() if k not in ("framework", "weights"))
-    peak = resident + own
+    own = sum(v for k, v in inference.components.items() if k not in ("framework", "weights", "safety_margin"))
+    margin = training.calibration.safety_margin(resident) + int(round(inference.calibration.margin_fraction * own))
+    peak = resident + own + margin
     return {"case": case_id, "shape": list(shape), "predicted_peak_bytes": int(peak),
+            "resident_bytes": int(resident), "pass_bytes": int(own), "safety_margin_bytes": int(margin),
             "training_peak_bytes": int(training.predicted_peak_bytes),
             "excess_bytes": int(max(0, peak - training.predicted_peak_bytes))}
 

@@ -294,6 +294,31 @@ def test_validation_beside_training_is_planned(counts_for):
     assert small.validation["excess_bytes"] == 0
 
 
+def test_validation_takes_each_parts_margin_not_a_predict_processes(monkeypatch, counts_for):
+    """The resident part gets the training calibration's margin, the pass's parts the inference one's fraction;
+    the inference estimate's margin (over a framework of its own, plus fixed bytes for it) is not added."""
+    from bigmem.memory.calibration import INFERENCE_MODE
+    from bigmem.memory.estimate import Pass
+    from bigmem.memory.plans import validation_figures
+
+    training_cal = Calibration(1.0, 100 * MIB, "training", margin_fraction=0.02)
+    inference_cal = Calibration(1.0, 100 * MIB, "inference", margin_fraction=0.15, margin_bytes=256 * MIB)
+    monkeypatch.setattr("bigmem.memory.estimate.calibration_for", lambda preset, precision, mode:
+                        inference_cal if mode == INFERENCE_MODE else training_cal)
+    config, held_out = _config(), (96, 112, 96)
+    training = estimate(config, counts_for((48, 56, 48)), (48, 56, 48))
+    figures = validation_figures(config, counts_for, training, held_out, "big")
+    forward = estimate(config, counts_for(held_out), held_out, pass_=Pass.FORWARD)
+    kept = ("framework", "weights", "gradients", "optimizer_slots", "input_pipeline", "hdf5_chunk_cache")
+    resident = sum(training.components[name] for name in kept)
+    own = forward.predicted_peak_bytes - sum(forward.components[k] for k in ("framework", "weights", "safety_margin"))
+    margin = round(0.02 * resident) + round(0.15 * own)
+    assert (figures["resident_bytes"], figures["pass_bytes"], figures["safety_margin_bytes"]) == (resident, own, margin)
+    assert figures["predicted_peak_bytes"] == resident + own + margin
+    assert forward.components["safety_margin"] > 256 * MIB  # what a predict process of its own would add
+    assert figures["excess_bytes"] == max(0, resident + own + margin - training.predicted_peak_bytes)
+
+
 def test_a_budget_above_the_machine_is_refused_unless_forced():
     from bigmem.memory.budget import check_budget_within_machine
 
