@@ -13,7 +13,8 @@ from typing import Sequence
 
 from bigmem.config.schema import ExperimentConfig
 from bigmem.data.pipeline import Shape
-from bigmem.memory.estimate import estimate
+from bigmem.memory.calibration import calibration_for, recompute_key
+from bigmem.memory.estimate import estimate, mode_stages
 from bigmem.memory.planner import largest_fitting
 from bigmem.units import as_shape
 
@@ -33,8 +34,10 @@ def gpu_footprint_bytes(config: ExperimentConfig, counts_for, patch: int | Seque
     counts = counts_for(shape)
     # The curve as measured at its batch, for any batch: that a step of several keeps every counted tensor
     # was measured on CPUs (memory/estimate.py), and a GPU's allocator and kernels are others.
-    curve = estimate(sized, counts, shape).calibration
-    predicted = estimate(sized, counts, shape, calibration=dataclasses.replace(curve, batch_size=max(batch, 1)))
+    stages = mode_stages(config.memory.recompute, counts)
+    curve = calibration_for(config.model.name, config.train.precision.value, recompute_key(stages))
+    predicted = estimate(sized, counts, shape, recompute_stages=stages,
+                         calibration=dataclasses.replace(curve, batch_size=max(batch, 1)))
     return sum(v for k, v in predicted.components.items() if k not in HOST_ONLY) + GPU_RUNTIME_BYTES
 
 
