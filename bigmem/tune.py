@@ -35,7 +35,7 @@ from typing import Callable, Sequence
 
 from bigmem.config.options import Precision
 from bigmem.config.schema import ExperimentConfig
-from bigmem.nets.tuning import Tuning, key_here, load_tuning, save_tuning
+from bigmem.nets.tuning import Tuning, key_here, load_tuning, overhead_key, save_tuning
 from bigmem.units import as_shape
 
 DEFAULT_BUDGET_S = 60.0
@@ -336,7 +336,8 @@ def fixed_memory(config: ExperimentConfig) -> dict[str, int]:
     table = dc.replace(table, margin_fraction=0.0, margin_bytes=0)
     predicted = estimate(config, counts, shape, recompute_stages=stages, calibration=table).predicted_peak_bytes
     measured = measure(config, shape, recompute_stages=stages, force=True).peak_bytes
-    return {overhead_key(config.model.name, config.train.precision.value, mode): int(measured - predicted)}
+    return {overhead_key(config.model.name, config.train.precision.value, mode, table.table_digest()):
+                int(measured - predicted)}
 
 
 def rate_key(precision: str, base_filters: int) -> str:
@@ -344,6 +345,3 @@ def rate_key(precision: str, base_filters: int) -> str:
     return f"{precision}/{base_filters}"
 
 
-def overhead_key(preset: str, precision: str, mode: str) -> str:
-    """``Tuning.overhead_offset_bytes``'s key: ``"kits19/fp32/none"``."""
-    return f"{preset}/{precision}/{mode}"

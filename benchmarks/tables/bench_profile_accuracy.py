@@ -1,6 +1,6 @@
 """What ``bigmem profile --measure`` says on this machine: predicted against measured peak, per configuration.
 
-    python benchmarks/tables/bench_profile_accuracy.py [--configs NAME,...] [--steps 3] [--reuse RESULTS.json]
+    python benchmarks/tables/bench_profile_accuracy.py [--configs NAME,...] [--steps 3] [--reuse RESULTS.json,...]
         [--label idle] [--out DIR]
 
 The configurations are the ones a plan must never under-predict on an unseen CPU: small at 48^3,
@@ -16,7 +16,7 @@ Each is measured as ``bigmem profile --measure`` measures it (``bigmem.api.profi
 a fresh child process, its VmHWM), and the error is (predicted - measured) / measured. The target:
 within +-5%, never under by more than 2%.
 
-``--reuse`` takes the measured peaks from an earlier results file and only predicts again: the
+``--reuse`` takes the measured peaks from earlier results files and only predicts again: the
 estimate can be re-checked after a change to it without measuring. ``--label`` names the run in
 the file (e.g. ``idle``, or ``beside-a-job`` when another job was running). bf16 runs only where
 the CPU has it natively (elsewhere it is emulated and the plan leaves it out); it is listed as
@@ -79,8 +79,12 @@ CONFIGS = {
     "planned-prostate-160x160x24-b2": (PROSTATE_LIKE, (160, 160, 24), "fp32", "none", 2),
     "planned-kits-64x128x128": (KITS_LIKE, (64, 128, 128), "fp32", "none"),
     "planned-kits-64x128x128-slabs": (KITS_LIKE, (64, 128, 128), "fp32", "none", 1, SLAB_LIMIT),
+    "planned-kits-64x96x96-b2-slabs": (KITS_LIKE, (64, 96, 96), "fp32", "none", 2, SLAB_LIMIT),
+    "small-64-b2-slabs": ("small", (64, 64, 64), "fp32", "none", 2, SLAB_LIMIT // 4),
+    "kits19-64x96x96-b2-slabs": ("kits19", (64, 96, 96), "fp32", "none", 2, SLAB_LIMIT),
     "resenc-m-64": ("resenc-m", (64, 64, 64), "fp32", "none"),
     "resenc-m-64-b2": ("resenc-m", (64, 64, 64), "fp32", "none", 2),
+    "resenc-m-64x96x96": ("resenc-m", (64, 96, 96), "fp32", "none"),
 }
 TOLERANCE_PCT, MOST_UNDER_PCT = 5.0, 2.0
 
@@ -112,15 +116,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = bench_parser(__doc__)
     parser.add_argument("--configs", default=",".join(CONFIGS), help="names, separated by commas")
     parser.add_argument("--steps", type=int, default=3, help="training steps measured (default 3)")
-    parser.add_argument("--reuse", help="an earlier results file whose measured peaks are taken")
+    parser.add_argument("--reuse", help="earlier results files (comma-separated; a later one wins) whose measured "
+                                        "peaks are taken")
     parser.add_argument("--label", default="idle", help="what else ran beside it (recorded in the file)")
     args = parser.parse_args(argv)
     from bigmem.sysinfo import native_bf16
 
     reused = {}
-    if args.reuse:
-        reused = {row["name"]: row for row in json.loads(Path(args.reuse).read_text())["rows"]
-                  if row.get("measured_peak_bytes")}
+    for path in args.reuse.split(",") if args.reuse else []:  # a later file wins
+        reused.update({row["name"]: {**row, "measured_in": Path(path).name}
+                       for row in json.loads(Path(path).read_text())["rows"] if row.get("measured_peak_bytes")})
     console = Console()
     rows = []
     for name in args.configs.split(","):
@@ -146,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
                      "error_pct": round(100.0 * (predicted - measured) / measured, 2),
                      "calibration": result.estimate.calibration.source,
                      "partitioned_stages": list(result.estimate.partitioned_stages),
-                     "measured_here": measure})
+                     "measured_here": measure, **({} if measure else {"measured_in": reused[name]["measured_in"]})})
     table = Table(title=f"profile --measure on {machine_isa_class()} {machine_cpu_model()} ({args.label})")
     for column in ("config", "shape", "mode", "predicted", "measured", "error"):
         table.add_column(column, justify="right" if column in ("predicted", "measured", "error") else "left")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
 import time
 from dataclasses import asdict, dataclass, field
@@ -163,6 +164,12 @@ class Calibration:
         """The overhead at no counted bytes: the first segment's intercept (else ``framework_bytes``)."""
         return self.line_for(self.knots[0][0])[1] if len(self.knots) >= 2 else self.framework_bytes
 
+    def table_digest(self) -> str:
+        """Eight hex digits naming the curve (its knots, and the class a shipped one came from): an offset
+        ``bigmem tune`` measured against one shipped table is never applied to another (``with_tuned_overhead``)."""
+        text = json.dumps([self.table_isa, self.knots], sort_keys=True)
+        return hashlib.sha1(text.encode()).hexdigest()[:8]
+
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -270,12 +277,14 @@ def with_tuned_overhead(calibration: Calibration, preset: str, precision: str, m
     The table's overhead at small sizes is the framework's on the CPU it was measured on; this
     machine's can differ by hundreds of MiB (an AMX Xeon: 10-205 MiB above the AMD curve). The
     tuning pass measures it at the network's smallest shape; the knots move by the difference, and
-    the fixed part of the safety margin, which stood in for it, is dropped.
+    the fixed part of the safety margin, which stood in for it, is dropped. The offset is kept under the
+    digest of the table it was measured against: a table shipped later is not moved by it until tune
+    measures again.
     """
-    from bigmem.nets.tuning import load_tuning
+    from bigmem.nets.tuning import load_tuning, overhead_key
 
     tuning = load_tuning()
-    name = f"{preset}/{precision}/{mode}"
+    name = overhead_key(preset, precision, mode, calibration.table_digest())
     if tuning is None or name not in tuning.overhead_offset_bytes or not calibration.knots:
         return calibration
     offset = int(tuning.overhead_offset_bytes[name])
@@ -338,19 +347,19 @@ def shipped_calibration(preset: str, precision: str, mode: str, *, isa: str, key
     inference = mode == INFERENCE_MODE
     label = "inference default" if inference else "default"
     kind = {k for k in SHIPPED if (k[3] == INFERENCE_MODE) == inference}
-    measured_isas = sorted({k[0] for k in kind})
+    base = PRESET_FOR.get(preset, preset)
+    source_isa, measured_on = _source_isa(kind, base, isa)
     reasons = []
-    source_isa = isa if isa in measured_isas else FALLBACK_ISA
     if source_isa != isa:
-        reasons.append(f"no {label} for ISA class {isa} (measured: {', '.join(measured_isas)})")
+        reasons.append(f"no {label} for ISA class {isa} (measured: {', '.join(measured_on)})")
     wanted_precision, wanted_mode, available = _measured_presets(kind, source_isa, precision, mode)
     if wanted_precision != precision:
         reasons.append(f"no {label} in {precision}; using {wanted_precision}'s")
     if wanted_mode != mode:
         reasons.append(f"no {label} for recompute {mode}; using {wanted_mode}'s")
-    base = PRESET_FOR.get(preset, preset)
     if base not in available:
-        fallback = max(sorted(available), key=lambda name: last_slope(
+        lenders = available & _lenders(kind)
+        fallback = max(sorted(lenders), key=lambda name: last_slope(
             SHIPPED[(source_isa, name, wanted_precision, wanted_mode)]))
         scope = "" if inference else f" in {precision}/{mode}"
         reasons.append(f"no {label} for model {preset!r}{scope}; using {fallback}'s")
@@ -366,6 +375,30 @@ def shipped_calibration(preset: str, precision: str, mode: str, *, isa: str, key
     return Calibration(round(scale, 4), framework, source, key, [v for v, _, _ in SHIPPED[table]],
                        margin_fraction=margin, margin_bytes=margin_bytes, knots=knots, table_cpu=SHIPPED_CPUS[table],
                        table_isa=source_isa, borrowed=base != PRESET_FOR.get(preset, preset))
+
+
+def _lenders(keys) -> set[str]:
+    """The presets whose tables a network without its own may borrow: those ``FALLBACK_ISA`` measured (the
+    reference set every measured class has; a class that measured one more network does not lend it)."""
+    return {k[1] for k in keys if k[0] == FALLBACK_ISA}
+
+
+def _source_isa(keys, preset: str, isa: str) -> tuple[str, list[str]]:
+    """The ISA class whose tables serve ``preset`` on ``isa``, and the classes that could have (for the note).
+
+    This class where it measured the preset; else another class that did (``FALLBACK_ISA`` first): a
+    network's own curve from another CPU is nearer than another network's from this one. resenc-m
+    (102 M weights, 409 MB in float32) peaks where a plain U-Net's curve does not put it: at 32^3 its final
+    model save holds a copy of the weights above the step's peak, and from 96^3 to 128^3 its peak grew by 0.75
+    of what its blocks count; with intelai-brats's curve it was 12-13% over at 64^3 on an AVX2 EPYC
+    (benchmarks/results/memory_model.md, "resenc-m's own curve"). A network no class measured borrows
+    (``_lenders``) from this class where it has the lenders' tables, else from ``FALLBACK_ISA``.
+    """
+    own = sorted({k[0] for k in keys if k[1] == preset})
+    if own:
+        return (isa if isa in own else FALLBACK_ISA if FALLBACK_ISA in own else own[0]), own
+    lending = sorted({k[0] for k in keys if k[1] in _lenders(keys)})
+    return (isa if isa in lending else FALLBACK_ISA), lending
 
 
 def _measured_presets(keys, isa: str, precision: str, mode: str) -> tuple[str, str, set[str]]:
@@ -417,7 +450,7 @@ def shipped_shape(preset: str, precision: str, recompute: str, isa: str, batch_s
     if batch_size != DEFAULTS_BATCH_SIZE:
         return []
     base = PRESET_FOR.get(preset, preset)
-    for source_isa in (isa, FALLBACK_ISA):
+    for source_isa in (isa, FALLBACK_ISA, *sorted({k[0] for k in SHIPPED})):
         knots = SHIPPED.get((source_isa, base, precision, recompute))
         if knots:
             return [[x, y] for _, x, y in knots]

@@ -68,6 +68,12 @@ def key_here(threads: int | None = None) -> TuningKey:
                      threads or intra_op_threads())
 
 
+def overhead_key(preset: str, precision: str, mode: str, table: str) -> str:
+    """``Tuning.overhead_offset_bytes``'s key: ``"kits19/fp32/none@1a2b3c4d"``, the last part the digest of the
+    shipped table it was measured against (``Calibration.table_digest``)."""
+    return f"{preset}/{precision}/{mode}@{table}"
+
+
 def tuning_dir() -> Path:
     """``$BIGMEM_TUNING_DIR``, else the cache folder's ``tuning/``."""
     return Path(os.environ.get(TUNING_DIR_ENV) or cache_dir() / "tuning")
@@ -89,9 +95,10 @@ class Tuning:
             timed is present; other channel counts keep the shipped choice.
         conv_gflops_per_core: ``"precision/base_filters"`` -> the rate of the network's convolutions at
             their fastest kernels (forward + both gradients), per core: the whole-network ceiling's rate.
-        overhead_offset_bytes: ``"preset/precision/mode"`` -> the measured overhead at the network's
-            smallest shape minus the shipped table's there: the framework's fixed term on this
-            machine against the CPU the table came from (memory/calibration.py adds it).
+        overhead_offset_bytes: ``"preset/precision/mode@table"`` (``overhead_key``) -> the measured overhead
+            at the network's smallest shape minus that shipped table's there: the framework's fixed term on
+            this machine against the CPU the table came from (memory/calibration.py adds it to that table,
+            never to another shipped later).
         tuned: what each pass timed (model, shape, precision, seconds, whether it ran out of budget).
         rows: the timings (one per distinct convolution: its shape and each kernel's seconds).
     """
@@ -119,7 +126,7 @@ class Tuning:
             by_pair.setdefault(f"{precision} stride {stride}", []).append(f"{channels}{'' if won else ' no'}")
         planewise = "; ".join(f"{pair}: {', '.join(counts)}" for pair, counts in by_pair.items()) or "none timed"
         rates = ", ".join(f"{p} {rate:g}" for p, rate in sorted(self.conv_gflops_per_core.items()))
-        offsets = ", ".join(f"{name} {value / 2**20:+.0f} MiB"
+        offsets = ", ".join(f"{name.split('@')[0]} {value / 2**20:+.0f} MiB"
                             for name, value in sorted(self.overhead_offset_bytes.items())) or "not measured"
         return (f"planewise weight gradient by input channels ({planewise}); convolutions at "
                 f"{rates or '-'} GFLOP/s per core; fixed memory against the shipped table {offsets}")

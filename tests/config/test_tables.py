@@ -40,7 +40,7 @@ def test_every_entry_says_where_it_came_from(name):
 
 def test_training_memory_holds_the_measured_knots():
     entries = tables.load("training_memory")
-    assert set(entries) == {"avx512_bf16-amd-epyc", "amx-intel-xeon"}
+    assert set(entries) == {"avx512_bf16-amd-epyc", "amx-intel-xeon", "avx2-amd-epyc"}
     amd = entries["avx512_bf16-amd-epyc"]
     assert (amd["isa_class"], amd["machine"]["cpu"], amd["machine"]["tensorflow"]) == ("avx512_bf16", "AMD EPYC",
                                                                                         "2.21.0")
@@ -58,6 +58,12 @@ def test_training_memory_holds_the_measured_knots():
     assert [k["volume"] for k in kits["knots"]] == [32, 64, 96, 128, 160, 192, 224]
     assert kits["knots"][-1]["overhead_bytes"] == 13_616_797_020
     assert "memory_model-amx-intel-xeon-20261201-144530.json" in amx["results"][0]
+    avx2 = entries["avx2-amd-epyc"]  # resenc-m only
+    assert {(t["preset"], t["precision"], t["recompute"]) for t in avx2["tables"]} == {
+        ("resenc-m", "fp32", "none"), ("resenc-m", "fp32", "stages")}
+    resenc = next(t for t in avx2["tables"] if t["recompute"] == "none")
+    assert [k["volume"] for k in resenc["knots"]] == [32, 64, 96, 128]
+    assert resenc["knots"][-1]["overhead_bytes"] == 8_052_341_232
 
 
 def test_the_modules_read_the_tables():
@@ -67,7 +73,7 @@ def test_the_modules_read_the_tables():
 
     assert SHIPPED[("avx512_bf16", "small", "fp32", "none")][3] == (128, 1_571_291_136, 2_057_447_760)
     assert SHIPPED[("amx", "small", "bf16", "stages")][-1] == (400, 21_264_000_000, 14_986_606_928)
-    assert len([key for key in SHIPPED if key[3] != "inference"]) == 24
+    assert len([key for key in SHIPPED if key[3] != "inference"]) == 26  # 12 per class, and resenc-m on avx2
     assert SHIPPED_MACHINES[("amx", "small", "bf16", "stages")] == "Intel Xeon 2 vCPU amx, TF 2.21.0, 2026-12-01"
     assert {e["batch_size"] for e in tables.load("training_memory").values()} == {DEFAULTS_BATCH_SIZE}
     assert SHIPPED[("avx512_bf16", "kits19", "fp32", "inference")][-1] == (256, 11_341_398_016, 14_192_655_476)

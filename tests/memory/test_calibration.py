@@ -242,3 +242,24 @@ def test_a_stored_calibration_from_before_batches_reads_as_batch_1():
     stored = Calibration(0.8, 100, "old").to_dict()
     stored.pop("batch_size")
     assert Calibration(**stored).batch_size == 1
+
+
+def test_a_network_measured_on_one_class_takes_its_own_curve_there_and_elsewhere():
+    own = shipped_calibration("resenc-m", "fp32", "none", isa="avx2")
+    assert (own.margin_fraction, own.margin_bytes, own.borrowed) == (0.0, 0, False)
+    assert own.knots == [[x, y] for _, x, y in SHIPPED[("avx2", "resenc-m", "fp32", "none")]]
+    elsewhere = shipped_calibration("resenc-m", "fp32", "none", isa="avx512_bf16")
+    assert elsewhere.knots == own.knots
+    assert elsewhere.borrowed is False
+    assert "no default for ISA class avx512_bf16 (measured: avx2)" in elsewhere.source
+    assert elsewhere.margin_fraction == UNMEASURED_MARGIN_FRACTION
+
+
+def test_a_class_that_measured_one_network_does_not_lend_it():
+    # avx2 has resenc-m's table only: the presets and an unknown network still come from avx512_bf16's
+    small = shipped_calibration("small", "fp32", "none", isa="avx2")
+    assert small.table_isa == FALLBACK_ISA
+    unknown = shipped_calibration("my-net", "fp32", "none", isa="avx2")
+    assert unknown.table_isa == FALLBACK_ISA
+    assert "using resenc-m's" not in unknown.source
+    assert unknown.borrowed is True

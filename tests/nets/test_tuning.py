@@ -148,12 +148,22 @@ def test_the_tuned_fixed_term_moves_the_shipped_table(tuning_dir):
     from bigmem.memory.calibration import calibration_for, machine_isa_class, shipped_calibration
 
     shipped = shipped_calibration("small", "fp32", "none", isa=machine_isa_class())
-    _write(offsets={"small/fp32/none": 100 * 2**20})
+    _write(offsets={tuning.overhead_key("small", "fp32", "none", shipped.table_digest()): 100 * 2**20})
     moved = calibration_for("small", "fp32", "none", path=tuning_dir / "no-calibrations.json")
     assert [y for _, y in moved.knots] == [y + 100 * 2**20 for _, y in shipped.knots]
     assert moved.margin_bytes == 0
     assert "fixed term measured by bigmem tune (+100.00 MiB)" in moved.source
     assert moved.margin_fraction == min(shipped.margin_fraction, 0.02)
+
+
+@pytest.mark.parametrize("name", ["small/fp32/none", "small/fp32/none@00000000"])
+def test_an_offset_measured_against_another_table_is_not_applied(tuning_dir, name):
+    from bigmem.memory.calibration import calibration_for, machine_isa_class, shipped_calibration
+
+    shipped = shipped_calibration("small", "fp32", "none", isa=machine_isa_class())
+    _write(offsets={name: 100 * 2**20})  # an older file's key, or a table shipped before this one
+    found = calibration_for("small", "fp32", "none", path=tuning_dir / "no-calibrations.json")
+    assert found.knots == shipped.knots
 
 
 def test_the_pass_times_every_convolution_and_writes_the_file(tuning_dir):
