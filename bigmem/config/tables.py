@@ -103,12 +103,13 @@ def serving(entries: dict[str, dict], *fields: str) -> dict[tuple, dict]:
     chosen: dict[tuple, dict] = {}
     for entry in entries.values():
         group = tuple(entry[f] for f in fields)
-        if group not in chosen or _end_date(entry) >= _end_date(chosen[group]):
+        if group not in chosen or end_date(entry) >= end_date(chosen[group]):
             chosen[group] = entry
     return chosen
 
 
-def _end_date(entry: dict) -> str:
+def end_date(entry: dict) -> str:
+    """An entry's date, the end of a range ``A/B``: what orders two measurements of one thing."""
     return str(entry["date"]).split("/")[-1]
 
 

@@ -32,8 +32,8 @@ def gpu_footprint_bytes(config: ExperimentConfig, counts_for, patch: int | Seque
     shape = as_shape(patch)
     sized = dataclasses.replace(config, train=dataclasses.replace(config.train, batch_size=batch))
     counts = counts_for(shape)
-    # The curve as measured at its batch, for any batch: that a step of several keeps every counted tensor
-    # was measured on CPUs (memory/estimate.py), and a GPU's allocator and kernels are others.
+    # The curve as measured at its batch, for any batch: what a step of several adds per sample was measured
+    # on CPUs (memory/estimate.py), and a GPU's allocator and kernels are others.
     stages = mode_stages(config.memory.recompute, counts)
     curve = calibration_for(config.model.name, config.train.precision.value, recompute_key(stages))
     predicted = estimate(sized, counts, shape, recompute_stages=stages,

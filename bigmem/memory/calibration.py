@@ -54,6 +54,12 @@ for (_isa, _), _entry in tables.serving(tables.load("inference_memory"), "isa_cl
         _key = (_isa, _table["preset"], _table["precision"], INFERENCE_MODE)
         SHIPPED[_key], SHIPPED_MACHINES[_key] = knot_tuples(_table), _entry["summary"]
         SHIPPED_CPUS[_key] = (_entry.get("machine") or {}).get("cpu", "")
+# What each sample past the first adds to a training step's peak, over what its blocks count, per preset
+# (``added_sample_keeps`` of any entry; the later entry wins): the step of a larger batch than the
+# curve's is its batch's peak plus this much of each added sample's count (memory/estimate.py).
+ADDED_SAMPLE_KEEPS: dict[str, float] = {}
+for _entry in sorted(tables.load("training_memory").values(), key=tables.end_date):
+    ADDED_SAMPLE_KEEPS.update(_entry.get("added_sample_keeps", {}))
 # The class whose tables an unmeasured class starts from, before its margin: the margins below
 # were sized against it (AVX2 and AVX-512 without bf16 have no AMX tiles either).
 FALLBACK_ISA = "avx512_bf16"
@@ -115,7 +121,8 @@ class Calibration:
     table_cpu: str = ""
     table_isa: str = ""
     # The batch its knots were measured at (the shipped tables': DEFAULTS_BATCH_SIZE). A step of a larger
-    # batch keeps every counted tensor (memory/estimate.py, the training estimate).
+    # batch adds, per added sample, what the network's added samples keep (``added_sample_keeps``;
+    # memory/estimate.py, the training estimate).
     batch_size: int = DEFAULTS_BATCH_SIZE
     # The curve is another network's (no table was measured for this one): the estimate then keeps every
     # counted tensor instead of following it (memory/estimate.py), and keeps only its fixed term.
@@ -199,6 +206,11 @@ def knots_from(points: Sequence[dict]) -> list[list[int]]:
             continue
         knots.append([int(round(x)), int(round(max(y, knots[-1][1] if knots else y)))])
     return knots
+
+
+def added_sample_keeps(preset: str) -> float:
+    """What each added sample keeps of its counted bytes (``ADDED_SAMPLE_KEEPS``); 1.0 (all of it) unmeasured."""
+    return ADDED_SAMPLE_KEEPS.get(PRESET_FOR.get(preset, preset), 1.0)
 
 
 def calibration_path() -> Path:

@@ -32,7 +32,7 @@ from typing import Sequence
 from bigmem.config.options import OptimizerName, Precision, Recompute
 from bigmem.config.schema import ExperimentConfig
 from bigmem.data.derived import augmentation
-from bigmem.memory.calibration import INFERENCE_MODE, Calibration, calibration_for, recompute_key
+from bigmem.memory.calibration import INFERENCE_MODE, Calibration, added_sample_keeps, calibration_for, recompute_key
 from bigmem.nets.limits import exceeds_limit, max_kernel_elements, slab_elements
 from bigmem.nets.slabplan import min_frame_planes, plane_runnable
 
@@ -386,15 +386,24 @@ def _train(config: ExperimentConfig, counts: NetworkCounts, spatial_shape: Seque
     # is shared by the activations and the workspace in proportion to their counts.
     framework_bytes = calibration.fixed_bytes()
     scale = (intercept + scale * counted_bytes - framework_bytes) / counted_bytes if counted_bytes else 0.0
-    # The curve was measured at batch 1, where a preset's peak holds 68-86% of what its blocks count (kits19
-    # at 64-160^3 on an AVX2 EPYC). A step of 2 or more keeps all of it: 95-102% at batch 2 and 4 (small and
-    # kits19, 64^3 to 64x96x96), where the batch-1 curve was 4-10% low. A network no curve was measured for
-    # keeps all of it at batch 1 too: nnU-Net-style networks configured per axis held 99% at 64x128x128,
-    # where another preset's curve was 29% low (benchmarks/results/memory_model.md, "Batches of several and
-    # configured networks").
-    keeps_all = batch > calibration.batch_size or calibration.borrowed
+    # A network no curve was measured for keeps every counted tensor, at any batch: nnU-Net-style networks
+    # configured per axis held 99% at 64x128x128, where another preset's curve was 29% low. The curve was
+    # measured at its own batch (the shipped ones at 1), where a preset's peak holds 68-86% of what its blocks
+    # count (kits19 at 64-160^3 on an AVX2 EPYC); each sample past that batch adds its own counted bytes times
+    # what the network's added samples were measured to keep: 0.60 for intelai-brats, 1.05-1.11 for small,
+    # kits19 and resenc-m at 64^3 (``calibration.added_sample_keeps``; 1 unmeasured). Taking the curve at the
+    # whole batch's count was 4-12% low for small and kits19; keeping every counted tensor of the whole batch
+    # 28-48% high for intelai-brats at 2-8 and 8.6% for resenc-m at 2 (benchmarks/results/memory_model.md,
+    # "Batches of several and configured networks", "What an added sample keeps").
+    keeps_all = calibration.borrowed
     if keeps_all:
         scale = 1.0
+    elif batch > calibration.batch_size and counted_bytes:
+        first = counted_bytes * calibration.batch_size / batch  # what the curve's own batch counts
+        first_scale, first_intercept = calibration.line_for(first)
+        resident = first_intercept + first_scale * first - framework_bytes
+        resident += (counted_bytes - first) * added_sample_keeps(config.model.name)
+        scale = resident / counted_bytes
     components = {
         "framework": framework_bytes,
         "weights": counts.param_count * FLOAT32_BYTES,
@@ -411,7 +420,8 @@ def _train(config: ExperimentConfig, counts: NetworkCounts, spatial_shape: Seque
     # Where the batch keeps every counted tensor, the strided convolutions' plane copies (made in the
     # backward pass after the full-resolution workspace is freed) fit in what the estimate already holds:
     # kits19 at batch 2 measured 1.2% under and 2.7% over without them on an AVX2 EPYC that takes them.
-    copies = 0 if keeps_all else planewise_copy_bytes(config, spatial_shape, calibration.table_isa)
+    copies = 0 if keeps_all or batch > calibration.batch_size else planewise_copy_bytes(config, spatial_shape,
+                                                                                      calibration.table_isa)
     if copies:
         components["planewise_copies"] = copies
     notes = _margin(components, calibration, f"; run `bigmem profile --calibrate --model {config.model.name}` to "

@@ -13,7 +13,7 @@ from bigmem.memory.estimate import (
 )
 from bigmem.nets.unet3d import UNet3D
 
-UNIT = Calibration(activation_scale=1.0, framework_bytes=1000, source="test")
+UNIT = Calibration(activation_scale=1.0, framework_bytes=1000, source="test", borrowed=True)  # the raw counts, any batch
 
 
 @pytest.fixture(scope="module")
@@ -147,17 +147,36 @@ def test_max_pooling_networks_have_no_planewise_copies():
     assert planewise_copy_bytes(resolve_config("small"), (64, 64, 64), "avx512_bf16") == 0
 
 
-def test_a_batch_of_several_keeps_every_counted_tensor(model):
-    """The calibration's curve was measured at batch 1; a step of 2 or more keeps all the blocks count
-    (benchmarks/results/memory_model.md, "Batches of several")."""
+def test_each_added_sample_keeps_what_its_network_was_measured_to_keep(model):
+    """The curve was measured at batch 1; each sample past it adds its counted bytes times the network's
+    measured ``added_sample_keeps`` (benchmarks/results/memory_model.md, "What an added sample keeps")."""
+    from bigmem.memory.calibration import added_sample_keeps
+
     counts = NetworkCounts.from_model(model, (16,) * 3)
     half = Calibration(0.5, 1000, "test")
-    one = estimate(_config(batch_size=1), counts, (16,) * 3, calibration=half).components
-    two = estimate(_config(batch_size=2), counts, (16,) * 3, calibration=half).components
-    unit_two = estimate(_config(batch_size=2), counts, (16,) * 3, calibration=UNIT).components
-    assert one["activations"] == round(0.5 * model.feature_map_elements((16,) * 3) * FLOAT32_BYTES)
-    assert two["activations"] == unit_two["activations"]
-    assert two["workspace"] == unit_two["workspace"]
+    config = _config(batch_size=3)
+    keeps = added_sample_keeps(config.model.name)
+    three = estimate(config, counts, (16,) * 3, calibration=half).components
+    unit_three = estimate(config, counts, (16,) * 3, calibration=UNIT).components
+    assert three["activations"] == round(unit_three["activations"] * (0.5 + 2 * keeps) / 3)
+    assert three["workspace"] == round(unit_three["workspace"] * (0.5 + 2 * keeps) / 3)
+
+
+@pytest.mark.parametrize("preset, keeps", [("intelai-brats", 0.6), ("small", 1.107), ("tiny", 1.107),
+                                           ("a-network-of-mine", 1.0)])
+def test_what_an_added_sample_keeps_is_measured_per_network(preset, keeps):
+    from bigmem.memory.calibration import added_sample_keeps
+
+    assert added_sample_keeps(preset) == keeps
+
+
+def test_a_borrowed_curve_keeps_every_counted_tensor(model):
+    counts = NetworkCounts.from_model(model, (16,) * 3)
+    borrowed = Calibration(0.5, 1000, "test", borrowed=True)
+    for batch in (1, 2):
+        found = estimate(_config(batch_size=batch), counts, (16,) * 3, calibration=borrowed).components
+        unit = estimate(_config(batch_size=batch), counts, (16,) * 3, calibration=UNIT).components
+        assert found["activations"] == unit["activations"]
 
 
 def test_a_calibration_measured_at_the_batch_keeps_its_curve(model):
