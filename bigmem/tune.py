@@ -340,6 +340,29 @@ def fixed_memory(config: ExperimentConfig) -> dict[str, int]:
                 int(measured - predicted)}
 
 
+def fixed_memory_key(config: ExperimentConfig) -> str:
+    """The key ``fixed_memory`` keeps ``config``'s term under: its preset, precision, recompute mode and the
+    digest of the shipped table it is measured against (``nets.tuning.overhead_key``). Nothing is built."""
+    from bigmem.config.options import Recompute
+    from bigmem.memory.calibration import machine_isa_class, shipped_calibration
+
+    mode = "stages" if config.memory.recompute is Recompute.STAGES else "none"  # recompute_key(mode_stages(...))
+    precision = config.train.precision.value
+    table = shipped_calibration(config.model.name, precision, mode, isa=machine_isa_class())
+    return overhead_key(config.model.name, precision, mode, table.table_digest())
+
+
+def measure_fixed_memory(config: ExperimentConfig) -> Tuning | None:
+    """``fixed_memory`` of ``config``, merged into this machine's tuning file (None where there is none)."""
+    offsets = fixed_memory(config)
+    tuning = load_tuning()
+    if tuning is None or tuning.key != dataclasses.asdict(key_here()):
+        return None
+    tuning = dataclasses.replace(tuning, overhead_offset_bytes={**tuning.overhead_offset_bytes, **offsets})
+    save_tuning(tuning)
+    return tuning
+
+
 def rate_key(precision: str, base_filters: int) -> str:
     """``Tuning.conv_gflops_per_core``'s key: ``"fp32/32"`` (precision / the network's base filters)."""
     return f"{precision}/{base_filters}"

@@ -179,6 +179,9 @@ def auto_tune(config: ExperimentConfig, execution: Execution, loader: VolumeLoad
     Skipped with ``train.tune`` off or ``BIGMEM_NO_TUNE=1``, where the machine was tuned in this
     precision before (any model or shape: ``bigmem tune`` tunes others), for the workers of a
     multi-worker run (each would time the same kernels), and for bf16 on a CPU that emulates it.
+    A tuned machine still measures the framework's fixed memory (one step at the network's smallest
+    shape, ``tune.measure_fixed_memory``) the first time it trains a network, mode or shipped table
+    it has no term for.
     """
     import os
 
@@ -192,6 +195,12 @@ def auto_tune(config: ExperimentConfig, execution: Execution, loader: VolumeLoad
         return
     tuning = load_tuning()
     if tuning is not None and any(t["precision"] == precision.value for t in tuning.tuned):
+        from bigmem.tune import fixed_memory_key, measure_fixed_memory
+
+        if fixed_memory_key(config) not in tuning.overhead_offset_bytes:
+            with console.status(f"Measuring the framework's fixed memory for {config.model.name} on this machine "
+                                "(once; a training step at its smallest shape) ..."):
+                measure_fixed_memory(config)
         return
     from bigmem.tune import run_with_progress
 

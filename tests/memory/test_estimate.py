@@ -13,7 +13,7 @@ from bigmem.memory.estimate import (
 )
 from bigmem.nets.unet3d import UNet3D
 
-UNIT = Calibration(activation_scale=1.0, framework_bytes=1000, source="test", borrowed=True)  # the raw counts, any batch
+UNIT = Calibration(activation_scale=1.0, framework_bytes=1000, source="test", borrowed=True)  # raw counts
 
 
 @pytest.fixture(scope="module")

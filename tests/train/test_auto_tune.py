@@ -32,7 +32,15 @@ def ran(tmp_path, monkeypatch):
         tuning.save_tuning(made)
         return made
 
+    def fake_fixed(config):  # the memory step alone, as a tuned machine runs it for a network it has no term for
+        shapes.append(("fixed memory", config.model.name))
+        made = tuning.load_tuning()
+        made.overhead_offset_bytes[bigmem.tune.fixed_memory_key(config)] = 0
+        tuning.save_tuning(made)
+        return made
+
     monkeypatch.setattr(bigmem.tune, "run_with_progress", fake)
+    monkeypatch.setattr(bigmem.tune, "measure_fixed_memory", fake_fixed)
     yield shapes
     choices.kernel_choices.cache_clear()
 
@@ -53,7 +61,16 @@ def test_the_first_run_tunes_at_its_shape(ran):
 def test_a_tuned_precision_is_not_tuned_again(ran):
     job.auto_tune(_config(), SingleProcess(1), None, _console())
     job.auto_tune(_config(), SingleProcess(1), None, _console())
-    assert len(ran) == 1
+    assert ran[1:] == [("fixed memory", "tiny")]  # the pass's fake measured no fixed term
+    job.auto_tune(_config(), SingleProcess(1), None, _console())
+    assert len(ran) == 2
+
+
+def test_a_tuned_machine_measures_the_fixed_term_of_a_network_it_has_none_for(ran):
+    job.auto_tune(_config(), SingleProcess(1), None, _console())
+    small = resolve_config("small", {"train": {"batch_size": 1}, "data": {"shape": [16, 16, 32]}})
+    job.auto_tune(small, SingleProcess(1), None, _console())
+    assert ran == [("fp32", (16, 16, 32)), ("fixed memory", "small")]
 
 
 def test_no_tune_keeps_the_shipped_tables(ran):
