@@ -317,8 +317,7 @@ def fixed_memory(config: ExperimentConfig) -> dict[str, int]:
     primitives and scratch, the allocator's arenas. ``calibration_for`` adds it to the table.
 
     Returns:
-        ``{"preset/precision/mode": bytes}`` (negative where this machine needs less) for
-        ``config``'s preset, precision and recompute mode.
+        ``{fixed_memory_key(config): bytes}`` (negative where this machine needs less).
     """
     import dataclasses as dc
 
@@ -336,8 +335,7 @@ def fixed_memory(config: ExperimentConfig) -> dict[str, int]:
     table = dc.replace(table, margin_fraction=0.0, margin_bytes=0)
     predicted = estimate(config, counts, shape, recompute_stages=stages, calibration=table).predicted_peak_bytes
     measured = measure(config, shape, recompute_stages=stages, force=True).peak_bytes
-    return {overhead_key(config.model.name, config.train.precision.value, mode, table.table_digest()):
-                int(measured - predicted)}
+    return {fixed_memory_key(config): int(measured - predicted)}
 
 
 def fixed_memory_key(config: ExperimentConfig) -> str:
@@ -354,11 +352,11 @@ def fixed_memory_key(config: ExperimentConfig) -> str:
 
 def measure_fixed_memory(config: ExperimentConfig) -> Tuning | None:
     """``fixed_memory`` of ``config``, merged into this machine's tuning file (None where there is none)."""
-    offsets = fixed_memory(config)
     tuning = load_tuning()
     if tuning is None or tuning.key != dataclasses.asdict(key_here()):
         return None
-    tuning = dataclasses.replace(tuning, overhead_offset_bytes={**tuning.overhead_offset_bytes, **offsets})
+    tuning = dataclasses.replace(tuning, overhead_offset_bytes={**tuning.overhead_offset_bytes,
+                                                                **fixed_memory(config)})
     save_tuning(tuning)
     return tuning
 
