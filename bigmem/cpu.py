@@ -1,6 +1,6 @@
 """The CPU as bigmem sees it: model, CPU counts and the ISA flags that choose kernels and precision.
 
-The lowest layer (no bigmem imports): nets' kernel choices, the planner and ``bigmem info``
+A low layer (it imports only ``bigmem.errors``): nets' kernel choices, the planner and ``bigmem info``
 all read the ISA from here.
 """
 
@@ -13,6 +13,8 @@ from typing import Any
 
 import psutil
 
+from bigmem.errors import UsageError
+
 # ISA extensions that matter for training speed (names as /proc/cpuinfo spells them).
 TRAINING_ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx512_fp16",
                       "amx_tile", "amx_bf16", "amx_int8", "avx_ne_convert")
@@ -23,6 +25,40 @@ TRAINING_ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx5
 # (benchmarks/results/speed.md, "oneDNN and bf16 by ISA class").
 ISA_CLASSES = (("amx", "amx_bf16"), ("avx512_bf16", "avx512_bf16"), ("avx512", "avx512f"), ("avx2", "avx2"))
 NATIVE_BF16_ISA_CLASSES = ("amx", "avx512_bf16")
+# The flags each class implies (and the flags above it that it lacks): what ISA_CLASS_VARIABLE sets.
+CLASS_FLAGS = {"amx": ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16",
+                       "amx_int8"),
+               "avx512_bf16": ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16"),
+               "avx512": ("avx2", "fma", "avx512f", "avx512bw"),
+               "avx2": ("avx2", "fma")}
+# Names an ISA class (ISA_CLASSES) that bigmem takes this CPU to be, in place of its /proc/cpuinfo
+# flags: its memory tables, kernel choices, tuning file and bf16 decision are looked up for that
+# class. oneDNN's kernels do not change (ONEDNN_MAX_CPU_ISA caps those). For checking that the
+# suite and the planner hold on every class from a machine of one.
+ISA_CLASS_VARIABLE = "BIGMEM_ISA_CLASS"
+
+
+def forced_isa_class(environ=None) -> str | None:
+    """The class ``ISA_CLASS_VARIABLE`` names, or None where it is unset.
+
+    Raises:
+        UsageError: it names no class (the message lists the valid ones).
+    """
+    environ = os.environ if environ is None else environ
+    value = str(environ.get(ISA_CLASS_VARIABLE, "")).strip().lower()
+    if not value:
+        return None
+    if value not in CLASS_FLAGS:
+        raise UsageError(f"Invalid {ISA_CLASS_VARIABLE}={value!r}: expected one of {', '.join(CLASS_FLAGS)}, or unset "
+                         "it to use this CPU's own flags.")
+    return value
+
+
+def _forced_flags(flags: set[str], forced: str) -> set[str]:
+    """``flags`` with those that define a class set as ``forced`` has them: its own set, those above cleared."""
+    defining = {flag for flags_of in CLASS_FLAGS.values() for flag in flags_of}
+    kept = flags - defining - ({"avx512_fp16", "avx_ne_convert"} if forced != "amx" else set())
+    return kept | set(CLASS_FLAGS[forced])
 
 
 def isa_class(isa: dict[str, bool]) -> str:
@@ -55,8 +91,12 @@ def cpu_description(proc_root: str | os.PathLike = "/proc") -> dict[str, Any]:
                 model = value.strip()
             elif key == "flags" and not flags:
                 flags = set(value.split())
+    forced = forced_isa_class()
+    if forced is not None:
+        flags = _forced_flags(flags, forced)
     return {
         "model": model,
+        "isa_class_forced": forced,
         "logical_cpus": psutil.cpu_count(logical=True),
         "physical_cores": psutil.cpu_count(logical=False),
         "cpus_allowed": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,

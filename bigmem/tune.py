@@ -91,10 +91,46 @@ class TimedConv:
 def network_convolutions(config: ExperimentConfig, shape: Sequence[int]) -> list[tuple[object, int]]:
     """The distinct convolutions one training step of ``config`` runs at ``shape``, with how many of each.
 
-    Traces the model's forward pass (no compute) inside ``observe_convolutions``.
+    The network is traced at ``traced_shape``, the smallest shape with its size contract, never at
+    ``shape``: every stage's feature map is the input's shape divided by that stage's strides, so the
+    calls at ``shape`` are the traced ones with each axis scaled by ``shape / traced_shape``. A trace at
+    the run's own shape grows with the volume (1280^3 through the depth-slab path took over ten minutes
+    on a 2-core Xeon); this one costs the same at any size.
+
+    Args:
+        config: the run (model, batch size, precision).
+        shape: ``(D, H, W)`` of one training volume; an axis that is not a multiple of the network's
+            size contract is taken at the next multiple (the padded shape it trains at).
 
     Returns:
-        ``[(ConvCall, count), ...]``, most expensive first (input elements x kernel size).
+        ``[(ConvCall, count), ...]`` at ``shape``, most expensive first (input elements x kernel size).
+        A call's ``path`` is the one the layer takes at the traced shape.
+
+    Example:
+        >>> [call.input_shape for call, _ in network_convolutions(resolve_config("tiny"), (64, 64, 64))][0]
+        (1, 64, 64, 64, 1)
+    """
+    padded = tuple(-(-int(s) // d) * d for s, d in zip(as_shape(shape), config.model.divisors))
+    traced = traced_shape(config)
+    factors = tuple(p // t for p, t in zip(padded, traced))
+    calls = convolutions_at(config, traced)
+    counts = Counter(_scaled(dataclasses.replace(call, path=""), factors) for call in calls)
+    paths = {_scaled(dataclasses.replace(call, path=""), factors): call.path for call in calls}
+    ordered = sorted(counts, key=lambda c: -_elements(c.input_shape) * _kernel_volume(c.kernel) * c.kernel[-1])
+    return [(dataclasses.replace(call, path=paths[call]), counts[call]) for call in ordered]
+
+
+def traced_shape(config: ExperimentConfig) -> tuple[int, int, int]:
+    """The shape ``network_convolutions`` traces at: the network's size contract per axis (``model.divisors``),
+    where its deepest stage is one voxel."""
+    return tuple(int(d) for d in config.model.divisors)
+
+
+def convolutions_at(config: ExperimentConfig, shape: Sequence[int]) -> list:
+    """Every convolution call of one training forward pass of ``config`` at exactly ``shape`` (traced, no compute).
+
+    Returns:
+        The ``nets.conv.ConvCall`` list, in call order, one per call.
     """
     import keras
     import tensorflow as tf
@@ -109,10 +145,13 @@ def network_convolutions(config: ExperimentConfig, shape: Sequence[int]) -> list
     with observe_convolutions() as calls:
         tf.function(lambda x: model(x, training=True)).get_concrete_function(spec)
     keras.backend.clear_session()
-    counts = Counter(dataclasses.replace(call, path="") for call in calls)
-    paths = {dataclasses.replace(call, path=""): call.path for call in calls}
-    ordered = sorted(counts, key=lambda c: -_elements(c.input_shape) * _kernel_volume(c.kernel) * c.kernel[-1])
-    return [(dataclasses.replace(call, path=paths[call]), counts[call]) for call in ordered]
+    return list(calls)
+
+
+def _scaled(call, factors: Sequence[int]):
+    """``call`` with its input's spatial axes multiplied by ``factors`` ``(D, H, W)``."""
+    batch, *spatial, channels = call.input_shape
+    return dataclasses.replace(call, input_shape=(batch, *(s * f for s, f in zip(spatial, factors)), channels))
 
 
 def _elements(shape: Sequence[int]) -> int:

@@ -19,6 +19,7 @@ def run(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from bigmem.cpu import ISA_CLASS_VARIABLE
     from bigmem.sysinfo import collect_sysinfo
     from bigmem.tfenv import import_tensorflow
     from bigmem.units import format_bytes
@@ -36,7 +37,9 @@ def run(args) -> int:
     machine.add_row("CPU", f"{cpu['model']} ({cpu['logical_cpus']} logical CPUs, {cpu['physical_cores']} cores)")
     present = [k for k, v in cpu["isa"].items() if v]
     absent = [k for k, v in cpu["isa"].items() if not v]
-    machine.add_row("ISA", " ".join(present) + (f"; absent: {' '.join(absent)}" if absent else ""))
+    machine.add_row("ISA", " ".join(present) + (f"; absent: {' '.join(absent)}" if absent else "")
+                    + (f" (class {cpu['isa_class_forced']} forced by {ISA_CLASS_VARIABLE}; oneDNN runs this CPU's "
+                       "own)" if cpu.get("isa_class_forced") else ""))
     machine.add_row("memory", f"{format_bytes(info['memory']['total_bytes'])} total, "
                               f"{format_bytes(info['memory']['available_bytes'])} available")
     if "tensorflow" in info:

@@ -230,3 +230,35 @@ def test_the_traced_convolutions_are_the_steps_own_flops():
     flops = sum(TimedConv(c.kind, c.input_shape, c.kernel, c.stride, c.precision, n, 0, 0, 0, None).flops
                 for c, n in calls)
     assert flops == UNet3D(config.model).build_for().train_flops((16, 16, 32), batch_size=2)
+
+
+@pytest.mark.parametrize("preset, shape", [("tiny", (16, 16, 32)), ("small", (48, 32, 64)), ("kits19", (64, 64, 32))])
+def test_the_scaled_trace_is_the_trace_at_the_shape_itself(preset, shape):
+    """The calls found at the small traced shape, scaled, are the calls a trace at ``shape`` records."""
+    from collections import Counter
+
+    from bigmem.config import resolve_config
+    from bigmem.tune import convolutions_at, network_convolutions
+
+    config = resolve_config(preset, {"train": {"batch_size": 1}})
+
+    def key(call):
+        return call.kind, call.input_shape, call.kernel, call.stride, call.precision
+
+    direct = Counter(key(call) for call in convolutions_at(config, shape))
+    assert Counter({key(call): count for call, count in network_convolutions(config, shape)}) == direct
+
+
+def test_the_network_is_traced_at_a_bounded_shape_whatever_the_volume(monkeypatch):
+    """A 1280^3 job traces the network at its size contract (16^3 for kits19), not at 1280^3."""
+    import bigmem.tune
+    from bigmem.config import resolve_config
+
+    traced = []
+    real = bigmem.tune.convolutions_at
+    monkeypatch.setattr(bigmem.tune, "convolutions_at", lambda config, shape: traced.append(tuple(shape)) or
+                        real(config, shape))
+    config = resolve_config("kits19", {"train": {"batch_size": 1}})
+    calls = bigmem.tune.network_convolutions(config, (1280, 1280, 1280))
+    assert traced == [config.model.divisors]
+    assert max(call.input_shape[1] for call, _ in calls) == 1280
