@@ -13,7 +13,7 @@ from typing import Sequence
 
 from bigmem.config.schema import ExperimentConfig
 from bigmem.data.pipeline import Shape
-from bigmem.memory.calibration import calibration_for, recompute_key
+from bigmem.memory.calibration import FALLBACK_ISA, recompute_key, shipped_calibration
 from bigmem.memory.estimate import estimate, mode_stages
 from bigmem.memory.planner import largest_fitting
 from bigmem.units import as_shape
@@ -25,6 +25,10 @@ GPU_RUNTIME_BYTES = 1 << 30
 # the margin bigmem adds on a CPU its calibration was not measured on, and the plane copies of this CPU's
 # planewise weight gradients (CPU figures, not a GPU's).
 HOST_ONLY = ("framework", "input_pipeline", "hdf5_chunk_cache", "augmentation", "safety_margin", "planewise_copies")
+# The CPU curve a GPU replica's activations follow: the reference class's shipped table, never the planning
+# host's (its class, its tuned fixed term, its own fits). A GPU's footprint is the same whichever CPU
+# plans it, so the GPU machine (which cannot run the planner) can read a plan made on any CPU.
+GPU_CURVE_ISA = FALLBACK_ISA
 
 
 def gpu_footprint_bytes(config: ExperimentConfig, counts_for, patch: int | Sequence[int], batch: int) -> int:
@@ -35,7 +39,8 @@ def gpu_footprint_bytes(config: ExperimentConfig, counts_for, patch: int | Seque
     # The curve as measured at its batch, for any batch: what a step of several adds per sample was measured
     # on CPUs (memory/estimate.py), and a GPU's allocator and kernels are others.
     stages = mode_stages(config.memory.recompute, counts)
-    curve = calibration_for(config.model.name, config.train.precision.value, recompute_key(stages))
+    curve = shipped_calibration(config.model.name, config.train.precision.value, recompute_key(stages),
+                                isa=GPU_CURVE_ISA)
     predicted = estimate(sized, counts, shape, recompute_stages=stages,
                          calibration=dataclasses.replace(curve, batch_size=max(batch, 1)))
     return sum(v for k, v in predicted.components.items() if k not in HOST_ONLY) + GPU_RUNTIME_BYTES

@@ -272,6 +272,8 @@ def calibration_for(preset: str, precision: str, mode: str, *, path: Path | None
     shipped = shipped_calibration(preset, precision, mode, isa=isa or machine_isa_class(), key=key)
     if isa is not None:
         return shipped
+    if mode == INFERENCE_MODE:
+        return inference_moved_here(shipped, preset, precision)
     tuned = with_tuned_overhead(shipped, preset, precision, mode)
     if tuned is shipped and not shipped.has_margin and shipped.table_cpu not in ("", machine_cpu_model()):
         # The ISA class was measured, but on another CPU: the framework's fixed term is bounded until measured.
@@ -310,6 +312,55 @@ def with_tuned_overhead(calibration: Calibration, preset: str, precision: str, m
               + (f": +{100 * fraction:.0f}% safety margin" if fraction else ""))
     return dataclasses.replace(calibration, knots=knots, activation_scale=round(scale, 4), framework_bytes=framework,
                                margin_fraction=fraction, margin_bytes=0, source=source)
+
+
+def overhead_at(calibration: Calibration, counted_bytes: float) -> float:
+    """The calibration's overhead (resident bytes beyond the exact parts) at ``counted_bytes``, without its margin."""
+    scale, framework = calibration.line_for(counted_bytes)
+    return framework + scale * counted_bytes
+
+
+def inference_moved_here(calibration: Calibration, preset: str, precision: str) -> Calibration:
+    """An inference table measured on another CPU, moved by what is known of this machine's framework instead of
+    a blanket margin.
+
+    The inference tables come from fewer machines than the training tables. Where this one's is another
+    CPU's, the difference between the two CPUs' fixed terms is read from training, where it is measured:
+    this machine's training curve (its class's shipped table, moved by the fixed term ``bigmem tune``
+    measured here where there is one) against the training curve of the CPU the inference table came
+    from, both at the smallest size measured. The inference knots move by that difference, and the margin
+    is what the training curve carries (what is not measured here), and at least ``TUNED_MARGIN_FRACTION``
+    for the inference curve's shape, which is the other CPU's. So a forward pass is planned from the same
+    measurement as the training step of the same network, and never above it for want of a measurement
+    (an AMX Xeon, tuned: small at 96^3 planned 1.30 GB for inference against 1.29 GB for training, with the
+    blanket 15% + 256 MiB).
+
+    Args:
+        calibration: ``shipped_calibration(..., INFERENCE_MODE)`` for this machine's class.
+        preset, precision: the network and its precision.
+
+    Returns:
+        ``calibration`` unchanged where it was measured on this CPU model and ``bigmem tune`` measured no other
+        fixed term here; else moved (on the same CPU model by the tuned term alone, with training's margin;
+        emulated bf16 keeps the margin its training curve has for that).
+    """
+    if not calibration.knots:
+        return calibration
+    same_cpu = calibration.table_isa == machine_isa_class() and calibration.table_cpu == machine_cpu_model()
+    here = calibration_for(preset, precision, "none")  # this machine's training curve, with its own margin
+    there = shipped_calibration(preset, precision, "none", isa=calibration.table_isa)
+    smallest = min(here.knots[0][0] if here.knots else 0, there.knots[0][0] if there.knots else 0) or 1
+    offset = int(round(overhead_at(here, smallest) - overhead_at(there, smallest)))
+    if same_cpu and offset == 0:  # measured on this CPU model, and nothing measured here says otherwise
+        return calibration
+    knots = [[x, y + offset] for x, y in calibration.knots]
+    scale, framework = Calibration(0.0, 0, "", knots=knots).line_for(knots[-1][0] + 1)
+    fraction = here.margin_fraction if same_cpu else max(here.margin_fraction, TUNED_MARGIN_FRACTION)
+    source = (f"{calibration.source.split('; ')[0]}; moved {'+' if offset >= 0 else '-'}{format_bytes(abs(offset))} "
+              f"by this machine's training curve against {calibration.table_isa}'s: +{100 * fraction:.0f}%"
+              + (f" + {format_bytes(here.margin_bytes)}" if here.margin_bytes else "") + " safety margin")
+    return dataclasses.replace(calibration, knots=knots, activation_scale=round(scale, 4), framework_bytes=framework,
+                               margin_fraction=fraction, margin_bytes=here.margin_bytes, source=source)
 
 
 def last_slope(knots: Sequence[tuple[int, int, int]]) -> float:
