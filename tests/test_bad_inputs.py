@@ -30,6 +30,8 @@ import nibabel as nib
 import numpy as np
 import pytest
 
+from bigmem.nets.tuning import TUNING_DIR_ENV
+from bigmem.train.job import NO_TUNE_VARIABLE
 from helpers import copy_store, run_cli
 
 GOOD_ROW = {"step": 1, "loss": 0.9, "dice": 0.2, "voxels_per_s": 1.0e5, "step_s": 0.5}
@@ -287,7 +289,28 @@ CASES = [
                                                    "2", "--out", "{tmp}/run"), 1,
          "Case 'b': label value 7 >= number of classes 3 ({tmp}/old.h5); expected values 0..2: fix the label and "
          "convert again.", _bad_values_store("old.h5", label=7, records=False)),
-    # train/trainer.py's exclusive_run_dir refuses these before TensorFlow starts (the resume and chaos work)
+    # Refused by the plan, before the tuning pass a new machine runs on its first job (test_bad_input runs
+    # every case untuned, with the pass on): in seconds, and with nothing tuned, measured or made.
+    Case("volume-1280-on-a-new-machine", 6, ("train", "--volume", "1280", "--out", "{tmp}/run"), 3,
+         "Predicted peak <*> for small at 1280^3 x batch 2 (fp32) exceeds the memory budget <*> (MemAvailable): <*>; "
+         "or pass --force to try anyway."),
+    Case("memory-budget-1KiB-on-a-new-machine", 6, ("train", "--data", "{store}", "--model", "tiny", "--memory-budget",
+                                                    "1KiB", "--out", "{tmp}/run"), 3,
+         "Predicted peak <*> for tiny at 16^3 (case '<*>', 16x16x16) x batch 1 (fp32) exceeds the memory budget "
+         "1.00 KiB (--memory-budget): nothing fits, not even the smallest volume; raise --memory-budget or free "
+         "memory; or pass --force to try anyway."),
+    Case("batch-size-100000-on-a-new-machine", 6, ("train", "--data", "{store}", "--model", "tiny", "--batch-size",
+                                                   "100000", "--out", "{tmp}/run"), 3,
+         "Predicted peak <*> for tiny at 16^3 (case '<*>', 16x16x16) x batch 100000 (fp32) exceeds the memory budget "
+         "<*> (MemAvailable): use --batch-size <*>; or pass --force to try anyway."),
+    Case("holdout-of-every-case", 6, ("train", "--data", "{store}", "--model", "tiny", "--holdout", "4", "--out",
+                                      "{tmp}/run"), 1,
+         "Cannot hold out 4 of the 4 cases in '{store}': training needs at least one."),
+    Case("gpu-memory-1KiB-without-a-gpu", 6, ("train", "--data", "{store}", "--model", "tiny", "--strategy",
+                                              "mirrored", "--gpu-memory", "1KiB", "--out", "{tmp}/run"), 1,
+         "No GPU found for --strategy mirrored; use --simulate-replicas N to run the same path on N logical CPU "
+         "devices."),
+    # train/trainer.py's check_run_dir_path refuses these before TensorFlow starts (the resume and chaos work)
     Case("out-is-a-file", 4, ("train", "--data", "{store}", "--model", "tiny", "--steps", "1", "--out",
                               "{tmp}/afile"), 1,
          "Run directory '{tmp}/afile' is a file, not a folder: choose another --out.", _a_file),
@@ -431,6 +454,10 @@ def test_bad_input(case: Case, sources, tmp_path, capsys, monkeypatch):
     if case.setup is not None:
         case.setup(tmp_path, sources)
     monkeypatch.chdir(tmp_path)  # defaults (./plan.json, ./compare, runs/) land where the snapshot sees them
+    # As on a new machine: nothing tuned, and the tuning pass on. A refusal comes before anything is timed
+    # or measured, so the pass never writes its file (which the snapshot would see).
+    monkeypatch.delenv(NO_TUNE_VARIABLE, raising=False)
+    monkeypatch.setenv(TUNING_DIR_ENV, str(tmp_path / "tuning"))
     before = _snapshot(tmp_path, sources["root"])
     argv = [_fill(a, paths) for a in case.argv]
     if case.no_tensorflow:

@@ -5,8 +5,13 @@ them: the run directory (new, or the checkpoint to resume: ``train/resume.py``),
 config fields, the NUMA placement (before TensorFlow starts threads), the execution (single
 process, or data parallel over replicas set up before TensorFlow initialises devices:
 ``distribute.execution.choose_execution``), the loader, the memory plan (``plan_memory`` over
-``memory.budget``: budget, recomputed stages, the ``Plan`` written as plan.json) and the
+``memory.plans``: budget, recomputed stages, the ``Plan`` written as plan.json) and the
 learning rate. The loop and its callbacks only read the ``Job``.
+
+Everything that can refuse the job runs before anything is timed or measured: the tuning pass (and
+its fixed-memory step) runs only for a job that will run, or whose verdict waits on what it
+measures (``refuse_then_measure``). Nothing here writes the run directory; the trainer creates it
+once the job is prepared.
 """
 
 from __future__ import annotations
@@ -160,9 +165,8 @@ def prepare_job(config: ExperimentConfig, run_dir, *, resume: bool = False, forc
         total_steps = total_steps_for(config, loader.steps_per_epoch)
         if resume_from is not None:
             check_something_to_do(run, resume_from, total_steps)
-        auto_tune(config, execution, loader, console)
-        plan, stages = plan_memory(config, execution, recompute_stages, force=force, console=console,
-                                   placement=placement, loader=loader)
+        plan, stages = refuse_then_measure(config, execution, recompute_stages, force=force, console=console,
+                                           placement=placement, loader=loader)
         lr = execution.learning_rate(config.train.lr, config.train.reference_batch)
         return Job(config, run, manager, resume_from, loader, placement, execution, plan, stages, total_steps, lr)
     except BaseException:
@@ -173,15 +177,63 @@ def prepare_job(config: ExperimentConfig, run_dir, *, resume: bool = False, forc
 NO_TUNE_VARIABLE = "BIGMEM_NO_TUNE"  # =1: as --no-tune, for scripts and test suites that train many short runs
 
 
-def auto_tune(config: ExperimentConfig, execution: Execution, loader: VolumeLoader | None, console: Console) -> None:
-    """The tuning pass (``bigmem tune``) on this machine's first run in this precision, at the step's shape.
+def refuse_then_measure(config: ExperimentConfig, execution: Execution, recompute_stages: list[str] | None, *,
+                        force: bool, console: Console, placement: Placement | None = None,
+                        loader: VolumeLoader | None = None) -> tuple[Plan, list[str]]:
+    """The memory plan, decided before anything is timed or measured where it can be (``plan_memory``).
 
-    Skipped with ``train.tune`` off or ``BIGMEM_NO_TUNE=1``, where the machine was tuned in this
-    precision before (any model or shape: ``bigmem tune`` tunes others), for the workers of a
-    multi-worker run (each would time the same kernels), and for bf16 on a CPU that emulates it.
-    A tuned machine still measures the framework's fixed memory (one step at the network's smallest
-    shape, ``tune.measure_fixed_memory``) the first time it trains a network, mode or shipped table
-    it has no term for.
+    Where this job would tune (``tuning_due``), it is first planned on what is known: the shipped
+    tables with their margin for the terms this machine has not measured. A job over its budget by
+    more than that margin is refused at once (what the pass measures cannot bring it in); one within
+    the margin is said to be, measured, then decided; one that fits runs the pass. Either way the plan
+    that is kept is made after the pass, on what it measured.
+
+    Args:
+        as ``plan_memory``'s.
+
+    Returns:
+        ``plan_memory``'s ``(plan, recompute_stages)``.
+
+    Raises:
+        InsufficientMemoryError: (exit 3) as ``plan_memory``, before the pass where the verdict
+            cannot depend on it.
+    """
+    from bigmem.memory.budget import check_budget_within_machine, resolve_budget
+    from bigmem.units import format_bytes
+
+    due = tuning_due(config, execution)
+    if due is None:
+        return plan_memory(config, execution, recompute_stages, force=force, console=console, placement=placement,
+                           loader=loader)
+    budget = resolve_budget(config.memory.budget_bytes, placement=placement)
+    check_budget_within_machine(budget, force=force)
+    first = _plan(config, execution, recompute_stages, budget, force=True, loader=loader)
+    if not first.fits and not force:
+        unmeasured = unmeasured_bytes(first)
+        if first.predicted_peak_bytes - unmeasured > budget.budget_bytes:  # refused on what is known: its own error
+            plan_memory(config, execution, recompute_stages, force=False, console=console, placement=placement,
+                        loader=loader)
+        console.print(f"The predicted peak, {format_bytes(first.predicted_peak_bytes)}, is over the "
+                      f"{format_bytes(budget.budget_bytes)} budget by less than its margin for terms not measured "
+                      f"on this machine ({format_bytes(unmeasured)}): measuring them before deciding.")
+    auto_tune(config, execution, loader, console)
+    return plan_memory(config, execution, recompute_stages, force=force, console=console, placement=placement,
+                       loader=loader)
+
+
+def unmeasured_bytes(plan: Plan) -> int:
+    """What a plan adds for terms this machine has not measured: its chosen step's safety margin (0 where none)."""
+    return int(plan.chosen.components.get("safety_margin", 0))
+
+
+def tuning_due(config: ExperimentConfig, execution: Execution) -> str | None:
+    """What ``auto_tune`` would run for this job: ``"pass"`` (the tuning pass), ``"fixed memory"`` (its memory
+    step alone) or None (nothing).
+
+    Nothing with ``train.tune`` off or ``BIGMEM_NO_TUNE=1``, for the workers of a multi-worker run (each
+    would time the same kernels), and for bf16 on a CPU that emulates it; the pass on this machine's
+    first run in this precision (a pass of any model or shape counts: ``bigmem tune`` tunes others);
+    the memory step where a tuned machine has no fixed term for this network, mode or shipped table.
     """
     import os
 
@@ -192,21 +244,35 @@ def auto_tune(config: ExperimentConfig, execution: Execution, loader: VolumeLoad
     precision = config.train.precision
     if (not config.train.tune or os.environ.get(NO_TUNE_VARIABLE) == "1" or not isinstance(execution, SingleProcess)
             or (precision is Precision.BF16 and not native_bf16())):
-        return
+        return None
     tuning = load_tuning()
-    if tuning is not None and any(t["precision"] == precision.value for t in tuning.tuned):
-        from bigmem.tune import fixed_memory_key, measure_fixed_memory
+    if tuning is None or not any(t["precision"] == precision.value for t in tuning.tuned):
+        return "pass"
+    from bigmem.tune import fixed_memory_key
 
-        if fixed_memory_key(config) not in tuning.overhead_offset_bytes:
-            with console.status(f"Measuring the framework's fixed memory for {config.model.name} on this machine "
-                                "(once; a training step at its smallest shape) ..."):
-                measure_fixed_memory(config)
-        return
-    from bigmem.tune import run_with_progress
+    return None if fixed_memory_key(config) in tuning.overhead_offset_bytes else "fixed memory"
 
-    shape = _planned_shapes(config, loader)[0] or config.data.shape or (config.data.reference_volume,) * 3
-    tuning = run_with_progress(config, shape, console)
-    console.print(f"tuned this machine once ({NO_TUNE_VARIABLE}=1 or --no-tune to skip): {tuning.summary()}")
+
+def auto_tune(config: ExperimentConfig, execution: Execution, loader: VolumeLoader | None, console: Console) -> None:
+    """Whatever ``tuning_due`` says is due: the tuning pass (``bigmem tune``) at the step's shape, or the
+    framework's fixed memory (one step at the network's smallest shape, ``tune.measure_fixed_memory``).
+
+    The pass writes its file once, when it ends (``nets.tuning.save_tuning``, atomic): a pass stopped by
+    Ctrl-C or a kill leaves nothing, and the next run tunes again.
+    """
+    due = tuning_due(config, execution)
+    if due == "fixed memory":
+        from bigmem.tune import measure_fixed_memory
+
+        with console.status(f"Measuring the framework's fixed memory for {config.model.name} on this machine "
+                            "(once; a training step at its smallest shape) ..."):
+            measure_fixed_memory(config)
+    elif due == "pass":
+        from bigmem.tune import run_with_progress
+
+        shape = _planned_shapes(config, loader)[0] or config.data.shape or (config.data.reference_volume,) * 3
+        tuning = run_with_progress(config, shape, console)
+        console.print(f"tuned this machine once ({NO_TUNE_VARIABLE}=1 or --no-tune to skip): {tuning.summary()}")
 
 
 def _with_data_fields(config: ExperimentConfig, console: Console) -> ExperimentConfig:
@@ -240,9 +306,9 @@ def make_loader(config: ExperimentConfig, execution: Execution) -> VolumeLoader:
 def plan_memory(config: ExperimentConfig, execution: Execution, recompute_stages: list[str] | None, *, force: bool,
                 console: Console, placement: Placement | None = None, loader: VolumeLoader | None = None
                 ) -> tuple[Plan, list[str]]:
-    """The run's memory plan (``memory.budget.job_plan``), printed; refuses a job that cannot fit.
+    """The run's memory plan (``memory.plans.plan_job``), printed; refuses a job that cannot fit.
 
-    The step planned is the largest the loader can feed (``memory.budget.planned_shape`` of
+    The step planned is the largest the loader can feed (``memory.plans.planned_shape`` of
     its cases' shapes), with a per-case table in plan.json; a run that validates (``--val-every``)
     also plans the whole-volume pass over its largest held-out case.
 
@@ -267,18 +333,12 @@ def plan_memory(config: ExperimentConfig, execution: Execution, recompute_stages
             budget exceeds the machine's memory, unless ``force``.
     """
     from bigmem.memory.budget import check_budget_within_machine, resolve_budget
-    from bigmem.memory.plans import plan_job
-    from bigmem.memory.profile import counts_function
 
     budget = resolve_budget(config.memory.budget_bytes, placement=placement)
     if budget.note:
         console.print(budget.note, style="yellow")
     check_budget_within_machine(budget, force=force)
-    shape, cases, validation, validation_case = _planned_shapes(config, loader)
-    plan = plan_job(execution.host_config(config), counts_function(config), budget, shape=shape,
-                    stages=recompute_stages, force=force, check=execution.host_checked, cases=cases,
-                    validation_shape=validation, validation_case=validation_case)
-    plan.data_parallel = execution.to_dict()
+    plan = _plan(config, execution, recompute_stages, budget, force=force, loader=loader)
     if config.train.precision is Precision.BF16:
         from bigmem.sysinfo import native_bf16
 
@@ -288,6 +348,20 @@ def plan_memory(config: ExperimentConfig, execution: Execution, recompute_stages
     if plan.precision_note:
         console.print(plan.precision_note, style="yellow")
     return plan, list(plan.chosen.recompute_stages)
+
+
+def _plan(config: ExperimentConfig, execution: Execution, recompute_stages: list[str] | None, budget, *,
+          force: bool, loader: VolumeLoader | None) -> Plan:
+    """``memory.plans.plan_job`` of this job's largest step against ``budget``, with the execution's section."""
+    from bigmem.memory.plans import plan_job
+    from bigmem.memory.profile import counts_function
+
+    shape, cases, validation, validation_case = _planned_shapes(config, loader)
+    plan = plan_job(execution.host_config(config), counts_function(config), budget, shape=shape,
+                    stages=recompute_stages, force=force, check=execution.host_checked, cases=cases,
+                    validation_shape=validation, validation_case=validation_case)
+    plan.data_parallel = execution.to_dict()
+    return plan
 
 
 def _planned_shapes(config: ExperimentConfig, loader: VolumeLoader | None) -> tuple:

@@ -102,8 +102,9 @@ def train(config: ExperimentConfig, run_dir: str | os.PathLike, *, resume: bool 
         ConfigError: a setting bigmem cannot use (it names the config field).
         InsufficientMemoryError: (exit 3) the job does not fit its budget, unless ``force``.
 
-    A refused run leaves no ``run_dir`` it created: the checks above run before anything is written, and
-    a case refused as it is read (``DataError``) before the first checkpoint removes the directory again.
+    A refused run leaves no ``run_dir``: every check runs (and the tuning pass, where due, after them)
+    before the directory is created, and a case refused as it is read (``DataError``) before the first
+    checkpoint removes the directory again.
 
     Example:
         >>> result = train(resolve_config("tiny", {"train": {"steps": 4}}), "runs/tiny")
@@ -111,25 +112,79 @@ def train(config: ExperimentConfig, run_dir: str | os.PathLike, *, resume: bool 
         4
     """
     console = console or Console(soft_wrap=True)
-    with exclusive_run_dir(Path(run_dir)) as created:  # every decision about the directory is made holding it
-        try:
-            job = prepare_job(config, run_dir, resume=resume, force=force, console=console, verbose=verbose,
-                              recompute_stages=recompute_stages)
-        except NothingToDo as done:
-            console.print(str(done))
-            summary = done.summary or {}
-            return TrainResult(Path(run_dir), done.step, done.step, done.total_steps,
-                               float(summary.get("loss", "nan")), float(summary.get("dice", "nan")))
-        try:
-            return _run(job, console, verbose)
-        except DataError:
-            # A case refused as it is read (its store changed after convert recorded its values, which
-            # the pre-flight trusts): a directory this call made, with no checkpoint yet, goes again.
-            if created and job.checkpoints.latest() is None:
-                shutil.rmtree(job.run.path, ignore_errors=True)
-            raise
-        finally:
-            job.close()
+    check_run_dir_path(Path(run_dir))
+    try:  # every check that can refuse the job, and the tuning pass where it is due: nothing written yet
+        job = prepare_job(config, run_dir, resume=resume, force=force, console=console, verbose=verbose,
+                          recompute_stages=recompute_stages)
+    except NothingToDo as done:
+        return _nothing_to_do(done, run_dir, console)
+    try:
+        with exclusive_run_dir(Path(run_dir)) as created:  # every decision about the directory is made holding it
+            try:
+                job = _resume_point_under_lock(job, resume)
+            except NothingToDo as done:
+                return _nothing_to_do(done, run_dir, console)
+            try:
+                return _run(job, console, verbose)
+            except DataError:
+                # A case refused as it is read (its store changed after convert recorded its values, which
+                # the pre-flight trusts): a directory this call made, with no checkpoint yet, goes again.
+                if created and job.checkpoints.latest() is None:
+                    shutil.rmtree(job.run.path, ignore_errors=True)
+                raise
+    finally:
+        job.close()
+
+
+def _nothing_to_do(done: NothingToDo, run_dir, console: Console) -> TrainResult:
+    """The result of a resumed run already at its last step (nothing was run or written)."""
+    console.print(str(done))
+    summary = done.summary or {}
+    return TrainResult(Path(run_dir), done.step, done.step, done.total_steps,
+                       float(summary.get("loss", "nan")), float(summary.get("dice", "nan")))
+
+
+def _resume_point_under_lock(job: Job, resume: bool) -> Job:
+    """``job`` with its resume point read again now that this process holds the directory: another run may
+    have written a checkpoint there while the job was prepared (its lines were said then, so not again)."""
+    import dataclasses
+    import io
+
+    from bigmem.train.resume import check_something_to_do, resume_point
+
+    latest = resume_point(job.run, job.checkpoints, resume, Console(file=io.StringIO()))
+    if latest == job.resume_from:
+        return job
+    if latest is not None:
+        check_something_to_do(job.run, latest, job.total_steps)
+    return dataclasses.replace(job, resume_from=latest)
+
+
+def check_run_dir_path(path: Path) -> None:
+    """Refuse, before anything is read or made, a run directory that cannot be one: a file, or a place where
+    no folder can be created (probed with a temporary file in its nearest existing folder, which holds for root
+    and read-only mounts too).
+
+    Raises:
+        TrainingError: naming the path and why.
+    """
+    import tempfile
+
+    if path.is_file():
+        raise TrainingError(f"Run directory {str(path)!r} is a file, not a folder: choose another --out.")
+    existing = Path(os.path.abspath(path))
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise TrainingError(f"Run directory {str(path)!r} cannot be created or opened ({str(existing)!r} is a "
+                            "file): choose another --out.")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".bigmem-probe-", dir=existing)
+    except OSError as exc:
+        raise TrainingError(f"Run directory {str(path)!r} cannot be created or opened ({exc.strerror or exc}): "
+                            "choose another --out.") from None
+    os.close(fd)
+    os.unlink(probe)
 
 
 @contextlib.contextmanager

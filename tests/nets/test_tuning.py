@@ -262,3 +262,27 @@ def test_the_network_is_traced_at_a_bounded_shape_whatever_the_volume(monkeypatc
     calls = bigmem.tune.network_convolutions(config, (1280, 1280, 1280))
     assert traced == [config.model.divisors]
     assert max(call.input_shape[1] for call, _ in calls) == 1280
+
+
+def test_a_pass_stopped_part_way_leaves_nothing_and_the_next_one_tunes(tuning_dir, monkeypatch):
+    """Ctrl-C after the first convolution is timed: no file, no temporary beside it; the next pass writes one."""
+    import bigmem.tune
+    from bigmem.config import resolve_config
+
+    config = resolve_config("tiny", {"train": {"batch_size": 1}})
+    real, timed = bigmem.tune.time_convolution, []
+
+    def interrupted(call, count, **options):
+        if timed:
+            raise KeyboardInterrupt
+        timed.append(call)
+        return real(call, count, **options)
+
+    monkeypatch.setattr(bigmem.tune, "time_convolution", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        bigmem.tune.tune(config, (16, 16, 16), measure_memory=False)
+    assert not tuning_dir.exists() or list(tuning_dir.iterdir()) == []
+    monkeypatch.setattr(bigmem.tune, "time_convolution", real)
+    assert tuning.load_tuning() is None
+    bigmem.tune.tune(config, (16, 16, 16), measure_memory=False)
+    assert tuning.load_tuning().tuned[-1]["model"] == "tiny"

@@ -88,3 +88,74 @@ def test_emulated_bf16_is_not_tuned(ran, monkeypatch):
     monkeypatch.setenv("BIGMEM_NATIVE_BF16", "0")
     job.auto_tune(_config(precision="bf16"), SingleProcess(1), None, _console())
     assert ran == []
+
+
+# ---- refuse first: the plan on what is known decides before the pass runs -----------------------------
+
+@pytest.fixture
+def unmeasured_cpu(monkeypatch):
+    """A CPU of a class whose table came from another CPU model: its plans carry the unmeasured margin."""
+    from bigmem.memory import calibration
+
+    monkeypatch.setattr(calibration, "machine_isa_class", lambda: "amx")
+    monkeypatch.setattr(calibration, "machine_cpu_model", lambda: "a CPU no table was measured on")
+    return calibration.UNMEASURED_MARGIN_BYTES
+
+
+def _known_plan(config):
+    """The plan on what is known (no refusal): its peak and the bytes it adds for what is not measured."""
+    from bigmem.memory.budget import resolve_budget
+
+    plan = job._plan(config, SingleProcess(1), None, resolve_budget(2**50), force=True, loader=None)
+    return plan.predicted_peak_bytes, job.unmeasured_bytes(plan)
+
+
+def _with_budget(budget_bytes):
+    return resolve_config("tiny", {"train": {"batch_size": 1}, "data": {"shape": [16, 16, 32]},
+                                   "memory": {"budget_bytes": int(budget_bytes)}})
+
+
+def test_a_job_over_its_budget_by_more_than_the_margin_is_refused_before_the_pass(ran, unmeasured_cpu):
+    from bigmem.errors import InsufficientMemoryError
+
+    peak, margin = _known_plan(_with_budget(2**40))
+    assert margin >= unmeasured_cpu  # the fixed part at least
+    with pytest.raises(InsufficientMemoryError, match=r"^Predicted peak "):
+        job.refuse_then_measure(_with_budget(peak - margin - 2**20), SingleProcess(1), None, force=False,
+                                console=_console())
+    assert ran == []
+
+
+def test_a_job_within_the_margin_is_measured_then_decided(ran, unmeasured_cpu, tmp_path, monkeypatch):
+    import bigmem.tune
+
+    fake_pass = bigmem.tune.run_with_progress
+
+    def measuring_pass(config, shape, console, **options):  # the pass measures this CPU's term: as the table's
+        made = fake_pass(config, shape, console, **options)
+        made.overhead_offset_bytes[bigmem.tune.fixed_memory_key(config)] = 0
+        tuning.save_tuning(made)
+        return made
+
+    monkeypatch.setattr(bigmem.tune, "run_with_progress", measuring_pass)
+    peak, margin = _known_plan(_with_budget(2**40))
+    out = tmp_path / "said.txt"
+    with out.open("w") as said:
+        plan, _ = job.refuse_then_measure(_with_budget(peak - margin // 2), SingleProcess(1), None, force=False,
+                                          console=Console(file=said, width=400))
+    assert ran == [("fp32", (16, 16, 32))]
+    assert "by less than its margin for terms not measured on this machine" in out.read_text()
+    assert plan.predicted_peak_bytes < peak - margin // 2  # measured: the fixed margin is gone, and it fits
+
+
+def test_a_job_that_fits_runs_the_pass_before_its_plan(ran, unmeasured_cpu):
+    peak, _ = _known_plan(_with_budget(2**40))
+    plan, _ = job.refuse_then_measure(_with_budget(2 * peak), SingleProcess(1), None, force=False, console=_console())
+    assert ran == [("fp32", (16, 16, 32))]
+    assert plan.fits is True
+
+
+def test_a_forced_job_is_never_refused_and_still_tuned(ran, unmeasured_cpu):
+    plan, _ = job.refuse_then_measure(_with_budget(2**20), SingleProcess(1), None, force=True, console=_console())
+    assert ran == [("fp32", (16, 16, 32))]
+    assert plan.forced is True

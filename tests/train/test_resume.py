@@ -339,6 +339,24 @@ def test_a_run_directory_in_use_is_refused(finished, tiny_store, capsys):
     assert snapshot(finished) == before
 
 
+def test_the_run_directory_is_made_only_once_the_job_is_prepared(tmp_path, tiny_store, capsys, monkeypatch):
+    """Every refusal, and the tuning pass, happen in prepare_job: the directory does not exist during it."""
+    import bigmem.train.trainer as trainer
+
+    out, existed = tmp_path / "new" / "run", []
+    real = trainer.prepare_job
+
+    def watched(*args, **kwargs):
+        existed.append(out.exists() or out.parent.exists())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "prepare_job", watched)
+    code, _, err = run_cli(command(out, tiny_store), capsys)
+    assert code == 0, err
+    assert existed == [False]
+    assert (out / "summary.json").exists()
+
+
 def test_a_refused_run_leaves_no_folder_behind(tmp_path, tiny_store, capsys):
     out = tmp_path / "new" / "run"
     code, _, err = run_cli(command(out, tiny_store, "--memory-budget", "1KiB"), capsys)
