@@ -358,9 +358,24 @@ def test_the_final_model_on_a_full_disk_is_one_line_and_leaves_nothing(small_fs)
 
 # ---- bigmem train ---------------------------------------------------------------------------------
 
+def test_a_disk_that_cannot_hold_one_checkpoint_is_refused_before_the_run(small_fs, tiny_store, tmp_path, monkeypatch):
+    """Refused with the plan, before the tuning pass and before the run directory exists (nothing is written)."""
+    monkeypatch.delenv("BIGMEM_NO_TUNE", raising=False)  # a new machine: the pass is due, and must not run
+    monkeypatch.setenv("BIGMEM_TUNING_DIR", str(tmp_path / "tuning"))
+    fs = small_fs(32 * 1024)
+    result = _bigmem("train", "--model", "tiny", "--data", tiny_store, "--out", fs / "run", "--steps", 4)
+    line = _one_line(result)
+    assert line == (f"bigmem train: error: No space left on device writing '{fs / 'run' / 'checkpoints'}' (needed "
+                    "about 118.77 KiB, 32.00 KiB free). Free space or choose another --out.")
+    assert list(fs.iterdir()) == []
+    assert not (tmp_path / "tuning").exists()
+
+
 def test_a_run_stopped_by_a_full_disk_leaves_no_event_file(small_fs, tiny_store):
     """The first checkpoint cannot fit: one line naming it, and the TensorBoard files the run began are gone."""
-    fs = small_fs(96 * 1024)  # the run directory's JSON and logs fit; the tiny model's ~120 KiB checkpoint cannot
+    # The pre-flight sees room for the tiny model's ~119 KiB checkpoint; the run directory's JSON and logs then
+    # take ~40 KiB of it (tmpfs counts whole pages), so the checkpoint no longer fits when it is written.
+    fs = small_fs(136 * 1024)
     result = _bigmem("train", "--model", "tiny", "--data", tiny_store, "--out", fs / "run", "--steps", 4,
                      "--checkpoint-every", 2)
     line = _one_line(result)

@@ -166,7 +166,7 @@ def prepare_job(config: ExperimentConfig, run_dir, *, resume: bool = False, forc
         if resume_from is not None:
             check_something_to_do(run, resume_from, total_steps)
         plan, stages = refuse_then_measure(config, execution, recompute_stages, force=force, console=console,
-                                           placement=placement, loader=loader)
+                                           placement=placement, loader=loader, run=run)
         lr = execution.learning_rate(config.train.lr, config.train.reference_batch)
         return Job(config, run, manager, resume_from, loader, placement, execution, plan, stages, total_steps, lr)
     except BaseException:
@@ -179,7 +179,7 @@ NO_TUNE_VARIABLE = "BIGMEM_NO_TUNE"  # =1: as --no-tune, for scripts and test su
 
 def refuse_then_measure(config: ExperimentConfig, execution: Execution, recompute_stages: list[str] | None, *,
                         force: bool, console: Console, placement: Placement | None = None,
-                        loader: VolumeLoader | None = None) -> tuple[Plan, list[str]]:
+                        loader: VolumeLoader | None = None, run: RunDir | None = None) -> tuple[Plan, list[str]]:
     """The memory plan, decided before anything is timed or measured where it can be (``plan_memory``).
 
     Where this job would tune (``tuning_due``), it is first planned on what is known: the shipped
@@ -189,7 +189,8 @@ def refuse_then_measure(config: ExperimentConfig, execution: Execution, recomput
     that is kept is made after the pass, on what it measured.
 
     Args:
-        as ``plan_memory``'s.
+        as ``plan_memory``'s, and ``run``: the run directory, whose disk must hold a checkpoint
+            (``check_checkpoint_space``, before the pass; default None: not checked).
 
     Returns:
         ``plan_memory``'s ``(plan, recompute_stages)``.
@@ -197,17 +198,23 @@ def refuse_then_measure(config: ExperimentConfig, execution: Execution, recomput
     Raises:
         InsufficientMemoryError: (exit 3) as ``plan_memory``, before the pass where the verdict
             cannot depend on it.
+        DiskFullError: the run directory's disk cannot hold one checkpoint.
     """
     from bigmem.memory.budget import check_budget_within_machine, resolve_budget
     from bigmem.units import format_bytes
 
     due = tuning_due(config, execution)
     if due is None:
-        return plan_memory(config, execution, recompute_stages, force=force, console=console, placement=placement,
-                           loader=loader)
+        planned = plan_memory(config, execution, recompute_stages, force=force, console=console, placement=placement,
+                              loader=loader)
+        if run is not None:
+            check_checkpoint_space(run, planned[0])
+        return planned
     budget = resolve_budget(config.memory.budget_bytes, placement=placement)
     check_budget_within_machine(budget, force=force)
     first = _plan(config, execution, recompute_stages, budget, force=True, loader=loader)
+    if run is not None:
+        check_checkpoint_space(run, first)
     if not first.fits and not force:
         unmeasured = unmeasured_bytes(first)
         if first.predicted_peak_bytes - unmeasured > budget.budget_bytes:  # refused on what is known: its own error
@@ -219,6 +226,21 @@ def refuse_then_measure(config: ExperimentConfig, execution: Execution, recomput
     auto_tune(config, execution, loader, console)
     return plan_memory(config, execution, recompute_stages, force=force, console=console, placement=placement,
                        loader=loader)
+
+
+def check_checkpoint_space(run: RunDir, plan: Plan) -> None:
+    """Refuse, before anything is timed or trained, a run whose disk cannot hold one checkpoint: the model's
+    weights and the optimizer's slots (the plan's ``weights`` and ``optimizer_slots``, float32 in every
+    precision). A disk that fills later is still refused where the checkpoint is written.
+
+    Raises:
+        DiskFullError: naming the checkpoints folder, the bytes one checkpoint needs and those free.
+    """
+    from bigmem.atomic import disk_full_error, free_bytes
+
+    needed = int(plan.chosen.components.get("weights", 0)) + int(plan.chosen.components.get("optimizer_slots", 0))
+    if needed > free_bytes(run.path):
+        raise disk_full_error(run.checkpoints, needed)
 
 
 def unmeasured_bytes(plan: Plan) -> int:
