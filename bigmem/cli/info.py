@@ -27,6 +27,7 @@ def run(args) -> int:
     if not args.no_tensorflow:
         import_tensorflow(verbose=getattr(args, "verbose", False))
     info = collect_sysinfo(include_tensorflow=not args.no_tensorflow)
+    info["memory_terms"] = memory_terms()
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
@@ -52,6 +53,10 @@ def run(args) -> int:
     machine.add_row("kernels", tuned["tuned"] + f" ({tuned['file']})" if tuned["file"]
                     else f"shipped tables (not tuned for {tuned['key']}; bigmem tune)")
     console.print(machine)
+    terms = Table(title="memory plan's fixed term per network (training, fp32)", show_header=False)
+    for preset, status in info["memory_terms"].items():
+        terms.add_row(preset, status)
+    console.print(terms)
     nodes = Table(title=f"NUMA nodes (from {info['numa']['source']}; libnuma {info['numa']['libnuma']})")
     for column in ("node", "CPUs", "memory total", "memory free", "distances"):
         nodes.add_column(column)
@@ -60,6 +65,14 @@ def run(args) -> int:
                       format_bytes(node["free_bytes"]), " ".join(map(str, node["distances"])))
     console.print(nodes)
     return 0
+
+
+def memory_terms() -> dict[str, str]:
+    """Per network with a shipped table: where the plan's fixed term comes from here (measured, this CPU's
+    table, or borrowed from another CPU with a margin until its first run measures it)."""
+    from bigmem.memory.calibration import fixed_term_status, shipped_presets
+
+    return {preset: fixed_term_status(preset) for preset in shipped_presets()}
 
 
 def _cpu_ranges(cpus: list[int]) -> str:

@@ -275,14 +275,51 @@ def calibration_for(preset: str, precision: str, mode: str, *, path: Path | None
     if mode == INFERENCE_MODE:
         return inference_moved_here(shipped, preset, precision)
     tuned = with_tuned_overhead(shipped, preset, precision, mode)
-    if tuned is shipped and not shipped.has_margin and shipped.table_cpu not in ("", machine_cpu_model()):
-        # The ISA class was measured, but on another CPU: the framework's fixed term is bounded until measured.
+    if tuned is shipped and not shipped.has_margin and shipped.table_cpu and not is_this_cpu(shipped.table_cpu):
+        # The ISA class was measured, but not known to be on this CPU: the fixed term is bounded until measured.
+        what = (f"not this CPU ({machine_cpu_model()})" if shipped.table_cpu != machine_cpu_model() else
+                "this CPU's name too, but one a hypervisor gives to several CPU generations")
         return dataclasses.replace(
             shipped, margin_bytes=UNMEASURED_MARGIN_BYTES,
-            source=f"{shipped.source}; measured on {shipped.table_cpu}, not this CPU ({machine_cpu_model()}): "
+            source=f"{shipped.source}; measured on {shipped.table_cpu}, {what}: "
                    f"+{format_bytes(UNMEASURED_MARGIN_BYTES)} for the framework's fixed term until bigmem tune "
                    "measures it")
     return tuned
+
+
+def fixed_term_status(preset: str, precision: str = "fp32", mode: str = "none") -> str:
+    """Where the plan's fixed term for ``preset`` comes from on this machine, in a few words (``bigmem info``).
+
+    Returns:
+        "measured here (+63 MiB)" where ``bigmem tune`` (or a first training run) measured it; "this CPU's
+        table"; else "borrowed from <CPU> (<class>): +<margin> until its first run measures it".
+    """
+    found = calibration_for(preset, precision, mode)
+    if "measured by bigmem tune" in found.source:
+        return "measured here (" + found.source.rsplit("bigmem tune (", 1)[1].split(")")[0] + ")"
+    if not found.has_margin:
+        return "this CPU's table"
+    margin = " + ".join(part for part in (f"{100 * found.margin_fraction:.0f}%" if found.margin_fraction else "",
+                                          format_bytes(found.margin_bytes) if found.margin_bytes else "") if part)
+    return (f"borrowed from {found.table_cpu or 'another CPU'} ({found.table_isa}): +{margin} until its first run "
+            "measures it")
+
+
+def shipped_presets() -> list[str]:
+    """The presets with a shipped training table of their own (any class)."""
+    return sorted({key[1] for key in SHIPPED if key[3] in TRAINING_MODES})
+
+
+def is_this_cpu(table_cpu: str) -> bool:
+    """Whether a table recorded as measured on ``table_cpu`` is known to come from this CPU model.
+
+    Only where the two names agree and the name identifies a model (it has a model number:
+    "AMD EPYC 9654", "Intel(R) Xeon(R) Platinum 8481C"). "AMD EPYC" and "Intel(R) Xeon(R) Processor" are
+    what hypervisors show for many generations: an EPYC of family 26 (Zen 5) reads "AMD EPYC" like the
+    EPYC the avx512_bf16 tables were measured on, and small's step there peaked 6.3-8.6% above their
+    prediction at 32-64^3 before its fixed term was measured (benchmarks/results/memory_model.md).
+    """
+    return table_cpu == machine_cpu_model() and any(c.isdigit() for c in table_cpu)
 
 
 def with_tuned_overhead(calibration: Calibration, preset: str, precision: str, mode: str) -> Calibration:
@@ -346,7 +383,7 @@ def inference_moved_here(calibration: Calibration, preset: str, precision: str) 
     """
     if not calibration.knots:
         return calibration
-    same_cpu = calibration.table_isa == machine_isa_class() and calibration.table_cpu == machine_cpu_model()
+    same_cpu = calibration.table_isa == machine_isa_class() and is_this_cpu(calibration.table_cpu)
     here = calibration_for(preset, precision, "none")  # this machine's training curve, with its own margin
     there = shipped_calibration(preset, precision, "none", isa=calibration.table_isa)
     smallest = min(here.knots[0][0] if here.knots else 0, there.knots[0][0] if there.knots else 0) or 1

@@ -34,3 +34,27 @@ def test_info_table(capsys):
     assert code == 0
     assert "NUMA nodes" in out
     assert "avx512f" in out
+
+
+def test_info_says_which_networks_plan_on_a_borrowed_fixed_term(capsys, tmp_path, monkeypatch):
+    """Untuned on an unseen CPU every network borrows; once a network's term is measured, info says so."""
+    import dataclasses
+
+    from bigmem.config import resolve_config
+    from bigmem.memory import calibration
+    from bigmem.nets import tuning
+    from bigmem.tune import fixed_memory_key
+
+    monkeypatch.setenv(tuning.TUNING_DIR_ENV, str(tmp_path / "tuning"))
+    monkeypatch.setattr(calibration, "machine_cpu_model", lambda: "a CPU no table was measured on")
+    code, out, _ = run_cli(["info", "--json", "--no-tensorflow"], capsys)
+    assert code == 0
+    terms = json.loads(out)["memory_terms"]
+    assert set(terms) == {"intelai-brats", "kits19", "resenc-m", "small"}
+    assert terms["small"].startswith("borrowed from ")
+    assert terms["small"].endswith(" until its first run measures it")
+    tuning.save_tuning(tuning.Tuning(key=dataclasses.asdict(tuning.key_here()), planewise={}, conv_gflops_per_core={},
+                                     overhead_offset_bytes={fixed_memory_key(resolve_config("small")): 63 * 2**20},
+                                     tuned=[], rows=[]))
+    code, out, _ = run_cli(["info", "--json", "--no-tensorflow"], capsys)
+    assert json.loads(out)["memory_terms"]["small"] == "measured here (+63.00 MiB)"

@@ -212,11 +212,24 @@ def test_an_unseen_cpu_of_a_measured_class_is_bounded_until_tuned(tuning_dir, mo
 
 
 def test_the_cpu_a_table_was_measured_on_gets_no_margin(tuning_dir, monkeypatch):
+    """A table is known to be this CPU's only under a name with a model number: a hypervisor's "AMD EPYC"
+    covers several generations, and keeps the fixed margin until tune measures the term."""
+    from bigmem.memory import calibration
+
+    monkeypatch.setattr(calibration, "machine_isa_class", lambda: "avx512_bf16")
+    monkeypatch.setitem(calibration.SHIPPED_CPUS, ("avx512_bf16", "kits19", "fp32", "none"), "AMD EPYC 9654")
+    monkeypatch.setattr(calibration, "machine_cpu_model", lambda: "AMD EPYC 9654")
+    assert not calibration.calibration_for("kits19", "fp32", "none", path=tuning_dir / "none.json").has_margin
+
+
+def test_a_masked_cpu_name_is_not_known_to_be_the_tables_cpu(tuning_dir, monkeypatch):
     from bigmem.memory import calibration
 
     monkeypatch.setattr(calibration, "machine_isa_class", lambda: "avx512_bf16")
     monkeypatch.setattr(calibration, "machine_cpu_model", lambda: "AMD EPYC")
-    assert not calibration.calibration_for("kits19", "fp32", "none", path=tuning_dir / "none.json").has_margin
+    masked = calibration.calibration_for("kits19", "fp32", "none", path=tuning_dir / "none.json")
+    assert masked.margin_bytes == calibration.UNMEASURED_MARGIN_BYTES
+    assert "one a hypervisor gives to several CPU generations" in masked.source
 
 
 def test_the_traced_convolutions_are_the_steps_own_flops():
