@@ -12,6 +12,8 @@ and 64x96x96 x 2), and networks configured per axis as ``bigmem plan --data`` co
 writes them): a KiTS-like one (3 x 0.8 x 0.8 mm) at 64x96x96 x 2, a prostate-like one (0.6 x 0.6 x
 3.6 mm) at 160x160x24 x 2, and the KiTS-like one at 64x128x128 with the kernel limit lowered to 2^23
 elements so that its full-resolution stages run in depth slabs; and resenc-m at 64^3 x 1 and x 2.
+``--configs grid`` instead measures every preset with a shipped table (small, kits19, intelai-brats,
+resenc-m) with nothing and with every stage recomputed, at three cube edges each, fp32, batch 1.
 Each is measured as ``bigmem profile --measure`` measures it (``bigmem.api.profile``: a few steps in
 a fresh child process, its VmHWM), and the error is (predicted - measured) / measured. The target:
 within +-5%, never under by more than 2%.
@@ -86,6 +88,12 @@ CONFIGS = {
     "resenc-m-64-b2": ("resenc-m", (64, 64, 64), "fp32", "none", 2),
     "resenc-m-64x96x96": ("resenc-m", (64, 96, 96), "fp32", "none"),
 }
+# Every preset with a shipped table, in both recompute modes, at three cube edges of its own size contract
+# (``--configs grid``): what a first run of each network plans on a new machine.
+GRID_EDGES = {"small": (48, 64, 96), "kits19": (64, 96, 128), "intelai-brats": (48, 64, 96), "resenc-m": (32, 64, 96)}
+GRID = {f"grid-{preset}-{edge}-{mode}": (preset, (edge,) * 3, "fp32", mode)
+        for preset, edges in GRID_EDGES.items() for mode in ("none", "stages") for edge in edges}
+CONFIGS.update(GRID)
 TOLERANCE_PCT, MOST_UNDER_PCT = 5.0, 2.0
 
 
@@ -114,7 +122,8 @@ def _kernel_limit(limit: int | None):
 
 def main(argv: list[str] | None = None) -> int:
     parser = bench_parser(__doc__)
-    parser.add_argument("--configs", default=",".join(CONFIGS), help="names, separated by commas")
+    parser.add_argument("--configs", default=",".join(name for name in CONFIGS if name not in GRID),
+                        help="names, separated by commas; 'grid': every preset and recompute mode at three edges")
     parser.add_argument("--steps", type=int, default=3, help="training steps measured (default 3)")
     parser.add_argument("--reuse", help="earlier results files (comma-separated; a later one wins) whose measured "
                                         "peaks are taken")
@@ -128,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
                        for row in json.loads(Path(path).read_text())["rows"] if row.get("measured_peak_bytes")})
     console = Console()
     rows = []
-    for name in args.configs.split(","):
+    names = list(GRID) if args.configs == "grid" else args.configs.split(",")
+    for name in names:
         preset, shape, precision, recompute, *rest = CONFIGS[name]
         batch, limit = (list(rest) + [1, None][len(rest):])[:2]
         row = {"name": name, "preset": preset if isinstance(preset, str) else "experiment", "shape": list(shape),

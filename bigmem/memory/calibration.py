@@ -344,6 +344,9 @@ def with_tuned_overhead(calibration: Calibration, preset: str, precision: str, m
     fraction = calibration.margin_fraction
     if fraction and not (precision == "bf16" and machine_isa_class() not in NATIVE_BF16_ISA_CLASSES):
         fraction = min(fraction, TUNED_MARGIN_FRACTION)
+    elif not fraction and calibration.table_cpu and not is_this_cpu(calibration.table_cpu):
+        # This class's own table, but not known to be this CPU's: its slope is borrowed as another class's is.
+        fraction = TUNED_MARGIN_FRACTION
     source = (f"{calibration.source.split('; ')[0]}; this machine's fixed term measured by bigmem tune "
               f"({'+' if offset >= 0 else '-'}{format_bytes(abs(offset))})"
               + (f": +{100 * fraction:.0f}% safety margin" if fraction else ""))
