@@ -476,7 +476,7 @@ def test_bad_input(case: Case, sources, tmp_path, capsys, monkeypatch):
 
 
 def test_the_suite_covers_every_class_and_command():
-    """Issue 18's classes 2, 4, 5, 6 and 8 each have cases; every command with a bad input in them is here."""
+    """The defect classes 2, 4, 5, 6 and 8 each have cases; every command with a bad input in them is here."""
     assert {c.issue_class for c in CASES} == {2, 4, 5, 6, 8}
     assert {c.command for c in CASES} == {"convert", "train", "profile", "plan", "report", "compare", "synth",
                                               "predict", "evaluate"}

@@ -203,7 +203,7 @@ def check_node_memory(plan: PerNodePlan, topology: NUMATopology, worker_peak_byt
     Args:
         plan: the workers (``plan_workers``).
         topology: the nodes and their free memory.
-        worker_peak_bytes: one worker's predicted peak (``memory.budget.job_plan`` at its batch).
+        worker_peak_bytes: one worker's predicted peak (``memory.plans.plan_job`` at its batch).
 
     Raises:
         InsufficientMemoryError: (exit 3) naming the first node that cannot hold its workers.

@@ -290,7 +290,7 @@ def activation_elements(counts: NetworkCounts, recompute: Sequence[str]) -> int:
 def mode_stages(recompute: Recompute, counts: NetworkCounts) -> list[str]:
     """The stages a fixed ``--recompute`` mode recomputes: every stage for STAGES, none otherwise.
 
-    AUTO has no fixed stages: ``memory.budget.recompute_stages`` chooses them against a budget.
+    AUTO has no fixed stages: ``memory.plans.recompute_stages`` chooses them against a budget.
     """
     return list(counts.block_elements) if recompute is Recompute.STAGES else []
 

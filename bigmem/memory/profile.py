@@ -44,7 +44,7 @@ def counts_function(config: ExperimentConfig) -> Callable[[tuple[int, int, int]]
 def stages_for(config: ExperimentConfig, counts: NetworkCounts) -> list[str]:
     """The stages a fixed --recompute mode recomputes (kept for the benchmarks' imports).
 
-    bigmem's own code asks ``memory.budget.recompute_stages``, which also chooses ``auto``'s.
+    bigmem's own code asks ``memory.plans.recompute_stages``, which also chooses ``auto``'s.
     """
     return mode_stages(config.memory.recompute, counts)
 
@@ -91,7 +91,7 @@ def profile(config: ExperimentConfig, shape: Sequence[int], counts_for, *, pass_
         pass_: ``Pass.TRAIN`` (default) or ``Pass.FORWARD`` (``bigmem predict``'s whole volume).
         do_measure: also run it in a child process (``measure.measure``) and read its peak.
         steps: training steps to measure.
-        recompute_stages: training: the stages to recompute (default: ``budget.recompute_stages``).
+        recompute_stages: training: the stages to recompute (default: ``memory.plans.recompute_stages``).
 
     Returns:
         The ``Profile``.
