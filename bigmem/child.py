@@ -12,12 +12,16 @@ benchmarks' harness its children; each child's ``main`` is ``serve``.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
 from typing import Any, Callable
 
 from bigmem.errors import BigmemError
+
+PARENT_VARIABLE = "BIGMEM_CHILD_PARENT"  # the pid of the process that started this child (run_child)
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def run_child(module: str, request: dict[str, Any], *, what: str, timeout_s: float | None = None,
@@ -39,6 +43,7 @@ def run_child(module: str, request: dict[str, Any], *, what: str, timeout_s: flo
             printed no JSON object last.
         subprocess.TimeoutExpired: the child ran past ``timeout_s``.
     """
+    env = {**(os.environ if env is None else env), PARENT_VARIABLE: str(os.getpid())}
     with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="bigmem-child-") as handle:
         json.dump(request, handle)
         handle.flush()
@@ -59,9 +64,37 @@ def run_child(module: str, request: dict[str, Any], *, what: str, timeout_s: flo
 
 
 def serve(handler: Callable[[dict[str, Any]], dict[str, Any]], argv: list[str] | None = None) -> int:
-    """A child's ``main``: read the request file named by ``argv[0]``, print ``handler(request)`` as one JSON line."""
+    """A child's ``main``: read the request file named by ``argv[0]``, print ``handler(request)`` as one JSON line.
+
+    A child of ``run_child`` ends with its parent: a measurement whose parent was killed (Ctrl-C'd twice,
+    SIGKILL, the kernel's OOM killer) would otherwise go on holding its memory for nothing.
+    """
+    end_with_parent()
     argv = sys.argv[1:] if argv is None else argv
     with open(argv[0]) as handle:
         request = json.load(handle)
     print(json.dumps(handler(request)), flush=True)
     return 0
+
+
+def end_with_parent(environ=None) -> None:
+    """Have the kernel kill this process when the parent ``run_child`` named (``PARENT_VARIABLE``) exits.
+
+    Linux's ``PR_SET_PDEATHSIG``, set by the child itself (a ``preexec_fn`` in a parent running TensorFlow's
+    threads could deadlock); a parent that died before it was set is seen as a changed parent id. Elsewhere,
+    or outside ``run_child``, nothing is done.
+    """
+    import ctypes
+    import signal
+
+    environ = os.environ if environ is None else environ
+    parent = environ.get(PARENT_VARIABLE)
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != int(parent):
+        os._exit(1)
