@@ -417,19 +417,14 @@ def test_whole_unet_in_slabs_equals_unpartitioned(preset, precision):
         # The logits: bf16 keeps 8 significant bits, so one rounding step is 2^-8 (0.4%) of a value;
         # 1e-2 of the largest logit is two such steps (measured: equal bit for bit on an AVX2 CPU).
         _close(tf.cast(logits, tf.float32), tf.cast(logits_ref, tf.float32), tol=1e-2)
-        # The gradients as one vector: in bf16 this random-weighted loss sums terms that cancel, so a bound
-        # per weight means nothing, and how far two bf16 paths that round differently land apart depends on
-        # the CPU's kernels (slabs moved the whole gradient by 0.9-1.1% with bf16 emulated on an AVX2 CPU,
-        # by 7.4% with native bf16 on an avx512_bf16 EPYC). What holds on every CPU: the slabs move the bf16
-        # gradient by less than bf16 itself moves it from float32's (the same weights, whole tensors).
-        exact = UNet3D(config, dtype="float32").build_for(shape[1:4])
-        exact.set_weights(model.get_weights())
-        with kernel_element_limit(MAX_KERNEL_ELEMENTS), tf.GradientTape() as tape:
-            loss = tf.reduce_sum(exact(x, training=True) * _random(logits.shape, 13))
-        grads_fp32 = tape.gradient(loss, exact.trainable_weights)
+        # The gradients as one vector: in bf16 this random-weighted loss sums terms that cancel, and
+        # bf16's own gradients are 16% (tiny) to 140% (small) off the float32 ones, so a bound per
+        # weight means nothing. Slabs moved the whole gradient by 0.9-1.1% on an AVX2 CPU (bf16
+        # emulated, where the slab and whole-tensor paths round differently) and by 0.1-0.25% with native
+        # bf16 on an avx512_bf16 EPYC; 3% leaves a margin. (This case caught oneDNN's wrong bf16 weight
+        # gradient for inputs two planes deep there, 7.4% and sometimes NaN: nets/conv.py avoids it.)
         error = float(tf.norm(_flat(grads) - _flat(grads_ref)) / tf.norm(_flat(grads_ref)))
-        bf16_error = float(tf.norm(_flat(grads_ref) - _flat(grads_fp32)) / tf.norm(_flat(grads_fp32)))
-        assert error < bf16_error, (error, bf16_error)
+        assert error < 3e-2, error
 
 
 @pytest.mark.parametrize("in_channels,stride,dtype", [(32, 2, "float32"),
