@@ -21,7 +21,8 @@ borrow that term from another CPU. Everything goes into this machine's tuning fi
 Bounded: convolutions are timed from the most expensive down until ``budget_s`` is spent (1
 untimed call, then the fastest of ``repeats``); those left keep the shipped choice, and the file
 says the pass was partial. A convolution larger than ``MAX_TIMED_ELEMENTS`` is timed on a depth
-slab of that size and its time scaled by the depth, so a terabyte-sized run tunes in seconds.
+slab of that size (and a crop of its planes where one plane is larger) and its time scaled by the
+voxels, and the network is traced at its smallest shape: the pass costs the same at any volume.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ MIN_TIMING_S = 10.0  # the timings' share of the budget, however long the memory
 # timed on a depth slab and scaled by its depth, so the pass costs about one training step at any
 # size. Times are linear in depth once a slab has tens of planes (kits19 96^3 x 2: 28 of 96 planes).
 MAX_TIMED_ELEMENTS = 2**24
+MIN_TIMED_PLANES = 16  # a slab thinner than this times slower per voxel (see timed_shape)
 
 
 @dataclass(frozen=True)
@@ -62,7 +64,7 @@ class TimedConv:
     input_grad_s: float
     weight_grad_3d_s: float
     weight_grad_planewise_s: float | None  # None: the layer cannot take the planewise gradient
-    depth_scale: float = 1.0  # timed on 1/depth_scale of the depth
+    depth_scale: float = 1.0  # timed on 1/depth_scale of the input voxels (a slab; its planes cropped past the bound)
 
     @property
     def flops(self) -> float:
@@ -178,29 +180,40 @@ def _planewise_eligible(call) -> bool:
     return spatial[0] >= 2 if call.stride == 1 else all(s % 2 == 0 and s >= 4 for s in spatial)
 
 
-def _timed_depth(call, max_elements: int = MAX_TIMED_ELEMENTS) -> int:
-    """The depth timed: the whole input, or the largest slab (a multiple of 2 x stride) under ``max_elements``."""
-    depth = call.input_shape[1]
-    per_plane = _elements(call.input_shape) // depth
+def timed_shape(call, max_elements: int = MAX_TIMED_ELEMENTS) -> tuple[int, int, int]:
+    """The ``(D, H, W)`` of the input timed: the whole input, else a depth slab of whole planes (at least
+    ``MIN_TIMED_PLANES``, a multiple of 2 x the stride) whose tensors hold at most ``max_elements``; where that many
+    planes are larger still (a 1280^2 plane of 32 channels is 52 M elements), a crop of them, each side a multiple
+    of 2 x its stride. The timing is scaled by the voxels left out: linear once a slab has tens of planes
+    (a 2-plane slab of 362^2 timed the weight gradient 16x slower per voxel than the whole 16 x 384^2 input).
+    """
+    depth, height, width = (int(v) for v in call.input_shape[1:4])
     out_channels = call.kernel[-1] if call.kind == "conv" else call.kernel[3]
-    per_plane = max(per_plane, per_plane // call.input_shape[-1] * out_channels)
+    channels = max(int(call.input_shape[-1]), int(out_channels)) * int(call.input_shape[0])
+    per_plane = height * width * channels
     if per_plane * depth <= max_elements:
-        return depth
-    step = 2 * _strides(call)[0]
-    return max(step, max_elements // per_plane // step * step)
+        return depth, height, width
+    steps = [2 * s for s in _strides(call)]
+    fewest = min(depth, -(-MIN_TIMED_PLANES // steps[0]) * steps[0])
+    if per_plane * fewest <= max_elements:
+        return max(fewest, max_elements // per_plane // steps[0] * steps[0]), height, width
+    area = max(1, max_elements // (fewest * channels))  # voxels a plane may keep
+    shrink = (area / (height * width)) ** 0.5
+    crop = [max(step, min(size, int(size * shrink) // step * step)) for size, step in zip((height, width), steps[1:])]
+    return fewest, crop[0], crop[1]
 
 
 def time_convolution(call, count: int, repeats: int = REPEATS, max_elements: int = MAX_TIMED_ELEMENTS) -> TimedConv:
-    """Time one convolution's kernels (1 untimed call, then the fastest of ``repeats``), on a depth slab of at
-    most ``max_elements`` per tensor (scaled to the whole depth)."""
+    """Time one convolution's kernels (1 untimed call, then the fastest of ``repeats``) on ``timed_shape``: at
+    most ``max_elements`` per tensor, scaled to the whole input by its voxels."""
     import tensorflow as tf
 
     from bigmem.nets.conv import planewise_weight_grad
 
     dtype = tf.bfloat16 if call.precision == "bf16" else tf.float32
-    depth = _timed_depth(call, max_elements)
-    scale = call.input_shape[1] / depth
-    shape = (call.input_shape[0], depth, *call.input_shape[2:])
+    timed = timed_shape(call, max_elements)
+    scale = math.prod(call.input_shape[1:4]) / math.prod(timed)
+    shape = (call.input_shape[0], *timed, call.input_shape[-1])
     s, k = call.stride, call.kernel
     strides = [1, *_strides(call), 1]
     x = tf.cast(tf.random.normal(shape), dtype)

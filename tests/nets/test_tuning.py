@@ -305,3 +305,26 @@ def test_a_pass_stopped_part_way_leaves_nothing_and_the_next_one_tunes(tuning_di
     assert tuning.load_tuning() is None
     bigmem.tune.tune(config, (16, 16, 16), measure_memory=False)
     assert tuning.load_tuning().tuned[-1]["model"] == "tiny"
+
+
+@pytest.mark.parametrize("input_shape, kernel, stride", [
+    ((1, 1280, 1280, 1280, 1), (3, 3, 3, 1, 32), 1),  # one plane of the output: 52 M elements
+    ((1, 1280, 1280, 1280, 32), (3, 3, 3, 32, 32), 2),
+    ((2, 512, 512, 512, 32), (3, 3, 3, 32, 32), 1),
+    ((1, 96, 96, 96, 32), (3, 3, 3, 32, 64), 1)])
+def test_a_timed_convolution_holds_a_bounded_tensor_at_any_volume(input_shape, kernel, stride):
+    from bigmem.nets.conv import ConvCall
+    from bigmem.tune import MAX_TIMED_ELEMENTS, timed_shape
+
+    call = ConvCall("conv", input_shape, kernel, stride, "fp32", "3d")
+    d, h, w = timed_shape(call)
+    channels = max(input_shape[-1], kernel[-1]) * input_shape[0]
+    assert d * h * w * channels <= MAX_TIMED_ELEMENTS
+    assert (d % (2 * stride), h % (2 * stride), w % (2 * stride)) == (0, 0, 0)  # whole strides: exact output shapes
+
+
+def test_a_small_convolution_is_timed_whole():
+    from bigmem.nets.conv import ConvCall
+    from bigmem.tune import timed_shape
+
+    assert timed_shape(ConvCall("conv", (1, 16, 16, 16, 8), (3, 3, 3, 8, 8), 1, "fp32", "3d")) == (16, 16, 16)
