@@ -53,12 +53,17 @@ def disk_errno(exc: BaseException) -> int | None:
     return None
 
 
-def free_bytes(path: str | os.PathLike) -> int:
-    """Bytes an unprivileged user may still write on the filesystem of ``path`` (or its nearest existing parent)."""
+def nearest_existing(path: str | os.PathLike) -> Path:
+    """``path`` itself (made absolute) if it exists, else its nearest existing parent."""
     where = Path(os.path.abspath(path))
     while not where.exists() and where != where.parent:
         where = where.parent
-    return shutil.disk_usage(where).free
+    return where
+
+
+def free_bytes(path: str | os.PathLike) -> int:
+    """Bytes an unprivileged user may still write on the filesystem of ``path`` (or its nearest existing parent)."""
+    return shutil.disk_usage(nearest_existing(path)).free
 
 
 def disk_full_error(path: str | os.PathLike, needed_bytes: int, *, code: int = errno.ENOSPC,

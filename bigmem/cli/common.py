@@ -11,6 +11,7 @@ import os
 import tempfile
 from pathlib import Path
 
+from bigmem.atomic import nearest_existing
 from bigmem.config.presets import DEFAULT_PRESET, preset_names
 from bigmem.errors import DataError, DiskFullError, InsufficientMemoryError, UsageError
 from bigmem.units import format_bytes, parse_bytes
@@ -218,14 +219,6 @@ def check_positive(flag: str, value: int | float | None, *, zero_ok: bool = Fals
         raise UsageError(f"Invalid {flag} {value:g}: expected {what}.")
 
 
-def _existing_ancestor(path: Path) -> Path:
-    """``path`` itself if it exists, else its nearest existing parent."""
-    path = Path(os.path.abspath(path))
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
-
-
 def _probe_writable(directory: Path, flag: str, target: Path) -> None:
     """Create and remove a file in ``directory``: the one test that also holds for root and read-only mounts."""
     if not directory.is_dir():
@@ -273,7 +266,7 @@ def check_output_file(path: str | os.PathLike, flag: str, *, needed_bytes: int |
     path = Path(path)
     if path.is_dir():
         raise DataError(f"Cannot write {flag} {str(path)!r}: it is a directory; expected a file name.")
-    folder = _existing_ancestor(path.parent)
+    folder = nearest_existing(path.parent)
     _probe_writable(folder, flag, path)
     _check_free(folder, flag, path, needed_bytes)
     return path
@@ -302,7 +295,7 @@ def check_output_dir(path: str | os.PathLike, flag: str, *, needed_bytes: int | 
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise DataError(f"Cannot write {flag} {str(path)!r}: it is a file; expected a directory.")
-    folder = _existing_ancestor(path)
+    folder = nearest_existing(path)
     _probe_writable(folder, flag, path)
     _check_free(folder, flag, path, needed_bytes)
     return path

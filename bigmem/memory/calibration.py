@@ -294,9 +294,12 @@ def fixed_term_status(preset: str, precision: str = "fp32", mode: str = "none") 
         "measured here (+63 MiB)" where ``bigmem tune`` (or a first training run) measured it; "this CPU's
         table"; else "borrowed from <CPU> (<class>): +<margin> until its first run measures it".
     """
+    shipped = shipped_calibration(preset, precision, mode, isa=machine_isa_class())
+    moved = with_tuned_overhead(shipped, preset, precision, mode)
+    if moved is not shipped:
+        offset = moved.knots[0][1] - shipped.knots[0][1]
+        return f"measured here ({'+' if offset >= 0 else '-'}{format_bytes(abs(offset))})"
     found = calibration_for(preset, precision, mode)
-    if "measured by bigmem tune" in found.source:
-        return "measured here (" + found.source.rsplit("bigmem tune (", 1)[1].split(")")[0] + ")"
     if not found.has_margin:
         return "this CPU's table"
     margin = " + ".join(part for part in (f"{100 * found.margin_fraction:.0f}%" if found.margin_fraction else "",

@@ -24,11 +24,9 @@ outside that allocator, and are added on top of its peak.
 
 from __future__ import annotations
 
-import dataclasses
-
 import enum
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 from bigmem.config.options import OptimizerName, Precision, Recompute
@@ -481,7 +479,7 @@ def _margin_within_training(components: dict[str, int], config: ExperimentConfig
     tables, so a borrowed inference curve carries the blanket margin (15% + 256 MiB): that margin, and only
     it, is what the cap takes back. A measured excess (no margin) is left as measured.
     """
-    single = dataclasses.replace(config, train=dataclasses.replace(config.train, batch_size=1))
+    single = replace(config, train=replace(config.train, batch_size=1))
     training = _train(single, counts, spatial_shape, [], None).predicted_peak_bytes
     excess = sum(components.values()) - training
     if excess <= 0:

@@ -292,9 +292,9 @@ class Conv3D(keras.layers.Conv3D):
             return False
         if strides == (1, 1, 1) and shape[1] == 2 and _precision(inputs) == "bf16":
             # oneDNN's bf16 3-D weight gradient (TF 2.21) is wrong for an input two planes deep with 32 or more
-            # channels on an avx512_bf16 EPYC: 85-120% off float32's at 2x1x1 to 2x8x8 (sometimes inf),
-            # where one more or one fewer plane is within bf16's 0.2%; the planewise gradient is within 0.2%
-            # there (tests/nets/test_conv.py). A U-Net's deepest stage on a small or thin volume has such depth.
+            # channels on an avx512_bf16 EPYC: 85-150% off float32's at 2x1x1 to 2x8x8, or inf/nan, where one
+            # more or one fewer plane is within bf16's 0.2%; the planewise gradient is within 0.2% there
+            # (benchmarks/results/kernels.md). A U-Net's deepest stage on a small or thin volume has such depth.
             return True
         # Where it pays depends on the ISA class oneDNN runs at (nets/choices.py).
         if not takes_planewise(_precision(inputs), strides[0], shape[-1]):

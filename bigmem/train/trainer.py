@@ -22,7 +22,7 @@ from bigmem.config.options import OptimizerName, Precision
 from bigmem.config.schema import ExperimentConfig
 from bigmem.errors import DataError, DiskFullError, TrainingError
 from bigmem.infer.modelcard import CARD_NAME, ModelCard
-from bigmem.atomic import atomic_output, remove_leftover_temporaries
+from bigmem.atomic import atomic_output, nearest_existing, remove_leftover_temporaries
 from bigmem.sysinfo import collect_sysinfo
 from bigmem.tfenv import import_tensorflow
 from bigmem.train import callbacks as cb
@@ -172,9 +172,7 @@ def check_run_dir_path(path: Path) -> None:
 
     if path.is_file():
         raise TrainingError(f"Run directory {str(path)!r} is a file, not a folder: choose another --out.")
-    existing = Path(os.path.abspath(path))
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
+    existing = nearest_existing(path)
     if not existing.is_dir():
         raise TrainingError(f"Run directory {str(path)!r} cannot be created or opened ({str(existing)!r} is a "
                             "file): choose another --out.")
