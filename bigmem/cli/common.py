@@ -50,10 +50,17 @@ def add_model_flags(parser, *, volume_help: str, shape_help: str | None = None, 
     group.add_argument("--batch-size", type=int, metavar="B", help="volumes per step (default: the preset's)")
     group.add_argument("--optimizer", choices=["sgd", "adam"],
                        help="SGD with Nesterov momentum (1 slot per weight), or Adam (2 slots)")
+    group.add_argument("--recipe", choices=["auto", "nnunet", "preset"],
+                       help="the training recipe as one name: nnunet (nnU-Net v2's: its augmentation, deep "
+                            "supervision, SGD with Nesterov momentum 0.99 at lr 1e-2, weight decay 3e-5, gradients "
+                            "clipped to norm 12, poly decay with exponent 0.9, no warm-up) or preset (the preset's "
+                            "own optimiser and schedule, deep supervision off); a flag given beside it changes that "
+                            "one part (default auto: nnunet with --data, preset on the synthetic set)")
     group.add_argument("--deep-supervision", action=argparse.BooleanOptionalAction, default=None,
                        help="also train each lower decoder resolution through a 1x1x1 head of its own, with "
                             "nnU-Net's weights (1/2^level, the lowest 0, normalised) and labels downsampled as "
-                            "nnU-Net does; prediction uses the full resolution only (default: the preset's, off)")
+                            "nnU-Net does; prediction uses the full resolution only (default: the recipe's: on under "
+                            "nnunet, the preset's under preset)")
 
 
 def add_memory_flags(parser, *, auto: bool = True) -> None:
@@ -118,7 +125,7 @@ def model_overrides(args) -> dict:
     sections = {
         "data": {"shape": shape_argument(args)},
         "train": {"batch_size": getattr(args, "batch_size", None), "optimizer": getattr(args, "optimizer", None),
-                  "precision": getattr(args, "precision", None)},
+                  "precision": getattr(args, "precision", None), "recipe": getattr(args, "recipe", None)},
         "memory": {"recompute": getattr(args, "recompute", None)},
         "model": {"deep_supervision": getattr(args, "deep_supervision", None)},
     }

@@ -92,11 +92,12 @@ def register(subparsers, parents) -> None:
     data.add_argument("--pad-multiple", type=int, metavar="N",
                       help="pad each case's axes up to a multiple of N (a multiple of 2^depth; default 2^depth): a "
                            "store of many shapes then compiles the step for fewer of them, for a little more padding")
-    data.add_argument("--augment", choices=["nnunet", "light", "none"],
+    data.add_argument("--augment", choices=["nnunet", "spatial", "intensity", "light", "none"],
                       help="training augmentation: nnunet (nnU-Net v2's default: rotation and scaling in one "
-                           "resampling, noise, blur, brightness, contrast, low resolution, gamma, mirroring), light "
-                           "(mirroring and an intensity scale/shift) or none (default: nnunet with --data, light on "
-                           "the synthetic set); validation and predict apply none")
+                           "resampling, noise, blur, brightness, contrast, low resolution, gamma, mirroring), spatial "
+                           "or intensity (its spatial or its intensity transforms alone), light (mirroring and an "
+                           "intensity scale/shift) or none (default: the recipe's: nnunet with --data, light on the "
+                           "synthetic set); validation and predict apply none")
     data.add_argument("--num-workers", type=int, metavar="N",
                       help="reader processes (0: read in the training process; default 0)")
     data.add_argument("--prefetch", type=int, metavar="N",
@@ -112,6 +113,11 @@ def register(subparsers, parents) -> None:
                                                                      "and model.keras are written)")
     opt.add_argument("--lr", type=float, metavar="X", help="peak learning rate (after linear warmup)")
     opt.add_argument("--warmup-steps", type=int, metavar="K", help="linear warmup length in steps")
+    opt.add_argument("--weight-decay", type=float, metavar="X",
+                     help="L2 weight decay added to the gradients, as PyTorch's SGD applies it (0: off; default: the "
+                          "recipe's, 3e-5 under nnunet)")
+    opt.add_argument("--clip-norm", type=float, metavar="X",
+                     help="clip the gradients to this global norm (default: the recipe's, 12 under nnunet)")
     opt.add_argument("--seed", type=int, metavar="S", help="seed for weights, case order and augmentation")
     run_group = parser.add_argument_group("run directory")
     run_group.add_argument("--out", metavar="RUN_DIR",
@@ -154,6 +160,7 @@ def _overrides(args) -> dict:
                                   gpu_memory_bytes=gpu_memory, patch=args.patch)
     sections["memory"].update(budget_bytes=budget)
     sections["train"].update(steps=args.steps, epochs=args.epochs, lr=args.lr, warmup_steps=args.warmup_steps,
+                             weight_decay=args.weight_decay, clip_norm=args.clip_norm,
                              seed=args.seed, checkpoint_every=args.checkpoint_every, val_every=args.val_every,
                              reference_batch=args.reference_batch, time_budget_s=args.time_budget,
                              monitor_interval_s=args.monitor_interval, tune=args.tune)

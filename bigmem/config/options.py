@@ -59,7 +59,15 @@ class Augment(StrOption):
     AUTO = "auto"  # nnunet when training on a store, light on the embedded synthetic set
     NNUNET = "nnunet"  # nnU-Net v2's default training augmentation (data/transforms.py)
     LIGHT = "light"  # flips and a scale/shift of intensity
+    SPATIAL = "spatial"  # nnunet's spatial part only: rotation, scaling, mirroring
+    INTENSITY = "intensity"  # nnunet's intensity part only: noise, blur, brightness, contrast, low resolution, gamma
     NONE = "none"
+
+
+class Recipe(StrOption):
+    AUTO = "auto"  # nnunet when training on a store, preset on the embedded synthetic set
+    NNUNET = "nnunet"  # nnU-Net v2's training recipe whole (config.presets.NNUNET_RECIPE)
+    PRESET = "preset"  # the preset's own [train] settings and the augmentation data.augment names
 
 
 class OptimizerName(StrOption):

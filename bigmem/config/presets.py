@@ -11,9 +11,21 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Mapping
 
-from bigmem.config.options import suggest
+from bigmem.config.options import Recipe, suggest
 from bigmem.config.schema import ExperimentConfig, migrate_sections, update
 from bigmem.errors import UsageError
+
+# nnU-Net v2's training recipe, whole, in config sections: laid over a preset where ``train.recipe`` resolves to
+# nnunet (``resolve_config``), under the flags. Each value and its source line in nnunetv2 is a row of the parity
+# table in docs/augmentation.md ("The recipe"): nnUNetTrainer.__init__ (initial_lr 1e-2, weight_decay 3e-5,
+# enable_deep_supervision), configure_optimizers (SGD, momentum 0.99, nesterov), train_step (clip_grad_norm_ 12) and
+# PolyLRScheduler (exponent 0.9, no warm-up), get_training_transforms (the augmentation).
+NNUNET_RECIPE: dict[str, dict[str, Any]] = {
+    "data": {"augment": "nnunet"},
+    "model": {"deep_supervision": True},
+    "train": {"optimizer": "sgd", "lr": 1e-2, "momentum": 0.99, "weight_decay": 3e-5, "clip_norm": 12.0,
+              "lr_decay_power": 0.9, "warmup_steps": 0, "end_lr": 0.0},
+}
 
 # The preset a command trains or sizes without --model: the demo network, which trains on the synthetic
 # phantoms in minutes on a laptop-class machine (models/small.toml).
@@ -58,7 +70,11 @@ def resolve_config(
     *,
     base: Mapping[str, Any] | None = None,
 ) -> ExperimentConfig:
-    """The one resolution of a config: defaults -> preset -> ``base`` -> ``overrides``.
+    """The one resolution of a config: defaults -> preset -> recipe -> ``base`` -> ``overrides``.
+
+    The recipe (``train.recipe``, from the overrides, else ``base``, else the preset) resolves ``auto`` to
+    nnunet where the config trains on a store (``data.store``) and to preset on the synthetic set; nnunet lays
+    ``NNUNET_RECIPE`` over the preset, so a flag still changes any one part of it. The resolved name is saved.
 
     Args:
         preset: a preset name ('small'), a path to a .toml file, or a preset's tables themselves (as
@@ -88,9 +104,36 @@ def resolve_config(
     if not isinstance(preset, Mapping):
         config = update(config, {"model": {"name": Path(preset).stem if preset.endswith(".toml") else preset}},
                         source="code")
+    base = migrate_sections(base) if base else {}
+    overrides = migrate_sections({k: v for k, v in overrides.items() if v}) if overrides else {}
+    config = _with_recipe(config, base, overrides)
     if base:
-        config = update(config, migrate_sections(base), source="the saved config.json")
+        config = update(config, base, source="the saved config.json")
     if overrides:
-        config = update(config, migrate_sections({k: v for k, v in overrides.items() if v}), source="flags")
+        config = update(config, overrides, source="flags")
     config.validate()
     return config
+
+
+def _with_recipe(config: ExperimentConfig, base: Mapping[str, Any], overrides: Mapping[str, Any]) -> ExperimentConfig:
+    """``config`` (a preset resolved) with its recipe resolved and, for nnunet, ``NNUNET_RECIPE`` laid over it.
+
+    A saved config.json from before the recipe had a name (``base`` without ``train.recipe``) trained its
+    preset's own settings, and resumes under them.
+    """
+    def given(section: str, key: str) -> tuple[Any, str]:
+        for values, source in ((overrides, "flags"), (base, "the saved config.json")):
+            if key in (values.get(section) or {}):
+                return values[section][key], source
+        return getattr(getattr(config, section), key), "code"
+
+    if base and "recipe" not in (base.get("train") or {}):
+        requested = Recipe.PRESET
+    else:
+        value, source = given("train", "recipe")
+        requested = update(config, {"train": {"recipe": value}}, source=source).train.recipe
+    if requested is Recipe.AUTO:
+        requested = Recipe.NNUNET if given("data", "store")[0] else Recipe.PRESET
+    if requested is Recipe.NNUNET:
+        config = update(config, NNUNET_RECIPE, source="nnU-Net's recipe")
+    return update(config, {"train": {"recipe": requested.value}}, source="code")

@@ -25,6 +25,7 @@ from bigmem.config.options import (
     Norm,
     OptimizerName,
     Precision,
+    Recipe,
     Recompute,
     Strategy,
     StrOption,
@@ -318,9 +319,18 @@ class TrainConfig:
     """The optimisation recipe (Dice+CE, SGD Nesterov or Adam, warmup + poly decay).
 
     Attributes:
+        recipe: the training recipe as one name: ``nnunet`` (nnU-Net v2's: its augmentation, deep
+            supervision, SGD with Nesterov momentum 0.99 at lr 1e-2 with weight decay 3e-5, poly decay
+            with exponent 0.9 and no warm-up; ``config.presets.NNUNET_RECIPE``), ``preset`` (the preset's own
+            settings) or ``auto`` (default: nnunet when training on a store, preset on the embedded
+            synthetic set). Resolved by ``config.presets.resolve_config``, under the flags, and saved resolved.
         batch_size: volumes per step (per replica when data-parallel).
         steps, epochs: the run's length (one of them; default one epoch).
         lr, optimizer, momentum, warmup_steps, lr_decay_power, end_lr: the schedule and update.
+        weight_decay: L2 weight decay added to every gradient before the update (``g + weight_decay * w``, as
+            PyTorch's SGD and Adam apply their ``weight_decay``; 0: off).
+        clip_norm: scale the step's gradients down to this global L2 norm where it is larger (PyTorch's
+            ``clip_grad_norm_``; nnU-Net clips to 12); None: no clipping.
         precision: fp32, or bf16 mixed precision (weights stay fp32).
         reference_batch: the global batch ``lr`` is meant for (data-parallel linear scaling).
         time_budget_s: stop (and save the model) after this many seconds of training.
@@ -336,6 +346,7 @@ class TrainConfig:
         'adam'
     """
 
+    recipe: Recipe = Recipe.AUTO
     batch_size: int = 2
     steps: int | None = None
     epochs: int | None = None
@@ -345,6 +356,8 @@ class TrainConfig:
     warmup_steps: int = 20
     lr_decay_power: float = 2.0  # polynomial decay power (Goyal et al. style recipes use 2)
     end_lr: float = 0.0
+    weight_decay: float = 0.0
+    clip_norm: float | None = None
     precision: Precision = Precision.FP32
     reference_batch: int | None = None  # the global batch ``lr`` is meant for (data-parallel lr scaling)
     time_budget_s: float | None = None  # --time-budget: stop (and save the model) after this much training
@@ -374,6 +387,12 @@ class TrainConfig:
             raise ConfigError("train.lr", f"Invalid {{field}} {self.lr}: expected a positive number.")
         if not 0 <= self.end_lr < math.inf:
             raise ConfigError("train.end_lr", f"Invalid {{field}} {self.end_lr}: expected a number >= 0.")
+        if self.clip_norm is not None and not 0 < self.clip_norm < math.inf:
+            raise ConfigError("train.clip_norm", f"Invalid {{field}} {self.clip_norm}: expected a positive number "
+                              "(or none: no clipping).")
+        if not 0 <= self.weight_decay < 1:
+            raise ConfigError("train.weight_decay", f"Invalid {{field}} {self.weight_decay}: expected 0 <= "
+                              "weight decay < 1 (0: off).")
         if not 0 <= self.momentum < 1:
             raise ConfigError("train.momentum", f"Invalid {{field}} {self.momentum}: expected 0 <= momentum < 1.")
         if not 0 < self.lr_decay_power < math.inf:

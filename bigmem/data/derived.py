@@ -18,7 +18,7 @@ from bigmem.config.options import Augment
 from bigmem.config.schema import ExperimentConfig
 from bigmem.data.store import HDF5VolumeStore
 from bigmem.data.transforms import Compose, chain
-from bigmem.errors import ConfigError
+from bigmem.errors import ConfigError, DataError
 from bigmem.data.synth import cached_synthetic_store
 
 
@@ -96,7 +96,8 @@ def region_order(label_names, regions, num_classes: int) -> list[int] | None:
 
 def augmentation(config: ExperimentConfig) -> Compose:
     """The training augmentation chain ``config.data`` asks for (``augment``; ``auto`` as ``with_data_fields``
-    resolves it, the light chain from ``flip`` and ``intensity_*``).
+    resolves it, the light chain from ``flip`` and ``intensity_*``), with dummy-2D augmentation decided once
+    for the store from its planned shape (``planned_geometry``).
 
     Example:
         >>> augmentation(resolve_config("tiny").updated({"data": {"augment": "none"}})).transforms
@@ -106,7 +107,31 @@ def augmentation(config: ExperimentConfig) -> Compose:
     name = data.augment
     if name is Augment.AUTO:
         name = Augment.LIGHT if data.store is None else Augment.NNUNET
-    return chain(name.value, flip=data.flip, intensity=(data.intensity_scale, data.intensity_shift))
+    planned, spacing = planned_geometry(config) if name in (Augment.NNUNET, Augment.SPATIAL, Augment.INTENSITY) \
+        else (None, None)
+    return chain(name.value, flip=data.flip, intensity=(data.intensity_scale, data.intensity_shift),
+                 planned_shape=planned, spacing=spacing)
+
+
+def planned_geometry(config: ExperimentConfig) -> tuple[tuple[int, int, int] | None, tuple | None]:
+    """The shape a training sample is planned at and the store's target spacing: what nnU-Net decides
+    dummy-2D augmentation from, once per configuration (its planned patch, axis 0 the coarsest).
+
+    The shape is the fixed ``data.shape``, else the data-parallel patch, else the store's median case (the
+    whole case is the patch); the spacing is nnU-Net's target spacing of the store's cases. The spacing is
+    None on the synthetic set and where the store cannot be read (a run predicting without its store).
+    """
+    from bigmem.data.fingerprint import fingerprint
+
+    fixed = tuple(int(s) for s in config.data.shape) if config.data.shape is not None else \
+        (int(config.distribute.patch),) * 3 if config.distribute.patch is not None else None
+    if config.data.store is None:
+        return fixed, None
+    try:
+        prints = fingerprint(config.data.store)
+    except DataError:  # a run's store moved away (a run predicting on its own): no training sample to plan
+        return fixed, None
+    return fixed or median_shape(config), prints.target_spacing()
 
 
 def pad_multiple(config: ExperimentConfig) -> int | tuple[int, int, int]:

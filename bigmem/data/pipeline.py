@@ -170,6 +170,37 @@ def random_crop(image: np.ndarray, label: np.ndarray, shape: Sequence[int], rng:
     return image, label
 
 
+def with_margin(start: Sequence[int], size: Sequence[int], case_shape: Sequence[int],
+                augment: Compose | None) -> tuple[tuple[int, ...], tuple[int, ...], tuple | None]:
+    """The region to read for a window ``(start, size)`` of a case: grown to the chain's ``read_shape`` where it
+    resamples (nnU-Net's initial patch), clipped to the case.
+
+    Returns:
+        ``(read_start, read_size, window)``: ``window`` is ``(start, size)`` within the region read, or None
+        where the region is the window itself.
+    """
+    start, size = [int(v) for v in start], [int(v) for v in size]
+    if not augment or tuple(size) == tuple(int(v) for v in case_shape):
+        return tuple(start), tuple(size), None
+    read = augment.read_shape(size)
+    low = [max(0, a - (r - n) // 2) for a, r, n in zip(start, read, size)]
+    high = [min(c, a + n + (r - n) // 2) for a, r, n, c in zip(start, read, size, case_shape)]
+    if low == start and [a + n for a, n in zip(start, size)] == high:
+        return tuple(start), tuple(size), None
+    window = (tuple(a - b for a, b in zip(start, low)), tuple(size))
+    return tuple(low), tuple(b - a for a, b in zip(low, high)), window
+
+
+def crop_window(case_shape: Sequence[int], shape: Sequence[int], rng: np.random.Generator):
+    """``random_crop``'s window of a case: ``(start, size)``, drawn as it draws (one draw per cropped axis)."""
+    start, size = [], []
+    for axis in range(3):
+        full, target = int(case_shape[axis]), int(shape[axis])
+        start.append(int(rng.integers(0, full - target + 1)) if full > target else 0)
+        size.append(min(full, target))
+    return tuple(start), tuple(size)
+
+
 def fit_to_shape(image: np.ndarray, label: np.ndarray, shape: Sequence[int], rng: np.random.Generator,
                  background: np.ndarray | float = 0.0):
     """Crop (at a random offset) or pad (centred) each spatial axis to ``shape``.
@@ -227,12 +258,13 @@ def normalized(store: HDF5VolumeStore, case_id: str, image: np.ndarray, *, whole
 
 
 def augmented(image: np.ndarray, label: np.ndarray, background, *, augment: Compose | None, seed: int,
-              sample_index: int):
-    """A normalised sample through the chain ``augment`` (None: unchanged): ``(image, label, background)``."""
+              sample_index: int, window=None):
+    """A normalised sample through the chain ``augment`` (None: unchanged): ``(image, label, background)``;
+    where the sample was read with a margin, ``window`` (``with_margin``) is what comes out."""
     if not augment:
         return image, label, background
     sample = augment(Sample(np.ascontiguousarray(image, dtype=np.float32), np.ascontiguousarray(label),
-                            np.asarray(background, np.float32).copy()), seed=seed, sample_index=sample_index)
+                            np.asarray(background, np.float32).copy(), window), seed=seed, sample_index=sample_index)
     return sample.image, sample.label, sample.background
 
 
@@ -264,11 +296,14 @@ def load_sample(store: HDF5VolumeStore, sample_index: int, *, case_index: int, s
     image, label = store.read_case(case_id)
     rng = np.random.default_rng([seed, sample_index, 1])
     image, background = normalized(store, case_id, image)  # the whole case's statistics, then any crop
-    # A case larger than ``shape`` (a fixed training shape) is cropped before it is augmented: the chain's
-    # time and working memory are those of the shape trained, as with patches.
-    image, label = random_crop(image, label, shape, rng)
+    # A case larger than ``shape`` (a fixed training shape) is cropped before it is augmented, with the margin
+    # a resampling chain reads around the crop (nnU-Net's initial patch): the chain's time and working memory
+    # are about those of the shape trained, as with patches, and a rotation turns in anatomy, not padding.
+    start, size, window = with_margin(*crop_window(label.shape, shape, rng), label.shape, augment)
+    where = tuple(slice(a, a + n) for a, n in zip(start, size))
+    image, label = image[where], label[where]
     image, label, background = augmented(image, label, background, augment=augment, seed=seed,
-                                         sample_index=sample_index)
+                                         sample_index=sample_index, window=window)
     image, label = fit_to_shape(image, label, shape, rng, background)
     return np.ascontiguousarray(image, dtype=np.float32), np.ascontiguousarray(label, dtype=np.uint8)
 
@@ -306,8 +341,8 @@ def load_patch(store: HDF5VolumeStore, sample_index: int, *, patch: int, seed: i
     they have in the normalised whole case (as at inference, where windows are cut from it).
 
     Args:
-        store, sample_index, seed, augment: as ``load_sample`` (the chain runs on the patch as read:
-            what a rotation brings in from outside it is padding).
+        store, sample_index, seed, augment: as ``load_sample`` (a resampling chain reads the patch with a
+            margin around it, nnU-Net's initial patch, and returns the patch).
         patch: the patch ``(D, H, W)``, or an edge N for N^3 (smaller cases are padded to it, as
             ``fit_to_shape`` pads).
         foreground_fraction: the probability of a foreground-centred patch (default
@@ -325,10 +360,11 @@ def load_patch(store: HDF5VolumeStore, sample_index: int, *, patch: int, seed: i
     patch = as_shape(patch)
     start = patch_start(label, info.shape, patch, rng)
     size = tuple(min(p, s) for p, s in zip(patch, info.shape))
+    start, size, window = with_margin(start, size, info.shape, augment)  # nnU-Net's initial patch
     image, label = store.read_patch(info.case_id, start, size)
     image, background = normalized(store, info.case_id, image, whole=False)
     image, label, background = augmented(image, label, background, augment=augment, seed=seed,
-                                         sample_index=sample_index)
+                                         sample_index=sample_index, window=window)
     image, label = fit_to_shape(image, label, patch, rng, background)
     return np.ascontiguousarray(image, dtype=np.float32), np.ascontiguousarray(label, dtype=np.uint8)
 

@@ -13,8 +13,11 @@ draws of the others.
 A sample carries its channels' background value (what padding holds). Pointwise intensity transforms
 map it with the same function as the voxels, so padding added later (``pipeline.fit_to_shape``) is
 still the background of the transformed image. Voxels a spatial transform brings in from outside the
-volume hold the background and the label ``PAD_LABEL``: no loss or metric counts them, and a whole
-volume keeps its own shape (nothing is cropped away).
+scan hold the background image value and the background label 0, as nnU-Net trains them (its
+out-of-bounds segmentation is -1, then ``RemoveLabelTansform(-1, 0)``). A whole volume keeps its own
+shape: what a rotation turns out of the frame is lost, as in nnU-Net. A crop or a patch is read with a
+margin (``margin_shape``, nnU-Net's ``initial_patch_size``) and the spatial transform returns the
+window trained (``SpatialTransform.output``), so what it turns in is real anatomy, not padding.
 
 ``nnunet`` is nnU-Net v2's default training augmentation (``nnUNetTrainer.get_training_transforms``,
 batchgeneratorsv2), with its probabilities and ranges; the parameters and the source each was checked
@@ -36,9 +39,11 @@ from bigmem.errors import ConfigError
 
 PAD_LABEL = 255  # the label no loss or metric counts (``pipeline.PAD_LABEL`` is this value)
 
-# nnU-Net treats a patch as anisotropic ("dummy 2D" augmentation: rotation only in-plane, up to
-# +-180 degrees; no scaling or low-resolution simulation along the thin axis) when its largest
-# edge is more than 3x its first (thin) one: ANISO_THRESHOLD = 3 in nnunetv2/configuration.py.
+# nnU-Net treats a dataset as anisotropic ("dummy 2D" augmentation: rotation only in-plane, up to
+# +-180 degrees; no scaling or low-resolution simulation along the thin axis) when its planned patch's
+# largest edge is more than 3x its edge along the coarsest-spacing axis: ANISO_THRESHOLD = 3 in
+# nnunetv2/configuration.py, decided once per configuration in nnUNetTrainer.
+# configure_rotation_dummyDA_mirroring_and_inital_patch_size.
 ANISO_THRESHOLD = 3.0
 
 
@@ -50,11 +55,22 @@ class Sample:
         image: ``(D, H, W, C)`` float32, normalised.
         label: ``(D, H, W)`` uint8; ``PAD_LABEL`` where nothing is known.
         background: ``(C,)`` float32: each channel's padding value.
+        window: ``(start, shape)`` of the region trained, where the sample was read with a margin around it
+            (``margin_shape``); the spatial transform resamples into it, and ``Compose`` cuts to it at the end.
     """
 
     image: np.ndarray
     label: np.ndarray
     background: np.ndarray
+    window: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+
+    def cropped(self) -> "Sample":
+        """The sample cut to its ``window`` (and the window cleared); itself when it has none."""
+        if self.window is None:
+            return self
+        where = tuple(slice(a, a + n) for a, n in zip(*self.window))
+        return replace(self, image=np.ascontiguousarray(self.image[where]),
+                       label=np.ascontiguousarray(self.label[where]), window=None)
 
     def __repr__(self) -> str:
         nbytes = self.image.nbytes + self.label.nbytes
@@ -77,15 +93,61 @@ def background_contrast(rng: np.random.Generator, low: float, high: float) -> fl
     return float(rng.uniform(max(low, 1.0), high))
 
 
-def thin_axis(shape: Sequence[int]) -> int | None:
-    """The axis nnU-Net's dummy-2D augmentation leaves alone, or None for a volume it treats as 3-D.
+def thin_axis(shape: Sequence[int], spacing: Sequence[float] | None = None) -> int | None:
+    """The axis nnU-Net's dummy-2D augmentation leaves alone, or None for a dataset it treats as 3-D.
 
-    A volume is anisotropic when its largest edge is more than ``ANISO_THRESHOLD`` times its
-    smallest; the smallest is then the thin axis (nnU-Net orders axes so it is the first).
+    Decided once per dataset from the planned shape (a patch, or the median case trained whole):
+    the thin axis is the one of coarsest ``spacing`` (nnU-Net transposes it first), else the shortest
+    edge; the dataset is anisotropic when the shape's largest edge is more than ``ANISO_THRESHOLD``
+    times its edge along that axis.
+
+    Example:
+        >>> thin_axis((40, 256, 256)), thin_axis((128, 128, 128)), thin_axis((64, 200, 200), (5.0, 0.8, 0.8))
+        (0, None, 0)
     """
     shape = [int(s) for s in shape[:3]]
-    axis = int(np.argmin(shape))
+    if spacing is not None and len(set(float(s) for s in spacing[:3])) > 1:
+        axis = int(np.argmax([float(s) for s in spacing[:3]]))
+    else:
+        axis = int(np.argmin(shape))
     return axis if max(shape) / max(shape[axis], 1) > ANISO_THRESHOLD else None
+
+
+# nnU-Net grows the region it reads by its smallest scale, 0.85, whatever its scaling range
+# (configure_rotation_dummyDA_mirroring_and_inital_patch_size passes (0.85, 1.25) to get_patch_size).
+MARGIN_SCALE = 0.85
+
+
+def margin_shape(shape: Sequence[int], *, rotation_deg: float, rotation_2d_deg: float,
+                 dummy_2d_axis: int | None) -> tuple[int, int, int]:
+    """The region a crop of ``shape`` is read with, so that most rotation and scaling draws stay inside it.
+
+    nnU-Net's ``initial_patch_size`` (nnunetv2's ``compute_initial_patch_size.get_patch_size``): the
+    window's size vector turned by the largest angle (at most 90 degrees) about each axis on its own
+    (batchgenerators' ``rotate_coords_3d``: the vector times each axis's rotation matrix), the largest
+    absolute value per axis kept, divided by ``MARGIN_SCALE`` and truncated. The axis a dummy-2D dataset
+    leaves alone keeps its size. Here an odd growth is rounded up to even, so the window sits centred at a
+    whole-voxel offset.
+
+    Example:
+        >>> margin_shape((64, 64, 64), rotation_deg=30, rotation_2d_deg=180, dummy_2d_axis=None)
+        (102, 102, 102)
+    """
+    size = np.asarray([int(s) for s in shape[:3]], np.float64)
+    angle = math.radians(min(rotation_deg if dummy_2d_axis is None else rotation_2d_deg, 90.0))
+    cos, sin = math.cos(angle), math.sin(angle)
+    turns = (np.array([[1, 0, 0], [0, cos, -sin], [0, sin, cos]]),  # batchgenerators' x, y and z rotations
+             np.array([[cos, 0, sin], [0, 1, 0], [-sin, 0, cos]]),
+             np.array([[cos, -sin, 0], [sin, cos, 0], [0, 0, 1]]))
+    grown = size.copy()
+    for turn in turns:
+        grown = np.maximum(grown, np.abs(size @ turn))
+    grown = np.floor(grown / MARGIN_SCALE)
+    if dummy_2d_axis is not None:
+        grown[dummy_2d_axis] = size[dummy_2d_axis]
+    extra = np.maximum(grown - size, 0)
+    extra += extra % 2
+    return tuple(int(s + e) for s, e in zip(size, extra))
 
 
 @dataclass(repr=False)
@@ -132,48 +194,55 @@ def _rotation(axis: int, angle: float) -> np.ndarray:
     return matrix
 
 
-def affine_resample(sample: Sample, matrix: np.ndarray) -> Sample:
-    """``sample`` resampled at ``matrix @ (x - centre) + centre`` for each voxel x, keeping its shape.
+def affine_resample(sample: Sample, matrix: np.ndarray, *, outside_label: int = PAD_LABEL) -> Sample:
+    """``sample`` resampled at ``matrix @ (x - centre) + centre`` for each voxel x, into its ``window``.
 
+    The output is the sample's window (the whole sample where it has none), and ``centre`` is the
+    window's centre in both grids, so rotation and scaling turn about the middle of what is trained.
     Image channels are interpolated trilinearly. The label follows nnU-Net (batchgeneratorsv2 0.3.6's
     ``SpatialTransform``, ``mode_seg='bilinear'``, ``seg_tiebreak='nearest'``): each label value's mask
     is interpolated trilinearly and a voxel takes the value whose mask is largest there; where the
     nearest neighbour's label shares the top score (a sample point exactly between two labels), it
     takes that label. Thin structures keep their interpolated outline rather than nearest-neighbour
     stairs. (At an exact half-voxel scipy's nearest neighbour rounds up, torch's rounds half to even.) What
-    comes from outside the volume is the channel's background and ``PAD_LABEL`` (nnU-Net fills its
-    out-of-bounds segmentation with -1, then 0; a whole volume has no surrounding context, so
-    bigmem leaves it out of the loss). A matrix that only flips axes is applied as flips (exact,
-    and no resampling).
+    comes from outside the sample is the channel's background and ``outside_label``. A matrix that only
+    flips axes is applied as flips (exact, and no resampling).
 
     Args:
         sample: the sample; its arrays are not changed.
         matrix: ``(3, 3)``: output voxel offsets from the centre -> input offsets.
+        outside_label: the label of what comes from outside (nnU-Net's background 0 for its spatial
+            transform; default ``PAD_LABEL``).
 
     Returns:
-        A new ``Sample`` of the same shape.
+        A new ``Sample`` of the window's shape, without a window.
     """
     from scipy import ndimage
 
     matrix = np.asarray(matrix, np.float64)
+    start, out_shape = sample.window or ((0, 0, 0), sample.label.shape)
     if np.allclose(np.abs(matrix), np.eye(3)):
         axes = tuple(int(a) for a in np.flatnonzero(np.diag(matrix) < 0))
+        cut = sample.cropped()  # a window sits centred at a whole-voxel offset (margin_shape): flips stay exact
         if not axes:
-            return sample
-        return replace(sample, image=np.ascontiguousarray(np.flip(sample.image, axes)),
-                       label=np.ascontiguousarray(np.flip(sample.label, axes)))
-    shape = sample.label.shape
-    centre = (np.asarray(shape, np.float64) - 1.0) / 2.0
-    offset = centre - matrix @ centre
-    image = np.empty_like(sample.image)
-    channel = np.empty(shape, np.float32)
+            return cut
+        return replace(cut, image=np.ascontiguousarray(np.flip(cut.image, axes)),
+                       label=np.ascontiguousarray(np.flip(cut.label, axes)))
+    out_shape = tuple(int(n) for n in out_shape)
+    out_centre = (np.asarray(out_shape, np.float64) - 1.0) / 2.0
+    centre = np.asarray(start, np.float64) + out_centre
+    offset = centre - matrix @ out_centre
+    image = np.empty(out_shape + sample.image.shape[3:], np.float32)
+    channel = np.empty(out_shape, np.float32)
     for c in range(sample.image.shape[-1]):
         source = np.ascontiguousarray(sample.image[..., c])
-        ndimage.affine_transform(source, matrix, offset, output=channel, order=1, mode="constant",
-                                 cval=float(sample.background[c]), prefilter=False)
+        ndimage.affine_transform(source, matrix, offset, output=channel, output_shape=out_shape, order=1,
+                                 mode="constant", cval=float(sample.background[c]), prefilter=False)
         image[..., c] = channel
-    label = resample_label(sample.label, matrix, offset)
-    return replace(sample, image=image, label=label)
+    label = resample_label(sample.label, matrix, offset, out_shape)
+    if outside_label != PAD_LABEL:
+        label[label == PAD_LABEL] = outside_label
+    return replace(sample, image=image, label=label, window=None)
 
 
 # Mixed-cell points are interpolated slab by slab of the output, each slab at most 1/32 of the volume: their
@@ -181,7 +250,8 @@ def affine_resample(sample: Sample, matrix: np.ndarray) -> Sample:
 LABEL_SLABS = 32
 
 
-def resample_label(label: np.ndarray, matrix: np.ndarray, offset: np.ndarray) -> np.ndarray:
+def resample_label(label: np.ndarray, matrix: np.ndarray, offset: np.ndarray,
+                   out_shape: Sequence[int] | None = None) -> np.ndarray:
     """``label`` resampled as nnU-Net resamples segmentations, computing the interpolation only where it matters.
 
     The rule (batchgeneratorsv2's ``mode_seg='bilinear'``, ``seg_tiebreak='nearest'``): each label's mask
@@ -197,15 +267,18 @@ def resample_label(label: np.ndarray, matrix: np.ndarray, offset: np.ndarray) ->
     Args:
         label: ``(D, H, W)`` uint8.
         matrix, offset: output voxel x reads input ``matrix @ x + offset``.
+        out_shape: the output grid (default: ``label``'s shape).
 
     Returns:
-        The ``(D, H, W)`` uint8 label of the output grid.
+        The ``out_shape`` uint8 label of the output grid.
     """
     from scipy import ndimage
 
     shape = label.shape
-    out = ndimage.affine_transform(label, matrix, offset, output=np.uint8, order=0, mode="constant",
-                                   cval=PAD_LABEL, prefilter=False)  # the nearest neighbour: the answer off boundaries
+    out_shape = tuple(int(n) for n in (out_shape or shape))
+    # the nearest neighbour: the answer off boundaries
+    out = ndimage.affine_transform(label, matrix, offset, output=np.uint8, output_shape=out_shape, order=0,
+                                   mode="constant", cval=PAD_LABEL, prefilter=False)
     # mixed[i, j, k]: the cell of corners (i..i+1, j..j+1, k..k+1) holds more than one label (a cell past
     # the last voxel counts as mixed: it is settled exactly below).
     mixed = np.ones(shape, bool)
@@ -218,21 +291,21 @@ def resample_label(label: np.ndarray, matrix: np.ndarray, offset: np.ndarray) ->
                 if dd or dh or dw:
                     inner |= label[dd:shape[0] - 1 + dd, dh:shape[1] - 1 + dh, dw:shape[2] - 1 + dw] != corner
     # the cell at floor(x): order-0 sampling at x - 0.5 rounds to it
-    at_cell = ndimage.affine_transform(mixed.view(np.uint8), matrix, offset - 0.5, output=np.uint8, order=0,
-                                       mode="constant", cval=1, prefilter=False)
+    at_cell = ndimage.affine_transform(mixed.view(np.uint8), matrix, offset - 0.5, output=np.uint8,
+                                       output_shape=out_shape, order=0, mode="constant", cval=1, prefilter=False)
     del mixed, inner
     if not at_cell.any():
         return out
     values = np.unique(label)
     mask = np.empty(shape, np.float32)
-    plane = shape[1] * shape[2]
-    rows = max(1, shape[0] // LABEL_SLABS)
+    plane = out_shape[1] * out_shape[2]
+    rows = max(1, out_shape[0] // LABEL_SLABS)
     flat_out = out.reshape(-1)
-    for first in range(0, shape[0], rows):
+    for first in range(0, out_shape[0], rows):
         batch = np.flatnonzero(at_cell[first:first + rows]) + first * plane
         if not batch.size:
             continue
-        coords = matrix @ np.stack(np.unravel_index(batch, shape)).astype(np.float64) + offset[:, None]
+        coords = matrix @ np.stack(np.unravel_index(batch, out_shape)).astype(np.float64) + offset[:, None]
         nearest = flat_out[batch]
         best = np.zeros(batch.size, np.float32)
         chosen = np.full(batch.size, PAD_LABEL, np.uint8)
@@ -259,14 +332,16 @@ class SpatialTransform(Transform):
     nnU-Net's ``SpatialTransform`` (p_rotation 0.2, each axis's angle uniform in +-``rotation_deg``;
     p_scaling 0.2, one factor uniform in ``scaling`` for every axis) followed by its
     ``MirrorTransform`` (each axis flipped with probability 0.5). The shape is kept and rotation is
-    about the centre; a factor above 1 samples a larger region (the anatomy looks smaller). On an
-    anisotropic sample (``thin_axis``) rotation is only about the thin axis, up to
-    +-``rotation_2d_deg``, and scaling is in-plane: nnU-Net's dummy-2D augmentation.
+    about the centre of the sample's window; a factor above 1 samples a larger region (the anatomy
+    looks smaller). On a dataset ``thin_axis`` calls anisotropic (``dummy_2d_axis``, decided once from
+    its planned shape) rotation is only about the thin axis, up to +-``rotation_2d_deg``, and scaling is
+    in-plane: nnU-Net's dummy-2D augmentation. What comes from outside the sample is background (label 0).
 
     Args:
         p_rotation, rotation_deg, rotation_2d_deg: probability and range of the rotation (degrees).
         p_scaling, scaling: probability and range of the scale factor.
         mirror_axes: the axes that may be flipped (each with probability 0.5; () for none).
+        dummy_2d_axis: the axis dummy-2D augmentation leaves alone, or None (a 3-D dataset).
     """
 
     name: ClassVar[str] = "spatial"
@@ -276,10 +351,11 @@ class SpatialTransform(Transform):
     p_scaling: float = 0.2
     scaling: tuple[float, float] = (0.7, 1.4)
     mirror_axes: tuple[int, ...] = (0, 1, 2)
+    dummy_2d_axis: int | None = None
 
-    def matrix(self, shape: Sequence[int], rng: np.random.Generator) -> np.ndarray:
+    def matrix(self, rng: np.random.Generator) -> np.ndarray:
         """The draw's 3x3 output -> input matrix: Rz @ Ry @ Rx @ scale (batchgeneratorsv2's order) @ mirror."""
-        thin = thin_axis(shape)
+        thin = self.dummy_2d_axis
         rotation = np.eye(3)
         if rng.random() < self.p_rotation:
             if thin is None:
@@ -296,7 +372,12 @@ class SpatialTransform(Transform):
         return rotation @ scale @ mirror
 
     def apply(self, sample: Sample, rng: np.random.Generator) -> Sample:
-        return affine_resample(sample, self.matrix(sample.label.shape, rng))
+        return affine_resample(sample, self.matrix(rng), outside_label=0)
+
+    def margin(self, shape: Sequence[int]) -> tuple[int, int, int]:
+        """The region a crop of ``shape`` is read with (``margin_shape``)."""
+        return margin_shape(shape, rotation_deg=self.rotation_deg, rotation_2d_deg=self.rotation_2d_deg,
+                            dummy_2d_axis=self.dummy_2d_axis)
 
     def extra_volumes(self, channels: int) -> float:
         # Counted: a new image (C channels) and one output channel; then, for the label, the mask being
@@ -369,8 +450,11 @@ class GaussianBlur(Transform):
         image = sample.image
         for c in _channels(image, rng, self.p_per_channel):
             sigmas = [float(rng.uniform(*self.sigma)) for _ in range(3)]
-            # batchgeneratorsv2: separable kernels cut at 6 sigma, reflect padding (scipy's "mirror")
-            image[..., c] = ndimage.gaussian_filter(image[..., c], sigmas, mode="mirror", truncate=6.0)
+            # batchgeneratorsv2 (gaussian_blur.py, blur_dimension with truncate=6 and _compute_kernel_size): a
+            # separable kernel whose whole length is the odd number nearest 6 sigma + 0.5 (about +-3 sigma; scipy's
+            # truncate is a radius, so the radius is given), reflect padding (scipy's "mirror")
+            radius = [int(round((6.0 * s + 0.5 - 1) / 2)) for s in sigmas]
+            image[..., c] = ndimage.gaussian_filter(image[..., c], sigmas, mode="mirror", radius=radius)
         return sample
 
     def extra_volumes(self, channels: int) -> float:
@@ -434,8 +518,8 @@ class Contrast(Transform):
 class LowResolution(Transform):
     """Simulated low resolution: nnU-Net's ``SimulateLowResolutionTransform`` (p 0.25, zoom 0.5..1, p 0.5 a channel).
 
-    A chosen channel is downsampled by one factor on every axis (synchronize_axes; the thin axis of an
-    anisotropic sample is left alone) with nearest-neighbour sampling, then upsampled back to its
+    A chosen channel is downsampled by one factor on every axis (synchronize_axes; the thin axis of a
+    dummy-2D dataset, ``dummy_2d_axis``, is left alone) with nearest-neighbour sampling, then upsampled back to its
     shape by linear interpolation.
     """
 
@@ -443,13 +527,14 @@ class LowResolution(Transform):
     probability: float = 0.25
     scale: tuple[float, float] = (0.5, 1.0)
     p_per_channel: float = 0.5
+    dummy_2d_axis: int | None = None
 
     def apply(self, sample: Sample, rng: np.random.Generator) -> Sample:
         from scipy import ndimage
 
         image = sample.image
         shape = image.shape[:3]
-        thin = thin_axis(shape)
+        thin = self.dummy_2d_axis
         for c in _channels(image, rng, self.p_per_channel):
             factor = float(rng.uniform(*self.scale))
             small = tuple(s if axis == thin else max(1, round(s * factor)) for axis, s in enumerate(shape))
@@ -571,32 +656,51 @@ class Compose:
     def __call__(self, sample: Sample, *, seed: int, sample_index: int) -> Sample:
         for transform in self.transforms:
             sample = transform(sample, stream(seed, sample_index, transform.name))
-        return sample
+        return sample.cropped()
 
     def __bool__(self) -> bool:
         return bool(self.transforms)
 
-    def working_bytes(self, shape: Sequence[int], channels: int) -> int:
-        """Bytes the chain holds beyond its input sample at its worst transform (float32 volumes of ``shape``)."""
+    @property
+    def spatial(self) -> SpatialTransform | None:
+        return next((t for t in self.transforms if isinstance(t, SpatialTransform)), None)
+
+    def read_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
+        """The region a crop or patch of ``shape`` is read with: with a margin where the chain resamples
+        (``SpatialTransform.margin``), else ``shape``."""
+        spatial = self.spatial
+        return spatial.margin(shape) if spatial else tuple(int(s) for s in shape[:3])
+
+    def working_bytes(self, shape: Sequence[int], channels: int, *, cropped: bool = False) -> int:
+        """Bytes the chain holds beyond a sample of ``shape`` at its worst transform (float32 volumes of ``shape``);
+        with ``cropped`` (a crop or patch, read with ``read_shape``'s margin), also the margin's voxels as read
+        (``channels`` float32 and a uint8 label each)."""
+        voxels = math.prod(int(s) for s in shape[:3])
         worst = max((t.extra_volumes(channels) for t in self.transforms), default=0.0)
-        return int(math.ceil(worst * math.prod(int(s) for s in shape[:3]) * 4))
+        margin = math.prod(self.read_shape(shape)) - voxels if cropped else 0
+        return int(math.ceil(worst * voxels * 4 + margin * (channels * 4 + 1)))
 
     def to_dict(self) -> dict[str, Any]:
         """``{"chain": name, "transforms": [each transform's to_dict]}`` (config.json's ``augmentation``)."""
         return {"chain": self.name, "transforms": [t.to_dict() for t in self.transforms]}
 
 
-CHAINS = ("nnunet", "light", "none")
+CHAINS = ("nnunet", "spatial", "intensity", "light", "none")
 
 
-def chain(name: str, *, flip: bool = True, intensity: tuple[float, float] = (0.1, 0.1)) -> Compose:
+def chain(name: str, *, flip: bool = True, intensity: tuple[float, float] = (0.1, 0.1),
+          planned_shape: Sequence[int] | None = None, spacing: Sequence[float] | None = None) -> Compose:
     """The named augmentation chain.
 
     Args:
-        name: ``nnunet`` (nnU-Net v2's default training augmentation), ``light`` (flips and a
-            scale/shift of intensity) or ``none``.
+        name: ``nnunet`` (nnU-Net v2's default training augmentation), ``spatial`` or ``intensity`` (its
+            spatial part: rotation, scaling, mirroring; or its intensity part: noise, blur, brightness,
+            contrast, low resolution, gamma), ``light`` (flips and a scale/shift of intensity) or ``none``.
         flip: mirror every axis (``light``; default True).
         intensity: ``(scale, shift)`` of ``light``'s ``ScaleShift`` (default (0.1, 0.1); (0, 0): none).
+        planned_shape, spacing: the dataset's planned shape (the crop or patch trained, else the median
+            case) and its voxel spacing, from which ``thin_axis`` decides dummy-2D augmentation once for
+            every sample (default None: 3-D).
 
     Returns:
         The ``Compose``.
@@ -608,9 +712,16 @@ def chain(name: str, *, flip: bool = True, intensity: tuple[float, float] = (0.1
         >>> [t.name for t in chain("nnunet").transforms][:3]
         ['spatial', 'noise', 'blur']
     """
+    thin = thin_axis(planned_shape, spacing) if planned_shape is not None else None
+    spatial: list[Transform] = [SpatialTransform(dummy_2d_axis=thin)]
+    intensities: list[Transform] = [GaussianNoise(), GaussianBlur(), Brightness(), Contrast(),
+                                    LowResolution(dummy_2d_axis=thin), InvertedGamma(), Gamma()]
     if name == "nnunet":
-        return Compose([SpatialTransform(), GaussianNoise(), GaussianBlur(), Brightness(), Contrast(),
-                        LowResolution(), InvertedGamma(), Gamma()], name=name)
+        return Compose(spatial + intensities, name=name)
+    if name == "spatial":
+        return Compose(spatial, name=name)
+    if name == "intensity":
+        return Compose(intensities, name=name)
     if name == "light":
         transforms: list[Transform] = [Mirror()] if flip else []
         if any(intensity):

@@ -415,7 +415,8 @@ def _train(config: ExperimentConfig, counts: NetworkCounts, spatial_shape: Seque
                           * (channels * FLOAT32_BYTES + LABEL_BYTES),
         "hdf5_chunk_cache": 2 * HDF5_CHUNK_CACHE_BYTES * max(1, data.num_workers),
         # each reader (the training process itself without reader processes) augments one sample at a time
-        "augmentation": max(1, data.num_workers) * augmentation(config).working_bytes(spatial_shape, channels),
+        "augmentation": max(1, data.num_workers) * augmentation(config).working_bytes(
+            spatial_shape, channels, cropped=data.shape is not None or config.distribute.patch is not None),
     }
     # Where the batch keeps every counted tensor, the strided convolutions' plane copies (made in the
     # backward pass after the full-resolution workspace is freed) fit in what the estimate already holds:

@@ -6,7 +6,8 @@
 kernel and stride per axis, the stages until the bottleneck is about 4 voxels, 32 x 2^stage features
 capped at 320. The "patch" those rules size is the median case whole, not a GPU's patch. The network is
 nnU-Net's ``PlainConvUNet`` as its planner configures it: two conv-norm-LeakyReLU blocks per stage
-(strided convolutions down, conv bias on, instance norm), deep supervision, and nnU-Net's SGD recipe.
+(strided convolutions down, conv bias on, instance norm), deep supervision, and nnU-Net's training recipe
+(``train.recipe``).
 
 The memory planner then chooses the batch, precision and recompute mode for that network on the store's
 own shapes, and the batch is capped by the dataset (``dataset_batch_cap``). The result is written as a
@@ -38,8 +39,6 @@ SPACING_TOLERANCE = 0.05
 # True, InstanceNorm3d, LeakyReLU, n_conv_per_stage 2 down and up, deep supervision) in ModelConfig's terms.
 NNUNET_NETWORK: dict[str, Any] = {"blocks_per_level": 2, "norm": "instance", "activation": "leaky_relu",
                                   "downsampling": "strided", "conv_bias": True, "deep_supervision": True}
-# nnU-Net's trainer: SGD, Nesterov momentum 0.99, initial lr 1e-2 (nnUNetTrainer).
-NNUNET_RECIPE: dict[str, Any] = {"optimizer": "sgd", "lr": 1e-2, "momentum": 0.99}
 
 
 @dataclass(frozen=True)
@@ -95,7 +94,7 @@ class Experiment:
                 "target_spacing": list(topology.spacing),
                 "median_shape": [round(s, 1) for s in topology.median_shape]}
         model = {**topology.to_model_table(), **NNUNET_NETWORK}
-        train = {**NNUNET_RECIPE, "batch_size": int(batch_size), "precision": precision}
+        train = {"recipe": "nnunet", "batch_size": int(batch_size), "precision": precision}
         return {"card": card, "model": model, "train": train, "memory": {"recompute": recompute}}
 
     def to_dict(self) -> dict:

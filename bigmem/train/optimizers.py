@@ -11,6 +11,10 @@ The arithmetic is Keras's, to rounding:
 - Adam: ``m += (1 - b1)(g - m)``, ``v += (1 - b2)(g^2 - v)``,
   ``w -= lr sqrt(1 - b2^t) / (1 - b1^t) * m / (sqrt(v) + eps)`` with ``t = iterations + 1``.
 
+``l2`` adds ``l2 * w`` to each gradient first: weight decay as PyTorch's SGD and Adam apply their
+``weight_decay`` (nnU-Net's 3e-5), coupled to the gradient and so carried by the momentum. Keras's own
+``weight_decay`` is decoupled (AdamW's ``w -= lr * wd * w``), a different recipe.
+
 Under a ``tf.distribute`` strategy (the GPU baseline of ``bigmem compare``) the updates go
 through Keras's own ops, which know how to update mirrored variables; so does AMSGrad.
 """
@@ -29,11 +33,28 @@ def _tf_variable(variable):
     return variable.value if isinstance(variable, keras.Variable) else variable
 
 
+class _CoupledL2:
+    """``l2``: the coupled weight decay every gradient gets before the update (0: none)."""
+
+    def __init__(self, *args, l2: float = 0.0, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.l2 = float(l2)
+
+    def with_l2(self, gradient, variable):
+        if not self.l2:
+            return gradient
+        return gradient + tf.cast(self.l2, gradient.dtype) * tf.cast(_tf_variable(variable), gradient.dtype)
+
+    def get_config(self):
+        return {**super().get_config(), "l2": self.l2}
+
+
 @keras.saving.register_keras_serializable(package="bigmem")
-class FusedSGD(keras.optimizers.SGD):
+class FusedSGD(_CoupledL2, keras.optimizers.SGD):
     """``keras.optimizers.SGD`` whose momentum update is ``ResourceApplyKerasMomentum``."""
 
     def update_step(self, gradient, variable, learning_rate):
+        gradient = self.with_l2(gradient, variable)
         if self.momentum == 0 or not _fusable(variable):
             return super().update_step(gradient, variable, learning_rate)
         momentum = _tf_variable(self.momentums[self._get_variable_index(variable)])
@@ -44,10 +65,11 @@ class FusedSGD(keras.optimizers.SGD):
 
 
 @keras.saving.register_keras_serializable(package="bigmem")
-class FusedAdam(keras.optimizers.Adam):
+class FusedAdam(_CoupledL2, keras.optimizers.Adam):
     """``keras.optimizers.Adam`` whose update is ``ResourceApplyAdam`` (not for AMSGrad)."""
 
     def update_step(self, gradient, variable, learning_rate):
+        gradient = self.with_l2(gradient, variable)
         if self.amsgrad or not _fusable(variable):
             return super().update_step(gradient, variable, learning_rate)
         index = self._get_variable_index(variable)

@@ -54,12 +54,15 @@ class TrainResult:
 
 
 def make_optimizer(config: ExperimentConfig, schedule):
-    """SGD with Nesterov momentum or Adam (``train.optimizer``), fused per variable (``train/optimizers.py``)."""
+    """SGD with Nesterov momentum or Adam (``train.optimizer``), fused per variable (``train/optimizers.py``), with
+    ``train.weight_decay`` as coupled L2 and the gradients clipped to ``train.clip_norm`` (global norm)."""
     from bigmem.train.optimizers import FusedAdam, FusedSGD
 
-    if config.train.optimizer is OptimizerName.SGD:
-        return FusedSGD(learning_rate=schedule, momentum=config.train.momentum, nesterov=True)
-    return FusedAdam(learning_rate=schedule)
+    train = config.train
+    common = {"learning_rate": schedule, "l2": train.weight_decay, "global_clipnorm": train.clip_norm}
+    if train.optimizer is OptimizerName.SGD:
+        return FusedSGD(momentum=train.momentum, nesterov=True, **common)
+    return FusedAdam(**common)
 
 
 class TraceCount:

@@ -346,3 +346,59 @@ def test_a_case_larger_than_the_training_shape_is_cropped_before_it_is_augmented
         store.close()
     assert seen == [(8, 16, 12)]
     assert image.shape == (8, 16, 12, 1)
+
+
+def test_a_resampling_chain_reads_the_crop_with_a_margin_and_returns_the_crop(tiny_store):
+    """nnU-Net's initial patch: the spatial transform sees the crop plus its margin, clipped to the case."""
+    from bigmem.data.pipeline import load_sample
+    from bigmem.data.store import HDF5VolumeStore
+    from bigmem.data.transforms import Compose, SpatialTransform
+
+    seen = []
+
+    class Recording(SpatialTransform):
+        def apply(self, sample, rng):
+            seen.append((sample.label.shape, sample.window))
+            return super().apply(sample, rng)
+
+    store = HDF5VolumeStore(tiny_store)  # 16^3 cases
+    try:
+        image, label = load_sample(store, 0, case_index=0, shape=(8, 8, 8), seed=0,
+                                   augment=Compose([Recording(p_rotation=1.0)]))
+    finally:
+        store.close()
+    # margin_shape(8^3) is 12^3: 2 voxels each side of the crop, clipped where the crop meets the case's edge
+    assert all(10 <= n <= 12 for n in seen[0][0])
+    assert seen[0][0] != (8, 8, 8)
+    assert seen[0][1][1] == (8, 8, 8)
+    assert label.shape == (8, 8, 8)
+
+
+def test_a_crop_read_with_a_margin_turns_in_anatomy_not_padding(tmp_path):
+    """A rotated crop from the middle of a larger case has no voxel from outside it."""
+    from bigmem.data.pipeline import PAD_LABEL, load_sample
+    from bigmem.data.store import HDF5VolumeStore, StoreWriter
+    from bigmem.data.transforms import Compose, SpatialTransform
+
+    rng = np.random.default_rng(0)
+    with StoreWriter(tmp_path / "s.h5", num_classes=2, channel_names=["mr"]) as writer:
+        writer.add_case("a", rng.normal(size=(48, 48, 48, 1)).astype(np.float32),
+                        (rng.random((48, 48, 48)) < 0.5).astype(np.uint8))
+        writer.commit()
+    store = HDF5VolumeStore(tmp_path / "s.h5")
+    chain = Compose([SpatialTransform(p_rotation=1.0, p_scaling=0.0, mirror_axes=())])
+    try:
+        labels = [load_sample(store, i, case_index=0, shape=(16, 16, 16), seed=1, augment=chain)[1] for i in range(4)]
+    finally:
+        store.close()
+    assert all(not (label == PAD_LABEL).any() for label in labels)
+
+
+def test_what_a_rotation_brings_in_from_outside_the_case_is_background():
+    """nnU-Net pads the segmentation with -1, then RemoveLabelTansform(-1, 0): outside is background."""
+    from bigmem.data.transforms import PAD_LABEL, Sample, SpatialTransform
+
+    sample = Sample(np.zeros((16, 16, 16, 1), np.float32), np.ones((16, 16, 16), np.uint8), np.zeros(1, np.float32))
+    out = SpatialTransform(p_rotation=1.0, p_scaling=0.0, mirror_axes=())(sample, np.random.default_rng(0))
+    assert not (out.label == PAD_LABEL).any()
+    assert out.label[0, 0, 0] == 0

@@ -108,9 +108,9 @@ def test_scaling_above_one_makes_the_anatomy_smaller():
 
 
 def test_spatial_matrix_on_an_anisotropic_volume_rotates_only_about_the_thin_axis():
-    transform = SpatialTransform(p_rotation=1.0, p_scaling=1.0, mirror_axes=())
-    matrix = transform.matrix((64, 64, 12), np.random.default_rng(3))
-    assert thin_axis((64, 64, 12)) == 2
+    transform = SpatialTransform(p_rotation=1.0, p_scaling=1.0, mirror_axes=(), dummy_2d_axis=thin_axis((64, 64, 12)))
+    matrix = transform.matrix(np.random.default_rng(3))
+    assert transform.dummy_2d_axis == 2
     np.testing.assert_allclose(matrix[2], [0.0, 0.0, 1.0])  # the thin axis neither rotates nor scales
     np.testing.assert_allclose(matrix[:, 2], [0.0, 0.0, 1.0])
     assert not np.allclose(matrix[:2, :2], np.eye(2))
@@ -265,7 +265,8 @@ def test_none_chain_is_empty_and_false():
 
 
 def test_unknown_chain_names_the_setting_and_the_choices():
-    with pytest.raises(ConfigError, match=r"Invalid data.augment 'nnunte': expected one of nnunet, light, none"):
+    with pytest.raises(ConfigError, match=r"Invalid data.augment 'nnunte': expected one of nnunet, spatial, "
+                                          r"intensity, light, none"):
         chain("nnunte")
 
 
@@ -314,7 +315,7 @@ def test_resample_label_equals_the_per_label_rule(shape, seed):
     label = np.digitize(smooth, np.quantile(smooth, [0.4, 0.7, 0.9])).astype(np.uint8)  # blobs 0..3
     label[:2] = PAD_LABEL if seed == 2 else label[:2]  # padding in the input, as in a patch
     transform = SpatialTransform(p_rotation=1.0, p_scaling=1.0, rotation_deg=40.0)
-    matrix = transform.matrix(shape, rng)
+    matrix = transform.matrix(rng)
     centre = (np.asarray(shape, np.float64) - 1) / 2
     offset = centre - matrix @ centre
     expected = _per_label_reference(label, matrix, offset)
@@ -338,3 +339,47 @@ def test_resample_label_interpolates_only_mixed_cells(monkeypatch):
     out = resample_label(label, matrix, centre - matrix @ centre)
     assert calls == []
     assert (out == 1).all()
+
+
+@pytest.mark.parametrize("shape, dummy, expected", [
+    ((64, 64, 64), None, (102, 102, 102)),  # get_patch_size((64,) * 3, 30 degrees, (0.85, 1.25)): [102 102 102]
+    ((40, 96, 80), None, (98, 144, 106)),  # nnU-Net: [97 144 105]; odd growths rounded up to even
+    ((20, 128, 96), 0, (20, 150, 150)),  # dummy 2D: nnU-Net's [150 150 150] with the thin axis kept
+])
+def test_margin_shape_is_nnunets_initial_patch_size(shape, dummy, expected):
+    """The values nnunetv2 2.8.1's get_patch_size returns for these patches (its rotation at most 90 degrees)."""
+    from bigmem.data.transforms import margin_shape
+
+    assert margin_shape(shape, rotation_deg=30, rotation_2d_deg=180, dummy_2d_axis=dummy) == expected
+
+
+def test_thin_axis_is_the_coarsest_spacing_where_one_is_coarser():
+    assert thin_axis((64, 200, 200), (5.0, 0.8, 0.8)) == 0
+    assert thin_axis((200, 64, 200), (0.8, 0.8, 0.8)) == 1  # no spacing differs: the shortest edge
+    assert thin_axis((100, 200, 200), (5.0, 0.8, 0.8)) is None  # 2x: not more than 3x
+
+
+def test_a_spatial_transform_into_a_window_of_an_identity_draw_is_the_window():
+    from dataclasses import replace
+
+    sample = _sample((12, 14, 16), channels=1)
+    windowed = replace(_copy(sample), window=((2, 3, 4), (8, 8, 8)))
+    out = affine_resample(windowed, np.eye(3))
+    assert np.array_equal(out.label, sample.label[2:10, 3:11, 4:12])
+
+
+def test_chains_of_nnunets_parts():
+    assert [t.name for t in chain("spatial").transforms] == ["spatial"]
+    assert [t.name for t in chain("intensity").transforms] == ["noise", "blur", "brightness", "contrast", "lowres",
+                                                               "gamma_inverted", "gamma"]
+
+
+def test_dummy_2d_is_decided_once_from_the_planned_shape():
+    spatial = chain("nnunet", planned_shape=(20, 128, 128)).transforms[0]
+    assert spatial.dummy_2d_axis == 0
+
+
+def test_working_bytes_of_a_crop_count_its_margin():
+    nnunet = chain("nnunet")
+    whole = nnunet.working_bytes((64, 64, 64), 1)
+    assert nnunet.working_bytes((64, 64, 64), 1, cropped=True) - whole == (102**3 - 64**3) * 5

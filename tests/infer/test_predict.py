@@ -65,7 +65,7 @@ def _store_case(tiny_store, case_id="synth_0001"):
 
 def test_run_config_is_the_saved_one(run_dir, tiny_store):
     config = run_config(run_dir)
-    assert config.model == resolve_config("tiny").model
+    assert config.model == resolve_config("tiny", {"data": {"store": str(tiny_store)}}).model  # nnU-Net's recipe
     assert config.data.store == str(tiny_store)
 
 

@@ -51,3 +51,28 @@ def test_config_round_trip_keeps_class():
     again = keras.optimizers.deserialize(keras.optimizers.serialize(optimizer))
     assert type(again) is FusedSGD
     assert again.get_config() == optimizer.get_config()
+
+
+def _one_step(optimizer, weights, gradient):
+    variable = keras.Variable(np.asarray(weights, np.float32))
+    optimizer.build([variable])
+    optimizer.apply([tf.constant(np.asarray(gradient, np.float32))], [variable])
+    return np.asarray(variable)
+
+
+@pytest.mark.parametrize("make", [lambda l2: FusedSGD(0.1, momentum=0.9, nesterov=True, l2=l2),
+                                  lambda l2: FusedAdam(1e-2, l2=l2)], ids=["sgd", "adam"])
+def test_l2_is_added_to_the_gradient_as_torch_applies_weight_decay(make):
+    weights, gradient, l2 = [1.0, -2.0, 3.0], [0.5, 0.25, -1.0], 0.1
+    coupled = _one_step(make(l2), weights, gradient)
+    by_hand = _one_step(make(0.0), weights, np.add(gradient, l2 * np.asarray(weights)))
+    np.testing.assert_allclose(coupled, by_hand, rtol=1e-6)
+
+
+def test_global_clipnorm_scales_the_gradient_down_to_the_norm():
+    clipped = _one_step(FusedSGD(1.0, global_clipnorm=1.0), [0.0, 0.0], [3.0, 4.0])
+    np.testing.assert_allclose(clipped, [-0.6, -0.8], rtol=1e-6)
+
+
+def test_l2_survives_the_optimizers_config():
+    assert FusedSGD.from_config(FusedSGD(0.1, momentum=0.99, l2=3e-5).get_config()).l2 == 3e-5

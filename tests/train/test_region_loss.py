@@ -114,7 +114,7 @@ def test_region_training_end_to_end(tmp_path, tiny_store, capsys):
         handle.attrs["regions"] = json.dumps({"whole": [1, 2], "core": [2]})
     out = tmp_path / "run"
     code, _, err = run_cli(["train", "--model", "tiny", "--data", store, "--out", out, "--steps", 2,
-                            "--monitor-interval", 0, "--augment", "none"], capsys)
+                            "--monitor-interval", 0, "--augment", "none", "--recipe", "preset"], capsys)
     assert code == 0, err
     config = json.loads((out / "config.json").read_text())
     assert config["model"]["region_outputs"] is True
