@@ -379,10 +379,23 @@ def _announce(job: Job, model, console: Console) -> cb.NUMAReport:
     console.print(f"bigmem train: {job.config.model.name} ({model.count_params():,} parameters), {what}, "
                   f"{job.config.train.precision.value}, {job.total_steps} step{'' if job.total_steps == 1 else 's'} -> "
                   f"{job.run.path}")
+    console.print(_recipe_line(job.config))
     split = job.loader.store.split
     if split is not None:
         console.print(_fold_line(split))
     return numa
+
+
+def _recipe_line(config) -> str:
+    """The opening line naming the training recipe and its parts, as resolved (``train.recipe``)."""
+    train, model = config.train, config.model
+    update = (f"SGD (Nesterov, momentum {train.momentum:g})" if train.optimizer is OptimizerName.SGD else "Adam")
+    extras = [f"weight decay {train.weight_decay:g}" if train.weight_decay else "",
+              f"gradients clipped to {train.clip_norm:g}" if train.clip_norm else "",
+              f"{train.warmup_steps}-step warm-up" if train.warmup_steps else ""]
+    return (f"Recipe {train.recipe.value}: {update} at lr {train.lr:g}, poly decay {train.lr_decay_power:g}"
+            + "".join(f", {e}" for e in extras if e) + f"; augmentation {config.data.augment.value}; deep supervision "
+            + ("on" if model.deep_supervision else "off"))
 
 
 def _fold_line(split) -> str:

@@ -71,3 +71,11 @@ def test_every_part_of_the_recipe_is_a_config_field():
     for section, values in NNUNET_RECIPE.items():
         for key in values:
             assert hasattr(getattr(config, section), key), f"{section}.{key}"
+
+
+def test_the_run_opens_with_the_recipe_it_trains():
+    from bigmem.train.trainer import _recipe_line
+
+    config = resolve_config("small", {"data": {"store": "/s.h5", "augment": "nnunet"}})
+    assert _recipe_line(config) == ("Recipe nnunet: SGD (Nesterov, momentum 0.99) at lr 0.01, poly decay 0.9, weight "
+                                    "decay 3e-05, gradients clipped to 12; augmentation nnunet; deep supervision on")
