@@ -10,7 +10,7 @@ then ``bigmem predict`` segments the unseen and the training subjects and ``bigm
 (MONAI's Dice, the mean over foreground classes and subjects).
 
 Arms (``ARMS``): ``recipe`` (nnU-Net's whole: ``--recipe nnunet``), ``none`` and ``light`` (its augmentation
-replaced), the recipe without each part (``-spatial``, ``-intensity``, ``-deep-supervision``, ``-optimiser``:
+replaced), the recipe without each part (``no-spatial``, ``no-intensity``, ``no-deep-supervision``, ``no-optimiser``:
 the preset's Adam schedule) and ``preset`` (the preset's recipe with nnU-Net's augmentation, the default
 before the recipe had a name). The ablation arms run at ``--ablation-budgets`` only.
 
@@ -51,10 +51,10 @@ ARMS = {
     "recipe": ["--recipe", "nnunet"],
     "none": ["--recipe", "nnunet", "--augment", "none"],
     "light": ["--recipe", "nnunet", "--augment", "light"],
-    "-spatial": ["--recipe", "nnunet", "--augment", "intensity"],
-    "-intensity": ["--recipe", "nnunet", "--augment", "spatial"],
-    "-deep-supervision": ["--recipe", "nnunet", "--no-deep-supervision"],
-    "-optimiser": ["--recipe", "preset", "--augment", "nnunet", "--deep-supervision"],
+    "no-spatial": ["--recipe", "nnunet", "--augment", "intensity"],
+    "no-intensity": ["--recipe", "nnunet", "--augment", "spatial"],
+    "no-deep-supervision": ["--recipe", "nnunet", "--no-deep-supervision"],
+    "no-optimiser": ["--recipe", "preset", "--augment", "nnunet", "--deep-supervision"],
     "preset": ["--recipe", "preset", "--augment", "nnunet"],
 }
 MAIN_ARMS = ("recipe", "none", "light")
@@ -62,13 +62,18 @@ NNUNET_TRAINER = "nnUNetTrainer_bigmemBudget"
 NNUNET_ITERATIONS_PER_EPOCH = 250  # nnUNetTrainer.__init__: num_iterations_per_epoch
 NNUNET_MIN_EPOCHS = 10  # below this the poly schedule (stepped once an epoch) would hardly decay
 # A subclass of nnU-Net's trainer that sets only its length (as its nnUNetTrainer_Xepochs variants do).
+# (nnUNetTrainer.__init__ records its own arguments by name, so the signature is spelt out.)
 TRAINER_SOURCE = '''import os
+
+import torch
+
 from nnunetv2.training.nnUNetTrainer.nnUNetTrainer import nnUNetTrainer
 
 
 class nnUNetTrainer_bigmemBudget(nnUNetTrainer):
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, plans: dict, configuration: str, fold: int, dataset_json: dict,
+                 device: torch.device = torch.device("cuda")):
+        super().__init__(plans, configuration, fold, dataset_json, device)
         self.num_epochs = int(os.environ["BUDGET_EPOCHS"])
         self.num_iterations_per_epoch = int(os.environ["BUDGET_ITERATIONS"])
         self.num_val_iterations_per_epoch = int(os.environ["BUDGET_VAL_ITERATIONS"])
@@ -155,7 +160,7 @@ def nnunet_prepare(work: Path, name: str, python: Path) -> None:
     package = Path(run([str(python), "-c", "import nnunetv2, os; print(os.path.dirname(nnunetv2.__file__))"],
                        what="find nnunetv2").strip())
     trainer = package / "training" / "nnUNetTrainer" / "variants" / f"{NNUNET_TRAINER}.py"
-    if not trainer.exists():
+    if not trainer.exists() or trainer.read_text() != TRAINER_SOURCE:
         trainer.write_text(TRAINER_SOURCE)
     prepare(work, name)
     dataset = DATASET_IDS[name]
