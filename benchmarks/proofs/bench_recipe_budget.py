@@ -17,7 +17,7 @@ before the recipe had a name). The ablation arms run at ``--ablation-budgets`` o
 nnU-Net v2 itself (``--nnunet-python``: a venv with ``pip install torch==2.14.1 torchvision==0.29.1
 nnunetv2``; its trainer search imports timm, which needs a torchvision that matches torch; bigmem never
 imports either) trains its own default 3d_fullres plan of the same files, fold ``all``, on the CPU, for the
-wall-clock the ``recipe`` arm trained at each budget: a short calibration run gives its seconds per
+wall-clock bigmem's default (``DEFAULT_ARM``) trained at each budget: a short calibration run gives its seconds per
 iteration, and its epochs are set so its poly schedule ends at the budget (250 iterations an epoch as
 nnU-Net's, at least 10 epochs; 1 validation iteration per 5 training ones, as its 50 per 250). It
 predicts without test-time mirroring, as bigmem predicts here, and the same ``bigmem evaluate`` scores it.
@@ -54,10 +54,11 @@ ARMS = {
     "no-spatial": ["--recipe", "nnunet", "--augment", "intensity"],
     "no-intensity": ["--recipe", "nnunet", "--augment", "spatial"],
     "no-deep-supervision": ["--recipe", "nnunet", "--no-deep-supervision"],
-    "no-optimiser": ["--recipe", "preset", "--augment", "nnunet", "--deep-supervision"],
+    "no-optimiser": ["--recipe", "augmented"],  # what bigmem train trains on a store without --recipe
     "preset": ["--recipe", "preset", "--augment", "nnunet"],
 }
 MAIN_ARMS = ("recipe", "none", "light")
+DEFAULT_ARM = "no-optimiser"  # --recipe auto on a store (config.presets._with_recipe): augmented
 NNUNET_TRAINER = "nnUNetTrainer_bigmemBudget"
 NNUNET_ITERATIONS_PER_EPOCH = 250  # nnUNetTrainer.__init__: num_iterations_per_epoch
 NNUNET_MIN_EPOCHS = 10  # below this the poly schedule (stepped once an epoch) would hardly decay
@@ -312,8 +313,8 @@ def main(argv=None) -> int:
                 print(f"{name} {arm} {steps} seed {seed}: unseen {row['unseen']['dice']:.3f}, training "
                       f"{row['train']['dice']:.3f}, {row['train_s']:.0f} s train "
                       f"({time.perf_counter() - started:.0f} s)", flush=True)
-            if args.nnunet_python and arm == "recipe":
-                budget = json.loads((work / name / "recipe" / str(steps) / "seed0" / "result.json").read_text())
+            if args.nnunet_python and arm == DEFAULT_ARM:
+                budget = json.loads((work / name / arm / str(steps) / "seed0" / "result.json").read_text())
                 row = nnunet_run(work, name, args.nnunet_python, steps, budget["train_s"])
                 print(f"{name} nnunet {steps}: unseen {row['unseen']['dice']:.3f} ({row['train_s']:.0f} s)", flush=True)
     finally:

@@ -50,12 +50,14 @@ def add_model_flags(parser, *, volume_help: str, shape_help: str | None = None, 
     group.add_argument("--batch-size", type=int, metavar="B", help="volumes per step (default: the preset's)")
     group.add_argument("--optimizer", choices=["sgd", "adam"],
                        help="SGD with Nesterov momentum (1 slot per weight), or Adam (2 slots)")
-    group.add_argument("--recipe", choices=["auto", "nnunet", "preset"],
+    group.add_argument("--recipe", choices=["auto", "augmented", "nnunet", "preset"],
                        help="the training recipe as one name: nnunet (nnU-Net v2's: its augmentation, deep "
                             "supervision, SGD with Nesterov momentum 0.99 at lr 1e-2, weight decay 3e-5, gradients "
-                            "clipped to norm 12, poly decay with exponent 0.9, no warm-up) or preset (the preset's "
-                            "own optimiser and schedule, deep supervision off); a flag given beside it changes that "
-                            "one part (default auto: nnunet with --data, preset on the synthetic set)")
+                            "clipped to norm 12, poly decay with exponent 0.9, no warm-up), augmented (the preset's "
+                            "optimiser and schedule with nnU-Net's augmentation and deep supervision) or preset (the "
+                            "preset's own settings); a flag given beside it changes that one part (default auto: "
+                            "augmented with --data, where it trained better on unseen subjects than nnunet, "
+                            "benchmarks/results/recipe_budget.md; preset on the synthetic set)")
     group.add_argument("--deep-supervision", action=argparse.BooleanOptionalAction, default=None,
                        help="also train each lower decoder resolution through a 1x1x1 head of its own, with "
                             "nnU-Net's weights (1/2^level, the lowest 0, normalised) and labels downsampled as "

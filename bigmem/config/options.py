@@ -65,7 +65,8 @@ class Augment(StrOption):
 
 
 class Recipe(StrOption):
-    AUTO = "auto"  # nnunet when training on a store, preset on the embedded synthetic set
+    AUTO = "auto"  # augmented on a store, preset on the embedded synthetic set (config.presets._with_recipe)
+    AUGMENTED = "augmented"  # the preset's optimiser and schedule, nnU-Net's augmentation and deep supervision
     NNUNET = "nnunet"  # nnU-Net v2's training recipe whole (config.presets.NNUNET_RECIPE)
     PRESET = "preset"  # the preset's own [train] settings and the augmentation data.augment names
 

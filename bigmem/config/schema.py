@@ -322,8 +322,10 @@ class TrainConfig:
         recipe: the training recipe as one name: ``nnunet`` (nnU-Net v2's: its augmentation, deep
             supervision, SGD with Nesterov momentum 0.99 at lr 1e-2 with weight decay 3e-5, poly decay
             with exponent 0.9 and no warm-up; ``config.presets.NNUNET_RECIPE``), ``preset`` (the preset's own
-            settings) or ``auto`` (default: nnunet when training on a store, preset on the embedded
-            synthetic set). Resolved by ``config.presets.resolve_config``, under the flags, and saved resolved.
+            settings), ``augmented`` (the preset's optimiser and schedule with nnU-Net's augmentation and deep
+            supervision; ``config.presets.AUGMENTED_RECIPE``) or ``auto`` (default: augmented on a store, preset on
+            the embedded synthetic set). Resolved by ``config.presets.resolve_config``, under the flags, and
+            saved resolved.
         batch_size: volumes per step (per replica when data-parallel).
         steps, epochs: the run's length (one of them; default one epoch).
         lr, optimizer, momentum, warmup_steps, lr_decay_power, end_lr: the schedule and update.

@@ -8,9 +8,15 @@ from bigmem.config.presets import NNUNET_RECIPE, resolve_config
 from bigmem.errors import ConfigError
 
 
-def test_a_store_trains_nnunets_recipe_by_default():
+def test_a_store_trains_the_augmented_recipe_by_default():
     config = resolve_config("small", {"data": {"store": "/data/store.h5"}})
-    assert config.train.recipe.value == "nnunet"
+    assert config.train.recipe.value == "augmented"
+
+
+def test_the_augmented_recipe_keeps_the_presets_optimiser_with_nnunets_augmentation_and_deep_supervision():
+    config = resolve_config("small", {"data": {"store": "/data/store.h5"}})
+    assert (config.train.optimizer.value, config.train.lr, config.data.augment.value, config.model.deep_supervision) \
+        == ("adam", 3e-3, "nnunet", True)
 
 
 @pytest.mark.parametrize("field, value", [("optimizer", "sgd"), ("lr", 1e-2), ("momentum", 0.99),
@@ -45,7 +51,7 @@ def test_preset_recipe_on_a_store_keeps_the_presets_optimiser():
 
 def test_the_resolved_recipe_is_saved():
     config = resolve_config("small", {"data": {"store": "/s.h5"}})
-    assert config.to_dict()["train"]["recipe"] == "nnunet"
+    assert config.to_dict()["train"]["recipe"] == "augmented"
 
 
 def test_a_saved_config_resumes_under_its_own_values():
@@ -62,7 +68,8 @@ def test_a_config_saved_before_recipes_had_names_resumes_under_its_preset():
 
 
 def test_an_unknown_recipe_names_the_field_and_the_choices():
-    with pytest.raises(ConfigError, match=r"Invalid train.recipe 'nnunte': expected one of auto, nnunet, preset"):
+    with pytest.raises(ConfigError, match=r"Invalid train.recipe 'nnunte': expected one of auto, augmented, "
+                                          r"nnunet, preset"):
         resolve_config("small", {"train": {"recipe": "nnunte"}})
 
 
@@ -76,6 +83,6 @@ def test_every_part_of_the_recipe_is_a_config_field():
 def test_the_run_opens_with_the_recipe_it_trains():
     from bigmem.train.trainer import _recipe_line
 
-    config = resolve_config("small", {"data": {"store": "/s.h5", "augment": "nnunet"}})
+    config = resolve_config("small", {"data": {"store": "/s.h5"}, "train": {"recipe": "nnunet"}})
     assert _recipe_line(config) == ("Recipe nnunet: SGD (Nesterov, momentum 0.99) at lr 0.01, poly decay 0.9, weight "
                                     "decay 3e-05, gradients clipped to 12; augmentation nnunet; deep supervision on")

@@ -126,13 +126,13 @@ def test_a_run_started_with_a_relative_store_resumes_from_another_folder(tmp_pat
 def test_flags_that_differ_from_the_saved_run_are_refused_each_named(finished, tiny_store, tmp_path, capsys):
     before = snapshot(finished)
     other = copy_store(tiny_store, tmp_path / "other.h5")
-    code, _, err = run_cli(["train", "--model", "small", "--data", other, "--volume", 32, "--lr", "0.05",
+    code, _, err = run_cli(["train", "--model", "small", "--data", other, "--volume", 32, "--lr", "0.01",
                             "--seed", 1, "--precision", "bf16", "--steps", 9, "--out", finished, "--resume"], capsys)
     assert code == 2
     assert err.strip() == (
         f"bigmem train: error: Cannot resume {str(finished)!r} with settings that differ from the saved run: "
         f"--model small (saved: tiny); --shape 32,32,32 (saved: 16,16,16); --data {other} (saved: {tiny_store}); "
-        "--precision bf16 (saved: fp32); --lr 0.05 (saved: 0.01). Only --steps, --epochs, --time-budget, "
+        "--precision bf16 (saved: fp32); --lr 0.01 (saved: 0.003). Only --steps, --epochs, --time-budget, "
         "--monitor-interval, --checkpoint-every, --val-every, --num-workers, --prefetch, --cold-cache, "
         "--memory-budget, --numa, --cpus, --threads may change when resuming: repeat the saved values (or leave "
         "those flags out), or start a new run with another --out.")
@@ -155,18 +155,18 @@ def test_a_python_resume_with_changed_settings_is_refused_as_the_command_line_re
 
     forget_after(finished, 4)  # steps are left to run: the refusal is the settings' alone
     before = snapshot(finished)
-    code, _, err = run_cli(command(finished, tiny_store, "--steps", 6, "--lr", "0.05", "--resume"), capsys)
+    code, _, err = run_cli(command(finished, tiny_store, "--steps", 6, "--lr", "0.01", "--resume"), capsys)
     config = resolve_config("tiny", {"data": {"store": str(tiny_store), "shape": [16, 16, 16]},
-                                     "train": {"seed": 1, "steps": 6, "checkpoint_every": 2, "lr": 0.05}})
+                                     "train": {"seed": 1, "steps": 6, "checkpoint_every": 2, "lr": 0.01}})
     with pytest.raises(ConfigError) as refused:
         train(config, finished, resume=True, console=_quiet())
     assert code == refused.value.exit_code == EXIT_USAGE
     assert err.strip() == f"bigmem train: error: {refused.value.render(flag_for)}"  # the same message
     assert str(refused.value).startswith(f"Cannot resume {str(finished)!r} with settings that differ from the saved "
-                                         "run: train.lr 0.05 (saved: 0.01). Only train.steps, train.epochs, ")
+                                         "run: train.lr 0.01 (saved: 0.003). Only train.steps, train.epochs, ")
     assert snapshot(finished) == before
     # the saved settings, with only what may change changed: the run continues where it stopped
-    result = train(config.updated({"train": {"lr": 0.01, "time_budget_s": 300}}), finished, resume=True,
+    result = train(config.updated({"train": {"lr": 0.003, "time_budget_s": 300}}), finished, resume=True,
                    console=_quiet())
     assert (result.start_step, result.final_step) == (4, 6)
 
