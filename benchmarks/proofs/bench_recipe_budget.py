@@ -9,10 +9,10 @@ training subjects for each arm at each budget (a run whose schedule ends at its 
 then ``bigmem predict`` segments the unseen and the training subjects and ``bigmem evaluate`` scores them
 (MONAI's Dice, the mean over foreground classes and subjects).
 
-Arms (``ARMS``): ``recipe`` (nnU-Net's whole: ``--recipe nnunet``), ``none`` and ``light`` (its augmentation
-replaced), the recipe without each part (``no-spatial``, ``no-intensity``, ``no-deep-supervision``, ``no-optimiser``:
-the preset's Adam schedule) and ``preset`` (the preset's recipe with nnU-Net's augmentation, the default
-before the recipe had a name). The ablation arms run at ``--ablation-budgets`` only.
+Arms (``ARMS``): ``default`` (what ``bigmem train`` trains on a store: ``--recipe augmented``), ``recipe``
+(nnU-Net's whole: the default with nnU-Net's SGD schedule, ``--recipe nnunet``), ``none`` and ``light`` (the
+default's augmentation replaced) and the default without each part (``no-spatial``, ``no-intensity``,
+``no-deep-supervision``). The arms other than ``--arms`` run at ``--ablation-budgets`` only.
 
 nnU-Net v2 itself (``--nnunet-python``: a venv with ``pip install torch==2.14.1 torchvision==0.29.1
 nnunetv2``; its trainer search imports timm, which needs a torchvision that matches torch; bigmem never
@@ -48,17 +48,16 @@ import standins  # noqa: E402
 
 DATASET_IDS = {"brain": 901, "organs": 902}
 ARMS = {
-    "recipe": ["--recipe", "nnunet"],
-    "none": ["--recipe", "nnunet", "--augment", "none"],
-    "light": ["--recipe", "nnunet", "--augment", "light"],
-    "no-spatial": ["--recipe", "nnunet", "--augment", "intensity"],
-    "no-intensity": ["--recipe", "nnunet", "--augment", "spatial"],
-    "no-deep-supervision": ["--recipe", "nnunet", "--no-deep-supervision"],
-    "no-optimiser": ["--recipe", "augmented"],  # what bigmem train trains on a store without --recipe
-    "preset": ["--recipe", "preset", "--augment", "nnunet"],
+    "default": ["--recipe", "augmented"],  # what bigmem train trains on a store without --recipe
+    "recipe": ["--recipe", "nnunet"],  # the default with nnU-Net's optimiser and schedule: nnU-Net's whole recipe
+    "none": ["--recipe", "augmented", "--augment", "none"],
+    "light": ["--recipe", "augmented", "--augment", "light"],
+    "no-spatial": ["--recipe", "augmented", "--augment", "intensity"],
+    "no-intensity": ["--recipe", "augmented", "--augment", "spatial"],
+    "no-deep-supervision": ["--recipe", "augmented", "--no-deep-supervision"],
 }
-MAIN_ARMS = ("recipe", "none", "light")
-DEFAULT_ARM = "no-optimiser"  # --recipe auto on a store (config.presets._with_recipe): augmented
+MAIN_ARMS = ("default",)
+DEFAULT_ARM = "default"  # --recipe auto on a store (config.presets._with_recipe): augmented
 NNUNET_TRAINER = "nnUNetTrainer_bigmemBudget"
 NNUNET_ITERATIONS_PER_EPOCH = 250  # nnUNetTrainer.__init__: num_iterations_per_epoch
 NNUNET_MIN_EPOCHS = 10  # below this the poly schedule (stepped once an epoch) would hardly decay
