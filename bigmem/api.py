@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
+from bigmem.errors import ConfigError, DataError, UsageError
+
 if TYPE_CHECKING:  # only for the annotations: importing them here would import TensorFlow
     from bigmem.config.schema import ExperimentConfig
     from bigmem.memory.budget import Budget
@@ -34,30 +36,144 @@ if TYPE_CHECKING:  # only for the annotations: importing them here would import 
 
 
 
-def resolve_config(model: str | None = None, overrides: dict | None = None) -> "ExperimentConfig":
+def resolve_config(model: str | dict | None = None, overrides: dict | None = None, *,
+                   plan: str | os.PathLike | None = None,
+                   config: str | os.PathLike | None = None) -> "ExperimentConfig":
     """The typed, frozen experiment config: defaults, then the preset (or a .toml file), then ``overrides``.
 
     Args:
-        model: a preset name (``tiny``, ``small``, ``intelai-brats``, ``kits19``, ``resenc-m``) or a path to a
-            .toml file (default: ``config.presets.DEFAULT_PRESET``, small).
+        model: a preset name (``tiny``, ``small``, ``intelai-brats``, ``kits19``, ``resenc-m``), a path to a
+            .toml file, preset tables (``auto_preset``), or ``"auto"``: the network nnU-Net v2's planner rules configure from the cases of
+            ``overrides``' ``data.store`` (``auto_preset``) (default: ``config.presets.DEFAULT_PRESET``, small).
         overrides: nested ``{section: {field: value}}`` (the CLI's flags, e.g.
             ``{"train": {"batch_size": 2}, "data": {"store": "brats.h5"}}``); None values are ignored.
+        plan: instead of ``model``, the experiment.toml that ``plan(..., experiment=...)`` wrote (``bigmem plan
+            --data``), or the plan.json beside it.
+        config: instead of everything else, a whole resolved config as written (a run's config.json).
 
     Returns:
         An ``ExperimentConfig``; a store's channels and classes are filled in when training starts
         (``bigmem.data.derived.with_data_fields``).
 
     Raises:
-        ConfigError: an unknown preset, section or field, or a value of the wrong type (exit 2).
+        ConfigError: an unknown preset, section or field, a value of the wrong type, ``plan`` with
+            ``model``, or ``"auto"`` without ``data.store`` (exit 2).
+        UsageError: ``config`` with a model, plan or overrides.
+        DataError: the plan, config or store cannot be read.
 
     Example:
         >>> config = resolve_config("tiny", {"train": {"steps": 2}})
         >>> config.train.steps
         2
+        >>> resolve_config("auto", {"data": {"store": "kits.h5"}}).model.name
+        'auto'
     """
-    from bigmem.config.presets import DEFAULT_PRESET, resolve_config as resolve
+    from bigmem.config.presets import resolve_config as resolve
 
-    return resolve(model or DEFAULT_PRESET, overrides or {})
+    overrides = overrides or {}
+    if config is not None:
+        return _whole_config(config, given=model is not None or plan is not None
+                             or any(v is not None for values in overrides.values() for v in values.values()))
+    return resolve(preset_for(model, plan, store=overrides.get("data", {}).get("store")), overrides)
+
+
+def preset_for(model: str | dict | None = None, plan: str | os.PathLike | None = None, *,
+               store: str | os.PathLike | None = None) -> "str | dict":
+    """What ``resolve_config`` resolves before its overrides: a preset name or .toml path, or ``auto``'s tables.
+
+    Args:
+        model: a preset name, a .toml path or ``"auto"`` (default: ``config.presets.DEFAULT_PRESET``).
+        plan: the experiment.toml (or plan.json) ``bigmem plan --data`` wrote, instead of ``model``.
+        store: the store ``"auto"`` configures the network from.
+
+    Returns:
+        The preset's name or path, or (``"auto"``) ``auto_preset(configure(store))``.
+
+    Raises:
+        ConfigError: ``plan`` with ``model``; ``"auto"`` without ``store``; a plan.json made for a preset
+            (it names the model to give instead).
+        DataError: the plan cannot be read, or its experiment preset is missing.
+
+    Example:
+        >>> preset_for("small"), preset_for(plan="plans/plan.json")
+        ('small', 'plans/experiment.toml')
+    """
+    from bigmem.config.presets import DEFAULT_PRESET
+
+    if plan is not None:
+        if model is not None:
+            raise ConfigError("model.name", f"The plan {plan} names the network to train: leave out {{field}} {model}.")
+        return planned_preset(Path(plan))
+    if model == "auto":
+        if store is None:
+            raise ConfigError("data.store", "{model.name} auto configures the network from a store's cases: "
+                              "give {field}.")
+        return auto_preset(configure(store))
+    return model or DEFAULT_PRESET
+
+
+def auto_preset(experiment) -> dict:
+    """The preset tables of a network ``configure`` made (model name ``auto``), its precision and recompute mode
+    left to the job's pre-flight (or ``plan``'s search), which chooses what fits.
+
+    Example:
+        >>> resolve_config(auto_preset(configure("kits.h5"))).model.strides[1]
+        (1, 2, 2)
+    """
+    tables = experiment.tables(batch_size=2, precision="fp32", recompute="none")
+    tables["model"]["name"] = "auto"
+    tables.pop("memory")
+    tables["train"].pop("precision")
+    return tables
+
+
+def planned_preset(path: Path) -> str:
+    """A plan file's preset: the experiment.toml itself, or the one a plan.json's ``experiment.preset`` names.
+
+    Raises:
+        DataError: ``path`` or its preset cannot be read.
+        ConfigError: a plan.json made for a preset, not configured from a store.
+
+    Example:
+        >>> planned_preset(Path("plans/plan.json"))
+        'plans/experiment.toml'
+    """
+    import json
+
+    if not path.is_file():
+        raise DataError(f"Cannot read the plan {path}: no such file; expected the experiment.toml (or plan.json) "
+                        "bigmem plan --data wrote.")
+    if path.suffix != ".json":
+        return str(path)
+    try:
+        experiment = json.loads(path.read_text()).get("experiment")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise DataError(f"Cannot read the plan {path}: {exc}.") from None
+    if not experiment or not experiment.get("preset"):
+        raise ConfigError("model.name", f"The plan {path} was planned for a preset, not configured from a store: "
+                          "train it with the {field} it names (bigmem plan --data STORE without --model writes an "
+                          "experiment).")
+    preset = Path(experiment["preset"])
+    preset = preset if preset.is_absolute() else path.parent / preset.name
+    if not preset.is_file():
+        raise DataError(f"Cannot read the plan {path}: its experiment preset {preset} is missing.")
+    return str(preset)
+
+
+def _whole_config(path: str | os.PathLike, *, given: bool) -> "ExperimentConfig":
+    """A resolved config.json as written; nothing else may be given with it."""
+    import json
+
+    from bigmem.config.schema import ExperimentConfig
+
+    if given:
+        raise UsageError(f"The config {path} is a whole resolved configuration: give no model, plan or overrides "
+                         "with it.")
+    try:
+        values = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise DataError(f"Cannot read the config {path}: {exc}.") from None
+    return ExperimentConfig.from_dict(values, source=str(path))
 
 
 def train(config: "ExperimentConfig", run_dir: str | os.PathLike, *, resume: bool = False, force: bool = False,
@@ -489,5 +605,5 @@ def convert(source, out: str | os.PathLike, *, images: Sequence[str] = (), label
     return run(dataset, out, **options)
 
 
-__all__ = ["PlanResult", "compare", "configure", "convert", "evaluate", "plan", "predict", "profile", "resolve_config",
-           "train", "train_per_node"]
+__all__ = ["PlanResult", "auto_preset", "compare", "configure", "convert", "evaluate", "plan", "planned_preset",
+           "predict", "preset_for", "profile", "resolve_config", "train", "train_per_node"]

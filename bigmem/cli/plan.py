@@ -113,14 +113,14 @@ def _checked(args):
         raise UsageError("--inference plans one whole volume of --shape; --data does not apply.")
     experiment = None
     if args.model == "auto" and args.data is None:
-        raise UsageError("--model auto configures the network from a store's cases: give --data STORE.h5.")
+        from bigmem.api import preset_for
+
+        preset_for("auto")  # refuses: auto needs a store
     if args.data is not None and args.model in (None, "auto"):
-        from bigmem.api import configure
+        from bigmem.api import auto_preset, configure
 
         experiment = configure(args.data)  # the store's spacings and shapes: h5py only, before TensorFlow
-        tables = experiment.tables(batch_size=2, precision="fp32", recompute="none")
-        tables["model"]["name"] = "auto"
-        config = resolve_with_shape(args, tables, overrides)
+        config = resolve_with_shape(args, auto_preset(experiment), overrides)
     else:
         config = resolve_with_shape(args, args.model or DEFAULT_PRESET, overrides)
     if inference and fixed_batch is not None:

@@ -11,7 +11,6 @@ from bigmem.cli.common import (
     PRESET_HELP, add_budget_flag, add_memory_flags, add_model_flags, add_numa_flags, budget_arguments, model_overrides,
     numa_overrides, resolve_with_shape,
 )
-from bigmem.config.presets import DEFAULT_PRESET
 from bigmem.config.schema import DataConfig
 from bigmem.errors import DataError, UsageError
 from bigmem.rundir import RunDir
@@ -211,59 +210,15 @@ def resolve(args):
 
 
 def _preset(args):
-    """The preset to resolve: ``--plan``'s experiment.toml, ``--model auto``'s tables, ``--model``, or the default.
+    """The preset to resolve (``bigmem.api.preset_for``): ``--plan``'s experiment.toml, ``--model auto``'s tables,
+    ``--model``, or the default."""
+    from bigmem.api import preset_for
 
-    Raises:
-        UsageError: ``--plan`` with ``--model``, ``--model auto`` without ``--data``, or a plan.json made for a
-            preset (it names the ``--model`` to give instead).
-        DataError: the ``--plan`` file cannot be read.
-    """
-    if args.plan is not None:
-        if args.model is not None:
-            raise UsageError(f"--plan {args.plan} names the network to train: leave out --model {args.model}.")
-        return _planned_preset(Path(args.plan))
-    if args.model == "auto":
-        if args.data is None:
-            raise UsageError("--model auto configures the network from a store's cases: give --data STORE.h5.")
-        from bigmem.api import configure
-
-        tables = configure(args.data).tables(batch_size=2, precision="fp32", recompute="none")
-        tables["model"]["name"] = "auto"
-        tables.pop("memory")  # the job's pre-flight chooses the recompute mode (and bf16) that fits
-        tables["train"].pop("precision")
-        return tables
-    return args.model or DEFAULT_PRESET
-
-
-def _planned_preset(path: Path) -> str:
-    """``--plan FILE``: the experiment.toml itself, or the one plan.json's ``experiment.preset`` names."""
-    import json
-
-    if not path.is_file():
-        raise DataError(f"Cannot read --plan {path}: no such file; expected the experiment.toml (or plan.json) "
-                        "bigmem plan --data wrote.")
-    if path.suffix != ".json":
-        return str(path)
-    try:
-        experiment = json.loads(path.read_text()).get("experiment")
-    except (OSError, ValueError, AttributeError) as exc:
-        raise DataError(f"Cannot read --plan {path}: {exc}.") from None
-    if not experiment or not experiment.get("preset"):
-        raise UsageError(f"--plan {path} was planned for a preset, not configured from a store: train it with the "
-                         "--model it names (bigmem plan --data STORE without --model writes an experiment).")
-    preset = Path(experiment["preset"])
-    preset = preset if preset.is_absolute() else path.parent / preset.name
-    if not preset.is_file():
-        raise DataError(f"Cannot read --plan {path}: its experiment preset {preset} is missing.")
-    return str(preset)
+    return preset_for(args.model, args.plan, store=args.data)
 
 
 def _given_config(args, overrides: dict):
     """``--config CONFIG.json``: the resolved config as written (a run's config.json), and the run directory."""
-    import json
-
-    from bigmem.config.schema import ExperimentConfig
-
     given = sorted(f"{section}.{key}" for section, values in overrides.items() for key, value in values.items()
                    if value is not None)
     if given or args.model is not None or args.plan is not None:
@@ -272,11 +227,9 @@ def _given_config(args, overrides: dict):
         flags = ", ".join(["--model"] * (args.model is not None) + ["--plan"] * (args.plan is not None)
                           + [flag_for(field) for field in given])
         raise UsageError(f"--config {args.config} is a whole resolved configuration: leave out {flags}.")
-    try:
-        values = json.loads(Path(args.config).read_text())
-    except (OSError, ValueError) as exc:
-        raise DataError(f"Cannot read --config {args.config}: {exc}.") from None
-    config = ExperimentConfig.from_dict(values, source=args.config)
+    from bigmem.api import resolve_config
+
+    config = resolve_config(config=args.config)
     out = Path(args.out) if args.out else Path("runs") / f"{config.model.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     return config, out
 

@@ -77,11 +77,11 @@ def test_train_model_auto_configures_from_the_store(kits_store, tmp_path, capsys
 
 @pytest.mark.parametrize("argv,message", [
     (["train", "--model", "auto", "--steps", 1], "--model auto configures the network from a store's cases: give "
-                                                 "--data STORE.h5."),
-    (["plan", "--model", "auto"], "--model auto configures the network from a store's cases: give --data STORE.h5."),
-    (["train", "--plan", "{plan}", "--model", "small"], "--plan {plan} names the network to train: leave out "
+                                                 "--data."),
+    (["plan", "--model", "auto"], "--model auto configures the network from a store's cases: give --data."),
+    (["train", "--plan", "{plan}", "--model", "small"], "The plan {plan} names the network to train: leave out "
                                                         "--model small."),
-    (["train", "--plan", "{tmp}/none.toml"], "Cannot read --plan {tmp}/none.toml: no such file; expected the "
+    (["train", "--plan", "{tmp}/none.toml"], "Cannot read the plan {tmp}/none.toml: no such file; expected the "
                                              "experiment.toml (or plan.json) bigmem plan --data wrote."),
 ])
 def test_plan_and_auto_refuse_what_they_cannot_use(argv, message, planned, tmp_path, capsys):
@@ -98,4 +98,4 @@ def test_train_plan_of_a_preset_plan_names_the_model_to_give(tmp_path, capsys):
     assert code == 0, err
     code, _, err = run_cli(["train", "--plan", out], capsys)
     assert code == 2
-    assert f"--plan {out} was planned for a preset, not configured from a store" in err
+    assert f"The plan {out} was planned for a preset, not configured from a store" in err

@@ -39,7 +39,7 @@ def test_a_config_file_takes_no_setting_beside_it(tmp_path):
 
 def test_an_unreadable_config_file_is_one_line(tmp_path):
     (tmp_path / "bad.json").write_text("{not json")
-    with pytest.raises(DataError, match=r"^Cannot read --config .*bad\.json: "):
+    with pytest.raises(DataError, match=r"^Cannot read the config .*bad\.json: "):
         _resolve("--config", str(tmp_path / "bad.json"))
 
 
