@@ -43,8 +43,9 @@ def resolve_config(model: str | dict | None = None, overrides: dict | None = Non
 
     Args:
         model: a preset name (``tiny``, ``small``, ``intelai-brats``, ``kits19``, ``resenc-m``), a path to a
-            .toml file, preset tables (``auto_preset``), or ``"auto"``: the network nnU-Net v2's planner rules configure from the cases of
-            ``overrides``' ``data.store`` (``auto_preset``) (default: ``config.presets.DEFAULT_PRESET``, small).
+            .toml file, preset tables (``auto_preset``), or ``"auto"``: the network nnU-Net v2's planner rules
+            configure from the cases of ``overrides``' ``data.store`` (default: ``config.presets.DEFAULT_PRESET``,
+            small).
         overrides: nested ``{section: {field: value}}`` (the CLI's flags, e.g.
             ``{"train": {"batch_size": 2}, "data": {"store": "brats.h5"}}``); None values are ignored.
         plan: instead of ``model``, the experiment.toml that ``plan(..., experiment=...)`` wrote (``bigmem plan
@@ -222,7 +223,7 @@ def train_per_node(config: "ExperimentConfig", run_dir: str | os.PathLike, *, wo
         force: start even where a node's free memory cannot hold its workers.
         verbose: TensorFlow's logs in the workers.
         topology: the machine's NUMA nodes (default: read from sysfs).
-        say: called with the plan's notes (memory-only nodes, split CPUs).
+        say: called with the plan's notes (memory-only nodes, split CPUs), then the workers' line (default: silent).
 
     Returns:
         0, or 128 + the signal that stopped the run.
@@ -240,11 +241,12 @@ def train_per_node(config: "ExperimentConfig", run_dir: str | os.PathLike, *, wo
 
     topology = topology or NUMATopology.from_sysfs()
     workers = plan_workers(topology, workers_per_node=workers_per_node)
+    say = say or (lambda line: None)
     for note in workers.notes():
-        (say or (lambda line: None))(note)
+        say(note)
     if not force:
         check_node_memory(workers, topology, _worker_peak_bytes(config))
-    print(workers.describe(config.train.batch_size), flush=True)
+    say(workers.describe(config.train.batch_size))
     env = dict(os.environ)
     if not verbose:
         # When a worker dies, the others' TensorFlow logs the broken collective (gRPC "connection refused",

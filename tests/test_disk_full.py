@@ -1,6 +1,6 @@
 """A full disk on a real (tiny tmpfs) filesystem: exit 1, one line with the path, bytes needed and free, nothing left.
 
-Before ``rundir.atomic_hdf5``, ``bigmem convert`` into a nearly full filesystem died with a
+Before ``atomic.atomic_hdf5``, ``bigmem convert`` into a nearly full filesystem died with a
 segmentation fault in HDF5 (a write HDF5 had deferred to a close failed, and the next close
 touched freed memory), leaving ``.out.h5.tmp-PID`` behind. The HDF5 cases run in a child process,
 so a crash is seen as a negative return code instead of taking the test run down.

@@ -3,7 +3,8 @@
 Documents: README.md, ARCHITECTURE.md and docs/*.md (docs/cli.md is generated and has its own
 test). Code: the docstrings and comments of every module under bigmem/, tests/ and benchmarks/.
 A pointer is a repository path (`docs/store.md`, `bigmem/nets/slabs.py`, `README.md`), a path
-inside the package (`nets/slabs.py`, `data/preprocess.Preprocessing`), a markdown link, or a section
+inside the package (`nets/slabs.py`, `data/preprocess.Preprocessing`), a dotted name of code
+(`memory.plans.plan_job`, `bigmem.cpu.isa_class`), a markdown link, or a section
 cited beside a markdown file (`docs/guide.md, "Speed"`).
 """
 
@@ -195,6 +196,67 @@ def test_docstrings_and_comments_point_at_what_exists(folder):
             dead += [f"{path.relative_to(ROOT)}:{line}: {problem}"
                      for problem in _dead_pointers(text, package_paths=True)]
     assert not dead, "Pointers to files or sections that do not exist:\n" + "\n".join(dead)
+
+
+# A dotted name of the package's code, `memory.plans.plan_job` or `bigmem.cpu.isa_class` (a top-level module or a unit,
+# then modules, then a name the module defines).
+TOP_LEVEL = sorted({p.stem for p in PACKAGE.glob("*.py") if not p.stem.startswith("_")} | set(UNITS))
+DOTTED = re.compile(rf"`(?:bigmem\.)?((?:{'|'.join(TOP_LEVEL)})(?:\.[A-Za-z_]\w*)+)`")
+
+
+def _dead_dotted_name(reference: str) -> str | None:
+    """Why a dotted ``reference`` names no code, or None when it does or is not a name of code.
+
+    Not code: a file (`config.json`, `compare.md`); a name a package's ``__init__`` does not define in lower case,
+    which reads as a config value (`config.train.precision`, `compare.holdout`): the package's own names are
+    modules and classes.
+    """
+    parts = reference.split(".")
+    if parts[-1] in FILE_EXTENSIONS:
+        return None
+    path, i = PACKAGE, 0
+    while i < len(parts) and (path / parts[i]).is_dir():
+        path, i = path / parts[i], i + 1
+    if i < len(parts) and (path / f"{parts[i]}.py").exists():
+        module, i = path / f"{parts[i]}.py", i + 1
+    elif path != PACKAGE:
+        module = path / "__init__.py"
+        if i < len(parts) and parts[i][0].islower():
+            return None
+    else:
+        return None
+    if i == len(parts):
+        return None
+    defined = _defined(module)
+    if parts[i] not in {name.split(".")[0] for name in defined}:
+        return f"{module.relative_to(ROOT)} defines no {parts[i]}"
+    if i + 1 < len(parts) and parts[i][0].isupper() and f"{parts[i]}.{parts[i + 1]}" not in defined:
+        return f"{module.relative_to(ROOT)} has no {parts[i]}.{parts[i + 1]}"
+    return None
+
+
+def test_dotted_names_of_code_exist():
+    dead = []
+    for path in [*_code_files(), *(ROOT / d for d in DOCUMENTS)]:
+        texts = _prose(path) if path.suffix == ".py" else [(0, path.read_text())]
+        for line, text in texts:
+            dead += [f"{path.relative_to(ROOT)}:{line}: `{ref}`: {why}" for ref in DOTTED.findall(text)
+                     if (why := _dead_dotted_name(ref))]
+    assert not dead, "Dotted names of code that does not exist:\n" + "\n".join(dead)
+
+
+@pytest.mark.parametrize("reference,why", [
+    ("memory.budget.job_plan", "bigmem/memory/budget.py defines no job_plan"),
+    ("sysinfo.isa_class", "bigmem/sysinfo.py defines no isa_class"),
+    ("nets.UNet3D", "bigmem/nets/__init__.py defines no UNet3D"),
+    ("memory.planner.Plan.no_method", "bigmem/memory/planner.py has no Plan.no_method"),
+    ("memory.plans.plan_job", None),
+    ("cpu.isa_class", None),
+    ("config.train.precision", None),
+    ("config.json", None),
+])
+def test_the_dotted_name_parser_sees_a_dead_pointer(reference, why):
+    assert _dead_dotted_name(reference) == why
 
 
 @pytest.mark.parametrize("document", DOCUMENTS + ["benchmarks/README.md", "models/README.md"])

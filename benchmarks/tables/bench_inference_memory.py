@@ -6,7 +6,7 @@
 
 Every point segments one random volume by ``bigmem predict``'s whole-volume path in a fresh child
 process (``bigmem.train.probe``: normalise, pad, forward pass and softmax, the source mapping's
-running argmax) and reads its VmHWM (``bigmem.memory.measure.measure_inference``). Each point is
+running argmax) and reads its VmHWM (``bigmem.memory.measure.measure`` in its forward pass). Each point is
 predicted three ways: with the calibration shipped in ``memory/estimate.py`` (whatever it held
 when this ran), with the knots fitted in this run (``defaults_fit``: what ``calibration.SHIPPED`` (mode "inference")
 should hold; every measured sweep size, or ``--knot-sizes``), and with those knots but its own

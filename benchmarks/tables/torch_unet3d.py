@@ -1,6 +1,6 @@
 """The 3D U-Net of a bigmem ModelConfig written as a PyTorch user would (bench_train.py's baseline).
 
-Same channels, strides, kernel sizes, norm and activation as ``bigmem.nets.UNet3D``:
+Same channels, strides, kernel sizes, norm and activation as ``bigmem.nets.unet3d.UNet3D``:
 3x3x3 conv (bias only without a norm) -> InstanceNorm3d/GroupNorm/BatchNorm3d (affine) -> ReLU,
 max pool or strided first conv down, 2x2x2 stride-2 ConvTranspose3d (with bias) up,
 concatenate the skip, 1x1x1 head. NCDHW, float32, eager: the standard PyTorch training loop.

@@ -219,13 +219,13 @@ def calibration_path() -> Path:
 
 @functools.lru_cache(maxsize=1)
 def machine_cpu_model() -> str:
-    """This CPU's model name (``bigmem.sysinfo.cpu_description``), read once: every calibration lookup keys on it."""
+    """This CPU's model name (``bigmem.cpu.cpu_description``), read once: every calibration lookup keys on it."""
     return cpu_description()["model"]
 
 
 @functools.lru_cache(maxsize=1)
 def machine_isa_class() -> str:
-    """This CPU's ISA class (``bigmem.sysinfo.isa_class`` of its /proc/cpuinfo flags)."""
+    """This CPU's ISA class (``bigmem.cpu.isa_class`` of its /proc/cpuinfo flags)."""
     return isa_class(cpu_description()["isa"])
 
 
@@ -438,7 +438,7 @@ def shipped_calibration(preset: str, precision: str, mode: str, *, isa: str, key
 
     Args:
         preset, precision, mode: as for ``calibration_for``.
-        isa: an ISA class (``bigmem.sysinfo.isa_class``).
+        isa: an ISA class (``bigmem.cpu.isa_class``).
         key: recorded in the result (default: this machine's key).
 
     Returns:

@@ -67,7 +67,7 @@ def step_rate(isa_class: str, precision: str, base_filters: int, native_bf16: bo
     """The rate a training step of this width reaches per core on this ISA class and precision.
 
     Args:
-        isa_class: as ``sysinfo.isa_class`` gives it ("amx", "avx512_bf16", "avx512", "avx2", "baseline").
+        isa_class: as ``cpu.isa_class`` gives it ("amx", "avx512_bf16", "avx512", "avx2", "baseline").
         precision: "fp32" or "bf16".
         base_filters: the network's first-level filters.
         native_bf16: whether the CPU runs bf16 natively (else bf16 is emulated).

@@ -387,7 +387,8 @@ def _plan(config: ExperimentConfig, execution: Execution, recompute_stages: list
 
 
 def _planned_shapes(config: ExperimentConfig, loader: VolumeLoader | None) -> tuple:
-    """``(step shape, per-case shapes, validation shape, its case id)`` for ``job_plan`` (None, (), None, '': none)."""
+    """``(step shape, per-case shapes, validation shape, its case id)`` for ``memory.plans.plan_job``
+    (None, (), None, '': none)."""
     from bigmem.data.pipeline import padded_shape
     from bigmem.memory.plans import CaseShape, planned_shape
 
