@@ -51,6 +51,15 @@ def register(subparsers, parents) -> None:
                              "plan.json beside it (instead of --model); flags still override its settings")
     add_memory_flags(parser)
     add_numa_flags(parser)
+    _add_data_parallel_flags(parser)
+    _add_data_flags(parser)
+    _add_optimisation_flags(parser)
+    _add_run_flags(parser)
+    parser.set_defaults(run=run)
+
+
+def _add_data_parallel_flags(parser) -> None:
+    """--strategy and what the data-parallel paths take; --memory-budget and --force (the pre-flight)."""
     dp = parser.add_argument_group("data parallel (the GPU baseline bigmem compares itself with)")
     dp.add_argument("--strategy", choices=["none", "mirrored", "multiworker", "per-node"],
                     help="none (default): whole volumes in this process; mirrored: tf.distribute.MirroredStrategy "
@@ -75,6 +84,9 @@ def register(subparsers, parents) -> None:
                                       "what the --numa placement can use, else MemAvailable; a SIZE above what "
                                       "a bind or interleave placement can use is capped to it)")
     memory.add_argument("--force", action="store_true", help="train even when the predicted peak exceeds the budget")
+
+
+def _add_data_flags(parser) -> None:
     data = parser.add_argument_group("data")
     data.add_argument("--data", metavar="STORE.h5", help="HDF5 store to train on (default: synthetic phantoms)")
     data.add_argument("--holdout", type=int, metavar="N", help="keep the last N cases out of training")
@@ -104,6 +116,9 @@ def register(subparsers, parents) -> None:
     data.add_argument("--cold-cache", action="store_true", default=None,
                       help="drop the store's pages from the page cache after every read (posix_fadvise DONTNEED), "
                            "so training reads from disk as it would for a dataset larger than RAM")
+
+
+def _add_optimisation_flags(parser) -> None:
     opt = parser.add_argument_group("optimisation")
     length = opt.add_mutually_exclusive_group()
     length.add_argument("--steps", type=int, metavar="K", help="number of training steps")
@@ -118,6 +133,9 @@ def register(subparsers, parents) -> None:
     opt.add_argument("--clip-norm", type=float, metavar="X",
                      help="clip the gradients to this global norm (default: the recipe's, 12 under nnunet)")
     opt.add_argument("--seed", type=int, metavar="S", help="seed for weights, case order and augmentation")
+
+
+def _add_run_flags(parser) -> None:
     run_group = parser.add_argument_group("run directory")
     run_group.add_argument("--out", metavar="RUN_DIR",
                            help="where config.json, metrics.jsonl, checkpoints/ and model.keras go "
@@ -143,7 +161,6 @@ def register(subparsers, parents) -> None:
                                 "and measure the framework's fixed memory at the run's shape (bigmem tune, about a "
                                 "minute, cached in ~/.cache/bigmem/tuning) before planning; --no-tune (or "
                                 "BIGMEM_NO_TUNE=1) keeps the shipped tables (default: on)")
-    parser.set_defaults(run=run)
 
 
 def _overrides(args) -> dict:

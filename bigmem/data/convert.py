@@ -376,110 +376,143 @@ def estimate_store_bytes(cases: Iterable[SourceCase], *, shape: Sequence[int] | 
 
 
 def convert(dataset: SourceDataset, out: str | Path, *, force: bool = False, append: bool = False,
-            skip_bad: bool = False, compression: str | None = None,
-            chunk_edge: int | None = DEFAULT_CHUNK_EDGE,
+            skip_bad: bool = False, compression: str | None = None, chunk_edge: int | None = DEFAULT_CHUNK_EDGE,
             shape: Sequence[int] | None = None, progress: Callable[[str], None] | None = None,
             warn: Callable[[str], None] | None = None, max_write_rate: float | None = None,
-            block_bytes: int | None = None, spacing: Sequence[float] | None = None,
-            normalization: str = "auto") -> ConvertReport:
+            block_bytes: int | None = None, spacing: Sequence[float] | None = None, normalization: str = "auto",
+            ) -> ConvertReport:
     """Write ``dataset``'s cases to the store ``out`` (atomically) and its manifest beside it.
 
-    Each case is loaded in canonical (RAS) orientation and checked, resampled to ``spacing`` if
-    given, centre-cropped/padded to ``shape`` if given, and written with its source geometry and
-    per-channel intensity statistics. The store and the manifest (``OUT.manifest.json``) are
-    written under temporary names and renamed, so neither is ever left half-written.
+    Each case is loaded in canonical (RAS) orientation and checked, resampled to ``spacing`` and
+    centre-cropped/padded to ``shape`` if given, and written with its source geometry and per-channel
+    intensity statistics. The store and its manifest (``OUT.manifest.json``) are written under
+    temporary names and renamed, so neither is ever left half-written.
 
     Args:
-        dataset: the cases (``layouts.read_dataset`` or ``layouts.read_globs``); its ``regions`` are
-            written as the store's ``regions`` attribute and in the manifest.
+        dataset: the cases (``layouts.read_dataset``, ``layouts.read_globs``); its ``regions`` are written
+            as the store's ``regions`` attribute and in the manifest.
         out: the store to write.
-        force: overwrite an existing ``out`` (default False).
-        append: add ``dataset``'s new cases to the existing ``out`` (default False).
-        skip_bad: skip a case that fails a check, with a message in the report, instead of
-            raising (default False).
-        compression: an h5py filter such as ``"gzip"`` (default None: uncompressed).
-        chunk_edge: chunk edge in voxels (default ``DEFAULT_CHUNK_EDGE``, 64); None: contiguous
-            datasets (fastest whole reads; chunked anyway when compressed).
-        shape: ``(D, H, W)`` in voxels to centre-crop/pad every case to (default None: keep).
-        progress: called with each case id once it is handled.
-        warn: called with the message of each skipped case.
-        max_write_rate: the most bytes per second written (default None: no limit).
-        block_bytes: bytes per write and flush (default None: whole datasets).
-        spacing: voxel spacing ``(x, y, z)`` in mm to resample to (default None: keep).
-        normalization: ``auto`` (default: per channel, ``ct`` for a channel named CT, else a z-score,
-            within the nonzero mask where the cases are mostly zero; ``preprocess.choose_schemes``;
-            with ``append``, the store's schemes, the CT figures taken again from every case), or one
-            of ``preprocess.SCHEMES`` for every channel.
+        force, append: overwrite an existing ``out``, or add ``dataset``'s new cases to it (default neither).
+        skip_bad: skip a case that fails a check, with a message in the report, instead of raising.
+        compression, chunk_edge: an h5py filter such as ``"gzip"`` (default None), and the chunk edge in voxels
+            (default ``DEFAULT_CHUNK_EDGE``, 64; None: contiguous, the fastest whole reads, unless compressed).
+        progress, warn: called with each case id once it is handled, and with each skipped case's message.
+        max_write_rate, block_bytes: the most bytes per second written, and per write and flush (default
+            None: no limit, whole datasets).
+        spacing, shape: the voxel spacing ``(x, y, z)`` in mm to resample every case to, and the ``(D, H, W)`` in
+            voxels to centre-crop/pad it to (default None: keep each).
+        normalization: ``auto`` (default: per channel, ``ct`` for a channel named CT, else a z-score, within
+            the nonzero mask where the cases are mostly zero; ``preprocess.choose_schemes``; with ``append``, the
+            store's schemes, the CT figures taken again from every case), or one of ``preprocess.SCHEMES``.
 
     Returns:
-        A ``ConvertReport``: the store and manifest paths, the converted case ids and one
-        message per skipped case.
+        A ``ConvertReport``: the store and manifest paths, the converted case ids, a message per skipped case.
 
     Raises:
         UsageError: a ``shape``, ``spacing`` or ``chunk_edge`` it cannot use (``check_arguments``).
-        DataError: ``out`` is a directory, or exists without ``force``/``append``; ``append`` to a
-            missing store, or of a dataset with other channels or more classes; a case fails a
-            check (without ``skip_bad``); or no case could be converted.
-        InsufficientMemoryError: a case at ``spacing``/``shape`` cannot fit in available memory
-            (``check_cases_fit_memory``).
-        DiskFullError: the store (uncompressed, as ``estimate_store_bytes`` expects it) cannot fit in
-            the free space, or the disk filled or failed while writing; nothing is left behind.
+        DataError: ``out`` is a directory, or exists without ``force``/``append``; ``append`` to a missing
+            store, or of a dataset with other channels or more classes; a case fails a check (without
+            ``skip_bad``); or no case could be converted.
+        InsufficientMemoryError: a case at ``spacing``/``shape`` cannot fit in memory (``check_cases_fit_memory``).
+        DiskFullError: the store (uncompressed: ``estimate_store_bytes``) cannot fit in the free space, or the
+            disk filled or failed while writing; nothing is left behind.
 
     Example:
         >>> report = convert(read_dataset("Task01_BrainTumour"), "brats.h5", shape=(160, 192, 160))
         >>> report.converted, report.manifest  # the case ids written, PosixPath('brats.manifest.json')
     """
-    out = Path(out)
-    _check_target(out, force=force, append=append, normalization=normalization, shape=shape, spacing=spacing,
-                  chunk_edge=chunk_edge)
+    out = _checked_target(Path(out), force=force, append=append, normalization=normalization, shape=shape,
+                          spacing=spacing, chunk_edge=chunk_edge)
     report = ConvertReport(out, manifest_path(out))
+    before = _before(dataset, out, report, append=append, normalization=normalization)
+    state = _conversion(dataset, out, report, before, skip_bad=skip_bad, warn=warn, append=append, shape=shape,
+                        spacing=spacing)
+    expected = _expected_bytes(dataset, out, before, append=append, compression=compression, shape=shape,
+                               spacing=spacing)
+    with _writer(out, before, compression=compression, chunk_edge=chunk_edge, append=append,
+                 throttle=WriteThrottle(max_write_rate, block_bytes), expected_bytes=expected) as writer:
+        _write_cases(writer, dataset, report, before, state, append=append, shape=shape, spacing=spacing,
+                     progress=progress)
+    return report
+
+
+def _writer(out: Path, before: "_Before", *, compression, chunk_edge, append: bool, throttle,
+            expected_bytes: int) -> StoreWriter:
+    """The store's writer, with the channels and classes already in it (with append); told the bytes it will
+    write where they are known (uncompressed)."""
+    return StoreWriter(out, num_classes=max(before.label_values or 2, 2),
+                       channel_names=before.channel_names or ["image"], label_names=before.label_names or None,
+                       compression=compression, chunk_edge=chunk_edge, append=append, throttle=throttle,
+                       expected_bytes=expected_bytes if compression is None else None)
+
+
+def _expected_bytes(dataset: SourceDataset, out: Path, before: "_Before", *, append: bool, compression, shape,
+                    spacing) -> int:
+    """The bytes the new store will take, refused unless they fit the free space.
+
+    The new store is written beside the old one (with append, beside a copy of it): all of it must fit.
+    Compressed, the estimate is only an upper bound: nothing is refused before trying then.
+    """
+    expected = estimate_store_bytes([c for c in dataset.cases if c.case_id not in before.case_ids], shape=shape,
+                                    spacing=spacing) + (out.stat().st_size if append else 0)
+    if compression is None:
+        require_free_space(out, expected)
+    return expected
+
+
+def _before(dataset: SourceDataset, out: Path, report: ConvertReport, *, append: bool,
+            normalization: str) -> "_Before":
+    """What the store holds before this conversion (nothing, unless ``append``), its new cases checked against it."""
     before = _Before.of(out, dataset, normalization) if append else _Before.none(dataset, normalization)
     if append:
         check_append(dataset, out, before.num_channels, before.label_values, before.regions)
         if report.manifest.exists():
             before.manifest_entries = json.loads(report.manifest.read_text()).get("cases", {})
+    return before
+
+
+def _conversion(dataset: SourceDataset, out: Path, report: ConvertReport, before: "_Before", *, skip_bad: bool,
+                warn, append: bool, shape, spacing) -> "_Conversion":
+    """The conversion's state, told what a case's channels and labels are checked against and the dataset's
+    problems, once every case at ``shape``/``spacing`` is known to fit in memory."""
     check_cases_fit_memory(dataset, shape=shape, spacing=spacing, num_channels=before.num_channels or 1,
                            skip_bad=skip_bad)
     state = _Conversion(report, skip_bad=skip_bad, warn=warn, existing=before.case_ids,
                         num_channels=before.num_channels, label_values=before.label_values, shape=shape,
                         spacing=spacing)
-    state.channels_from, state.labels_from = (  # what a case's channels and labels are checked against
+    state.channels_from, state.labels_from = (
         (f"--append: the store {out.name!r} has", f"--append: the store {out.name!r}'s classes") if append
         else (dataset.channels_from, dataset.labels_from))
     for message in dataset.problems:
         state.problem(message)
-    # The new store is written beside the old one (with --append, beside a copy of it): all of it must
-    # fit. Compressed, the estimate is only an upper bound: nothing is refused before trying then.
-    expected = estimate_store_bytes([c for c in dataset.cases if c.case_id not in before.case_ids], shape=shape,
-                                    spacing=spacing) + (out.stat().st_size if append else 0)
-    if compression is None:
-        require_free_space(out, expected)
-    with StoreWriter(out, num_classes=max(before.label_values or 2, 2),
-                     channel_names=before.channel_names or ["image"], label_names=before.label_names or None,
-                     compression=compression, chunk_edge=chunk_edge, append=append,
-                     throttle=WriteThrottle(max_write_rate, block_bytes),
-                     expected_bytes=expected if compression is None else None) as writer:
-        for case in dataset.cases:
-            state.add(case, writer)
-            if progress:
-                progress(case.case_id)
-        if not report.converted:
-            raise DataError(f"No case could be converted from {dataset.origin}"
-                            + (f" ({len(report.skipped)} skipped)." if report.skipped else "."))
-        if not append:
-            _set_dataset_attrs(writer, dataset, state, before.regions, shape=shape, spacing=spacing)
-        names = [str(n) for n in writer.root_attr("channel_names")]
-        preprocessing = choose_schemes(names, before.stats + state.stats, before.samples + state.samples,
-                                       before.normalization)
-        writer.set_root_attr(PREPROCESSING_ATTR, preprocessing.to_json())
-        report.preprocessing = preprocessing.describe(names)
-        report.notes = [note for note in (state.spacing_note(),) if note]
-        _commit_with_manifest(writer, report, dataset, before, state, preprocessing)
-    return report
+    return state
 
 
-def _check_target(out: Path, *, force: bool, append: bool, normalization: str, shape, spacing, chunk_edge) -> None:
-    """Refuse arguments ``convert`` cannot use and an output it must not touch, before anything is read."""
+def _write_cases(writer, dataset: SourceDataset, report: ConvertReport, before: "_Before", state: "_Conversion", *,
+                 append: bool, shape, spacing, progress) -> None:
+    """Each case, then the dataset's attributes, the normalisation chosen per channel, and the store and its
+    manifest committed together."""
+    for case in dataset.cases:
+        state.add(case, writer)
+        if progress:
+            progress(case.case_id)
+    if not report.converted:
+        raise DataError(f"No case could be converted from {dataset.origin}"
+                        + (f" ({len(report.skipped)} skipped)." if report.skipped else "."))
+    if not append:
+        _set_dataset_attrs(writer, dataset, state, before.regions, shape=shape, spacing=spacing)
+    names = [str(n) for n in writer.root_attr("channel_names")]
+    preprocessing = choose_schemes(names, before.stats + state.stats, before.samples + state.samples,
+                                   before.normalization)
+    writer.set_root_attr(PREPROCESSING_ATTR, preprocessing.to_json())
+    report.preprocessing = preprocessing.describe(names)
+    report.notes = [note for note in (state.spacing_note(),) if note]
+    _commit_with_manifest(writer, report, dataset, before, state, preprocessing)
+
+
+def _checked_target(out: Path, *, force: bool, append: bool, normalization: str, shape, spacing, chunk_edge) -> Path:
+    """``out``, once the arguments are ones ``convert`` can use and ``out`` one it may write, before anything is
+    read."""
     check_arguments(shape=shape, spacing=spacing, chunk_edge=chunk_edge)
     if normalization != "auto" and normalization not in SCHEMES:
         raise UsageError(f"Invalid normalization {normalization!r}: expected auto, {', '.join(SCHEMES)}.")
@@ -490,6 +523,7 @@ def _check_target(out: Path, *, force: bool, append: bool, normalization: str, s
         raise DataError(f"{str(out)!r} exists: pass --force to overwrite it or --append to add cases.")
     if append and not out.exists():
         raise DataError(f"Cannot --append to {str(out)!r}: no such store.")
+    return out
 
 
 @dataclass

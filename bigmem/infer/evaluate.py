@@ -16,6 +16,18 @@ Class names and regions come from the reference store, else the run (``run``: it
 ``preprocessing.json``, or its training store), else the reference dataset's dataset.json (MSD's or
 nnU-Net v2's: the folder's own, or the one beside a folder of label maps) or KiTS's classes; a
 class without a name is ``class<N>``.
+
+The summary: ``{"pred", "ref", "empty_rule", "classes", "label_names", "regions", "num_cases",
+"metric_per_case": [{"case_id", "prediction_file", "reference_file", "spacing_mm",
+"metrics": {class: {"Dice", "IoU", "TP", "FP", "FN", "n_ref", "n_pred", "ref_volume_ml",
+"pred_volume_ml", "HD95_mm"}}}], "mean": {class: {metric: ...}}, "foreground_mean":
+{metric: ...}, "num_undefined": {class: {"Dice", "IoU", "HD95_mm"}}, "missing":
+{"no_reference", "no_prediction"}, "warnings": [...]}``, with class keys as strings and
+undefined values as None. ``label_names`` names every class evaluated (``class<N>`` where nothing
+names it); ``regions`` maps region names to label values (``{}`` where none are defined). With
+regions, each case also has ``region_metrics`` ``{region: {metric: ...}}``, and the summary
+``region_mean``, ``region_foreground_mean`` (the mean over regions) and ``region_num_undefined``, as
+for classes.
 """
 
 from __future__ import annotations
@@ -363,61 +375,39 @@ def evaluate(pred: str | os.PathLike, ref: str | os.PathLike, *, classes: Sequen
 
     Args:
         pred: folder of predicted label maps, ``<case>.nii.gz`` or ``<case>.nii`` (integer labels).
-        ref: the references, under the case ids ``bigmem predict`` writes: an MSD or nnU-Net v2
-            dataset folder (its labelsTr/, and labelsTs/ where present), KiTS case folders (each
-            case_XXXXX/segmentation.nii.gz, the case id the folder's name), a folder of label maps
-            (``<case>.nii.gz``), or a bigmem store (``.h5``).
+        ref: the references under the case ids ``bigmem predict`` writes: a dataset folder, KiTS case
+            folders, a folder of label maps or a store (``.h5``), as the module docstring says.
         classes: foreground labels to evaluate; default: ``1..num_classes - 1`` where the number of
             classes is known (a store, ``run`` or ``num_classes``), else ``1..`` the largest label seen.
         num_classes: labels are ``0..num_classes - 1``; a larger value is an error. Default: the
             store's, else the run's model's, else unchecked (up to 255) for a folder.
-        allow_missing: evaluate only the cases in both PRED and REF instead of failing when a
-            case is on one side only (the missing ones are listed in the summary).
+        allow_missing: evaluate only the cases on both sides instead of failing (the summary lists the rest).
         out: where to write ``summary.json`` (atomically); None writes nothing.
         hausdorff: compute HD95 (most of the time on large volumes); False leaves it null.
-        run: the run directory that made the predictions (default None): its model's number of
-            classes, and the class names and regions it was trained with (its ``preprocessing.json``,
-            or the store it was trained on).
+        run: the run directory that made the predictions: its model's number of classes, and the class
+            names and regions it was trained with (its ``preprocessing.json``, or its store).
         warn: called with a one-line message for each warning (affines that differ, ...).
         progress: called with the case id after each case.
 
     Returns:
-        The summary: ``{"pred", "ref", "empty_rule", "classes", "label_names", "regions", "num_cases",
-        "metric_per_case": [{"case_id", "prediction_file", "reference_file", "spacing_mm",
-        "metrics": {class: {"Dice", "IoU", "TP", "FP", "FN", "n_ref", "n_pred", "ref_volume_ml",
-        "pred_volume_ml", "HD95_mm"}}}], "mean": {class: {metric: ...}}, "foreground_mean":
-        {metric: ...}, "num_undefined": {class: {"Dice", "IoU", "HD95_mm"}}, "missing":
-        {"no_reference", "no_prediction"}, "warnings": [...]}``, with class keys as strings and
-        undefined values as None (it is what ``summary.json`` holds). ``label_names`` names every
-        class evaluated (``class<N>`` where nothing names it); ``regions`` maps region names to label
-        values (``{}`` where none are defined). With regions, each case also has ``region_metrics``
-        ``{region: {metric: ...}}``, and the summary ``region_mean``, ``region_foreground_mean`` (the
-        mean over regions) and ``region_num_undefined``, as for classes.
+        The summary, as ``summary.json`` holds it (the module docstring lists its keys).
 
     Raises:
-        DataError: a missing folder or file, a REF folder with no label map (``layouts.list_labels``),
-            two label maps of one case, cases on one side only (without ``allow_missing``),
-            prediction and reference shapes that differ, non-integer labels, labels >= the number
-            of classes, regions not of the form ``store.checked_regions`` accepts, ``run`` not a run
-            directory or trained on a store with another number of classes than REF's.
-        UsageError: ``classes`` outside ``1..num_classes - 1``, or ``num_classes`` that differs
-            from the store's or the run's.
+        DataError: a missing folder or file, a REF folder with no label map (``layouts.list_labels``), two
+            label maps of one case, cases on one side only (without ``allow_missing``), prediction and
+            reference shapes that differ, non-integer labels, labels >= the number of classes, regions not of
+            the form ``store.checked_regions`` accepts, ``run`` not a run directory or trained on a store with
+            another number of classes than REF's.
+        UsageError: ``classes`` outside ``1..num_classes - 1``, or ``num_classes`` not the store's or run's.
 
     Example:
         >>> summary = evaluate("runs/x/predictions", "Task04/labelsTr", out="runs/x/predictions/summary.json")
         >>> summary["foreground_mean"]["Dice"]
     """
-    from bigmem.atomic import atomic_write_json
-
     pred, ref = Path(pred), Path(ref)
     pred_files = _prediction_files(pred)
     warnings: list[str] = []
-
-    def warning(message: str) -> None:
-        warnings.append(message)
-        if warn is not None:
-            warn(message)
-
+    warning = _collector(warnings, warn)
     run_classes, run_names, run_regions = _run_labels(Path(run), warning) if run is not None else (None, [], {})
     references = _open_references(ref, warning)
     try:
@@ -427,37 +417,71 @@ def evaluate(pred: str | os.PathLike, ref: str | os.PathLike, *, classes: Sequen
         wanted = _checked_classes(classes, num_classes)
         if wanted is None and num_classes is not None:
             wanted = list(range(1, num_classes))
-        case_ids, no_reference, no_prediction = _match(list(pred_files), references.case_ids, pred, ref,
-                                                       allow_missing)
-        for kind, ids in (("reference", no_reference), ("prediction", no_prediction)):
-            if ids:
-                warning(f"{_count(len(ids), 'case')} no {kind} and {'is' if len(ids) == 1 else 'are'} not evaluated: "
-                        f"{_listed(ids)} (all listed in the summary's 'missing').")
-        per_case, per_case_regions, records, largest = [], [], [], 0
-        for case_id in case_ids:
-            metrics, in_regions, record, case_max = _score_case(case_id, pred_files[case_id], references, num_classes,
-                                                                wanted, regions, hausdorff, warning)
-            per_case.append(metrics)
-            per_case_regions.append(in_regions)
-            records.append(record)
-            largest = max(largest, case_max)
-            if progress is not None:
-                progress(case_id)
+        case_ids, no_reference, no_prediction = _matched(pred_files, references, pred, ref, allow_missing, warning)
+        per_case, per_case_regions, records, largest = _score_cases(
+            case_ids, pred_files, references, num_classes, wanted, regions, hausdorff, warning, progress)
     finally:
         references.close()
     if wanted is None:  # classes from the data: a class a case never shows is absent from both maps
-        wanted = list(range(1, largest + 1))
-        for metrics in per_case:
-            for c in wanted:
-                metrics.setdefault(c, absent_class_metrics())
-        if not wanted:
-            warning("No foreground label in any prediction or reference: nothing to evaluate.")
+        wanted = _classes_seen(per_case, largest, warning)
     summary = _summary(pred, ref, wanted, label_names, regions, records, per_case, per_case_regions)
     summary.update({"missing": {"no_reference": no_reference, "no_prediction": no_prediction}, "warnings": warnings})
-    summary = _json_ready(summary)
+    return _written(_json_ready(summary), out)
+
+
+def _collector(warnings: list[str], warn: Callable[[str], None] | None) -> Callable[[str], None]:
+    """A ``warning(message)`` that keeps each message in ``warnings`` and passes it to ``warn``."""
+    def warning(message: str) -> None:
+        warnings.append(message)
+        if warn is not None:
+            warn(message)
+    return warning
+
+
+def _written(summary: dict, out: str | os.PathLike | None) -> dict:
+    """``summary``, written to ``out`` (atomically) unless it is None."""
     if out is not None:
+        from bigmem.atomic import atomic_write_json
+
         atomic_write_json(out, summary)
     return summary
+
+
+def _matched(pred_files, references, pred: Path, ref: Path, allow_missing: bool, warning) -> tuple:
+    """``_match``'s cases in both, and on one side only, each side's missing ones named in a warning."""
+    case_ids, no_reference, no_prediction = _match(list(pred_files), references.case_ids, pred, ref, allow_missing)
+    for kind, ids in (("reference", no_reference), ("prediction", no_prediction)):
+        if ids:
+            warning(f"{_count(len(ids), 'case')} no {kind} and {'is' if len(ids) == 1 else 'are'} not evaluated: "
+                    f"{_listed(ids)} (all listed in the summary's 'missing').")
+    return case_ids, no_reference, no_prediction
+
+
+def _score_cases(case_ids, pred_files, references, num_classes, wanted, regions, hausdorff, warning, progress):
+    """Each case's metrics per class and per region, its record, and the largest label any case holds."""
+    per_case, per_case_regions, records, largest = [], [], [], 0
+    for case_id in case_ids:
+        metrics, in_regions, record, case_max = _score_case(case_id, pred_files[case_id], references, num_classes,
+                                                            wanted, regions, hausdorff, warning)
+        per_case.append(metrics)
+        per_case_regions.append(in_regions)
+        records.append(record)
+        largest = max(largest, case_max)
+        if progress is not None:
+            progress(case_id)
+    return per_case, per_case_regions, records, largest
+
+
+def _classes_seen(per_case: list[dict], largest: int, warning) -> list[int]:
+    """The classes ``1..largest`` (none given, none known): a class a case never shows is absent from both of its
+    maps (``absent_class_metrics``)."""
+    wanted = list(range(1, largest + 1))
+    for metrics in per_case:
+        for c in wanted:
+            metrics.setdefault(c, absent_class_metrics())
+    if not wanted:
+        warning("No foreground label in any prediction or reference: nothing to evaluate.")
+    return wanted
 
 
 def _resolved_num_classes(given: int | None, of_store: int | None, of_run: int | None, ref: Path,
