@@ -28,10 +28,11 @@ Rotation, scaling and mirroring are composed into one affine resampling per case
 from __future__ import annotations
 
 import abc
+import dataclasses
 import math
 import zlib
 from dataclasses import dataclass, field, replace
-from typing import Any, ClassVar, Sequence
+from typing import Any, Callable, ClassVar, Sequence
 
 import numpy as np
 
@@ -150,6 +151,9 @@ def margin_shape(shape: Sequence[int], *, rotation_deg: float, rotation_2d_deg: 
     return tuple(int(s + e) for s, e in zip(size, extra))
 
 
+TRANSFORMS: dict[str, type["Transform"]] = {}  # every transform by its name: Transform.from_dict reads it
+
+
 @dataclass(repr=False)
 class Transform(abc.ABC):
     """One augmentation: ``apply(sample, rng) -> sample``, run with probability ``probability``.
@@ -171,14 +175,41 @@ class Transform(abc.ABC):
             return self.apply(sample, rng)
         return sample
 
+    def __init_subclass__(cls, **kwargs) -> None:
+        """A transform that names itself is registered under its name (a subclass that keeps its parent's
+        name is the parent's variant, not registered); two transforms of one name are refused."""
+        super().__init_subclass__(**kwargs)
+        if "name" not in cls.__dict__:
+            return
+        known = TRANSFORMS.get(cls.name)
+        if known is not None and (known.__module__, known.__qualname__) != (cls.__module__, cls.__qualname__):
+            raise TypeError(f"two transforms are named {cls.name!r}: {known.__qualname__} and {cls.__qualname__}")
+        TRANSFORMS[cls.name] = cls
+
+    @abc.abstractmethod
     def extra_volumes(self, channels: int) -> float:
-        """Float32 (D, H, W) volumes the transform allocates beyond its input, at most (default 1)."""
-        return 1.0
+        """Float32 (D, H, W) volumes the transform allocates beyond its input, at most: the readers' memory plan
+        counts them, so every transform says (none is assumed)."""
 
     def to_dict(self) -> dict[str, Any]:
         """The transform's name and parameters (config.json's ``augmentation``)."""
         values = {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(self).items() if not k.startswith("_")}
         return {"name": self.name, **values}
+
+    @staticmethod
+    def from_dict(values: dict[str, Any]) -> "Transform":
+        """The transform ``to_dict`` wrote: its class by ``name`` (``TRANSFORMS``), its tuples as tuples.
+
+        Raises:
+            ValueError: no transform has that name.
+        """
+        values = dict(values)
+        name = values.pop("name", None)
+        kind = TRANSFORMS.get(name)
+        if kind is None:
+            raise ValueError(f"no transform is named {name!r}: expected one of {', '.join(TRANSFORMS)}")
+        tuples = {f.name for f in dataclasses.fields(kind) if str(f.type).startswith("tuple")}
+        return kind(**{k: tuple(v) if k in tuples and isinstance(v, list) else v for k, v in values.items()})
 
     def __repr__(self) -> str:
         values = ", ".join(f"{k}={v}" for k, v in self.to_dict().items() if k != "name")
@@ -279,21 +310,9 @@ def resample_label(label: np.ndarray, matrix: np.ndarray, offset: np.ndarray,
     # the nearest neighbour: the answer off boundaries
     out = ndimage.affine_transform(label, matrix, offset, output=np.uint8, output_shape=out_shape, order=0,
                                    mode="constant", cval=PAD_LABEL, prefilter=False)
-    # mixed[i, j, k]: the cell of corners (i..i+1, j..j+1, k..k+1) holds more than one label (a cell past
-    # the last voxel counts as mixed: it is settled exactly below).
-    mixed = np.ones(shape, bool)
-    inner = mixed[:-1, :-1, :-1]
-    inner[...] = False
-    corner = label[:-1, :-1, :-1]
-    for dd in (0, 1):
-        for dh in (0, 1):
-            for dw in (0, 1):
-                if dd or dh or dw:
-                    inner |= label[dd:shape[0] - 1 + dd, dh:shape[1] - 1 + dh, dw:shape[2] - 1 + dw] != corner
     # the cell at floor(x): order-0 sampling at x - 0.5 rounds to it
-    at_cell = ndimage.affine_transform(mixed.view(np.uint8), matrix, offset - 0.5, output=np.uint8,
+    at_cell = ndimage.affine_transform(_mixed_cells(label).view(np.uint8), matrix, offset - 0.5, output=np.uint8,
                                        output_shape=out_shape, order=0, mode="constant", cval=1, prefilter=False)
-    del mixed, inner
     if not at_cell.any():
         return out
     values = np.unique(label)
@@ -303,26 +322,50 @@ def resample_label(label: np.ndarray, matrix: np.ndarray, offset: np.ndarray,
     flat_out = out.reshape(-1)
     for first in range(0, out_shape[0], rows):
         batch = np.flatnonzero(at_cell[first:first + rows]) + first * plane
-        if not batch.size:
-            continue
-        coords = matrix @ np.stack(np.unravel_index(batch, out_shape)).astype(np.float64) + offset[:, None]
-        nearest = flat_out[batch]
-        best = np.zeros(batch.size, np.float32)
-        chosen = np.full(batch.size, PAD_LABEL, np.uint8)
-        nearest_score = np.full(batch.size, -1.0, np.float32)
-        for value in values:
-            np.copyto(mask, label == value)
-            score = ndimage.map_coordinates(mask, coords, output=np.float32, order=1, mode="constant", cval=0.0,
-                                            prefilter=False)
-            better = score > best
-            chosen[better] = value
-            np.maximum(best, score, out=best)
-            mine = nearest == value
-            nearest_score[mine] = score[mine]
-        tied = (nearest_score == best) & (best > 0)
-        chosen[tied] = nearest[tied]
-        flat_out[batch] = chosen
+        if batch.size:
+            coords = matrix @ np.stack(np.unravel_index(batch, out_shape)).astype(np.float64) + offset[:, None]
+            flat_out[batch] = _largest_mask(label, values, mask, coords, flat_out[batch])
     return out
+
+
+def _mixed_cells(label: np.ndarray) -> np.ndarray:
+    """``mixed[i, j, k]``: the cell of corners (i..i+1, j..j+1, k..k+1) holds more than one label (a cell past
+    the last voxel counts as mixed: ``resample_label`` settles it exactly)."""
+    shape = label.shape
+    mixed = np.ones(shape, bool)
+    inner = mixed[:-1, :-1, :-1]
+    inner[...] = False
+    corner = label[:-1, :-1, :-1]
+    for dd in (0, 1):
+        for dh in (0, 1):
+            for dw in (0, 1):
+                if dd or dh or dw:
+                    inner |= label[dd:shape[0] - 1 + dd, dh:shape[1] - 1 + dh, dw:shape[2] - 1 + dw] != corner
+    return mixed
+
+
+def _largest_mask(label: np.ndarray, values: np.ndarray, mask: np.ndarray, coords: np.ndarray,
+                  nearest: np.ndarray) -> np.ndarray:
+    """At ``coords``, the label whose trilinearly interpolated mask is largest; a tie goes to ``nearest`` (the
+    nearest neighbour's label there); nothing above 0 is ``PAD_LABEL``. ``mask``: a float32 buffer of the label's
+    shape."""
+    from scipy import ndimage
+
+    best = np.zeros(len(nearest), np.float32)
+    chosen = np.full(len(nearest), PAD_LABEL, np.uint8)
+    nearest_score = np.full(len(nearest), -1.0, np.float32)
+    for value in values:
+        np.copyto(mask, label == value)
+        score = ndimage.map_coordinates(mask, coords, output=np.float32, order=1, mode="constant", cval=0.0,
+                                        prefilter=False)
+        better = score > best
+        chosen[better] = value
+        np.maximum(best, score, out=best)
+        mine = nearest == value
+        nearest_score[mine] = score[mine]
+    tied = (nearest_score == best) & (best > 0)
+    chosen[tied] = nearest[tied]
+    return chosen
 
 
 @dataclass(repr=False)
@@ -430,6 +473,9 @@ class GaussianNoise(Transform):
             noise *= np.float32(std)
             image[..., c] += noise
         return sample
+
+    def extra_volumes(self, channels: int) -> float:
+        return 1.0  # one channel's noise field at a time
 
 
 @dataclass(repr=False)
@@ -545,6 +591,9 @@ class LowResolution(Transform):
             image[..., c] = ndimage.zoom(low, [s / n for s, n in zip(shape, small)], order=1, mode="nearest",
                                          grid_mode=True, output=np.float32)
         return sample
+
+    def extra_volumes(self, channels: int) -> float:
+        return 2.0  # the downsampled channel (up to a whole one at zoom 1) and zoom's full-size output
 
 
 @dataclass(repr=False)
@@ -684,8 +733,42 @@ class Compose:
         """``{"chain": name, "transforms": [each transform's to_dict]}`` (config.json's ``augmentation``)."""
         return {"chain": self.name, "transforms": [t.to_dict() for t in self.transforms]}
 
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "Compose":
+        """The chain ``to_dict`` wrote (config.json's ``augmentation``), each transform by its name.
 
-CHAINS = ("nnunet", "spatial", "intensity", "light", "none")
+        Example:
+            >>> Compose.from_dict(chain("nnunet").to_dict()) == chain("nnunet")
+            True
+        """
+        return cls([Transform.from_dict(t) for t in values["transforms"]], name=values["chain"])
+
+
+@dataclass(frozen=True)
+class _Parts:
+    """What a named chain is built from: nnU-Net's spatial and intensity parts, and ``light``'s settings."""
+
+    spatial: list[Transform]
+    intensities: list[Transform]
+    flip: bool
+    intensity: tuple[float, float]
+
+
+def _light(parts: _Parts) -> list[Transform]:
+    transforms: list[Transform] = [Mirror()] if parts.flip else []
+    if any(parts.intensity):
+        transforms.append(ScaleShift(scale=float(parts.intensity[0]), shift=float(parts.intensity[1])))
+    return transforms
+
+
+# The named chains (``data.augment``): each builds its transforms from the parts.
+CHAINS: dict[str, Callable[[_Parts], list[Transform]]] = {
+    "nnunet": lambda parts: parts.spatial + parts.intensities,
+    "spatial": lambda parts: parts.spatial,
+    "intensity": lambda parts: parts.intensities,
+    "light": _light,
+    "none": lambda parts: [],
+}
 
 
 def chain(name: str, *, flip: bool = True, intensity: tuple[float, float] = (0.1, 0.1),
@@ -712,21 +795,10 @@ def chain(name: str, *, flip: bool = True, intensity: tuple[float, float] = (0.1
         >>> [t.name for t in chain("nnunet").transforms][:3]
         ['spatial', 'noise', 'blur']
     """
+    if name not in CHAINS:
+        raise ConfigError("data.augment", f"Invalid {{field}} {name!r}: expected one of {', '.join(CHAINS)}.")
     thin = thin_axis(planned_shape, spacing) if planned_shape is not None else None
-    spatial: list[Transform] = [SpatialTransform(dummy_2d_axis=thin)]
-    intensities: list[Transform] = [GaussianNoise(), GaussianBlur(), Brightness(), Contrast(),
-                                    LowResolution(dummy_2d_axis=thin), InvertedGamma(), Gamma()]
-    if name == "nnunet":
-        return Compose(spatial + intensities, name=name)
-    if name == "spatial":
-        return Compose(spatial, name=name)
-    if name == "intensity":
-        return Compose(intensities, name=name)
-    if name == "light":
-        transforms: list[Transform] = [Mirror()] if flip else []
-        if any(intensity):
-            transforms.append(ScaleShift(scale=float(intensity[0]), shift=float(intensity[1])))
-        return Compose(transforms, name=name)
-    if name == "none":
-        return Compose([], name=name)
-    raise ConfigError("data.augment", f"Invalid {{field}} {name!r}: expected one of {', '.join(CHAINS)}.")
+    parts = _Parts([SpatialTransform(dummy_2d_axis=thin)],
+                   [GaussianNoise(), GaussianBlur(), Brightness(), Contrast(), LowResolution(dummy_2d_axis=thin),
+                    InvertedGamma(), Gamma()], flip, intensity)
+    return Compose(CHAINS[name](parts), name=name)

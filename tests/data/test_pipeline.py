@@ -339,6 +339,9 @@ def test_a_case_larger_than_the_training_shape_is_cropped_before_it_is_augmented
             seen.append(sample.label.shape)
             return sample
 
+        def extra_volumes(self, channels):
+            return 0.0
+
     store = HDF5VolumeStore(tiny_store)  # 16^3 cases
     try:
         image, label = load_sample(store, 0, case_index=0, shape=(8, 16, 12), seed=0, augment=Compose([Record()]))
