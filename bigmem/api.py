@@ -19,6 +19,7 @@ Importing this module imports no TensorFlow; each function imports what it needs
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ from bigmem.errors import ConfigError, DataError, UsageError
 if TYPE_CHECKING:  # only for the annotations: importing them here would import TensorFlow
     from bigmem.config.schema import ExperimentConfig
     from bigmem.memory.budget import Budget
-    from bigmem.memory.layouts import Layouts
+    from bigmem.numa.layouts import Layouts
     from bigmem.memory.planner import Plan
     from bigmem.memory.profile import Profile
 
@@ -207,7 +208,7 @@ def train(config: "ExperimentConfig", run_dir: str | os.PathLike, *, resume: boo
 
 def train_per_node(config: "ExperimentConfig", run_dir: str | os.PathLike, *, workers_per_node: int = 1,
                    resume: bool = False, force: bool = False, verbose: bool = False, topology=None,
-                   say: Callable[[str], None] | None = None) -> int:
+                   say: Callable[[str], None] | None = None, announce: Callable[[str], None] | None = None) -> int:
     """Train with one worker per NUMA node of this host (``bigmem train --strategy per-node``).
 
     Each worker is a ``MultiWorkerMirroredStrategy`` worker bound to its node's CPUs and memory and
@@ -223,7 +224,8 @@ def train_per_node(config: "ExperimentConfig", run_dir: str | os.PathLike, *, wo
         force: start even where a node's free memory cannot hold its workers.
         verbose: TensorFlow's logs in the workers.
         topology: the machine's NUMA nodes (default: read from sysfs).
-        say: called with the plan's notes (memory-only nodes, split CPUs), then the workers' line (default: silent).
+        say: called with the plan's notes (memory-only nodes, split CPUs) (default: silent).
+        announce: called with the workers' line (nodes, CPUs, global batch) before they start (default: silent).
 
     Returns:
         0, or 128 + the signal that stopped the run.
@@ -241,12 +243,11 @@ def train_per_node(config: "ExperimentConfig", run_dir: str | os.PathLike, *, wo
 
     topology = topology or NUMATopology.from_sysfs()
     workers = plan_workers(topology, workers_per_node=workers_per_node)
-    say = say or (lambda line: None)
     for note in workers.notes():
-        say(note)
+        (say or (lambda line: None))(note)
     if not force:
         check_node_memory(workers, topology, _worker_peak_bytes(config))
-    say(workers.describe(config.train.batch_size))
+    (announce or (lambda line: None))(workers.describe(config.train.batch_size))
     env = dict(os.environ)
     if not verbose:
         # When a worker dies, the others' TensorFlow logs the broken collective (gRPC "connection refused",
@@ -358,7 +359,9 @@ class PlanResult:
         """
         from bigmem.memory.plans import plan_inference, require_plan
 
-        fixed = self.config.data.shape if self.plan.kind == "inference" else None
+        from bigmem.memory.estimate import Pass
+
+        fixed = self.config.data.shape if self.plan.pass_ is Pass.FORWARD else None
         if fixed is not None:
             require_plan(self.plan, self.out, self.kept,
                          lambda: plan_inference(self.config, self.counts_for, self.budget, fixed))
@@ -428,14 +431,7 @@ def plan(config: "ExperimentConfig", *, batch_size: int | None = None, budget_by
         (344, 1)
     """
     from bigmem.memory.budget import resolve_budget
-    from bigmem.memory.plans import (
-        plan_inference,
-        plan_layouts,
-        plan_search,
-        search_budget,
-        store_cases,
-        write_plan,
-    )
+    from bigmem.memory.plans import plan_inference, store_cases, write_plan
     from bigmem.memory.profile import counts_function
     from bigmem.numa.topology import NUMATopology
 
@@ -446,20 +442,27 @@ def plan(config: "ExperimentConfig", *, batch_size: int | None = None, budget_by
         config, cases = store_cases(config)
     counts_for = counts_function(config)
     if inference:
-        planned = plan_inference(config, counts_for, budget, config.data.shape, check=False)
-        layouts = None
+        planned, layouts = plan_inference(config, counts_for, budget, config.data.shape, check=False), None
     else:
-        budget = search_budget(budget, topology)
-        planned = plan_search(config, counts_for, budget, cases=cases, volume=config.data.shape, batch_size=batch_size,
-                              allow_bf16=allow_bf16)
-        if cases and batch_size is None:
-            planned = _capped_by_dataset(planned, config, counts_for, budget, cases, allow_bf16)
-        layouts = plan_layouts(planned, topology)
+        budget, planned, layouts = _plan_training(config, counts_for, budget, cases, batch_size, allow_bf16, topology)
     notes = _budget_notes(budget, inference)
     if experiment is not None:
-        notes += _write_experiment(experiment, planned, out)
-    kept = write_plan(Path(out), planned, layouts) if out is not None else False
+        planned, written = _with_experiment(experiment, planned, out)
+        notes += written
+    kept = not write_plan(Path(out), planned, layouts) if out is not None else False
     return PlanResult(config, budget, planned, layouts, notes, Path(out) if out is not None else None, kept, counts_for)
+
+
+def _plan_training(config, counts_for, budget, cases, batch_size, allow_bf16, topology) -> tuple:
+    """``plan``'s training search: (the budget it sized by, the plan, the layouts on several nodes)."""
+    from bigmem.memory.plans import plan_layouts, plan_search, search_budget
+
+    budget = search_budget(budget, topology)
+    planned = plan_search(config, counts_for, budget, cases=cases, volume=config.data.shape, batch_size=batch_size,
+                          allow_bf16=allow_bf16)
+    if cases and batch_size is None:
+        planned = _capped_by_dataset(planned, config, counts_for, budget, cases, allow_bf16)
+    return budget, planned, plan_layouts(planned, topology)
 
 
 def _capped_by_dataset(planned, config, counts_for, budget, cases, allow_bf16):
@@ -467,6 +470,7 @@ def _capped_by_dataset(planned, config, counts_for, budget, cases, allow_bf16):
     at the cap where memory alone allowed more; plan.json's ``batch_cap`` records the cap either way."""
     from bigmem.memory.experiment import dataset_batch_cap
     from bigmem.memory.plans import plan_search, planned_shape
+    from bigmem.memory.records import BatchCap
 
     sample = planned_shape([c.trained_shape for c in cases], 2)
     cap = dataset_batch_cap([c.shape for c in cases], sample)
@@ -474,15 +478,15 @@ def _capped_by_dataset(planned, config, counts_for, budget, cases, allow_bf16):
     if uncapped is not None and uncapped > cap:
         planned = plan_search(config, counts_for, budget, cases=cases, volume=config.data.shape, batch_size=cap,
                               allow_bf16=allow_bf16)
-    planned.batch_cap = {"cap": cap, "dataset_voxels": sum(math.prod(c.shape) for c in cases),
-                         "sample_voxels": math.prod(sample), "uncapped": uncapped,
-                         "rule": "one step sees at most 5% of the training cases' voxels, at least 2 (nnU-Net's)"}
-    return planned
+    return dataclasses.replace(planned, batch_cap=BatchCap(cap, sum(math.prod(c.shape) for c in cases),
+                                                           math.prod(sample), uncapped))
 
 
-def _write_experiment(experiment, planned, out) -> tuple[str, ...]:
-    """Write ``experiment``'s preset with ``planned``'s choice beside ``out``; plan.json's ``experiment``; notes."""
+def _with_experiment(experiment, planned, out) -> tuple:
+    """``planned`` with its ``experiment``, whose preset with ``planned``'s choice is written beside ``out``; and the
+    notes."""
     from bigmem.memory.experiment import EXPERIMENT_FILE, write_preset
+    from bigmem.memory.records import PlannedExperiment
 
     chosen = planned.chosen
     notes = ()
@@ -491,10 +495,10 @@ def _write_experiment(experiment, planned, out) -> tuple[str, ...]:
         tables = experiment.tables(batch_size=chosen.batch_size, precision=chosen.precision,
                                    recompute=chosen.recompute)
         preset = write_preset(tables, Path(out).parent / EXPERIMENT_FILE)
-    planned.experiment = {**experiment.to_dict(), "preset": str(preset) if preset else None}
     if experiment.resampling:
         notes += (f"Resampling: {experiment.resampling}",)
-    return notes
+    planned = dataclasses.replace(planned, experiment=PlannedExperiment(experiment, str(preset) if preset else None))
+    return planned, notes
 
 
 def _budget_notes(budget: "Budget", inference: bool) -> tuple[str, ...]:

@@ -232,13 +232,7 @@ def atomic_output(path: str | os.PathLike, *, needed_bytes: int | Callable[[], i
         if replaced is not None:  # deleted only once the new folder's name is durable
             _remove(replaced)
     except BaseException as exc:
-        if replaced is not None:
-            _remove(replaced)
-        written = _size(tmp)
-        _remove(tmp)
-        for folder in created:  # deepest first; one that something else has filled since stays
-            with suppress(OSError):
-                folder.rmdir()
+        written = _undone(tmp, replaced, created)
         code = disk_errno(exc)
         if isinstance(exc, DiskFullError) and directory and Path(exc.path).is_relative_to(tmp):
             code = disk_errno(exc.__cause__) if exc.__cause__ is not None else None  # a file written in the folder:
@@ -247,6 +241,19 @@ def atomic_output(path: str | os.PathLike, *, needed_bytes: int | Callable[[], i
             raise
         needed = needed_bytes() if callable(needed_bytes) else int(needed_bytes)
         raise disk_full_error(path, max(needed, written), code=code, at_least=needed <= 0) from exc
+
+
+def _undone(tmp: Path, replaced: Path | None, created: list[Path]) -> int:
+    """A failed output removed: the folder it replaced (moved aside), its temporary and the folders made for it
+    (deepest first; one that something else has filled since stays). Returns the bytes it had written."""
+    if replaced is not None:
+        _remove(replaced)
+    written = _size(tmp)
+    _remove(tmp)
+    for folder in created:
+        with suppress(OSError):
+            folder.rmdir()
+    return written
 
 
 def _missing_parents(path: Path) -> list[Path]:

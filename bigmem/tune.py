@@ -278,6 +278,24 @@ def planewise_from(rows: Sequence[dict]) -> dict[str, bool]:
     return decided
 
 
+def _merged(config: ExperimentConfig, rows: list["TimedConv"], offsets: dict, record: dict) -> "Tuning":
+    """This pass's timings, rate, fixed-memory offsets and record, merged into the machine's file as it was (its
+    figures for another key are dropped: another CPU, TensorFlow or thread count)."""
+    from bigmem.memory.speed import usable_cores
+
+    flops, fastest = sum(r.flops for r in rows), sum(r.fastest_s for r in rows)
+    previous = load_tuning()
+    key = dataclasses.asdict(key_here())
+    same = previous is not None and previous.key == key
+    rate = ({rate_key(config.train.precision.value, config.model.base_filters):
+             round(flops / fastest / 1e9 / usable_cores(), 2)} if fastest else {})
+    return Tuning(key=key, planewise=planewise_from([*(previous.rows if same else []), *(r.to_dict() for r in rows)]),
+                  conv_gflops_per_core={**(previous.conv_gflops_per_core if same else {}), **rate},
+                  overhead_offset_bytes={**(previous.overhead_offset_bytes if same else {}), **offsets},
+                  tuned=[*(previous.tuned if same else []), record],
+                  rows=[*(previous.rows if same else []), *(r.to_dict() for r in rows)])
+
+
 def tune(config: ExperimentConfig, shape: Sequence[int], *, budget_s: float = DEFAULT_BUDGET_S,
          measure_memory: bool = True, progress: Callable[[str, float], None] | None = None) -> Tuning:
     """Time ``config``'s convolutions at ``shape`` and its precision; merge the result into this machine's file.
@@ -299,7 +317,6 @@ def tune(config: ExperimentConfig, shape: Sequence[int], *, budget_s: float = DE
     """
     import logging
 
-    from bigmem.memory.speed import usable_cores
     from bigmem.tfenv import import_tensorflow
 
     say = progress or (lambda what, done: None)
@@ -326,23 +343,10 @@ def tune(config: ExperimentConfig, shape: Sequence[int], *, budget_s: float = DE
             rows.append(time_convolution(call, count))
     finally:
         tf.get_logger().setLevel(quiet)
-    precision = config.train.precision.value
-    flops, fastest = sum(r.flops for r in rows), sum(r.fastest_s for r in rows)
-    previous = load_tuning()
-    key = dataclasses.asdict(key_here())
-    same = previous is not None and previous.key == key
-    tuning = Tuning(key=key,
-                    planewise=planewise_from([*(previous.rows if same else []), *(r.to_dict() for r in rows)]),
-                    conv_gflops_per_core={**(previous.conv_gflops_per_core if same else {}),
-                                          **({rate_key(precision, config.model.base_filters):
-                                              round(flops / fastest / 1e9 / usable_cores(), 2)} if fastest else {})},
-                    overhead_offset_bytes={**(previous.overhead_offset_bytes if same else {}), **offsets},
-                    tuned=[*(previous.tuned if same else []),
-                           {"model": config.model.name, "shape": list(as_shape(shape)), "precision": precision,
-                            "batch_size": config.train.batch_size,
-                            "seconds": round(time.perf_counter() - started, 1), "partial": partial,
-                            "date": time.strftime("%Y-%m-%d"), "convolutions": len(calls), "timed": len(rows)}],
-                    rows=[*(previous.rows if same else []), *(r.to_dict() for r in rows)])
+    record = {"model": config.model.name, "shape": list(as_shape(shape)), "precision": config.train.precision.value,
+              "batch_size": config.train.batch_size, "seconds": round(time.perf_counter() - started, 1),
+              "partial": partial, "date": time.strftime("%Y-%m-%d"), "convolutions": len(calls), "timed": len(rows)}
+    tuning = _merged(config, rows, offsets, record)
     say("done", 1.0)
     save_tuning(tuning)
     return tuning

@@ -59,7 +59,7 @@ MODULES = [
     "nets/unet3d.py", "nets/conv.py", "nets/norm_act.py", "nets/slabs.py", "nets/blocks.py", "nets/pooling.py",
     "nets/reduce.py", "nets/limits.py", "nets/choices.py", "nets/slabplan.py",
     "data/pipeline.py", "data/store.py", "data/nifti.py", "data/layouts.py",
-    "memory/measure.py", "memory/budget.py", "memory/layouts.py", "distribute/execution.py", "distribute/pernode.py",
+    "memory/measure.py", "memory/budget.py", "numa/layouts.py", "distribute/execution.py", "distribute/pernode.py",
     "config/tables.py", "config/topology.py", "data/fingerprint.py", "memory/experiment.py",
     "compare/run.py", "compare/setup.py", "compare/child.py", "compare/report.py", "compare/render.py",
     "compare/gpu_reference.py",

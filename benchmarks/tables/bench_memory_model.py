@@ -67,6 +67,7 @@ from bigmem.memory.estimate import estimate
 from bigmem.memory.measure import measure
 from bigmem.memory.planner import available_memory_bytes, make_plan
 from bigmem.memory.profile import calibration_point, counts_function, stages_for
+from bigmem.memory.records import Budget
 from bigmem.units import format_bytes, parse_bytes
 
 # The largest edge `--check-sizes auto` considers (kits19 at 512^3 needs ~0.5 TiB even in bf16).
@@ -360,7 +361,7 @@ def fit_defaults(rows: list[dict], isa: str, batch_size: int, console) -> list[d
 def budget_check(args, model: str, console) -> dict:
     budget = parse_bytes(args.budget, flag="--budget")
     config = resolve_config(model, {"train": {"batch_size": args.batch_size}})
-    plan = make_plan(config, counts_function(config), budget, budget_source="--budget", batch_size=args.batch_size)
+    plan = make_plan(config, counts_function(config), Budget(budget, "--budget"), batch_size=args.batch_size)
     best = {(c.precision, c.recompute): c for c in plan.best_per_mode}
     fp32, saver = best[("fp32", "none")], best[("bf16", "stages")]
     ratio = saver.volume**3 / fp32.volume**3

@@ -234,13 +234,12 @@ def _print_plan(args, config, budget, plan) -> None:
                       format_bytes(c.predicted_peak_bytes), ratio, f"{c.predicted_step_s:.3g} s")
     console.print(table)
     if plan.experiment:
-        _print_experiment(console, plan.experiment)
+        _print_experiment(console, plan.experiment.to_dict())
     if plan.cases:
         _print_cases(console, plan.cases, config)
     cap = plan.batch_cap
-    if cap and cap["uncapped"] is not None and cap["uncapped"] > cap["cap"]:
-        console.print(f"batch: {cap['cap']}, capped by the dataset (memory alone allows {cap['uncapped']}): "
-                      f"{cap['rule']}")
+    if cap and cap.uncapped is not None and cap.uncapped > cap.cap:
+        console.print(f"batch: {cap.cap}, capped by the dataset (memory alone allows {cap.uncapped}): {cap.rule}")
     if args.plan_precision == "bf16" and not native_bf16():
         console.print(EMULATED_BF16_WARNING, style="yellow")
     if plan.chosen:
@@ -275,7 +274,7 @@ def _print_chosen(console, args, config, plan) -> None:
     flags = f"{shape_flag} --batch-size {chosen.batch_size} {chosen.flags()}".rstrip()
     console.print(f"chosen: {flags} (est. {format_bytes(chosen.predicted_peak_bytes)}); "
                   f"{len(plan.candidates)} candidates in {args.out}")
-    console.print(f"calibration: {plan.calibration['source']}", style="dim")
+    console.print(f"calibration: {plan.calibration.source}", style="dim")
     console.print(f"step time: {chosen.predicted_step_s:.3g} s predicted on this machine's "
                   f"{MachineSpeed.here().cores} cores ({chosen.step_rate_source}); a machine with more cores "
                   "steps faster", style="dim")
@@ -296,23 +295,23 @@ def _print_breakdown(console, chosen) -> None:
                       "run in depth slabs")
 
 
-def _print_cases(console, rows: list[dict], config) -> None:
+def _print_cases(console, rows, config) -> None:
     """The per-case table, one row per padded shape (largest first; a store of hundreds has far fewer)."""
     from rich.table import Table
 
     from bigmem.units import format_bytes, format_count
 
-    groups: dict[tuple, list[dict]] = {}
+    groups: dict[tuple, list] = {}
     for row in rows:
-        groups.setdefault(tuple(row["padded_shape"]), []).append(row)
+        groups.setdefault(tuple(row.padded_shape), []).append(row)
     fixed = config.data.shape is not None
     table = Table(title=f"{format_count(len(rows), 'case')} " + ("cropped/padded to one shape" if fixed else
                                                  "whole at their own shapes, padded to the size contract"))
-    ordered = sorted(groups.items(), key=lambda kv: -kv[1][0]["predicted_peak_bytes"])[:20]
+    ordered = sorted(groups.items(), key=lambda kv: -kv[1][0].predicted_peak_bytes)[:20]
     trained = ["x".join(map(str, shape)) for shape, _ in ordered]
     sources = []
     for _, members in ordered:
-        found = sorted({"x".join(map(str, m["shape"])) for m in members})
+        found = sorted({"x".join(map(str, m.shape)) for m in members})
         sources.append(", ".join(found[:3]) + (f", ... ({len(found)})" if len(found) > 3 else ""))
     add_shape_column(table, "trained shape", trained, justify="right")
     table.add_column("cases", justify="right")
@@ -320,8 +319,8 @@ def _print_cases(console, rows: list[dict], config) -> None:
     for column in ("predicted peak", "fits"):
         table.add_column(column, justify="right")
     for shape, source, (_, members) in zip(trained, sources, ordered):
-        table.add_row(shape, str(len(members)), source, format_bytes(members[0]["predicted_peak_bytes"]),
-                      "yes" if members[0]["fits"] else "no")
+        table.add_row(shape, str(len(members)), source, format_bytes(members[0].predicted_peak_bytes),
+                      "yes" if members[0].fits else "no")
     console.print(table)
     if len(groups) > 20:
         console.print(f"... and {len(groups) - 20} smaller shapes (every case is in plan.json)", style="dim")
@@ -356,7 +355,7 @@ def _inference(args, result) -> int:
                     else f"largest whole volume: {chosen.volume}^3")
             console.print(f"{what} (est. {format_bytes(chosen.predicted_peak_bytes)}); {len(plan.candidates)} "
                           f"candidates in {args.out}")
-            console.print(f"calibration: {plan.calibration['source']}", style="dim")
+            console.print(f"calibration: {plan.calibration.source}", style="dim")
             _print_breakdown(console, chosen)
     result.require()  # exit 3 unless it fits, naming what does
     return 0

@@ -294,4 +294,5 @@ def run_per_node(args, topology=None) -> int:
 
     return api.train_per_node(config, out, workers_per_node=args.workers_per_node or 1, resume=args.resume,
                               force=args.force, verbose=getattr(args, "verbose", False), topology=topology,
-                              say=lambda line: print(f"bigmem train: {line}", file=sys.stderr))
+                              say=lambda line: print(f"bigmem train: {line}", file=sys.stderr),
+                              announce=lambda line: print(line, flush=True))

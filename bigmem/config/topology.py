@@ -181,6 +181,19 @@ def median_shape(spacings: Sequence[Sequence[float]], shapes: Sequence[Sequence[
     return tuple(float(m) for m in np.median(np.asarray(resampled, dtype=np.float64), axis=0))
 
 
+def _halved_axes(spacing: list[float], size: list[float], pools: list[int], min_edge: int,
+                 max_pool: int) -> list[int]:
+    """The axes the next stage halves (``pool_and_kernels``' rule); none when the descent stops."""
+    big_enough = [axis for axis in range(len(size)) if size[axis] >= 2 * min_edge]
+    if not big_enough:
+        return []
+    finest = min(spacing[axis] for axis in big_enough)
+    halved = [axis for axis in big_enough if spacing[axis] / finest < 2 and pools[axis] < max_pool]
+    if len(halved) == 1 and size[halved[0]] < 3 * min_edge:
+        return []
+    return halved
+
+
 def pool_and_kernels(spacing: Sequence[float], shape: Sequence[float], min_edge: int = MIN_EDGE,
                      max_pool: int = NO_POOL_LIMIT, *, base_filters: int = BASE_FEATURES,
                      max_filters: int = MAX_FEATURES_3D) -> Topology:
@@ -222,13 +235,8 @@ def pool_and_kernels(spacing: Sequence[float], shape: Sequence[float], min_edge:
     strides: list[Triple] = [(1,) * dims]
     kernels: list[Triple] = []
     while True:
-        big_enough = [axis for axis in range(dims) if current_size[axis] >= 2 * min_edge]
-        if not big_enough:
-            break
-        finest = min(current_spacing[axis] for axis in big_enough)
-        halved = [axis for axis in big_enough
-                  if current_spacing[axis] / finest < 2 and pools[axis] < max_pool]
-        if not halved or (len(halved) == 1 and current_size[halved[0]] < 3 * min_edge):
+        halved = _halved_axes(current_spacing, current_size, pools, min_edge, max_pool)
+        if not halved:
             break
         finest_of_all = min(current_spacing)
         kernel = [3 if k == 3 or current_spacing[axis] / finest_of_all < 2 else 1 for axis, k in enumerate(kernel)]

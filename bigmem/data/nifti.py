@@ -219,6 +219,56 @@ def _channel_table(channels, where: str, key: str) -> list[str]:
     return [table[i] for i in range(len(table))]
 
 
+def _json_object(json_path: Path) -> dict:
+    """dataset.json's object: refused when unreadable, a NIfTI file given by mistake, not UTF-8 JSON or no object."""
+    where = str(json_path)
+    try:
+        raw = json_path.read_bytes()
+    except OSError as exc:
+        raise DataError(f"Cannot read {where}: {exc.strerror or exc}.") from None
+    if raw[:2] == b"\x1f\x8b" or json_path.name.endswith((".nii", ".nii.gz")):
+        raise DataError(f"{where} is a NIfTI (or gzip) file, not a dataset.json: give the MSD folder (dataset.json, "
+                        "imagesTr/, labelsTr/) or its dataset.json, or --images/--labels globs for loose files.")
+    try:
+        meta = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise DataError(f"Cannot read {where}: not UTF-8 text; expected a dataset.json (JSON).") from None
+    except ValueError as exc:
+        raise DataError(f"Cannot read {where}: not valid JSON ({exc}).") from None
+    if not isinstance(meta, dict):
+        raise DataError(f"{where}: expected a JSON object with 'modality' (or 'channel_names'), 'labels' and "
+                        f"'training'; got {_kind(meta)}.")
+    return meta
+
+
+def _training_pairs(training, where: str) -> list[tuple[str, str]]:
+    """dataset.json's ``training`` entries as (image, label) paths, each checked."""
+    if not isinstance(training, list):
+        raise DataError(f"{where}: 'training' must be a list of {{\"image\": ..., \"label\": ...}} entries; got "
+                        f"{_kind(training)}.")
+    pairs = []
+    for number, entry in enumerate(training, 1):
+        if not (isinstance(entry, dict) and all(isinstance(entry.get(k), str) for k in ("image", "label"))):
+            raise DataError(f"{where}: each 'training' entry needs 'image' and 'label' paths (entry {number}: "
+                            f"{json.dumps(entry)[:80]}).")
+        pairs.append((entry["image"], entry["label"]))
+    return pairs
+
+
+def _test_images(test, where: str) -> list[str]:
+    """dataset.json's ``test`` entries as image paths (a path, or an entry with ``image``), each checked."""
+    if not isinstance(test, list):
+        raise DataError(f"{where}: 'test' must be a list of image paths; got {_kind(test)}.")
+    images = []
+    for number, entry in enumerate(test, 1):
+        image = entry.get("image") if isinstance(entry, dict) else entry
+        if not isinstance(image, str):
+            raise DataError(f"{where}: each 'test' entry must be an image path (entry {number}: "
+                            f"{json.dumps(entry)[:80]}).")
+        images.append(image)
+    return images
+
+
 def read_dataset_json(json_path: str | Path) -> dict:
     """Read and check an MSD / nnU-Net v2 dataset.json: the one loader every reader of it uses.
 
@@ -246,22 +296,7 @@ def read_dataset_json(json_path: str | Path) -> dict:
     """
     json_path = Path(json_path)
     where = str(json_path)
-    try:
-        raw = json_path.read_bytes()
-    except OSError as exc:
-        raise DataError(f"Cannot read {where}: {exc.strerror or exc}.") from None
-    if raw[:2] == b"\x1f\x8b" or json_path.name.endswith((".nii", ".nii.gz")):
-        raise DataError(f"{where} is a NIfTI (or gzip) file, not a dataset.json: give the MSD folder (dataset.json, "
-                        "imagesTr/, labelsTr/) or its dataset.json, or --images/--labels globs for loose files.")
-    try:
-        meta = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError:
-        raise DataError(f"Cannot read {where}: not UTF-8 text; expected a dataset.json (JSON).") from None
-    except ValueError as exc:
-        raise DataError(f"Cannot read {where}: not valid JSON ({exc}).") from None
-    if not isinstance(meta, dict):
-        raise DataError(f"{where}: expected a JSON object with 'modality' (or 'channel_names'), 'labels' and "
-                        f"'training'; got {_kind(meta)}.")
+    meta = _json_object(json_path)
     if meta.get("channel_names") is not None:
         channel_names = _channel_table(meta["channel_names"], where, "channel_names")
     elif meta.get("modality") is not None:
@@ -274,26 +309,7 @@ def read_dataset_json(json_path: str | Path) -> dict:
     if label_names is None:
         raise DataError(f"{where} has no 'labels': expected label values mapped to names, such as "
                         '{"0": "background", "1": "tumour"}.')
-    training = meta.get("training", [])
-    if not isinstance(training, list):
-        raise DataError(f"{where}: 'training' must be a list of {{\"image\": ..., \"label\": ...}} entries; got "
-                        f"{_kind(training)}.")
-    pairs = []
-    for number, entry in enumerate(training, 1):
-        if not (isinstance(entry, dict) and all(isinstance(entry.get(k), str) for k in ("image", "label"))):
-            raise DataError(f"{where}: each 'training' entry needs 'image' and 'label' paths (entry {number}: "
-                            f"{json.dumps(entry)[:80]}).")
-        pairs.append((entry["image"], entry["label"]))
-    test = meta.get("test", [])
-    if not isinstance(test, list):
-        raise DataError(f"{where}: 'test' must be a list of image paths; got {_kind(test)}.")
-    images = []
-    for number, entry in enumerate(test, 1):
-        image = entry.get("image") if isinstance(entry, dict) else entry
-        if not isinstance(image, str):
-            raise DataError(f"{where}: each 'test' entry must be an image path (entry {number}: "
-                            f"{json.dumps(entry)[:80]}).")
-        images.append(image)
+    pairs, images = _training_pairs(meta.get("training", []), where), _test_images(meta.get("test", []), where)
     ending = meta.get("file_ending", ".nii.gz")
     if not isinstance(ending, str) or not ending.endswith((".nii", ".nii.gz")):
         raise DataError(f"{where}: 'file_ending' is {json.dumps(ending)}; bigmem reads NIfTI files (\".nii.gz\" or "

@@ -301,6 +301,38 @@ def _how(code: int) -> str:
     return f"exited with code {code}"
 
 
+def _start(plan: PerNodePlan, worker: Worker, command: Sequence[str], env: dict | None, echo) -> "_Running":
+    """Worker ``worker`` started with its TF_CONFIG, in its own session (a terminal's Ctrl-C reaches the launcher,
+    which forwards it), its stderr read by a thread (the chief's echoed)."""
+    process = subprocess.Popen(
+        list(command), env={**(os.environ if env is None else env), "TF_CONFIG": plan.tf_config(worker.index)},
+        stdout=None if worker.index == 0 else subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        start_new_session=True)
+    r = _Running(worker, process)
+    r.reader = threading.Thread(target=_read_stderr, args=(r, echo if worker.index == 0 else None), daemon=True)
+    r.reader.start()
+    return r
+
+
+def _fail(plan: PerNodePlan, running: list["_Running"], failed: "_Running", failure_grace_s: float) -> None:
+    """A worker died: the others stopped, then ``WorkerFailed`` naming it and its last line.
+
+    A worker that says its peer was lost is a consequence: the cause gets ``failure_grace_s`` to show.
+    """
+    if failed.last_line.endswith(PeerLost.MESSAGE):
+        deadline = time.monotonic() + failure_grace_s
+        while time.monotonic() < deadline and failed.last_line.endswith(PeerLost.MESSAGE):
+            time.sleep(POLL_S / 2)
+            failed = _root_failure(running)
+    _stop(running, signal.SIGTERM, failure_grace_s)
+    failed.reader.join(timeout=1.0)
+    code = failed.process.returncode
+    w = failed.worker
+    raise WorkerFailed(f"per-node worker {w.index} (node {w.node_id}, pid {failed.process.pid}) {_how(code)}: "
+                       f"{failed.last_line or 'no output'}; stopped the other {plan.num_workers - 1} worker(s).",
+                       3 if code == 3 else 1)
+
+
 def run_workers(plan: PerNodePlan, commands: Sequence[Sequence[str]], *, env: dict | None = None,
                 echo=None, stop_grace_s: float = STOP_GRACE_S, failure_grace_s: float = FAILURE_GRACE_S,
                 on_start=None) -> int:
@@ -335,15 +367,7 @@ def run_workers(plan: PerNodePlan, commands: Sequence[Sequence[str]], *, env: di
     running: list[_Running] = []
     try:
         for worker, command in zip(plan.workers, commands):
-            process = subprocess.Popen(
-                list(command), env={**(os.environ if env is None else env), "TF_CONFIG": plan.tf_config(worker.index)},
-                stdout=None if worker.index == 0 else subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                start_new_session=True)  # its own group: a terminal's Ctrl-C reaches the launcher, which forwards
-            r = _Running(worker, process)
-            r.reader = threading.Thread(target=_read_stderr, args=(r, echo if worker.index == 0 else None),
-                                        daemon=True)
-            r.reader.start()
-            running.append(r)
+            running.append(_start(plan, worker, command, env, echo))
         if on_start is not None:
             on_start([(r.worker, r.process) for r in running])
         while True:
@@ -352,19 +376,7 @@ def run_workers(plan: PerNodePlan, commands: Sequence[Sequence[str]], *, env: di
                 return 128 + received[0]
             failed = _root_failure(running)
             if failed is not None:
-                if failed.last_line.endswith(PeerLost.MESSAGE):  # a consequence: give the cause time to show
-                    deadline = time.monotonic() + failure_grace_s
-                    while time.monotonic() < deadline and failed.last_line.endswith(PeerLost.MESSAGE):
-                        time.sleep(POLL_S / 2)
-                        failed = _root_failure(running)
-                _stop(running, signal.SIGTERM, failure_grace_s)
-                failed.reader.join(timeout=1.0)
-                code = failed.process.returncode
-                w = failed.worker
-                others = plan.num_workers - 1
-                raise WorkerFailed(f"per-node worker {w.index} (node {w.node_id}, pid {failed.process.pid}) "
-                                   f"{_how(code)}: {failed.last_line or 'no output'}; stopped the other "
-                                   f"{others} worker(s).", 3 if code == 3 else 1)
+                _fail(plan, running, failed, failure_grace_s)
             if all(r.process.poll() == 0 for r in running):
                 return 0
             time.sleep(POLL_S)

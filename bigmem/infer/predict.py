@@ -598,6 +598,32 @@ def predict_case(predictor: Predictor | Ensemble, item: CaseInput, out_dir: Path
                       peak_rss_bytes(), labels_path, probabilities_path)
 
 
+def _checked_options(mode: str, choose_mode, overlap: float, window) -> tuple:
+    """``predict``'s mode, window edge (a cube's, else None) and window shape, refused before TensorFlow starts
+    where they cannot be used."""
+    chosen = look_up_option(mode, Mode, flag="--mode")
+    if chosen is Mode.AUTO and choose_mode is None:
+        raise UsageError("--mode auto needs a way to choose (the inference plan); give --mode whole or sliding.")
+    if not 0 <= overlap < 1:
+        raise UsageError(f"Invalid --overlap {overlap:g}: expected a fraction in [0, 1).")
+    edge = window if isinstance(window, int) else None
+    window = None if window is None else ((int(window),) * 3 if edge is not None else tuple(window))
+    if window is not None and (len(window) != 3 or min(window) < 1):
+        raise UsageError(f"Invalid --window {edge if edge is not None else ','.join(map(str, window))}: expected a "
+                         "positive integer N or D,H,W.")
+    return chosen, edge, window
+
+
+def _check_window(predictor, edge: int | None, window) -> None:
+    """The window fits every member's size contract (a multiple of its divisor per axis)."""
+    for member in predictor.members if isinstance(predictor, Ensemble) else (predictor,):
+        if edge is not None and edge % member.divisor:
+            raise UsageError(f"Invalid --window {edge}: expected a positive multiple of {member.divisor} "
+                             f"(the network downsamples {member.config.model.depth} times).")
+        if window is not None:
+            check_shape("--window", window, member.config.model)
+
+
 def predict(run_dir: str | os.PathLike | Sequence[str | os.PathLike], source: str | os.PathLike,
             out_dir: str | os.PathLike, *,
             checkpoint: str = "final", cases: Sequence[str] | None = None, mode: str = "auto",
@@ -633,16 +659,7 @@ def predict(run_dir: str | os.PathLike | Sequence[str | os.PathLike], source: st
             that would be written to one output name (before anything is written).
         UsageError: a bad mode, window or overlap.
     """
-    chosen = look_up_option(mode, Mode, flag="--mode")
-    if chosen is Mode.AUTO and choose_mode is None:
-        raise UsageError("--mode auto needs a way to choose (the inference plan); give --mode whole or sliding.")
-    if not 0 <= overlap < 1:
-        raise UsageError(f"Invalid --overlap {overlap:g}: expected a fraction in [0, 1).")
-    edge = window if isinstance(window, int) else None
-    window = None if window is None else ((int(window),) * 3 if edge is not None else tuple(window))
-    if window is not None and (len(window) != 3 or min(window) < 1):  # refused before TensorFlow starts
-        raise UsageError(f"Invalid --window {edge if edge is not None else ','.join(map(str, window))}: expected a "
-                         "positive integer N or D,H,W.")
+    chosen, edge, window = _checked_options(mode, choose_mode, overlap, window)
     _existing_input(source)
     run_dirs = [run_dir] if isinstance(run_dir, (str, os.PathLike)) else list(run_dir)
     if validation:
@@ -650,12 +667,7 @@ def predict(run_dir: str | os.PathLike | Sequence[str | os.PathLike], source: st
             raise UsageError("--val segments one run's validation cases: give one RUN_DIR and no --cases.")
         cases = validation_cases(run_dirs[0])
     predictor = load_ensemble(run_dirs, checkpoint, verbose=verbose)
-    for member in predictor.members if isinstance(predictor, Ensemble) else (predictor,):
-        if edge is not None and edge % member.divisor:
-            raise UsageError(f"Invalid --window {edge}: expected a positive multiple of {member.divisor} "
-                             f"(the network downsamples {member.config.model.depth} times).")
-        if window is not None:
-            check_shape("--window", window, member.config.model)
+    _check_window(predictor, edge, window)
     inputs = find_inputs(source, predictor.preparation, cases=cases, say=say,
                          cases_flag="--val (the run's validation cases)" if validation else "--cases")
     out = Path(out_dir)

@@ -191,21 +191,9 @@ def sliding_window(image: np.ndarray, predict: Callable[[np.ndarray], np.ndarray
         >>> probs = sliding_window(image, lambda x: model.predict_on_batch(x), 128, num_classes=4)
         >>> labels = probs.argmax(-1)  # (D, H, W)
     """
-    if image.ndim != 4:
-        raise DataError(f"sliding_window: image has shape {image.shape}; expected (D, H, W, C).")
-    shape = _window_shape(window)
-    dtype = np.dtype(look_up_option(accumulate, Accumulate, flag="accumulate").value)
-    if int(batch_size) != batch_size or batch_size < 1:
-        raise UsageError(f"Invalid batch_size {batch_size!r}: expected a positive number of windows.")
-    if int(num_classes) != num_classes or num_classes < 1:
-        raise UsageError(f"Invalid num_classes {num_classes!r}: expected the number of channels predict returns.")
+    shape, dtype = _checked(image, window, accumulate, batch_size, num_classes)
     size = image.shape[:3]
-    widths = [((max(s, w) - s) // 2, max(s, w) - s - (max(s, w) - s) // 2) for s, w in zip(size, shape)]
-    if any(before or after for before, after in widths):  # at each channel's background, as training pads
-        padded = np.empty(tuple(s + b + a for s, (b, a) in zip(size, widths)) + image.shape[3:], image.dtype)
-        padded[...] = image.min(axis=(0, 1, 2)) if pad_value is None else pad_value
-        padded[tuple(slice(b, b + s) for s, (b, _) in zip(size, widths))] = image
-        image = padded
+    image, widths = _padded_to_window(image, shape, pad_value)
     starts = list(itertools.product(*[window_starts(s, w, overlap) for s, w in zip(size, shape)]))
     weights = gaussian_weights(shape, sigma_scale)
     weights_acc = weights.astype(dtype)
@@ -217,20 +205,58 @@ def sliding_window(image: np.ndarray, predict: Callable[[np.ndarray], np.ndarray
         batch = np.stack([image[region] for region in regions]).astype(np.float32, copy=False)
         out = _check_output(predict(batch), len(regions), shape, num_classes, batch_starts[0])
         for start, region, prediction in zip(batch_starts, regions, out):
-            accumulator = total[region]
-            with np.errstate(over="ignore", invalid="ignore"):  # checked below, with a better message
-                accumulator += prediction * weights[..., None]
-            weight_sum[region] += weights_acc
-            if dtype == np.float16 and not np.isfinite(accumulator.sum(dtype=np.float32)):
-                peak = float(np.abs(prediction).max())
-                raise AccumulationOverflowError(
-                    f"float16 accumulation overflowed in the window at {tuple(start)}: predictions up to {peak:.4g} "
-                    f"summed over overlapping windows exceed float16's {FLOAT16_MAX:.0f}. Use accumulate='float32' "
-                    "(twice the accumulator memory), or make predict return probabilities.", start, peak)
+            _accumulate(total, weight_sum, region, prediction, weights, weights_acc, start)
         if progress is not None:
             progress(first + len(regions), len(starts))
+    return _weighted_mean(total, weight_sum, widths, size)
+
+
+def _checked(image: np.ndarray, window, accumulate: str, batch_size, num_classes) -> tuple:
+    """``sliding_window``'s window shape and accumulator dtype, once its arguments are ones it can use."""
+    if image.ndim != 4:
+        raise DataError(f"sliding_window: image has shape {image.shape}; expected (D, H, W, C).")
+    shape = _window_shape(window)
+    dtype = np.dtype(look_up_option(accumulate, Accumulate, flag="accumulate").value)
+    if int(batch_size) != batch_size or batch_size < 1:
+        raise UsageError(f"Invalid batch_size {batch_size!r}: expected a positive number of windows.")
+    if int(num_classes) != num_classes or num_classes < 1:
+        raise UsageError(f"Invalid num_classes {num_classes!r}: expected the number of channels predict returns.")
+    return shape, dtype
+
+
+def _padded_to_window(image: np.ndarray, window: Sequence[int], pad_value) -> tuple[np.ndarray, list]:
+    """``image`` with each axis shorter than the window padded, centred, at each channel's background (as training
+    pads: ``pad_value``, else the channel's minimum); and the (before, after) widths."""
+    size = image.shape[:3]
+    widths = [((max(s, w) - s) // 2, max(s, w) - s - (max(s, w) - s) // 2) for s, w in zip(size, window)]
+    if any(before or after for before, after in widths):
+        padded = np.empty(tuple(s + b + a for s, (b, a) in zip(size, widths)) + image.shape[3:], image.dtype)
+        padded[...] = image.min(axis=(0, 1, 2)) if pad_value is None else pad_value
+        padded[tuple(slice(b, b + s) for s, (b, _) in zip(size, widths))] = image
+        image = padded
+    return image, widths
+
+
+def _accumulate(total: np.ndarray, weight_sum: np.ndarray, region: tuple, prediction: np.ndarray,
+                weights: np.ndarray, weights_acc: np.ndarray, start) -> None:
+    """One window's weighted prediction added to the accumulators; a float16 overflow raised where it happens."""
+    accumulator = total[region]
+    with np.errstate(over="ignore", invalid="ignore"):  # checked below, with a better message
+        accumulator += prediction * weights[..., None]
+    weight_sum[region] += weights_acc
+    if total.dtype == np.float16 and not np.isfinite(accumulator.sum(dtype=np.float32)):
+        peak = float(np.abs(prediction).max())
+        raise AccumulationOverflowError(
+            f"float16 accumulation overflowed in the window at {tuple(start)}: predictions up to {peak:.4g} "
+            f"summed over overlapping windows exceed float16's {FLOAT16_MAX:.0f}. Use accumulate='float32' "
+            "(twice the accumulator memory), or make predict return probabilities.", start, peak)
+
+
+def _weighted_mean(total: np.ndarray, weight_sum: np.ndarray, widths: list, size: tuple) -> np.ndarray:
+    """``total / weight_sum`` cropped back to ``size``, float32: in place for float32 accumulators."""
     keep = tuple(slice(before, before + s) for (before, _), s in zip(widths, size))
-    if dtype == np.float32:
+    num_classes = total.shape[-1]
+    if total.dtype == np.float32:
         for k in range(num_classes):
             np.divide(total[..., k], weight_sum, out=total[..., k])
         return np.ascontiguousarray(total[keep]) if any(b or a for b, a in widths) else total

@@ -18,9 +18,8 @@ kept (a plan for a bigger machine, or page cache the user knows can be dropped).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from bigmem.errors import InsufficientMemoryError
+from bigmem.memory.records import Budget as Budget  # re-exported: the budget's type
 from bigmem.memory.planner import (
     available_memory_bytes,
     machine_memory_bytes,
@@ -33,28 +32,6 @@ from bigmem.units import format_bytes
 EXPLICIT_FLAG = "--memory-budget"
 # Policies whose pages stay on the placement's nodes: their free memory is the most a job can use.
 NODE_BOUND_POLICIES = (PolicyKind.BIND, PolicyKind.INTERLEAVE)
-
-
-@dataclass(frozen=True)
-class Budget:
-    """A resolved memory budget and where it came from.
-
-    Attributes:
-        budget_bytes: the most the job's predicted peak may be.
-        source: what set it, as messages and plan.json's ``budget_source`` name it: the flag
-            (``"--memory-budget"``, ``"--budget"``), the placement (``"free memory of node(s) 1"``)
-            or ``"MemAvailable"``.
-        note: one line to show the user when an explicit budget was capped ("" otherwise).
-        placement: the placement whose nodes set the budget, when they did (the refusal then names
-            the nodes); None otherwise.
-        topology: the topology ``placement`` was measured on.
-    """
-
-    budget_bytes: int
-    source: str
-    note: str = ""
-    placement: Placement | None = None
-    topology: NUMATopology | None = None
 
 
 def resolve_budget(explicit_bytes: int | None = None, *, flag: str = EXPLICIT_FLAG,

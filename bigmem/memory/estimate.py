@@ -377,33 +377,9 @@ def _train(config: ExperimentConfig, counts: NetworkCounts, spatial_shape: Seque
     activation_bytes = kept * compute_bytes + float32_extra
     workspace_bytes = workspace_elements * (WORKSPACE_TENSORS * compute_bytes
                                             + WORKSPACE_FLOAT32_TENSORS * FLOAT32_BYTES)
-    # The calibration scales the workspace with the activations: both count tensors assumed live
-    # at the peak, and neither is exact (kits19 bf16+stages, batch 1: the measured peak grew by 617
-    # bytes per voxel from 256^3 to 288^3, where the workspace alone counts 640).
-    counted_bytes = activation_bytes + workspace_bytes
-    scale, intercept = calibration.line_for(counted_bytes)
-    # The fixed part is the framework's cost at no volume; what the calibrated line adds beyond it
-    # is shared by the activations and the workspace in proportion to their counts.
     framework_bytes = calibration.fixed_bytes()
-    scale = (intercept + scale * counted_bytes - framework_bytes) / counted_bytes if counted_bytes else 0.0
-    # A network no curve was measured for keeps every counted tensor, at any batch: nnU-Net-style networks
-    # configured per axis held 99% at 64x128x128, where another preset's curve was 29% low. The curve was
-    # measured at its own batch (the shipped ones at 1), where a preset's peak holds 68-86% of what its blocks
-    # count (kits19 at 64-160^3 on an AVX2 EPYC); each sample past that batch adds its own counted bytes times
-    # what the network's added samples were measured to keep: 0.60 for intelai-brats, 1.05-1.11 for small,
-    # kits19 and resenc-m at 64^3 (``calibration.added_sample_keeps``; 1 unmeasured). Taking the curve at the
-    # whole batch's count was 4-12% low for small and kits19; keeping every counted tensor of the whole batch
-    # 28-48% high for intelai-brats at 2-8 and 8.6% for resenc-m at 2 (benchmarks/results/memory_model.md,
-    # "Batches of several and configured networks", "What an added sample keeps").
+    scale = _resident_scale(config, calibration, activation_bytes + workspace_bytes, framework_bytes)
     keeps_all = calibration.borrowed
-    if keeps_all:
-        scale = 1.0
-    elif batch > calibration.batch_size and counted_bytes:
-        first = counted_bytes * calibration.batch_size / batch  # what the curve's own batch counts
-        first_scale, first_intercept = calibration.line_for(first)
-        resident = first_intercept + first_scale * first - framework_bytes
-        resident += (counted_bytes - first) * added_sample_keeps(config.model.name)
-        scale = resident / counted_bytes
     components = {
         "framework": framework_bytes,
         "weights": counts.param_count * FLOAT32_BYTES,
@@ -425,18 +401,60 @@ def _train(config: ExperimentConfig, counts: NetworkCounts, spatial_shape: Seque
                                                                                       calibration.table_isa)
     if copies:
         components["planewise_copies"] = copies
-    notes = _margin(components, calibration, f"; run `bigmem profile --calibrate --model {config.model.name}` to "
-                                             "measure this machine")
-    runnable, slab_lines = slab_notes(sliced, counts.largest_tensor // spatial_shape[0])
-    notes += slab_lines
-    if data.num_workers:
-        notes.append(f"{data.num_workers} reader processes hold their own memory (not in this process's peak)")
+    notes, runnable = _train_notes(components, calibration, config, sliced, counts.largest_tensor // spatial_shape[0])
     # Training FLOPs: 2 per multiply-add, backward twice the forward; recomputed stages run their
     # forward once more (not counted: the figure is the model's arithmetic, not bigmem's overhead).
     train_flops = 3 * 2 * counts.forward_macs * batch
     return Estimate(components, counts.param_count, tuple(spatial_shape), batch, precision.value,
                     list(recompute_stages), calibration, train_flops, notes, partitioned_stages=sliced,
                     runnable=runnable)
+
+
+def _train_notes(components: dict[str, int], calibration: Calibration, config: ExperimentConfig, sliced: list[str],
+                 widest_plane: int) -> tuple[list[str], bool]:
+    """The training estimate's margin (added to ``components``) and its notes, and whether its slabs can run."""
+    notes = _margin(components, calibration, f"; run `bigmem profile --calibrate --model {config.model.name}` to "
+                                             "measure this machine")
+    runnable, slab_lines = slab_notes(sliced, widest_plane)
+    notes += slab_lines
+    if config.data.num_workers:
+        notes.append(f"{config.data.num_workers} reader processes hold their own memory (not in this process's "
+                     "peak)")
+    return notes, runnable
+
+
+def _resident_scale(config: ExperimentConfig, calibration: Calibration, counted_bytes: int,
+                    framework_bytes: int) -> float:
+    """The share of the counted activations and workspace a training step keeps resident at its peak.
+
+    The calibration scales the workspace with the activations: both count tensors assumed live at the peak,
+    and neither is exact (kits19 bf16+stages, batch 1: the measured peak grew by 617 bytes per voxel from
+    256^3 to 288^3, where the workspace alone counts 640). The fixed part is the framework's cost at no
+    volume; what the calibrated line adds beyond it is shared by the activations and the workspace in
+    proportion to their counts.
+
+    A network no curve was measured for keeps every counted tensor, at any batch: nnU-Net-style networks
+    configured per axis held 99% at 64x128x128, where another preset's curve was 29% low. The curve was
+    measured at its own batch (the shipped ones at 1), where a preset's peak holds 68-86% of what its blocks
+    count (kits19 at 64-160^3 on an AVX2 EPYC); each sample past that batch adds its own counted bytes times
+    what the network's added samples were measured to keep: 0.60 for intelai-brats, 1.05-1.11 for small,
+    kits19 and resenc-m at 64^3 (``calibration.added_sample_keeps``; 1 unmeasured). Taking the curve at the
+    whole batch's count was 4-12% low for small and kits19; keeping every counted tensor of the whole batch
+    28-48% high for intelai-brats at 2-8 and 8.6% for resenc-m at 2 (benchmarks/results/memory_model.md,
+    "Batches of several and configured networks", "What an added sample keeps").
+    """
+    if calibration.borrowed:
+        return 1.0
+    batch = config.train.batch_size
+    scale, intercept = calibration.line_for(counted_bytes)
+    scale = (intercept + scale * counted_bytes - framework_bytes) / counted_bytes if counted_bytes else 0.0
+    if batch > calibration.batch_size and counted_bytes:
+        first = counted_bytes * calibration.batch_size / batch  # what the curve's own batch counts
+        first_scale, first_intercept = calibration.line_for(first)
+        resident = first_intercept + first_scale * first - framework_bytes
+        resident += (counted_bytes - first) * added_sample_keeps(config.model.name)
+        scale = resident / counted_bytes
+    return scale
 
 
 def forward_live_bytes(config: ExperimentConfig, counts: NetworkCounts, spatial_shape: Sequence[int]) -> int:
@@ -491,30 +509,14 @@ def _margin_within_training(components: dict[str, int], config: ExperimentConfig
             f"the training step of the same network and shape ({training:,} B)"]
 
 
-def _forward(config: ExperimentConfig, counts: NetworkCounts, spatial_shape: Sequence[int],
-             calibration: Calibration | None, source_shape: Sequence[int] | None, save_probabilities: bool,
-             ensemble: int = 1) -> Estimate:
-    """``estimate``'s whole-volume forward pass (batch 1): TensorFlow's peak plus the host arrays of the
-    largest phase after it, which is why some of those components may be 0."""
-    precision = config.train.precision
-    calibration = calibration or calibration_for(config.model.name, precision.value, INFERENCE_MODE)
-    voxels = math.prod(spatial_shape)
-    source_shape = tuple(source_shape) if source_shape is not None else tuple(spatial_shape)
-    source_voxels = math.prod(source_shape)
-    channels, classes = config.model.in_channels, config.model.num_outputs
-    padded = source_voxels != voxels
-
-    input_tensor = channels * voxels * (FLOAT32_BYTES + (BFLOAT16_BYTES if precision is Precision.BF16 else 0))
-    forward = forward_live_bytes(config, counts, spatial_shape)
-    counted = input_tensor + forward
-    scale, intercept = calibration.line_for(counted)
-    framework = calibration.fixed_bytes()
-    slack = int(round(intercept + scale * counted)) - framework - counted
-
+def _host_phases(channels: int, classes: int, voxels: int, source_voxels: int, save_probabilities: bool,
+                 ensemble: int) -> tuple[dict[str, int], str, dict[str, int]]:
+    """The host arrays of a whole-volume prediction after its forward pass: each phase's bytes, the phase that
+    peaks, and that phase's arrays as components."""
     image = channels * source_voxels * FLOAT32_BYTES
     network_input = channels * voxels * FLOAT32_BYTES
     probabilities = classes * voxels * FLOAT32_BYTES
-    cropped = classes * source_voxels * FLOAT32_BYTES if padded else 0
+    cropped = classes * source_voxels * FLOAT32_BYTES if source_voxels != voxels else 0
     mapping = source_voxels * (FLOAT32_BYTES + LABEL_BYTES + BOOL_BYTES)
     saved = classes * source_voxels * (FLOAT32_BYTES + 2) if save_probabilities else 0  # float32, then float16
     # an ensemble: the members' running sum (infer.predict.ensemble_probabilities), held while each later member runs;
@@ -539,6 +541,29 @@ def _forward(config: ExperimentConfig, counts: NetworkCounts, spatial_shape: Seq
     }[peak_phase]
     if ensemble > 1:
         host["ensemble_sum"] = summed if peak_phase == "probabilities" else 0
+    return phases, peak_phase, host
+
+
+def _forward(config: ExperimentConfig, counts: NetworkCounts, spatial_shape: Sequence[int],
+             calibration: Calibration | None, source_shape: Sequence[int] | None, save_probabilities: bool,
+             ensemble: int = 1) -> Estimate:
+    """``estimate``'s whole-volume forward pass (batch 1): TensorFlow's peak plus the host arrays of the
+    largest phase after it, which is why some of those components may be 0."""
+    precision = config.train.precision
+    calibration = calibration or calibration_for(config.model.name, precision.value, INFERENCE_MODE)
+    voxels = math.prod(spatial_shape)
+    source_shape = tuple(source_shape) if source_shape is not None else tuple(spatial_shape)
+    source_voxels = math.prod(source_shape)
+    channels, classes = config.model.in_channels, config.model.num_outputs
+
+    input_tensor = channels * voxels * (FLOAT32_BYTES + (BFLOAT16_BYTES if precision is Precision.BF16 else 0))
+    forward = forward_live_bytes(config, counts, spatial_shape)
+    counted = input_tensor + forward
+    scale, intercept = calibration.line_for(counted)
+    framework = calibration.fixed_bytes()
+    slack = int(round(intercept + scale * counted)) - framework - counted
+
+    phases, peak_phase, host = _host_phases(channels, classes, voxels, source_voxels, save_probabilities, ensemble)
     weights = ensemble * counts.param_count * FLOAT32_BYTES  # every member stays loaded
     components = {"framework": framework, "weights": weights, "input_tensor": input_tensor,
                   "forward_activations": forward, "allocator_slack": slack, **host}

@@ -6,6 +6,7 @@ that order of preference (cheaper in compute first), and records every candidate
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable, Sequence, TypeVar
@@ -16,7 +17,8 @@ from bigmem.config.options import Precision, Recompute
 from bigmem.config.schema import ExperimentConfig
 from bigmem.errors import InsufficientMemoryError
 from bigmem.memory.calibration import Calibration, calibration_for, recompute_key
-from bigmem.memory.estimate import Estimate, NetworkCounts, estimate, mode_stages, recompute_order
+from bigmem.memory.estimate import Estimate, NetworkCounts, Pass, estimate, mode_stages, recompute_order
+from bigmem.memory.records import BatchCap, Budget, CaseRow, DataParallelRun, PlannedExperiment, ValidationPass
 from bigmem.memory.speed import (MachineSpeed, StepRate, predicted_step_s, recomputed_share, step_rate,
                                  tuned_step_rate)
 from bigmem.units import as_shape, format_bytes, format_shape
@@ -76,8 +78,14 @@ def available_memory_bytes() -> int:
     return int(psutil.virtual_memory().available)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Candidate:
+    """One configuration the planner evaluated: its shape, batch and mode, and its estimate's figures.
+
+    ``estimate`` is the estimate itself (not in plan.json): a plan that keeps its candidates asks
+    for no estimate twice.
+    """
+
     volume: int
     batch_size: int
     precision: str
@@ -91,6 +99,7 @@ class Candidate:
     partitioned_stages: list[str] = field(default_factory=list)  # stages run in depth slabs
     # The candidate's (D, H, W), which need not be a cube: then ``volume`` is its largest edge.
     spatial_shape: list[int] | None = None
+    estimate: Estimate | None = field(default=None, compare=False, repr=False)
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -115,41 +124,48 @@ class Candidate:
             parts.append(f"--precision {self.precision}")
         return " ".join(parts)
 
+    def to_dict(self) -> dict:
+        """plan.json's figures of this candidate (every field but ``estimate``)."""
+        return {f.name: copy.deepcopy(getattr(self, f.name)) for f in dataclasses.fields(self) if f.name != "estimate"}
 
-@dataclass
+
+@dataclass(frozen=True)
 class Plan:
     """What fits a memory budget: the one schema of plan.json (``bigmem plan`` and every run's).
 
     ``chosen`` is the configuration that will run: the planner's pick (None when nothing fits),
     or, for a fixed job (``memory.plans.plan_job``), the job itself, even when it is forced
-    past the budget (then ``fits`` is False and ``forced`` True).
+    past the budget (then ``fits`` is False and ``forced`` True). Made whole where it is built;
+    a later part (the dataset's batch cap, the experiment, the data-parallel run) comes by
+    ``dataclasses.replace``.
     """
 
     fits: bool
-    budget_bytes: int
-    budget_source: str
+    budget: Budget
     chosen: Candidate | None
     closest: Candidate
-    candidates: list[Candidate]
-    best_per_mode: list[Candidate]
+    candidates: tuple[Candidate, ...]
+    best_per_mode: tuple[Candidate, ...]
     forced: bool = False  # a fixed job run past its budget (--force)
-    calibration: dict | None = None  # the calibration behind the chosen (or closest) candidate's estimate
-    data_parallel: dict | None = None  # the data-parallel run's patch and replicas (train --strategy)
-    kind: str = "train"  # "inference": whole-volume segmentation at batch 1 (memory.plans.plan_inference)
-    # Per training case (a job on a store's own shapes): case, shape, padded_shape, predicted_peak_bytes, fits.
-    cases: list[dict] | None = None
-    # The held-out validation pass (--val-every): its case, shape and predicted peak beside training's.
-    validation: dict | None = None
+    calibration: Calibration | None = None  # the calibration behind the chosen (or closest) candidate's estimate
+    data_parallel: DataParallelRun | None = None  # how the job runs: its patch and replicas, if data parallel
+    pass_: Pass = Pass.TRAIN  # Pass.FORWARD: whole-volume segmentation at batch 1 (memory.plans.plan_inference)
+    cases: tuple[CaseRow, ...] | None = None  # per training case, a job on a store's own shapes
+    validation: ValidationPass | None = None  # the held-out validation pass (--val-every) beside training's
     # Where the chosen candidate is bf16 and bf16 is slower than fp32 here: what it costs (Planner.precision_note).
     precision_note: str | None = None
-    # A store's cap on the batch (memory.plans.plan_search: nnU-Net's share of the dataset one step may see):
-    # cap, dataset_voxels, sample_voxels, uncapped (the batch memory alone allowed).
-    batch_cap: dict | None = None
-    # The experiment configured from the store (memory.experiment: bigmem plan --data): its spacing, topology,
-    # the preset file written and the resampling it needs.
-    experiment: dict | None = None
+    batch_cap: BatchCap | None = None  # a store's cap on the batch (api.plan)
+    experiment: PlannedExperiment | None = None  # the network configured from the store (bigmem plan --data)
     # The shape the search ran at (memory.plans.plan_search; None: the largest cube); not in plan.json.
     searched_shape: int | tuple[int, int, int] | None = None
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.budget.budget_bytes
+
+    @property
+    def budget_source(self) -> str:
+        return self.budget.source
 
     @property
     def predicted_peak_bytes(self) -> int:
@@ -159,14 +175,14 @@ class Plan:
         """plan.json. ``components`` and ``predicted_peak_bytes`` are the chosen (else closest) candidate's."""
         chosen = self.chosen
         return {
-            "kind": self.kind,
+            "kind": "inference" if self.pass_ is Pass.FORWARD else "train",
             "fits": self.fits,
             "forced": self.forced,
             "budget_bytes": self.budget_bytes,
             "budget_source": self.budget_source,
             "predicted_peak_bytes": self.predicted_peak_bytes,
             "components": dict((chosen or self.closest).components),
-            "calibration": self.calibration,
+            "calibration": self.calibration.to_dict() if self.calibration is not None else None,
             "chosen": {"volume": chosen.volume, "batch_size": chosen.batch_size, "precision": chosen.precision,
                        "recompute": chosen.recompute, "recompute_stages": chosen.recompute_stages,
                        "components": dict(chosen.components), "partitioned_stages": chosen.partitioned_stages,
@@ -174,14 +190,14 @@ class Plan:
                        "spatial_shape": chosen.spatial_shape}
             if chosen is not None else None,
             "precision_note": self.precision_note,
-            "batch_cap": self.batch_cap,
-            "experiment": self.experiment,
-            "data_parallel": self.data_parallel,
-            "cases": self.cases,
-            "validation": self.validation,
-            "closest": dataclasses.asdict(self.closest),
-            "best_per_mode": [dataclasses.asdict(c) for c in self.best_per_mode],
-            "candidates": [dataclasses.asdict(c) for c in self.candidates],
+            "batch_cap": dataclasses.asdict(self.batch_cap) if self.batch_cap is not None else None,
+            "experiment": self.experiment.to_dict() if self.experiment is not None else None,
+            "data_parallel": self.data_parallel.to_dict() if self.data_parallel is not None else None,
+            "cases": [dataclasses.asdict(c) for c in self.cases] if self.cases is not None else None,
+            "validation": dataclasses.asdict(self.validation) if self.validation is not None else None,
+            "closest": self.closest.to_dict(),
+            "best_per_mode": [c.to_dict() for c in self.best_per_mode],
+            "candidates": [c.to_dict() for c in self.candidates],
         }
 
 
@@ -215,9 +231,34 @@ class Planner:
                               partitioned_stages=list(result.partitioned_stages),
                               predicted_step_s=round(predicted_step_s(result.train_flops_per_step, recomputed, rate,
                                                                       self.machine.cores), 3),
-                              step_rate_source=rate.source, spatial_shape=list(shape))
+                              step_rate_source=rate.source, spatial_shape=list(shape), estimate=result)
         self.candidates.append(candidate)
         return candidate
+
+    def evaluate_forward(self, volume: int | Sequence[int], ensemble: int = 1) -> Candidate:
+        """Segmenting one whole volume (batch 1, no gradients, no optimizer; ``Pass.FORWARD``) as a candidate, kept
+        in ``candidates``, in the config's precision.
+
+        Args:
+            volume: a cube edge or a ``(D, H, W)``, each a multiple of ``2**depth``.
+            ensemble: the networks whose probabilities are averaged, one after the other (default 1).
+
+        Returns:
+            The ``Candidate``: ``volume`` the largest edge, ``spatial_shape`` the shape, ``fits`` whether the
+            prediction is within the budget and runnable, ``components`` the estimate's; no step time.
+        """
+        shape = as_shape(volume)
+        result = estimate(self.config, self.counts_for(shape), shape, pass_=Pass.FORWARD, ensemble=ensemble)
+        candidate = Candidate(max(shape), 1, result.precision, "none", result.predicted_peak_bytes,
+                              result.predicted_peak_bytes <= self.budget_bytes and result.runnable, [],
+                              components=dict(result.components), partitioned_stages=list(result.partitioned_stages),
+                              spatial_shape=list(shape), estimate=result)
+        self.candidates.append(candidate)
+        return candidate
+
+    def largest_forward_volume(self, ensemble: int = 1) -> Candidate | None:
+        """The largest cube (a multiple of ``2**depth``) one prediction can segment within the budget."""
+        return self._largest(lambda k: self.evaluate_forward(k * self.divisor, ensemble), MAX_VOLUME // self.divisor)
 
     def _rate(self, calibration: Calibration, precision: Precision, base_filters: int) -> StepRate:
         """This machine's calibrated step rate for the mode where it has one, else the ISA class's table."""
@@ -277,9 +318,8 @@ def allowed_modes(allow_bf16: bool | None = None) -> tuple[tuple[Precision, Reco
     return MODES if allow_bf16 else FP32_MODES
 
 
-def make_plan(config: ExperimentConfig, counts_for, budget_bytes: int, *, budget_source: str,
-              volume: int | Sequence[int] | None = None, batch_size: int | None = None,
-              allow_bf16: bool | None = None) -> Plan:
+def make_plan(config: ExperimentConfig, counts_for, budget: Budget, *, volume: int | Sequence[int] | None = None,
+              batch_size: int | None = None, allow_bf16: bool | None = None) -> Plan:
     """The largest volume (unless fixed) and then batch (unless fixed) that fit, over the allowed modes.
 
     The modes are precision x recompute (fp32/bf16, none/stages); the chosen candidate is the
@@ -288,8 +328,7 @@ def make_plan(config: ExperimentConfig, counts_for, budget_bytes: int, *, budget
     Args:
         config: the model and optimizer to plan for.
         counts_for: ``(D, H, W) -> NetworkCounts`` of the model.
-        budget_bytes: the most the predicted peak may be.
-        budget_source: what set the budget, for plan.json and messages ('MemAvailable', a flag).
+        budget: the most the predicted peak may be, and what set it (``memory.budget.resolve_budget``).
         volume: fix the cube edge, or the ``(D, H, W)`` shape, instead of searching a cube.
         batch_size: fix the batch instead of searching it.
         allow_bf16: consider bf16 modes; default: only where the CPU has native bf16.
@@ -299,10 +338,10 @@ def make_plan(config: ExperimentConfig, counts_for, budget_bytes: int, *, budget
         (None where nothing fits).
 
     Example:
-        >>> plan = make_plan(config, counts_function(config), 512 * 2**30, budget_source="--memory-budget")
+        >>> plan = make_plan(config, counts_function(config), Budget(512 * 2**30, "--memory-budget"))
         >>> plan.chosen.volume, plan.chosen.batch_size
     """
-    planner = Planner(config, counts_for, budget_bytes)
+    planner = Planner(config, counts_for, budget.budget_bytes)
     best_per_mode: list[Candidate] = []
     for precision, recompute in allowed_modes(allow_bf16):
         if volume is None:
@@ -328,7 +367,7 @@ def make_plan(config: ExperimentConfig, counts_for, budget_bytes: int, *, budget
             chosen = candidate
     closest = chosen or min(planner.candidates, key=lambda c: c.predicted_peak_bytes)
     note = planner.precision_note(chosen) if chosen is not None else None
-    return Plan(chosen is not None, budget_bytes, budget_source, chosen, closest, planner.candidates, best_per_mode,
+    return Plan(chosen is not None, budget, chosen, closest, tuple(planner.candidates), tuple(best_per_mode),
                 calibration=candidate_calibration(config, closest), precision_note=note)
 
 
@@ -346,10 +385,10 @@ def _better(candidate: Candidate, chosen: Candidate) -> bool:
     return False
 
 
-def candidate_calibration(config: ExperimentConfig, candidate: Candidate) -> dict:
+def candidate_calibration(config: ExperimentConfig, candidate: Candidate) -> Calibration:
     """The calibration the estimate of ``candidate`` used (as ``estimate`` looks it up)."""
     key = recompute_key(candidate.recompute_stages)
-    return calibration_for(config.model.name, candidate.precision, key).to_dict()
+    return calibration_for(config.model.name, candidate.precision, key)
 
 
 def cheapest_fix(config: ExperimentConfig, counts_for, budget_bytes: int, volume: int | Sequence[int], batch: int,

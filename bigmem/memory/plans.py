@@ -17,6 +17,7 @@ budget is ``memory.budget.resolve_budget``'s.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,11 +27,11 @@ from bigmem.atomic import atomic_write_json
 from bigmem.config.options import Recompute
 from bigmem.config.schema import ExperimentConfig
 from bigmem.errors import ConfigError, InsufficientMemoryError
-from bigmem.memory.budget import Budget
 from bigmem.memory.calibration import INFERENCE_MODE, calibration_for
 from bigmem.memory.estimate import NetworkCounts, Pass, estimate, mode_stages
-from bigmem.memory.layouts import evaluate_layouts
-from bigmem.memory.planner import MAX_VOLUME, Candidate, Plan, Planner, check_fits, largest_fitting, make_plan
+from bigmem.numa.layouts import evaluate_layouts
+from bigmem.memory.planner import Candidate, Plan, Planner, check_fits, make_plan
+from bigmem.memory.records import Budget, CaseRow, ValidationPass
 from bigmem.numa.capacity import check_nodes_fit, interleave_budget
 from bigmem.numa.topology import NUMATopology
 from bigmem.units import format_bytes
@@ -132,48 +133,74 @@ def plan_job(config: ExperimentConfig, counts_for: CountsFor, budget: Budget, *,
         >>> plan.chosen.recompute_stages, plan.fits
         ([], True)
     """
-    batch = config.train.batch_size
     if shape is None:
         shape = config.data.shape or (config.data.reference_volume,) * 3
     shape = tuple(int(s) for s in shape)
     planner = Planner(config, counts_for, budget.budget_bytes)
     stages = list(recompute_stages(config, counts_for, shape, planner=planner) if stages is None else stages)
     table = case_table(config, counts_for, budget, cases, stages) if cases else None
-    if table and batch == 1:  # each step is one case: the one with the highest peak decides (not only the largest)
-        worst = max(table, key=lambda c: c["predicted_peak_bytes"])
-        if worst["predicted_peak_bytes"] > estimate(config, counts_for(shape), shape,
-                                                    recompute_stages=stages).predicted_peak_bytes:
-            shape = tuple(worst["padded_shape"])
-    mode = (list(shape), batch, config.train.precision.value, config.memory.recompute.value, stages)
-    candidate = next((c for c in planner.candidates  # auto's last try is the job itself
-                      if (c.spatial_shape, c.batch_size, c.precision, c.recompute, c.recompute_stages) == mode), None)
-    candidate = candidate or planner.evaluate(shape, batch, config.train.precision, config.memory.recompute, stages)
-    predicted = estimate(config, counts_for(shape), shape, recompute_stages=stages)
+    candidate = _job_candidate(planner, config, shape, stages, table)
+    shape = candidate.shape
+    predicted = candidate.estimate
     validation = None
     if validation_shape is not None:
         validation = validation_figures(config, counts_for, predicted, tuple(int(s) for s in validation_shape),
                                         validation_case)
-        _add_validation(candidate, validation, budget)
-    peak = candidate.predicted_peak_bytes
-    fits = peak <= budget.budget_bytes
+        candidate = _with_validation(planner, candidate, validation, budget)
+    fits = candidate.predicted_peak_bytes <= budget.budget_bytes
     if check and not force and not fits:
-        _refuse(config, counts_for, budget, predicted, peak, shape, table, validation)
-    return Plan(fits, budget.budget_bytes, budget.source, candidate, candidate, list(planner.candidates), [candidate],
-                forced=force and not fits, calibration=predicted.calibration.to_dict(), cases=table,
+        _refuse(config, counts_for, budget, predicted, candidate.predicted_peak_bytes, shape, table, validation)
+    return Plan(fits, budget, candidate, candidate, tuple(planner.candidates), (candidate,),
+                forced=force and not fits, calibration=predicted.calibration, cases=table,
                 validation=validation, precision_note=planner.precision_note(candidate))
 
 
-def _add_validation(candidate: Candidate, validation: dict, budget: Budget) -> None:
-    """The plan's peak is the larger of training's and validation's: a ``validation`` component says by how much."""
-    extra = validation["excess_bytes"]
-    if extra:
-        candidate.components["validation"] = extra
-        candidate.predicted_peak_bytes += extra
-        candidate.fits = candidate.predicted_peak_bytes <= budget.budget_bytes and candidate.fits
+def _job_candidate(planner: Planner, config: ExperimentConfig, shape: tuple[int, ...], stages: list[str],
+                   table: tuple[CaseRow, ...] | None) -> Candidate:
+    """The fixed job's candidate: its step at ``shape``, or at batch 1 over a store's cases, at the case whose
+    step peaks highest (not only the largest: ``table``).
+
+    A step ``recompute_stages`` already evaluated (auto's last try) is taken as it is; the step at the
+    largest case, evaluated only to compare, leaves the planner's candidates when another case decides.
+    """
+    candidate, new = _job_step(planner, config, shape, stages)
+    if table and config.train.batch_size == 1:
+        worst = max(table, key=lambda c: c.predicted_peak_bytes)
+        if worst.predicted_peak_bytes > candidate.predicted_peak_bytes:
+            if new:
+                planner.candidates.remove(candidate)
+            candidate, _ = _job_step(planner, config, tuple(worst.padded_shape), stages)
+    return candidate
+
+
+def _job_step(planner: Planner, config: ExperimentConfig, shape: tuple[int, ...],
+              stages: list[str]) -> tuple[Candidate, bool]:
+    """The job's step at ``shape`` among the planner's candidates, else evaluated now; and whether it was new."""
+    mode = (list(shape), config.train.batch_size, config.train.precision.value, config.memory.recompute.value,
+            stages)
+    candidate = next((c for c in planner.candidates
+                      if (c.spatial_shape, c.batch_size, c.precision, c.recompute, c.recompute_stages) == mode), None)
+    if candidate is not None:
+        return candidate, False
+    return planner.evaluate(shape, config.train.batch_size, config.train.precision, config.memory.recompute,
+                            stages), True
+
+
+def _with_validation(planner: Planner, candidate: Candidate, validation: ValidationPass, budget: Budget) -> Candidate:
+    """The job's candidate whose peak is the larger of training's and validation's (a ``validation`` component
+    says by how much), in the planner's candidates in its place."""
+    extra = validation.excess_bytes
+    if not extra:
+        return candidate
+    peak = candidate.predicted_peak_bytes + extra
+    validated = dataclasses.replace(candidate, components={**candidate.components, "validation": extra},
+                                    predicted_peak_bytes=peak, fits=peak <= budget.budget_bytes and candidate.fits)
+    planner.candidates = [validated if c is candidate else c for c in planner.candidates]
+    return validated
 
 
 def _refuse(config: ExperimentConfig, counts_for: CountsFor, budget: Budget, predicted, peak: int,
-            shape: tuple[int, ...], table: list[dict] | None, validation: dict | None) -> None:
+            shape: tuple[int, ...], table: tuple[CaseRow, ...] | None, validation: ValidationPass | None) -> None:
     """Raise the one error that says why a fixed job does not fit, and what would.
 
     The placement's nodes first (their memory set the budget); then validation, when training
@@ -181,24 +208,24 @@ def _refuse(config: ExperimentConfig, counts_for: CountsFor, budget: Budget, pre
     """
     if budget.placement is not None:
         check_nodes_fit(peak, budget.placement, budget.topology)
-    if validation is not None and validation["excess_bytes"] and predicted.predicted_peak_bytes <= budget.budget_bytes:
+    if validation is not None and validation.excess_bytes and predicted.predicted_peak_bytes <= budget.budget_bytes:
         raise InsufficientMemoryError(
-            f"Validating held-out case {validation['case']!r} ({'x'.join(map(str, validation['shape']))}) whole "
+            f"Validating held-out case {validation.case!r} ({'x'.join(map(str, validation.shape))}) whole "
             f"beside the model needs {format_bytes(peak)}, more than the memory budget "
             f"{format_bytes(budget.budget_bytes)} ({budget.source}); training alone would fit "
             f"({format_bytes(predicted.predicted_peak_bytes)}). Drop --val-every, hold out smaller cases, or pass "
             "--force to try anyway.", peak, budget.budget_bytes)
     what = ""
-    unfit = [c for c in table or [] if not c["fits"]] if config.data.shape is None else []
+    unfit = [c for c in table or () if not c.fits] if config.data.shape is None else []
     if unfit:  # each case at its own shape: name the one that does not fit
-        worst = max(unfit, key=lambda c: c["predicted_peak_bytes"])
-        what = (f" (case {worst['case']!r}, {'x'.join(map(str, worst['shape']))}"
-                + ("" if worst["shape"] == worst["padded_shape"] else " padded") + ")")
+        worst = max(unfit, key=lambda c: c.predicted_peak_bytes)
+        what = (f" (case {worst.case!r}, {'x'.join(map(str, worst.shape))}"
+                + ("" if worst.shape == worst.padded_shape else " padded") + ")")
     check_fits(predicted, config, counts_for, budget.budget_bytes, budget.source, shape, what)
 
 
 def case_table(config: ExperimentConfig, counts_for: CountsFor, budget: Budget, cases: Sequence[CaseShape],
-               stages: Sequence[str]) -> list[dict]:
+               stages: Sequence[str]) -> tuple[CaseRow, ...]:
     """Per case: its shape, the shape it trains at, the predicted peak of a step of ``train.batch_size`` of it, fits.
 
     Cases of one trained shape share one estimate (a store of 484 scans has far fewer shapes).
@@ -210,13 +237,13 @@ def case_table(config: ExperimentConfig, counts_for: CountsFor, budget: Budget, 
         if trained not in peaks:
             peaks[trained] = estimate(config, counts_for(trained), trained,
                                       recompute_stages=stages).predicted_peak_bytes
-        rows.append({"case": case.case_id, "shape": list(case.shape), "padded_shape": list(trained),
-                     "predicted_peak_bytes": peaks[trained], "fits": peaks[trained] <= budget.budget_bytes})
-    return rows
+        rows.append(CaseRow(case.case_id, list(case.shape), list(trained), peaks[trained],
+                            peaks[trained] <= budget.budget_bytes))
+    return tuple(rows)
 
 
 def validation_figures(config: ExperimentConfig, counts_for: CountsFor, training, shape: tuple[int, int, int],
-                       case_id: str) -> dict:
+                       case_id: str) -> ValidationPass:
     """The held-out validation pass beside training: its predicted peak and how far it exceeds training's.
 
     Validation segments a held-out case whole while the model, its gradients' buffers, the
@@ -239,10 +266,8 @@ def validation_figures(config: ExperimentConfig, counts_for: CountsFor, training
     own = sum(v for k, v in inference.components.items() if k not in ("framework", "weights", "safety_margin"))
     margin = training.calibration.safety_margin(resident) + int(round(inference.calibration.margin_fraction * own))
     peak = resident + own + margin
-    return {"case": case_id, "shape": list(shape), "predicted_peak_bytes": int(peak),
-            "resident_bytes": int(resident), "pass_bytes": int(own), "safety_margin_bytes": int(margin),
-            "training_peak_bytes": int(training.predicted_peak_bytes),
-            "excess_bytes": int(max(0, peak - training.predicted_peak_bytes))}
+    return ValidationPass(case_id, list(shape), int(peak), int(resident), int(own), int(margin),
+                          int(training.predicted_peak_bytes), int(max(0, peak - training.predicted_peak_bytes)))
 
 
 def require_fit(plan: Plan) -> None:
@@ -254,7 +279,7 @@ def require_fit(plan: Plan) -> None:
     if plan.fits:
         return
     c = plan.closest
-    if plan.kind == "inference":
+    if plan.pass_ is Pass.FORWARD:
         raise InsufficientMemoryError(
             f"Nothing fits {format_bytes(plan.budget_bytes)} ({plan.budget_source}): the smallest whole volume, "
             f"{c.shape_text} (inference, {c.precision}), needs {format_bytes(c.predicted_peak_bytes)}.",
@@ -270,37 +295,13 @@ def require_fit(plan: Plan) -> None:
 
 def inference_candidate(config: ExperimentConfig, counts_for: CountsFor, budget_bytes: int,
                         shape: Sequence[int], ensemble: int = 1) -> Candidate:
-    """Whole-volume inference of ``shape`` as a plan ``Candidate`` (batch 1, the forward pass's estimate).
+    """Whole-volume inference of ``shape`` as a plan ``Candidate``: ``Planner.evaluate_forward``.
 
-    Args:
-        config: the network and its precision (``train.precision``).
-        counts_for: ``memory.profile.counts_function(config)``.
-        budget_bytes: what ``fits`` is judged against.
-        shape: ``(D, H, W)``, each a multiple of ``2**depth``.
-        ensemble: the networks whose probabilities are averaged, one after the other (default 1).
-
-    Returns:
-        The ``Candidate``: ``volume`` the largest edge, ``spatial_shape`` the shape, ``fits`` whether
-        the prediction is within the budget and runnable, ``components`` the estimate's.
+    Example:
+        >>> inference_candidate(config, counts_for, 20 * 2**30, (256, 256, 256)).fits
+        True
     """
-    shape = tuple(int(s) for s in shape)
-    result = estimate(config, counts_for(shape), shape, pass_=Pass.FORWARD, ensemble=ensemble)
-    return Candidate(max(shape), 1, result.precision, "none", result.predicted_peak_bytes,
-                     result.predicted_peak_bytes <= budget_bytes and result.runnable, [],
-                     components=dict(result.components), partitioned_stages=list(result.partitioned_stages),
-                     spatial_shape=list(shape))
-
-
-def _largest_inference_volume(config: ExperimentConfig, counts_for: CountsFor, budget_bytes: int,
-                              candidates: list[Candidate], ensemble: int = 1) -> Candidate | None:
-    """Binary search of the largest cube (a multiple of ``2**depth``) that fits; every try kept in ``candidates``."""
-    divisor = config.model.divisor
-
-    def make(k: int) -> Candidate:
-        candidates.append(inference_candidate(config, counts_for, budget_bytes, (k * divisor,) * 3, ensemble))
-        return candidates[-1]
-
-    return largest_fitting(make, MAX_VOLUME // divisor, lambda candidate: candidate.fits)
+    return Planner(config, counts_for, budget_bytes).evaluate_forward(shape, ensemble)
 
 
 def plan_inference(config: ExperimentConfig, counts_for: CountsFor, budget: Budget,
@@ -321,7 +322,7 @@ def plan_inference(config: ExperimentConfig, counts_for: CountsFor, budget: Budg
             (default 1): their weights and the probabilities' running sum are counted.
 
     Returns:
-        A ``Plan`` with ``kind`` "inference": ``chosen`` the volume (with ``shape``), or the largest
+        A ``Plan`` of ``Pass.FORWARD``: ``chosen`` the volume (with ``shape``), or the largest
         cube that fits (None when not even ``2**depth`` does; ``require_fit`` refuses it), and
         ``candidates`` every size tried.
 
@@ -336,18 +337,18 @@ def plan_inference(config: ExperimentConfig, counts_for: CountsFor, budget: Budg
         >>> plan_inference(config, counts_for, resolve_budget(20 * 2**30)).chosen.volume
         288
     """
-    calibration = calibration_for(config.model.name, config.train.precision.value, INFERENCE_MODE).to_dict()
+    calibration = calibration_for(config.model.name, config.train.precision.value, INFERENCE_MODE)
+    planner = Planner(config, counts_for, budget.budget_bytes)
     if shape is None:
-        candidates: list[Candidate] = []
-        chosen = _largest_inference_volume(config, counts_for, budget.budget_bytes, candidates, ensemble)
-        closest = chosen or min(candidates, key=lambda c: c.predicted_peak_bytes)
-        return Plan(chosen is not None, budget.budget_bytes, budget.source, chosen, closest, candidates,
-                    [chosen] if chosen is not None else [], calibration=calibration, kind="inference")
-    candidate = inference_candidate(config, counts_for, budget.budget_bytes, shape, ensemble)
+        chosen = planner.largest_forward_volume(ensemble)
+        closest = chosen or min(planner.candidates, key=lambda c: c.predicted_peak_bytes)
+        return Plan(chosen is not None, budget, chosen, closest, tuple(planner.candidates),
+                    (chosen,) if chosen is not None else (), calibration=calibration, pass_=Pass.FORWARD)
+    candidate = planner.evaluate_forward(shape, ensemble)
     if check and not force and not candidate.fits:
         if budget.placement is not None:
             check_nodes_fit(candidate.predicted_peak_bytes, budget.placement, budget.topology)
-        largest = _largest_inference_volume(config, counts_for, budget.budget_bytes, [], ensemble)
+        largest = planner.largest_forward_volume(ensemble)
         fix = (f"the largest whole volume that fits is {largest.volume}^3 (est. "
                f"{format_bytes(largest.predicted_peak_bytes)})" if largest is not None
                else f"not even {config.model.divisor}^3 fits")
@@ -356,8 +357,8 @@ def plan_inference(config: ExperimentConfig, counts_for: CountsFor, budget: Budg
             f"{candidate.shape_text} (inference, {candidate.precision}) exceeds the memory budget "
             f"{format_bytes(budget.budget_bytes)} ({budget.source}): {fix}; segment it in sliding windows, "
             "or predict with --ignore-plan to try anyway.", candidate.predicted_peak_bytes, budget.budget_bytes)
-    return Plan(candidate.fits, budget.budget_bytes, budget.source, candidate, candidate, [candidate], [candidate],
-                forced=force and not candidate.fits, calibration=calibration, kind="inference")
+    return Plan(candidate.fits, budget, candidate, candidate, (candidate,), (candidate,),
+                forced=force and not candidate.fits, calibration=calibration, pass_=Pass.FORWARD)
 
 
 def plan_layouts(plan, topology):
@@ -378,12 +379,12 @@ def write_plan(path: Path, plan, layouts=None) -> bool:
     """Write ``plan`` (and ``layouts``, ``plan_dict``) to ``path`` unless nothing fits and ``path`` exists.
 
     A plan in which nothing fits (exit 3) never replaces an existing file: the plan there was
-    made for another budget or model and is still the one to use. Returns True when it was kept.
+    made for another budget or model and is still the one to use. Returns whether it wrote.
     """
     if not plan.fits and path.exists():
-        return True
+        return False
     atomic_write_json(path, plan_dict(plan, layouts))
-    return False
+    return True
 
 
 def require_plan(plan, path: Path, kept: bool, check=None) -> None:
@@ -428,21 +429,20 @@ def plan_search(config: ExperimentConfig, counts_for: CountsFor, budget: Budget,
     shape = volume
     if cases:
         shape = planned_shape([c.trained_shape for c in cases], batch_size or 1)
-    plan = make_plan(config, counts_for, budget.budget_bytes, budget_source=budget.source, volume=shape,
-                     batch_size=batch_size, allow_bf16=allow_bf16)
+    plan = make_plan(config, counts_for, budget, volume=shape, batch_size=batch_size, allow_bf16=allow_bf16)
     if cases and batch_size is None and plan.chosen is not None and plan.chosen.batch_size > 1:
         bounding = planned_shape([c.trained_shape for c in cases], 2)
         if bounding != shape:
-            wider = make_plan(config, counts_for, budget.budget_bytes, budget_source=budget.source, volume=bounding,
-                              allow_bf16=allow_bf16)
+            wider = make_plan(config, counts_for, budget, volume=bounding, allow_bf16=allow_bf16)
             plan = wider if wider.chosen is not None and wider.chosen.batch_size > 1 else plan
             shape = bounding if plan is wider else shape
+    table = None
     if cases:
         c = plan.chosen or plan.closest
         sized = config.updated({"train": {"batch_size": c.batch_size, "precision": c.precision}})
-        plan.cases = case_table(sized, counts_for, budget, cases, c.recompute_stages)
-    plan.searched_shape = None if shape is None else (shape if isinstance(shape, int) else tuple(shape))
-    return plan
+        table = case_table(sized, counts_for, budget, cases, c.recompute_stages)
+    return dataclasses.replace(plan, cases=table, searched_shape=None if shape is None
+                               else (shape if isinstance(shape, int) else tuple(shape)))
 
 
 def search_budget(budget: Budget, topology: NUMATopology | None) -> Budget:

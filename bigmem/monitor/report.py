@@ -246,6 +246,58 @@ def _label(run: RunData, what: str, runs: list[RunData]) -> str:
     return what if len(runs) == 1 else f"{run.label}: {what}"
 
 
+def _loss_dice(axes, run: RunData, runs: list[RunData]) -> None:
+    steps = [r["step"] for r in run.metrics]
+    axes[0].plot(steps, [r["loss"] for r in run.metrics], label=_label(run, "loss", runs))
+    axes[1].plot(steps, [r["dice"] for r in run.metrics], label=_label(run, "Dice", runs))
+    validated = [r for r in run.metrics if "val_dice" in r]
+    if validated:  # --val-every: the held-out cases' Dice
+        axes[1].plot([r["step"] for r in validated], [r["val_dice"] for r in validated], marker="o",
+                     label=_label(run, "validation Dice", runs))
+
+
+def _throughput(axes, run: RunData, runs: list[RunData]) -> None:
+    axes[0].plot([r["step"] for r in run.metrics], [r["voxels_per_s"] / 1e6 for r in run.metrics],
+                 label=_label(run, "voxels/s", runs))
+
+
+def _memory(axes, run: RunData, runs: list[RunData]) -> None:
+    t = run.column("time_s")
+    axes[0].plot(t, [v / 2**30 for v in run.column("rss_bytes")], label=_label(run, "RSS", runs))
+    for column in run.node_columns:
+        axes[0].plot(t, [v / 2**30 for v in run.column(column)], linestyle="--",
+                     label=_label(run, f"{column[:-len('_used_bytes')]} used (system)", runs))
+    predicted = (run.plan or {}).get("predicted_peak_bytes")
+    if predicted:
+        axes[0].axhline(predicted / 2**30, color="grey", linestyle=":", label=_label(run, "planned peak", runs))
+
+
+def _cpu(axes, run: RunData, runs: list[RunData]) -> None:
+    axes[0].plot(run.column("time_s"), run.column("cpu_percent"), label=_label(run, "CPU", runs))
+
+
+def _disk(axes, run: RunData, runs: list[RunData]) -> None:
+    t = run.column("time_s")
+    axes[0].plot(t, [v / MIB for v in run.column("disk_read_bytes_per_s")], label=_label(run, "read", runs))
+    axes[0].plot(t, [v / MIB for v in run.column("disk_write_bytes_per_s")], label=_label(run, "write", runs))
+
+
+def _page_cache(axes, run: RunData, runs: list[RunData]) -> None:
+    axes[0].plot(run.column("time_s"), [v / 2**30 for v in run.column("page_cache_bytes")],
+                 label=_label(run, "page cache", runs))
+
+
+# Each plot: how a run is drawn on its axes, its title, rows of axes, their y labels and the x axis.
+PLOT_SPECS = {
+    "loss_dice": (_loss_dice, "Loss and Dice", 2, ("loss", "Dice"), "step"),
+    "throughput": (_throughput, "Throughput", 1, ("Mvoxels/s",), "step"),
+    "memory": (_memory, "Memory: process RSS, NUMA nodes, plan", 1, ("GiB",), "time (s)"),
+    "cpu": (_cpu, "Process CPU (100% = one core busy)", 1, ("CPU %",), "time (s)"),
+    "disk": (_disk, "Disk throughput of the store's device", 1, ("MiB/s",), "time (s)"),
+    "page_cache": (_page_cache, "System page cache", 1, ("GiB",), "time (s)"),
+}
+
+
 def make_plots(runs: list[RunData], out: Path) -> dict[str, Path]:
     """Write one PNG per name in PLOTS to ``out``, the runs overlaid.
 
@@ -256,56 +308,11 @@ def make_plots(runs: list[RunData], out: Path) -> dict[str, Path]:
     Returns:
         ``{plot name: PNG path}``.
     """
-    steps_x = "step"
-    time_x = "time (s)"
     paths: dict[str, Path] = {}
-
-    def loss_dice(axes, run):
-        steps = [r["step"] for r in run.metrics]
-        axes[0].plot(steps, [r["loss"] for r in run.metrics], label=_label(run, "loss", runs))
-        axes[1].plot(steps, [r["dice"] for r in run.metrics], label=_label(run, "Dice", runs))
-        validated = [r for r in run.metrics if "val_dice" in r]
-        if validated:  # --val-every: the held-out cases' Dice
-            axes[1].plot([r["step"] for r in validated], [r["val_dice"] for r in validated], marker="o",
-                         label=_label(run, "validation Dice", runs))
-
-    def throughput(axes, run):
-        axes[0].plot([r["step"] for r in run.metrics], [r["voxels_per_s"] / 1e6 for r in run.metrics],
-                     label=_label(run, "voxels/s", runs))
-
-    def memory(axes, run):
-        t = run.column("time_s")
-        axes[0].plot(t, [v / 2**30 for v in run.column("rss_bytes")], label=_label(run, "RSS", runs))
-        for column in run.node_columns:
-            axes[0].plot(t, [v / 2**30 for v in run.column(column)], linestyle="--",
-                         label=_label(run, f"{column[:-len('_used_bytes')]} used (system)", runs))
-        predicted = (run.plan or {}).get("predicted_peak_bytes")
-        if predicted:
-            axes[0].axhline(predicted / 2**30, color="grey", linestyle=":", label=_label(run, "planned peak", runs))
-
-    def cpu(axes, run):
-        axes[0].plot(run.column("time_s"), run.column("cpu_percent"), label=_label(run, "CPU", runs))
-
-    def disk(axes, run):
-        t = run.column("time_s")
-        axes[0].plot(t, [v / MIB for v in run.column("disk_read_bytes_per_s")], label=_label(run, "read", runs))
-        axes[0].plot(t, [v / MIB for v in run.column("disk_write_bytes_per_s")], label=_label(run, "write", runs))
-
-    def page_cache(axes, run):
-        axes[0].plot(run.column("time_s"), [v / 2**30 for v in run.column("page_cache_bytes")],
-                     label=_label(run, "page cache", runs))
-
-    specs = {
-        "loss_dice": (loss_dice, "Loss and Dice", 2, ("loss", "Dice"), steps_x),
-        "throughput": (throughput, "Throughput", 1, ("Mvoxels/s",), steps_x),
-        "memory": (memory, "Memory: process RSS, NUMA nodes, plan", 1, ("GiB",), time_x),
-        "cpu": (cpu, "Process CPU (100% = one core busy)", 1, ("CPU %",), time_x),
-        "disk": (disk, "Disk throughput of the store's device", 1, ("MiB/s",), time_x),
-        "page_cache": (page_cache, "System page cache", 1, ("GiB",), time_x),
-    }
     for name in PLOTS:
-        draw, title, rows, ylabels, xlabel = specs[name]
-        paths[name] = _plot(out / f"{name}.png", runs, draw, title, rows=rows, ylabels=ylabels, xlabel=xlabel)
+        draw, title, rows, ylabels, xlabel = PLOT_SPECS[name]
+        paths[name] = _plot(out / f"{name}.png", runs, lambda axes, run, draw=draw: draw(axes, run, runs), title,
+                            rows=rows, ylabels=ylabels, xlabel=xlabel)
     return paths
 
 

@@ -297,17 +297,16 @@ def plan_conv(in_shape: Sequence[int], kernel_shape: Sequence[int], stride: int 
               limit: int | None = None) -> ConvPlan:
     """The slabs of ``tf.nn.conv3d(x, kernel, stride, "SAME")`` and of its input gradient.
 
-    Each slab's input planes and its result's planes stay under ``slab_elements`` of the wider
-    plane. The tapwise conv (``is_tapwise``) takes ``slab_target``'s share of that: each slab's
-    result (a frame's output planes, an input-gradient window) is allocated beside the full-size
-    output, and its least piece is one output plane with its k input planes. Strided convs peak
-    well under a slab over the unpartitioned op at full size (+17 MiB with 64 MiB slabs) and keep it.
+    Each slab's input planes and its result's planes stay under ``slab_elements`` of the wider plane. The tapwise
+    conv (``is_tapwise``) takes ``slab_target``'s share of that: each slab's result (a frame's output planes, an
+    input-gradient window) is allocated beside the full-size output, and its least piece is one output plane with
+    its k input planes. Strided convs peak well under a slab over the unpartitioned op at full size (+17 MiB with
+    64 MiB slabs) and keep it.
 
-    Its input-gradient slab over input planes [i0, i1) is, tapwise, the window [i0 - k//2,
-    i1 + k//2) (clipped to the volume) read as both input and output planes: the outputs there are
-    all the ones [i0, i1) feed, so the slab conv's input gradient over the window is exact on
-    [i0, i1) and dy is taken as it is (a view, no zero-padded copy). Other convs take the frame of
-    every output that reads a plane of [i0, i1), with dy zero-padded to it.
+    Its input-gradient slab over input planes [i0, i1) is, tapwise, the window [i0 - k//2, i1 + k//2) (clipped to
+    the volume) read as both input and output planes: the outputs there are all the ones [i0, i1) feed, so the slab
+    conv's input gradient over the window is exact on [i0, i1) and dy is taken as it is (a view, no zero-padded
+    copy). Other convs take the frame of every output that reads a plane of [i0, i1), with dy zero-padded to it.
 
     Args:
         in_shape: ``(batch, D, H, W, C_in)``.

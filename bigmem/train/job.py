@@ -16,6 +16,7 @@ once the job is prepared.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -382,8 +383,7 @@ def _plan(config: ExperimentConfig, execution: Execution, recompute_stages: list
     plan = plan_job(execution.host_config(config), counts_function(config), budget, shape=shape,
                     stages=recompute_stages, force=force, check=execution.host_checked, cases=cases,
                     validation_shape=validation, validation_case=validation_case)
-    plan.data_parallel = execution.to_dict()
-    return plan
+    return dataclasses.replace(plan, data_parallel=execution)
 
 
 def _planned_shapes(config: ExperimentConfig, loader: VolumeLoader | None) -> tuple:

@@ -111,8 +111,6 @@ def run_loop(state: LoopState, step: Callable, batches: Iterator, callbacks: Seq
     Raises:
         TrainingError: the input pipeline failed; anything a callback raises.
     """
-    import tensorflow as tf
-
     process = psutil.Process()
     with contextlib.ExitStack() as stack:
         for callback in callbacks:
@@ -121,19 +119,9 @@ def run_loop(state: LoopState, step: Callable, batches: Iterator, callbacks: Seq
             callback.on_train_begin(state)
         while not state.done:
             started = time.perf_counter()
-            try:
-                images, labels = next(batches)
-            except tf.errors.OpError as exc:  # a reader error surfaces through tf.data
-                if _collective_aborted(exc):  # a multi-worker input's collective, not the reader
-                    raise PeerLost() from None
-                raise input_error() or TrainingError(f"The input pipeline failed: {exc.message}") from None
+            images, labels = _next_batch(batches, input_error)
             fetched = time.perf_counter()
-            try:
-                loss, dice = step(images, labels)
-            except tf.errors.OpError as exc:
-                if _collective_aborted(exc):
-                    raise PeerLost() from None
-                raise
+            loss, dice = _stepped(step, images, labels)
             state.loss, state.dice = float(loss), float(dice)
             elapsed = time.perf_counter() - started
             state.step += 1
@@ -151,6 +139,30 @@ def run_loop(state: LoopState, step: Callable, batches: Iterator, callbacks: Seq
         for callback in callbacks:
             callback.on_train_end(state)
     return state
+
+
+def _next_batch(batches: Iterator, input_error: Callable[[], Exception | None]):
+    """The next ``(images, labels)``; a reader's error (it surfaces through tf.data) raised as the reader's own."""
+    import tensorflow as tf
+
+    try:
+        return next(batches)
+    except tf.errors.OpError as exc:
+        if _collective_aborted(exc):  # a multi-worker input's collective, not the reader
+            raise PeerLost() from None
+        raise input_error() or TrainingError(f"The input pipeline failed: {exc.message}") from None
+
+
+def _stepped(step: Callable, images, labels):
+    """``step(images, labels)``; an aborted collective (another worker stopped) raised as ``PeerLost``."""
+    import tensorflow as tf
+
+    try:
+        return step(images, labels)
+    except tf.errors.OpError as exc:
+        if _collective_aborted(exc):
+            raise PeerLost() from None
+        raise
 
 
 COLLECTIVE_ABORTED = "Collective ops is aborted"  # TensorFlow's words when a peer worker is gone

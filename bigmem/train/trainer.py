@@ -122,21 +122,26 @@ def train(config: ExperimentConfig, run_dir: str | os.PathLike, *, resume: bool 
     except NothingToDo as done:
         return _nothing_to_do(done, run_dir, console)
     try:
-        with exclusive_run_dir(Path(run_dir)) as created:  # every decision about the directory is made holding it
-            try:
-                job = _resume_point_under_lock(job, resume)
-            except NothingToDo as done:
-                return _nothing_to_do(done, run_dir, console)
-            try:
-                return _run(job, console, verbose)
-            except DataError:
-                # A case refused as it is read (its store changed after convert recorded its values, which
-                # the pre-flight trusts): a directory this call made, with no checkpoint yet, goes again.
-                if created and job.checkpoints.latest() is None:
-                    shutil.rmtree(job.run.path, ignore_errors=True)
-                raise
+        return _run_locked(job, run_dir, resume, console, verbose)
     finally:
         job.close()
+
+
+def _run_locked(job, run_dir, resume: bool, console: Console, verbose: bool) -> TrainResult:
+    """The job run holding its directory, where every decision about the directory is made."""
+    with exclusive_run_dir(Path(run_dir)) as created:
+        try:
+            job = _resume_point_under_lock(job, resume)
+        except NothingToDo as done:
+            return _nothing_to_do(done, run_dir, console)
+        try:
+            return _run(job, console, verbose)
+        except DataError:
+            # A case refused as it is read (its store changed after convert recorded its values, which
+            # the pre-flight trusts): a directory this call made, with no checkpoint yet, goes again.
+            if created and job.checkpoints.latest() is None:
+                shutil.rmtree(job.run.path, ignore_errors=True)
+            raise
 
 
 def _nothing_to_do(done: NothingToDo, run_dir, console: Console) -> TrainResult:

@@ -218,9 +218,9 @@ def test_plan_case_table_shows_whole_shapes(columns):
 
     from bigmem.cli.plan import _print_cases
     from bigmem.config.presets import resolve_config
+    from bigmem.memory.records import CaseRow
 
-    rows = [{"case_id": f"case_{i}", "shape": list(shape), "padded_shape": [200, 240, 192],
-             "predicted_peak_bytes": 2**34, "fits": True}
+    rows = [CaseRow(f"case_{i}", list(shape), [200, 240, 192], 2**34, True)
             for i, shape in enumerate([(197, 239, 190), (198, 237, 191), (199, 238, 189), (200, 240, 192)])]
     console = Console(width=columns, record=True)
     _print_cases(console, rows, resolve_config("tiny", {}))

@@ -268,7 +268,7 @@ def test_a_case_that_does_not_fit_is_refused_by_name(counts_for):
                                                       r"budget .*: use .*or pass --force to try anyway\.$"):
         plan_job(config, counts_for, budget, shape=shape, cases=cases)
     plan = plan_job(config, counts_for, budget, shape=shape, cases=cases, force=True)
-    assert [(c["case"], c["fits"]) for c in plan.cases] == [("small_one", True), ("long_one", False)]
+    assert [(c.case, c.fits) for c in plan.cases] == [("small_one", True), ("long_one", False)]
     assert plan.to_dict()["chosen"]["spatial_shape"] == list(shape)
 
 
@@ -278,12 +278,12 @@ def test_validation_beside_training_is_planned(counts_for):
     alone = plan_job(config, counts_for, Budget(64 * GIB, "--memory-budget"), shape=train_shape)
     plan = plan_job(config, counts_for, Budget(64 * GIB, "--memory-budget"), shape=train_shape,
                     validation_shape=held_out, validation_case="big")
-    assert plan.validation["case"] == "big"
-    assert plan.validation["shape"] == [128, 128, 128]
+    assert plan.validation.case == "big"
+    assert plan.validation.shape == [128, 128, 128]
     extra = plan.chosen.components["validation"]
     assert extra > 0
     assert plan.predicted_peak_bytes == alone.predicted_peak_bytes + extra
-    assert plan.validation["predicted_peak_bytes"] == plan.predicted_peak_bytes
+    assert plan.validation.predicted_peak_bytes == plan.predicted_peak_bytes
     tight = Budget((alone.predicted_peak_bytes + plan.predicted_peak_bytes) // 2, "--memory-budget")
     with pytest.raises(InsufficientMemoryError, match=r"^Validating held-out case 'big' \(128x128x128\) whole beside "
                                                       r"the model needs .*; training alone would fit .*Drop "
@@ -291,7 +291,7 @@ def test_validation_beside_training_is_planned(counts_for):
         plan_job(config, counts_for, tight, shape=train_shape, validation_shape=held_out, validation_case="big")
     small = plan_job(config, counts_for, Budget(64 * GIB, "x"), shape=(128,) * 3, validation_shape=(32, 32, 32))
     assert "validation" not in small.chosen.components
-    assert small.validation["excess_bytes"] == 0
+    assert small.validation.excess_bytes == 0
 
 
 def test_validation_takes_each_parts_margin_not_a_predict_processes(monkeypatch, counts_for):
@@ -313,10 +313,10 @@ def test_validation_takes_each_parts_margin_not_a_predict_processes(monkeypatch,
     resident = sum(training.components[name] for name in kept)
     own = forward.predicted_peak_bytes - sum(forward.components[k] for k in ("framework", "weights", "safety_margin"))
     margin = round(0.02 * resident) + round(0.15 * own)
-    assert (figures["resident_bytes"], figures["pass_bytes"], figures["safety_margin_bytes"]) == (resident, own, margin)
-    assert figures["predicted_peak_bytes"] == resident + own + margin
+    assert (figures.resident_bytes, figures.pass_bytes, figures.safety_margin_bytes) == (resident, own, margin)
+    assert figures.predicted_peak_bytes == resident + own + margin
     assert forward.components["safety_margin"] > 256 * MIB  # what a predict process of its own would add
-    assert figures["excess_bytes"] == max(0, resident + own + margin - training.predicted_peak_bytes)
+    assert figures.excess_bytes == max(0, resident + own + margin - training.predicted_peak_bytes)
 
 
 def test_a_budget_above_the_machine_is_refused_unless_forced():

@@ -14,6 +14,7 @@ from bigmem.memory.estimate import (
     estimate,
     partitioned_stages,
 )
+from bigmem.memory.records import Budget
 from bigmem.nets.limits import kernel_element_limit
 from bigmem.nets.unet3d import UNet3D
 
@@ -66,7 +67,7 @@ def test_a_plane_too_wide_for_any_slab_is_not_runnable(counts):
         assert any(note.startswith("not runnable: a depth plane of") and note.endswith("(needs 6 planes)")
                    for note in result.notes)
         model = UNet3D(config.model).build_for()
-        plan = make_plan(config, lambda shape: NetworkCounts.from_model(model, shape), 2**40, budget_source="test",
+        plan = make_plan(config, lambda shape: NetworkCounts.from_model(model, shape), Budget(2**40, "test"),
                          batch_size=1)
     # 1 TiB is plenty, yet no volume whose planes are this wide is chosen
     assert plan.fits

@@ -223,7 +223,7 @@ def test_the_largest_volume_fits_and_the_next_does_not(small_counts):
     config = resolve_config("small")
     at_96 = inference_candidate(config, small_counts, 2**50, (96,) * 3).predicted_peak_bytes
     plan = plan_inference(config, small_counts, Budget(at_96, "--memory-budget"))
-    assert plan.kind == "inference"
+    assert plan.pass_ is Pass.FORWARD
     assert plan.fits
     assert plan.chosen.volume == 96
     assert plan.chosen.predicted_peak_bytes == at_96

@@ -11,6 +11,7 @@ from bigmem.memory import planner as planner_module
 from bigmem.memory.calibration import Calibration
 from bigmem.memory.estimate import NetworkCounts, estimate
 from bigmem.memory.planner import Planner, cheapest_fix, check_fits, make_plan
+from bigmem.memory.records import Budget
 from bigmem.nets.unet3d import UNet3D
 
 FIXED = Calibration(1.0, 100 * 2**20, "test")
@@ -35,7 +36,7 @@ def _peak(config, counts_for, volume, batch, precision="fp32", recompute="none")
 def test_largest_volume_per_mode_and_the_choice(counts_for):
     config = resolve_config("small")
     budget = 4 * 2**30
-    plan = make_plan(config, counts_for, budget, budget_source="test", batch_size=1)
+    plan = make_plan(config, counts_for, Budget(budget, "test"), batch_size=1)
     modes = {(c.precision, c.recompute): c for c in plan.best_per_mode}
     assert set(modes) == {("fp32", "none"), ("bf16", "none"), ("fp32", "stages"), ("bf16", "stages")}
     for c in plan.best_per_mode:
@@ -56,7 +57,7 @@ def test_largest_volume_per_mode_and_the_choice(counts_for):
 def test_fixed_volume_searches_the_batch(counts_for):
     config = resolve_config("small")
     budget = 3 * 2**30
-    plan = make_plan(config, counts_for, budget, budget_source="test", volume=64)
+    plan = make_plan(config, counts_for, Budget(budget, "test"), volume=64)
     assert all(c.volume == 64 for c in plan.best_per_mode)
     best = plan.chosen
     assert _peak(config, counts_for, 64, best.batch_size + 1, best.precision, best.recompute) > budget
@@ -76,13 +77,13 @@ def _rates(monkeypatch, fp32: float, bf16: float):
 def test_ties_prefer_full_precision_without_recompute(counts_for, monkeypatch):
     _rates(monkeypatch, fp32=100.0, bf16=100.0)
     config = resolve_config("small")
-    plan = make_plan(config, counts_for, 2**50, budget_source="huge", volume=32, batch_size=1)
+    plan = make_plan(config, counts_for, Budget(2**50, "huge"), volume=32, batch_size=1)
     assert (plan.chosen.precision, plan.chosen.recompute) == ("fp32", "none")
 
 
 def test_bf16_is_chosen_for_speed_where_this_cpu_runs_it_faster(counts_for, monkeypatch):
     _rates(monkeypatch, fp32=100.0, bf16=150.0)
-    plan = make_plan(resolve_config("small"), counts_for, 2**50, budget_source="huge", volume=32, batch_size=1,
+    plan = make_plan(resolve_config("small"), counts_for, Budget(2**50, "huge"), volume=32, batch_size=1,
                      allow_bf16=True)
     assert (plan.chosen.precision, plan.chosen.recompute) == ("bf16", "none")
     assert plan.precision_note is None
@@ -90,7 +91,7 @@ def test_bf16_is_chosen_for_speed_where_this_cpu_runs_it_faster(counts_for, monk
 
 def test_a_slower_bf16_is_not_chosen_where_fp32_fits_as_much(counts_for, monkeypatch):
     _rates(monkeypatch, fp32=100.0, bf16=50.0)
-    plan = make_plan(resolve_config("small"), counts_for, 2**50, budget_source="huge", volume=32, batch_size=1,
+    plan = make_plan(resolve_config("small"), counts_for, Budget(2**50, "huge"), volume=32, batch_size=1,
                      allow_bf16=True)
     assert plan.chosen.precision == "fp32"
 
@@ -100,7 +101,7 @@ def test_a_slower_bf16_needed_to_fit_says_what_it_costs(counts_for, monkeypatch)
     config = resolve_config("small")
     fp32_peak = _peak(config, counts_for, 64, 1)
     bf16_peak = _peak(config, counts_for, 64, 1, "bf16")
-    plan = make_plan(config, counts_for, (fp32_peak + bf16_peak) // 2, budget_source="test", volume=64, batch_size=1,
+    plan = make_plan(config, counts_for, Budget((fp32_peak + bf16_peak) // 2, "test"), volume=64, batch_size=1,
                      allow_bf16=True)
     assert (plan.chosen.precision, plan.chosen.recompute) == ("bf16", "none")
     assert plan.precision_note.startswith("bf16 needed to fit: 1.8x the fp32 step time on this CPU (test bf16)")
@@ -109,7 +110,7 @@ def test_a_slower_bf16_needed_to_fit_says_what_it_costs(counts_for, monkeypatch)
 
 def test_nothing_fits(counts_for):
     config = resolve_config("small")
-    plan = make_plan(config, counts_for, 10 * 2**20, budget_source="test")
+    plan = make_plan(config, counts_for, Budget(10 * 2**20, "test"))
     assert not plan.fits
     assert plan.chosen is None
     assert plan.closest.predicted_peak_bytes == min(c.predicted_peak_bytes for c in plan.candidates)
@@ -174,11 +175,11 @@ def test_without_native_bf16_the_plan_and_suggestions_keep_fp32(monkeypatch):
     monkeypatch.setenv("BIGMEM_NATIVE_BF16", "0")
     assert allowed_modes() == FP32_MODES
     assert allowed_modes(True) == MODES
-    plan = make_plan(config, counts_for, 2 * 2**30, budget_source="test", batch_size=1)
+    plan = make_plan(config, counts_for, Budget(2 * 2**30, "test"), batch_size=1)
     assert plan.fits
     assert {c.precision for c in plan.candidates} == {"fp32"}
     assert plan.chosen.precision == "fp32"
-    with_bf16 = make_plan(config, counts_for, 2 * 2**30, budget_source="test", batch_size=1, allow_bf16=True)
+    with_bf16 = make_plan(config, counts_for, Budget(2 * 2**30, "test"), batch_size=1, allow_bf16=True)
     assert {c.precision for c in with_bf16.candidates} == {"fp32", "bf16"}
     assert "bf16" not in cheapest_fix(config, counts_for, 2 * 2**30, 160, 1)
     bf16 = resolve_config("small", {"train": {"batch_size": 1, "precision": "bf16"}})

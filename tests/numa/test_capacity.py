@@ -8,6 +8,7 @@ from bigmem.config import resolve_config
 from bigmem.errors import InsufficientMemoryError
 from bigmem.memory.estimate import NetworkCounts
 from bigmem.memory.planner import make_plan
+from bigmem.memory.records import Budget
 from bigmem.nets.unet3d import UNet3D
 from bigmem.numa.capacity import check_nodes_fit, placement_budget
 from bigmem.numa.policy import resolve_placement
@@ -70,7 +71,7 @@ def test_planner_refuses_per_node(four_socket):
     config = resolve_config("kits19")
     model = UNet3D(config.model).build_for()
     counts_for = lambda shape: NetworkCounts.from_model(model, shape)  # noqa: E731
-    plan = make_plan(config, counts_for, budget, budget_source=source, volume=512, batch_size=2)
+    plan = make_plan(config, counts_for, Budget(budget, source), volume=512, batch_size=2)
     assert not plan.fits  # 4 x 40 GiB cannot hold two whole 512^3 kits19 volumes in any mode
     assert plan.closest.predicted_peak_bytes > budget
     with pytest.raises(InsufficientMemoryError, match=r"node 3 has 40\.00 GiB"):
@@ -78,4 +79,4 @@ def test_planner_refuses_per_node(four_socket):
     # Without node 3, interleaving over the other three fits it.
     placement3, _ = _placement(four_socket, "interleave:0-2")
     budget3, source3 = placement_budget(placement3, topology, 1400 * GIB)
-    assert make_plan(config, counts_for, budget3, budget_source=source3, volume=512, batch_size=2).fits
+    assert make_plan(config, counts_for, Budget(budget3, source3), volume=512, batch_size=2).fits

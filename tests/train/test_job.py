@@ -89,7 +89,7 @@ def test_a_host_that_holds_only_the_input_is_not_refused_for_activations(tiny_st
     real_gpus = data_parallel(config, _two_replicas(simulated=False), counts_function(config))
     plan, _ = plan_memory(config, real_gpus, None, force=False, console=_quiet())
     assert plan.fits is False
-    assert plan.data_parallel == real_gpus.to_dict()  # over budget, but not this host's
+    assert plan.data_parallel.to_dict() == real_gpus.to_dict()  # over budget, but not this host's
     with pytest.raises(InsufficientMemoryError, match=r"^Predicted peak .* exceeds the memory budget 1\.00 MiB"):
         plan_memory(config, SingleProcess(1), None, force=False, console=_quiet())
 

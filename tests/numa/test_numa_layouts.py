@@ -1,10 +1,10 @@
-"""Interleave vs one worker per node on fake 2- and 4-node machines (``memory.layouts``)."""
+"""Interleave vs one worker per node on fake 2- and 4-node machines (``numa.layouts``)."""
 
 from __future__ import annotations
 
 import pytest
 
-from bigmem.memory.layouts import evaluate_layouts
+from bigmem.numa.layouts import evaluate_layouts
 from bigmem.numa.topology import NUMATopology
 from helpers import make_sysfs
 
