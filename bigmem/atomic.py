@@ -66,6 +66,11 @@ def free_bytes(path: str | os.PathLike) -> int:
     return shutil.disk_usage(nearest_existing(path)).free
 
 
+# Any output a command writes, whatever its own argument is called (run_dir, out, out_dir): ``--out`` on the
+# command line.
+OUTPUT_FIELD = "{output.path}"
+
+
 def disk_full_error(path: str | os.PathLike, needed_bytes: int, *, code: int = errno.ENOSPC,
                     at_least: bool = False) -> DiskFullError:
     """The one-line ``DiskFullError`` for a write of about ``needed_bytes`` to ``path`` that failed with ``code``.
@@ -80,14 +85,14 @@ def disk_full_error(path: str | os.PathLike, needed_bytes: int, *, code: int = e
 
     Returns:
         ``DiskFullError``: "No space left on device writing 'out.h5' (needed about 40.00 MiB,
-        1.50 MiB free). Free space or choose another --out."
+        1.50 MiB free). Free space or choose another output.path." (``--out`` on the command line)
     """
     free = free_bytes(Path(path).parent)
     if code != errno.EIO and needed_bytes <= free:  # the estimate was short: all that is known is "more than free"
         needed_bytes, at_least = free, True
     needed = f"{'more than' if at_least else 'about'} {format_bytes(needed_bytes)}"
-    advice = ("Check the device (dmesg) or choose another --out." if code == errno.EIO
-              else "Free space or choose another --out.")
+    advice = (f"Check the device (dmesg) or choose another {OUTPUT_FIELD}." if code == errno.EIO
+              else f"Free space or choose another {OUTPUT_FIELD}.")
     message = f"{os.strerror(code)} writing {str(path)!r} (needed {needed}, {format_bytes(free)} free). {advice}"
     return DiskFullError(message, str(path), needed_bytes, free)
 

@@ -278,4 +278,4 @@ class CheckpointManager:
                 skipped.append(Skipped(path.name, exc.reason, self.keep_aside(path)))
         found = "; ".join(f"{s.name}: {s.reason} (kept aside as {s.kept_as.name})" for s in skipped)
         raise DataError(f"No checkpoint in {self.directory} loads: {found or 'there is none'}. "
-                        "Start a new run with another --out.")
+                        "Start a new run with another {train.run_dir}.")

@@ -138,7 +138,7 @@ def test_a_good_file_is_untouched_when_the_rename_fails(tmp_path, monkeypatch, o
 
     monkeypatch.setattr(os, "replace", failing_replace)
     message = (r"^Input/output error writing '.*plan\.json' \(needed about 3 B, 1\.00 MiB free\)\. "
-               r"Check the device \(dmesg\) or choose another --out\.$")
+               r"Check the device \(dmesg\) or choose another output\.path\.$")
     with pytest.raises(DiskFullError, match=message):
         with atomic_output(target, needed_bytes=3) as tmp:
             tmp.write_text("new")
@@ -156,7 +156,7 @@ def test_a_full_disk_becomes_one_line_with_path_needed_and_free(tmp_path, code, 
             raise OSError(code, os.strerror(code))
     error = caught.value
     assert str(error) == (f"{words} writing '{target}' (needed about 40.00 MiB, 1.00 MiB free). "
-                          "Free space or choose another --out.")
+                          "Free space or choose another output.path.")
     assert (error.path, error.needed_bytes, error.free_bytes, error.exit_code) == (str(target), 40 * 2**20, 2**20, 1)
     assert list(tmp_path.iterdir()) == []
 
@@ -292,7 +292,7 @@ def test_a_full_disk_inside_a_folder_output_names_the_folder(tmp_path, one_mib_f
             with atomic_output(tmp / "more.bin"):
                 raise OSError(errno.EDQUOT, "Disk quota exceeded")
     assert str(caught.value) == (f"Disk quota exceeded writing '{target}' (needed about 3.00 MiB, 1.00 MiB free). "
-                                 "Free space or choose another --out.")
+                                 "Free space or choose another output.path.")
     assert not (tmp_path / "checkpoints").exists()  # made for the output, removed with it
 
 

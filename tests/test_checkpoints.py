@@ -166,7 +166,7 @@ def test_none_loads(tmp_path):
     (manager.save(1, model, optimizer, {}) / "state.json").write_text("[]")
     with pytest.raises(DataError, match=r"^No checkpoint in .* loads: ckpt-00000001: state.json: expected a JSON "
                                         r"object with an integer 'step' \(kept aside as \.damaged-ckpt-00000001\)\. "
-                                        r"Start a new run with another --out\.$"):
+                                        r"Start a new run with another train\.run_dir\.$"):
         manager.restore_newest(model, optimizer)
     with pytest.raises(DataError, match=r"loads: there is none\."):
         CheckpointManager(tmp_path / "missing").restore_newest(model, optimizer)
@@ -211,7 +211,7 @@ def test_a_failed_first_checkpoint_leaves_no_checkpoints_folder(tmp_path, monkey
     monkeypatch.setattr(checkpoints, "_crc32", full)
     model, optimizer = _model_and_optimizer(0)
     with pytest.raises(DiskFullError, match=r"^No space left on device writing '.*/checkpoints/ckpt-00000001' "
-                                            r"\(needed .* free\)\. Free space or choose another --out\.$"):
+                                            r"\(needed .* free\)\. Free space or choose another output\.path\.$"):
         CheckpointManager(tmp_path / "run" / "checkpoints").save(1, model, optimizer, {})
     assert list(tmp_path.iterdir()) == []  # neither run/ nor checkpoints/: made by the write, removed on failure
 

@@ -236,7 +236,7 @@ def test_a_run_directory_json_write_on_a_full_disk(small_fs):
     needed = len(json.dumps({k: v for k, v in summary.items() if k != "validation"} | summary["validation"],
                             indent=2)) + 1
     assert str(caught.value) == (f"No space left on device writing '{run.summary}' (needed about "
-                                 f"{format_bytes(needed)}, 0 B free). Free space or choose another --out.")
+                                 f"{format_bytes(needed)}, 0 B free). Free space or choose another output.path.")
     assert (caught.value.path, caught.value.needed_bytes, caught.value.free_bytes) == (str(run.summary), needed, 0)
     with pytest.raises(DiskFullError):
         run.write_config({"model": "tiny", "more": "y" * 10000})
@@ -253,7 +253,8 @@ def test_predict_outputs_on_a_full_disk(small_fs):
     before = (fs / "good.nii.gz").read_bytes()
     _fill(fs, 8 * 1024)
     with pytest.raises(DiskFullError, match=r"^No space left on device writing '.*/good\.nii\.gz' \(needed about "
-                                            r"62\.84 KiB, 8\.00 KiB free\)\. Free space or choose another --out\.$"):
+                                            r"62\.84 KiB, 8\.00 KiB free\)\. Free space or choose another "
+                                            r"output\.path\.$"):
         write_nifti(labels, np.eye(4), fs / "good.nii.gz")
     assert (fs / "good.nii.gz").read_bytes() == before
     probabilities = np.random.default_rng(1).random((40, 40, 40, 3)).astype(np.float16)
@@ -272,7 +273,8 @@ def test_an_io_error_names_the_device_not_the_space(tmp_path, monkeypatch):
 
     monkeypatch.setattr(nib, "save", failing_save)
     with pytest.raises(DiskFullError, match=r"^Input/output error writing '.*/x\.nii\.gz' \(needed about 352 B, "
-                                            r".* free\)\. Check the device \(dmesg\) or choose another --out\.$"):
+                                            r".* free\)\. Check the device \(dmesg\) or choose another "
+                                            r"output\.path\.$"):
         write_nifti(np.zeros((0, 0, 0), np.uint8), np.eye(4), tmp_path / "x.nii.gz")
     assert list(tmp_path.iterdir()) == []
 
@@ -423,6 +425,6 @@ def test_event_files_on_a_full_disk_are_one_line_and_removed(small_fs):
                     tf.summary.text("note", "x" * 1000)
     event_file = events.directory / "train"
     assert str(caught.value).startswith(f"No space left on device writing '{event_file}/events.out.tfevents.")
-    assert str(caught.value).endswith(" free). Free space or choose another --out.")
+    assert str(caught.value).endswith(" free). Free space or choose another output.path.")
     assert "\n" not in str(caught.value)
     assert _listing(fs) == []  # the event file and the folders made for it

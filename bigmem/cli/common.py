@@ -17,13 +17,17 @@ from bigmem.errors import DataError, DiskFullError, InsufficientMemoryError, Usa
 from bigmem.units import format_bytes, parse_bytes
 
 # Flags whose name is not the kebab-case of their field's (every other flag is: train.batch_size <-> --batch-size).
+# A field is a config field or, for a flag that sets none, ``bigmem.api`` function.argument (predict.overlap).
 FLAG_NAMES = {"data.store": "--data", "model.name": "--model", "numa.policy": "--numa",
-              "memory.budget_bytes": "--memory-budget", "numa.threads": "--threads"}
+              "memory.budget_bytes": "--memory-budget", "numa.threads": "--threads",
+              "train.run_dir": "--out", "export.out": "-o", "predict.validation": "--val",
+              "calibrate.shapes": "--calibrate", "output.path": "--out"}
 UNIT_SUFFIXES = ("_bytes", "_s")
 
 
 def flag_for(field: str) -> str:
-    """The flag that sets config field ``field``: 'train.batch_size' -> '--batch-size'.
+    """The flag that sets config field ``field`` (or the library argument ``function.argument``):
+    'train.batch_size' -> '--batch-size', 'predict.overlap' -> '--overlap'.
 
     Example:
         >>> flag_for("distribute.gpu_memory_bytes"), flag_for("memory.budget_bytes")

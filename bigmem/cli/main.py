@@ -13,7 +13,7 @@ import traceback
 import bigmem
 from bigmem.cli import compare, convert, evaluate, export, info, plan, predict, profile, report, synth, train, tune
 from bigmem.cli.common import flag_for
-from bigmem.errors import EXIT_ERROR, EXIT_USAGE, BigmemError, ConfigError
+from bigmem.errors import EXIT_ERROR, EXIT_USAGE, BigmemError
 
 COMMANDS = (info, synth, convert, train, tune, profile, plan, compare, predict, evaluate, export, report)
 
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     except BigmemError as exc:
         if verbose:
             traceback.print_exc()
-        message = exc.render(flag_for) if isinstance(exc, ConfigError) else str(exc)  # fields as flags
+        message = exc.render(flag_for)  # its fields ({train.batch_size}) as the flags that set them
         print(f"bigmem {args.command}: error: {message}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:

@@ -10,6 +10,7 @@ from pathlib import Path
 from bigmem.cli.common import (
     PRESET_HELP,
     add_budget_flag,
+    flag_for,
     add_shape_column,
     add_model_flags,
     budget_arguments,
@@ -265,13 +266,14 @@ def _print_experiment(console, experiment: dict) -> None:
 
 def _print_chosen(console, args, config, plan) -> None:
     """The flags that run the chosen candidate, where its figures come from, and its breakdown."""
+    from bigmem.errors import render_fields
     from bigmem.memory.speed import MachineSpeed
     from bigmem.units import format_bytes
 
     chosen = plan.chosen
     shape_flag = chosen.shape_flag() if not plan.cases or config.data.shape else "--data " + str(args.data) + (
         f" --pad-multiple {config.data.pad_multiple}" if config.data.pad_multiple else "")
-    flags = f"{shape_flag} --batch-size {chosen.batch_size} {chosen.flags()}".rstrip()
+    flags = render_fields(f"{shape_flag} --batch-size {chosen.batch_size} {chosen.flags()}".rstrip(), flag_for)
     console.print(f"chosen: {flags} (est. {format_bytes(chosen.predicted_peak_bytes)}); "
                   f"{len(plan.candidates)} candidates in {args.out}")
     console.print(f"calibration: {plan.calibration.source}", style="dim")

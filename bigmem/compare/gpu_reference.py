@@ -102,7 +102,7 @@ def measured_precision(precision: str) -> str:
     return "tf32" if str(precision) == "fp32" else str(precision)
 
 
-def load_gpu_reference(path: str | Path, *, flag: str = "--gpu-reference") -> dict[str, Any]:
+def load_gpu_reference(path: str | Path, *, flag: str = "{compare.gpu_reference}") -> dict[str, Any]:
     """The script's JSON at ``path``, checked to be a GPU's measurements.
 
     Raises:
@@ -120,7 +120,7 @@ def load_gpu_reference(path: str | Path, *, flag: str = "--gpu-reference") -> di
                          "expected the file benchmarks/performance/gpu_reference.py writes.")
     if values["device"].get("kind") != "cuda":
         raise UsageError(f"{flag} {path}: measured on {values['device'].get('kind', 'an unknown device')}, not a "
-                         "GPU: the script's --cpu run checks its code and measures no GPU.")
+                         "GPU: the script's CPU run checks its code and measures no GPU.")
     values["file"] = str(path)
     return values
 

@@ -302,9 +302,10 @@ def _measured_gpu(measured: dict, config: ExperimentConfig, request: CompareRequ
     if request.data is None:
         real = gpu_reference_for(measured, REAL_CASE["model"], precision)
         if real is None:
-            raise UsageError(f"--gpu-reference {request.gpu_reference}: no {REAL_CASE['model']} measurement at "
-                             f"{precision}, which sizes the phantoms' stand-in GPU; give --data STORE.h5 (the "
-                             "measured memory then sizes the patch) or a file that measured kits19.")
+            raise UsageError(f"{{compare.gpu_reference}} {request.gpu_reference}: no {REAL_CASE['model']} "
+                             f"measurement at {precision}, which sizes the phantoms' stand-in GPU; give "
+                             "{compare.data} STORE.h5 (the measured memory then sizes the patch) or a file that "
+                             "measured kits19.")
         return scaled_gpu_memory(config, counts_function(config), real), None, own or real
     patch = None
     if own is not None and own.largest_patch and config.train.batch_size == MEASURED_BATCH \

@@ -61,7 +61,7 @@ def load_preset(name_or_path: str) -> dict[str, Any]:
     if not path.is_file():
         names = preset_names()
         raise UsageError(
-            f"Unknown preset {name_or_path!r} (--model): expected one of {', '.join(names)} "
+            f"Unknown preset {name_or_path!r} ({{model.name}}): expected one of {', '.join(names)} "
             "or a path to a .toml file." + suggest(name_or_path, names)
         )
     try:

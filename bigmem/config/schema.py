@@ -707,7 +707,7 @@ def _coerce(value: Any, hint: Any, dotted: str, source: str) -> Any:
         try:
             return look_up_option(value, base, flag=name)
         except UsageError as exc:
-            raise invalid(str(exc)) from None
+            raise invalid(exc.template) from None
     if base is bool:
         if isinstance(value, bool):
             return value

@@ -252,16 +252,16 @@ def check_append(dataset: SourceDataset, out: Path, num_channels: int, num_class
     if channels != num_channels:
         first = dataset.cases[0] if dataset.cases else None
         named = f": case {first.case_id!r} ({first.image_text}) is the first that does not fit" if first else ""
-        raise DataError(f"Cannot --append {dataset.origin}'s {channels} channel{'s' if channels != 1 else ''} "
-                        f"({', '.join(dataset.channel_names)}) to {str(out)!r}, whose cases have {num_channels}"
-                        f"{named}.")
+        raise DataError(f"Cannot {{convert.append}} {dataset.origin}'s {channels} "
+                        f"channel{'s' if channels != 1 else ''} ({', '.join(dataset.channel_names)}) to {str(out)!r}, "
+                        f"whose cases have {num_channels}{named}.")
     classes = dataset.min_classes or len(dataset.label_names)
     if classes > num_classes:
-        raise DataError(f"Cannot --append {dataset.origin}'s {classes} classes to {str(out)!r}, "
+        raise DataError(f"Cannot {{convert.append}} {dataset.origin}'s {classes} classes to {str(out)!r}, "
                         f"which has {num_classes}.")
     if regions is not None and dataset.regions != regions:
-        raise DataError(f"Cannot --append {dataset.origin}'s regions ({_regions_text(dataset.regions)}) to "
-                        f"{str(out)!r}, whose regions are {_regions_text(regions)}.")
+        raise DataError(f"Cannot {{convert.append}} {dataset.origin}'s regions ({_regions_text(dataset.regions)}) "
+                        f"to {str(out)!r}, whose regions are {_regions_text(regions)}.")
 
 
 def _regions_text(regions: dict[str, list[int]]) -> str:
@@ -311,13 +311,15 @@ def check_cases_fit_memory(dataset: SourceDataset, *, shape: Sequence[int] | Non
         extent = float(np.prod(np.asarray(header.get_zooms()[:3], np.float64)))
         needed = int(voxels * extent / target) * per_voxel + fitted * per_voxel
         if needed > largest:
-            largest, what = needed, f"case {case.case_id!r} at --spacing {','.join(f'{s:g}' for s in spacing)}"
+            spacing_text = ",".join(f"{s:g}" for s in spacing)
+            largest, what = needed, f"case {case.case_id!r} at {{convert.spacing}} {spacing_text}"
     available = int(psutil.virtual_memory().available)
     if largest > available:
+        fix = "coarser {convert.spacing}" if "spacing" in what else "smaller {convert.volume} or {convert.shape}"
         raise InsufficientMemoryError(
             f"Converting {what} needs about {format_bytes(largest)} of memory for one case, more than the "
             f"{format_bytes(available)} available (MemAvailable); choose a "
-            f"{'coarser --spacing' if 'spacing' in what else 'smaller --volume or --shape'}.", largest, available)
+            f"{fix}.", largest, available)
 
 
 # A case's bytes beyond its voxels: HDF5's object headers, attributes (affines, intensity
@@ -520,9 +522,10 @@ def _checked_target(out: Path, *, force: bool, append: bool, normalization: str,
         raise DataError(f"Cannot write the store {str(out)!r}: it is a directory; give a file name such as "
                         f"{str(out / 'store.h5')!r}.")
     if out.exists() and not (force or append):
-        raise DataError(f"{str(out)!r} exists: pass --force to overwrite it or --append to add cases.")
+        raise DataError(f"{str(out)!r} exists: pass {{convert.force}} to overwrite it or {{convert.append}} to "
+                        "add cases.")
     if append and not out.exists():
-        raise DataError(f"Cannot --append to {str(out)!r}: no such store.")
+        raise DataError(f"Cannot {{convert.append}} to {str(out)!r}: no such store.")
     return out
 
 

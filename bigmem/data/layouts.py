@@ -170,9 +170,10 @@ def read_dataset(src: str | Path) -> SourceDataset:
     if found:
         raise DataError(f"No dataset.json in {str(src)!r}, which has {' and '.join(f'{n}/' for n in found)}: a "
                         "Medical Segmentation Decathlon or nnU-Net v2 folder is read through its dataset.json "
-                        "(channels, labels, and MSD's list of cases); add it, or give --images/--labels globs.")
+                        "(channels, labels, and MSD's list of cases); add it, or give "
+                        "{convert.images}/{convert.labels} globs.")
     raise DataError(f"No dataset.json in {str(src)!r} and no KiTS case folders: expected {_EXPECTED}, or "
-                    "--images/--labels globs.")
+                    "{convert.images}/{convert.labels} globs.")
 
 
 def _dataset_json_path(src: str | Path, expected: str) -> Path:
@@ -229,7 +230,7 @@ def read_msd(src: str | Path, *, why: str = "") -> SourceDataset:
         >>> dataset.channel_names, len(dataset.cases)  # (['FLAIR', 'T1w', 't1gd', 'T2w'], 484)
     """
     json_path = _dataset_json_path(src, "a Medical Segmentation Decathlon folder (dataset.json, imagesTr/, "
-                                        "labelsTr/) or --images/--labels globs")
+                                        "labelsTr/) or {convert.images}/{convert.labels} globs")
     meta = _training_json(json_path)
     root = json_path.parent
     cases, seen, problems = [], set(), []
@@ -408,7 +409,7 @@ def read_globs(images: str, labels: str) -> SourceDataset:
     image_paths = sorted(Path(p) for p in glob.glob(images))
     label_paths = {case_id_of(Path(p)): Path(p) for p in glob.glob(labels)}
     if not image_paths:
-        raise DataError(f"--images {images!r} matches no file.")
+        raise DataError(f"{{convert.images}} {images!r} matches no file.")
     cases, seen, problems, partial = [], set(), [], {}
     for image in image_paths:
         case_id = case_id_of(image)

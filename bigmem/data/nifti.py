@@ -228,7 +228,8 @@ def _json_object(json_path: Path) -> dict:
         raise DataError(f"Cannot read {where}: {exc.strerror or exc}.") from None
     if raw[:2] == b"\x1f\x8b" or json_path.name.endswith((".nii", ".nii.gz")):
         raise DataError(f"{where} is a NIfTI (or gzip) file, not a dataset.json: give the MSD folder (dataset.json, "
-                        "imagesTr/, labelsTr/) or its dataset.json, or --images/--labels globs for loose files.")
+                        "imagesTr/, labelsTr/) or its dataset.json, or {convert.images}/{convert.labels} globs for "
+                        "loose files.")
     try:
         meta = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError:

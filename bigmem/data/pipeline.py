@@ -252,7 +252,8 @@ def normalized(store: HDF5VolumeStore, case_id: str, image: np.ndarray, *, whole
         try:
             stats = case_statistics(source)
         except DataError as exc:
-            raise DataError(f"Case {case_id!r}: {exc} ({store.path}); fix the source and convert again.") from None
+            raise DataError(f"Case {case_id!r}: {exc.template} ({store.path}); fix the source and convert "
+                            f"again.") from None
         store.remember_stats(case_id, stats)
     return store.preprocessing.normalize(image, stats), store.preprocessing.background(stats)
 

@@ -293,7 +293,7 @@ def choose_schemes(channel_names: Sequence[str], case_stats: Sequence[dict], sam
         if scheme == "ct":
             if pooled is None:
                 raise DataError(f"Channel {name!r}: CT normalisation needs the dataset's foreground voxels, and no "
-                                "case has a label above 0; choose --normalization zscore.")
+                                "case has a label above 0; choose {convert.normalization} zscore.")
             channels.append(ct_scheme(pooled[:, index]))
         else:
             channels.append(ChannelScheme(scheme))

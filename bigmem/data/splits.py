@@ -67,7 +67,7 @@ def crossval_splits(case_ids: Sequence[str], num_folds: int = NUM_FOLDS,
     if len(ids) < num_folds:
         raise DataError(f"Cannot split {len(ids)} case{'s' * (len(ids) != 1)} into {num_folds} folds: nnU-Net's "
                         f"cross-validation needs at least {num_folds} cases. Give a {SPLITS_FILE} of your own "
-                        "(--splits FILE) or more cases.")
+                        "({data.splits} FILE) or more cases.")
     order = np.arange(len(ids))
     np.random.RandomState(seed).shuffle(order)
     sizes = [len(ids) // num_folds + (1 if k < len(ids) % num_folds else 0) for k in range(num_folds)]

@@ -326,8 +326,8 @@ def data_parallel(config: ExperimentConfig, replicas: Replicas, counts_for,
         need = gpu_footprint_bytes(config, counts_for, config.model.divisor, per_replica)
         raise InsufficientMemoryError(
             f"Not even a {config.model.divisor}^3 patch at batch {per_replica} fits one GPU's "
-            f"{format_bytes(gpu_memory)} (needs {format_bytes(need)}): give a larger --gpu-memory "
-            "(distribute.gpu_memory_bytes) or a smaller --batch-size.", need, gpu_memory)
+            f"{format_bytes(gpu_memory)} (needs {format_bytes(need)}): give a larger {{distribute.gpu_memory_bytes}} "
+            "(distribute.gpu_memory_bytes) or a smaller {train.batch_size}.", need, gpu_memory)
     return DataParallel(replicas, patch, per_replica, global_batch, workers, index, gpu_memory,
                         gpu_footprint_bytes(config, counts_for, patch, per_replica))
 

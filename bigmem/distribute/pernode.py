@@ -170,7 +170,8 @@ def plan_workers(topology: NUMATopology, *, workers_per_node: int = 1, allowed_c
         ['bind:0', 'bind:1']
     """
     if workers_per_node < 1:
-        raise UsageError(f"Invalid --workers-per-node {workers_per_node}: expected a positive integer.")
+        raise UsageError(f"Invalid {{train_per_node.workers_per_node}} {workers_per_node}: expected a positive "
+                         f"integer.")
     if allowed_cpus is None:
         allowed_cpus = set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else {
             c for n in topology.nodes for c in n.cpus}
@@ -179,14 +180,14 @@ def plan_workers(topology: NUMATopology, *, workers_per_node: int = 1, allowed_c
         cpus = tuple(c for c in node.cpus if c in allowed_cpus)
         (with_cpus if cpus else memory_only).append((node.node_id, cpus))
     if not with_cpus:
-        raise UsageError("--strategy per-node found no NUMA node with CPUs this process may use "
-                         f"({topology.source}); run without --strategy per-node.")
+        raise UsageError("{distribute.strategy} per-node found no NUMA node with CPUs this process may use "
+                         f"({topology.source}); run without {{distribute.strategy}} per-node.")
     shares = []
     for node_id, cpus in with_cpus:
         if len(cpus) < workers_per_node:
-            raise UsageError(f"Invalid --workers-per-node {workers_per_node}: node {node_id} has "
+            raise UsageError(f"Invalid {{train_per_node.workers_per_node}} {workers_per_node}: node {node_id} has "
                              f"{len(cpus)} CPU(s) this process may use, fewer than its workers. "
-                             f"Try --workers-per-node {len(cpus)}.")
+                             f"Try {{train_per_node.workers_per_node}} {len(cpus)}.")
         step = len(cpus) / workers_per_node
         shares += [(node_id, cpus[round(k * step):round((k + 1) * step)]) for k in range(workers_per_node)]
     ports = list(ports) if ports is not None else free_ports(len(shares), host)
@@ -215,7 +216,8 @@ def check_node_memory(plan: PerNodePlan, topology: NUMATopology, worker_peak_byt
             check_nodes_fit(worker_peak_bytes * count, bind, topology)  # the one bind-fits rule
         except InsufficientMemoryError as exc:
             who = "its worker" if count == 1 else f"its {count} workers"
-            raise InsufficientMemoryError(f"--strategy per-node: node {node_id} cannot hold {who}. {exc}",
+            raise InsufficientMemoryError(f"{{distribute.strategy}} per-node: node {node_id} cannot hold {who}. "
+                                          f"{exc.template}",
                                           exc.required_bytes, exc.available_bytes) from None
 
 

@@ -27,7 +27,7 @@ def simulate_cpu_replicas(count: int) -> list[str]:
     import tensorflow as tf
 
     if count < 1:
-        raise UsageError(f"Invalid --simulate-replicas {count}: expected a positive integer.")
+        raise UsageError(f"Invalid {{distribute.simulate_replicas}} {count}: expected a positive integer.")
     cpu = tf.config.list_physical_devices("CPU")[0]
     try:
         tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * count)
@@ -46,8 +46,8 @@ def mirrored(simulate_replicas: int | None = None, gpus: int | None = None) -> R
         return Replicas(tf.distribute.MirroredStrategy(devices), len(devices), True, tuple(devices))
     found = [d.name for d in tf.config.list_logical_devices("GPU")]
     if not found:
-        raise BigmemError("No GPU found for --strategy mirrored; use --simulate-replicas N to run the same path "
-                          "on N logical CPU devices.")
+        raise BigmemError("No GPU found for {distribute.strategy} mirrored; use {distribute.simulate_replicas} N to "
+                          "run the same path on N logical CPU devices.")
     devices = found[:gpus] if gpus else found
     return Replicas(tf.distribute.MirroredStrategy(devices), len(devices), False, tuple(devices))
 
@@ -60,9 +60,9 @@ def multiworker() -> Replicas:
     import tensorflow as tf
 
     if "TF_CONFIG" not in os.environ:
-        raise UsageError("--strategy multiworker needs TF_CONFIG (cluster and task); see docs/guide.md, "
-                         "'Several hosts'. A run trained with --strategy per-node (whose workers are multiworker) "
-                         "resumes with --resume --strategy per-node.")
+        raise UsageError("{distribute.strategy} multiworker needs TF_CONFIG (cluster and task); see docs/guide.md, "
+                         "'Several hosts'. A run trained with {distribute.strategy} per-node (whose workers are "
+                         "multiworker) resumes with {train.resume} {distribute.strategy} per-node.")
     try:
         json.loads(os.environ["TF_CONFIG"])
     except ValueError:

@@ -309,7 +309,7 @@ def _match(pred_ids: Sequence[str], ref_ids: Sequence[str], pred: Path, ref: Pat
         if no_prediction:
             parts.append(f"{_count(len(no_prediction), 'reference')} no prediction in {str(pred)!r}: "
                          f"{_listed(no_prediction)}")
-        raise DataError("; ".join(parts) + f". Pass --allow-missing to evaluate only the "
+        raise DataError("; ".join(parts) + f". Pass {{evaluate.allow_missing}} to evaluate only the "
                         f"{format_count(len(both), 'case')} in both.")
     return both, no_reference, no_prediction
 
@@ -319,11 +319,11 @@ def _checked_classes(classes: Sequence[int] | None, num_classes: int | None) -> 
         return None
     classes = sorted({int(c) for c in classes})
     if not classes or classes[0] < 1:
-        raise UsageError(f"Invalid --classes {classes}: expected foreground labels >= 1 (background is not "
+        raise UsageError(f"Invalid {{evaluate.classes}} {classes}: expected foreground labels >= 1 (background is not "
                          "evaluated).")
     limit = num_classes - 1 if num_classes is not None else MAX_LABEL
     if classes[-1] > limit:
-        raise UsageError(f"Invalid --classes {classes}: label {classes[-1]} > {limit}, the largest label "
+        raise UsageError(f"Invalid {{evaluate.classes}} {classes}: label {classes[-1]} > {limit}, the largest label "
                          f"(expected 1..{limit}).")
     return classes
 
@@ -488,11 +488,11 @@ def _resolved_num_classes(given: int | None, of_store: int | None, of_run: int |
                           run: str | os.PathLike | None) -> int | None:
     """The number of classes: ``given``, else the store's, else the run's; any two that differ are refused."""
     if given is not None and of_store is not None and given != of_store:
-        raise UsageError(f"Invalid --num-classes {given}: store {str(ref)!r} has {of_store} classes; drop "
-                         "--num-classes.")
+        raise UsageError(f"Invalid {{evaluate.num_classes}} {given}: store {str(ref)!r} has {of_store} classes; drop "
+                         "{evaluate.num_classes}.")
     if given is not None and of_run is not None and given != of_run:
-        raise UsageError(f"Invalid --num-classes {given}: run {str(run)!r} has {of_run} classes; drop "
-                         "--num-classes.")
+        raise UsageError(f"Invalid {{evaluate.num_classes}} {given}: run {str(run)!r} has {of_run} classes; drop "
+                         "{evaluate.num_classes}.")
     if of_store is not None and of_run is not None and of_store != of_run:
         raise DataError(f"Run {str(run)!r} has {of_run} classes but store REF {str(ref)!r} has {of_store}; expected "
                         "the store the run was trained on (or one converted like it).")

@@ -44,13 +44,15 @@ def export_run(run_dir: str | os.PathLike, out: str | os.PathLike, *, checkpoint
     config = run_config(run_dir)  # refuses a folder that is not a run
     card = ModelCard.of_run(run_dir, config.data.store)
     if out.exists() and not force:
-        raise DataError(f"{str(out)!r} exists: pass --force to replace it, or choose another -o.")
+        raise DataError(f"{str(out)!r} exists: pass {{export.force}} to replace it, or choose another "
+                        "{export.out}.")
     if out.resolve().is_relative_to(run.path.resolve()):
-        raise DataError(f"-o {str(out)!r} is inside the run directory {str(run.path)!r}; choose a folder outside it.")
+        raise DataError(f"{{export.out}} {str(out)!r} is inside the run directory {str(run.path)!r}; choose a "
+                        "folder outside it.")
     chosen = CheckpointManager(run.checkpoints).find(checkpoint) if checkpoint else None
     if chosen is None and not run.model.is_file():
-        raise DataError(f"No model.keras in {str(run.path)!r}: the run has not finished. Give --checkpoint latest "
-                        "(or best) to export a checkpoint.")
+        raise DataError(f"No model.keras in {str(run.path)!r}: the run has not finished. Give "
+                        "{export.checkpoint} latest (or best) to export a checkpoint.")
     copies = [(source, source.name) for source in (run.config, run.plan, run.model) if source.is_file()]
     if chosen is not None:
         copies.append((chosen, f"{run.checkpoints.name}/{chosen.name}"))

@@ -444,7 +444,7 @@ def prepare_nifti(image_paths: str | os.PathLike | Sequence[str | os.PathLike],
     try:
         stats = case_statistics(image)
     except DataError as exc:
-        raise DataError(f"Case {case_id!r}: {exc} ({', '.join(map(str, paths))}).") from None
+        raise DataError(f"Case {case_id!r}: {exc.template} ({', '.join(map(str, paths))}).") from None
     offsets = [(0, 0)] * 3
     if card.shape is not None:
         image, _, offsets = centre_fit(image, None, card.shape)

@@ -56,7 +56,7 @@ def mode_chooser(mode: str, budget_bytes: int | None = None, *, flag: str = "--m
     from bigmem.config.options import look_up_option
     from bigmem.memory.budget import resolve_budget
 
-    chosen = look_up_option(mode, Mode, flag="--mode")
+    chosen = look_up_option(mode, Mode, flag="{predict.mode}")
     if chosen is Mode.SLIDING or (chosen is Mode.WHOLE and ignore_plan):
         return lambda predictor, shape: chosen
     budget = resolve_budget(budget_bytes, flag=flag)
@@ -73,8 +73,8 @@ def mode_chooser(mode: str, budget_bytes: int | None = None, *, flag: str = "--m
                     f"Predicted peak {format_bytes(predicted)} for {predictor.config.model.name} at "
                     f"{'x'.join(map(str, padded_shape(shape, predictor.divisors)))} (inference, "
                     f"{predictor.config.train.precision.value}) exceeds the memory budget "
-                    f"{format_bytes(budget.budget_bytes)} ({budget.source}): use --mode sliding (or auto), or pass "
-                    "--ignore-plan to try anyway.", predicted, budget.budget_bytes)
+                    f"{format_bytes(budget.budget_bytes)} ({budget.source}): use {{predict.mode}} sliding (or auto), "
+                    "or pass {predict.ignore_plan} to try anyway.", predicted, budget.budget_bytes)
             return Mode.WHOLE
         if console is not None:
             console.print(f"auto: {'whole' if fits else 'sliding'} ({what})", highlight=False)

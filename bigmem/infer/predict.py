@@ -283,8 +283,8 @@ def load_predictor(run_dir: str | os.PathLike, checkpoint: str = "final", *, ver
     run = RunDir(run_dir)
     # Which file is read is settled before TensorFlow starts: a missing one is refused in a moment.
     if checkpoint == "final" and not run.model.is_file():
-        raise DataError(f"No model.keras in {str(run.path)!r}: the run has not finished. Use --checkpoint latest "
-                        "(or best) to predict with a checkpoint.")
+        raise DataError(f"No model.keras in {str(run.path)!r}: the run has not finished. Use "
+                        "{predict.checkpoint} latest (or best) to predict with a checkpoint.")
     path = None if checkpoint == "final" else CheckpointManager(run.checkpoints).find(checkpoint)
     card = ModelCard.of_run(run_dir, config.data.store)
     plan = run.read_plan() if run.plan.is_file() else None
@@ -334,7 +334,7 @@ def _existing_input(source: str | os.PathLike) -> Path:
 
 
 def find_inputs(source: str | os.PathLike, card: ModelCard, *, cases: Sequence[str] | None = None,
-                say: Callable[[str], None] | None = None, cases_flag: str = "--cases") -> list[CaseInput]:
+                say: Callable[[str], None] | None = None, cases_flag: str = "{predict.cases}") -> list[CaseInput]:
     """The cases of INPUT: a NIfTI file, a folder of them, an MSD or nnU-Net v2 folder, KiTS case folders, or a
     bigmem store (NIfTI input as ``bigmem.data.layouts.list_images`` finds and names its cases).
 
@@ -344,7 +344,8 @@ def find_inputs(source: str | os.PathLike, card: ModelCard, *, cases: Sequence[s
             ``bigmem convert`` prepared its training cases.
         cases: only these case ids (a store or folder); None: all.
         say: called with one line saying what NIfTI input holds ("KiTS case folders: 3 cases in kits/").
-        cases_flag: how ``cases`` were given, for the message naming an unknown one (default '--cases').
+        cases_flag: how ``cases`` were given, for the message naming an unknown one (default
+            '{predict.cases}', a ``BigmemError`` placeholder).
 
     Returns:
         One ``CaseInput`` per case, sorted by id.
@@ -388,7 +389,8 @@ def _store_inputs(path: Path) -> list[CaseInput]:
     return [CaseInput(case_id, f"{path}:{case_id}", loader(case_id)) for case_id in ids]
 
 
-def _pick(inputs: list[CaseInput], cases: Sequence[str] | None, where: str, flag: str = "--cases") -> list[CaseInput]:
+def _pick(inputs: list[CaseInput], cases: Sequence[str] | None, where: str,
+          flag: str = "{predict.cases}") -> list[CaseInput]:
     if not cases:
         return inputs
     by_id = {item.case_id: item for item in inputs}
@@ -426,8 +428,8 @@ def validation_cases(run_dir: str | os.PathLike) -> list[str]:
                             "directory is damaged.")
         return list(splits[int(fold)]["val"])
     if fold is None and not config.data.holdout:
-        raise UsageError(f"--val: the run {str(run_dir)!r} held out no case (it trained with neither --fold nor "
-                         "--holdout); give --cases instead.")
+        raise UsageError(f"{{predict.validation}}: the run {str(run_dir)!r} held out no case (it trained with neither "
+                         "{data.fold} nor {data.holdout}); give {predict.cases} instead.")
     from bigmem.data.store import HDF5VolumeStore
 
     with HDF5VolumeStore(config.data.store, holdout=config.data.holdout, fold=fold, splits=config.data.splits) as store:
@@ -601,16 +603,17 @@ def predict_case(predictor: Predictor | Ensemble, item: CaseInput, out_dir: Path
 def _checked_options(mode: str, choose_mode, overlap: float, window) -> tuple:
     """``predict``'s mode, window edge (a cube's, else None) and window shape, refused before TensorFlow starts
     where they cannot be used."""
-    chosen = look_up_option(mode, Mode, flag="--mode")
+    chosen = look_up_option(mode, Mode, flag="{predict.mode}")
     if chosen is Mode.AUTO and choose_mode is None:
-        raise UsageError("--mode auto needs a way to choose (the inference plan); give --mode whole or sliding.")
+        raise UsageError("{predict.mode} auto needs a way to choose (the inference plan); give {predict.mode} "
+                         "whole or sliding.")
     if not 0 <= overlap < 1:
-        raise UsageError(f"Invalid --overlap {overlap:g}: expected a fraction in [0, 1).")
+        raise UsageError(f"Invalid {{predict.overlap}} {overlap:g}: expected a fraction in [0, 1).")
     edge = window if isinstance(window, int) else None
     window = None if window is None else ((int(window),) * 3 if edge is not None else tuple(window))
     if window is not None and (len(window) != 3 or min(window) < 1):
-        raise UsageError(f"Invalid --window {edge if edge is not None else ','.join(map(str, window))}: expected a "
-                         "positive integer N or D,H,W.")
+        raise UsageError(f"Invalid {{predict.window}} {edge if edge is not None else ','.join(map(str, window))}: "
+                         "expected a positive integer N or D,H,W.")
     return chosen, edge, window
 
 
@@ -618,10 +621,10 @@ def _check_window(predictor, edge: int | None, window) -> None:
     """The window fits every member's size contract (a multiple of its divisor per axis)."""
     for member in predictor.members if isinstance(predictor, Ensemble) else (predictor,):
         if edge is not None and edge % member.divisor:
-            raise UsageError(f"Invalid --window {edge}: expected a positive multiple of {member.divisor} "
+            raise UsageError(f"Invalid {{predict.window}} {edge}: expected a positive multiple of {member.divisor} "
                              f"(the network downsamples {member.config.model.depth} times).")
         if window is not None:
-            check_shape("--window", window, member.config.model)
+            check_shape("predict.window", window, member.config.model)
 
 
 def predict(run_dir: str | os.PathLike | Sequence[str | os.PathLike], source: str | os.PathLike,
@@ -664,12 +667,14 @@ def predict(run_dir: str | os.PathLike | Sequence[str | os.PathLike], source: st
     run_dirs = [run_dir] if isinstance(run_dir, (str, os.PathLike)) else list(run_dir)
     if validation:
         if cases or len(run_dirs) != 1:
-            raise UsageError("--val segments one run's validation cases: give one RUN_DIR and no --cases.")
+            raise UsageError("{predict.validation} segments one run's validation cases: give one RUN_DIR and no "
+                             "{predict.cases}.")
         cases = validation_cases(run_dirs[0])
     predictor = load_ensemble(run_dirs, checkpoint, verbose=verbose)
     _check_window(predictor, edge, window)
     inputs = find_inputs(source, predictor.preparation, cases=cases, say=say,
-                         cases_flag="--val (the run's validation cases)" if validation else "--cases")
+                         cases_flag="{predict.validation} (the run's validation cases)" if validation
+                         else "{predict.cases}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for item in inputs:

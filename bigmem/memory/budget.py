@@ -90,7 +90,8 @@ def check_budget_within_machine(budget: Budget, *, force: bool = False, machine_
         raise InsufficientMemoryError(
             f"{budget.source} {format_bytes(budget.budget_bytes)} is more than this machine's memory "
             f"({format_bytes(total)}, MemTotal): a job planned for it would be killed by the kernel, not stopped by "
-            f"bigmem. Give at most {format_bytes(total)}, or --force to run anyway.", budget.budget_bytes, total)
+            f"bigmem. Give at most {format_bytes(total)}, or {{train.force}} to run anyway.", budget.budget_bytes,
+            total)
 
 
 __all__ = ["Budget", "EXPLICIT_FLAG", "check_budget_within_machine", "resolve_budget"]

@@ -112,16 +112,19 @@ class Candidate:
         return format_shape(self.shape)
 
     def shape_flag(self) -> str:
-        """The flag that asks for this shape: ``--volume N`` for a cube, else ``--shape D,H,W``."""
+        """The setting that asks for this shape, as a field template (``bigmem.errors.render_fields``):
+        ``{data.volume} N`` for a cube, else ``{data.shape} D,H,W``."""
         shape = self.shape
-        return f"--volume {shape[0]}" if len(set(shape)) == 1 else "--shape " + ",".join(map(str, shape))
+        return f"{{data.volume}} {shape[0]}" if len(set(shape)) == 1 else "{data.shape} " + ",".join(map(str, shape))
 
     def flags(self) -> str:
+        """The settings beyond the defaults that ask for this candidate's mode, as a field template:
+        ``{memory.recompute} stages {train.precision} bf16`` (empty for fp32 without recompute)."""
         parts = []
         if self.recompute != "none":
-            parts.append(f"--recompute {self.recompute}")
+            parts.append(f"{{memory.recompute}} {self.recompute}")
         if self.precision != "fp32":
-            parts.append(f"--precision {self.precision}")
+            parts.append(f"{{train.precision}} {self.precision}")
         return " ".join(parts)
 
     def to_dict(self) -> dict:
@@ -393,7 +396,8 @@ def candidate_calibration(config: ExperimentConfig, candidate: Candidate) -> Cal
 
 def cheapest_fix(config: ExperimentConfig, counts_for, budget_bytes: int, volume: int | Sequence[int], batch: int,
                  allow_bf16: bool | None = None) -> str:
-    """A sentence naming the cheapest change that makes ``volume`` (an edge or a shape) at ``batch`` fit, or what does.
+    """A sentence naming the cheapest change that makes ``volume`` (an edge or a shape) at ``batch`` fit, or what does,
+    with its settings as config-field placeholders (``{train.batch_size}``; ``bigmem.errors.render_fields``).
 
     bf16 is suggested only where the CPU has it natively, or when the configuration asks for it.
     The last resort, a smaller cube, crops whole scans: it is named as such.
@@ -408,13 +412,14 @@ def cheapest_fix(config: ExperimentConfig, counts_for, budget_bytes: int, volume
     if batch > 1:
         smaller = planner._largest(lambda b: planner.evaluate(volume, b, precision, recompute), batch - 1)
         if smaller is not None:
-            return (f"use --batch-size {smaller.batch_size} {smaller.flags()} "
+            return (f"use {{train.batch_size}} {smaller.batch_size} {smaller.flags()} "
                     f"(est. {format_bytes(smaller.predicted_peak_bytes)})")
     largest = planner.largest_volume(precision, recompute)
     if largest is not None:
-        return (f"the largest volume that fits is --volume {largest.volume} --batch-size 1 {largest.flags()} "
+        return (f"the largest volume that fits is {{data.volume}} {largest.volume} {{train.batch_size}} 1 "
+                f"{largest.flags()} "
                 f"(est. {format_bytes(largest.predicted_peak_bytes)}; it crops larger scans)")
-    return "nothing fits, not even the smallest volume; raise --memory-budget or free memory"
+    return "nothing fits, not even the smallest volume; raise {memory.budget_bytes} or free memory"
 
 
 def check_fits(estimated: Estimate, config: ExperimentConfig, counts_for, budget_bytes: int, budget_source: str,
@@ -438,7 +443,7 @@ def check_fits(estimated: Estimate, config: ExperimentConfig, counts_for, budget
     raise InsufficientMemoryError(
         f"Predicted peak {format_bytes(required)} for {config.model.name} at {text}{what} x batch "
         f"{config.train.batch_size} ({mode}) exceeds the memory budget {format_bytes(budget_bytes)} "
-        f"({budget_source}): {fix}; or pass --force to try anyway.", required, budget_bytes)
+        f"({budget_source}): {fix}; or pass {{train.force}} to try anyway.", required, budget_bytes)
 
 
 __all__ = ["Candidate", "Plan", "Planner", "available_memory_bytes", "candidate_calibration",

@@ -213,8 +213,8 @@ def _refuse(config: ExperimentConfig, counts_for: CountsFor, budget: Budget, pre
             f"Validating held-out case {validation.case!r} ({'x'.join(map(str, validation.shape))}) whole "
             f"beside the model needs {format_bytes(peak)}, more than the memory budget "
             f"{format_bytes(budget.budget_bytes)} ({budget.source}); training alone would fit "
-            f"({format_bytes(predicted.predicted_peak_bytes)}). Drop --val-every, hold out smaller cases, or pass "
-            "--force to try anyway.", peak, budget.budget_bytes)
+            f"({format_bytes(predicted.predicted_peak_bytes)}). Drop {{train.val_every}}, hold out smaller cases, or "
+            "pass {train.force} to try anyway.", peak, budget.budget_bytes)
     what = ""
     unfit = [c for c in table or () if not c.fits] if config.data.shape is None else []
     if unfit:  # each case at its own shape: name the one that does not fit
@@ -356,7 +356,7 @@ def plan_inference(config: ExperimentConfig, counts_for: CountsFor, budget: Budg
             f"Predicted peak {format_bytes(candidate.predicted_peak_bytes)} for {config.model.name} at "
             f"{candidate.shape_text} (inference, {candidate.precision}) exceeds the memory budget "
             f"{format_bytes(budget.budget_bytes)} ({budget.source}): {fix}; segment it in sliding windows, "
-            "or predict with --ignore-plan to try anyway.", candidate.predicted_peak_bytes, budget.budget_bytes)
+            "or predict with {predict.ignore_plan} to try anyway.", candidate.predicted_peak_bytes, budget.budget_bytes)
     return Plan(candidate.fits, budget, candidate, candidate, (candidate,), (candidate,),
                 forced=force and not candidate.fits, calibration=calibration, pass_=Pass.FORWARD)
 
@@ -395,7 +395,7 @@ def require_plan(plan, path: Path, kept: bool, check=None) -> None:
     except InsufficientMemoryError as exc:
         where = (f"The plan already in {path} was kept (a failed plan replaces no file)." if kept
                  else f"Every candidate is in {path}.")
-        raise InsufficientMemoryError(f"{exc} {where}", exc.required_bytes, exc.available_bytes) from None
+        raise InsufficientMemoryError(f"{exc.template} {where}", exc.required_bytes, exc.available_bytes) from None
 
 
 def plan_search(config: ExperimentConfig, counts_for: CountsFor, budget: Budget, *,

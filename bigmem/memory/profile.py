@@ -201,9 +201,9 @@ def calibrate(config: ExperimentConfig, shapes: Sequence[Sequence[int]], counts_
     # key, so every size must recompute stages, or none (auto may choose either), before any is measured.
     keys = {recompute_key(chosen) for chosen in stages}
     if len(keys) > 1:
-        raise UsageError(f"--recompute {config.memory.recompute.value} recomputes stages at some --calibrate sizes "
-                         "and none at others, which are two calibrations: give --recompute none or --recompute "
-                         "stages.")
+        raise UsageError(f"{{memory.recompute}} {config.memory.recompute.value} recomputes stages at some "
+                         "{calibrate.shapes} sizes and none at others, which are two calibrations: give "
+                         "{memory.recompute} none or {memory.recompute} stages.")
     points = []
     for shape, chosen in zip(shapes, stages):
         if progress:

@@ -38,10 +38,10 @@ def _libnuma():
         import numa  # py-libnuma
     except (ImportError, OSError) as exc:
         raise BigmemError(f"NUMA policies need libnuma: cannot load py-libnuma/libnuma.so.1 ({exc}). Install the "
-                          "system package (Debian: libnuma1) or run with --numa none.") from None
+                          "system package (Debian: libnuma1) or run with {numa.policy} none.") from None
     if not numa.info.numa_available():
         raise BigmemError("NUMA policies need a kernel with NUMA support (numa_available() is false); "
-                          "run with --numa none.")
+                          "run with {numa.policy} none.")
     return numa
 
 
@@ -65,9 +65,9 @@ def apply_placement(placement: Placement) -> Placement:
     """
     global _applied
     if "tensorflow" in sys.modules and placement.kind is not PolicyKind.NONE:
-        raise BigmemError(f"Cannot apply --numa {placement.text}: TensorFlow is already imported in this process, "
-                          "and its threads would not inherit the policy. Apply the placement first (the bigmem "
-                          "command does), or start a new process.")
+        raise BigmemError(f"Cannot apply {{numa.policy}} {placement.text}: TensorFlow is already imported in this "
+                          "process, and its threads would not inherit the policy. Apply the placement first (the "
+                          "bigmem command does), or start a new process.")
     if placement.kind is not PolicyKind.NONE:
         _check_mems_allowed(placement)
         numa = _libnuma()
@@ -168,10 +168,10 @@ def _check_mems_allowed(placement: Placement, proc_root: str = "/proc") -> None:
     outside = [n for n in placement.nodes if n not in allowed]
     if allowed and outside:
         example = format_nodes(allowed[:1] if placement.kind is PolicyKind.PREFERRED else allowed)
-        raise BigmemError(f"Cannot apply --numa {placement.text}: node {outside[0]} is outside the memory this "
-                          f"process may use, node(s) {format_nodes(allowed)} (Mems_allowed_list in /proc/self/status, "
-                          f"set by a cpuset cgroup, Slurm or numactl). Name only those nodes, e.g. "
-                          f"--numa {placement.kind.value}:{example}.")
+        raise BigmemError(f"Cannot apply {{numa.policy}} {placement.text}: node {outside[0]} is outside the memory "
+                          f"this process may use, node(s) {format_nodes(allowed)} (Mems_allowed_list in "
+                          f"/proc/self/status, set by a cpuset cgroup, Slurm or numactl). Name only those nodes, e.g. "
+                          f"{{numa.policy}} {placement.kind.value}:{example}.")
 
 
 def _check_in_force(placement: Placement, numa) -> None:
@@ -180,6 +180,6 @@ def _check_in_force(placement: Placement, numa) -> None:
     if numa.LIBNUMA.get_mempolicy(ctypes.byref(mode), None, ctypes.c_ulong(0), None, ctypes.c_ulong(0)) != 0:
         return  # cannot read it back (an old kernel): the numa.json report still shows what is in force
     if mode.value & ~_MPOL_MODE_FLAGS != _MPOL_MODE[placement.kind]:
-        raise BigmemError(f"Cannot apply --numa {placement.text}: the kernel refused the memory policy (get_mempolicy "
-                          f"reports mode {mode.value}, expected {_MPOL_MODE[placement.kind]}). Check the nodes with "
-                          "`bigmem info`, or run with --numa none.")
+        raise BigmemError(f"Cannot apply {{numa.policy}} {placement.text}: the kernel refused the memory policy "
+                          f"(get_mempolicy reports mode {mode.value}, expected {_MPOL_MODE[placement.kind]}). Check "
+                          "the nodes with `bigmem info`, or run with {numa.policy} none.")

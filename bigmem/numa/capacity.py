@@ -43,8 +43,8 @@ def check_nodes_fit(required_bytes: int, placement: Placement, topology: NUMATop
     figures = ", ".join(f"node {n}: {format_bytes(b)} free" for n, b in free.items())
     if placement.kind is PolicyKind.BIND and required_bytes > sum(free.values()):
         raise InsufficientMemoryError(
-            f"Predicted peak {format_bytes(required_bytes)} does not fit --numa {placement.text} ({figures}; "
-            f"{format_bytes(sum(free.values()))} in all). Bind more nodes, or use --numa interleave.",
+            f"Predicted peak {format_bytes(required_bytes)} does not fit {{numa.policy}} {placement.text} ({figures}; "
+            f"{format_bytes(sum(free.values()))} in all). Bind more nodes, or use {{numa.policy}} interleave.",
             required_bytes, sum(free.values()))
     share = required_bytes / len(free)
     short = [n for n, b in free.items() if b < share]

@@ -91,7 +91,7 @@ def _parse_nodes(text: str, topology: NUMATopology, flag: str, spec: str) -> tup
 
 def parse_policy(text: str, topology: NUMATopology) -> tuple[PolicyKind, tuple[int, ...]]:
     """'bind:0,1' -> (BIND, (0, 1)), checked against the nodes that exist."""
-    flag = "--numa"
+    flag = "{numa.policy}"
     spec = (text or "none").strip().lower()
     name, _, argument = spec.partition(":")
     try:
@@ -122,7 +122,7 @@ def _check_cpu_ranges(text: str, allowed_cpus: set[int]) -> None:
     Reads each range's bounds without expanding it, so a list such as '0-99999999' is refused at
     once, naming its first CPU outside the allowed ones.
     """
-    invalid = UsageError(f"Invalid --cpus {text!r}: expected a CPU list such as 0-15,32-47.")
+    invalid = UsageError(f"Invalid {{numa.cpus}} {text!r}: expected a CPU list such as 0-15,32-47.")
     ranges = []
     for part in text.strip().split(","):
         if not part.strip():
@@ -144,7 +144,7 @@ def _check_cpu_ranges(text: str, allowed_cpus: set[int]) -> None:
         if outside is None and high > top:
             outside = max(low, top + 1)
         if outside is not None:
-            raise UsageError(f"Invalid --cpus {text!r}: CPU {outside} is outside the CPUs this process may use "
+            raise UsageError(f"Invalid {{numa.cpus}} {text!r}: CPU {outside} is outside the CPUs this process may use "
                              f"({format_nodes(sorted(allowed_cpus))}).")
 
 
@@ -176,7 +176,7 @@ def resolve_placement(policy: str | None, cpus: str | None, threads: int | None,
     else:
         chosen = tuple(sorted(allowed_cpus))
     if threads is not None and threads < 1:
-        raise UsageError(f"Invalid --threads {threads}: expected a positive integer.")
+        raise UsageError(f"Invalid {{numa.threads}} {threads}: expected a positive integer.")
     intra = threads or len(chosen)
     inter = INTER_OP_PER_NODE * max(1, len({node_of.get(c, 0) for c in chosen}))
     return Placement(kind, nodes, tuple(chosen), intra, inter, text=policy or "none", note=note)
@@ -186,8 +186,8 @@ def _bound_cpus(nodes: tuple[int, ...], topology: NUMATopology, allowed_cpus: se
                 policy: str) -> tuple[tuple[int, ...], str]:
     """(CPUs, note) for bind:NODES: the nodes' own allowed CPUs, or, when none of them has CPUs, the
     allowed CPUs of the nodes nearest to them by the kernel's distances."""
-    none_allowed = UsageError(f"Invalid --numa {policy!r}: none of the CPUs this process may use are on node(s) "
-                              f"{format_nodes(nodes)}.")
+    none_allowed = UsageError(f"Invalid {{numa.policy}} {policy!r}: none of the CPUs this process may use are on "
+                              f"node(s) {format_nodes(nodes)}.")
     if any(topology.node(n).cpus for n in nodes):
         chosen = tuple(c for c in sorted(allowed_cpus) if any(c in topology.node(n).cpus for n in nodes))
         if not chosen:

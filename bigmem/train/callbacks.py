@@ -40,7 +40,7 @@ class NonFiniteGuard(Callback):
         kept = self.checkpoints.latest()
         where = f"the newest good checkpoint is {kept}" if kept else "no checkpoint was written yet"
         raise TrainingError(f"Loss is {state.loss} at step {state.step}: training stopped; {where}. "
-                            "Try a lower --lr or --precision fp32.")
+                            "Try a lower {train.lr} or {train.precision} fp32.")
 
 
 class MetricsLog(Callback):

@@ -119,7 +119,7 @@ def current_placement(config: ExperimentConfig) -> Placement:
     if placement is not None and placement.text.strip().lower() == wanted:
         return placement
     if placement is not None and placement.kind is not PolicyKind.NONE:
-        raise UsageError(f"This process already runs under --numa {placement.text}; it cannot switch to "
+        raise UsageError(f"This process already runs under {{numa.policy}} {placement.text}; it cannot switch to "
                          f"{config.numa.policy!r}. Start a new process.")
     return place(config.numa.policy, config.numa.cpus, config.numa.threads)
 

@@ -75,7 +75,7 @@ def saved_settings(run: RunDir, *, starting: bool) -> dict | None:
         if starting:
             return None
         raise DataError(f"Cannot resume {out!r}: no config.json there (is it a bigmem run directory?). To start a "
-                        "run there, give its flags (--model ...) or leave out --resume.")
+                        "run there, give its flags ({model.name} ...) or leave out {train.resume}.")
     try:
         saved = run.read_config()
     except (OSError, UnicodeDecodeError, ValueError) as exc:
@@ -144,7 +144,8 @@ def check_settings(run: RunDir, before: ExperimentConfig, wanted: ExperimentConf
         allowed = ", ".join(f"{{{field}}}" for field in CHANGEABLE_ON_RESUME)
         raise ConfigError(differ[0][0], f"Cannot resume {str(run.path)!r} with settings that differ from the saved "
                                         f"run: {changes}. Only {allowed} may change when resuming: repeat the saved "
-                                        "values (or leave those flags out), or start a new run with another --out.")
+                                        "values (or leave those flags out), or start a new run with another "
+                                        "{train.run_dir}.")
 
 
 def check_resumed_config(run: RunDir, config: ExperimentConfig) -> ExperimentConfig:
@@ -244,10 +245,10 @@ def resume_point(run: RunDir, manager: CheckpointManager, resume: bool, console:
     kept = _kept(run, manager)
     if kept and resume:
         raise TrainingError(f"Cannot resume {str(run.path)!r}: it has no complete checkpoint (looked in "
-                            f"{run.checkpoints}) but holds {kept}. Start a new run with another --out.")
+                            f"{run.checkpoints}) but holds {kept}. Start a new run with another {{train.run_dir}}.")
     if kept:
-        raise TrainingError(f"Run directory {str(run.path)!r} already holds a run: pass --resume to continue it, "
-                            "or choose another --out.")
+        raise TrainingError(f"Run directory {str(run.path)!r} already holds a run: pass {{train.resume}} to continue "
+                            "it, or choose another {train.run_dir}.")
     if run.holds_run():
         console.print(f"{run.path} holds a run that stopped before its first checkpoint: starting it over "
                       "from step 0.")

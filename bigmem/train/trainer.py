@@ -179,16 +179,16 @@ def check_run_dir_path(path: Path) -> None:
     import tempfile
 
     if path.is_file():
-        raise TrainingError(f"Run directory {str(path)!r} is a file, not a folder: choose another --out.")
+        raise TrainingError(f"Run directory {str(path)!r} is a file, not a folder: choose another {{train.run_dir}}.")
     existing = nearest_existing(path)
     if not existing.is_dir():
         raise TrainingError(f"Run directory {str(path)!r} cannot be created or opened ({str(existing)!r} is a "
-                            "file): choose another --out.")
+                            "file): choose another {train.run_dir}.")
     try:
         fd, probe = tempfile.mkstemp(prefix=".bigmem-probe-", dir=existing)
     except OSError as exc:
         raise TrainingError(f"Run directory {str(path)!r} cannot be created or opened ({exc.strerror or exc}): "
-                            "choose another --out.") from None
+                            "choose another {train.run_dir}.") from None
     os.close(fd)
     os.unlink(probe)
 
@@ -216,13 +216,13 @@ def exclusive_run_dir(path: Path):
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     except OSError as exc:
         what = "is a file, not a folder" if path.is_file() else f"cannot be created or opened ({exc.strerror})"
-        raise TrainingError(f"Run directory {str(path)!r} {what}: choose another --out.") from None
+        raise TrainingError(f"Run directory {str(path)!r} {what}: choose another {{train.run_dir}}.") from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise TrainingError(f"Run directory {str(path)!r} is in use by another bigmem train process: wait for "
-                                "it to end, or choose another --out.") from None
+                                "it to end, or choose another {train.run_dir}.") from None
         except OSError:  # a filesystem without locks (ENOLCK, EOPNOTSUPP): run unguarded, as before locks
             pass
         yield path in missing

@@ -6,7 +6,7 @@ import pytest
 
 from bigmem.config import ExperimentConfig, preset_names, resolve_config
 from bigmem.cli.common import flag_for
-from bigmem.errors import ConfigError, UsageError
+from bigmem.errors import UsageError
 
 
 def test_presets_ship_with_the_package():
@@ -63,7 +63,7 @@ def test_resolution_errors(preset, overrides, message):
     """The messages as the command line prints them: each config field as its flag."""
     with pytest.raises(UsageError) as info:
         resolve_config(preset, overrides)
-    shown = info.value.render(flag_for) if isinstance(info.value, ConfigError) else str(info.value)
+    shown = info.value.render(flag_for)  # as the command line shows it
     assert shown == message
 
 

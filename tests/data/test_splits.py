@@ -59,7 +59,7 @@ def test_equals_scikit_learn_where_installed(num_cases):
 
 def test_fewer_cases_than_folds_is_refused():
     with pytest.raises(DataError, match=r"^Cannot split 4 cases into 5 folds: nnU-Net's cross-validation needs at "
-                                        r"least 5 cases\. Give a splits_final\.json of your own \(--splits FILE\)"):
+                                        r"least 5 cases\. Give a splits_final\.json of your own \(data\.splits FILE\)"):
         crossval_splits(TEN[:4])
 
 

@@ -131,8 +131,9 @@ def test_refusals_name_the_fields(counts_for):
     assert info.value.field == "distribute.gpu_memory_bytes"
     assert str(info.value).startswith("Give distribute.gpu_memory_bytes SIZE (e.g. 80GiB) or distribute.patch N")
     with pytest.raises(InsufficientMemoryError, match=r"^Not even a 4\^3 patch at batch 2 fits one GPU's 1.00 MiB "
-                                                      r"\(needs .*\): give a larger --gpu-memory "
-                                                      r"\(distribute.gpu_memory_bytes\) or a smaller --batch-size\.$"):
+                                                      r"\(needs .*\): give a larger distribute\.gpu_memory_bytes "
+                                                      r"\(distribute.gpu_memory_bytes\) or a smaller "
+                                                      r"train\.batch_size\.$"):
         data_parallel(_config(strategy="mirrored", gpu_memory_bytes=2**20), _replicas(2), counts_for)
 
 

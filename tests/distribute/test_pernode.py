@@ -76,9 +76,9 @@ def test_workers_per_node_split_the_node_cpus(two_node):
     assert [(w.node_id, w.cpus) for w in plan.workers] == [(0, (0, 1)), (0, (2, 3)), (1, (4, 5)), (1, (6, 7))]
     assert plan.workers[1].placement() == {"policy": "bind:0", "cpus": "2-3"}
     assert len({w.address for w in plan.workers}) == 4
-    with pytest.raises(UsageError, match=r"node 0 has 4 CPU\(s\).*Try --workers-per-node 4"):
+    with pytest.raises(UsageError, match=r"node 0 has 4 CPU\(s\).*Try train_per_node\.workers_per_node 4"):
         plan_workers(two_node, workers_per_node=5, allowed_cpus=set(range(8)))
-    with pytest.raises(UsageError, match="Invalid --workers-per-node 0"):
+    with pytest.raises(UsageError, match=r"Invalid train_per_node\.workers_per_node 0"):
         plan_workers(two_node, workers_per_node=0)
 
 

@@ -88,7 +88,8 @@ def test_no_gpu_is_a_clear_error():
 
     if tf.config.list_physical_devices("GPU"):
         pytest.skip("this machine has a GPU")
-    with pytest.raises(BigmemError, match=r"^No GPU found for --strategy mirrored; use --simulate-replicas N"):
+    with pytest.raises(BigmemError, match=r"^No GPU found for distribute\.strategy mirrored; use "
+                                         r"distribute\.simulate_replicas N"):
         mirrored()
 
 
@@ -103,7 +104,8 @@ def test_simulating_after_initialisation_is_refused():
 def test_replica_count_must_be_positive():
     from bigmem.errors import UsageError
 
-    with pytest.raises(UsageError, match=r"^Invalid --simulate-replicas 0: expected a positive integer\.$"):
+    with pytest.raises(UsageError, match=r"^Invalid distribute\.simulate_replicas 0: expected a positive "
+                                        r"integer\.$"):
         simulate_cpu_replicas(0)
 
 
@@ -155,5 +157,6 @@ def test_multiworker_without_tf_config_says_how_a_per_node_run_resumes(monkeypat
     from bigmem.errors import UsageError
 
     monkeypatch.delenv("TF_CONFIG", raising=False)
-    with pytest.raises(UsageError, match=r"needs TF_CONFIG .* resumes with --resume --strategy per-node\.$"):
+    with pytest.raises(UsageError, match=r"needs TF_CONFIG .* resumes with train\.resume distribute\.strategy "
+                                        r"per-node\.$"):
         multiworker()

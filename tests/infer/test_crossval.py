@@ -57,8 +57,8 @@ def test_a_holdout_runs_validation_cases_are_its_held_out_ones(tmp_path, tiny_st
 
 def test_a_run_that_held_out_nothing_has_no_validation_cases(tmp_path, tiny_store):
     run = _make_run(tmp_path / "all-cases", tiny_store, 0, {})
-    with pytest.raises(UsageError, match=r"^--val: the run .* held out no case \(it trained with neither --fold nor "
-                                         r"--holdout\); give --cases instead\.$"):
+    with pytest.raises(UsageError, match=r"^predict\.validation: the run .* held out no case \(it trained with "
+                                         r"neither data\.fold nor data\.holdout\); give predict\.cases instead\.$"):
         validation_cases(run)
 
 

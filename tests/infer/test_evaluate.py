@@ -213,8 +213,8 @@ def test_progress_and_warnings_are_called_back(known):
 
 @pytest.mark.parametrize("kwargs, error, message", [
     (dict(num_classes=4, classes=[3, 4]), UsageError,
-     r"^Invalid --classes \[3, 4\]: label 4 > 3, the largest label \(expected 1\.\.3\)\.$"),
-    (dict(classes=[0, 1]), UsageError, r"^Invalid --classes \[0, 1\]: expected foreground labels >= 1"),
+     r"^Invalid evaluate\.classes \[3, 4\]: label 4 > 3, the largest label \(expected 1\.\.3\)\.$"),
+    (dict(classes=[0, 1]), UsageError, r"^Invalid evaluate\.classes \[0, 1\]: expected foreground labels >= 1"),
     (dict(num_classes=2), DataError, r"^Case 'a': prediction label value 2 >= number of classes 2 \(.*a\.nii\.gz\); "
                                      r"expected values 0\.\.1\.$"),
 ])
@@ -236,6 +236,6 @@ def test_a_number_of_classes_other_than_the_stores_is_refused(tiny_store, tmp_pa
     pred = tmp_path / "pred"
     pred.mkdir()
     _write(pred / "synth_0000.nii.gz", np.zeros((16, 16, 16), np.uint8), spacing=(1.0, 1.0, 1.0))
-    with pytest.raises(UsageError, match=rf"^Invalid --num-classes 4: store '{tiny_store}' has 3 classes; drop "
-                                         r"--num-classes\.$"):
+    with pytest.raises(UsageError, match=rf"^Invalid evaluate\.num_classes 4: store '{tiny_store}' has 3 classes; drop "
+                                         r"evaluate\.num_classes\.$"):
         evaluate(pred, tiny_store, num_classes=4, allow_missing=True)

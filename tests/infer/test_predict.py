@@ -89,7 +89,7 @@ def test_a_run_without_model_keras_has_not_finished(run_dir, tmp_path):
     unfinished = RunDir(tmp_path / "run")
     unfinished.write_config(RunDir(run_dir).read_config())
     with pytest.raises(DataError, match=rf"^No model.keras in '{unfinished.path}': the run has not finished\. Use "
-                                        r"--checkpoint latest \(or best\) to predict with a checkpoint\.$"):
+                                        r"predict\.checkpoint latest \(or best\) to predict with a checkpoint\.$"):
         load_predictor(unfinished.path)
 
 
@@ -123,7 +123,7 @@ def test_find_inputs_picks_cases_in_the_order_asked(tiny_store):
 
 
 def test_an_unknown_case_is_named_with_some_that_exist(tiny_store):
-    with pytest.raises(DataError, match=rf"^--cases: 'synth_9' not in '{tiny_store}' \(it has 4 cases, e\.g\. "
+    with pytest.raises(DataError, match=rf"^predict\.cases: 'synth_9' not in '{tiny_store}' \(it has 4 cases, e\.g\. "
                                         r"synth_0000, synth_0001, synth_0002\)\.$"):
         find_inputs(tiny_store, ModelCard.from_store(tiny_store), cases=["synth_0001", "synth_9"])
 
@@ -243,11 +243,14 @@ def test_predict_keeps_what_is_there_and_segments_what_is_missing(run_dir, tiny_
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(mode="hole"), r"^Invalid --mode 'hole': expected one of auto, whole, sliding\. Did you mean 'whole'\?$"),
-    (dict(mode="auto"), r"^--mode auto needs a way to choose \(the inference plan\); give --mode whole or sliding\.$"),
-    (dict(mode="whole", overlap=1.0), r"^Invalid --overlap 1: expected a fraction in \[0, 1\)\.$"),
-    (dict(mode="sliding", window=(8, 0, 8)), r"^Invalid --window 8,0,8: expected a positive integer N or D,H,W\.$"),
-    (dict(mode="sliding", window=6), r"^Invalid --window 6: expected a positive multiple of 4 \(the network "
+    (dict(mode="hole"), r"^Invalid predict\.mode 'hole': expected one of auto, whole, sliding\. Did you mean "
+                        r"'whole'\?$"),
+    (dict(mode="auto"), r"^predict\.mode auto needs a way to choose \(the inference plan\); give predict\.mode "
+                        r"whole or sliding\.$"),
+    (dict(mode="whole", overlap=1.0), r"^Invalid predict\.overlap 1: expected a fraction in \[0, 1\)\.$"),
+    (dict(mode="sliding", window=(8, 0, 8)), r"^Invalid predict\.window 8,0,8: expected a positive integer N or "
+                                             r"D,H,W\.$"),
+    (dict(mode="sliding", window=6), r"^Invalid predict\.window 6: expected a positive multiple of 4 \(the network "
                                      r"downsamples 2 times\)\.$"),
 ], ids=["unknown-mode", "auto-without-a-chooser", "overlap-of-1", "empty-window", "window-off-the-contract"])
 def test_predict_refuses_bad_options_before_writing(run_dir, tiny_store, tmp_path, kwargs, message):

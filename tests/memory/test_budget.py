@@ -200,8 +200,8 @@ def test_a_job_over_its_budget_is_refused_with_the_cheapest_fix(counts_for):
     message = str(error)
     assert message.startswith(f"Predicted peak {format_bytes(peak)} for small at 128^3 x batch 1 "
                               "(fp32) exceeds the memory budget ")
-    assert "(--memory-budget): use --precision bf16 (est. " in message  # the suite fixes native bf16 on
-    assert message.endswith("; or pass --force to try anyway.")
+    assert "(--memory-budget): use train.precision bf16 (est. " in message  # the suite fixes native bf16 on
+    assert message.endswith("; or pass train.force to try anyway.")
 
 
 def test_a_job_over_its_placement_is_refused_per_node(full_node, counts_for):
@@ -210,8 +210,8 @@ def test_a_job_over_its_placement_is_refused_per_node(full_node, counts_for):
     peak = _peak(_config(), counts_for, [])
     with pytest.raises(InsufficientMemoryError) as info:
         plan_job(_config(), counts_for, budget)
-    assert str(info.value) == (f"Predicted peak {format_bytes(peak)} does not fit --numa bind:1 "
-                               "(node 1: 0 B free; 0 B in all). Bind more nodes, or use --numa interleave.")
+    assert str(info.value) == (f"Predicted peak {format_bytes(peak)} does not fit numa.policy bind:1 "
+                               "(node 1: 0 B free; 0 B in all). Bind more nodes, or use numa.policy interleave.")
     assert info.value.exit_code == 3
 
 
@@ -265,7 +265,7 @@ def test_a_case_that_does_not_fit_is_refused_by_name(counts_for):
     budget = Budget((small_peak + big_peak) // 2, "--memory-budget")
     with pytest.raises(InsufficientMemoryError, match=r"^Predicted peak .* for small at 64x64x304 \(case 'long_one', "
                                                       r"64x64x300 padded\) x batch 1 \(fp32\) exceeds the memory "
-                                                      r"budget .*: use .*or pass --force to try anyway\.$"):
+                                                      r"budget .*: use .*or pass train\.force to try anyway\.$"):
         plan_job(config, counts_for, budget, shape=shape, cases=cases)
     plan = plan_job(config, counts_for, budget, shape=shape, cases=cases, force=True)
     assert [(c.case, c.fits) for c in plan.cases] == [("small_one", True), ("long_one", False)]
@@ -287,7 +287,8 @@ def test_validation_beside_training_is_planned(counts_for):
     tight = Budget((alone.predicted_peak_bytes + plan.predicted_peak_bytes) // 2, "--memory-budget")
     with pytest.raises(InsufficientMemoryError, match=r"^Validating held-out case 'big' \(128x128x128\) whole beside "
                                                       r"the model needs .*; training alone would fit .*Drop "
-                                                      r"--val-every, hold out smaller cases, or pass --force"):
+                                                      r"train\.val_every, hold out smaller cases, or pass "
+                                                      r"train\.force"):
         plan_job(config, counts_for, tight, shape=train_shape, validation_shape=held_out, validation_case="big")
     small = plan_job(config, counts_for, Budget(64 * GIB, "x"), shape=(128,) * 3, validation_shape=(32, 32, 32))
     assert "validation" not in small.chosen.components

@@ -254,7 +254,7 @@ def test_a_volume_past_the_budget_exits_3_naming_what_fits(small_counts):
     assert str(raised.value) == (
         f"Predicted peak {format_bytes(at_128)} for small at 128^3 (inference, fp32) exceeds the memory budget "
         f"{format_bytes(at_96)} (--memory-budget): the largest whole volume that fits is 96^3 (est. "
-        f"{format_bytes(at_96)}); segment it in sliding windows, or predict with --ignore-plan to try anyway.")
+        f"{format_bytes(at_96)}); segment it in sliding windows, or predict with predict.ignore_plan to try anyway.")
     forced = plan_inference(config, small_counts, budget, (128, 128, 128), force=True)
     assert forced.forced
     assert not forced.fits

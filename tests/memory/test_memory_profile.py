@@ -18,7 +18,8 @@ def test_auto_recompute_choosing_both_modes_is_refused_before_measuring(monkeypa
     config = resolve_config("tiny", {"memory": {"recompute": "auto"}})
     monkeypatch.setattr(profile, "choose_stages", lambda sized, counts_for, shape: [] if shape[0] == 16 else ["enc0"])
     monkeypatch.setattr(profile, "measure", _never_measured)
-    with pytest.raises(UsageError, match=r"^--recompute auto recomputes stages at some --calibrate sizes and none"):
+    with pytest.raises(UsageError, match=r"^memory\.recompute auto recomputes stages at some calibrate\.shapes "
+                                         r"sizes and none"):
         profile.calibrate(config, [16, 32], profile.counts_function(config), save=False)
 
 

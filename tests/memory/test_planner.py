@@ -124,7 +124,7 @@ def test_cheapest_fix_names_the_first_mode_that_fits(counts_for):
     assert bf16 < fp32
     budget = (bf16 + fp32) // 2
     fix = cheapest_fix(config, counts_for, budget, 128, 1)
-    assert fix.startswith("use --precision bf16 (est. ")
+    assert fix.startswith("use {train.precision} bf16 (est. ")
     counts = counts_for((128,) * 3)
     with pytest.raises(InsufficientMemoryError) as info:
         check_fits(estimate(config, counts, (128,) * 3), config, counts_for, budget, "test", 128)
@@ -132,16 +132,16 @@ def test_cheapest_fix_names_the_first_mode_that_fits(counts_for):
     assert info.value.available_bytes == budget
     assert str(info.value).startswith("Predicted peak ")
     assert "for small at 128^3 x batch 1 (fp32) exceeds the memory budget" in str(info.value)
-    assert str(info.value).endswith("(test): " + fix + "; or pass --force to try anyway.")
+    assert info.value.template.endswith("(test): " + fix + "; or pass {train.force} to try anyway.")
 
 
 def test_cheapest_fix_falls_back_to_a_smaller_volume(counts_for):
     config = resolve_config("small", {"train": {"batch_size": 1}})
     fix = cheapest_fix(config, counts_for, 2 * 2**30, 512, 1)
-    assert fix.startswith("the largest volume that fits is --volume ")
-    assert "--batch-size 1 --recompute stages --precision bf16 (est. " in fix
+    assert fix.startswith("the largest volume that fits is {data.volume} ")
+    assert "{train.batch_size} 1 {memory.recompute} stages {train.precision} bf16 (est. " in fix
     assert cheapest_fix(config, counts_for, 2**20, 512, 1) == ("nothing fits, not even the smallest volume; raise "
-                                                               "--memory-budget or free memory")
+                                                               "{memory.budget_bytes} or free memory")
 
 
 def test_auto_recomputes_the_fewest_stages(counts_for):

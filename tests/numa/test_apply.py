@@ -59,7 +59,7 @@ def test_refuses_after_tensorflow_is_imported():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                             env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
     assert result.stdout.strip() == (
-        "BigmemError Cannot apply --numa bind:0: TensorFlow is already imported in this process, and its threads "
+        "BigmemError Cannot apply numa.policy bind:0: TensorFlow is already imported in this process, and its threads "
         "would not inherit the policy. Apply the placement first (the bigmem command does), or start a new process.")
 
 
@@ -145,8 +145,8 @@ def test_nodes_outside_the_cpuset_are_refused_in_one_line(tmp_path, policy, mess
     kind = PolicyKind(policy.split(":")[0])
     with pytest.raises(apply.BigmemError) as info:
         apply._check_mems_allowed(Placement(kind, (1,), (0,), 1, 2, text=policy), proc_root=str(tmp_path))
-    assert str(info.value) == (f"Cannot apply --numa {policy}: {message}(Mems_allowed_list in /proc/self/status, set "
-                               f"by a cpuset cgroup, Slurm or numactl). Name only those nodes, e.g. --numa "
+    assert str(info.value) == (f"Cannot apply numa.policy {policy}: {message}(Mems_allowed_list in /proc/self/status, "
+                               f"set by a cpuset cgroup, Slurm or numactl). Name only those nodes, e.g. numa.policy "
                                f"{kind.value}:0.")
     apply._check_mems_allowed(Placement(kind, (0,), (0,), 1, 2, text="bind:0"), proc_root=str(tmp_path))
 

@@ -60,8 +60,8 @@ def test_bind_refusal_gives_the_per_node_figures(two_socket):
     placement, topology = _placement(two_socket, "bind:1")
     with pytest.raises(InsufficientMemoryError) as info:
         check_nodes_fit(500 * GIB, placement, topology)
-    assert str(info.value) == ("Predicted peak 500.00 GiB does not fit --numa bind:1 (node 1: 384.00 GiB free; "
-                               "384.00 GiB in all). Bind more nodes, or use --numa interleave.")
+    assert str(info.value) == ("Predicted peak 500.00 GiB does not fit numa.policy bind:1 (node 1: 384.00 GiB free; "
+                               "384.00 GiB in all). Bind more nodes, or use numa.policy interleave.")
 
 
 def test_planner_refuses_per_node(four_socket):

@@ -28,12 +28,12 @@ FORMS = "expected interleave[:NODES], local, bind:NODES, preferred:N or none (NO
 
 
 @pytest.mark.parametrize("text, message", [
-    ("bind:4", "Invalid --numa 'bind:4': node 4 does not exist; this machine has nodes 0-3."),
-    ("interleaved", f"Invalid --numa 'interleaved': {FORMS} Did you mean 'interleave'?"),
-    ("bind", f"Invalid --numa 'bind': 'bind' needs a node, e.g. bind:0; {FORMS}"),
-    ("bind:x", f"Invalid --numa 'bind:x': cannot read the node list 'x'; {FORMS}"),
-    ("local:1", f"Invalid --numa 'local:1': 'local' takes no node list; {FORMS}"),
-    ("preferred:0,1", "Invalid --numa 'preferred:0,1': 'preferred' takes one node, e.g. preferred:0."),
+    ("bind:4", "Invalid numa.policy 'bind:4': node 4 does not exist; this machine has nodes 0-3."),
+    ("interleaved", f"Invalid numa.policy 'interleaved': {FORMS} Did you mean 'interleave'?"),
+    ("bind", f"Invalid numa.policy 'bind': 'bind' needs a node, e.g. bind:0; {FORMS}"),
+    ("bind:x", f"Invalid numa.policy 'bind:x': cannot read the node list 'x'; {FORMS}"),
+    ("local:1", f"Invalid numa.policy 'local:1': 'local' takes no node list; {FORMS}"),
+    ("preferred:0,1", "Invalid numa.policy 'preferred:0,1': 'preferred' takes one node, e.g. preferred:0."),
 ])
 def test_policy_errors(four_socket, text, message):
     with pytest.raises(UsageError) as info:
@@ -70,15 +70,15 @@ def test_bind_respects_the_allowed_cpus(two_socket):
     topology = NUMATopology.from_sysfs(two_socket)
     allowed = set(range(0, 10))  # e.g. a cgroup gave this process 10 CPUs of node 0
     assert resolve_placement("bind:0", None, None, topology, allowed).cpus == tuple(range(10))
-    with pytest.raises(UsageError, match=r"^Invalid --numa 'bind:1': none of the CPUs this process may use are on "
+    with pytest.raises(UsageError, match=r"^Invalid numa.policy 'bind:1': none of the CPUs this process may use are on "
                                          r"node\(s\) 1\.$"):
         resolve_placement("bind:1", None, None, topology, allowed)
 
 
 @pytest.mark.parametrize("cpus, threads, message", [
-    ("0-99", None, "Invalid --cpus '0-99': CPU 96 is outside the CPUs this process may use (0-95)."),
-    ("a-b", None, "Invalid --cpus 'a-b': expected a CPU list such as 0-15,32-47."),
-    (None, 0, "Invalid --threads 0: expected a positive integer."),
+    ("0-99", None, "Invalid numa.cpus '0-99': CPU 96 is outside the CPUs this process may use (0-95)."),
+    ("a-b", None, "Invalid numa.cpus 'a-b': expected a CPU list such as 0-15,32-47."),
+    (None, 0, "Invalid numa.threads 0: expected a positive integer."),
 ])
 def test_cpu_and_thread_errors(two_socket, cpus, threads, message):
     topology = NUMATopology.from_sysfs(two_socket)

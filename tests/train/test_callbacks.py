@@ -56,7 +56,7 @@ def test_the_non_finite_guard_stops_before_the_step_is_recorded_or_saved(tmp_pat
     saves = FakeCheckpoints()
     callbacks = [cb.NonFiniteGuard(saves), cb.MetricsLog(run, 1), cb.Checkpoints(saves, 2, None, None)]
     with pytest.raises(TrainingError, match=r"^Loss is nan at step 3: training stopped; the newest good checkpoint "
-                                            r"is ckpt-2\. Try a lower --lr or --precision fp32\.$"):
+                                            r"is ckpt-2\. Try a lower train\.lr or train\.precision fp32\.$"):
         _loop(LoopState(0, 6), callbacks, losses=[1.0, 1.0, float("nan")])
     assert [r["step"] for r in read_jsonl(run.metrics)] == [1, 2]
     assert saves.saved == [2]
