@@ -61,6 +61,23 @@ def _forced_flags(flags: set[str], forced: str) -> set[str]:
     return kept | set(CLASS_FLAGS[forced])
 
 
+def model_name(name: str, family: str, model: str) -> str:
+    """The CPU's model as bigmem keys its tables and tunings on: its name, and where the name has no model
+    number (what a hypervisor shows: "Intel(R) Xeon(R) Processor", "AMD EPYC"), its x86 family and model
+    too, which the hypervisor passes through and which tell CPU generations apart (a Sapphire Rapids Xeon is
+    family 6 model 143, an Emerald Rapids one model 207; their memory and speed tables differ).
+
+    Example:
+        >>> model_name("Intel(R) Xeon(R) Processor", "6", "207")
+        'Intel(R) Xeon(R) Processor (family 6 model 207)'
+        >>> model_name("AMD EPYC 9654 96-Core Processor", "25", "17")
+        'AMD EPYC 9654 96-Core Processor'
+    """
+    if any(c.isdigit() for c in name) or not (family.isdigit() and model.isdigit()):
+        return name
+    return f"{name} (family {family} model {model})"
+
+
 def isa_class(isa: dict[str, bool]) -> str:
     """The most capable ISA class whose defining flag is set, else "baseline".
 
@@ -81,7 +98,8 @@ def isa_class(isa: dict[str, bool]) -> str:
 
 
 def cpu_description(proc_root: str | os.PathLike = "/proc") -> dict[str, Any]:
-    model, flags = platform.processor() or "unknown", set()
+    """This CPU: its model (``model_name``), ISA flags, CPU counts; ``proc_root`` is where cpuinfo is read."""
+    model, flags, signature = platform.processor() or "unknown", set(), {}
     cpuinfo = Path(proc_root) / "cpuinfo"
     if cpuinfo.exists():
         for line in cpuinfo.read_text().splitlines():
@@ -89,8 +107,11 @@ def cpu_description(proc_root: str | os.PathLike = "/proc") -> dict[str, Any]:
             key = key.strip()
             if key == "model name" and model in ("unknown", "", platform.processor()):
                 model = value.strip()
+            elif key in ("cpu family", "model") and key not in signature:
+                signature[key] = value.strip()
             elif key == "flags" and not flags:
                 flags = set(value.split())
+    model = model_name(model, signature.get("cpu family", ""), signature.get("model", ""))
     forced = forced_isa_class()
     if forced is not None:
         flags = _forced_flags(flags, forced)

@@ -22,6 +22,7 @@ from typing import Sequence
 
 from bigmem.atomic import atomic_write_json
 from bigmem.config import tables
+from bigmem.cpu import ISA_CLASSES
 from bigmem.data.synth import default_cache_dir
 from bigmem.sysinfo import NATIVE_BF16_ISA_CLASSES, cpu_description, isa_class
 from bigmem.tfenv import tensorflow_version
@@ -44,11 +45,23 @@ TRAINING_MODES = ("none", "stages")
 SHIPPED: dict[tuple[str, str, str, str], tuple[tuple[int, int, int], ...]] = {}
 SHIPPED_MACHINES: dict[tuple[str, str, str, str], str] = {}  # the same keys: which machine measured each table
 SHIPPED_CPUS: dict[tuple[str, str, str, str], str] = {}  # the same keys: that machine's CPU model
-for (_isa,), _entry in tables.serving(tables.load("training_memory"), "isa_class").items():
-    for _table in _entry["tables"]:
-        _key = (_isa, _table["preset"], _table["precision"], _table["recompute"])
-        SHIPPED[_key], SHIPPED_MACHINES[_key] = knot_tuples(_table), _entry["summary"]
-        SHIPPED_CPUS[_key] = (_entry.get("machine") or {}).get("cpu", "")
+
+
+def serving_tables(entries: dict[str, dict]) -> dict[tuple[str, str, str, str], tuple[dict, dict]]:
+    """``(ISA class, preset, precision, mode) -> (entry, table)``: each training table from the latest entry that
+    measured it (``tables.end_date``; at an equal date the later in the file), so that a second CPU model of a
+    class adds what it measured (resenc-m on an Emerald Rapids Xeon) and keeps the first model's tables for
+    the rest. Each table then names its own CPU (``SHIPPED_CPUS``)."""
+    served = {}
+    for entry in sorted(entries.values(), key=tables.end_date):
+        for table in entry["tables"]:
+            served[(entry["isa_class"], table["preset"], table["precision"], table["recompute"])] = (entry, table)
+    return served
+
+
+for _key, (_entry, _table) in serving_tables(tables.load("training_memory")).items():
+    SHIPPED[_key], SHIPPED_MACHINES[_key] = knot_tuples(_table), _entry["summary"]
+    SHIPPED_CPUS[_key] = (_entry.get("machine") or {}).get("cpu", "")
 for (_isa, _), _entry in tables.serving(tables.load("inference_memory"), "isa_class", "preset").items():
     for _table in _entry["tables"]:
         _key = (_isa, _table["preset"], _table["precision"], INFERENCE_MODE)
@@ -502,9 +515,24 @@ def _source_isa(keys, preset: str, isa: str) -> tuple[str, list[str]]:
     """
     own = sorted({k[0] for k in keys if k[1] == preset})
     if own:
-        return (isa if isa in own else FALLBACK_ISA if FALLBACK_ISA in own else own[0]), own
+        return (isa if isa in own else FALLBACK_ISA if FALLBACK_ISA in own else nearest_class(isa, own)), own
     lending = sorted({k[0] for k in keys if k[1] in _lenders(keys)})
     return (isa if isa in lending else FALLBACK_ISA), lending
+
+
+def nearest_class(isa: str, measured: Sequence[str]) -> str:
+    """The class of ``measured`` nearest to ``isa`` in capability (``bigmem.cpu.ISA_CLASSES``' order; a tie goes
+    to the more capable): resenc-m, measured on amx and avx2, serves avx512_bf16 from amx's table (both
+    AVX-512 with bf16 instructions) and avx512 from avx2's.
+
+    Example:
+        >>> nearest_class("avx512_bf16", ["amx", "avx2"])
+        'amx'
+    """
+    order = [name for name, _ in ISA_CLASSES] + ["baseline"]
+    rank = {name: index for index, name in enumerate(order)}
+    return min(measured, key=lambda name: (abs(rank.get(name, len(order)) - rank.get(isa, len(order))),
+                                           rank.get(name, len(order))))
 
 
 def _measured_presets(keys, isa: str, precision: str, mode: str) -> tuple[str, str, set[str]]:

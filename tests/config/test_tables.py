@@ -40,7 +40,8 @@ def test_every_entry_says_where_it_came_from(name):
 
 def test_training_memory_holds_the_measured_knots():
     entries = tables.load("training_memory")
-    assert set(entries) == {"avx512_bf16-amd-epyc", "amx-intel-xeon", "avx2-amd-epyc"}
+    assert set(entries) == {"avx512_bf16-amd-epyc", "amx-intel-xeon", "avx2-amd-epyc",
+                            "amx-intel-xeon-family-6-model-207"}
     amd = entries["avx512_bf16-amd-epyc"]
     assert (amd["isa_class"], amd["machine"]["cpu"], amd["machine"]["tensorflow"]) == ("avx512_bf16", "AMD EPYC",
                                                                                         "2.21.0")
@@ -73,7 +74,7 @@ def test_the_modules_read_the_tables():
 
     assert SHIPPED[("avx512_bf16", "small", "fp32", "none")][3] == (128, 1_571_291_136, 2_057_447_760)
     assert SHIPPED[("amx", "small", "bf16", "stages")][-1] == (400, 21_264_000_000, 14_986_606_928)
-    assert len([key for key in SHIPPED if key[3] != "inference"]) == 26  # 12 per class, and resenc-m on avx2
+    assert len([key for key in SHIPPED if key[3] != "inference"]) == 28  # 12 per class, and resenc-m on avx2 and amx
     assert SHIPPED_MACHINES[("amx", "small", "bf16", "stages")] == "Intel Xeon 2 vCPU amx, TF 2.21.0, 2026-12-01"
     assert {e["batch_size"] for e in tables.load("training_memory").values()} == {DEFAULTS_BATCH_SIZE}
     assert SHIPPED[("avx512_bf16", "kits19", "fp32", "inference")][-1] == (256, 11_341_398_016, 14_192_655_476)

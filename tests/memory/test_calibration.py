@@ -248,11 +248,16 @@ def test_a_network_measured_on_one_class_takes_its_own_curve_there_and_elsewhere
     own = shipped_calibration("resenc-m", "fp32", "none", isa="avx2")
     assert (own.margin_fraction, own.margin_bytes, own.borrowed) == (0.0, 0, False)
     assert own.knots == [[x, y] for _, x, y in SHIPPED[("avx2", "resenc-m", "fp32", "none")]]
-    elsewhere = shipped_calibration("resenc-m", "fp32", "none", isa="avx512_bf16")
+    elsewhere = shipped_calibration("resenc-m", "fp32", "none", isa="avx512")
     assert elsewhere.knots == own.knots
     assert elsewhere.borrowed is False
-    assert "no default for ISA class avx512_bf16 (measured: avx2)" in elsewhere.source
+    assert "no default for ISA class avx512 (measured: amx, avx2)" in elsewhere.source
     assert elsewhere.margin_fraction == UNMEASURED_MARGIN_FRACTION
+
+
+@pytest.mark.parametrize("isa, nearest", [("avx512_bf16", "amx"), ("avx512", "avx2"), ("baseline", "avx2")])
+def test_a_class_without_the_network_takes_the_nearest_measured_class(isa, nearest):
+    assert shipped_calibration("resenc-m", "fp32", "none", isa=isa).table_isa == nearest
 
 
 def test_a_class_that_measured_one_network_does_not_lend_it():
@@ -263,3 +268,18 @@ def test_a_class_that_measured_one_network_does_not_lend_it():
     assert unknown.table_isa == FALLBACK_ISA
     assert "using resenc-m's" not in unknown.source
     assert unknown.borrowed is True
+
+
+def _entry(date: str, cpu: str, presets_modes: list[tuple[str, str]]) -> dict:
+    knots = [{"volume": 32, "counted_activation_bytes": 1, "overhead_bytes": 2}]
+    return {"isa_class": "amx", "date": date, "machine": {"cpu": cpu},
+            "tables": [{"preset": p, "precision": "fp32", "recompute": m, "knots": knots} for p, m in presets_modes]}
+
+
+def test_a_later_cpu_model_adds_its_tables_and_keeps_the_earlier_ones():
+    from bigmem.memory.calibration import serving_tables
+
+    served = serving_tables({"first": _entry("2026-12-01", "A", [("small", "none"), ("kits19", "none")]),
+                             "second": _entry("2026-12-05", "B", [("resenc-m", "none"), ("kits19", "none")])})
+    assert {key[1]: entry["machine"]["cpu"] for key, (entry, _) in served.items()} == {
+        "small": "A", "kits19": "B", "resenc-m": "B"}
