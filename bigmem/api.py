@@ -1,7 +1,8 @@
 """bigmem as a library: what every subcommand does, callable from a notebook without argparse.
 
-Each ``bigmem`` subcommand parses its flags and calls one function here (or the one below it that
-this module re-exports), so a script can drive the same steps::
+Most ``bigmem`` subcommands parse their flags and call one function here (``bigmem profile``: ``profile``,
+``sweep`` or ``calibrate``), so a script can drive the same steps; tune, export, info, synth and report
+call their library modules directly::
 
     from bigmem import api
 
@@ -33,7 +34,8 @@ if TYPE_CHECKING:  # only for the annotations: importing them here would import 
     from bigmem.memory.budget import Budget
     from bigmem.numa.layouts import Layouts
     from bigmem.memory.planner import Plan
-    from bigmem.memory.profile import Profile
+    from bigmem.memory.calibration import Calibration
+    from bigmem.memory.profile import Profile, ScalingLaw
 
 
 
@@ -525,33 +527,205 @@ def _placement(numa, topology):
 
 
 def profile(config: "ExperimentConfig", shape: Sequence[int] | None = None, *, inference: bool = False,
-            measure: bool = False, steps: int | None = None) -> "Profile":
+            measure: bool = False, steps: int | None = None, budget_bytes: int | None = None, numa=None,
+            topology=None, verbose: bool = False, say: Callable[[str], None] | None = None,
+            progress: Callable[[str], None] | None = None) -> "Profile":
     """The predicted memory of one pass, per component (``bigmem profile``), and the measured peak if asked.
+
+    A training step recomputes the stages ``bigmem train`` would (``memory.recompute`` auto: the fewest that
+    fit the budget). A measurement trains real steps in a child process, so one whose predicted peak exceeds
+    the budget, or with an explicit budget above this machine's memory, is refused before it starts.
 
     Args:
         config: ``resolve_config(...)``.
         shape: ``(D, H, W)`` (default: ``data.shape``, else the preset's reference cube).
-        inference: one whole-volume prediction instead of a training step.
+        inference: one whole-volume prediction instead of a training step (no budget is asked).
         measure: also run it in a child process and read its peak (VmHWM).
         steps: training steps to measure (default ``bigmem.memory.MEASURED_STEPS``).
+        budget_bytes: the budget recompute auto fits and a measurement is checked against (default:
+            ``memory.budget_bytes``, else what the placement can use, else MemAvailable).
+        numa: a ``numa.policy`` text or a resolved ``Placement`` (default: ``config.numa``'s).
+        topology: the machine's NUMA nodes (default: read from sysfs).
+        verbose: TensorFlow's start-up logs.
+        say: called with each note on the budget recompute auto fits, a template whose ``{section.name}``
+            settings ``bigmem.errors.render_fields`` names; progress: with a line before a measurement.
 
     Returns:
-        A ``Profile``: ``estimate.components`` (bytes), ``estimate.predicted_peak_bytes``, and with
-        ``measure`` the ``measurement`` and ``error_pct``.
+        A ``Profile``: ``estimate.components`` (bytes), ``.predicted_peak_bytes``, ``.recompute_stages``, with
+        ``measure`` the ``measurement`` and ``error_pct``; the ``budget`` it resolved (None if none was needed).
+
+    Raises:
+        InsufficientMemoryError: (exit 3) ``measure`` past the budget, or an explicit budget above this machine's.
 
     Example:
         >>> profile(resolve_config("small"), (64, 64, 64)).estimate.predicted_peak_bytes
     """
     from bigmem.memory import MEASURED_STEPS
     from bigmem.memory.estimate import Pass
-    from bigmem.memory.profile import counts_function
+    from bigmem.memory.plans import recompute_stages
     from bigmem.memory.profile import profile as run
+    from bigmem.memory.profile import refuse_unfit_measurement
 
     shape = tuple(shape or config.data.shape or (config.data.reference_volume,) * 3)
     if not inference:
         config = config.updated({"data": {"shape": list(shape)}})
-    return run(config, shape, counts_function(config), pass_=Pass.FORWARD if inference else Pass.TRAIN,
-               do_measure=measure, steps=steps or MEASURED_STEPS)
+    placement, topology = _profile_placement(config, numa, topology)
+    counts_for = _counts_for(config, verbose)
+    if inference:
+        if measure:
+            (progress or _silent)(f"measuring inference at {'x'.join(map(str, shape))} ...")
+        return run(config, shape, counts_for, pass_=Pass.FORWARD, do_measure=measure)
+    auto = config.memory.recompute.value == "auto"
+    budget = _profile_budget(config, budget_bytes, placement, topology) if auto or measure else None
+    if auto and budget.note:
+        (say or _silent)(budget.note)
+    stages = recompute_stages(config, counts_for, shape, budget.budget_bytes if auto else None)
+    if measure:
+        refuse_unfit_measurement(config, counts_for, shape, stages, budget, "{profile.measure}",
+                                 "measure a smaller {profile.shape}")
+    result = run(config, shape, counts_for, do_measure=measure, steps=steps or MEASURED_STEPS,
+                 recompute_stages=stages)
+    return dataclasses.replace(result, budget=budget)
+
+
+@dataclass(frozen=True)
+class SweepResult:
+    """``sweep``'s answer: each size's ``Profile`` (measured), the scaling law fitted to them, and the budget the
+    largest was checked against."""
+
+    profiles: tuple["Profile", ...]
+    scaling_law: "ScalingLaw"
+    budget: "Budget"
+
+
+@dataclass(frozen=True)
+class CalibrationResult:
+    """``calibrate``'s answer: the fitted (and saved) calibration, the measured points it was fitted to, and the
+    budget the largest was checked against."""
+
+    calibration: "Calibration"
+    points: tuple[dict, ...]
+    budget: "Budget"
+
+
+def sweep(config: "ExperimentConfig", shapes: Sequence[Sequence[int] | int], *, steps: int | None = None,
+          budget_bytes: int | None = None, numa=None, topology=None, verbose: bool = False,
+          progress: Callable[[str], None] | None = None) -> SweepResult:
+    """Measure and predict each of ``shapes`` and fit peak = fixed + bytes/voxel x voxels (``bigmem profile
+    --sweep``).
+
+    Args:
+        config: ``resolve_config(...)`` (its ``memory.recompute`` none or stages).
+        shapes: ``(D, H, W)`` shapes (an int N is N^3), each a training step's.
+        steps, budget_bytes, numa, topology, verbose: as ``profile``'s.
+        progress: called with a line before each size is measured (default: silent).
+
+    Returns:
+        A ``SweepResult``.
+
+    Raises:
+        InsufficientMemoryError: (exit 3) the largest size's predicted peak exceeds the budget, or an explicit
+            budget above this machine's memory; nothing is measured then.
+
+    Example:
+        >>> sweep(resolve_config("tiny"), [32, 48]).scaling_law.bytes_per_voxel
+    """
+    from bigmem.memory import MEASURED_STEPS
+    from bigmem.memory.profile import sweep as run
+
+    shapes, counts_for, budget = _measurable(config, shapes, "{sweep.shapes}", budget_bytes, numa, topology,
+                                             verbose)
+    results, law = run(config, shapes, counts_for, steps=steps or MEASURED_STEPS, progress=_measuring(progress))
+    return SweepResult(tuple(results), law, budget)
+
+
+def calibrate(config: "ExperimentConfig", shapes: Sequence[Sequence[int] | int], *, steps: int | None = None,
+              budget_bytes: int | None = None, numa=None, topology=None, verbose: bool = False,
+              progress: Callable[[str], None] | None = None) -> CalibrationResult:
+    """Measure ``shapes`` and fit this machine's calibration for the config's preset, precision and recompute
+    (``bigmem profile --calibrate``); it is saved, and later estimates use it.
+
+    Args:
+        config: ``resolve_config(...)`` (its ``memory.recompute`` none or stages).
+        shapes: ``(D, H, W)`` shapes (an int N is N^3), each a training step's.
+        steps, budget_bytes, numa, topology, verbose: as ``profile``'s.
+        progress: called with a line before each size is measured (default: silent).
+
+    Returns:
+        A ``CalibrationResult``.
+
+    Raises:
+        InsufficientMemoryError: (exit 3) as ``sweep``'s.
+        UsageError: some sizes recompute stages and others none.
+
+    Example:
+        >>> calibrate(resolve_config("tiny"), [32, 64, 96]).calibration.activation_scale
+    """
+    from bigmem.memory import MEASURED_STEPS
+    from bigmem.memory.profile import calibrate as run
+
+    shapes, counts_for, budget = _measurable(config, shapes, "{calibrate.shapes}", budget_bytes, numa, topology,
+                                             verbose)
+    calibration, points = run(config, shapes, counts_for, steps=steps or MEASURED_STEPS,
+                              progress=_measuring(progress))
+    return CalibrationResult(calibration, tuple(points), budget)
+
+
+def _silent(line: str) -> None:
+    """A callback that says nothing."""
+
+
+def _measuring(progress: Callable[[str], None] | None) -> Callable[[tuple], None]:
+    """``memory.profile``'s per-shape progress as ``progress``'s line."""
+    from bigmem.units import format_shape
+
+    return lambda shape: (progress or _silent)(f"measuring {format_shape(shape)} ...")
+
+
+def _measurable(config, shapes, what, budget_bytes, numa, topology, verbose) -> tuple:
+    """(the shapes, the network's counts, the budget) for measuring ``shapes``, after refusing (exit 3) a largest
+    shape whose predicted peak exceeds the budget; ``what`` names the setting that asked for them."""
+    from bigmem.memory.profile import refuse_unfit_measurement
+    from bigmem.units import as_shape
+
+    shapes = [as_shape(shape) for shape in shapes]
+    placement, topology = _profile_placement(config, numa, topology)
+    counts_for = _counts_for(config, verbose)
+    budget = _profile_budget(config, budget_bytes, placement, topology)
+    refuse_unfit_measurement(config, counts_for, max(shapes, key=math.prod), None, budget, what,
+                             f"give {what} smaller sizes")
+    return shapes, counts_for, budget
+
+
+def _profile_placement(config, numa, topology) -> tuple:
+    """(the placement ``numa`` or else ``config.numa`` asks for, resolved and checked; the topology)."""
+    from bigmem.numa.policy import resolve_placement
+    from bigmem.numa.topology import NUMATopology
+
+    topology = topology or NUMATopology.from_sysfs()
+    if numa is None:
+        numa = resolve_placement(config.numa.policy, config.numa.cpus, config.numa.threads, topology,
+                                 set(os.sched_getaffinity(0)))
+    return _placement(numa, topology), topology
+
+
+def _counts_for(config, verbose: bool) -> Callable:
+    """``memory.profile.counts_function(config)``, TensorFlow imported first (quietly unless ``verbose``)."""
+    from bigmem.tfenv import import_tensorflow
+
+    import_tensorflow(verbose=verbose)  # before anything imports Keras
+    from bigmem.memory.profile import counts_function
+
+    return counts_function(config)
+
+
+def _profile_budget(config, budget_bytes, placement, topology) -> "Budget":
+    """The budget ``profile``, ``sweep`` and ``calibrate`` fit: ``budget_bytes``, else ``memory.budget_bytes``,
+    else ``memory.budget.resolve_budget``'s rule; an explicit one named as its setting."""
+    from bigmem.memory.budget import EXPLICIT_FIELD, resolve_budget
+
+    explicit = budget_bytes if budget_bytes is not None else config.memory.budget_bytes
+    return resolve_budget(explicit, flag=EXPLICIT_FIELD, placement=placement, topology=topology)
 
 
 def compare(request, *, progress: Callable[[str], None] | None = None, generating=None, verbose: bool = False):
@@ -611,5 +785,6 @@ def convert(source, out: str | os.PathLike, *, images: Sequence[str] = (), label
     return run(dataset, out, **options)
 
 
-__all__ = ["PlanResult", "auto_preset", "compare", "configure", "convert", "evaluate", "plan", "planned_preset",
-           "predict", "preset_for", "profile", "resolve_config", "train", "train_per_node"]
+__all__ = ["CalibrationResult", "PlanResult", "SweepResult", "auto_preset", "calibrate", "compare", "configure",
+           "convert", "evaluate", "plan", "planned_preset", "predict", "preset_for", "profile", "resolve_config",
+           "sweep", "train", "train_per_node"]

@@ -21,7 +21,7 @@ from bigmem.units import format_bytes, parse_bytes
 FLAG_NAMES = {"data.store": "--data", "model.name": "--model", "numa.policy": "--numa",
               "memory.budget_bytes": "--memory-budget", "numa.threads": "--threads",
               "train.run_dir": "--out", "export.out": "-o", "predict.validation": "--val",
-              "calibrate.shapes": "--calibrate", "output.path": "--out"}
+              "calibrate.shapes": "--calibrate", "sweep.shapes": "--sweep", "output.path": "--out"}
 UNIT_SUFFIXES = ("_bytes", "_s")
 
 

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import os
 
 from bigmem.cli.common import (
     add_budget_flag,
@@ -131,122 +129,39 @@ def _checked(args):
 def run(args) -> int:
     # Every flag is checked before TensorFlow is imported (seconds) or anything is computed.
     config, shape, volumes = _checked(args)
-    inference = getattr(args, "inference", False)
-    from bigmem.numa.policy import resolve_placement  # validate here; the measuring child applies it
-    from bigmem.numa.topology import NUMATopology
-
-    topology = NUMATopology.from_sysfs()
-    placement = resolve_placement(config.numa.policy, config.numa.cpus, config.numa.threads, topology,
-                                  set(os.sched_getaffinity(0)))
-
-    from bigmem.tfenv import import_tensorflow
-
-    import_tensorflow(verbose=getattr(args, "verbose", False))  # quietly, before anything imports Keras
     from rich.console import Console
 
-    from bigmem.memory import profile as memory_profile
+    from bigmem import api
+    from bigmem.cli.common import flag_for
+    from bigmem.errors import render_fields
 
-    counts_for = memory_profile.counts_function(config)
-    if inference:
-        return _inference(args, config, shape, counts_for)
-    console = Console(soft_wrap=True)
     status = Console(soft_wrap=True, stderr=True)  # progress goes to stderr: stdout may be --json
-    show = _Printer(console, config)
-    if volumes:  # the measured runs train for real: refuse one that cannot fit first
-        _refuse_unfit_measurement(config, counts_for, max(volumes, key=math.prod), None, budget_arguments(args),
-                                  placement, topology, "--calibrate" if args.calibrate else "--sweep")
-        return _measure_sizes(args, config, volumes, counts_for, show, status)
-    stages = _stages(args, config, counts_for, placement, topology, shape, status)
-    if args.measure:
-        _refuse_unfit_measurement(config, counts_for, shape, stages, budget_arguments(args), placement, topology,
-                                  "--measure")
-    result = memory_profile.profile(config, shape, counts_for, do_measure=args.measure, steps=args.steps,
-                                    recompute_stages=stages)
-    if args.json:
-        print(json.dumps(result.to_dict(), indent=2))
-    else:
-        show.profile(result)
-    return 0
+    settings = {"budget_bytes": budget_arguments(args)[0], "verbose": getattr(args, "verbose", False),
+                "progress": lambda line: status.print(line, style="dim")}
+    if volumes and args.calibrate:
+        calibrated = api.calibrate(config, volumes, steps=args.steps, **settings)
+        return _show(args, config, {"calibration": calibrated.calibration.to_dict(), "points": calibrated.points},
+                     lambda show: show.calibration(calibrated.calibration, calibrated.points))
+    if volumes:
+        swept = api.sweep(config, volumes, steps=args.steps, **settings)
+        return _show(args, config, {"points": [r.to_dict() for r in swept.profiles],
+                                    "scaling_law": swept.scaling_law.to_dict()},
+                     lambda show: show.sweep(swept.profiles, swept.scaling_law))
+    say = lambda note: status.print(render_fields(note, flag_for), style="yellow")  # noqa: E731
+    result = api.profile(config, shape, inference=getattr(args, "inference", False), measure=args.measure,
+                         steps=args.steps, say=say, **settings)
+    return _show(args, config, result.to_dict(), lambda show: show.profile(result))
 
 
-def _measure_sizes(args, config, volumes, counts_for, show, status) -> int:
-    """``--calibrate`` (a fitted calibration) or ``--sweep`` (a scaling law): each size measured in a child."""
-    from bigmem.memory import profile as memory_profile
-
-    progress = lambda v: status.print(f"measuring {format_shape(v)} ...", style="dim")  # noqa: E731
-    if args.calibrate:
-        calibration, points = memory_profile.calibrate(config, volumes, counts_for, steps=args.steps, progress=progress)
-        if args.json:
-            print(json.dumps({"calibration": calibration.to_dict(), "points": points}, indent=2))
-        else:
-            show.calibration(calibration, points)
-        return 0
-    results, law = memory_profile.sweep(config, volumes, counts_for, steps=args.steps, progress=progress)
-    if args.json:
-        print(json.dumps({"points": [r.to_dict() for r in results], "scaling_law": law.to_dict()}, indent=2))
-    else:
-        show.sweep(results, law)
-    return 0
-
-
-def _inference(args, config, shape, counts_for) -> int:
-    """``--inference``: the whole-volume prediction's breakdown (and its measured peak)."""
+def _show(args, config, data: dict, table) -> int:
+    """Print ``data`` as JSON with ``--json``, else ``table(printer)``; 0."""
     from rich.console import Console
 
-    from bigmem.memory.estimate import Pass
-    from bigmem.memory.profile import profile
-
-    if args.measure:
-        Console(soft_wrap=True, stderr=True).print(f"measuring inference at {'x'.join(map(str, shape))} ...",
-                                                   style="dim")
-    result = profile(config, shape, counts_for, pass_=Pass.FORWARD, do_measure=args.measure)
     if args.json:
-        print(json.dumps(result.to_dict(), indent=2))
+        print(json.dumps(data, indent=2))
     else:
-        _Printer(Console(soft_wrap=True), config).profile(result)
+        table(_Printer(Console(soft_wrap=True), config))
     return 0
-
-
-def _refuse_unfit_measurement(config, counts_for, shape, stages, budget_flag, placement, topology, what) -> None:
-    """Refuse (exit 3) measuring a ``shape`` whose predicted training peak exceeds the memory budget,
-    or with an explicit budget above the machine's memory.
-
-    The measured run trains real steps in a child process; without this, ``--measure`` at 1024^3
-    started synthesising its store and training until it ran out of memory.
-    """
-    from bigmem.errors import InsufficientMemoryError
-    from bigmem.memory.budget import check_budget_within_machine, resolve_budget
-    from bigmem.memory.profile import profile
-    from bigmem.units import format_bytes
-
-    explicit, flag = budget_flag
-    budget = resolve_budget(explicit, flag=flag, placement=placement, topology=topology)
-    check_budget_within_machine(budget)
-    sized = config.updated({"data": {"shape": list(shape)}})
-    estimate = profile(sized, shape, counts_for, recompute_stages=stages).estimate
-    peak = estimate.predicted_peak_bytes
-    if peak > budget.budget_bytes:
-        raise InsufficientMemoryError(
-            f"{what} would train {config.model.name} at {format_shape(shape)} x batch {estimate.batch_size} "
-            f"({estimate.precision}): predicted peak {format_bytes(peak)} exceeds the memory budget "
-            f"{format_bytes(budget.budget_bytes)} ({budget.source}). Drop {what} for the estimate alone, or "
-            f"{'measure a smaller --shape' if what == '--measure' else f'give {what} smaller sizes'}.",
-            peak, budget.budget_bytes)
-
-
-def _stages(args, config, counts_for, placement, topology, shape, status) -> list[str]:
-    """The recomputed stages, as ``bigmem train`` chooses them (auto: the fewest that fit the budget)."""
-    from bigmem.memory.budget import resolve_budget
-    from bigmem.memory.plans import recompute_stages
-
-    budget = None
-    if args.recompute == "auto":
-        explicit, flag = budget_arguments(args)
-        resolved = resolve_budget(explicit, flag=flag, placement=placement, topology=topology)
-        if resolved.note:
-            status.print(resolved.note, style="yellow")
-        budget = resolved.budget_bytes
-    return recompute_stages(config, counts_for, shape, budget)
 
 
 class _Printer:

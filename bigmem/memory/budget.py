@@ -30,6 +30,8 @@ from bigmem.numa.topology import NUMATopology
 from bigmem.units import format_bytes
 
 EXPLICIT_FLAG = "--memory-budget"
+# An explicit budget's source as the library names it: the setting, which the command line renders as its flag.
+EXPLICIT_FIELD = "{memory.budget_bytes}"
 # Policies whose pages stay on the placement's nodes: their free memory is the most a job can use.
 NODE_BOUND_POLICIES = (PolicyKind.BIND, PolicyKind.INTERLEAVE)
 
@@ -81,9 +83,10 @@ def check_budget_within_machine(budget: Budget, *, force: bool = False, machine_
         machine_bytes: MemTotal (default: read now).
 
     Raises:
-        InsufficientMemoryError: an explicit (flag-given) budget exceeds MemTotal, unless ``force``.
+        InsufficientMemoryError: an explicit budget (given by a flag or as ``EXPLICIT_FIELD``) exceeds MemTotal,
+            unless ``force``.
     """
-    if force or not budget.source.startswith("--"):
+    if force or not (budget.source.startswith("--") or budget.source == EXPLICIT_FIELD):
         return
     total = machine_memory_bytes() if machine_bytes is None else int(machine_bytes)
     if budget.budget_bytes > total:
@@ -94,4 +97,4 @@ def check_budget_within_machine(budget: Budget, *, force: bool = False, machine_
             total)
 
 
-__all__ = ["Budget", "EXPLICIT_FLAG", "check_budget_within_machine", "resolve_budget"]
+__all__ = ["Budget", "EXPLICIT_FIELD", "EXPLICIT_FLAG", "check_budget_within_machine", "resolve_budget"]

@@ -21,6 +21,7 @@ from bigmem.memory.calibration import (
 )
 from bigmem.memory.estimate import Estimate, NetworkCounts, Pass, estimate, mode_stages
 from bigmem.memory.measure import Measurement, measure
+from bigmem.memory.records import Budget
 from bigmem.memory.plans import recompute_stages as choose_stages
 from bigmem.memory.speed import measured_rate, recomputed_share
 from bigmem.units import as_shape
@@ -49,12 +50,15 @@ def stages_for(config: ExperimentConfig, counts: NetworkCounts) -> list[str]:
     return mode_stages(config.memory.recompute, counts)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Profile:
-    """``bigmem profile``'s result for one shape: the estimate, and the measured peak when asked for."""
+    """``bigmem profile``'s result for one shape: the estimate, the measured peak when asked for, and the
+    budget the recomputed stages were chosen for or the measurement was checked against (None when neither
+    needed one)."""
 
     estimate: Estimate
     measurement: Measurement | None
+    budget: Budget | None = None
 
     @property
     def error_pct(self) -> float | None:
@@ -112,6 +116,39 @@ def profile(config: ExperimentConfig, shape: Sequence[int], counts_for, *, pass_
     predicted = estimate(config, counts, shape, recompute_stages=stages)
     measured = measure(config, steps=steps, recompute_stages=stages) if do_measure else None
     return Profile(predicted, measured)
+
+
+def refuse_unfit_measurement(config: ExperimentConfig, counts_for, shape: Sequence[int], stages: list[str] | None,
+                             budget: Budget, what: str, advice: str) -> None:
+    """Refuse (exit 3) measuring a training step at ``shape`` whose predicted peak exceeds ``budget``, or an
+    explicit budget above this machine's memory: the measured run trains real steps in a child process.
+
+    Args:
+        config: the job.
+        counts_for: ``counts_function(config)``.
+        shape: the largest shape to be measured.
+        stages: the stages it recomputes (default: ``memory.plans.recompute_stages``'s).
+        budget: ``memory.budget.resolve_budget(...)``.
+        what: the setting that asks for the measurement, as a ``{section.name}`` placeholder.
+        advice: what to give instead, the end of the message's last sentence.
+
+    Raises:
+        InsufficientMemoryError: the predicted peak exceeds the budget, or the budget the machine.
+    """
+    from bigmem.errors import InsufficientMemoryError
+    from bigmem.memory.budget import check_budget_within_machine
+    from bigmem.units import format_bytes, format_shape
+
+    check_budget_within_machine(budget)
+    shape = tuple(shape)
+    predicted = profile(_with_shape(config, shape), shape, counts_for, recompute_stages=stages).estimate
+    peak = predicted.predicted_peak_bytes
+    if peak > budget.budget_bytes:
+        raise InsufficientMemoryError(
+            f"{what} would train {config.model.name} at {format_shape(shape)} x batch {predicted.batch_size} "
+            f"({predicted.precision}): predicted peak {format_bytes(peak)} exceeds the memory budget "
+            f"{format_bytes(budget.budget_bytes)} ({budget.source}). Drop {what} for the estimate alone, or "
+            f"{advice}.", peak, budget.budget_bytes)
 
 
 def _with_shape(config: ExperimentConfig, shape: Sequence[int]) -> ExperimentConfig:

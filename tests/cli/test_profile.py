@@ -129,6 +129,19 @@ def test_profile_errors(capsys, argv, code, message):
     assert err.strip() == f"bigmem profile: error: {message}"
 
 
+@pytest.mark.parametrize("argv, ending", [
+    (["--volume", "512", "--measure"], "(--memory-budget). Drop --measure for the estimate alone, or measure a "
+                                       "smaller --shape."),
+    (["--sweep", "16,512"], "(--memory-budget). Drop --sweep for the estimate alone, or give --sweep smaller sizes."),
+    (["--calibrate", "16,512"], "(--memory-budget). Drop --calibrate for the estimate alone, or give --calibrate "
+                                "smaller sizes."),
+])
+def test_profile_refuses_an_unfit_measurement_naming_its_flags(capsys, argv, ending):
+    got, _, err = run_cli(["profile", "--model", "tiny", "--memory-budget", "1GiB", *argv], capsys)
+    assert got == 3
+    assert err.strip().endswith(ending)
+
+
 @pytest.mark.slow
 def test_profile_measure_against_prediction(capsys, measured_once):
     code, out, err = run_cli(["profile", "--model", "tiny", "--volume", 32, "--measure", "--steps", 2, "--json"],
