@@ -33,7 +33,7 @@ if TYPE_CHECKING:  # only for the annotations: importing them here would import 
     from bigmem.config.schema import ExperimentConfig
     from bigmem.memory.budget import Budget
     from bigmem.numa.layouts import Layouts
-    from bigmem.memory.planner import Plan
+    from bigmem.memory.search import Plan
     from bigmem.memory.calibration import Calibration
     from bigmem.memory.profile import Profile, ScalingLaw
 
@@ -311,7 +311,7 @@ def predict(run_dir: str | os.PathLike | Sequence[str | os.PathLike], source: st
     Example:
         >>> results = list(predict("runs/demo", "imagesTs", "predictions"))
     """
-    from bigmem.infer.plan import mode_chooser
+    from bigmem.infer.mode import mode_chooser
     from bigmem.infer.predict import predict as run
 
     choose = mode_chooser(mode, budget_bytes, flag=budget_flag, ignore_plan=ignore_plan, console=console)
@@ -505,7 +505,7 @@ def _with_experiment(experiment, planned, out) -> tuple:
 
 def _budget_notes(budget: "Budget", inference: bool) -> tuple[str, ...]:
     """What to tell the user about ``budget``: capped by the placement, or above this machine's memory."""
-    from bigmem.memory.planner import machine_memory_bytes
+    from bigmem.memory.search import machine_memory_bytes
     from bigmem.units import format_bytes
 
     notes = (budget.note,) if budget.note else ()

@@ -5,7 +5,7 @@ of its own) runs in a child: the parent writes the request as a JSON file, start
 ``python -m MODULE REQUEST.json``, and reads the result from the child's last line of stdout,
 one JSON object; a child that fails is reported with the last line of its stderr. Its users:
 ``memory/measure.py`` runs the probe (``train/probe.py``: a training run or a whole-volume
-prediction), ``compare/run.py`` each run of a comparison (``compare/child.py``), and the
+prediction), ``compare/run.py`` each run of a comparison (``compare/runner.py``), and the
 benchmarks' harness its children; each child's ``main`` is ``serve``.
 """
 

@@ -249,7 +249,7 @@ def test_dotted_names_of_code_exist():
     ("memory.budget.job_plan", "bigmem/memory/budget.py defines no job_plan"),
     ("sysinfo.isa_class", "bigmem/sysinfo.py defines no isa_class"),
     ("nets.UNet3D", "bigmem/nets/__init__.py defines no UNet3D"),
-    ("memory.planner.Plan.no_method", "bigmem/memory/planner.py has no Plan.no_method"),
+    ("memory.search.Plan.no_method", "bigmem/memory/search.py has no Plan.no_method"),
     ("memory.plans.plan_job", None),
     ("cpu.isa_class", None),
     ("config.train.precision", None),

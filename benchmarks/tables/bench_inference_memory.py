@@ -52,7 +52,7 @@ from bigmem.memory.budget import resolve_budget
 from bigmem.memory.calibration import Calibration, machine_cpu_model, knots_from, machine_isa_class, tensorflow_version
 from bigmem.memory.estimate import Pass, estimate
 from bigmem.memory.measure import measure
-from bigmem.memory.planner import available_memory_bytes
+from bigmem.memory.search import available_memory_bytes
 from bigmem.memory.plans import plan_inference
 from bigmem.memory.profile import counts_function
 from bigmem.nets.limits import LIMIT_ENVIRONMENT_VARIABLE, kernel_element_limit

@@ -65,7 +65,7 @@ from bigmem.memory.calibration import (
 )
 from bigmem.memory.estimate import estimate
 from bigmem.memory.measure import measure
-from bigmem.memory.planner import available_memory_bytes, make_plan
+from bigmem.memory.search import available_memory_bytes, make_plan
 from bigmem.memory.profile import calibration_point, counts_function, stages_for
 from bigmem.memory.records import Budget
 from bigmem.units import format_bytes, parse_bytes

@@ -2,7 +2,7 @@
 
 The question a user brings: what does training on whole volumes in RAM buy over data parallel
 on patches that fit one GPU, and at what cost? Both paths train the same model on the same
-data, each run through ``bigmem.train``'s Python API in a process of its own (``compare/child.py``:
+data, each run through ``bigmem.train``'s Python API in a process of its own (``compare/runner.py``:
 its own peak memory; simulated devices stay in that process):
 
 - ``cpu_bigmem``: whole volumes; evaluated with one whole-volume pass per case;
@@ -238,10 +238,10 @@ def _run_config(config: ExperimentConfig, settings: Settings, seed: int, val_eve
 
 
 def _train(config: ExperimentConfig, run_dir: Path, steps: int | None, time_budget_s: float | None) -> TrainingRun:
-    """Train ``config`` into ``run_dir`` in a process of its own (``compare/child.py``); the run's figures."""
-    # Imported here: ``python -m bigmem.compare.child`` imports this package first, and runpy warns
+    """Train ``config`` into ``run_dir`` in a process of its own (``compare/runner.py``); the run's figures."""
+    # Imported here: ``python -m bigmem.compare.runner`` imports this package first, and runpy warns
     # when the module it is to run was imported before it.
-    from bigmem.compare.child import MODULE, RunRequest
+    from bigmem.compare.runner import MODULE, RunRequest
 
     request = RunRequest(config, str(run_dir), steps, time_budget_s)  # never resumed: no periodic checkpoints
     return TrainingRun.from_dict(run_child(MODULE, request.to_dict(),
@@ -433,7 +433,7 @@ def largest_whole_volumes(config: ExperimentConfig, gpu_memory_bytes: int,
     """
     from bigmem.distribute.planning import largest_edge
     from bigmem.memory.budget import resolve_budget
-    from bigmem.memory.planner import MAX_VOLUME
+    from bigmem.memory.search import MAX_VOLUME
     from bigmem.memory.plans import plan_search
     from bigmem.memory.profile import counts_function
 

@@ -15,7 +15,7 @@ from bigmem.config.schema import ExperimentConfig
 from bigmem.data.pipeline import Shape
 from bigmem.memory.calibration import FALLBACK_ISA, recompute_key, shipped_calibration
 from bigmem.memory.estimate import estimate, mode_stages
-from bigmem.memory.planner import largest_fitting
+from bigmem.memory.search import largest_fitting
 from bigmem.units import as_shape
 
 # CUDA context, cuDNN/cuBLAS handles and TensorFlow's GPU runtime: an allowance, not a measurement

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from bigmem.errors import InsufficientMemoryError
 from bigmem.memory.records import Budget as Budget  # re-exported: the budget's type
-from bigmem.memory.planner import (
+from bigmem.memory.search import (
     available_memory_bytes,
     machine_memory_bytes,
 )

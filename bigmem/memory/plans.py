@@ -9,7 +9,7 @@
 - ``plan_layouts``: on a machine of several NUMA nodes, one interleaved process against one
   worker per node, for the chosen candidate.
 
-Each returns a ``memory.planner.Plan``, whose ``to_dict`` (``plan_dict`` with the layouts) is
+Each returns a ``memory.search.Plan``, whose ``to_dict`` (``plan_dict`` with the layouts) is
 plan.json's one schema; ``write_plan`` writes it; ``require_fit`` / ``require_plan`` refuse a plan
 in which nothing fits. The estimates are ``memory.estimate.estimate``'s, in either pass; the
 budget is ``memory.budget.resolve_budget``'s.
@@ -30,7 +30,7 @@ from bigmem.errors import ConfigError, InsufficientMemoryError
 from bigmem.memory.calibration import INFERENCE_MODE, calibration_for
 from bigmem.memory.estimate import NetworkCounts, Pass, estimate, mode_stages
 from bigmem.numa.layouts import evaluate_layouts
-from bigmem.memory.planner import Candidate, Plan, Planner, check_fits, make_plan
+from bigmem.memory.search import Candidate, Plan, Planner, check_fits, make_plan
 from bigmem.memory.records import Budget, CaseRow, ValidationPass
 from bigmem.numa.capacity import check_nodes_fit, interleave_budget
 from bigmem.numa.topology import NUMATopology

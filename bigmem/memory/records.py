@@ -1,6 +1,6 @@
 """The planning records: the budget and the parts of a ``Plan`` beside its candidates, each typed and frozen.
 
-A plan is made whole where it is built (``memory.plans``, ``memory.planner.make_plan``) and changed
+A plan is made whole where it is built (``memory.plans``, ``memory.search.make_plan``) and changed
 only by ``dataclasses.replace``; plan.json is ``Plan.to_dict``, which writes each record as
 ``dataclasses.asdict`` gives it (its fields in order).
 """

@@ -30,7 +30,7 @@ from bigmem.data.derived import augmentation, pad_multiple, with_data_fields
 from bigmem.data.pipeline import VolumeLoader
 from bigmem.distribute.execution import Execution, choose_execution
 from bigmem.errors import UsageError
-from bigmem.memory.planner import Plan
+from bigmem.memory.search import Plan
 from bigmem.numa.policy import Placement
 from bigmem.rundir import RunDir
 from bigmem.tfenv import import_tensorflow

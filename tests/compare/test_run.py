@@ -45,7 +45,7 @@ def test_compare_tiles_and_scores_both_paths_as_their_users_would(tmp_path, tiny
     from helpers import run_cli
 
     # The command in this process (as test_a_refusal_comes_before_any_training runs it): each run still
-    # trains in a process of its own (compare/child.py), the simulated replicas' devices with it.
+    # trains in a process of its own (compare/runner.py), the simulated replicas' devices with it.
     out = tmp_path / "cmp"
     code, stdout, stderr = run_cli(["compare", "--model", "tiny", "--data", tiny_store, "--volume", "16",
                                     "--steps", "4", "--equal", "flops", "--val-every", "2", "--simulate-replicas", "2",

@@ -26,7 +26,7 @@ ALL_STAGES = ["enc0", "enc1", "enc2", "enc3", "dec2", "dec1", "dec0"]  # small: 
 @pytest.fixture(autouse=True)
 def fixed_calibration(monkeypatch):
     monkeypatch.setattr("bigmem.memory.estimate.calibration_for", lambda preset, precision, mode: FIXED)
-    monkeypatch.setattr("bigmem.memory.planner.calibration_for", lambda preset, precision, mode: FIXED)
+    monkeypatch.setattr("bigmem.memory.search.calibration_for", lambda preset, precision, mode: FIXED)
 
 
 @pytest.fixture

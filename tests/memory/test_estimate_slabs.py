@@ -54,7 +54,7 @@ def test_stages_past_the_limit_and_their_workspace(counts):
 
 
 def test_a_plane_too_wide_for_any_slab_is_not_runnable(counts):
-    from bigmem.memory.planner import make_plan
+    from bigmem.memory.search import make_plan
 
     config = resolve_config("tiny")
     plane = counts.largest_tensor // 32  # the widest tensor's depth plane at 32^3

@@ -1,5 +1,5 @@
 """``memory.plans``: the planning API's own rules (plan_job, plan_search and plan_inference are also tested in
-test_budget.py, test_planner.py and test_inference.py)."""
+test_budget.py, test_search.py and test_inference.py)."""
 
 from __future__ import annotations
 

@@ -66,7 +66,7 @@ def test_plan_candidates_carry_a_step_time():
     from bigmem.config import resolve_config
     from bigmem.config.options import Precision, Recompute
     from bigmem.memory.estimate import NetworkCounts
-    from bigmem.memory.planner import Planner
+    from bigmem.memory.search import Planner
     from bigmem.nets.unet3d import UNet3D
 
     model = UNet3D(resolve_config("small").model).build_for()
@@ -87,7 +87,7 @@ def test_a_calibrated_rate_replaces_the_isa_table_for_its_mode(monkeypatch):
     from bigmem.memory import estimate as estimate_module
     from bigmem.memory.calibration import Calibration, shipped_calibration
     from bigmem.memory.estimate import NetworkCounts
-    from bigmem.memory.planner import Planner
+    from bigmem.memory.search import Planner
     from bigmem.nets.unet3d import UNet3D
 
     def lookup(preset, precision, recompute):

@@ -7,7 +7,7 @@ import pytest
 from bigmem.config import resolve_config
 from bigmem.errors import InsufficientMemoryError
 from bigmem.memory.estimate import NetworkCounts
-from bigmem.memory.planner import make_plan
+from bigmem.memory.search import make_plan
 from bigmem.memory.records import Budget
 from bigmem.nets.unet3d import UNet3D
 from bigmem.numa.capacity import check_nodes_fit, placement_budget

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from bigmem.compare.child import MODULE, STEPS_UNTIL_TIME_BUDGET, RunRequest, summarize
+from bigmem.compare.runner import MODULE, STEPS_UNTIL_TIME_BUDGET, RunRequest, summarize
 from bigmem.compare.run import GpuMemory, Settings, _run_config, _train
 from bigmem.config.presets import resolve_config
 from bigmem.errors import BigmemError, UsageError
@@ -76,4 +76,4 @@ def test_a_failed_run_is_reported_with_the_child_s_error(config, tmp_path):
     with pytest.raises(BigmemError, match=r"^Training cpu_bigmem/seed-0 failed in the child process \(exit 1\): "
                                           r"bigmem.errors.TrainingError: Run directory .* is a file, not a folder"):
         _train(config, tmp_path / "cpu_bigmem" / "seed-0", steps=2, time_budget_s=None)
-    assert MODULE == "bigmem.compare.child"
+    assert MODULE == "bigmem.compare.runner"

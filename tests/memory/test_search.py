@@ -7,10 +7,10 @@ import pytest
 from bigmem.config import resolve_config
 from bigmem.config.options import Precision, Recompute
 from bigmem.errors import InsufficientMemoryError
-from bigmem.memory import planner as planner_module
+from bigmem.memory import search as planner_module
 from bigmem.memory.calibration import Calibration
 from bigmem.memory.estimate import NetworkCounts, estimate
-from bigmem.memory.planner import Planner, cheapest_fix, check_fits, make_plan
+from bigmem.memory.search import Planner, cheapest_fix, check_fits, make_plan
 from bigmem.memory.records import Budget
 from bigmem.nets.unet3d import UNet3D
 
@@ -164,7 +164,7 @@ def test_available_memory_is_memavailable():
 
 
 def test_without_native_bf16_the_plan_and_suggestions_keep_fp32(monkeypatch):
-    from bigmem.memory.planner import FP32_MODES, MODES, allowed_modes
+    from bigmem.memory.search import FP32_MODES, MODES, allowed_modes
 
     model = UNet3D(resolve_config("small").model).build_for()
 
@@ -187,7 +187,7 @@ def test_without_native_bf16_the_plan_and_suggestions_keep_fp32(monkeypatch):
 
 
 def test_largest_fitting_is_the_last_k_that_fits():
-    from bigmem.memory.planner import largest_fitting
+    from bigmem.memory.search import largest_fitting
 
     tried = []
 

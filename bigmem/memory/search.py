@@ -1,4 +1,4 @@
-"""The planner: the largest whole volume (then batch) whose predicted peak fits a budget.
+"""The search (the planner): the largest whole volume (then batch) whose predicted peak fits a budget; its records.
 
 It chooses between fp32 and bf16 and between keeping and recomputing stage activations, in
 that order of preference (cheaper in compute first), and records every candidate it evaluated.

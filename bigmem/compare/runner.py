@@ -1,6 +1,6 @@
-"""Child process that trains one of ``bigmem compare``'s runs and returns its figures.
+"""The process that trains one of ``bigmem compare``'s runs and returns its figures.
 
-Run as ``python -m bigmem.compare.child REQUEST.json`` by ``compare.run`` through the one child
+Run as ``python -m bigmem.compare.runner REQUEST.json`` by ``compare.run`` through the one child
 protocol (``bigmem.child``); prints one JSON line, a ``TrainingRun``. Each run has a process of its
 own: its peak memory is its own, and the data-parallel path's logical CPU devices, which
 TensorFlow sets up once per process, never meet the whole-volume path.
@@ -19,7 +19,7 @@ from bigmem.config.schema import ExperimentConfig
 from bigmem.errors import TrainingError, UsageError
 from bigmem.rundir import RunDir
 
-MODULE = "bigmem.compare.child"
+MODULE = "bigmem.compare.runner"
 # train's length is steps (or epochs); a run that is to stop at its time budget alone needs a step
 # count that budget always reaches first. The learning-rate schedule decays over it, so after the
 # warmup these runs train at the peak rate, as compare's runs always have.
@@ -133,7 +133,7 @@ def train_run(values: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m bigmem.compare.child REQUEST.json``: ``train_run``'s result as one JSON line (``child.serve``)."""
+    """``python -m bigmem.compare.runner REQUEST.json``: ``train_run``'s result as one JSON line (``child.serve``)."""
     return serve(train_run, argv)
 
 
