@@ -138,8 +138,7 @@ def plan_job(config: ExperimentConfig, counts_for: CountsFor, budget: Budget, *,
     shape = tuple(int(s) for s in shape)
     planner = Planner(config, counts_for, budget.budget_bytes)
     stages = list(recompute_stages(config, counts_for, shape, planner=planner) if stages is None else stages)
-    table = case_table(config, counts_for, budget, cases, stages) if cases else None
-    candidate = _job_candidate(planner, config, shape, stages, table)
+    candidate, table = _job_candidate(planner, config, counts_for, budget, shape, stages, cases)
     shape = candidate.shape
     predicted = candidate.estimate
     validation = None
@@ -155,22 +154,28 @@ def plan_job(config: ExperimentConfig, counts_for: CountsFor, budget: Budget, *,
                 validation=validation, precision_note=planner.precision_note(candidate))
 
 
-def _job_candidate(planner: Planner, config: ExperimentConfig, shape: tuple[int, ...], stages: list[str],
-                   table: tuple[CaseRow, ...] | None) -> Candidate:
-    """The fixed job's candidate: its step at ``shape``, or at batch 1 over a store's cases, at the case whose
-    step peaks highest (not only the largest: ``table``).
+def _job_candidate(planner: Planner, config: ExperimentConfig, counts_for: CountsFor, budget: Budget,
+                   shape: tuple[int, ...], stages: list[str],
+                   cases: Sequence[CaseShape]) -> tuple[Candidate, tuple[CaseRow, ...] | None]:
+    """The fixed job's candidate and the store's case table (None without ``cases``): the step at ``shape``, or
+    at batch 1 over a store's cases, at the case whose step peaks highest (not only the largest).
 
     A step ``recompute_stages`` already evaluated (auto's last try) is taken as it is; the step at the
-    largest case, evaluated only to compare, leaves the planner's candidates when another case decides.
+    largest case, evaluated only to compare, leaves the planner's candidates when another case decides. The
+    table takes the step's estimate for the cases that train at its shape instead of estimating it again.
     """
     candidate, new = _job_step(planner, config, shape, stages)
-    if table and config.train.batch_size == 1:
+    if not cases:
+        return candidate, None
+    table = case_table(config, counts_for, budget, cases, stages,
+                       known={candidate.shape: candidate.estimate.predicted_peak_bytes})
+    if config.train.batch_size == 1:
         worst = max(table, key=lambda c: c.predicted_peak_bytes)
         if worst.predicted_peak_bytes > candidate.predicted_peak_bytes:
             if new:
                 planner.candidates.remove(candidate)
             candidate, _ = _job_step(planner, config, tuple(worst.padded_shape), stages)
-    return candidate
+    return candidate, table
 
 
 def _job_step(planner: Planner, config: ExperimentConfig, shape: tuple[int, ...],
@@ -225,12 +230,13 @@ def _refuse(config: ExperimentConfig, counts_for: CountsFor, budget: Budget, pre
 
 
 def case_table(config: ExperimentConfig, counts_for: CountsFor, budget: Budget, cases: Sequence[CaseShape],
-               stages: Sequence[str]) -> tuple[CaseRow, ...]:
+               stages: Sequence[str], *, known: dict[tuple, int] | None = None) -> tuple[CaseRow, ...]:
     """Per case: its shape, the shape it trains at, the predicted peak of a step of ``train.batch_size`` of it, fits.
 
-    Cases of one trained shape share one estimate (a store of 484 scans has far fewer shapes).
+    Cases of one trained shape share one estimate (a store of 484 scans has far fewer shapes); ``known`` gives
+    the peaks of trained shapes already estimated (the job's own step), which are not estimated again.
     """
-    peaks: dict[tuple, int] = {}
+    peaks: dict[tuple, int] = dict(known or {})
     rows = []
     for case in cases:
         trained = tuple(case.trained_shape)

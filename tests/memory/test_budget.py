@@ -330,3 +330,18 @@ def test_a_budget_above_the_machine_is_refused_unless_forced():
     check_budget_within_machine(Budget(3 * 2**39, "--memory-budget"), force=True, machine_bytes=24 * GIB)
     check_budget_within_machine(Budget(3 * 2**39, "MemAvailable"), machine_bytes=24 * GIB)  # not the user's
     check_budget_within_machine(Budget(20 * GIB, "--memory-budget"), machine_bytes=24 * GIB)
+
+
+def test_the_case_table_takes_the_jobs_step_instead_of_estimating_it_again(counts_for, monkeypatch):
+    from bigmem.memory import plans
+    from bigmem.memory.plans import CaseShape
+
+    cases = [CaseShape("a", (64, 64, 40), (64, 64, 40)), CaseShape("b", (64, 64, 80), (64, 64, 80))]
+    config = resolve_config("small", {"train": {"batch_size": 1}})
+    expected = [estimate(config, counts_for(tuple(c.trained_shape)), tuple(c.trained_shape)).predicted_peak_bytes
+                for c in cases]
+    calls = []
+    monkeypatch.setattr(plans, "estimate", lambda *a, **k: calls.append(a[2]) or estimate(*a, **k))
+    plan = plan_job(config, counts_for, Budget(64 * 2**30, "--memory-budget"), shape=(64, 64, 80), cases=cases)
+    assert [row.predicted_peak_bytes for row in plan.cases] == expected
+    assert calls == [(64, 64, 40)]  # the larger case is the job's own step, estimated once by the planner
