@@ -1,8 +1,9 @@
 """bigmem as a library: what every subcommand does, callable from a notebook without argparse.
 
-Most ``bigmem`` subcommands parse their flags and call one function here (``bigmem profile``: ``profile``,
-``sweep`` or ``calibrate``), so a script can drive the same steps; tune, export, info, synth and report
-call their library modules directly::
+Every ``bigmem`` subcommand parses its flags, calls one function here and prints what it returns (``bigmem
+profile``: ``profile``, ``sweep`` or ``calibrate``; ``bigmem tune``: ``tune``, or ``machine_tuning`` with
+``--show``), so a script can drive the same steps. The functions never print: each returns a record (``info``: a
+dict) and reports long work through optional callbacks (``say``, ``progress``)::
 
     from bigmem import api
 
@@ -13,6 +14,8 @@ call their library modules directly::
     for case in api.predict("runs/brats", "Task01_BrainTumour/imagesTs", "predictions"):
         print(case)
     scores = api.evaluate("predictions", "Task01_BrainTumour/labelsTs")  # per-class Dice and HD95
+    api.export("runs/brats", "brats-model")                              # what predict needs, portable
+    api.report("runs/brats").folder                                      # plots, report.md, report.json
 
 Importing this module imports no TensorFlow; each function imports what it needs when called.
 ``docs/api.md`` runs the whole chain on a small synthetic dataset.
@@ -36,6 +39,8 @@ if TYPE_CHECKING:  # only for the annotations: importing them here would import 
     from bigmem.memory.search import Plan
     from bigmem.memory.calibration import Calibration
     from bigmem.memory.profile import Profile, ScalingLaw
+    from bigmem.infer.export import Exported
+    from bigmem.nets.tuning import Tuning
 
 
 
@@ -785,6 +790,241 @@ def convert(source, out: str | os.PathLike, *, images: Sequence[str] = (), label
     return run(dataset, out, **options)
 
 
-__all__ = ["CalibrationResult", "PlanResult", "SweepResult", "auto_preset", "calibrate", "compare", "configure",
-           "convert", "evaluate", "plan", "planned_preset", "predict", "preset_for", "profile", "resolve_config",
-           "sweep", "train", "train_per_node"]
+@dataclass(frozen=True)
+class TuneResult:
+    """``tune``'s answer: this machine's tuning after the last pass, the file it is in, and each pass's record
+    (``Tuning.tuned``'s entries: model, shape, precision, batch, seconds, convolutions and those timed, partial)."""
+
+    tuning: "Tuning"
+    path: Path
+    passes: tuple[dict, ...]
+
+
+@dataclass(frozen=True)
+class MachineTuning:
+    """``machine_tuning``'s answer: this machine's key (described), its tuning (None: the shipped tables are in
+    force) and the file it is, or would be, in."""
+
+    key: str
+    tuning: "Tuning | None"
+    path: Path
+
+
+def tune(config: "ExperimentConfig", shape: Sequence[int] | None = None, *, precisions: Sequence[str] | None = None,
+         seconds: float | None = None, measure_memory: bool = True, say: Callable[[str], None] | None = None,
+         progress: Callable[[str, float], None] | None = None) -> TuneResult:
+    """Time this machine's kernel choices at ``config``'s network and shape, and measure its fixed memory
+    (``bigmem tune``); each precision's pass is merged into this machine's tuning file, which later runs read.
+
+    Args:
+        config: ``resolve_config(...)`` (model, batch size, recompute mode; its precision is each pass's).
+        shape: ``(D, H, W)`` of one training volume (default: ``data.shape``, else the preset's reference cube).
+        precisions: the precisions to time, one pass each (default: ``bigmem.tune.default_precisions``: fp32, and
+            bf16 too where the CPU has it natively).
+        seconds: the most seconds each pass may take, memory step included (default
+            ``bigmem.tune.DEFAULT_BUDGET_S``); convolutions left untimed keep the shipped choice.
+        measure_memory: also measure the framework's fixed memory (a training step at the smallest shape).
+        say: called with a line before each pass (network, shape, batch, precision, machine) and one after it
+            (convolutions timed, seconds) (default: silent).
+        progress: called with (what, fraction of the pass done) as each pass goes, from ``("", 0.0)`` at its start
+            to ``("done", 1.0)`` (default: silent).
+
+    Returns:
+        A ``TuneResult``.
+
+    Raises:
+        UsageError: ``seconds`` not a positive, finite number.
+        ConfigError: ``shape`` the network cannot take, or an unknown precision.
+
+    Example:
+        >>> tune(resolve_config("tiny"), (16, 16, 16), precisions=["fp32"], seconds=2).passes[0]["timed"]
+    """
+    from bigmem.config.schema import check_shape
+    from bigmem.nets.tuning import key_here, tuning_path
+    from bigmem.tune import DEFAULT_BUDGET_S, default_precisions
+    from bigmem.tune import tune as run
+
+    if seconds is not None and not 0 < seconds < math.inf:
+        raise UsageError(f"Invalid {{tune.seconds}} {seconds:g}: expected a positive, finite number.")
+    if shape is not None:
+        check_shape("tune.shape", tuple(shape), config.model)
+    shape = tuple(shape or config.data.shape or (config.data.reference_volume,) * 3)
+    say, progress = say or _silent, progress or (lambda what, done: None)
+    tuning, passes = None, []
+    for precision in precisions or default_precisions():
+        sized = config.updated({"train": {"precision": precision}})
+        say(f"tuning {sized.model.name} at {'x'.join(map(str, shape))}, batch {sized.train.batch_size}, {precision} "
+            f"on {key_here().describe()} ...")
+        progress("", 0.0)
+        tuning = run(sized, shape, budget_s=seconds or DEFAULT_BUDGET_S, measure_memory=measure_memory,
+                     progress=progress)
+        last = tuning.tuned[-1]
+        passes.append(last)
+        say(f"  {last['timed']} of {last['convolutions']} convolutions timed in {last['seconds']:.0f} s"
+            + (" (out of time: the rest keep the shipped choice)" if last["partial"] else ""))
+    return TuneResult(tuning, tuning_path(), tuple(passes))
+
+
+def machine_tuning() -> MachineTuning:
+    """This machine's tuning as the layers and the planner read it (``bigmem tune --show``); nothing is timed.
+
+    Returns:
+        A ``MachineTuning``: its ``tuning`` (``describe()``, ``summary()``) is None where this machine is not tuned.
+
+    Example:
+        >>> machine_tuning().tuning is None  # never tuned here: the shipped tables are in force
+        True
+    """
+    from bigmem.nets.tuning import key_here, load_tuning, tuning_path
+
+    return MachineTuning(key_here().describe(), load_tuning(), tuning_path())
+
+
+def export(run_dir: str | os.PathLike, out: str | os.PathLike, *, checkpoint: str | None = None,
+           force: bool = False) -> "Exported":
+    """Copy what ``predict`` needs of a run into a model folder, to use on another machine (``bigmem export``).
+
+    Args:
+        run_dir: a finished ``train`` run (``model.keras``), or one with ``checkpoint``.
+        out: the model folder to write (atomically).
+        checkpoint: also copy this checkpoint: ``"best"``, ``"latest"`` or ``"ckpt-N"`` (default: model.keras only).
+        force: replace an existing ``out``.
+
+    Returns:
+        The ``Exported`` record (``bigmem.infer.export``): the folder, the files in it and their bytes.
+
+    Raises:
+        DataError: not a run directory, no model.keras (and no ``checkpoint``), no such checkpoint, or ``out``
+            exists without ``force`` (or is inside the run).
+
+    Example:
+        >>> export("runs/spheres", "spheres-model").files
+        ['config.json', 'model.keras', 'plan.json', 'preprocessing.json']
+    """
+    from bigmem.infer.export import export_run
+
+    return export_run(run_dir, out, checkpoint=checkpoint, force=force)
+
+
+def info(*, tensorflow: bool = True, verbose: bool = False) -> dict:
+    """The machine as bigmem sees it (``bigmem info``): CPU and ISA, memory, NUMA nodes, TensorFlow and oneDNN,
+    the kernel tables in force, and where each network's fixed memory term comes from.
+
+    Args:
+        tensorflow: import TensorFlow and describe it (its version, oneDNN, GPUs); False is faster.
+        verbose: TensorFlow's start-up logs.
+
+    Returns:
+        ``bigmem.sysinfo.collect_sysinfo``'s dict (``bigmem info --json``'s), with ``memory_terms``: per network
+        with a shipped table, ``memory.calibration.fixed_term_status`` (measured here, this CPU's table, or
+        borrowed from another CPU until its first run measures it).
+
+    Example:
+        >>> info(tensorflow=False)["cpu"]["logical_cpus"]
+        2
+    """
+    from bigmem.sysinfo import collect_sysinfo
+    from bigmem.tfenv import import_tensorflow
+
+    if tensorflow:
+        import_tensorflow(verbose=verbose)
+    machine = collect_sysinfo(include_tensorflow=tensorflow)
+    from bigmem.memory.calibration import fixed_term_status, shipped_presets
+
+    machine["memory_terms"] = {preset: fixed_term_status(preset) for preset in shipped_presets()}
+    return machine
+
+
+@dataclass(frozen=True)
+class SynthResult:
+    """``synth``'s answer: the store written, its phantoms (how many, their edge and classes) and its bytes."""
+
+    path: Path
+    cases: int
+    volume: int
+    classes: int
+    nbytes: int
+
+
+def synth(out: str | os.PathLike, *, cases: int = 8, volume: int = 64, classes: int = 3, seed: int = 0,
+          force: bool = False, progress: Callable[[int, int], None] | None = None) -> SynthResult:
+    """Write synthetic 3D phantoms to an HDF5 store (``bigmem synth``): noisy volumes with a bias field and lumpy
+    ellipsoids of ``classes - 1`` foreground classes, a store ``train`` reads as ``data.store``.
+
+    Args:
+        out: the store to write (atomically).
+        cases: how many phantoms.
+        volume: the edge of each cubic volume, in voxels.
+        classes: classes, background included (2..255).
+        seed: the phantoms' random seed.
+        force: overwrite an existing ``out``.
+        progress: called with (0, cases) once the arguments are checked, then (cases done, cases) after each
+            phantom (default: silent).
+
+    Returns:
+        A ``SynthResult``.
+
+    Raises:
+        UsageError: ``cases`` below 1, ``volume`` below 4, or ``classes`` outside 2..255.
+        DataError: ``out`` exists and not ``force``.
+
+    Example:
+        >>> synth("phantoms.h5", cases=2, volume=16).nbytes > 0
+        True
+    """
+    from bigmem.data.synth import write_synthetic_store
+
+    if cases < 1:
+        raise UsageError(f"Invalid {{synth.cases}} {cases}: expected a positive integer.")
+    if volume < 4:
+        raise UsageError(f"Invalid {{synth.volume}} {volume}: expected an integer >= 4.")
+    if not 2 <= classes <= 255:
+        raise UsageError(f"Invalid {{synth.classes}} {classes}: expected 2..255 (background + foreground classes).")
+    out = Path(out)
+    if out.exists() and not force:
+        raise DataError(f"{str(out)!r} exists: pass {{synth.force}} to overwrite it.")
+    if progress is not None:
+        progress(0, cases)
+    write_synthetic_store(out, num_cases=cases, volume=volume, num_classes=classes, seed=seed, progress=progress)
+    return SynthResult(out, cases, volume, classes, out.stat().st_size)
+
+
+@dataclass(frozen=True)
+class ReportResult:
+    """``report``'s answer: the folder written, each run's summary (report.json's ``runs``: state, steps, peak RSS,
+    input stall share, ``notes`` on what was left out while reading) and the plots' file names by name."""
+
+    folder: Path
+    runs: tuple[dict, ...]
+    plots: dict[str, str]
+
+
+def report(run_dirs: str | os.PathLike | Sequence[str | os.PathLike],
+           out: str | os.PathLike | None = None) -> ReportResult:
+    """Plot and summarise a run, finished or still running, or two side by side (``bigmem report``).
+
+    Args:
+        run_dirs: one run directory, or two to draw on the same axes and summarise in adjacent columns.
+        out: the folder for the PNG plots, report.md and report.json (default: the first run's report/).
+
+    Returns:
+        A ``ReportResult``.
+
+    Raises:
+        DataError: no such directory, one with neither metrics.jsonl nor monitor.csv, or not one or two of them.
+
+    Example:
+        >>> report("runs/spheres").runs[0]["steps"]
+        6
+    """
+    from bigmem.monitor.report import make_report
+
+    run_dirs = [run_dirs] if isinstance(run_dirs, (str, os.PathLike)) else list(run_dirs)
+    folder, written = make_report(run_dirs, out)
+    return ReportResult(folder, tuple(written["runs"]), dict(written["plots"]))
+
+
+__all__ = ["CalibrationResult", "MachineTuning", "PlanResult", "ReportResult", "SweepResult", "SynthResult",
+           "TuneResult", "auto_preset", "calibrate", "compare", "configure", "convert", "evaluate", "export", "info",
+           "machine_tuning", "plan", "planned_preset", "predict", "preset_for", "profile", "report", "resolve_config",
+           "sweep", "synth", "train", "train_per_node", "tune"]

@@ -352,6 +352,22 @@ def tune(config: ExperimentConfig, shape: Sequence[int], *, budget_s: float = DE
     return tuning
 
 
+def default_precisions() -> list[str]:
+    """The precisions ``bigmem tune`` times when none is named: fp32, and bf16 too where the CPU has it natively
+    (``cpu.native_bf16``; elsewhere bf16 is emulated and never chosen).
+
+    Returns:
+        ``["fp32"]`` or ``["fp32", "bf16"]``.
+
+    Example:
+        >>> default_precisions()  # on a CPU with AMX or AVX512_BF16
+        ['fp32', 'bf16']
+    """
+    from bigmem.sysinfo import native_bf16
+
+    return ["fp32"] + (["bf16"] if native_bf16() else [])
+
+
 def run_with_progress(config: ExperimentConfig, shape: Sequence[int], console, *,
                       budget_s: float = DEFAULT_BUDGET_S, measure_memory: bool = True) -> Tuning:
     """``tune`` with a progress bar on ``console`` (rich)."""

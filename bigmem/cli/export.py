@@ -35,10 +35,10 @@ def register(subparsers, parents) -> None:
 def run(args) -> int:
     from rich.console import Console
 
-    from bigmem.infer.export import export_run
+    from bigmem import api
     from bigmem.units import format_bytes
 
-    result = export_run(args.run_dir, args.out, checkpoint=args.checkpoint, force=args.force)
+    result = api.export(args.run_dir, args.out, checkpoint=args.checkpoint, force=args.force)
     files = ", ".join(result.files)
     Console(soft_wrap=True).print(f"Exported {args.run_dir} to {result.path} ({format_bytes(result.nbytes)}: {files}).",
                                   highlight=False)

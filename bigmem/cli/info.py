@@ -19,15 +19,11 @@ def run(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from bigmem import api
     from bigmem.cpu import ISA_CLASS_VARIABLE
-    from bigmem.sysinfo import collect_sysinfo
-    from bigmem.tfenv import import_tensorflow
     from bigmem.units import format_bytes
 
-    if not args.no_tensorflow:
-        import_tensorflow(verbose=getattr(args, "verbose", False))
-    info = collect_sysinfo(include_tensorflow=not args.no_tensorflow)
-    info["memory_terms"] = memory_terms()
+    info = api.info(tensorflow=not args.no_tensorflow, verbose=getattr(args, "verbose", False))
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
@@ -65,14 +61,6 @@ def run(args) -> int:
                       format_bytes(node["free_bytes"]), " ".join(map(str, node["distances"])))
     console.print(nodes)
     return 0
-
-
-def memory_terms() -> dict[str, str]:
-    """Per network with a shipped table: where the plan's fixed term comes from here (measured, this CPU's
-    table, or borrowed from another CPU with a margin until its first run measures it)."""
-    from bigmem.memory.calibration import fixed_term_status, shipped_presets
-
-    return {preset: fixed_term_status(preset) for preset in shipped_presets()}
 
 
 def _cpu_ranges(cpus: list[int]) -> str:

@@ -42,20 +42,20 @@ def run(args) -> int:
 
     from rich.console import Console
 
-    from bigmem.monitor.report import make_report
+    from bigmem import api
     from bigmem.units import format_bytes, format_count
 
-    folder, report = make_report(args.run_dirs, args.out)
+    report = api.report(args.run_dirs, args.out)
     status = Console(soft_wrap=True, stderr=True)
-    for summary in report["runs"]:
+    for summary in report.runs:
         for note in summary["notes"]:
             status.print(f"note: {note}", style="yellow", markup=False, highlight=False)
     console = Console(soft_wrap=True)
-    for summary in report["runs"]:
+    for summary in report.runs:
         stall = summary["input_stall_share"]
         peak = summary["peak_rss_bytes"]
         console.print(f"{summary['run_dir']}: {summary['state']}, {format_count(summary['steps'], 'step')}, peak RSS "
                       f"{format_bytes(peak) if peak is not None else '-'}, input stalls "
                       f"{'-' if stall is None else f'{100 * stall:.1f}%'}")
-    console.print(f"wrote {folder}/report.md, report.json and {len(report['plots'])} plots")
+    console.print(f"wrote {report.folder}/report.md, report.json and {len(report.plots)} plots")
     return 0

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from bigmem.cli.common import check_allocation, check_output_file
-from bigmem.errors import DataError, UsageError
+from bigmem.errors import UsageError
 
 HELP = "write synthetic 3D phantoms to an HDF5 store"
 # data/synth.make_phantom's peak RSS growth per voxel (its grids, radii, ripple and float64 noise),
@@ -30,9 +30,10 @@ def run(args) -> int:
     from rich.console import Console
     from rich.progress import Progress
 
-    from bigmem.data.synth import write_synthetic_store
+    from bigmem import api
     from bigmem.units import format_bytes, format_count
 
+    # api.synth checks these too; here they come first, before the memory and output checks
     if args.cases < 1:
         raise UsageError(f"Invalid --cases {args.cases}: expected a positive integer.")
     if args.volume < 4:
@@ -41,14 +42,23 @@ def run(args) -> int:
         raise UsageError(f"Invalid --classes {args.classes}: expected 2..255 (background + foreground classes).")
     voxels = args.volume**3
     check_allocation(voxels * PHANTOM_BYTES_PER_VOXEL, f"one {args.volume}^3 phantom", "a smaller --volume")
-    out = check_output_file(args.out, "OUT.h5", needed_bytes=args.cases * voxels * STORE_BYTES_PER_VOXEL)
-    if out.exists() and not args.force:
-        raise DataError(f"{str(out)!r} exists: pass --force to overwrite it.")
+    check_output_file(args.out, "OUT.h5", needed_bytes=args.cases * voxels * STORE_BYTES_PER_VOXEL)
     console = Console(soft_wrap=True)
-    with Progress(console=console, transient=True, disable=not console.is_terminal) as progress:
-        task = progress.add_task("phantoms", total=args.cases)
-        write_synthetic_store(out, num_cases=args.cases, volume=args.volume, num_classes=args.classes, seed=args.seed,
-                              progress=lambda done, total: progress.update(task, completed=done))
-    console.print(f"Wrote {format_count(args.cases, 'phantom')} of {args.volume}^3 ({args.classes} classes) to {out} "
-                  f"({format_bytes(out.stat().st_size)}).")
+    bar = Progress(console=console, transient=True, disable=not console.is_terminal)
+    tasks = []
+
+    def advance(done: int, total: int) -> None:  # the bar starts once api.synth's checks pass: (0, total)
+        if not tasks:
+            bar.start()
+            tasks.append(bar.add_task("phantoms", total=total))
+        bar.update(tasks[0], completed=done)
+
+    try:
+        result = api.synth(args.out, cases=args.cases, volume=args.volume, classes=args.classes, seed=args.seed,
+                           force=args.force, progress=advance)
+    finally:
+        if tasks:
+            bar.stop()
+    console.print(f"Wrote {format_count(result.cases, 'phantom')} of {result.volume}^3 ({result.classes} classes) to "
+                  f"{result.path} ({format_bytes(result.nbytes)}).")
     return 0

@@ -49,37 +49,55 @@ def register(subparsers, parents) -> None:
 def run(args) -> int:
     from rich.console import Console
 
-    from bigmem.nets.tuning import key_here, load_tuning, tuning_path
-    from bigmem.tune import DEFAULT_BUDGET_S
+    from bigmem import api
 
     console = Console(soft_wrap=True)
     if args.show:
-        tuning = load_tuning()
-        console.print(f"machine key: {key_here().describe()}")
-        if tuning is None:
-            console.print(f"not tuned: the shipped tables are in force (no {tuning_path()})")
+        shown = api.machine_tuning()
+        console.print(f"machine key: {shown.key}")
+        if shown.tuning is None:
+            console.print(f"not tuned: the shipped tables are in force (no {shown.path})")
         else:
-            console.print(f"{tuning.describe()}\n{tuning.summary()}\nfile: {tuning_path()}")
+            console.print(f"{shown.tuning.describe()}\n{shown.tuning.summary()}\nfile: {shown.path}")
         return 0
     check_positive("--seconds", args.seconds)
-    overrides = model_overrides(args)
-    base = resolve_with_shape(args, args.model or DEFAULT_PRESET, overrides)
-    shape = tuple(base.data.shape or (base.data.reference_volume,) * 3)
-    check_shape_argument(args, shape, base.model)
-    from bigmem.sysinfo import native_bf16
-
-    precisions = [args.precision] if args.precision else ["fp32"] + (["bf16"] if native_bf16() else [])
-    from bigmem.tune import run_with_progress
-
-    tuning = None
-    for precision in precisions:
-        config = base.updated({"train": {"precision": precision}})
-        console.print(f"tuning {config.model.name} at {'x'.join(map(str, shape))}, batch {config.train.batch_size}, "
-                      f"{precision} on {key_here().describe()} ...")
-        tuning = run_with_progress(config, shape, console, budget_s=args.seconds or DEFAULT_BUDGET_S,
-                                   measure_memory=not args.no_memory)
-        last = tuning.tuned[-1]
-        console.print(f"  {last['timed']} of {last['convolutions']} convolutions timed in {last['seconds']:.0f} s"
-                      + (" (out of time: the rest keep the shipped choice)" if last["partial"] else ""))
-    console.print(f"{tuning.summary()}\nwrote {tuning_path()}")
+    base = resolve_with_shape(args, args.model or DEFAULT_PRESET, model_overrides(args))
+    check_shape_argument(args, tuple(base.data.shape or (base.data.reference_volume,) * 3), base.model)
+    bars = _PassBars(console)
+    try:
+        result = api.tune(base, precisions=[args.precision] if args.precision else None, seconds=args.seconds,
+                          measure_memory=not args.no_memory, say=bars.say, progress=bars.progress)
+    finally:
+        bars.close()
+    console.print(f"{result.tuning.summary()}\nwrote {result.path}")
     return 0
+
+
+class _PassBars:
+    """A transient progress bar on ``console`` for each precision's pass of ``api.tune``: opened by the pass's first
+    progress, closed before the next line is said (or at the end)."""
+
+    def __init__(self, console) -> None:
+        self.console, self.bar, self.task = console, None, None
+
+    def say(self, line: str) -> None:
+        """Close the pass's bar, then print ``line``."""
+        self.close()
+        self.console.print(line)
+
+    def progress(self, what: str, done: float) -> None:
+        """Show (what, fraction done) on the pass's bar, opened first if needed."""
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+        if self.bar is None:
+            self.bar = Progress(TextColumn("tuning"), BarColumn(), TimeElapsedColumn(),
+                                TextColumn("{task.description}"), console=self.console, transient=True)
+            self.bar.start()
+            self.task = self.bar.add_task("", total=1.0)
+        self.bar.update(self.task, completed=done, description=what)
+
+    def close(self) -> None:
+        """Take the bar down (transient; where the output is not a terminal, rich ends it with a newline)."""
+        if self.bar is not None:
+            self.bar.stop()
+            self.bar = None
