@@ -378,7 +378,7 @@ class PlanResult:
 def configure(store: str | os.PathLike):
     """The network nnU-Net v2's experiment-planner rules configure for ``store``'s cases, whole.
 
-    ``memory.experiment.configure_experiment``: the target spacing, each stage's kernel and stride per axis,
+    ``data.experiment.configure_experiment``: the target spacing, each stage's kernel and stride per axis,
     the stages and features. ``plan(config, experiment=...)`` then sizes its batch, precision and recompute mode
     and writes it as a preset; ``Experiment.tables`` is that preset's tables (``resolve_config`` takes them).
 
@@ -386,7 +386,7 @@ def configure(store: str | os.PathLike):
         store: an HDF5 store (``convert``).
 
     Returns:
-        A ``memory.experiment.Experiment``.
+        A ``data.experiment.Experiment``.
 
     Raises:
         DataError: the store cannot be read, or a case has no spacing.
@@ -396,7 +396,7 @@ def configure(store: str | os.PathLike):
         >>> experiment.topology.strides[1], experiment.topology.kernel_sizes[0]
         ((1, 2, 2), (1, 3, 3))
     """
-    from bigmem.memory.experiment import configure_experiment
+    from bigmem.data.experiment import configure_experiment
 
     return configure_experiment(store)
 
@@ -409,7 +409,7 @@ def plan(config: "ExperimentConfig", *, batch_size: int | None = None, budget_by
 
     Training: the largest volume (unless ``data.shape`` fixes it), then batch (unless ``batch_size``
     fixes it), that fits; with ``data.store``, the store's own cases at their own shapes, the batch capped
-    by the dataset (``memory.experiment.dataset_batch_cap``: a step sees at most 5% of its voxels, at least 2).
+    by the dataset (``data.experiment.dataset_batch_cap``: a step sees at most 5% of its voxels, at least 2).
     ``inference``: the largest whole cube one prediction can segment, or whether ``data.shape`` fits.
 
     Args:
@@ -424,7 +424,7 @@ def plan(config: "ExperimentConfig", *, batch_size: int | None = None, budget_by
         allow_bf16: consider bf16 (default: only where the CPU has it natively).
         out: write plan.json there (a plan in which nothing fits replaces no file).
         topology: the machine's NUMA nodes (default: read from sysfs; a ``NUMATopology`` to plan for another).
-        experiment: a ``memory.experiment.Experiment`` ``config``'s network was configured from
+        experiment: a ``data.experiment.Experiment`` ``config``'s network was configured from
             (``configure_experiment``); its preset, with the batch, precision and recompute mode chosen, is
             written beside ``out`` (``EXPERIMENT_FILE``) and plan.json's ``experiment`` says so.
 
@@ -473,9 +473,9 @@ def _plan_training(config, counts_for, budget, cases, batch_size, allow_bf16, to
 
 
 def _capped_by_dataset(planned, config, counts_for, budget, cases, allow_bf16):
-    """``planned`` with its batch capped by the dataset (``memory.experiment.dataset_batch_cap``), searched again
+    """``planned`` with its batch capped by the dataset (``data.experiment.dataset_batch_cap``), searched again
     at the cap where memory alone allowed more; plan.json's ``batch_cap`` records the cap either way."""
-    from bigmem.memory.experiment import dataset_batch_cap
+    from bigmem.data.experiment import dataset_batch_cap
     from bigmem.memory.plans import plan_search, planned_shape
     from bigmem.memory.records import BatchCap
 
@@ -492,7 +492,7 @@ def _capped_by_dataset(planned, config, counts_for, budget, cases, allow_bf16):
 def _with_experiment(experiment, planned, out) -> tuple:
     """``planned`` with its ``experiment``, whose preset with ``planned``'s choice is written beside ``out``; and the
     notes."""
-    from bigmem.memory.experiment import EXPERIMENT_FILE, write_preset
+    from bigmem.data.experiment import EXPERIMENT_FILE, write_preset
     from bigmem.memory.records import PlannedExperiment
 
     chosen = planned.chosen

@@ -281,7 +281,7 @@ def planewise_from(rows: Sequence[dict]) -> dict[str, bool]:
 def _merged(config: ExperimentConfig, rows: list["TimedConv"], offsets: dict, record: dict) -> "Tuning":
     """This pass's timings, rate, fixed-memory offsets and record, merged into the machine's file as it was (its
     figures for another key are dropped: another CPU, TensorFlow or thread count)."""
-    from bigmem.memory.speed import usable_cores
+    from bigmem.speed import usable_cores
 
     flops, fastest = sum(r.flops for r in rows), sum(r.fastest_s for r in rows)
     previous = load_tuning()

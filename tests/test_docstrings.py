@@ -60,7 +60,7 @@ MODULES = [
     "nets/reduce.py", "nets/limits.py", "nets/choices.py", "nets/slabplan.py",
     "data/pipeline.py", "data/store.py", "data/nifti.py", "data/layouts.py",
     "memory/measure.py", "memory/budget.py", "numa/layouts.py", "distribute/execution.py", "distribute/pernode.py",
-    "config/tables.py", "config/topology.py", "data/fingerprint.py", "memory/experiment.py",
+    "config/tables.py", "config/topology.py", "data/fingerprint.py", "data/experiment.py",
     "compare/run.py", "compare/setup.py", "compare/runner.py", "compare/report.py", "compare/render.py",
     "compare/gpu_reference.py",
     "train/trainer.py", "train/loop.py", "train/callbacks.py", "train/job.py", "train/resume.py",

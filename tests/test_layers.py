@@ -29,8 +29,9 @@ LAYERS = (
     ("config",),
     ("nets", "data", "numa"),
     # sysinfo describes the machine: it reads numa's topology and tfenv's oneDNN reason, and
-    # memory's calibration, speed and planner read the CPU's ISA from it.
-    ("sysinfo",),
+    # memory's calibration and planner read the CPU's ISA from it. speed predicts a step's time from
+    # its FLOPs and this CPU's measured rate (config's tables, nets' tuning); the planner reads it.
+    ("sysinfo", "speed"),
     ("memory",),
     # monitor reads memory's /proc readers; infer (predict, evaluate, sliding windows, the source
     # geometry) reads memory's inference plan; the trainer runs both. tune times the network's

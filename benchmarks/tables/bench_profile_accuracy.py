@@ -8,7 +8,7 @@ The configurations are the ones a plan must never under-predict on an unseen CPU
 intelai-brats at 64^3; small at 256^3; and two anisotropic shapes (kits19 64x160x160 and small
 32x128x128), all at batch 1. Then batches of several (small 64^3 x 2 and x 4, 96^3 x 2; kits19 64^3
 and 64x96x96 x 2), and networks configured per axis as ``bigmem plan --data`` configures them
-(``config/topology.py``'s rules and ``memory/experiment.py``'s blocks, named "experiment" as plan
+(``config/topology.py``'s rules and ``data/experiment.py``'s blocks, named "experiment" as plan
 writes them): a KiTS-like one (3 x 0.8 x 0.8 mm) at 64x96x96 x 2, a prostate-like one (0.6 x 0.6 x
 3.6 mm) at 160x160x24 x 2, and the KiTS-like one at 64x128x128 with the kernel limit lowered to 2^23
 elements so that its full-resolution stages run in depth slabs; and resenc-m at 64^3 x 1 and x 2.
@@ -48,7 +48,7 @@ from bigmem.units import format_bytes
 def planned(spacing, median_shape) -> dict:
     """A preset's tables for the network ``bigmem plan --data`` configures for this spacing and median case."""
     from bigmem.config.topology import pool_and_kernels
-    from bigmem.memory.experiment import NNUNET_NETWORK, NNUNET_RECIPE
+    from bigmem.data.experiment import NNUNET_NETWORK, NNUNET_RECIPE
 
     model = {**pool_and_kernels(spacing, median_shape).to_model_table(), **NNUNET_NETWORK, "name": "experiment"}
     return {"model": model, "train": dict(NNUNET_RECIPE)}

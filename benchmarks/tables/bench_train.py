@@ -379,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
               "rows": rows, "scaling": scaling}
     path = write_results("train", report, args.out, console)
     if args.write_table:
-        from bigmem.memory.speed import usable_cores
+        from bigmem.speed import usable_cores
 
         cores, rates = usable_cores(), []
         for precision in precisions:

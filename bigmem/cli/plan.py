@@ -267,7 +267,7 @@ def _print_experiment(console, experiment: dict) -> None:
 def _print_chosen(console, args, config, plan) -> None:
     """The flags that run the chosen candidate, where its figures come from, and its breakdown."""
     from bigmem.errors import render_fields
-    from bigmem.memory.speed import MachineSpeed
+    from bigmem.speed import MachineSpeed
     from bigmem.units import format_bytes
 
     chosen = plan.chosen

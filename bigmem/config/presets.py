@@ -86,7 +86,7 @@ def resolve_config(
 
     Args:
         preset: a preset name ('small'), a path to a .toml file, or a preset's tables themselves (as
-            ``memory.experiment.Experiment.tables`` makes them; named by their ``model.name``, default "custom").
+            ``data.experiment.Experiment.tables`` makes them; named by their ``model.name``, default "custom").
         overrides: settings by section from flags (``{"train": {"steps": 10}}``); errors name
             their fields (``ConfigError``), which the command line shows as flags.
         base: a saved config.json's sections, when resuming a run (settings from older

@@ -9,7 +9,7 @@ version), the date, the command, the results files under ``benchmarks/results/``
 how well the values hold. An entry decided on paper, not measured, has no command and no results,
 and its notes say why.
 
-The modules that use a table (memory/calibration, memory/speed, nets/choices)
+The modules that use a table (memory/calibration, speed, nets/choices)
 read it once, through ``load`` and ``serving``; the benchmark that measures a table replaces its
 machine's entry with ``write_entry`` (``--write-table``). In config, not memory, because nets
 reads a table too and config is the layer below both that reads shipped data files (the presets).

@@ -127,7 +127,7 @@ class Calibration:
     margin_fraction: float = 0.0
     margin_bytes: int = 0
     knots: list = field(default_factory=list)
-    # The training step's rate measured with the fit (GFLOP/s per core, memory/speed.py's count)
+    # The training step's rate measured with the fit (GFLOP/s per core, speed.py's count)
     # at its largest volume, fitted_on[-1]; None where no step was timed (the shipped defaults).
     step_gflops_per_core: float | None = None
     # The CPU model and ISA class a shipped table was measured on ("" for a fit made here).

@@ -23,7 +23,7 @@ from bigmem.memory.estimate import Estimate, NetworkCounts, Pass, estimate, mode
 from bigmem.memory.measure import Measurement, measure
 from bigmem.memory.records import Budget
 from bigmem.memory.plans import recompute_stages as choose_stages
-from bigmem.memory.speed import measured_rate, recomputed_share
+from bigmem.speed import measured_rate, recomputed_share
 from bigmem.units import as_shape
 
 TEBIBYTE = 2**40
@@ -209,7 +209,7 @@ def calibration_point(config: ExperimentConfig, counts_for, measured_peak_bytes:
         the edge of the cube of as many voxels, how knots are keyed); the counted bytes
         are the activations' and the workspace's (what the calibration scales), the exact ones
         the rest of the estimate. With ``measurement``, also ``step_s`` and
-        ``step_gflops_per_core`` (``memory.speed.measured_rate`` on the cores the run had).
+        ``step_gflops_per_core`` (``speed.measured_rate`` on the cores the run had).
     """
     shape = tuple(config.data.shape or (config.data.reference_volume,) * 3)
     counts = counts_for(shape)

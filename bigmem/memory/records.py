@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:  # the numa and experiment types are only annotations here
-    from bigmem.memory.experiment import Experiment
+    from bigmem.data.experiment import Experiment
     from bigmem.numa.policy import Placement
     from bigmem.numa.topology import NUMATopology
 

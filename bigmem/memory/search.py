@@ -19,7 +19,7 @@ from bigmem.errors import InsufficientMemoryError
 from bigmem.memory.calibration import Calibration, calibration_for, recompute_key
 from bigmem.memory.estimate import Estimate, NetworkCounts, Pass, estimate, mode_stages, recompute_order
 from bigmem.memory.records import BatchCap, Budget, CaseRow, DataParallelRun, PlannedExperiment, ValidationPass
-from bigmem.memory.speed import (MachineSpeed, StepRate, predicted_step_s, recomputed_share, step_rate,
+from bigmem.speed import (MachineSpeed, StepRate, predicted_step_s, recomputed_share, step_rate,
                                  tuned_step_rate)
 from bigmem.units import as_shape, format_bytes, format_shape
 
@@ -94,7 +94,7 @@ class Candidate:
     fits: bool
     recompute_stages: list[str] = field(default_factory=list)
     components: dict[str, int] = field(default_factory=dict)  # the estimate's breakdown (bytes)
-    predicted_step_s: float | None = None  # memory/speed.py: FLOPs over this CPU's measured rate
+    predicted_step_s: float | None = None  # speed.py: FLOPs over this CPU's measured rate
     step_rate_source: str = ""
     partitioned_stages: list[str] = field(default_factory=list)  # stages run in depth slabs
     # The candidate's (D, H, W), which need not be a cube: then ``volume`` is its largest edge.

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from helpers import run_cli
-from memory.test_experiment import kits_like
+from data.test_experiment import kits_like
 
 
 @pytest.fixture(scope="module")

@@ -69,7 +69,7 @@ def test_training_memory_holds_the_measured_knots():
 
 def test_the_modules_read_the_tables():
     from bigmem.memory.calibration import DEFAULTS_BATCH_SIZE, SHIPPED, SHIPPED_MACHINES
-    from bigmem.memory.speed import MEASURED_RATES, RATE_SOURCES
+    from bigmem.speed import MEASURED_RATES, RATE_SOURCES
     from bigmem.nets.choices import CHOICES
 
     assert SHIPPED[("avx512_bf16", "small", "fp32", "none")][3] == (128, 1_571_291_136, 2_057_447_760)

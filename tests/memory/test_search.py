@@ -66,7 +66,7 @@ def test_fixed_volume_searches_the_batch(counts_for):
 
 def _rates(monkeypatch, fp32: float, bf16: float):
     """This CPU's step rates, per precision (GFLOP/s per core), as if measured here."""
-    from bigmem.memory.speed import StepRate
+    from bigmem.speed import StepRate
 
     rates = {"fp32": fp32, "bf16": bf16}
     monkeypatch.setattr(planner_module, "tuned_step_rate", lambda precision, width, native: None)

@@ -195,7 +195,7 @@ def test_the_pass_stops_at_its_budget(tuning_dir):
 
 
 def test_the_tuned_rate_is_the_plans_step_rate(tuning_dir):
-    from bigmem.memory.speed import STEP_SHARE_OF_CEILING, tuned_step_rate
+    from bigmem.speed import STEP_SHARE_OF_CEILING, tuned_step_rate
 
     assert tuned_step_rate("fp32", 8, True) is None
     made = _write()

@@ -2,7 +2,7 @@
 
 import pytest
 
-from bigmem.memory.speed import (
+from bigmem.speed import (
     EMULATED_BF16_SLOWDOWN,
     MEASURED_RATES,
     MachineSpeed,

@@ -126,7 +126,7 @@ class MachineSpeed:
 
     @classmethod
     def here(cls) -> "MachineSpeed":
-        from bigmem.sysinfo import cpu_description, isa_class, native_bf16
+        from bigmem.cpu import cpu_description, isa_class, native_bf16
 
         return cls(isa_class(cpu_description()["isa"]), native_bf16(), usable_cores())
 

@@ -1,4 +1,4 @@
-"""The experiment a store configures (memory/experiment.py) and the dataset's cap on the batch."""
+"""The experiment a store configures (data/experiment.py) and the dataset's cap on the batch."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 
 from bigmem.config.presets import resolve_config, tomllib
 from bigmem.data.store import StoreWriter
-from bigmem.memory.experiment import (
+from bigmem.data.experiment import (
     EXPERIMENT_FILE,
     configure_experiment,
     dataset_batch_cap,
