@@ -21,7 +21,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "bigmem"
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
 # A shell command's advice: `bigmem <command>` and its arguments, up to the end of the clause.
 COMMAND_ADVICE = re.compile(r"bigmem [a-z]+(?: [^.;:()`]*)?")
-EXCEPTIONS = ("BigmemError", "PeerLost", "WorkerFailed")
+EXCEPTIONS = ("BigmemError", "PeerLost", "WorkerFailed", "NothingToDo")
 
 
 def _text(node: ast.AST) -> str | None:

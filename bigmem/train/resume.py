@@ -296,8 +296,8 @@ def check_something_to_do(run: RunDir, checkpoint: Path, total_steps: int) -> No
         return
     where = (f"finished at step {step} of {total_steps}" if step == total_steps
              else f"is at step {step} ({checkpoint.name}), past the {total_steps} steps asked for")
-    raise NothingToDo(f"Nothing to do: {run.path} {where}; nothing was changed. To train longer, resume with "
-                      f"--steps N, N > {step}.", step, total_steps, summary if finished else None)
+    raise NothingToDo(f"Nothing to do: {run.path} {where}; nothing was changed. To train longer, resume asking "
+                      f"for more than {step} steps.", step, total_steps, summary if finished else None)
 
 
 def checkpoint_state(state: LoopState) -> dict:

@@ -64,7 +64,7 @@ def test_a_resume_with_nothing_to_do_says_so_and_changes_nothing(finished, tiny_
     code, stdout, err = run_cli(["train", "--out", finished, "--resume", *extra], capsys)
     assert (code, err) == (0, "")
     assert stdout.strip() == (f"Nothing to do: {finished} {message}; nothing was changed. To train longer, resume "
-                              "with --steps N, N > 6.")
+                              "asking for more than 6 steps.")
     assert snapshot(finished) == before
     code, stdout, err = run_cli(command(finished, tiny_store, "--steps", 6, "--resume"), capsys)  # the same command
     assert (code, err) == (0, "")
