@@ -186,7 +186,7 @@ def _whole_config(path: str | os.PathLike, *, given: bool) -> "ExperimentConfig"
 
 
 def train(config: "ExperimentConfig", run_dir: str | os.PathLike, *, resume: bool = False, force: bool = False,
-          verbose: bool = False):
+          verbose: bool = False, console=None):
     """Train ``config`` into ``run_dir`` (``bigmem train``), or continue it from its newest checkpoint.
 
     The memory plan runs first and refuses a job that cannot fit (exit 3) unless ``force``. The
@@ -199,6 +199,9 @@ def train(config: "ExperimentConfig", run_dir: str | os.PathLike, *, resume: boo
         resume: continue from the newest complete checkpoint in ``run_dir``.
         force: train past the memory budget.
         verbose: TensorFlow's logs.
+        console: a ``rich`` console for the run's lines (the memory plan, notes, each step's progress, the
+            result), as ``bigmem train`` prints them (default: silent; the run directory's metrics.jsonl and
+            summary.json hold the figures either way).
 
     Returns:
         A ``TrainResult`` (``bigmem.train.trainer``): steps, final loss and Dice, the run directory.
@@ -208,9 +211,12 @@ def train(config: "ExperimentConfig", run_dir: str | os.PathLike, *, resume: boo
         >>> result.steps
         2
     """
+    from rich.console import Console
+
     from bigmem.train.trainer import train as run
 
-    return run(config, run_dir, resume=resume, force=force, verbose=verbose)
+    return run(config, run_dir, resume=resume, force=force, verbose=verbose,
+               console=console if console is not None else Console(quiet=True))
 
 
 def train_per_node(config: "ExperimentConfig", run_dir: str | os.PathLike, *, workers_per_node: int = 1,

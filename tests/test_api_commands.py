@@ -157,6 +157,23 @@ def trained(tmp_path_factory, tiny_store):
     return run
 
 
+def test_train_prints_nothing_unless_given_a_console(tiny_store, tmp_path, capsys):
+    config = api.resolve_config("tiny", {"data": {"store": str(tiny_store)}, "train": {"steps": 1, "val_every": 0}})
+    api.train(config, tmp_path / "run")
+    assert capsys.readouterr().out == ""
+
+
+def test_train_says_its_lines_on_the_console_it_is_given(tiny_store, tmp_path):
+    import io
+
+    from rich.console import Console
+
+    config = api.resolve_config("tiny", {"data": {"store": str(tiny_store)}, "train": {"steps": 1, "val_every": 0}})
+    console = Console(file=io.StringIO(), soft_wrap=True)
+    api.train(config, tmp_path / "run", console=console)
+    assert "Done: step 1, loss" in console.file.getvalue()
+
+
 def test_export_returns_the_folder(trained, tmp_path):
     assert api.export(trained, tmp_path / "model").path == tmp_path / "model"
 

@@ -262,9 +262,12 @@ def run(args) -> int:
     placement = place(config.numa.policy, config.numa.cpus, config.numa.threads)  # before TF or numpy start threads
     if placement.note:
         print(f"bigmem train: note: {placement.note}", file=sys.stderr)
+    from rich.console import Console
+
     from bigmem import api
 
-    result = api.train(config, out, resume=args.resume, verbose=getattr(args, "verbose", False), force=args.force)
+    result = api.train(config, out, resume=args.resume, verbose=getattr(args, "verbose", False), force=args.force,
+                       console=Console(soft_wrap=True))
     if result.interrupted_by is not None:
         return 128 + result.interrupted_by
     return 0
