@@ -980,12 +980,7 @@ def synth(out: str | os.PathLike, *, cases: int = 8, volume: int = 64, classes: 
     """
     from bigmem.data.synth import write_synthetic_store
 
-    if cases < 1:
-        raise UsageError(f"Invalid {{synth.cases}} {cases}: expected a positive integer.")
-    if volume < 4:
-        raise UsageError(f"Invalid {{synth.volume}} {volume}: expected an integer >= 4.")
-    if not 2 <= classes <= 255:
-        raise UsageError(f"Invalid {{synth.classes}} {classes}: expected 2..255 (background + foreground classes).")
+    check_synth(cases, volume, classes)
     out = Path(out)
     if out.exists() and not force:
         raise DataError(f"{str(out)!r} exists: pass {{synth.force}} to overwrite it.")
@@ -993,6 +988,26 @@ def synth(out: str | os.PathLike, *, cases: int = 8, volume: int = 64, classes: 
         progress(0, cases)
     write_synthetic_store(out, num_cases=cases, volume=volume, num_classes=classes, seed=seed, progress=progress)
     return SynthResult(out, cases, volume, classes, out.stat().st_size)
+
+
+def check_synth(cases: int, volume: int, classes: int) -> None:
+    """Refuse what ``synth`` cannot write, before anything else is done: for a caller that checks more (memory,
+    disk) before ``synth`` runs, as ``bigmem synth`` does.
+
+    Raises:
+        UsageError: ``cases`` below 1, ``volume`` below 4, or ``classes`` outside 2..255.
+
+    Example:
+        >>> check_synth(0, 64, 3)
+        Traceback (most recent call last):
+        bigmem.errors.UsageError: Invalid synth.cases 0: expected a positive integer.
+    """
+    if cases < 1:
+        raise UsageError(f"Invalid {{synth.cases}} {cases}: expected a positive integer.")
+    if volume < 4:
+        raise UsageError(f"Invalid {{synth.volume}} {volume}: expected an integer >= 4.")
+    if not 2 <= classes <= 255:
+        raise UsageError(f"Invalid {{synth.classes}} {classes}: expected 2..255 (background + foreground classes).")
 
 
 @dataclass(frozen=True)
@@ -1031,6 +1046,6 @@ def report(run_dirs: str | os.PathLike | Sequence[str | os.PathLike],
 
 
 __all__ = ["CalibrationResult", "MachineTuning", "PlanResult", "ReportResult", "SweepResult", "SynthResult",
-           "TuneResult", "auto_preset", "calibrate", "compare", "configure", "convert", "evaluate", "export", "info",
-           "machine_tuning", "plan", "planned_preset", "predict", "preset_for", "profile", "report", "resolve_config",
-           "sweep", "synth", "train", "train_per_node", "tune"]
+           "TuneResult", "auto_preset", "calibrate", "check_synth", "compare", "configure", "convert", "evaluate",
+           "export", "info", "machine_tuning", "plan", "planned_preset", "predict", "preset_for", "profile", "report",
+           "resolve_config", "sweep", "synth", "train", "train_per_node", "tune"]

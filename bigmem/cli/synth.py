@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from bigmem.cli.common import check_allocation, check_output_file
-from bigmem.errors import UsageError
 
 HELP = "write synthetic 3D phantoms to an HDF5 store"
 # data/synth.make_phantom's peak RSS growth per voxel (its grids, radii, ripple and float64 noise),
@@ -33,13 +32,7 @@ def run(args) -> int:
     from bigmem import api
     from bigmem.units import format_bytes, format_count
 
-    # api.synth checks these too; here they come first, before the memory and output checks
-    if args.cases < 1:
-        raise UsageError(f"Invalid --cases {args.cases}: expected a positive integer.")
-    if args.volume < 4:
-        raise UsageError(f"Invalid --volume {args.volume}: expected an integer >= 4.")
-    if not 2 <= args.classes <= 255:
-        raise UsageError(f"Invalid --classes {args.classes}: expected 2..255 (background + foreground classes).")
+    api.check_synth(args.cases, args.volume, args.classes)  # first, before the memory and output checks
     voxels = args.volume**3
     check_allocation(voxels * PHANTOM_BYTES_PER_VOXEL, f"one {args.volume}^3 phantom", "a smaller --volume")
     check_output_file(args.out, "OUT.h5", needed_bytes=args.cases * voxels * STORE_BYTES_PER_VOXEL)
