@@ -368,13 +368,19 @@ def default_precisions() -> list[str]:
     return ["fp32"] + (["bf16"] if native_bf16() else [])
 
 
+def tuning_bar(console):
+    """The transient progress bar a tuning pass shows on ``console`` (rich): "tuning", the bar, the time, what it
+    times; each pass adds its task (total 1.0) and updates it from ``tune``'s progress."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(TextColumn("tuning"), BarColumn(), TimeElapsedColumn(), TextColumn("{task.description}"),
+                    console=console, transient=True)
+
+
 def run_with_progress(config: ExperimentConfig, shape: Sequence[int], console, *,
                       budget_s: float = DEFAULT_BUDGET_S, measure_memory: bool = True) -> Tuning:
     """``tune`` with a progress bar on ``console`` (rich)."""
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-    with Progress(TextColumn("tuning"), BarColumn(), TimeElapsedColumn(), TextColumn("{task.description}"),
-                  console=console, transient=True) as bar:
+    with tuning_bar(console) as bar:
         task = bar.add_task("", total=1.0)
         return tune(config, shape, budget_s=budget_s, measure_memory=measure_memory,
                     progress=lambda what, done: bar.update(task, completed=done, description=what))

@@ -87,11 +87,10 @@ class _PassBars:
 
     def progress(self, what: str, done: float) -> None:
         """Show (what, fraction done) on the pass's bar, opened first if needed."""
-        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+        from bigmem.tune import tuning_bar
 
         if self.bar is None:
-            self.bar = Progress(TextColumn("tuning"), BarColumn(), TimeElapsedColumn(),
-                                TextColumn("{task.description}"), console=self.console, transient=True)
+            self.bar = tuning_bar(self.console)
             self.bar.start()
             self.task = self.bar.add_task("", total=1.0)
         self.bar.update(self.task, completed=done, description=what)
