@@ -411,7 +411,7 @@ def fixed_memory(config: ExperimentConfig) -> dict[str, int]:
     mode = recompute_key(stages)
     table = shipped_calibration(config.model.name, config.train.precision.value, mode, isa=machine_isa_class())
     table = dc.replace(table, margin_fraction=0.0, margin_bytes=0)
-    predicted = estimate(config, counts, shape, recompute_stages=stages, calibration=table).predicted_peak_bytes
+    predicted = estimate(config, counts, shape, recompute_stages=stages, calibration=table).first_steps_bytes
     measured = measure(config, shape, recompute_stages=stages, force=True).peak_bytes
     return {fixed_memory_key(config): int(measured - predicted)}
 

@@ -215,6 +215,11 @@ class _Printer:
             where = f"{nodes}; {m.seconds:.2f} s/step"
         self.console.print(f"measured peak (VmHWM): {format_bytes(m.peak_bytes)}; predicted {format_bytes(total)}; "
                            f"error {result.error_pct:+.1f}%  ({where})")
+        growth = est.components.get("allocator_growth", 0)
+        if growth:
+            self.console.print(f"note: the prediction holds {format_bytes(growth)} (allocator_growth) for what a long "
+                               "run adds to its first steps' peak; a few steps seldom reach it "
+                               "(--steps 20 comes closer)", style="dim")
 
     def sweep(self, results, law) -> None:
         from rich.table import Table

@@ -22,9 +22,10 @@ from bigmem.units import as_shape
 # (no GPU here); ~0.5-1 GiB is what a CUDA 12 context with cuDNN takes on recent GPUs.
 GPU_RUNTIME_BYTES = 1 << 30
 # What a GPU replica does not hold: the host's framework, input pipeline, chunk cache and augmenting readers,
-# the margin bigmem adds on a CPU its calibration was not measured on, and the plane copies of this CPU's
-# planewise weight gradients (CPU figures, not a GPU's).
-HOST_ONLY = ("framework", "input_pipeline", "hdf5_chunk_cache", "augmentation", "safety_margin", "planewise_copies")
+# the margin bigmem adds on a CPU its calibration was not measured on, the plane copies of this CPU's
+# planewise weight gradients and the growth of TensorFlow's CPU allocator over a run (CPU figures, not a GPU's).
+HOST_ONLY = ("framework", "input_pipeline", "hdf5_chunk_cache", "augmentation", "safety_margin", "planewise_copies",
+             "allocator_growth")
 # The CPU curve a GPU replica's activations follow: the reference class's shipped table, never the planning
 # host's (its class, its tuned fixed term, its own fits). A GPU's footprint is the same whichever CPU
 # plans it, so the GPU machine (which cannot run the planner) can read a plan made on any CPU.

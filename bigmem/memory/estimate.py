@@ -53,6 +53,23 @@ WORKSPACE_FLOAT32_TENSORS = 1
 # The input pipeline holds `prefetch` finished batches, the batch the step consumes and the one
 # being assembled.
 PIPELINE_EXTRA_BATCHES = 2
+# What a training run's peak grows to past the few steps its tables measured, as a share of the
+# activations and workspace (``allocator_growth``). With oneDNN on, TensorFlow's CPU allocator is
+# MklCPUAllocator (tensorflow/core/common_runtime/mkl_cpu_allocator.h): every tensor of 4 KiB or
+# more comes from a BFCAllocator that grows and never hands a page back, so the resident set is
+# every page the pool has touched, and a step that places a tensor where none was before raises it
+# for the rest of the run. The pool holds the step's feature maps and temporaries, so the growth
+# follows them, not the framework or the weights: on an AMX Xeon (family 6 model 207, TF 2.21),
+# the 24 configurations of every preset, both modes and three sizes peaked after 20 steps between
+# -0.4% and +17% above their 3-step peaks, and 15% of activations and workspace puts 20 of them
+# within -2%/+5% of the 20-step peak (the rest: -9.3%, -2.3%, +5.1%, +5.9%). A share of the whole
+# prediction does no better here (before the 2% margin, 21 at best, at 4.8%, as this term's 21) but adds a third as
+# much at the sizes users run, where the feature maps are nearly all of it and the growth at the
+# largest sizes measured needed 5-27% of them (benchmarks/results/memory_model.md, "A run's peak
+# grows past its first steps").
+# TF_ONEDNN_USE_SYSTEM_ALLOCATOR=1 (glibc's malloc instead) is no way out: intelai-brats 64^3
+# peaked at 1,568 MiB after 20 steps against BFC's 1,222-1,257, and kits19's step ran 5% slower.
+ALLOCATOR_GROWTH_FRACTION = 0.15
 
 
 class Pass(enum.Enum):
@@ -90,6 +107,14 @@ class Estimate:
     @property
     def predicted_peak_bytes(self) -> int:
         return sum(self.components.values())
+
+    @property
+    def first_steps_bytes(self) -> int:
+        """The peak of the first few steps, which the memory tables hold: the prediction less ``allocator_growth``.
+
+        What a fit or a measured fixed term compares a few steps' measured peak with.
+        """
+        return self.predicted_peak_bytes - self.components.get("allocator_growth", 0)
 
     def to_dict(self) -> dict:
         """The fields as JSON; a forward pass's add ``kind`` ("inference"), ``host_phases``, ``forward_flops``
@@ -307,8 +332,9 @@ def estimate(config: ExperimentConfig, counts: NetworkCounts, spatial_shape: Seq
     ``Pass.TRAIN``: a training step at ``train.batch_size``. Components: each block's feature maps
     kept for backward (``activations``), a backward ``workspace``, ``weights``, ``gradients``,
     ``optimizer_slots``, the ``input_pipeline``'s batches, the ``hdf5_chunk_cache``, the
-    ``augmentation``'s working memory in each reader (``data.transforms.Compose.working_bytes``)
-    and the ``framework``.
+    ``augmentation``'s working memory in each reader (``data.transforms.Compose.working_bytes``),
+    the ``framework``, and the ``allocator_growth`` a long run adds to the few steps the tables
+    measured (``ALLOCATOR_GROWTH_FRACTION`` of the activations and workspace).
 
     ``Pass.FORWARD``: segmenting one whole volume (batch 1). Components: ``framework``, ``weights``
     (float32; Keras 3 keeps no bfloat16 copy), ``input_tensor`` (TensorFlow's copy of the network's
@@ -401,6 +427,8 @@ def _train(config: ExperimentConfig, counts: NetworkCounts, spatial_shape: Seque
                                                                                       calibration.table_isa)
     if copies:
         components["planewise_copies"] = copies
+    components["allocator_growth"] = int(round(ALLOCATOR_GROWTH_FRACTION * (components["activations"]
+                                                                        + components["workspace"])))
     notes, runnable = _train_notes(components, calibration, config, sliced, counts.largest_tensor // spatial_shape[0])
     # Training FLOPs: 2 per multiply-add, backward twice the forward; recomputed stages run their
     # forward once more (not counted: the figure is the model's arithmetic, not bigmem's overhead).

@@ -217,7 +217,7 @@ def calibration_point(config: ExperimentConfig, counts_for, measured_peak_bytes:
     raw = estimate(config, counts, shape, recompute_stages=stages, calibration=UNIT_CALIBRATION)
     counted = raw.components["activations"] + raw.components["workspace"]  # what the calibration scales
     point = {"volume": _cube_edge(shape), "counted_activation_bytes": counted,
-             "exact_bytes": raw.predicted_peak_bytes - counted,
+             "exact_bytes": raw.first_steps_bytes - counted,
              "measured_peak_bytes": int(measured_peak_bytes)}
     if len(set(shape)) != 1:
         point["shape"] = list(shape)

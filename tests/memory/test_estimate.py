@@ -9,7 +9,8 @@ import pytest
 from bigmem.config import resolve_config
 from bigmem.memory.calibration import Calibration
 from bigmem.memory.estimate import (
-    FLOAT32_BYTES, HDF5_CHUNK_CACHE_BYTES, NetworkCounts, activation_elements, estimate, recompute_order,
+    ALLOCATOR_GROWTH_FRACTION, FLOAT32_BYTES, HDF5_CHUNK_CACHE_BYTES, NetworkCounts, Pass, activation_elements,
+    estimate, recompute_order,
 )
 from bigmem.nets.unet3d import UNet3D
 
@@ -43,6 +44,22 @@ def test_exact_components(model):
     assert c["workspace"] == 8 * 4096 * 2 * (3 * FLOAT32_BYTES + FLOAT32_BYTES)
     assert c["activations"] == model.feature_map_elements((16,) * 3) * 2 * FLOAT32_BYTES
     assert result.predicted_peak_bytes == sum(c.values())
+
+
+def test_allocator_growth_is_its_fraction_of_the_activations_and_workspace(model):
+    c = estimate(_config(batch_size=1), NetworkCounts.from_model(model, (16,) * 3), (16,) * 3,
+                 calibration=UNIT).components
+    assert c["allocator_growth"] == round(ALLOCATOR_GROWTH_FRACTION * (c["activations"] + c["workspace"]))
+
+
+def test_first_steps_leave_the_allocator_growth_out(model):
+    result = estimate(_config(batch_size=1), NetworkCounts.from_model(model, (16,) * 3), (16,) * 3, calibration=UNIT)
+    assert result.first_steps_bytes == result.predicted_peak_bytes - result.components["allocator_growth"]
+
+
+def test_a_forward_pass_has_no_allocator_growth(model):
+    counts = NetworkCounts.from_model(model, (16,) * 3)
+    assert "allocator_growth" not in estimate(_config(), counts, (16,) * 3, pass_=Pass.FORWARD).components
 
 
 def test_activations_scale_with_voxels_batch_and_calibration(model):

@@ -36,3 +36,14 @@ def test_auto_recompute_that_recomputes_at_every_size_is_a_stages_calibration(mo
     calibration, points = profile.calibrate(config, [16, 32, 48], profile.counts_function(config), save=False)
     assert calibration.key["recompute"] == "stages"  # the key an estimate with recomputed stages looks up
     assert [p["measured_peak_bytes"] for p in points] == [peaks[16], peaks[32], peaks[48]]
+
+
+def test_a_calibration_point_leaves_the_allocator_growth_to_the_estimate():
+    # The tables hold a few steps' peaks: a fit that counted the growth as known would take it back out.
+    from bigmem.memory.estimate import estimate
+
+    config = resolve_config("tiny", {"data": {"shape": [16, 16, 16]}})
+    counts_for = profile.counts_function(config)
+    point = profile.calibration_point(config, counts_for, 10**9)
+    raw = estimate(config, counts_for((16, 16, 16)), (16, 16, 16), calibration=profile.UNIT_CALIBRATION)
+    assert point["exact_bytes"] + point["counted_activation_bytes"] == raw.first_steps_bytes
