@@ -13,10 +13,10 @@ step runs (recorded by tracing the model, ``nets.conv.observe_convolutions``):
 From the weight-gradient timings it decides, per (precision, stride, input channels) timed,
 whether the planewise gradient won (``planewise_from``; counts not timed keep the shipped
 range), and from all of them the whole-network ceiling: the sum over the convolutions of the fastest
-time TF has for each. It also measures the framework's fixed memory in a training step at the
-smallest shape of the network (``memory.measure``), so that the footprint estimate does not
-borrow that term from another CPU. Everything goes into this machine's tuning file
-(nets/tuning.py), which the layers and the planner read before the shipped tables.
+time TF has for each. It also measures the framework's fixed memory in training steps at the
+smallest shape of the network (``memory.measure``, the lowest of ``FIXED_MEMORY_DRAWS`` children), so
+that the footprint estimate does not borrow that term from another CPU. Everything goes into this
+machine's tuning file (nets/tuning.py), which the layers and the planner read before the shipped tables.
 
 Bounded: convolutions are timed from the most expensive down until ``budget_s`` is spent (1
 untimed call, then the fastest of ``repeats``); those left keep the shipped choice, and the file
@@ -303,9 +303,9 @@ def tune(config: ExperimentConfig, shape: Sequence[int], *, budget_s: float = DE
     Args:
         config: the run (model, batch size, precision, recompute mode).
         shape: ``(D, H, W)`` of one training volume.
-        budget_s: the most seconds the pass may take. The memory step (a training step in a child
-            process at the smallest shape, about 15-30 s) runs first; the timings get the rest, at
-            least ``MIN_TIMING_S``.
+        budget_s: the most seconds the pass may take. The memory step (``FIXED_MEMORY_DRAWS`` child
+            processes of a few training steps at the smallest shape, 5-20 s each) runs first; the
+            timings get the rest, at least ``MIN_TIMING_S``.
         measure_memory: also measure the framework's fixed memory at the network's smallest shape.
         progress: called with (what, fraction done) as the pass goes.
 
@@ -323,7 +323,7 @@ def tune(config: ExperimentConfig, shape: Sequence[int], *, budget_s: float = DE
     started = time.perf_counter()
     offsets = {}
     if measure_memory:
-        say("the framework's fixed memory (a training step at the smallest shape)", 0.0)
+        say(f"the framework's fixed memory ({FIXED_MEMORY_DRAWS} runs at the smallest shape)", 0.0)
         offsets = fixed_memory(config)
     tf = import_tensorflow()
     timing_started = time.perf_counter()

@@ -278,7 +278,7 @@ def tuning_due(config: ExperimentConfig, execution: Execution) -> str | None:
 
 def auto_tune(config: ExperimentConfig, execution: Execution, loader: VolumeLoader | None, console: Console) -> None:
     """Whatever ``tuning_due`` says is due: the tuning pass (``bigmem tune``) at the step's shape, or the
-    framework's fixed memory (one step at the network's smallest shape, ``tune.measure_fixed_memory``).
+    framework's fixed memory (runs at the network's smallest shape, ``tune.measure_fixed_memory``).
 
     The pass writes its file once, when it ends (``nets.tuning.save_tuning``, atomic): a pass stopped by
     Ctrl-C or a kill leaves nothing, and the next run tunes again.
